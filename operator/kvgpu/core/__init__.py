@@ -1,0 +1,1 @@
+"""The shared contract between kvgpu's components: pure data, no I/O."""

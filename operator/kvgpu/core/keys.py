@@ -1,0 +1,85 @@
+"""Names shared by every component: API group, annotation keys, env vars, host paths.
+
+The allocation annotations are per container. A container name may be 63 characters and an
+annotation name part may be 63 too, so :func:`container_key` hashes names that do not fit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+GROUP = "kvgpu.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+SCHEDULER_NAME = "kvgpu-scheduler"
+FIELD_MANAGER = "kvgpu-operator"
+OPERATOR_USERNAME_ENV = "KVGPU_OPERATOR_USERNAME"
+
+# Node annotations.
+NODE_INVENTORY = f"{GROUP}/inventory"  # written by the agent (JSON, see core.inventory)
+NODE_ALLOCATION = f"{GROUP}/allocation"  # written by the operator (JSON summary)
+NODE_LABEL_GPU = f"{GROUP}/gpu-node"  # "true" on nodes that run the agent
+
+# Pod annotations written by the operator at bind time (users may not set or change them).
+POD_NODE = f"{GROUP}/bound-node"
+POD_CLAIMS = f"{GROUP}/claims"  # comma list of VGPUClaim names of the pod
+CLAIM_PREFIX = f"{GROUP}/claim."  # + container key: the KVGPU_CLAIM string
+DEVICES_PREFIX = f"{GROUP}/devices."  # + container key: comma list of card UUIDs
+ALLOCATION_ANNOTATION_PREFIXES = (CLAIM_PREFIX, DEVICES_PREFIX)
+ALLOCATION_ANNOTATIONS = (POD_NODE, POD_CLAIMS)
+
+# Env vars the shim reads (and that users may not set themselves).
+ENV_CLAIM = "KVGPU_CLAIM"
+ENV_CLAIM_FILE = "KVGPU_CLAIM_FILE"
+ENV_REGION_DIR = "KVGPU_REGION_DIR"
+ENV_POD_UID = "KVGPU_POD_UID"
+ENV_VISIBLE = "NVIDIA_VISIBLE_DEVICES"
+RESERVED_ENV = (
+    ENV_CLAIM,
+    ENV_CLAIM_FILE,
+    ENV_REGION_DIR,
+    ENV_POD_UID,
+    ENV_VISIBLE,
+    "LD_PRELOAD",
+    "CUDA_DEVICE_MEMORY_LIMIT",
+    "CUDA_DEVICE_SM_LIMIT",
+    "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+    "CUDA_DISABLE_CONTROL",
+)
+
+# Paths on the host (agent installs) and in the container (webhook mounts).
+HOST_SHIM_DIR = "/usr/local/kvgpu/lib"
+HOST_PRELOAD_FILE = "/usr/local/kvgpu/ld.so.preload"
+HOST_REGION_ROOT = "/var/lib/kvgpu/containers"
+CONTAINER_SHIM_DIR = "/usr/local/kvgpu/lib"
+CONTAINER_SHIM_LIB = f"{CONTAINER_SHIM_DIR}/libvgpu.so"
+CONTAINER_REGION_DIR = "/var/run/kvgpu"
+CONTAINER_CLAIM_DIR = "/etc/kvgpu"
+CONTAINER_CLAIM_FILE = f"{CONTAINER_CLAIM_DIR}/claim"
+
+
+def container_key(container: str) -> str:
+    """Return the annotation-safe key for a container name.
+
+    Names of up to 40 characters are used as they are (the longest prefix, ``devices.``,
+    leaves room); longer names become ``h-`` + 16 hex digits of their SHA-256.
+    """
+    if len(container) <= 40:
+        return container
+    return "h-" + hashlib.sha256(container.encode()).hexdigest()[:16]
+
+
+def claim_annotation(container: str) -> str:
+    """The pod annotation holding the container's ``KVGPU_CLAIM`` string."""
+    return CLAIM_PREFIX + container_key(container)
+
+
+def devices_annotation(container: str) -> str:
+    """The pod annotation holding the container's card UUIDs (``NVIDIA_VISIBLE_DEVICES``)."""
+    return DEVICES_PREFIX + container_key(container)
+
+
+def is_allocation_annotation(key: str) -> bool:
+    """True for annotations only the operator may write."""
+    return key in ALLOCATION_ANNOTATIONS or key.startswith(ALLOCATION_ANNOTATION_PREFIXES)
