@@ -34,8 +34,11 @@ if ! go mod download >&2; then
   exit 1
 fi
 # -v prints each package as it is compiled: the progress indicator of a cold build.
-if ! go build -v -trimpath -ldflags "$LDF" -o "$OUT/ktp.tmp" . 2> >(awk '{n++; if (n % 50 == 0) {printf "ktp: %d packages compiled (last: %s)\n", n, $0; fflush()}}' >&2); then
-  echo "ktp: go build failed; rerun 'cd hack/ktp && go build -v .' to see the compiler errors" >&2
+# The full log is kept in $OUT/build.log; every 100th package is echoed.
+if ! go build -v -trimpath -ldflags "$LDF" -o "$OUT/ktp.tmp" . 2> >(tee "$OUT/build.log" | awk '{n++; if (n % 100 == 0) {printf "ktp: %d packages compiled (last: %s)\n", n, $0; fflush()}}' >&2); then
+  sleep 1
+  echo "ktp: go build failed; the last lines of $OUT/build.log:" >&2
+  tail -20 "$OUT/build.log" >&2
   exit 1
 fi
 mv "$OUT/ktp.tmp" "$OUT/ktp"
