@@ -1,0 +1,1 @@
+"""Command-line entry points: ``kvgpu`` (operator, agent, dev cluster) and ``kubectl-vgpu``."""
