@@ -1,0 +1,386 @@
+"""Kubelet device plugin (API v1beta1) for HAMi's resource name ``nvidia.com/gpu``.
+
+Each physical card covered by a VGPUPool is advertised as ``splitCount`` replicas (``exclusive``
+mode: one), so node allocatable ``nvidia.com/gpu`` = cards × splitCount. Replica IDs are
+``<card UUID>::<n>``. A replica's health is its card's; its topology is the card's NUMA node.
+
+Identities come from the claim, not from the device IDs: the operator writes the container's
+claim and card UUIDs into pod annotations at bind time, and the webhook turns them into
+``KVGPU_CLAIM`` / ``NVIDIA_VISIBLE_DEVICES`` through the downward API. ``Allocate`` therefore
+needs no pod lookup and no node lock; it answers, for every container, the shim's read-only
+mounts — the *resolved* version-named ``libvgpu.so.<version>`` (pinned for the container's life,
+so a shim upgrade never changes a running container's library) and ``/etc/ld.so.preload`` — plus
+informational env vars. If the shim is not installed, ``Allocate`` fails (fail closed: a container
+must never start unenforced).
+
+``GetPreferredAllocation`` prefers replicas of distinct, healthy cards (a request of N means N
+cards), the least-used first, and — when a hint provider is configured and exactly one pending
+claim on this node asks for that many cards — exactly that claim's cards, so the kubelet's
+checkpoint (PodResources, DCGM) names the cards the container really uses.
+
+Lifecycle (:meth:`DevicePlugin.run`): serve on ``<socket_dir>/<endpoint>``, register with the
+kubelet on ``<socket_dir>/kubelet.sock``, then watch both sockets; when the kubelet restarts
+(its socket is recreated, plugin sockets are wiped) the plugin restarts its server and
+registers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+from kvgpu.core import keys
+from kvgpu.core.inventory import Card, NodeInventory
+
+from .proto import pb2, pb2_grpc
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+ID_SEP = "::"
+
+
+class PluginError(RuntimeError):
+    """Registration with the kubelet failed, or the plugin cannot serve."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """Device plugin settings.
+
+    ``split_count``: replicas per card; ``None`` = the card's pool ``splitCount`` (cards no pool
+    covers get ``uncovered_split_count``, default 0 = not advertised). ``mounts``: answer the
+    shim mounts from ``Allocate`` (turn off when the webhook mounts the shim itself).
+    ``visible_devices_from_ids``: also set ``NVIDIA_VISIBLE_DEVICES`` from the replica IDs — only
+    for clusters without kvgpu's webhook; the claim is the source of truth otherwise.
+    """
+
+    resource_name: str = "nvidia.com/gpu"
+    socket_dir: str = "/var/lib/kubelet/device-plugins"
+    endpoint: str = "kvgpu-nvidia-gpu.sock"
+    kubelet_socket: str = "kubelet.sock"
+    split_count: int | None = None
+    uncovered_split_count: int = 0
+    mounts: bool = True
+    host_shim_dir: str = keys.HOST_SHIM_DIR
+    host_preload_file: str = keys.HOST_PRELOAD_FILE
+    container_shim_lib: str = keys.CONTAINER_SHIM_LIB
+    container_preload_file: str = "/etc/ld.so.preload"
+    topology: bool = True
+    preferred_allocation: bool = True
+    visible_devices_from_ids: bool = False
+    watch_interval_s: float = 1.0
+
+
+def replica_id(uuid: str, n: int) -> str:
+    """Device ID of replica ``n`` of card ``uuid``."""
+    return f"{uuid}{ID_SEP}{n}"
+
+
+def card_of(device_id: str) -> str:
+    """The card UUID of a replica ID (IDs without the separator are taken as a UUID)."""
+    return device_id.split(ID_SEP, 1)[0]
+
+
+def replicas_for(card: Card, cfg: PluginConfig) -> int:
+    if cfg.split_count is not None:
+        return cfg.split_count
+    if card.slicing is None:
+        return cfg.uncovered_split_count
+    if card.slicing.mode == "exclusive":
+        return 1
+    if card.slicing.mode != "hami-core":
+        return 0  # mig/mps are not served by this resource
+    return card.slicing.split_count
+
+
+def device_list(inv: NodeInventory, cfg: PluginConfig) -> list[pb2.Device]:
+    """The ``ListAndWatch`` list for an inventory (cards × replicas, health, NUMA)."""
+    out = []
+    for c in inv.cards:
+        topo = None
+        if cfg.topology and c.numa is not None:
+            topo = pb2.TopologyInfo(nodes=[pb2.NUMANode(ID=c.numa)])
+        for n in range(replicas_for(c, cfg)):
+            d = pb2.Device(ID=replica_id(c.uuid, n), health=HEALTHY if c.healthy else UNHEALTHY)
+            if topo is not None:
+                d.topology.CopyFrom(topo)
+            out.append(d)
+    return out
+
+
+def resolve_shim(host_shim_dir: str) -> Path | None:
+    """The version-named file ``<dir>/libvgpu.so`` points at now, or ``None`` if not installed."""
+    link = Path(host_shim_dir) / "libvgpu.so"
+    try:
+        target = link.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    return target if target.is_file() else None
+
+
+# A hint provider maps a request size to the card-UUID lists of pending claims on this node.
+HintProvider = Callable[[int], Sequence[Sequence[str]]]
+
+
+def preferred(
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+    healthy: set[str],
+    hint: Sequence[Sequence[str]] = (),
+) -> list[str]:
+    """Pick ``size`` replica IDs: all of ``must_include``, then one replica per distinct card.
+
+    Cards come from ``hint`` first when exactly one hinted card list has ``size`` cards that are
+    all available; then healthy cards with the most free replicas (least used) first; replicas
+    of an already-picked card only when no other card is left. Returns fewer than ``size`` IDs
+    only if fewer are available.
+    """
+    picked: list[str] = list(dict.fromkeys(must_include))[:size]
+    free: dict[str, list[str]] = {}
+    for d in available:
+        if d not in picked:
+            free.setdefault(card_of(d), []).append(d)
+    used_cards = Counter(card_of(d) for d in picked)
+    candidates = [list(h) for h in hint if len(h) == size and all(u in free or u in used_cards for u in h)]
+    order: list[str] = []
+    if len(candidates) == 1:
+        order = [u for u in candidates[0] if u in free]
+    order += sorted(
+        (u for u in free if u not in order),
+        key=lambda u: (u not in healthy, -len(free[u]), u),
+    )
+    # First pass: one replica per card not yet used; then fill from any card.
+    for u in order:
+        if len(picked) >= size:
+            break
+        if used_cards[u] == 0 and free[u]:
+            picked.append(free[u].pop(0))
+            used_cards[u] += 1
+    for u in order:
+        while len(picked) < size and free[u]:
+            picked.append(free[u].pop(0))
+    return picked
+
+
+class _Servicer(pb2_grpc.DevicePluginServicer):
+    def __init__(self, plugin: DevicePlugin) -> None:
+        self.p = plugin
+
+    async def GetDevicePluginOptions(self, request, context):  # noqa: N802 (gRPC names)
+        return pb2.DevicePluginOptions(
+            pre_start_required=False,
+            get_preferred_allocation_available=self.p.cfg.preferred_allocation,
+        )
+
+    async def ListAndWatch(self, request, context) -> AsyncIterator[pb2.ListAndWatchResponse]:  # noqa: N802
+        async for devices in self.p.watch_devices():
+            yield pb2.ListAndWatchResponse(devices=devices)
+
+    async def GetPreferredAllocation(self, request, context):  # noqa: N802
+        healthy = {c.uuid for c in self.p.inventory.cards if c.healthy}
+        out = []
+        for req in request.container_requests:
+            size = int(req.allocation_size)
+            hint: Sequence[Sequence[str]] = ()
+            if self.p.hints is not None:
+                try:
+                    hint = self.p.hints(size)
+                except Exception:  # a hint is advisory; never fail the kubelet over it
+                    log.exception("preferred-allocation hint provider failed")
+            ids = preferred(list(req.available_deviceIDs), list(req.must_include_deviceIDs), size, healthy, hint)
+            out.append(pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        return pb2.PreferredAllocationResponse(container_responses=out)
+
+    async def Allocate(self, request, context):  # noqa: N802
+        try:
+            return self.p.allocate(request)
+        except PluginError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    async def PreStartContainer(self, request, context):  # noqa: N802
+        return pb2.PreStartContainerResponse()
+
+
+@dataclass
+class DevicePlugin:
+    """One kubelet device plugin serving ``cfg.resource_name`` from an inventory.
+
+    Call :meth:`update` with every new inventory (health, pools, cards); ``ListAndWatch``
+    streams re-send the list when it changed. ``hints`` is an optional :data:`HintProvider`.
+    """
+
+    cfg: PluginConfig
+    inventory: NodeInventory
+    hints: HintProvider | None = None
+    shim_version: Callable[[], str] | None = None
+    allocations: int = 0
+    registrations: int = 0
+    _cond: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
+    _generation: int = field(default=0, init=False)
+    _server: aio.Server | None = field(default=None, init=False, repr=False)
+    _stopping: bool = field(default=False, init=False)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.cfg.socket_dir) / self.cfg.endpoint
+
+    @property
+    def kubelet_socket_path(self) -> Path:
+        return Path(self.cfg.socket_dir) / self.cfg.kubelet_socket
+
+    def devices(self) -> list[pb2.Device]:
+        return device_list(self.inventory, self.cfg)
+
+    async def update(self, inv: NodeInventory) -> None:
+        """Replace the inventory; wakes ``ListAndWatch`` streams if the device list changed."""
+        changed = device_list(inv, self.cfg) != self.devices()
+        self.inventory = inv
+        if changed:
+            async with self._cond:
+                self._generation += 1
+                self._cond.notify_all()
+
+    async def watch_devices(self) -> AsyncIterator[list[pb2.Device]]:
+        """Yield the device list now and after every change, until the plugin stops."""
+        seen = -1
+        while not self._stopping:
+            async with self._cond:
+                await self._cond.wait_for(lambda: self._generation != seen or self._stopping)
+                if self._stopping:
+                    return
+                seen = self._generation
+            yield self.devices()
+
+    def allocate(self, request: pb2.AllocateRequest) -> pb2.AllocateResponse:
+        """Answer ``Allocate``: per container the shim mounts and env. Raises :class:`PluginError`."""
+        known = {c.uuid: c for c in self.inventory.cards}
+        shim = resolve_shim(self.cfg.host_shim_dir) if self.cfg.mounts else None
+        if self.cfg.mounts and shim is None:
+            raise PluginError(
+                f"kvgpu shim is not installed on this node ({self.cfg.host_shim_dir}/libvgpu.so missing); "
+                "refusing to start a container without enforcement"
+            )
+        out = []
+        for creq in request.container_requests:
+            uuids = list(dict.fromkeys(card_of(d) for d in creq.devices_ids))
+            unknown = [u for u in uuids if u not in known]
+            if unknown:
+                raise PluginError(f"unknown device IDs {sorted(creq.devices_ids)} (cards {unknown} not on node)")
+            resp = pb2.ContainerAllocateResponse()
+            resp.envs["KVGPU_DEVICE_PLUGIN"] = self.cfg.resource_name
+            if shim is not None:
+                resp.envs["KVGPU_SHIM_FILE"] = shim.name
+                resp.mounts.append(
+                    pb2.Mount(container_path=self.cfg.container_shim_lib, host_path=str(shim), read_only=True)
+                )
+                resp.mounts.append(
+                    pb2.Mount(
+                        container_path=self.cfg.container_preload_file,
+                        host_path=self.cfg.host_preload_file,
+                        read_only=True,
+                    )
+                )
+            if self.cfg.visible_devices_from_ids:
+                resp.envs[keys.ENV_VISIBLE] = ",".join(uuids)
+            out.append(resp)
+        self.allocations += 1
+        return pb2.AllocateResponse(container_responses=out)
+
+    # ------------------------------------------------------------------ serving
+
+    async def start(self) -> None:
+        """Serve the DevicePlugin service on :attr:`socket_path` (a stale file is removed)."""
+        self._stopping = False
+        path = self.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        server = aio.server()
+        pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
+        server.add_insecure_port(f"unix://{path}")
+        await server.start()
+        self._server = server
+
+    async def stop(self, grace: float = 0.5) -> None:
+        """Stop serving (ends ``ListAndWatch`` streams) and remove the socket."""
+        self._stopping = True
+        async with self._cond:
+            self._cond.notify_all()
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    async def register(self, timeout: float = 5.0) -> None:
+        """Register with the kubelet. Raises :class:`PluginError` if it refuses or is unreachable."""
+        req = pb2.RegisterRequest(
+            version=API_VERSION,
+            endpoint=self.cfg.endpoint,
+            resource_name=self.cfg.resource_name,
+            options=pb2.DevicePluginOptions(
+                pre_start_required=False,
+                get_preferred_allocation_available=self.cfg.preferred_allocation,
+            ),
+        )
+        try:
+            async with aio.insecure_channel(f"unix://{self.kubelet_socket_path}") as ch:
+                await pb2_grpc.RegistrationStub(ch).Register(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise PluginError(f"kubelet registration failed: {e.code().name}: {e.details()}") from e
+        self.registrations += 1
+        log.info("registered %s with the kubelet (%d devices)", self.cfg.resource_name, len(self.devices()))
+
+    def _identity(self, p: Path) -> tuple[int, int] | None:
+        try:
+            st = os.stat(p)
+        except OSError:
+            return None
+        return (st.st_ino, int(st.st_ctime_ns))
+
+    async def run(self, retry_s: float = 5.0) -> None:
+        """Serve, register, and re-register after kubelet restarts, until cancelled."""
+        try:
+            while True:
+                kubelet_id = self._identity(self.kubelet_socket_path)
+                if kubelet_id is None:
+                    await asyncio.sleep(self.cfg.watch_interval_s)
+                    continue
+                await self.start()
+                try:
+                    await self.register()
+                except PluginError as e:
+                    log.warning("%s; retrying in %.0fs", e, retry_s)
+                    await self.stop()
+                    await asyncio.sleep(retry_s)
+                    continue
+                own = self._identity(self.socket_path)
+                while (
+                    self._identity(self.kubelet_socket_path) == kubelet_id
+                    and self._identity(self.socket_path) == own
+                ):
+                    await asyncio.sleep(self.cfg.watch_interval_s)
+                log.info("kubelet restarted or plugin socket removed: re-registering")
+                await self.stop()
+        finally:
+            await self.stop()
+
+
+def plugin_ids(devices: Iterable[pb2.Device]) -> list[str]:
+    """IDs of a device list (test helper)."""
+    return [d.ID for d in devices]

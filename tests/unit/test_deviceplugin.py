@@ -1,0 +1,285 @@
+"""The device plugin against a harness that plays the kubelet over real unix-socket gRPC.
+
+The harness serves the kubelet's Registration service on ``<dir>/kubelet.sock``; the plugin
+registers there; the harness then dials the plugin's socket exactly like the kubelet does and
+calls GetDevicePluginOptions, ListAndWatch, GetPreferredAllocation, Allocate and
+PreStartContainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc import aio
+
+from kvgpu.agent.deviceplugin import (
+    DevicePlugin,
+    PluginConfig,
+    card_of,
+    preferred,
+    replica_id,
+)
+from kvgpu.agent.proto import pb2, pb2_grpc
+from kvgpu.core.inventory import Card, NodeInventory, Slicing
+
+U0 = "GPU-00000000-0000-0000-0000-000000000000"
+U1 = "GPU-11111111-1111-1111-1111-111111111111"
+
+
+def inventory(split=3, healthy1=True):
+    sl = Slicing("default", split_count=split)
+    return NodeInventory(
+        "gpu-0",
+        (
+            Card(U0, 0, "NVIDIA H200", 143771, 132, 0, slicing=sl),
+            Card(U1, 1, "NVIDIA H200", 143771, 132, 1, healthy=healthy1, reason="" if healthy1 else "XID 79",
+                 slicing=sl),
+        ),
+        "simulated",
+    )
+
+
+class FakeKubelet(pb2_grpc.RegistrationServicer):
+    """The kubelet's side: accepts registrations and remembers them."""
+
+    def __init__(self, refuse: str = ""):
+        self.requests: list[pb2.RegisterRequest] = []
+        self.refuse = refuse
+        self.registered = asyncio.Event()
+
+    async def Register(self, request, context):  # noqa: N802
+        if self.refuse:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refuse)
+        self.requests.append(request)
+        self.registered.set()
+        return pb2.Empty()
+
+
+@contextlib.asynccontextmanager
+async def kubelet(sock_dir: Path, refuse: str = ""):
+    fk = FakeKubelet(refuse)
+    server = aio.server()
+    pb2_grpc.add_RegistrationServicer_to_server(fk, server)
+    server.add_insecure_port(f"unix://{sock_dir / 'kubelet.sock'}")
+    await server.start()
+    try:
+        yield fk
+    finally:
+        await server.stop(0)
+        with contextlib.suppress(FileNotFoundError):
+            (sock_dir / "kubelet.sock").unlink()
+
+
+@pytest.fixture
+def sock_dir():
+    d = Path(tempfile.mkdtemp(prefix="kdp", dir="/tmp"))  # unix socket paths must stay short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def shim_dir(tmp_path):
+    d = tmp_path / "lib"
+    d.mkdir()
+    (d / "libvgpu.so.0.1.0").write_bytes(b"\x7fELF")
+    os.symlink("libvgpu.so.0.1.0", d / "libvgpu.so")
+    (tmp_path / "ld.so.preload").write_text("/usr/local/kvgpu/lib/libvgpu.so\n")
+    return d
+
+
+def config(sock_dir: Path, shim_dir: Path, **kw) -> PluginConfig:
+    return PluginConfig(
+        socket_dir=str(sock_dir),
+        host_shim_dir=str(shim_dir),
+        host_preload_file=str(shim_dir.parent / "ld.so.preload"),
+        watch_interval_s=0.05,
+        **kw,
+    )
+
+
+async def test_register_list_allocate(sock_dir, shim_dir):
+    async with kubelet(sock_dir) as fk:
+        plugin = DevicePlugin(config(sock_dir, shim_dir), inventory())
+        task = asyncio.create_task(plugin.run())
+        await asyncio.wait_for(fk.registered.wait(), 5)
+        req = fk.requests[0]
+        assert (req.version, req.endpoint, req.resource_name) == ("v1beta1", "kvgpu-nvidia-gpu.sock", "nvidia.com/gpu")
+        assert req.options.get_preferred_allocation_available
+
+        async with aio.insecure_channel(f"unix://{sock_dir / req.endpoint}") as ch:
+            stub = pb2_grpc.DevicePluginStub(ch)
+            opts = await stub.GetDevicePluginOptions(pb2.Empty(), timeout=5)
+            assert not opts.pre_start_required and opts.get_preferred_allocation_available
+
+            stream = stub.ListAndWatch(pb2.Empty())
+            first = await asyncio.wait_for(stream.read(), 5)
+            ids = [d.ID for d in first.devices]
+            assert ids == [replica_id(U0, n) for n in range(3)] + [replica_id(U1, n) for n in range(3)]
+            assert {d.health for d in first.devices} == {"Healthy"}
+            assert [n.ID for n in first.devices[3].topology.nodes] == [1]
+
+            # Health change: the kubelet gets a new list with card 1's replicas unhealthy.
+            await plugin.update(inventory(healthy1=False))
+            second = await asyncio.wait_for(stream.read(), 5)
+            health = {d.ID: d.health for d in second.devices}
+            assert health[replica_id(U1, 0)] == "Unhealthy" and health[replica_id(U0, 0)] == "Healthy"
+            # Pool change: split count 3 -> 5 gives 10 devices.
+            await plugin.update(inventory(split=5, healthy1=False))
+            third = await asyncio.wait_for(stream.read(), 5)
+            assert len(third.devices) == 10
+
+            # Preferred allocation: 2 cards -> one replica of each, healthy first.
+            pref = await stub.GetPreferredAllocation(
+                pb2.PreferredAllocationRequest(
+                    container_requests=[
+                        pb2.ContainerPreferredAllocationRequest(
+                            available_deviceIDs=ids, must_include_deviceIDs=[], allocation_size=2
+                        )
+                    ]
+                ),
+                timeout=5,
+            )
+            got = list(pref.container_responses[0].deviceIDs)
+            assert {card_of(d) for d in got} == {U0, U1}
+
+            resp = await stub.Allocate(
+                pb2.AllocateRequest(
+                    container_requests=[
+                        pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 1)]),
+                        pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 2), replica_id(U1, 0)]),
+                    ]
+                ),
+                timeout=5,
+            )
+            assert len(resp.container_responses) == 2
+            for c in resp.container_responses:
+                mounts = {m.container_path: m for m in c.mounts}
+                lib = mounts["/usr/local/kvgpu/lib/libvgpu.so"]
+                # The resolved version-named file, not the switchable symlink; read-only.
+                assert lib.host_path == str(shim_dir / "libvgpu.so.0.1.0") and lib.read_only
+                pre = mounts["/etc/ld.so.preload"]
+                assert pre.read_only and pre.host_path.endswith("ld.so.preload")
+                # Identities come from the claim (downward API), never from the replica IDs.
+                assert "NVIDIA_VISIBLE_DEVICES" not in c.envs
+                assert c.envs["KVGPU_SHIM_FILE"] == "libvgpu.so.0.1.0"
+
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Allocate(
+                    pb2.AllocateRequest(
+                        container_requests=[pb2.ContainerAllocateRequest(devices_ids=["GPU-nope::0"])]
+                    ),
+                    timeout=5,
+                )
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+            await stub.PreStartContainer(pb2.PreStartContainerRequest(devices_ids=ids[:1]), timeout=5)
+            stream.cancel()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert not plugin.socket_path.exists()
+
+
+async def test_allocate_fails_closed_without_shim(sock_dir, tmp_path):
+    empty = tmp_path / "nolib"
+    empty.mkdir()
+    plugin = DevicePlugin(config(sock_dir, empty), inventory())
+    await plugin.start()
+    try:
+        async with aio.insecure_channel(f"unix://{plugin.socket_path}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await pb2_grpc.DevicePluginStub(ch).Allocate(
+                    pb2.AllocateRequest(
+                        container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])]
+                    ),
+                    timeout=5,
+                )
+            assert "shim is not installed" in ei.value.details()
+    finally:
+        await plugin.stop()
+
+
+async def test_visible_devices_opt_in(sock_dir, shim_dir):
+    plugin = DevicePlugin(config(sock_dir, shim_dir, visible_devices_from_ids=True, mounts=False), inventory())
+    resp = plugin.allocate(
+        pb2.AllocateRequest(
+            container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U1, 0), replica_id(U1, 2)])]
+        )
+    )
+    c = resp.container_responses[0]
+    assert c.envs["NVIDIA_VISIBLE_DEVICES"] == U1 and not c.mounts
+
+
+async def test_reregisters_after_kubelet_restart(sock_dir, shim_dir):
+    plugin = DevicePlugin(config(sock_dir, shim_dir), inventory())
+    task = asyncio.create_task(plugin.run(retry_s=0.05))
+    try:
+        async with kubelet(sock_dir) as fk:
+            await asyncio.wait_for(fk.registered.wait(), 5)
+        # Kubelet restart: its socket comes back and (like the kubelet) wipes plugin sockets.
+        plugin.socket_path.unlink(missing_ok=True)
+        async with kubelet(sock_dir) as fk2:
+            await asyncio.wait_for(fk2.registered.wait(), 5)
+            for _ in range(100):  # the plugin counts after the kubelet answered
+                if plugin.registrations >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert plugin.registrations >= 2
+            async with aio.insecure_channel(f"unix://{plugin.socket_path}") as ch:
+                opts = await pb2_grpc.DevicePluginStub(ch).GetDevicePluginOptions(pb2.Empty(), timeout=5)
+                assert opts.get_preferred_allocation_available
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_registration_refused_is_retried(sock_dir, shim_dir):
+    plugin = DevicePlugin(config(sock_dir, shim_dir), inventory())
+    async with kubelet(sock_dir, refuse="resource name taken"):
+        task = asyncio.create_task(plugin.run(retry_s=0.05))
+        await asyncio.sleep(0.3)
+        assert plugin.registrations == 0
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def test_split_count_override_and_uncovered():
+    inv = inventory()
+    inv2 = replace(inv, cards=(replace(inv.cards[0], slicing=None), inv.cards[1]))
+    from kvgpu.agent.deviceplugin import device_list
+
+    assert len(device_list(inv2, PluginConfig())) == 3
+    assert len(device_list(inv2, PluginConfig(split_count=4))) == 8
+    excl = replace(inv, cards=tuple(replace(c, slicing=Slicing("x", mode="exclusive")) for c in inv.cards))
+    assert len(device_list(excl, PluginConfig())) == 2
+
+
+def test_preferred_policy():
+    ids = [replica_id(u, n) for u in (U0, U1, "GPU-2") for n in range(3)]
+    healthy = {U0, U1, "GPU-2"}
+    # Distinct cards first.
+    assert len({card_of(d) for d in preferred(ids, [], 3, healthy)}) == 3
+    # must_include is kept; the other pick is on a different card.
+    got = preferred(ids, [replica_id(U1, 2)], 2, healthy)
+    assert got[0] == replica_id(U1, 2) and card_of(got[1]) != U1
+    # A unique hint for that size wins.
+    got = preferred(ids, [], 2, healthy, hint=[["GPU-2", U1], [U0]])
+    assert {card_of(d) for d in got} == {"GPU-2", U1}
+    # Ambiguous hints are ignored (no guessing between two pending claims).
+    got = preferred(ids, [], 1, {U0}, hint=[["GPU-2"], [U1]])
+    assert card_of(got[0]) == U0
+    # More than the cards: replicas of used cards fill up.
+    assert len(preferred(ids[:4], [], 4, healthy)) == 4
+    # Least-used card first: U1 has more free replicas.
+    few = [replica_id(U0, 0), replica_id(U1, 0), replica_id(U1, 1)]
+    assert card_of(preferred(few, [], 1, {U0, U1})[0]) == U1
