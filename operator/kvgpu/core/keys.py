@@ -24,10 +24,12 @@ NODE_LABEL_GPU = f"{GROUP}/gpu-node"  # "true" on nodes that run the agent
 # Pod annotations written by the operator at bind time (users may not set or change them).
 POD_NODE = f"{GROUP}/bound-node"
 POD_CLAIMS = f"{GROUP}/claims"  # comma list of VGPUClaim names of the pod
+POD_REQUEUE = f"{GROUP}/requeue"  # touched by the operator to retry a pending pod at once
+POD_MANAGED_LABEL = f"{GROUP}/managed"  # label "true" set by the mutating webhook
 CLAIM_PREFIX = f"{GROUP}/claim."  # + container key: the KVGPU_CLAIM string
 DEVICES_PREFIX = f"{GROUP}/devices."  # + container key: comma list of card UUIDs
 ALLOCATION_ANNOTATION_PREFIXES = (CLAIM_PREFIX, DEVICES_PREFIX)
-ALLOCATION_ANNOTATIONS = (POD_NODE, POD_CLAIMS)
+ALLOCATION_ANNOTATIONS = (POD_NODE, POD_CLAIMS, POD_REQUEUE)
 
 # Env vars the shim reads (and that users may not set themselves).
 ENV_CLAIM = "KVGPU_CLAIM"
