@@ -1,8 +1,8 @@
 """Per-card fit rules and the card state the ledger keeps. Pure, no I/O.
 
-Units everywhere: memory in MiB of the card's *virtual* memory (physical MiB × the pool's
+Units everywhere: memory in MiB of the card's *virtual* memory (physical MiB x the pool's
 ``memoryScaling``, rounded down), cores in percent of the card's SMs (a card has
-``100 × coreScaling`` of them, rounded), slots = the pool's ``splitCount``.
+``100 x coreScaling`` of them, rounded), slots = the pool's ``splitCount``.
 
 The rules, in the order they are checked for one container on one card:
 
@@ -172,7 +172,7 @@ def need(req: ContainerRequest) -> Need:
 
 
 def selectable(c: CardState, n: Need) -> int | None:
-    """Rules 1–2 (independent of usage): None, or the reason code."""
+    """Rules 1-2 (independent of usage): None, or the reason code."""
     if c.unusable is not None:
         return c.unusable
     if n.types and not any(t in c.model_l for t in n.types):
@@ -187,7 +187,7 @@ def selectable(c: CardState, n: Need) -> int | None:
 
 
 def fit(c: CardState, n: Need, extra: list[int] | None) -> tuple[int, int] | int:
-    """Rules 3–8 on ``c`` with ``extra`` = [slots, MiB, cores, excl, pods] already taken by the
+    """Rules 3-8 on ``c`` with ``extra`` = [slots, MiB, cores, excl, pods] already taken by the
     pod being placed. Returns ``(memory MiB, cores)`` to grant, or a reason code (int)."""
     slots, mem, cores, excl, pods = c.slots, c.mem, c.cores, c.excl, c.pods
     if extra is not None:

@@ -1,7 +1,7 @@
 """The allocation ledger: nodes → cards → reservations. Pure, deterministic, no I/O, no asyncio.
 
 Capacity of a card (from its inventory and the pool's slicing): ``splitCount`` slots (1 in an
-``exclusive``-mode pool), ``memory_mib × memoryScaling`` virtual MiB (rounded down), ``100 ×
+``exclusive``-mode pool), ``memory_mib x memoryScaling`` virtual MiB (rounded down), ``100 x
 coreScaling`` cores (percent of SMs). The fit rules are listed in :mod:`kvgpu.allocator.fit`.
 
 **Pods, containers, init containers.** The app containers of a pod run together, so they are
@@ -253,29 +253,38 @@ class _Node:
                 if total == 0:
                     return "no GPU card"
                 return f"no usable card ({self.unusable})"
-            return f"{self.n_usable} usable cards < {n.cards} requested"
+            return f"{_cards(self.n_usable)} usable < {n.cards} requested"
         if n.types and not any(t in m for m in self.models for t in n.types):
             return f"no card of type {'/'.join(n.req.types)} (models: {', '.join(self.models)})"
+        have = _cards(self.n_usable)
         if n.exclusive and self.n_idle < n.cards:
-            return (
-                f"{self.n_usable} cards, {self.n_idle} idle < {n.cards} needed "
-                "for an exclusive request (cores 100)"
-            )
+            return f"{have}, {self.n_idle} idle < {n.cards} needed for an exclusive request (cores 100)"
         if n.whole and self.n_full_mem < n.cards:
             return (
-                f"{self.n_usable} cards, {self.n_full_mem} with all memory free < {n.cards} needed "
-                "for a whole-card request"
+                f"{have}, {self.n_full_mem} with all memory free < {n.cards} needed for a whole-card request"
             )
         if self.n_open < n.cards:
-            return f"{self.n_usable} cards, {self.n_open} with a free slot < {n.cards} needed"
+            return f"{have}, {self.n_open} with a free slot < {n.cards} needed"
         if n.mem_abs > self.max_free_mem:
-            return f"{self.n_usable} cards, most free memory {self.max_free_mem} MiB < {n.mem_abs} MiB"
+            return f"{have}, most free memory {self.max_free_mem} MiB < {n.mem_abs} MiB"
         if n.pct and n.pct > self.max_free_pct:
             most = max(0, int(self.max_free_pct) - 1) if self.max_free_pct > 0 else 0
-            return f"{self.n_usable} cards, most free memory about {most} % < {n.pct} %"
+            return f"{have}, most free memory about {most} % < {n.pct} %"
         if n.cores > self.max_free_cores:
-            return f"{self.n_usable} cards, most free cores {self.max_free_cores} % < {n.cores} %"
+            return f"{have}, most free cores {self.max_free_cores} % < {n.cores} %"
         return None
+
+    def decide(self, needs: list[Need], pod: PodRequest, fast: bool) -> PodAllocation | str | None:
+        """The pod's placement on this node, or why it does not fit. With ``fast`` a
+        single-container pod that fits gives ``None`` (feasible, cards not chosen)."""
+        many = len(needs) > 1
+        for n in needs:
+            why = self.prefilter(n)
+            if why is not None:
+                return f"container {n.req.container!r}: {why}" if many else why
+        if fast and not many and _enough(self, needs[0]):
+            return None
+        return _place(self, pod, needs)
 
 
 class _Pod:
@@ -335,32 +344,18 @@ class Ledger:
         ``"8 usable cards, most free memory 2048 MiB < 3000 MiB"`` (no node name; see
         :func:`explain`). Raises ``ValueError`` for an invalid request."""
         needs = _needs(pod)
-        single = needs[0] if len(needs) == 1 else None
         feasible: list[str] = []
         reasons: dict[str, str] = {}
-        many = len(needs) > 1
         for name in self.nodes() if nodes is None else nodes:
             node = self._nodes.get(name)
             if node is None:
                 reasons[name] = "no kvgpu inventory for this node (is the agent running there?)"
                 continue
-            why = None
-            for n in needs:
-                why = node.prefilter(n)
-                if why is not None:
-                    if many:
-                        why = f"container {n.req.container!r}: {why}"
-                    break
-            if why is None:
-                if single is not None and _enough(node, single):
-                    feasible.append(name)
-                    continue
-                placed = self._place(node, pod, needs)
-                if isinstance(placed, PodAllocation):
-                    feasible.append(name)
-                    continue
-                why = placed
-            reasons[name] = why
+            got = node.decide(needs, pod, True)
+            if isinstance(got, str):
+                reasons[name] = got
+            else:
+                feasible.append(name)
         return feasible, reasons
 
     def score(self, pod: PodRequest, nodes: Iterable[str]) -> dict[str, int]:
@@ -387,8 +382,8 @@ class Ledger:
         st = self._nodes.get(node)
         if st is None:
             raise AllocationError(f"{node}: no kvgpu inventory for this node")
-        placed = self._place(st, pod, needs)
-        if isinstance(placed, str):
+        placed = st.decide(needs, pod, False)
+        if not isinstance(placed, PodAllocation):
             raise AllocationError(f"{pod.key} does not fit on {node}: {placed}")
         return placed
 
@@ -433,7 +428,9 @@ class Ledger:
         names = [ca.container for ca in (pod.containers() if pod else [])]
         for ca in allocation.containers:
             if ca.container in names:
-                raise AllocationError(f"container {ca.container!r} of pod {allocation.pod_uid} is reserved twice")
+                raise AllocationError(
+                    f"container {ca.container!r} of pod {allocation.pod_uid} is reserved twice"
+                )
             names.append(ca.container)
             uuids = [g.uuid for g in ca.devices]
             if len(set(uuids)) != len(uuids):
@@ -621,59 +618,64 @@ class Ledger:
                 c.excl += n[3]
                 c.pods += 1
 
-    def _place(self, node: _Node, pod: PodRequest, needs: list[Need]) -> PodAllocation | str:
-        """Greedy placement of the whole pod; the allocation, or why it does not fit."""
-        policy = Policy(pod.gpu_policy)
-        extra: dict[str, list[int]] = {}  # this pod's app slices so far, per card
-        grants: dict[int, tuple[_Pick, ...]] = {}
-        many = len(needs) > 1
-        for i, n in enumerate(needs):
-            if n.req.init:
-                continue
-            picks = _pick(node, n, policy, extra, None)
-            if isinstance(picks, str):
-                return f"container {n.req.container!r}: {picks}" if many else picks
-            grants[i] = picks
-            for c, mem, cores in picks:
-                e = extra.setdefault(c.uuid, [0, 0, 0, 0, 0])
-                e[0] += 1
-                e[1] += mem
-                e[2] += cores
-                e[3] = 1 if (e[3] or cores >= 100) else 0
-                e[4] = 1
-        # Collapsed footprint so far (app sums; init maxima are folded in as they are placed).
-        cover: dict[str, list[int]] = {u: [e[0], e[1], e[2], e[3]] for u, e in extra.items()}
-        for i, n in enumerate(needs):
-            if not n.req.init:
-                continue
-            picks = _pick(node, n, policy, None, cover)
-            if isinstance(picks, str):
-                return f"container {n.req.container!r}: {picks}" if many else picks
-            grants[i] = picks
-            for c, mem, cores in picks:
-                f = cover.setdefault(c.uuid, [0, 0, 0, 0])
-                f[0] = max(f[0], 1)
-                f[1] = max(f[1], mem)
-                f[2] = max(f[2], cores)
-                f[3] = 1 if (f[3] or cores >= 100) else 0
-        return PodAllocation(
-            pod_uid=pod.uid,
-            node=node.name,
-            containers=tuple(
-                ContainerAllocation(
-                    container=n.req.container,
-                    devices=tuple(
-                        DeviceGrant(c.uuid, c.index, c.model, mem, cores) for c, mem, cores in grants[i]
-                    ),
-                    priority=n.req.priority,
-                    init=n.req.init,
-                )
-                for i, n in enumerate(needs)
-            ),
-        )
-
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _place(node: _Node, pod: PodRequest, needs: list[Need]) -> PodAllocation | str:
+    """Greedy placement of the whole pod; the allocation, or why it does not fit."""
+    policy = Policy(pod.gpu_policy)
+    extra: dict[str, list[int]] = {}  # this pod's app slices so far, per card
+    grants: dict[int, tuple[_Pick, ...]] = {}
+    many = len(needs) > 1
+    for i, n in enumerate(needs):
+        if n.req.init:
+            continue
+        picks = _pick(node, n, policy, extra, None)
+        if isinstance(picks, str):
+            return f"container {n.req.container!r}: {picks}" if many else picks
+        grants[i] = picks
+        for c, mem, cores in picks:
+            e = extra.setdefault(c.uuid, [0, 0, 0, 0, 0])
+            e[0] += 1
+            e[1] += mem
+            e[2] += cores
+            e[3] = 1 if (e[3] or cores >= 100) else 0
+            e[4] = 1
+    # Collapsed footprint so far (app sums; init maxima are folded in as they are placed).
+    cover: dict[str, list[int]] = {u: [e[0], e[1], e[2], e[3]] for u, e in extra.items()}
+    for i, n in enumerate(needs):
+        if not n.req.init:
+            continue
+        picks = _pick(node, n, policy, None, cover)
+        if isinstance(picks, str):
+            return f"container {n.req.container!r}: {picks}" if many else picks
+        grants[i] = picks
+        for c, mem, cores in picks:
+            f = cover.setdefault(c.uuid, [0, 0, 0, 0])
+            f[0] = max(f[0], 1)
+            f[1] = max(f[1], mem)
+            f[2] = max(f[2], cores)
+            f[3] = 1 if (f[3] or cores >= 100) else 0
+    return PodAllocation(
+        pod_uid=pod.uid,
+        node=node.name,
+        containers=tuple(
+            ContainerAllocation(
+                container=n.req.container,
+                devices=tuple(
+                    DeviceGrant(c.uuid, c.index, c.model, mem, cores) for c, mem, cores in grants[i]
+                ),
+                priority=n.req.priority,
+                init=n.req.init,
+            )
+            for i, n in enumerate(needs)
+        ),
+    )
+
+
+def _cards(k: int) -> str:
+    return "1 card" if k == 1 else f"{k} cards"
 
 
 def _needs(pod: PodRequest) -> list[Need]:
@@ -731,10 +733,8 @@ def _pick(
                 mem, cores = r
                 key: tuple[Any, ...] = F.order_key(policy, F.card_score(c, ex, mem, cores), c)
                 if cover is not None:
-                    f = cover.get(c.uuid)
-                    covered = (
-                        f is not None and f[1] >= mem and f[2] >= cores and (f[3] or cores < 100)
-                    )
+                    fp = cover.get(c.uuid)
+                    covered = fp is not None and fp[1] >= mem and fp[2] >= cores and (fp[3] or cores < 100)
                     key = (0 if covered else 1, *key)
                 fits.append((key, c, mem, cores))
                 continue
@@ -747,8 +747,8 @@ def _pick(
             return tuple((c, m, k) for _, c, m, k in fits[:want])
         return _why(node, n, len(fits), fails, None)
     groups: dict[int | None, list[tuple[tuple[Any, ...], CardState, int, int]]] = {}
-    for f in fits:
-        groups.setdefault(f[1].numa, []).append(f)
+    for t in fits:
+        groups.setdefault(t[1].numa, []).append(t)
     best: tuple[Any, ...] | None = None
     chosen = None
     for numa in sorted(groups, key=lambda x: (x is None, x or 0)):
