@@ -90,6 +90,11 @@ class Cluster:
         return self.run_dir / "admin.kubeconfig"
 
     @property
+    def operator_kubeconfig(self) -> Path:
+        """Kubeconfig of the ``kvgpu-operator`` identity (user name ``kvgpu-operator``)."""
+        return self.run_dir / "operator.kubeconfig"
+
+    @property
     def server(self) -> str:
         return f"https://127.0.0.1:{self.api_port}"
 
@@ -139,6 +144,7 @@ class Cluster:
                 port=self.api_port,
             )
             self._write_kubeconfig(self.kubeconfig, "admin")
+            self._write_kubeconfig(self.operator_kubeconfig, "kvgpu-operator")
             self._wait_http(f"{self.server}/readyz", "kube-apiserver", tls=True)
             self._wait_default_namespace()
             if self.with_controller_manager:
@@ -165,33 +171,24 @@ class Cluster:
         self._save_state()
         return self
 
-    def start_scheduler(
-        self,
-        scheduler_name: str,
-        extender: dict[str, Any] | None = None,
-        *,
-        qps: int = 500,
-    ) -> Component:
-        """Start a kube-scheduler whose single profile is ``scheduler_name``.
-
-        ``extender`` is one entry of ``KubeSchedulerConfiguration.extenders`` (urlPrefix,
-        filterVerb, prioritizeVerb, bindVerb, weight, nodeCacheCapable, ...); pods of this
-        profile are then filtered/prioritized/bound through it.
-        """
+    def start_scheduler(self, scheduler_name: str, config: dict[str, Any] | None = None) -> Component:
+        """Start a kube-scheduler. Without ``config`` it runs one plain profile named
+        ``scheduler_name``; with one (a ``KubeSchedulerConfiguration`` dict, e.g. from
+        :func:`kvgpu.extender.schedconfig.scheduler_configuration`) it runs that, pointed at
+        this cluster. The component is named ``kube-scheduler-<scheduler_name>``."""
         comp = f"kube-scheduler-{scheduler_name}"
         if comp in self._procs:
             raise ClusterError(f"{comp} already runs")
         port = free_port()
-        cfg: dict[str, Any] = {
+        cfg: dict[str, Any] = dict(config) if config else {
             "apiVersion": "kubescheduler.config.k8s.io/v1",
             "kind": "KubeSchedulerConfiguration",
-            "clientConnection": {"kubeconfig": str(self.kubeconfig), "qps": qps, "burst": qps * 2},
-            "leaderElection": {"leaderElect": False},
+            "clientConnection": {"qps": 500, "burst": 1000},
             "profiles": [{"schedulerName": scheduler_name}],
             "parallelism": 16,
         }
-        if extender:
-            cfg["extenders"] = [extender]
+        cfg["clientConnection"] = {**cfg.get("clientConnection", {}), "kubeconfig": str(self.kubeconfig)}
+        cfg["leaderElection"] = {"leaderElect": False}
         cfg_path = self.run_dir / f"{comp}.yaml"
         cfg_path.write_text(json.dumps(cfg, indent=2))  # JSON is YAML
         c = self._spawn(

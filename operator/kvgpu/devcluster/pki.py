@@ -2,7 +2,7 @@
 
 Writes into a directory: ``ca.crt/key`` (cluster CA), ``serving.crt/key`` (kube-apiserver,
 SANs for localhost/127.0.0.1 and the in-cluster names), ``admin.crt/key`` (client cert,
-``O=system:masters``), ``scheduler.crt/key`` (``system:kube-scheduler``), ``sa.key/sa.pub``
+``O=system:masters``), ``kvgpu-operator.crt/key`` (the operator, also system:masters), ``scheduler.crt/key`` (``system:kube-scheduler``), ``sa.key/sa.pub``
 (service-account token signing, RSA 2048). EC P-256 keys, 7-day validity.
 """
 
@@ -110,6 +110,8 @@ def make_pki(d: Path, extra_sans: tuple[str, ...] = ()) -> Pki:
     leaf("serving", _name("kube-apiserver"), server=True, san=sans)
     leaf("webhook", _name("kvgpu-webhook"), server=True, san=sans)
     leaf("admin", _name("admin", "system:masters"), server=False, san=None)
+    # The operator's own identity, so the validating webhook can tell it from a user.
+    leaf("kvgpu-operator", _name("kvgpu-operator", "system:masters"), server=False, san=None)
     leaf("scheduler", _name("system:kube-scheduler"), server=False, san=None)
     leaf("controller-manager", _name("system:kube-controller-manager"), server=False, san=None)
 
