@@ -1,0 +1,63 @@
+"""Kopf wiring of the admission webhooks (no decisions here: see mutate.py and validate.py).
+
+:func:`register` adds two handlers to a registry; their ids are the URL paths the webhook
+configurations (:mod:`kvgpu.admission.config`) point at. Serving is Kopf's webhook server with
+``settings.admission.managed = None``: we write our own configurations, because Kopf's managed
+ones have no namespaceSelector, matchConditions or reinvocationPolicy and a 30 s timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import Any
+
+import kopf
+
+from kvgpu.admission.mutate import apply_ops, mutate_pod
+from kvgpu.admission.validate import validate_pod
+
+MUTATE_ID = "kvgpu-mutate-pods"
+VALIDATE_ID = "kvgpu-validate-pods"
+
+#: HTTP status sent with a refusal; the API server shows the message to the user either way.
+REFUSAL_CODE = 400
+
+
+def refusal_message(errors: list[str]) -> str:
+    if len(errors) == 1:
+        return errors[0]
+    return f"{len(errors)} problems: " + "; ".join(f"({i}) {e}" for i, e in enumerate(errors, 1))
+
+
+def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str]) -> None:
+    """Register the mutating (CREATE) and validating (CREATE, UPDATE) pod webhooks on ``registry``.
+
+    ``operator_usernames``: the API usernames of the operator (e.g.
+    ``system:serviceaccount:kvgpu-system:kvgpu-operator``); only they may change allocation
+    annotations on existing pods.
+    """
+    operators = frozenset(operator_usernames)
+
+    @kopf.on.mutate("pods", id=MUTATE_ID, operations=["CREATE"], registry=registry)
+    def mutate(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+        pod = dict(body)
+        ops = mutate_pod(pod)
+        if not ops:
+            return
+        logger.debug("kvgpu: injecting the shim (%d patch ops)", len(ops))
+        # Kopf diffs the body before and after the patch's functions to build the JSON patch.
+        patch.fns.append(lambda raw: raw.update(apply_ops(raw, ops)))
+
+    @kopf.on.validate("pods", id=VALIDATE_ID, operations=["CREATE", "UPDATE"], registry=registry)
+    def validate(
+        body: kopf.Body, old: kopf.Body | None, operation: str | None, userinfo: kopf.UserInfo,
+        logger: logging.Logger, **_: Any,
+    ) -> None:
+        username = str((userinfo or {}).get("username", ""))
+        errors = validate_pod(
+            operation or "", dict(body), dict(old) if old is not None else None, username, operators,
+        )
+        if errors:
+            logger.info("kvgpu: refused %s by %s: %s", operation, username, "; ".join(errors))
+            raise kopf.AdmissionError(refusal_message(errors), code=REFUSAL_CODE)

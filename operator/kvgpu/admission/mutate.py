@@ -1,0 +1,192 @@
+"""The mutating webhook's decision, as a pure function: pod dict in, JSON-patch ops out.
+
+For a pod that requests slices (and whose request parses), :func:`mutate_pod` returns the ops
+that
+
+* address the pod to ``kvgpu-scheduler`` (when it names no scheduler or ``default-scheduler``;
+  a pod naming another scheduler is left alone here and rejected by validation),
+* label it ``kvgpu.io/managed=true`` (the operator watches only labelled pods),
+* inject the shim into every container that gets slices, init containers included: env vars
+  whose values the kubelet fills from the pod's allocation annotations at container start (after
+  the extender has written them at bind time), read-only mounts of the host's shim directory and
+  ``ld.so.preload``, a per-container shared-region directory, and a read-only downward-API file
+  with the container's claim,
+* set ``NVIDIA_VISIBLE_DEVICES=none`` in the pod's other containers, so an image default
+  (CUDA images set ``all``) cannot expose every card of the node to a container without slices.
+
+Idempotent: entries are matched by name (env, volumes) or mount path, so running it on its own
+output returns ``[]`` (safe with ``reinvocationPolicy: IfNeeded``). It never overwrites what the
+user wrote; a clash (a user env var ``KVGPU_CLAIM``, a user volume called ``kvgpu-shim``, another
+mount at ``/etc/ld.so.preload``) is left in place for :mod:`kvgpu.admission.validate` to reject
+with a message. Pods that do not request slices, or whose request has errors, get no ops.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+from kvgpu.admission.parsing import parse
+from kvgpu.core import keys
+
+JSONPatchOp = dict[str, Any]
+
+MANAGED_LABEL = f"{keys.GROUP}/managed"
+DEFAULT_SCHEDULER = "default-scheduler"
+
+VOLUME_SHIM = "kvgpu-shim"
+VOLUME_PRELOAD = "kvgpu-preload"
+VOLUME_REGION = "kvgpu-region"
+VOLUME_CLAIMS = "kvgpu-claims"
+RESERVED_VOLUMES = (VOLUME_SHIM, VOLUME_PRELOAD, VOLUME_REGION, VOLUME_CLAIMS)
+PRELOAD_MOUNT = "/etc/ld.so.preload"
+NO_DEVICES = "none"
+
+CONTAINER_KINDS = ("initContainers", "containers")
+
+
+# --------------------------------------------------------------------------- the injected shapes
+
+
+def _field_ref(path: str) -> dict[str, Any]:
+    return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
+def annotation_field_path(annotation: str) -> str:
+    return f"metadata.annotations['{annotation}']"
+
+
+def claim_file(container: str) -> str:
+    return f"{keys.CONTAINER_CLAIM_DIR}/{keys.container_key(container)}"
+
+
+def region_sub_path_expr(container: str) -> str:
+    return f"$({keys.ENV_POD_UID})/{container}"
+
+
+def injected_env(container: str) -> list[dict[str, Any]]:
+    """The env vars a container with slices gets (``KVGPU_POD_UID`` first: the region mount uses it)."""
+    return [
+        {"name": keys.ENV_POD_UID, **_field_ref("metadata.uid")},
+        {"name": keys.ENV_CLAIM, **_field_ref(annotation_field_path(keys.claim_annotation(container)))},
+        {"name": keys.ENV_VISIBLE, **_field_ref(annotation_field_path(keys.devices_annotation(container)))},
+        {"name": keys.ENV_CLAIM_FILE, "value": claim_file(container)},
+        {"name": keys.ENV_REGION_DIR, "value": keys.CONTAINER_REGION_DIR},
+    ]
+
+
+def no_devices_env() -> dict[str, Any]:
+    """The env var a container without slices gets in a pod that has slices."""
+    return {"name": keys.ENV_VISIBLE, "value": NO_DEVICES}
+
+
+def injected_mounts(container: str) -> list[dict[str, Any]]:
+    return [
+        {"name": VOLUME_SHIM, "mountPath": keys.CONTAINER_SHIM_DIR, "readOnly": True},
+        {"name": VOLUME_PRELOAD, "mountPath": PRELOAD_MOUNT, "readOnly": True},
+        {"name": VOLUME_REGION, "mountPath": keys.CONTAINER_REGION_DIR,
+         "subPathExpr": region_sub_path_expr(container)},
+        {"name": VOLUME_CLAIMS, "mountPath": keys.CONTAINER_CLAIM_DIR, "readOnly": True},
+    ]
+
+
+def injected_volumes(containers: Iterable[str]) -> list[dict[str, Any]]:
+    """The pod volumes; the claims volume has one file per container with slices."""
+    items = [
+        {"path": keys.container_key(c),
+         "fieldRef": {"apiVersion": "v1", "fieldPath": annotation_field_path(keys.claim_annotation(c))}}
+        for c in sorted(set(containers))
+    ]
+    return [
+        {"name": VOLUME_SHIM, "hostPath": {"path": keys.HOST_SHIM_DIR, "type": "Directory"}},
+        {"name": VOLUME_PRELOAD, "hostPath": {"path": keys.HOST_PRELOAD_FILE, "type": "File"}},
+        {"name": VOLUME_REGION, "hostPath": {"path": keys.HOST_REGION_ROOT, "type": "DirectoryOrCreate"}},
+        {"name": VOLUME_CLAIMS, "downwardAPI": {"defaultMode": 0o444, "items": items}},
+    ]
+
+
+# --------------------------------------------------------------------------- the patch
+
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def _add_entries(
+    ops: list[JSONPatchOp], path: str, existing: list[dict[str, Any]] | None,
+    wanted: list[dict[str, Any]], key: str,
+) -> None:
+    """Append ``wanted`` entries whose ``key`` is not already in ``existing`` (a list at ``path``)."""
+    if existing is None:
+        if wanted:
+            ops.append({"op": "add", "path": path, "value": copy.deepcopy(wanted)})
+        return
+    have = {e.get(key) for e in existing if isinstance(e, Mapping)}
+    for w in wanted:
+        if w[key] not in have:
+            ops.append({"op": "add", "path": f"{path}/-", "value": copy.deepcopy(w)})
+            have.add(w[key])
+
+
+def mutate_pod(pod: Mapping[str, Any], *, sliced: Collection[str] | None = None) -> list[JSONPatchOp]:
+    """Return the JSON-patch ops that make ``pod`` a kvgpu pod (``[]`` when nothing to do).
+
+    ``sliced`` names the containers (app or init) that get slices; by default the pod's request
+    is parsed, and a pod that requests nothing or whose request has errors gets no ops.
+    """
+    if sliced is None:
+        parsed = parse(pod)
+        if not parsed.ok:
+            return []
+        sliced = parsed.names()
+    sliced = set(sliced)
+    if not sliced:
+        return []
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    ops: list[JSONPatchOp] = []
+
+    labels = meta.get("labels")
+    if not labels:
+        ops.append({"op": "add", "path": "/metadata/labels", "value": {MANAGED_LABEL: "true"}})
+    elif labels.get(MANAGED_LABEL) != "true":
+        ops.append({"op": "add", "path": f"/metadata/labels/{_escape(MANAGED_LABEL)}", "value": "true"})
+
+    if spec.get("schedulerName") in (None, "", DEFAULT_SCHEDULER):
+        ops.append({"op": "add", "path": "/spec/schedulerName", "value": keys.SCHEDULER_NAME})
+
+    _add_entries(ops, "/spec/volumes", spec.get("volumes"), injected_volumes(sliced), "name")
+
+    for kind in CONTAINER_KINDS:
+        for i, c in enumerate(spec.get(kind) or []):
+            name = c.get("name", "")
+            base = f"/spec/{kind}/{i}"
+            if name in sliced:
+                _add_entries(ops, f"{base}/env", c.get("env"), injected_env(name), "name")
+                _add_entries(ops, f"{base}/volumeMounts", c.get("volumeMounts"), injected_mounts(name),
+                             "mountPath")
+            else:
+                _add_entries(ops, f"{base}/env", c.get("env"), [no_devices_env()], "name")
+    return ops
+
+
+def apply_ops(pod: Mapping[str, Any], ops: list[JSONPatchOp]) -> dict[str, Any]:
+    """Apply ``ops`` (as produced by :func:`mutate_pod`: ``add`` only) to a copy of ``pod``."""
+    out: dict[str, Any] = copy.deepcopy(dict(pod))
+    for op in ops:
+        if op["op"] != "add":
+            raise ValueError(f"unsupported op {op['op']!r}")
+        tokens = [t.replace("~1", "/").replace("~0", "~") for t in op["path"].split("/")[1:]]
+        target: Any = out
+        for t in tokens[:-1]:
+            target = target[int(t)] if isinstance(target, list) else target[t]
+        last = tokens[-1]
+        if isinstance(target, list):
+            if last == "-":
+                target.append(copy.deepcopy(op["value"]))
+            else:
+                target.insert(int(last), copy.deepcopy(op["value"]))
+        else:
+            target[last] = copy.deepcopy(op["value"])
+    return out

@@ -1,0 +1,60 @@
+"""The one place where admission asks "what does this pod request?".
+
+:func:`parse` turns a pod dict into a :class:`Parsed`: whether the pod asks for slices at all,
+which containers get them (name and whether it is an init container), and every request error
+as a message naming key, value and allowed form. The real work is done by the API's request
+parser (:mod:`kvgpu.api.requests`); this module only adapts its answer to what the webhooks
+need, so that mutate and validate never depend on its exact shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+try:
+    from kvgpu.api import requests as api_requests
+except ImportError:  # pragma: no cover - until the API's parser lands
+    from kvgpu.admission import _interim_requests as api_requests  # type: ignore[no-redef]
+
+
+@dataclass(frozen=True, slots=True)
+class SlicedContainer:
+    name: str
+    init: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    requests_slices: bool
+    containers: tuple[SlicedContainer, ...] = ()
+    errors: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.requests_slices and not self.errors
+
+    def names(self) -> frozenset[str]:
+        return frozenset(c.name for c in self.containers)
+
+
+def parse(pod: Mapping[str, Any]) -> Parsed:
+    """Parse ``pod`` (as the API server sends it: name/uid may still be empty at CREATE)."""
+    if not api_requests.requests_slices(pod):
+        return Parsed(requests_slices=False)
+    try:
+        req = api_requests.parse_pod(pod)
+    except api_requests.RequestError as e:
+        return Parsed(requests_slices=True, errors=tuple(_messages(e)))
+    return Parsed(
+        requests_slices=True,
+        containers=tuple(SlicedContainer(c.container, c.init) for c in req.containers),
+    )
+
+
+def _messages(e: Exception) -> list[str]:
+    msgs = getattr(e, "messages", None) or getattr(e, "errors", None)
+    if msgs:
+        return [str(m) for m in msgs]
+    return [str(e)]

@@ -1,0 +1,277 @@
+"""The validating webhook's decision, as a pure function: every reason to refuse, at once.
+
+:func:`validate_pod` returns a list of messages, each naming what is wrong and what to do
+(empty: allowed). Validating webhooks run after every mutating one, so at CREATE it sees the
+pod as it will be stored, our own injection included; the injected entries are recognised by
+their exact shape (:mod:`kvgpu.admission.mutate`), anything else under a reserved name is the
+user's and refused. That also makes a pod that requests slices but was *not* injected (the
+mutating webhook missing or bypassed) fail closed instead of running without limits.
+
+CREATE, for pods that request slices:
+
+* every request error from the parser (key, value, allowed form);
+* a scheduler other than ``kvgpu-scheduler`` (after mutation only a foreign one can remain);
+* ``spec.nodeName`` preset (it would skip the scheduler, so no card would be allocated);
+* privileged containers, and containers adding ``SYS_ADMIN``/``ALL``, among those with slices
+  (they can unmount or bypass the shim);
+* reserved env vars (:data:`kvgpu.core.keys.RESERVED_ENV`) set by the user in any container;
+* the injection incomplete or altered (reserved volumes, mounts, the region sub-path).
+
+CREATE, for every pod reaching the webhook: allocation annotations
+(:func:`kvgpu.core.keys.is_allocation_annotation`) are refused whoever sets them — only the
+operator writes them, and only on existing pods.
+
+UPDATE, by anyone not in ``operator_usernames``: any change to allocation annotations or to the
+``kvgpu.io/managed`` label; a changed request must still parse, and cannot change once the pod
+is scheduled. The operator's own updates are not second-guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from kvgpu.admission import mutate as m
+from kvgpu.admission.parsing import parse
+from kvgpu.core import keys
+
+_DANGEROUS_CAPS = frozenset({"SYS_ADMIN", "ALL", "CAP_SYS_ADMIN"})
+_REQUEST_PREFIXES = (f"{keys.GROUP}/", "nvidia.com/", "hami.io/")
+
+
+def _mapping(v: Any) -> Mapping[str, Any]:
+    return v if isinstance(v, Mapping) else {}
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _containers(pod: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    spec = _mapping(pod.get("spec"))
+    return [
+        ("init container" if kind == "initContainers" else "container", c)
+        for kind in m.CONTAINER_KINDS
+        for c in _list(spec.get(kind))
+        if isinstance(c, Mapping)
+    ]
+
+
+def _annotations(pod: Mapping[str, Any] | None) -> dict[str, str]:
+    if not pod:
+        return {}
+    ann = _mapping(_mapping(pod.get("metadata")).get("annotations"))
+    return {str(k): str(v) for k, v in ann.items()}
+
+
+def _labels(pod: Mapping[str, Any] | None) -> dict[str, str]:
+    if not pod:
+        return {}
+    lab = _mapping(_mapping(pod.get("metadata")).get("labels"))
+    return {str(k): str(v) for k, v in lab.items()}
+
+
+# --------------------------------------------------------------------------- shape checks
+
+
+def _same_env(have: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
+    if "value" in want:
+        return have.get("valueFrom") is None and have.get("value") == want["value"]
+    if have.get("value"):
+        return False
+    ref = _mapping(_mapping(have.get("valueFrom")).get("fieldRef"))
+    if set(_mapping(have.get("valueFrom"))) - {"fieldRef"}:
+        return False
+    want_ref = want["valueFrom"]["fieldRef"]
+    return ref.get("fieldPath") == want_ref["fieldPath"] and ref.get("apiVersion") in (None, "v1")
+
+
+def _same_mount(have: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
+    return (
+        have.get("name") == want["name"]
+        and have.get("mountPath") == want["mountPath"]
+        and bool(have.get("readOnly")) == bool(want.get("readOnly"))
+        and (have.get("subPathExpr") or "") == (want.get("subPathExpr") or "")
+        and not have.get("subPath")
+        and have.get("mountPropagation") in (None, "None")
+    )
+
+
+def _same_volume(have: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
+    sources = set(have) - {"name"}
+    if "hostPath" in want:
+        hp = _mapping(have.get("hostPath"))
+        return sources == {"hostPath"} and hp.get("path") == want["hostPath"]["path"] and \
+            hp.get("type") == want["hostPath"]["type"]
+    dapi = _mapping(have.get("downwardAPI"))
+    if sources != {"downwardAPI"}:
+        return False
+    items = {
+        (str(i.get("path")), str(_mapping(i.get("fieldRef")).get("fieldPath")))
+        for i in _list(dapi.get("items")) if isinstance(i, Mapping) and not i.get("resourceFieldRef")
+    }
+    want_items = {(i["path"], i["fieldRef"]["fieldPath"]) for i in want["downwardAPI"]["items"]}
+    return items == want_items
+
+
+def _env_errors(kind: str, c: Mapping[str, Any], sliced: bool) -> list[str]:
+    name = str(c.get("name", ""))
+    allowed: dict[str, dict[str, Any]] = (
+        {e["name"]: e for e in m.injected_env(name)} if sliced
+        else {keys.ENV_VISIBLE: m.no_devices_env()}
+    )
+    errors = []
+    for e in _list(c.get("env")):
+        if not isinstance(e, Mapping):
+            continue
+        ename = e.get("name")
+        if ename not in keys.RESERVED_ENV:
+            continue
+        want = allowed.get(str(ename))
+        if want is not None and _same_env(e, want):
+            continue
+        errors.append(
+            f"{kind} {name!r} sets env {ename}, which kvgpu reserves for the GPU slice; remove it "
+            "(kvgpu sets it from the pod's allocation)"
+        )
+    return errors
+
+
+def _injection_errors(pod: Mapping[str, Any], sliced: Collection[str]) -> list[str]:
+    """Clashes with the injection (one message each) and, if anything is missing, one message
+    saying the mutating webhook did not run."""
+    spec = _mapping(pod.get("spec"))
+    errors: list[str] = []
+    missing: list[str] = []
+    if (spec.get("schedulerName") or m.DEFAULT_SCHEDULER) == m.DEFAULT_SCHEDULER:
+        missing.append(f"spec.schedulerName {keys.SCHEDULER_NAME}")
+    volumes = {str(v.get("name")): v for v in _list(spec.get("volumes")) if isinstance(v, Mapping)}
+    for want in m.injected_volumes(sliced):
+        have = volumes.get(want["name"])
+        if have is None:
+            missing.append(f"volume {want['name']}")
+        elif not _same_volume(have, want):
+            errors.append(f"volume name {want['name']!r} is reserved by kvgpu; rename your volume")
+    for kind, c in _containers(pod):
+        name = str(c.get("name", ""))
+        mounts = [v for v in _list(c.get("volumeMounts")) if isinstance(v, Mapping)]
+        by_path = {str(v.get("mountPath", "")).rstrip("/") or "/": v for v in mounts}
+        if name in sliced:
+            env = {str(e.get("name")) for e in _list(c.get("env")) if isinstance(e, Mapping)}
+            lacking = [w["name"] for w in m.injected_env(name) if w["name"] not in env]
+            if lacking:
+                missing.append(f"env {', '.join(lacking)} in {kind} {name!r}")
+            for want in m.injected_mounts(name):
+                have = by_path.get(want["mountPath"])
+                if have is None:
+                    missing.append(f"mount {want['mountPath']} in {kind} {name!r}")
+                elif not _same_mount(have, want):
+                    errors.append(f"{kind} {name!r} mounts something else at {want['mountPath']}, "
+                                  "which kvgpu reserves for the GPU slice; use another path")
+        for v in mounts:
+            vname = v.get("name")
+            if vname in m.RESERVED_VOLUMES and (name not in sliced or not any(
+                _same_mount(v, w) for w in m.injected_mounts(name)
+            )):
+                errors.append(f"{kind} {name!r} mounts kvgpu's volume {vname!r} in a way kvgpu does not; "
+                              "remove that mount")
+    if missing:
+        errors.append("the pod requests GPU slices but was not prepared by kvgpu's mutating webhook "
+                      f"(missing: {'; '.join(missing)}); check that the MutatingWebhookConfiguration "
+                      f"{'kvgpu-mutate'!r} exists and the operator runs")
+    return errors
+
+
+def _privilege_errors(kind: str, c: Mapping[str, Any]) -> list[str]:
+    name = c.get("name")
+    sc = _mapping(c.get("securityContext"))
+    errors = []
+    if sc.get("privileged") is True:
+        errors.append(f"{kind} {name!r} is privileged and requests GPU slices; a privileged container "
+                      "can bypass the slice limits: drop privileged or request a whole card without kvgpu")
+    caps = {str(x).upper() for x in _list(_mapping(sc.get("capabilities")).get("add"))}
+    if caps & _DANGEROUS_CAPS:
+        errors.append(f"{kind} {name!r} adds capability {', '.join(sorted(caps & _DANGEROUS_CAPS))} and "
+                      "requests GPU slices; it could unmount the slice limits: drop that capability")
+    return errors
+
+
+def _forged_annotation_errors(pod: Mapping[str, Any]) -> list[str]:
+    forged = sorted(k for k in _annotations(pod) if keys.is_allocation_annotation(k))
+    if not forged:
+        return []
+    return [f"annotation {', '.join(forged)} is written by the kvgpu operator at scheduling time and "
+            "cannot be set on a new pod; remove it (copying a running pod's manifest? drop kvgpu.io "
+            "allocation annotations)"]
+
+
+def _create_errors(pod: Mapping[str, Any]) -> list[str]:
+    errors = _forged_annotation_errors(pod)
+    parsed = parse(pod)
+    if not parsed.requests_slices:
+        return errors
+    errors += parsed.errors
+    spec = _mapping(pod.get("spec"))
+    scheduler = spec.get("schedulerName") or m.DEFAULT_SCHEDULER
+    if scheduler not in (keys.SCHEDULER_NAME, m.DEFAULT_SCHEDULER):
+        errors.append(f"spec.schedulerName is {scheduler!r}, but pods that request GPU slices must be "
+                      f"scheduled by {keys.SCHEDULER_NAME!r}; remove schedulerName (kvgpu sets it)")
+    if spec.get("nodeName"):
+        errors.append(f"spec.nodeName is preset to {spec['nodeName']!r}; pods that request GPU slices must "
+                      "go through the kvgpu scheduler: use a nodeSelector or node affinity instead")
+    sliced = parsed.names()
+    for kind, c in _containers(pod):
+        is_sliced = c.get("name") in sliced
+        if is_sliced:
+            errors += _privilege_errors(kind, c)
+        errors += _env_errors(kind, c, is_sliced)
+    if not parsed.errors:
+        errors += _injection_errors(pod, sliced)
+    return errors
+
+
+def _request_keys(ann: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in ann.items() if k.startswith(_REQUEST_PREFIXES) and not keys.is_allocation_annotation(k)}
+
+
+def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None) -> list[str]:
+    errors: list[str] = []
+    new_ann, old_ann = _annotations(pod), _annotations(old)
+    changed = sorted(
+        k for k in set(new_ann) | set(old_ann)
+        if keys.is_allocation_annotation(k) and new_ann.get(k) != old_ann.get(k)
+    )
+    if changed:
+        errors.append(f"annotation {', '.join(changed)} may only be changed by the kvgpu operator; "
+                      "leave kvgpu.io allocation annotations as they are")
+    new_l, old_l = _labels(pod).get(m.MANAGED_LABEL), _labels(old).get(m.MANAGED_LABEL)
+    if new_l != old_l and old_l is not None:
+        errors.append(f"label {m.MANAGED_LABEL} may only be changed by the kvgpu operator")
+    if _request_keys(new_ann) != _request_keys(old_ann):
+        spec = _mapping(pod.get("spec"))
+        if spec.get("nodeName") or keys.POD_NODE in old_ann:
+            errors.append("GPU request annotations cannot change once the pod is scheduled; "
+                          "create a new pod instead")
+        parsed = parse(pod)
+        errors += parsed.errors
+    return errors
+
+
+def validate_pod(
+    operation: str,
+    pod: Mapping[str, Any],
+    old_pod: Mapping[str, Any] | None,
+    username: str,
+    operator_usernames: Collection[str],
+) -> list[str]:
+    """Every reason to refuse this admission request; ``[]`` means allowed. Never raises on
+    malformed input (an unparsable value is a message, not a crash)."""
+    if not isinstance(pod, Mapping):
+        return []
+    if operation == "CREATE":
+        return _create_errors(pod)
+    if operation == "UPDATE":
+        if username in operator_usernames:
+            return []
+        return _update_errors(pod, old_pod if isinstance(old_pod, Mapping) else None)
+    return []
