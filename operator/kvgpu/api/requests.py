@@ -497,6 +497,10 @@ def wants_slices(obj: Mapping[str, Any]) -> bool:
     return any(_hami_slice_keys(c) for c in inits + apps)
 
 
+#: Another name for :func:`wants_slices`.
+requests_slices = wants_slices
+
+
 def _is_request_annotation(key: str) -> bool:
     return key.startswith(K) and key not in _OPERATOR_KEYS and not keys.is_allocation_annotation(key)
 
