@@ -23,6 +23,8 @@ VALIDATE_ID = "kvgpu-validate-pods"
 #: HTTP status sent with a refusal; the API server shows the message to the user either way.
 REFUSAL_CODE = 400
 
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
 
 def refusal_message(errors: list[str]) -> str:
     if len(errors) == 1:
@@ -40,19 +42,22 @@ def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str
     operators = frozenset(operator_usernames)
 
     @kopf.on.mutate("pods", id=MUTATE_ID, operations=["CREATE"], registry=registry)
-    def mutate(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    def mutate(body: kopf.Body, patch: kopf.Patch, logger: Logger, **_: Any) -> None:
         pod = dict(body)
         ops = mutate_pod(pod)
         if not ops:
             return
         logger.debug("kvgpu: injecting the shim (%d patch ops)", len(ops))
         # Kopf diffs the body before and after the patch's functions to build the JSON patch.
-        patch.fns.append(lambda raw: raw.update(apply_ops(raw, ops)))
+        def apply(raw: Any) -> None:
+            raw.update(apply_ops(raw, ops))
+
+        patch.fns.append(apply)
 
     @kopf.on.validate("pods", id=VALIDATE_ID, operations=["CREATE", "UPDATE"], registry=registry)
     def validate(
-        body: kopf.Body, old: kopf.Body | None, operation: str | None, userinfo: kopf.UserInfo,
-        logger: logging.Logger, **_: Any,
+        body: kopf.Body, userinfo: kopf.UserInfo, logger: Logger,
+        old: kopf.Body | None = None, operation: str | None = None, **_: Any,
     ) -> None:
         username = str((userinfo or {}).get("username", ""))
         errors = validate_pod(

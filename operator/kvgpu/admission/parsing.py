@@ -13,10 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-try:
-    from kvgpu.api import requests as api_requests
-except ImportError:  # pragma: no cover - until the API's parser lands
-    from kvgpu.admission import _interim_requests as api_requests  # type: ignore[no-redef]
+from kvgpu.api import requests as api_requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,21 +37,24 @@ class Parsed:
 
 
 def parse(pod: Mapping[str, Any]) -> Parsed:
-    """Parse ``pod`` (as the API server sends it: name/uid may still be empty at CREATE)."""
-    if not api_requests.requests_slices(pod):
+    """Parse ``pod`` (as the API server sends it: name/uid may still be empty at CREATE).
+
+    Pool defaults are not known at admission (the pool depends on the node), so HAMi's are used:
+    they do not change which containers get slices nor whether a value is valid.
+    """
+    if not api_requests.wants_slices(pod):
         return Parsed(requests_slices=False)
     try:
         req = api_requests.parse_pod(pod)
+    except api_requests.RequestErrors as e:
+        return Parsed(requests_slices=True, errors=tuple(str(x) for x in e.errors))
     except api_requests.RequestError as e:
-        return Parsed(requests_slices=True, errors=tuple(_messages(e)))
+        return Parsed(requests_slices=True, errors=(str(e),))
+    except Exception as e:  # a parser bug must refuse with a message, never crash the webhook
+        return Parsed(requests_slices=True, errors=(f"the GPU request could not be read ({e!r})",))
+    if req is None:
+        return Parsed(requests_slices=False)
     return Parsed(
         requests_slices=True,
         containers=tuple(SlicedContainer(c.container, c.init) for c in req.containers),
     )
-
-
-def _messages(e: Exception) -> list[str]:
-    msgs = getattr(e, "messages", None) or getattr(e, "errors", None)
-    if msgs:
-        return [str(m) for m in msgs]
-    return [str(e)]

@@ -231,7 +231,10 @@ def _create_errors(pod: Mapping[str, Any]) -> list[str]:
 
 
 def _request_keys(ann: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in ann.items() if k.startswith(_REQUEST_PREFIXES) and not keys.is_allocation_annotation(k)}
+    return {
+        k: v for k, v in ann.items()
+        if k.startswith(_REQUEST_PREFIXES) and not keys.is_allocation_annotation(k)
+    }
 
 
 def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None) -> list[str]:
