@@ -1,0 +1,132 @@
+"""Which pool covers a card: selectors, device filters, specificity, conflicts, slicing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvgpu.api.models import NodeSelector, VGPUPool
+from kvgpu.api.pools import (
+    conflicts,
+    covering_pool,
+    defaults_pool,
+    effective_slicing,
+    node_matches,
+    node_slicing,
+    specificity,
+)
+from kvgpu.core.inventory import Card, Slicing
+
+H200 = Card(uuid="GPU-aaaa-0", index=0, model="NVIDIA H200", memory_mib=143771, sm_count=132)
+A100 = Card(uuid="GPU-bbbb-1", index=1, model="NVIDIA A100-SXM4-80GB", memory_mib=81920, sm_count=108)
+GPU_NODE = {"kvgpu.io/gpu-node": "true", "zone": "a"}
+
+
+def pool(name: str, **spec: Any) -> VGPUPool:
+    return VGPUPool.model_validate({"metadata": {"name": name}, "spec": spec})
+
+
+@pytest.mark.parametrize(
+    ("selector", "labels", "match"),
+    [
+        ({}, {}, True),
+        ({"matchLabels": {"a": "1"}}, {"a": "1"}, True),
+        ({"matchLabels": {"a": "1"}}, {"a": "2"}, False),
+        ({"matchLabels": {"a": "1"}}, {}, False),
+        ({"matchExpressions": [{"key": "a", "operator": "In", "values": ["1", "2"]}]}, {"a": "2"}, True),
+        ({"matchExpressions": [{"key": "a", "operator": "In", "values": ["1"]}]}, {}, False),
+        ({"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["1"]}]}, {}, True),
+        ({"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["1"]}]}, {"a": "1"}, False),
+        ({"matchExpressions": [{"key": "a", "operator": "Exists"}]}, {"a": ""}, True),
+        ({"matchExpressions": [{"key": "a", "operator": "Exists"}]}, {}, False),
+        ({"matchExpressions": [{"key": "a", "operator": "DoesNotExist"}]}, {}, True),
+        ({"matchExpressions": [{"key": "a", "operator": "DoesNotExist"}]}, {"a": "x"}, False),
+        (
+            {"matchLabels": {"b": "2"}, "matchExpressions": [{"key": "a", "operator": "Exists"}]},
+            {"a": "1", "b": "3"},
+            False,
+        ),
+    ],
+)
+def test_node_matches(selector: dict[str, Any], labels: dict[str, str], match: bool) -> None:
+    assert node_matches(NodeSelector.model_validate(selector), labels) is match
+
+
+@pytest.mark.parametrize(
+    ("devices", "card", "match"),
+    [
+        ({}, H200, True),
+        ({"models": ["h200"]}, H200, True),  # case-insensitive substring
+        ({"models": ["H100", "A100"]}, H200, False),
+        ({"models": ["A100"]}, A100, True),
+        ({"uuids": ["GPU-aaaa-0"]}, H200, True),
+        ({"uuids": ["GPU-aaaa-0"]}, A100, False),
+        ({"indexes": [1]}, A100, True),
+        ({"indexes": [1]}, H200, False),
+        ({"models": ["H200"], "indexes": [1]}, H200, False),  # lists combine with AND
+    ],
+)
+def test_device_filter(devices: dict[str, Any], card: Card, match: bool) -> None:
+    cov = covering_pool([pool("p", devices=devices)], {}, card)
+    assert (cov.pool is not None) is match
+
+
+def test_no_pool_no_slicing() -> None:
+    assert effective_slicing([], GPU_NODE, H200) is None
+    assert effective_slicing([pool("p", nodeSelector={"matchLabels": {"zone": "b"}})], GPU_NODE, H200) is None
+
+
+def test_effective_slicing_values() -> None:
+    p = pool("inference", splitCount=20, memoryScaling=1.5, coreScaling=2)
+    assert effective_slicing([p], GPU_NODE, H200) == Slicing("inference", 20, 1.5, 2.0, "hami-core")
+
+
+def test_exclusive_mode_is_one_slice() -> None:
+    s = effective_slicing([pool("x", mode="exclusive", splitCount=10)], {}, H200)
+    assert s is not None and (s.split_count, s.mode) == (1, "exclusive")
+
+
+def test_most_specific_wins() -> None:
+    everything = pool("default")
+    labelled = pool("labelled", nodeSelector={"matchLabels": {"zone": "a"}})
+    by_model = pool("models", devices={"models": ["H200"]})
+    by_index = pool("indexes", devices={"indexes": [0]})
+    by_uuid = pool("uuids", devices={"uuids": ["GPU-aaaa-0"]})
+    order = [everything, labelled, by_model, by_index, by_uuid]
+    for i in range(len(order)):
+        cov = covering_pool(order[: i + 1], GPU_NODE, H200)
+        assert cov.pool is order[i] and cov.conflicts == ()
+        # order of the input does not matter
+        assert covering_pool(list(reversed(order[: i + 1])), GPU_NODE, H200).pool is order[i]
+    assert specificity(by_uuid.spec) > specificity(by_index.spec) > specificity(by_model.spec)
+    # on the A100 only the pools without a device filter apply
+    assert covering_pool(order, GPU_NODE, A100).pool is labelled
+
+
+def test_ties_conflict_and_first_name_wins() -> None:
+    a = pool("b-pool", nodeSelector={"matchLabels": {"zone": "a"}})
+    b = pool("a-pool", nodeSelector={"matchLabels": {"kvgpu.io/gpu-node": "true"}})
+    cov = covering_pool([a, b], GPU_NODE, H200)
+    assert cov.pool is b and cov.conflicts == ("b-pool",)
+    got = conflicts([a, b, pool("c", devices={"models": ["A100"]})], [(GPU_NODE, [H200, A100]), ({}, [H200])])
+    assert got == {"a-pool": frozenset({"b-pool"}), "b-pool": frozenset({"a-pool"})}
+
+
+def test_node_slicing_and_dict_pools() -> None:
+    body = {
+        "apiVersion": "kvgpu.io/v1alpha1",
+        "kind": "VGPUPool",
+        "metadata": {"name": "h200"},
+        "spec": {"devices": {"models": ["H200"]}, "splitCount": 4},
+    }
+    got = node_slicing([body], GPU_NODE, [H200, A100])
+    assert got[H200.uuid] == Slicing("h200", 4) and got[A100.uuid] is None
+
+
+def test_defaults_pool() -> None:
+    assert defaults_pool([]).defaults.gpu == 1
+    only = pool("only", defaults={"gpu": 2})
+    assert defaults_pool([only]).defaults.gpu == 2
+    dflt = pool("default", defaults={"gpu": 3})
+    assert defaults_pool([only, dflt]).defaults.gpu == 3
+    assert defaults_pool([only, pool("other")]).defaults.gpu == 1
