@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "operator"))
 
-from kvgpu.agent.discovery import DiscoveryError, NvmlDiscovery, cuda_sm_counts  # noqa: E402
+from kvgpu.agent.discovery import DiscoveryError, NvmlDiscovery, cuda_sm_counts
 
 
 def smi_cards() -> list[dict[str, str]]:
@@ -88,7 +88,9 @@ def main() -> int:
         for what, ours, theirs in checks:
             ok = ours == theirs
             bad += not ok
-            print(f"{'ok      ' if ok else 'MISMATCH'} {c.uuid} {what}: kvgpu={ours} nvidia-smi/cuda={theirs}")
+            print(
+                f"{'ok      ' if ok else 'MISMATCH'} {c.uuid} {what}: kvgpu={ours} nvidia-smi/cuda={theirs}"
+            )
         ok_sm = c.sm_count > 0
         bad += not ok_sm
         print(

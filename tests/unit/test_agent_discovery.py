@@ -6,7 +6,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-
 from kvgpu.agent.discovery import DiscoveryError, NvmlDiscovery, SimulatedDiscovery
 from kvgpu.core.inventory import NodeInventory, simulated_uuid
 
@@ -119,7 +118,14 @@ def test_nvml_discovery_fields():
     assert inv.source == "nvml" and inv.driver == "580.159.04" and inv.cuda == "13.0"
     a, b = inv.cards
     assert (a.uuid, a.index, a.model, a.memory_mib, a.sm_count, a.numa, a.mig_mode) == (
-        H200["uuid"], 0, "NVIDIA H200", 143771, 132, 0, False)
+        H200["uuid"],
+        0,
+        "NVIDIA H200",
+        143771,
+        132,
+        0,
+        False,
+    )
     assert b.numa is None and b.mig_mode is True
     assert d.details[0].sm_source == "nvml"
     d.discover()

@@ -6,9 +6,6 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvgpu.agent.exporter import (
     DeviceUsage,
     UsageCollector,
@@ -21,27 +18,41 @@ from kvgpu.agent.exporter import (
 from kvgpu.agent.pods import PodCache
 from kvgpu.core import keys
 from kvgpu.core.inventory import Card, NodeInventory, Slicing
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 U0 = "GPU-00000000-0000-0000-0000-000000000000"
 U1 = "GPU-11111111-1111-1111-1111-111111111111"
 INV = NodeInventory(
     "gpu-0",
-    (Card(U0, 0, "NVIDIA H200", 143771, 132, 0, slicing=Slicing("default", 10)),
-     Card(U1, 1, "NVIDIA H200", 143771, 132, 1, healthy=False, reason="XID 79")),
+    (
+        Card(U0, 0, "NVIDIA H200", 143771, 132, 0, slicing=Slicing("default", 10)),
+        Card(U1, 1, "NVIDIA H200", 143771, 132, 1, healthy=False, reason="XID 79"),
+    ),
     "simulated",
 )
 
 
 def pod(name="nb", uid="uid-1", containers=("main", "side"), claims=None, statuses=(), phase="Pending"):
-    claims = claims if claims is not None else {
-        "main": f"v1;claim=team/nb-main;priority=0;dev={U0},3000,30;dev={U1},2000,0",
-    }
+    claims = (
+        claims
+        if claims is not None
+        else {
+            "main": f"v1;claim=team/nb-main;priority=0;dev={U0},3000,30;dev={U1},2000,0",
+        }
+    )
     return {
-        "metadata": {"name": name, "namespace": "team", "uid": uid,
-                     "annotations": {keys.claim_annotation(c): t for c, t in claims.items()}},
+        "metadata": {
+            "name": name,
+            "namespace": "team",
+            "uid": uid,
+            "annotations": {keys.claim_annotation(c): t for c, t in claims.items()},
+        },
         "spec": {"nodeName": "gpu-0", "containers": [{"name": c} for c in containers]},
-        "status": {"phase": phase, "containerStatuses": [{"name": s, "containerID": "containerd://x"}
-                                                          for s in statuses]},
+        "status": {
+            "phase": phase,
+            "containerStatuses": [{"name": s, "containerID": "containerd://x"} for s in statuses],
+        },
     }
 
 
@@ -63,7 +74,13 @@ def value(samples, name, **labels):
 def test_containers_of_pod():
     (c,) = containers_of_pod(pod())
     assert (c.namespace, c.pod, c.pod_uid, c.container, c.claim, c.priority) == (
-        "team", "nb", "uid-1", "main", "team/nb-main", 0)
+        "team",
+        "nb",
+        "uid-1",
+        "main",
+        "team/nb-main",
+        0,
+    )
     assert [(d.uuid, d.memory_mib, d.cores) for d in c.devices] == [(U0, 3000, 30), (U1, 2000, 0)]
     assert not c.started
     assert containers_of_pod(pod(phase="Succeeded")) == []
@@ -82,8 +99,13 @@ def test_limits_appear_before_cuda_then_usage(tmp_path):
         return regions.get(path)
 
     pods = [pod()]
-    col = UsageCollector("gpu-0", lambda: [c for p in pods for c in containers_of_pod(p)], lambda: INV,
-                         reader=reader, region_root=str(tmp_path))
+    col = UsageCollector(
+        "gpu-0",
+        lambda: [c for p in pods for c in containers_of_pod(p)],
+        lambda: INV,
+        reader=reader,
+        region_root=str(tmp_path),
+    )
     s = scrape(col)
     lab = {"namespace": "team", "pod": "nb", "container": "main", "device_uuid": U0}
     # Bound, no CUDA yet: the limit is there, usage 0, region inactive.
@@ -118,8 +140,14 @@ def test_reader_errors_do_not_break_scrape(tmp_path):
     def reader(path):
         raise ValueError("bad magic")
 
-    col = UsageCollector("gpu-0", lambda: containers_of_pod(pod()), lambda: INV, reader=reader,
-                         region_root=str(tmp_path), hami_compat=False)
+    col = UsageCollector(
+        "gpu-0",
+        lambda: containers_of_pod(pod()),
+        lambda: INV,
+        reader=reader,
+        region_root=str(tmp_path),
+        hami_compat=False,
+    )
     s = scrape(col)
     assert value(s, "kvgpu_region_read_errors_total") == 1
     assert value(s, "kvgpu_container_memory_limit_bytes", device_uuid=U0) == 3000 * 2**20
@@ -146,8 +174,14 @@ def test_gc_regions(tmp_path):
 def test_pod_cache_hints():
     pc = PodCache("gpu-0")
     pc.set_pod(pod())
-    pc.set_pod(pod(name="other", uid="uid-2", claims={"main": f"v1;claim=team/o;priority=1;dev={U1},100,0"},
-                   statuses=("main",)))
+    pc.set_pod(
+        pod(
+            name="other",
+            uid="uid-2",
+            claims={"main": f"v1;claim=team/o;priority=1;dev={U1},100,0"},
+            statuses=("main",),
+        )
+    )
     assert pc.hints(2) == [[U0, U1]] and pc.hints(1) == []
     assert {c.pod for c in pc.containers()} == {"nb", "other"}
     pc.delete_pod(pod())

@@ -50,7 +50,10 @@ def test_probe_failure_and_node_wide_error():
     assert s.status(B)[1] == "row remapping pending (reset needed)"
     assert {c.uuid for c in s.observe(Observation("probe", A, ok=True), 7)} == {A}
     inv = s.apply(INV)
-    assert [(c.healthy, c.reason) for c in inv.cards] == [(True, ""), (False, "row remapping pending (reset needed)")]
+    assert [(c.healthy, c.reason) for c in inv.cards] == [
+        (True, ""),
+        (False, "row remapping pending (reset needed)"),
+    ]
 
 
 def test_unknown_cards_and_set_cards():

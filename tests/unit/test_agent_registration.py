@@ -6,7 +6,6 @@ import asyncio
 import copy
 
 import pytest
-
 from kvgpu.agent.discovery import DiscoveryError, SimulatedDiscovery
 from kvgpu.agent.health import HealthState, Observation
 from kvgpu.agent.registration import Registrar, pool_slicing

@@ -8,7 +8,6 @@ import stat
 from pathlib import Path
 
 import pytest
-
 from kvgpu.agent import shiminstall
 from kvgpu.agent.shiminstall import ShimInstallError, in_use, install_shim, prune_shims
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc import aio
-
 from kvgpu.agent.deviceplugin import (
     DevicePlugin,
     PluginConfig,
@@ -40,8 +39,17 @@ def inventory(split=3, healthy1=True):
         "gpu-0",
         (
             Card(U0, 0, "NVIDIA H200", 143771, 132, 0, slicing=sl),
-            Card(U1, 1, "NVIDIA H200", 143771, 132, 1, healthy=healthy1, reason="" if healthy1 else "XID 79",
-                 slicing=sl),
+            Card(
+                U1,
+                1,
+                "NVIDIA H200",
+                143771,
+                132,
+                1,
+                healthy=healthy1,
+                reason="" if healthy1 else "XID 79",
+                slicing=sl,
+            ),
         ),
         "simulated",
     )
@@ -55,7 +63,7 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
         self.refuse = refuse
         self.registered = asyncio.Event()
 
-    async def Register(self, request, context):  # noqa: N802
+    async def Register(self, request, context):
         if self.refuse:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refuse)
         self.requests.append(request)
@@ -111,7 +119,11 @@ async def test_register_list_allocate(sock_dir, shim_dir):
         task = asyncio.create_task(plugin.run())
         await asyncio.wait_for(fk.registered.wait(), 5)
         req = fk.requests[0]
-        assert (req.version, req.endpoint, req.resource_name) == ("v1beta1", "kvgpu-nvidia-gpu.sock", "nvidia.com/gpu")
+        assert (req.version, req.endpoint, req.resource_name) == (
+            "v1beta1",
+            "kvgpu-nvidia-gpu.sock",
+            "nvidia.com/gpu",
+        )
         assert req.options.get_preferred_allocation_available
 
         async with aio.insecure_channel(f"unix://{sock_dir / req.endpoint}") as ch:
@@ -208,10 +220,14 @@ async def test_allocate_fails_closed_without_shim(sock_dir, tmp_path):
 
 
 async def test_visible_devices_opt_in(sock_dir, shim_dir):
-    plugin = DevicePlugin(config(sock_dir, shim_dir, visible_devices_from_ids=True, mounts=False), inventory())
+    plugin = DevicePlugin(
+        config(sock_dir, shim_dir, visible_devices_from_ids=True, mounts=False), inventory()
+    )
     resp = plugin.allocate(
         pb2.AllocateRequest(
-            container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U1, 0), replica_id(U1, 2)])]
+            container_requests=[
+                pb2.ContainerAllocateRequest(devices_ids=[replica_id(U1, 0), replica_id(U1, 2)])
+            ]
         )
     )
     c = resp.container_responses[0]

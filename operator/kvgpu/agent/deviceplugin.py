@@ -1,7 +1,7 @@
 """Kubelet device plugin (API v1beta1) for HAMi's resource name ``nvidia.com/gpu``.
 
 Each physical card covered by a VGPUPool is advertised as ``splitCount`` replicas (``exclusive``
-mode: one), so node allocatable ``nvidia.com/gpu`` = cards × splitCount. Replica IDs are
+mode: one), so node allocatable ``nvidia.com/gpu`` = cards x splitCount. Replica IDs are
 ``<card UUID>::<n>``. A replica's health is its card's; its topology is the card's NUMA node.
 
 Identities come from the claim, not from the device IDs: the operator writes the container's
@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -105,8 +106,8 @@ def replicas_for(card: Card, cfg: PluginConfig) -> int:
     return card.slicing.split_count
 
 
-def device_list(inv: NodeInventory, cfg: PluginConfig) -> list[pb2.Device]:
-    """The ``ListAndWatch`` list for an inventory (cards × replicas, health, NUMA)."""
+def device_list(inv: NodeInventory, cfg: PluginConfig) -> list[Any]:
+    """The ``ListAndWatch`` list for an inventory (cards x replicas, health, NUMA)."""
     out = []
     for c in inv.cards:
         topo = None
@@ -179,17 +180,17 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
     def __init__(self, plugin: DevicePlugin) -> None:
         self.p = plugin
 
-    async def GetDevicePluginOptions(self, request, context):  # noqa: N802 (gRPC names)
+    async def GetDevicePluginOptions(self, request, context):
         return pb2.DevicePluginOptions(
             pre_start_required=False,
             get_preferred_allocation_available=self.p.cfg.preferred_allocation,
         )
 
-    async def ListAndWatch(self, request, context) -> AsyncIterator[pb2.ListAndWatchResponse]:  # noqa: N802
+    async def ListAndWatch(self, request, context) -> AsyncIterator[Any]:
         async for devices in self.p.watch_devices():
             yield pb2.ListAndWatchResponse(devices=devices)
 
-    async def GetPreferredAllocation(self, request, context):  # noqa: N802
+    async def GetPreferredAllocation(self, request, context):
         healthy = {c.uuid for c in self.p.inventory.cards if c.healthy}
         out = []
         for req in request.container_requests:
@@ -200,17 +201,19 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
                     hint = self.p.hints(size)
                 except Exception:  # a hint is advisory; never fail the kubelet over it
                     log.exception("preferred-allocation hint provider failed")
-            ids = preferred(list(req.available_deviceIDs), list(req.must_include_deviceIDs), size, healthy, hint)
+            ids = preferred(
+                list(req.available_deviceIDs), list(req.must_include_deviceIDs), size, healthy, hint
+            )
             out.append(pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return pb2.PreferredAllocationResponse(container_responses=out)
 
-    async def Allocate(self, request, context):  # noqa: N802
+    async def Allocate(self, request, context):
         try:
             return self.p.allocate(request)
         except PluginError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
-    async def PreStartContainer(self, request, context):  # noqa: N802
+    async def PreStartContainer(self, request, context):
         return pb2.PreStartContainerResponse()
 
 
@@ -243,7 +246,7 @@ class DevicePlugin:
     def kubelet_socket_path(self) -> Path:
         return Path(self.cfg.socket_dir) / self.cfg.kubelet_socket
 
-    def devices(self) -> list[pb2.Device]:
+    def devices(self) -> list[Any]:
         return device_list(self.inventory, self.cfg)
 
     async def update(self, inv: NodeInventory) -> None:
@@ -255,18 +258,18 @@ class DevicePlugin:
                 self._generation += 1
                 self._cond.notify_all()
 
-    async def watch_devices(self) -> AsyncIterator[list[pb2.Device]]:
+    async def watch_devices(self) -> AsyncIterator[list[Any]]:
         """Yield the device list now and after every change, until the plugin stops."""
         seen = -1
         while not self._stopping:
             async with self._cond:
-                await self._cond.wait_for(lambda: self._generation != seen or self._stopping)
+                await self._cond.wait_for(lambda: self._generation != seen or self._stopping)  # noqa: B023
                 if self._stopping:
                     return
                 seen = self._generation
             yield self.devices()
 
-    def allocate(self, request: pb2.AllocateRequest) -> pb2.AllocateResponse:
+    def allocate(self, request: Any) -> Any:
         """Answer ``Allocate``: per container the shim mounts and env. Raises :class:`PluginError`."""
         known = {c.uuid: c for c in self.inventory.cards}
         shim = resolve_shim(self.cfg.host_shim_dir) if self.cfg.mounts else None
@@ -280,7 +283,9 @@ class DevicePlugin:
             uuids = list(dict.fromkeys(card_of(d) for d in creq.devices_ids))
             unknown = [u for u in uuids if u not in known]
             if unknown:
-                raise PluginError(f"unknown device IDs {sorted(creq.devices_ids)} (cards {unknown} not on node)")
+                raise PluginError(
+                    f"unknown device IDs {sorted(creq.devices_ids)} (cards {unknown} not on node)"
+                )
             resp = pb2.ContainerAllocateResponse()
             resp.envs["KVGPU_DEVICE_PLUGIN"] = self.cfg.resource_name
             if shim is not None:
@@ -327,7 +332,7 @@ class DevicePlugin:
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
 
-    async def register(self, timeout: float = 5.0) -> None:
+    async def register(self, rpc_timeout_s: float = 5.0) -> None:
         """Register with the kubelet. Raises :class:`PluginError` if it refuses or is unreachable."""
         req = pb2.RegisterRequest(
             version=API_VERSION,
@@ -340,7 +345,7 @@ class DevicePlugin:
         )
         try:
             async with aio.insecure_channel(f"unix://{self.kubelet_socket_path}") as ch:
-                await pb2_grpc.RegistrationStub(ch).Register(req, timeout=timeout)
+                await pb2_grpc.RegistrationStub(ch).Register(req, timeout=rpc_timeout_s)
         except grpc.RpcError as e:
             raise PluginError(f"kubelet registration failed: {e.code().name}: {e.details()}") from e
         self.registrations += 1
@@ -370,7 +375,7 @@ class DevicePlugin:
                     await asyncio.sleep(retry_s)
                     continue
                 own = self._identity(self.socket_path)
-                while (
+                while (  # noqa: ASYNC110 (polling two files is the point)
                     self._identity(self.kubelet_socket_path) == kubelet_id
                     and self._identity(self.socket_path) == own
                 ):
@@ -381,6 +386,6 @@ class DevicePlugin:
             await self.stop()
 
 
-def plugin_ids(devices: Iterable[pb2.Device]) -> list[str]:
+def plugin_ids(devices: Iterable[Any]) -> list[str]:
     """IDs of a device list (test helper)."""
     return [d.ID for d in devices]

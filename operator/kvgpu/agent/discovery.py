@@ -160,7 +160,10 @@ def cuda_sm_counts(lib: str = "libcuda.so.1") -> dict[str, int]:
             h = bytes(raw).hex()
             uuid = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
             sms = ctypes.c_int()
-            if cu.cuDeviceGetAttribute(ctypes.byref(sms), _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) == 0:
+            if (
+                cu.cuDeviceGetAttribute(ctypes.byref(sms), _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev)
+                == 0
+            ):
                 out[uuid] = sms.value
     except (AttributeError, OSError):
         return out

@@ -102,8 +102,13 @@ def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
         try:
             cs = claimstr.decode(text)
         except claimstr.ClaimStringError as e:
-            log.warning("pod %s/%s container %s: bad claim annotation: %s", meta.get("namespace"),
-                        meta.get("name"), name, e)
+            log.warning(
+                "pod %s/%s container %s: bad claim annotation: %s",
+                meta.get("namespace"),
+                meta.get("name"),
+                name,
+                e,
+            )
             continue
         out.append(
             BoundContainer(
@@ -170,8 +175,15 @@ def adapt_region(usage: Any) -> list[DeviceUsage]:
             used = int(b) / MIB
         sm = _first(d, "sm_util", "sm_utilization", "sm_percent")
         pids = _first(d, "pids", default=()) or ()
-        out.append(DeviceUsage(str(_first(d, "uuid", default="")), int(limit or 0), float(used or 0),
-                               tuple(int(p) for p in pids), None if sm is None else float(sm)))
+        out.append(
+            DeviceUsage(
+                str(_first(d, "uuid", default="")),
+                int(limit or 0),
+                float(used or 0),
+                tuple(int(p) for p in pids),
+                None if sm is None else float(sm),
+            )
+        )
     return out
 
 
@@ -195,12 +207,13 @@ def default_reader() -> RegionReader:
     return read
 
 
-def gc_regions(root: str | os.PathLike[str], live_pod_uids: set[str], min_age_s: float = 300.0,
-               now: float | None = None) -> list[Path]:
+def gc_regions(
+    root: str | os.PathLike[str], live_pod_uids: set[str], min_age_s: float = 300.0, now: float | None = None
+) -> list[Path]:
     """Delete ``<root>/<pod-uid>`` directories of pods no longer on this node, once older than
     ``min_age_s`` (so a pod bound a moment ago is never raced). Returns what was removed."""
     now = time.time() if now is None else now
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(Path(root).iterdir())
     except OSError:
@@ -252,33 +265,54 @@ class UsageCollector(Collector):
         inv = self.inventory()
         index = {c.uuid: str(c.index) for c in inv.cards} if inv else {}
         g = {
-            "limit": GaugeMetricFamily("kvgpu_container_memory_limit_bytes",
-                                       "Memory limit of the container's slice on the card (from its claim).",
-                                       labels=_CLABELS),
-            "cores": GaugeMetricFamily("kvgpu_container_core_limit_percent",
-                                       "Compute limit of the slice, percent of the card's SMs (0 = none).",
-                                       labels=_CLABELS),
-            "used": GaugeMetricFamily("kvgpu_container_memory_used_bytes",
-                                      "Device memory charged to the container by the shim.", labels=_CLABELS),
-            "sm": GaugeMetricFamily("kvgpu_container_sm_utilization_percent",
-                                    "SM utilisation of the container on the card, percent.", labels=_CLABELS),
-            "procs": GaugeMetricFamily("kvgpu_container_processes",
-                                       "Processes of the container attached to the shim's region.",
-                                       labels=_CLABELS),
-            "enforced": GaugeMetricFamily("kvgpu_container_enforced_limit_bytes",
-                                          "Memory limit the shim enforces (should equal the claim's).",
-                                          labels=_CLABELS),
+            "limit": GaugeMetricFamily(
+                "kvgpu_container_memory_limit_bytes",
+                "Memory limit of the container's slice on the card (from its claim).",
+                labels=_CLABELS,
+            ),
+            "cores": GaugeMetricFamily(
+                "kvgpu_container_core_limit_percent",
+                "Compute limit of the slice, percent of the card's SMs (0 = none).",
+                labels=_CLABELS,
+            ),
+            "used": GaugeMetricFamily(
+                "kvgpu_container_memory_used_bytes",
+                "Device memory charged to the container by the shim.",
+                labels=_CLABELS,
+            ),
+            "sm": GaugeMetricFamily(
+                "kvgpu_container_sm_utilization_percent",
+                "SM utilisation of the container on the card, percent.",
+                labels=_CLABELS,
+            ),
+            "procs": GaugeMetricFamily(
+                "kvgpu_container_processes",
+                "Processes of the container attached to the shim's region.",
+                labels=_CLABELS,
+            ),
+            "enforced": GaugeMetricFamily(
+                "kvgpu_container_enforced_limit_bytes",
+                "Memory limit the shim enforces (should equal the claim's).",
+                labels=_CLABELS,
+            ),
         }
-        active = GaugeMetricFamily("kvgpu_container_region_active",
-                                   "1 when the shim's shared region of the container exists and was read.",
-                                   labels=["node", "namespace", "pod", "container", "claim"])
+        active = GaugeMetricFamily(
+            "kvgpu_container_region_active",
+            "1 when the shim's shared region of the container exists and was read.",
+            labels=["node", "namespace", "pod", "container", "claim"],
+        )
         h = {
-            "used": GaugeMetricFamily("hami_vgpu_memory_used_bytes", "HAMi-compatible: container memory used.",
-                                      labels=_HLABELS),
-            "limit": GaugeMetricFamily("hami_vgpu_memory_limit_bytes", "HAMi-compatible: container memory limit.",
-                                       labels=_HLABELS),
-            "util": GaugeMetricFamily("hami_container_device_utilization_ratio",
-                                      "HAMi-compatible: container SM utilisation (percent).", labels=_HLABELS),
+            "used": GaugeMetricFamily(
+                "hami_vgpu_memory_used_bytes", "HAMi-compatible: container memory used.", labels=_HLABELS
+            ),
+            "limit": GaugeMetricFamily(
+                "hami_vgpu_memory_limit_bytes", "HAMi-compatible: container memory limit.", labels=_HLABELS
+            ),
+            "util": GaugeMetricFamily(
+                "hami_container_device_utilization_ratio",
+                "HAMi-compatible: container SM utilisation (percent).",
+                labels=_HLABELS,
+            ),
         }
         for c in self.containers():
             usage: dict[str, DeviceUsage] = {}
@@ -316,8 +350,9 @@ class UsageCollector(Collector):
         info = GaugeMetricFamily("kvgpu_card_info", "A card of the node (value 1).", labels=[*_CARD, "numa"])
         healthy = GaugeMetricFamily("kvgpu_card_healthy", "1 healthy, 0 unhealthy.", labels=_CARD)
         mem = GaugeMetricFamily("kvgpu_card_memory_bytes", "Physical memory of the card.", labels=_CARD)
-        slices = GaugeMetricFamily("kvgpu_card_slices", "Slices the card offers (0 = no pool covers it).",
-                                   labels=_CARD)
+        slices = GaugeMetricFamily(
+            "kvgpu_card_slices", "Slices the card offers (0 = no pool covers it).", labels=_CARD
+        )
         for card in inv.cards if inv else ():
             lv = [self.node, card.uuid, str(card.index), card.model]
             info.add_metric([*lv, "" if card.numa is None else str(card.numa)], 1)
@@ -325,8 +360,9 @@ class UsageCollector(Collector):
             mem.add_metric(lv, card.memory_mib * MIB)
             slices.add_metric(lv, card.slicing.split_count if card.slicing else 0)
         yield from (info, healthy, mem, slices)
-        err = CounterMetricFamily("kvgpu_region_read_errors", "Shared regions that could not be read.",
-                                  labels=["node"])
+        err = CounterMetricFamily(
+            "kvgpu_region_read_errors", "Shared regions that could not be read.", labels=["node"]
+        )
         err.add_metric([self.node], self.read_errors)
         yield err
 

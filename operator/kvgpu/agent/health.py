@@ -166,8 +166,9 @@ class SimulatedHealthSource:
     probe bad with that reason, the others probe fine.
     """
 
-    def __init__(self, inventory: Callable[[], NodeInventory], path: str | None = None,
-                 interval_s: float = 1.0) -> None:
+    def __init__(
+        self, inventory: Callable[[], NodeInventory], path: str | None = None, interval_s: float = 1.0
+    ) -> None:
         self.inventory = inventory
         self.path = path
         self.interval_s = interval_s
@@ -236,10 +237,17 @@ class NvmlHealthSource:
     does it). ``uuids()`` gives the cards to watch; a change of that set re-registers events.
     """
 
-    def __init__(self, uuids: Callable[[], list[str]], nvml: Any = None, probe_interval_s: float = 10.0,
-                 wait_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        uuids: Callable[[], list[str]],
+        nvml: Any = None,
+        probe_interval_s: float = 10.0,
+        wait_ms: int = 1000,
+    ) -> None:
         if nvml is None:
-            import pynvml as nvml
+            import pynvml
+
+            nvml = pynvml
         self.nv = nvml
         self.uuids = uuids
         self.probe_interval_s = probe_interval_s
@@ -351,8 +359,13 @@ class HealthMonitor:
     ``clock`` is injectable for tests (default ``time.monotonic``).
     """
 
-    def __init__(self, state: HealthState, source: Any, on_change: OnChange,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        state: HealthState,
+        source: Any,
+        on_change: OnChange,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.state = state
         self.source = source
         self.on_change = on_change

@@ -66,7 +66,7 @@ class KubeApi:
         meta: dict[str, Any] = {"annotations": annotations}
         if labels:
             meta["labels"] = labels
-        await self.core.patch_node(name, {"metadata": meta}, _content_type="application/merge-patch+json")
+        await self.core.patch_node(name, {"metadata": meta}, _content_type="application/merge-patch+json")  # type: ignore[call-arg]
 
     async def list_pools(self) -> list[dict[str, Any]]:
         from kubernetes_asyncio.client.exceptions import ApiException
@@ -85,8 +85,12 @@ class KubeApi:
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {"generateName": f"{node}.kvgpu-", "namespace": EVENT_NAMESPACE},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node,
-                               "uid": self._node_uid.get(node, node)},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": node,
+                "uid": self._node_uid.get(node, node),
+            },
             "reason": reason,
             "message": message[:1024],
             "type": type_,
@@ -98,6 +102,6 @@ class KubeApi:
             "count": 1,
         }
         try:
-            await self.core.create_namespaced_event(EVENT_NAMESPACE, body)
+            await self.core.create_namespaced_event(EVENT_NAMESPACE, body)  # type: ignore[arg-type]
         except Exception as e:  # events are best effort
             log.warning("could not record event %s on node %s: %s", reason, node, e)

@@ -63,8 +63,12 @@ class PodCache:
                 self.synced.set()
                 rv = (items.get("metadata") or {}).get("resourceVersion")
                 w = watch.Watch()
-                async with w.stream(core.list_pod_for_all_namespaces, field_selector=selector,
-                                    resource_version=rv, timeout_seconds=300) as stream:
+                async with w.stream(
+                    core.list_pod_for_all_namespaces,
+                    field_selector=selector,
+                    resource_version=rv,
+                    timeout_seconds=300,
+                ) as stream:
                     async for ev in stream:
                         obj = api_client.sanitize_for_serialization(ev["object"])
                         if ev["type"] == "DELETED":

@@ -149,9 +149,10 @@ class Registrar:
                     first = self.inventory is None and current is None
                     if first or self._cards_changed(current, inv):
                         await self.api.node_event(
-                            self.node, "GPUInventoryChanged",
-                            f"{len(inv.cards)} card(s): " + ", ".join(
-                                f"{c.index}:{c.model}:{c.uuid}" for c in inv.cards)[:900],
+                            self.node,
+                            "GPUInventoryChanged",
+                            f"{len(inv.cards)} card(s): "
+                            + ", ".join(f"{c.index}:{c.model}:{c.uuid}" for c in inv.cards)[:900],
                         )
             self.inventory = inv
             self.refreshes += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 _here = Path(__file__).resolve().parent
 
@@ -21,8 +22,13 @@ def _generate() -> None:
     except ImportError as e:
         raise ImportError("deviceplugin_pb2 is not generated: run `make install` (hack/gen_proto.py)") from e
     rc = protoc.main(
-        ["protoc", f"-I{_here}", f"--python_out={_here}", f"--grpc_python_out={_here}",
-         str(_here / "deviceplugin.proto")]
+        [
+            "protoc",
+            f"-I{_here}",
+            f"--python_out={_here}",
+            f"--grpc_python_out={_here}",
+            str(_here / "deviceplugin.proto"),
+        ]
     )
     if rc != 0:
         raise ImportError("protoc failed on deviceplugin.proto")
@@ -31,8 +37,8 @@ def _generate() -> None:
 if not (_here / "deviceplugin_pb2.py").exists() or not (_here / "deviceplugin_pb2_grpc.py").exists():
     _generate()
 
-pb2 = importlib.import_module(f"{__name__}.deviceplugin_pb2")
+pb2: Any = importlib.import_module(f"{__name__}.deviceplugin_pb2")
 sys.modules.setdefault("deviceplugin_pb2", pb2)
-pb2_grpc = importlib.import_module(f"{__name__}.deviceplugin_pb2_grpc")
+pb2_grpc: Any = importlib.import_module(f"{__name__}.deviceplugin_pb2_grpc")
 
 __all__ = ["pb2", "pb2_grpc"]

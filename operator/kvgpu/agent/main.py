@@ -1,0 +1,226 @@
+"""The agent process: ``kvgpu agent --node NAME [--simulated FILE] ...``.
+
+:func:`run` is the whole agent as one coroutine; the CLI builds an :class:`AgentConfig` and calls
+``asyncio.run(run(cfg))``. Order at start: discovery works (or the agent exits with
+:class:`~kvgpu.agent.discovery.DiscoveryError`) → the shim is installed (when a source is given)
+→ then, concurrently: inventory registration, health monitoring, the pod cache, the kubelet
+device plugin, the metrics server and the region GC. A health change re-publishes the inventory
+at once, updates the device plugin's list (the kubelet sees the replicas unhealthy) and records a
+Node Event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgpu import __version__
+from kvgpu.core import keys
+from kvgpu.core.inventory import NodeInventory
+
+from .deviceplugin import DevicePlugin, PluginConfig
+from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
+from .exporter import UsageCollector, gc_regions, make_registry, serve
+from .health import (
+    APPLICATION_XIDS,
+    HealthChange,
+    HealthMonitor,
+    HealthState,
+    NvmlHealthSource,
+    SimulatedHealthSource,
+)
+from .kube import KubeApi, NodeApi
+from .pods import PodCache
+from .registration import Registrar
+from .shiminstall import install_shim, prune_shims
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentConfig:
+    """Everything the agent takes. Durations in seconds; ``metrics_port`` 0 disables the exporter.
+
+    ``node``: this node's name (``--node``, default env ``NODE_NAME``). ``simulated``: path of the
+    simulated inventory config (no NVML). ``kubeconfig``: a kubeconfig file; ``None`` = in-cluster
+    service account. ``simulated_health``: JSON file ``{"<uuid|index>": "<reason>"}`` of faulty
+    cards (simulated mode). ``shim_source``: the built ``libvgpu.so`` to install (``None`` = do not
+    install). ``device_plugin``: serve the kubelet plugin (``False`` for fake nodes).
+    """
+
+    node: str = field(default_factory=lambda: os.environ.get("NODE_NAME", ""))
+    simulated: str | None = None
+    kubeconfig: str | None = None
+    interval_s: float = 30.0
+    health: bool = True
+    simulated_health: str | None = None
+    health_probe_s: float = 10.0
+    recovery_s: float = 60.0
+    extra_ignored_xids: tuple[int, ...] = ()
+    device_plugin: bool = True
+    plugin: PluginConfig = field(default_factory=PluginConfig)
+    shim_source: str | None = None
+    shim_version: str = __version__
+    host_shim_dir: str = keys.HOST_SHIM_DIR
+    host_preload_file: str = keys.HOST_PRELOAD_FILE
+    shim_keep: int = 3
+    metrics_port: int = 9394
+    metrics_addr: str = "0.0.0.0"
+    hami_metrics: bool = True
+    region_root: str = keys.HOST_REGION_ROOT
+    region_gc_s: float = 300.0
+
+
+@asynccontextmanager
+async def kube_client(kubeconfig: str | None) -> AsyncIterator[Any]:
+    """A kubernetes_asyncio ``ApiClient`` from a kubeconfig file or the in-cluster account."""
+    from kubernetes_asyncio import client, config
+
+    cfg = client.Configuration()
+    if kubeconfig:
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    else:
+        config.load_incluster_config(client_configuration=cfg)
+    async with client.ApiClient(configuration=cfg) as api:
+        yield api
+
+
+class Agent:
+    """The running agent's parts (exposed for tests and the demo)."""
+
+    def __init__(self, cfg: AgentConfig, api: NodeApi, api_client: Any | None = None) -> None:
+        if not cfg.node:
+            raise ValueError("the agent needs a node name (--node or NODE_NAME)")
+        self.cfg = cfg
+        self.api = api
+        self.api_client = api_client
+        self.discovery = make_discovery(cfg.node, cfg.simulated)
+        self.health = HealthState(
+            [], recovery_s=cfg.recovery_s, ignored_xids=APPLICATION_XIDS | frozenset(cfg.extra_ignored_xids)
+        )
+        self.registrar = Registrar(cfg.node, api, self.discovery, self.health)
+        self.pods = PodCache(cfg.node)
+        self.plugin: DevicePlugin | None = None
+        self.metrics_server: Any = None
+
+    def inventory(self) -> NodeInventory | None:
+        return self.registrar.inventory
+
+    async def _on_health(self, changes: list[HealthChange]) -> None:
+        for ch in changes:
+            if ch.healthy:
+                await self.api.node_event(self.cfg.node, "GPUHealthy", f"card {ch.uuid} is healthy again")
+            else:
+                await self.api.node_event(
+                    self.cfg.node, "GPUUnhealthy", f"card {ch.uuid}: {ch.reason}", "Warning"
+                )
+        self.registrar.kick()
+
+    async def _on_inventory(self, inv: NodeInventory) -> None:
+        if self.plugin is not None:
+            await self.plugin.update(inv)
+
+    def _health_source(self) -> Any:
+        if self.cfg.simulated:
+            return SimulatedHealthSource(
+                lambda: self.registrar.last_raw or NodeInventory(self.cfg.node, ()),
+                self.cfg.simulated_health,
+                interval_s=min(self.cfg.health_probe_s, 5.0),
+            )
+        nv = self.discovery.nvml if isinstance(self.discovery, NvmlDiscovery) else None
+        return NvmlHealthSource(
+            lambda: [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())],
+            nvml=nv,
+            probe_interval_s=self.cfg.health_probe_s,
+        )
+
+    async def _region_gc(self) -> None:
+        await self.pods.synced.wait()
+        while True:
+            removed = await asyncio.to_thread(
+                gc_regions, self.cfg.region_root, self.pods.live_uids(), self.cfg.region_gc_s
+            )
+            for p in removed:
+                log.info("removed shared-region dir of a pod no longer on this node: %s", p.name)
+            await asyncio.sleep(self.cfg.region_gc_s)
+
+    async def start_checks(self) -> NodeInventory:
+        """Discovery once (fail fast) and the shim installation. Raises DiscoveryError/ShimInstallError."""
+        inv = await asyncio.to_thread(self.discovery.discover)
+        self.registrar.last_raw = inv
+        log.info("discovered %d card(s) on %s (%s)", len(inv.cards), self.cfg.node, inv.source)
+        if self.cfg.shim_source:
+            r = install_shim(
+                self.cfg.shim_source,
+                self.cfg.shim_version,
+                self.cfg.host_shim_dir,
+                self.cfg.host_preload_file,
+            )
+            log.info("shim %s: %s (%s)", r.version, r.action, r.path.name)
+            for p in prune_shims(self.cfg.host_shim_dir, keep=self.cfg.shim_keep):
+                log.info("pruned unused shim %s", p.name)
+        return inv
+
+    async def run(self) -> None:
+        """Run every part until cancelled (a crashing part cancels the others and re-raises)."""
+        inv = await self.start_checks()
+        async with asyncio.TaskGroup() as tg:
+            if self.cfg.device_plugin:
+                plugin_cfg = self.cfg.plugin
+                if plugin_cfg.host_shim_dir != self.cfg.host_shim_dir:
+                    plugin_cfg = PluginConfig(
+                        **{
+                            **plugin_cfg.__dict__,
+                            "host_shim_dir": self.cfg.host_shim_dir,
+                            "host_preload_file": self.cfg.host_preload_file,
+                        }
+                    )
+                self.plugin = DevicePlugin(plugin_cfg, inv, hints=self.pods.hints)
+                tg.create_task(self.plugin.run(), name="device-plugin")
+            tg.create_task(self.registrar.run(self.cfg.interval_s, self._on_inventory), name="registration")
+            if self.cfg.health:
+                mon = HealthMonitor(self.health, self._health_source(), self._on_health)
+                tg.create_task(mon.run(), name="health")
+            if self.api_client is not None:
+                tg.create_task(self.pods.run(self.api_client), name="pods")
+                tg.create_task(self._region_gc(), name="region-gc")
+            if self.cfg.metrics_port:
+                collector = UsageCollector(
+                    self.cfg.node,
+                    self.pods.containers,
+                    self.inventory,
+                    region_root=self.cfg.region_root,
+                    hami_compat=self.cfg.hami_metrics,
+                )
+                self.metrics_server = serve(
+                    make_registry(collector), self.cfg.metrics_port, self.cfg.metrics_addr
+                )
+
+
+async def run(cfg: AgentConfig) -> None:
+    """The node agent: runs until cancelled.
+
+    Raises :class:`~kvgpu.agent.discovery.DiscoveryError` when no card list can be obtained at
+    start, :class:`~kvgpu.agent.shiminstall.ShimInstallError` when the shim cannot be installed,
+    ``ValueError`` for a missing node name.
+    """
+    async with kube_client(cfg.kubeconfig) as api_client:
+        agent = Agent(cfg, KubeApi(api_client), api_client)
+        try:
+            await agent.run()
+        finally:
+            if agent.metrics_server is not None:
+                server = (
+                    agent.metrics_server[0]
+                    if isinstance(agent.metrics_server, tuple)
+                    else agent.metrics_server
+                )
+                server.shutdown()
+
+
+__all__ = ["Agent", "AgentConfig", "DiscoveryError", "kube_client", "run"]
