@@ -13,7 +13,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvgpu.core.keys import API_VERSION
@@ -311,13 +311,18 @@ class VGPUPoolStatus(_Model):
     slots_used: int = Field(default=0, ge=0, description="Slices in use (one per container per card).")
     slots_total: int = Field(default=0, ge=0, description="cards x splitCount.")
     memory_used_mib: int = Field(
-        default=0, ge=0, description="MiB promised to slices.", alias="memoryUsedMiB"
+        default=0,
+        ge=0,
+        description="MiB promised to slices.",
+        validation_alias=AliasChoices("memoryUsedMiB", "memory_used_mib"),
+        serialization_alias="memoryUsedMiB",
     )
     memory_total_mib: int = Field(
         default=0,
         ge=0,
         description="Virtual MiB of covered cards (physical x memoryScaling).",
-        alias="memoryTotalMiB",
+        validation_alias=AliasChoices("memoryTotalMiB", "memory_total_mib"),
+        serialization_alias="memoryTotalMiB",
     )
     cores_used: int = Field(default=0, ge=0, description="Sum of the slices' core percents.")
     cores_total: int = Field(default=0, ge=0, description="cards x 100 x coreScaling.")
@@ -401,7 +406,11 @@ class VGPUClaimSpec(_Model):
 
     pod_name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="The pod.")
     pod_uid: str = Field(
-        min_length=1, max_length=64, alias="podUID", description="The pod's UID (the claim belongs to it)."
+        min_length=1,
+        max_length=64,
+        validation_alias=AliasChoices("podUID", "pod_uid"),
+        serialization_alias="podUID",
+        description="The pod's UID (the claim belongs to it).",
     )
     container: str = Field(
         min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN, description="The container."
