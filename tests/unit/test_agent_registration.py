@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import pytest
+from agent_helpers import FakeApi, pool
 from kvgpu.agent.discovery import DiscoveryError, SimulatedDiscovery
 from kvgpu.agent.health import HealthState, Observation
 from kvgpu.agent.registration import Registrar, pool_slicing
@@ -18,41 +18,6 @@ nodes:
     cards:
       - {model: "NVIDIA H200", memoryMiB: 143771, smCount: 132, count: 2}
 """
-
-
-def pool(name, split=10, match=None, mode="hami-core", **devices):
-    spec = {"splitCount": split, "mode": mode, "nodeSelector": {"matchLabels": match or {}}}
-    if devices:
-        spec["devices"] = devices
-    return {"apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": name}, "spec": spec}
-
-
-class FakeApi:
-    def __init__(self, labels=None):
-        self.node = {"metadata": {"name": "gpu-0", "labels": dict(labels or {}), "annotations": {}}}
-        self.pools: list = []
-        self.patches: list = []
-        self.events: list = []
-
-    async def get_node(self, name):
-        return copy.deepcopy(self.node)
-
-    async def patch_node_metadata(self, name, annotations, labels=None):
-        self.patches.append((annotations, labels))
-        meta = self.node["metadata"]
-        for k, v in annotations.items():
-            if v is None:
-                meta["annotations"].pop(k, None)
-            else:
-                meta["annotations"][k] = v
-        for k, v in (labels or {}).items():
-            meta["labels"][k] = v
-
-    async def list_pools(self):
-        return list(self.pools)
-
-    async def node_event(self, node, reason, message, type_="Normal"):
-        self.events.append((reason, type_, message))
 
 
 @pytest.fixture

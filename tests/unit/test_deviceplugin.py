@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from agent_helpers import kubelet
 from grpc import aio
 from kvgpu.agent.deviceplugin import (
     DevicePlugin,
@@ -53,37 +54,6 @@ def inventory(split=3, healthy1=True):
         ),
         "simulated",
     )
-
-
-class FakeKubelet(pb2_grpc.RegistrationServicer):
-    """The kubelet's side: accepts registrations and remembers them."""
-
-    def __init__(self, refuse: str = ""):
-        self.requests: list[pb2.RegisterRequest] = []
-        self.refuse = refuse
-        self.registered = asyncio.Event()
-
-    async def Register(self, request, context):
-        if self.refuse:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refuse)
-        self.requests.append(request)
-        self.registered.set()
-        return pb2.Empty()
-
-
-@contextlib.asynccontextmanager
-async def kubelet(sock_dir: Path, refuse: str = ""):
-    fk = FakeKubelet(refuse)
-    server = aio.server()
-    pb2_grpc.add_RegistrationServicer_to_server(fk, server)
-    server.add_insecure_port(f"unix://{sock_dir / 'kubelet.sock'}")
-    await server.start()
-    try:
-        yield fk
-    finally:
-        await server.stop(0)
-        with contextlib.suppress(FileNotFoundError):
-            (sock_dir / "kubelet.sock").unlink()
 
 
 @pytest.fixture

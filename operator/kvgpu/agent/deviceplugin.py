@@ -228,7 +228,6 @@ class DevicePlugin:
     cfg: PluginConfig
     inventory: NodeInventory
     hints: HintProvider | None = None
-    shim_version: Callable[[], str] | None = None
     allocations: int = 0
     registrations: int = 0
     _cond: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
