@@ -45,6 +45,34 @@ def smi_cards() -> list[dict[str, str]]:
     return rows
 
 
+def health_check(d: NvmlDiscovery, uuids: list[str]) -> int:
+    """The health source's probe must pass on a healthy card, and XID events must register."""
+    from kvgpu.agent.health import NvmlHealthSource
+
+    src = NvmlHealthSource(lambda: uuids, nvml=d.nvml)
+    bad = 0
+    for u in uuids:
+        o = src.probe(u)
+        bad += not o.ok
+        print(f"{'ok      ' if o.ok else 'MISMATCH'} {u} health probe: {o.reason or 'healthy'}")
+    nv = d.nvml
+    es = nv.nvmlEventSetCreate()
+    try:
+        for u in uuids:
+            h = nv.nvmlDeviceGetHandleByUUID(u)
+            supported = nv.nvmlDeviceGetSupportedEventTypes(h)
+            xid = bool(supported & nv.nvmlEventTypeXidCriticalError)
+            try:
+                nv.nvmlDeviceRegisterEvents(h, supported & nv.nvmlEventTypeXidCriticalError, es)
+                reg = "registered"
+            except Exception as e:
+                reg = f"not registered ({e})"
+            print(f"info     {u} XID events supported={xid} {reg} (mask 0x{supported:x})")
+    finally:
+        nv.nvmlEventSetFree(es)
+    return bad
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--node", default=socket.gethostname())
@@ -98,6 +126,7 @@ def main() -> int:
             f"cuda says {cuda.get(c.uuid, 'n/a')}) numa={c.numa} mig={c.mig_mode} "
             f"bus={det.pci_bus_id} totalBytes={det.memory_total_bytes}"
         )
+    bad += health_check(d, [c.uuid for c in inv.cards])
     d.shutdown()
     print("RESULT:", "PASS" if not bad else f"FAIL ({bad} mismatches)")
     return 1 if bad else 0
