@@ -85,7 +85,7 @@ def config(sock_dir: Path, shim_dir: Path, **kw) -> PluginConfig:
 
 async def test_register_list_allocate(sock_dir, shim_dir):
     async with kubelet(sock_dir) as fk:
-        plugin = DevicePlugin(config(sock_dir, shim_dir), inventory())
+        plugin = DevicePlugin(config(sock_dir, shim_dir, mounts="pinned"), inventory())
         task = asyncio.create_task(plugin.run())
         await asyncio.wait_for(fk.registered.wait(), 5)
         req = fk.requests[0]
@@ -191,7 +191,7 @@ async def test_allocate_fails_closed_without_shim(sock_dir, tmp_path):
 
 async def test_visible_devices_opt_in(sock_dir, shim_dir):
     plugin = DevicePlugin(
-        config(sock_dir, shim_dir, visible_devices_from_ids=True, mounts=False), inventory()
+        config(sock_dir, shim_dir, visible_devices_from_ids=True, mounts="none"), inventory()
     )
     resp = plugin.allocate(
         pb2.AllocateRequest(
@@ -269,3 +269,22 @@ def test_preferred_policy():
     # Least-used card first: U1 has more free replicas.
     few = [replica_id(U0, 0), replica_id(U1, 0), replica_id(U1, 1)]
     assert card_of(preferred(few, [], 1, {U0, U1})[0]) == U1
+
+
+def test_dir_mounts_match_the_webhook(sock_dir, shim_dir):
+    plugin = DevicePlugin(config(sock_dir, shim_dir), inventory())  # default mode "dir"
+    resp = plugin.allocate(
+        pb2.AllocateRequest(
+            container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])]
+        )
+    )
+    mounts = {m.container_path: (m.host_path, m.read_only) for m in resp.container_responses[0].mounts}
+    assert mounts == {
+        "/usr/local/kvgpu/lib": (str(shim_dir), True),
+        "/etc/ld.so.preload": (str(shim_dir.parent / "ld.so.preload"), True),
+    }
+    from kvgpu.admission import mutate
+
+    # Same targets as the webhook's volume mounts, and read-only too.
+    hook = {m["mountPath"]: m.get("readOnly", False) for m in mutate.injected_mounts("main")}
+    assert all(hook[path] for path in mounts)

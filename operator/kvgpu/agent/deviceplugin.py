@@ -8,10 +8,20 @@ Identities come from the claim, not from the device IDs: the operator writes the
 claim and card UUIDs into pod annotations at bind time, and the webhook turns them into
 ``KVGPU_CLAIM`` / ``NVIDIA_VISIBLE_DEVICES`` through the downward API. ``Allocate`` therefore
 needs no pod lookup and no node lock; it answers, for every container, the shim's read-only
-mounts — the *resolved* version-named ``libvgpu.so.<version>`` (pinned for the container's life,
-so a shim upgrade never changes a running container's library) and ``/etc/ld.so.preload`` — plus
-informational env vars. If the shim is not installed, ``Allocate`` fails (fail closed: a container
-must never start unenforced).
+mounts plus informational env vars. Mount modes (:attr:`PluginConfig.mounts`):
+
+- ``dir`` (default): the host shim directory on the container shim directory and
+  ``ld.so.preload`` on ``/etc/ld.so.preload`` — exactly the mounts the mutating webhook injects
+  (same sources, same targets, read-only), so the two never disagree;
+- ``pinned``: the version-named file ``libvgpu.so`` resolves to *now* on the container's
+  ``libvgpu.so`` path, plus ``ld.so.preload``: the container keeps that exact library for its
+  life whatever is installed later. Only Allocate can pin (it runs on the node at container
+  creation; the webhook does not know the node). For clusters where the webhook does not mount
+  the shim (two mounts on one target are not portable across runtimes);
+- ``none``: no mounts (the webhook's alone).
+
+In every mode ``Allocate`` fails while the shim is not installed (fail closed: a container must
+never start unenforced).
 
 ``GetPreferredAllocation`` prefers replicas of distinct, healthy cards (a request of N means N
 cards), the least-used first, and — when a hint provider is configured and exactly one pending
@@ -50,6 +60,7 @@ API_VERSION = "v1beta1"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 ID_SEP = "::"
+MOUNT_MODES = ("dir", "pinned", "none")
 
 
 class PluginError(RuntimeError):
@@ -61,8 +72,9 @@ class PluginConfig:
     """Device plugin settings.
 
     ``split_count``: replicas per card; ``None`` = the card's pool ``splitCount`` (cards no pool
-    covers get ``uncovered_split_count``, default 0 = not advertised). ``mounts``: answer the
-    shim mounts from ``Allocate`` (turn off when the webhook mounts the shim itself).
+    covers get ``uncovered_split_count``, default 0 = not advertised). ``mounts``: ``dir`` |
+    ``pinned`` | ``none`` (see the module docstring). ``require_shim``: fail ``Allocate`` while
+    the shim is not installed.
     ``visible_devices_from_ids``: also set ``NVIDIA_VISIBLE_DEVICES`` from the replica IDs — only
     for clusters without kvgpu's webhook; the claim is the source of truth otherwise.
     """
@@ -73,9 +85,11 @@ class PluginConfig:
     kubelet_socket: str = "kubelet.sock"
     split_count: int | None = None
     uncovered_split_count: int = 0
-    mounts: bool = True
+    mounts: str = "dir"
+    require_shim: bool = True
     host_shim_dir: str = keys.HOST_SHIM_DIR
     host_preload_file: str = keys.HOST_PRELOAD_FILE
+    container_shim_dir: str = keys.CONTAINER_SHIM_DIR
     container_shim_lib: str = keys.CONTAINER_SHIM_LIB
     container_preload_file: str = "/etc/ld.so.preload"
     topology: bool = True
@@ -271,8 +285,10 @@ class DevicePlugin:
     def allocate(self, request: Any) -> Any:
         """Answer ``Allocate``: per container the shim mounts and env. Raises :class:`PluginError`."""
         known = {c.uuid: c for c in self.inventory.cards}
-        shim = resolve_shim(self.cfg.host_shim_dir) if self.cfg.mounts else None
-        if self.cfg.mounts and shim is None:
+        if self.cfg.mounts not in MOUNT_MODES:
+            raise PluginError(f"mounts={self.cfg.mounts!r} is not one of {MOUNT_MODES}")
+        shim = resolve_shim(self.cfg.host_shim_dir)
+        if shim is None and (self.cfg.require_shim or self.cfg.mounts == "pinned"):
             raise PluginError(
                 f"kvgpu shim is not installed on this node ({self.cfg.host_shim_dir}/libvgpu.so missing); "
                 "refusing to start a container without enforcement"
@@ -289,9 +305,19 @@ class DevicePlugin:
             resp.envs["KVGPU_DEVICE_PLUGIN"] = self.cfg.resource_name
             if shim is not None:
                 resp.envs["KVGPU_SHIM_FILE"] = shim.name
+            if self.cfg.mounts == "pinned" and shim is not None:
                 resp.mounts.append(
                     pb2.Mount(container_path=self.cfg.container_shim_lib, host_path=str(shim), read_only=True)
                 )
+            elif self.cfg.mounts == "dir":
+                resp.mounts.append(
+                    pb2.Mount(
+                        container_path=self.cfg.container_shim_dir,
+                        host_path=self.cfg.host_shim_dir,
+                        read_only=True,
+                    )
+                )
+            if self.cfg.mounts != "none":
                 resp.mounts.append(
                     pb2.Mount(
                         container_path=self.cfg.container_preload_file,
