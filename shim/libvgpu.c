@@ -1,0 +1,119 @@
+/*
+ * libvgpu.c - entry unit of the kvgpu shim (LD_PRELOAD / /etc/ld.so.preload).
+ *
+ * Owns the process state (`vgpu`), the one-time initialisation, logging, the fail-closed
+ * rule and the exported version string. Initialisation is lazy and never calls CUDA: it reads
+ * the claim (vgpu_config.c), opens the container's shared region (vgpu_region.c) and
+ * registers the exit handler. A process that never touches CUDA or NVML (bash, ls) pays for
+ * nothing but the mapping of this library.
+ *
+ * Fail closed: when a claim is present but cannot be parsed, every intercepted CUDA entry
+ * point returns CUDA_ERROR_NOT_INITIALIZED and NVML initialisation returns
+ * NVML_ERROR_UNINITIALIZED, after one message on stderr that names the bad field.
+ */
+#include "vgpu.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifndef VGPU_VERSION
+#define VGPU_VERSION "0.1.0"
+#endif
+
+/* Embedded, exported version: `strings libvgpu.so | grep kvgpu-shim` or dlsym it. */
+VGPU_API const char kvgpu_shim_version[] = "kvgpu-shim " VGPU_VERSION;
+
+struct vgpu_state vgpu;
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+
+void vgpu_log(int level, const char *fmt, ...)
+{
+    if (level > vgpu.cfg.log_level)
+        return;
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = snprintf(buf, sizeof buf, "kvgpu-shim[%d]: %s", (int)getpid(),
+                     level == 0 ? "error: " : level == 1 ? "warning: " : "");
+    if (n > 0 && (size_t)n < sizeof buf)
+        vsnprintf(buf + n, sizeof buf - (size_t)n, fmt, ap);
+    va_end(ap);
+    size_t len = strnlen(buf, sizeof buf - 2);
+    buf[len++] = '\n';
+    ssize_t w = write(2, buf, len); /* one write: lines of concurrent processes stay whole */
+    (void)w;
+}
+
+static const char *env_get(const char *name, void *ctx)
+{
+    (void)ctx;
+    return getenv(name);
+}
+
+static void at_exit(void)
+{
+    if (vgpu.region.r)
+        vgpu_region_leave(&vgpu.region);
+}
+
+static void after_fork_child(void)
+{
+    /* The child is a new process: it takes its own slot on first use and owns none of the
+     * parent's allocations (CUDA contexts do not survive fork). */
+    vgpu.region.slot = -1;
+    extern void vgpu_cuda_after_fork(void);
+    vgpu_cuda_after_fork();
+}
+
+static void do_init(void)
+{
+    vgpu_config_load(&vgpu.cfg, env_get, NULL);
+    for (int i = 0; i < VGPU_MAX_DEV; i++)
+        vgpu.cuda_map[i] = -1;
+    if (vgpu.cfg.disabled)
+        return;
+    if (vgpu.cfg.broken) {
+        vgpu_log(0, "refusing to initialise CUDA: invalid GPU claim (%s). Fix the claim "
+                    "(KVGPU_CLAIM / KVGPU_CLAIM_FILE / CUDA_DEVICE_*_LIMIT) or ask the "
+                    "cluster admin; running unlimited is not allowed.", vgpu.cfg.error);
+        return;
+    }
+    if (vgpu.cfg.source == VGPU_SRC_NONE)
+        return;
+    if (vgpu_region_open(&vgpu.region, vgpu.cfg.region_path, &vgpu.cfg) != 0) {
+        vgpu_log(1, "cannot open shared region %s (%m); the quota is per process",
+                 vgpu.cfg.region_path);
+        if (vgpu_region_open(&vgpu.region, "", &vgpu.cfg) != 0) {
+            vgpu.cfg.broken = 1;
+            snprintf(vgpu.cfg.error, sizeof vgpu.cfg.error, "no memory for the shared region");
+            return;
+        }
+    }
+    vgpu.limited = 1;
+    for (int d = 0; d < vgpu.cfg.ndev; d++)
+        if (vgpu.cfg.dev[d].cores > 0 && vgpu.cfg.policy != VGPU_POLICY_DISABLE)
+            vgpu.compute_limited = 1;
+    atexit(at_exit);
+    pthread_atfork(NULL, NULL, after_fork_child);
+    vgpu_log(2, "claim %s: %d device(s), region %s", vgpu.cfg.claim[0] ? vgpu.cfg.claim : "(HAMi env)",
+             vgpu.cfg.ndev, vgpu.cfg.region_path);
+}
+
+void vgpu_init(void)
+{
+    pthread_once(&init_once, do_init);
+}
+
+int vgpu_cuda_ready(void)
+{
+    vgpu_init();
+    return vgpu.cfg.broken ? CUDA_ERROR_NOT_INITIALIZED : CUDA_SUCCESS;
+}
+
+__attribute__((destructor)) static void vgpu_fini(void)
+{
+    at_exit();
+}

@@ -1,0 +1,308 @@
+/*
+ * vgpu.h - internal contract between the units of the kvgpu shim (libvgpu.so).
+ *
+ * Units (all names prefixed vgpu_):
+ *   vgpu_config.c   claim string (KVGPU_CLAIM v1) and HAMi-core env parsing      [pure]
+ *   vgpu_region.c   shared per-container region: slots, robust lock, quota      [pure + POSIX]
+ *   vgpu_compute.c  compute gate: windowed duty cycle, node-wide schedule       [pure + POSIX]
+ *   vgpu_symbols.c  real libcuda/libnvidia-ml binding, dlsym, cuGetProcAddress
+ *   vgpu_cuda.c     CUDA driver hooks (memory paths, memory info, launches)
+ *   vgpu_nvml.c     NVML view (memory info v1/v2) and per-process usage
+ *   libvgpu.c       entry unit: init, fail-closed gate, logging, version
+ *
+ * Units marked [pure] are also compiled into the cffi test module (shim/_build/_vgpucore*.so);
+ * they never call CUDA or NVML. No CUDA or NVML header is needed: the few types used are
+ * declared below with the layouts of the CUDA driver API reference (cuda.h, CUDA 12/13) and
+ * nvml.h.
+ *
+ * Units: memory in bytes inside the shim (MiB only at the claim/env boundary), compute in
+ * percent of the card's SMs, time in nanoseconds of CLOCK_MONOTONIC.
+ */
+#ifndef VGPU_H
+#define VGPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdatomic.h>
+#include <pthread.h>
+#include <sys/types.h>
+
+#define VGPU_API __attribute__((visibility("default")))
+#define VGPU_MAX_DEV 16
+#define VGPU_UUID_LEN 96
+#define VGPU_CLAIM_LEN 320
+#define VGPU_MIB (1024ull * 1024ull)
+
+/* ------------------------------------------------------------------ config (pure) */
+
+enum vgpu_source { VGPU_SRC_NONE = 0, VGPU_SRC_CLAIM = 1, VGPU_SRC_HAMI = 2 };
+enum vgpu_policy { VGPU_POLICY_DEFAULT = 0, VGPU_POLICY_FORCE = 1, VGPU_POLICY_DISABLE = 2 };
+
+struct vgpu_dev_cfg {
+    char uuid[VGPU_UUID_LEN]; /* "GPU-..." / "MIG-..."; empty in HAMi index mode */
+    uint64_t mem_limit;       /* bytes; 0 = no memory limit */
+    int cores;                /* percent of SMs, 0 = no compute limit, 100 = whole card */
+};
+
+struct vgpu_config {
+    int source;               /* enum vgpu_source */
+    int broken;               /* 1: a claim is present but invalid -> fail closed */
+    char error[256];          /* why it is broken (names the field) */
+    char claim[VGPU_CLAIM_LEN];
+    int priority;             /* 0 high, 1 low */
+    int ndev;
+    struct vgpu_dev_cfg dev[VGPU_MAX_DEV];
+    int policy;               /* enum vgpu_policy (GPU_CORE_UTILIZATION_POLICY) */
+    int log_level;            /* 0 errors, 1 +warnings (default), 2 +info, 3+ debug */
+    int disabled;             /* CUDA_DISABLE_CONTROL=true: shim passes everything through */
+    int oom_killer;           /* ACTIVE_OOM_KILLER, accepted, unused */
+    char region_path[512];    /* file of the shared region, "" = process-private */
+    char sched_dir[512];      /* KVGPU_SCHED_DIR: node-wide compute schedule, "" = none */
+    uint64_t period_ns;       /* compute window period (KVGPU_COMPUTE_PERIOD_MS, default 100 ms) */
+};
+
+/* Parse a KVGPU_CLAIM v1 string (grammar: operator/kvgpu/core/claimstr.py). 0 on success,
+ * -1 with cfg->error set. Fills cfg->claim, priority, ndev, dev[] only. */
+int vgpu_claim_parse(const char *text, struct vgpu_config *cfg);
+/* Parse a HAMi-core memory quantity ("3000m", "3g", "1024k", "3145728000"); bytes in *out.
+ * 0 on success, -1 if malformed. */
+int vgpu_parse_mem(const char *text, uint64_t *out);
+/* Build the whole config from an environment lookup function (getenv in the shim; a dict in
+ * tests) and an optional file reader. Never fails: problems set cfg->broken. */
+typedef const char *(*vgpu_getenv_fn)(const char *name, void *ctx);
+void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx);
+
+/* ------------------------------------------------------------------ region (pure) */
+
+#define VGPU_REGION_MAGIC 0x5247564bu /* "KVGR" little endian */
+#define VGPU_REGION_VERSION 1u
+#define VGPU_MAX_SLOTS 128
+
+struct vgpu_region_dev {
+    char uuid[VGPU_UUID_LEN];
+    uint64_t limit;             /* bytes, 0 = none */
+    uint32_t cores;             /* percent */
+    uint32_t sm_util;           /* last SM utilisation of the container, percent (or 0xffffffff) */
+    _Atomic uint64_t used;      /* bytes charged = sum over live slots of data + overhead */
+    _Atomic uint64_t win_id;    /* compute: current window number (shared by the container) */
+    _Atomic uint64_t win_used;  /* compute: estimated GPU ns launched in that window */
+    uint64_t reserved[4];
+};
+
+struct vgpu_slot {
+    int32_t pid;                /* PID in the container's namespace, 0 = free */
+    int32_t host_pid;           /* written by the node agent when known, else 0 */
+    uint64_t start_time;        /* /proc/<pid>/stat field 22 (clock ticks since boot) */
+    uint64_t data[VGPU_MAX_DEV];     /* bytes of counted allocations */
+    uint64_t overhead[VGPU_MAX_DEV]; /* bytes of context/module overhead charged */
+    uint64_t reserved[4];
+};
+
+struct vgpu_region {
+    uint32_t magic;
+    uint32_t version;
+    uint32_t size;              /* sizeof(struct vgpu_region) */
+    uint32_t ndev;
+    uint32_t max_slots;
+    uint32_t priority;
+    uint64_t generation;        /* bumped on every (re)initialisation */
+    char claim[VGPU_CLAIM_LEN];
+    union { pthread_mutex_t m; char pad[64]; } lock; /* robust, process-shared */
+    uint64_t reserved[8];
+    struct vgpu_region_dev dev[VGPU_MAX_DEV];
+    struct vgpu_slot slot[VGPU_MAX_SLOTS];
+};
+
+struct vgpu_region_handle {
+    struct vgpu_region *r;
+    int fd;
+    int slot;                   /* own slot index or -1 */
+    int private_map;            /* 1: anonymous mapping (no region file) */
+};
+
+/* Open (creating if needed) the region at path ("" = private). Limits come from cfg.
+ * 0 on success, -1 with errno. */
+int vgpu_region_open(struct vgpu_region_handle *h, const char *path, const struct vgpu_config *cfg);
+/* Open an existing region read-only-ish for inspection (no slot). */
+int vgpu_region_attach(struct vgpu_region_handle *h, const char *path);
+void vgpu_region_close(struct vgpu_region_handle *h);
+int vgpu_region_lock(struct vgpu_region *r);   /* 0; recovers a dead owner */
+void vgpu_region_unlock(struct vgpu_region *r);
+/* Take a slot for (pid, start_time). Returns slot index or -1. */
+int vgpu_region_join(struct vgpu_region_handle *h, int32_t pid, uint64_t start_time);
+void vgpu_region_leave(struct vgpu_region_handle *h);
+/* Free slots whose process is gone (pid dead or start time differs). Lock held. Returns count. */
+int vgpu_region_reap_locked(struct vgpu_region *r);
+/* Charge bytes on device d to own slot if it fits the limit. 0 ok, -1 over the limit. */
+int vgpu_region_reserve(struct vgpu_region_handle *h, int d, uint64_t bytes);
+void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes);
+/* Set own overhead charge on device d (absolute). Returns the bytes actually charged. */
+uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes);
+uint64_t vgpu_region_used(struct vgpu_region *r, int d);
+/* Start time of a process from /proc/<pid>/stat (clock ticks), 0 if it does not exist. */
+uint64_t vgpu_proc_start_time(int32_t pid);
+
+/* ------------------------------------------------------------------ compute (pure) */
+
+#define VGPU_SCHED_MAX 32
+struct vgpu_sched_entry {
+    char key[VGPU_CLAIM_LEN];   /* container identity: claim name or region path */
+    uint32_t share_pm;          /* wanted share, per mille of the card */
+    uint32_t priority;          /* 0 high, 1 low */
+    uint64_t joined_ns;         /* CLOCK_MONOTONIC at registration (orders equals) */
+    _Atomic uint64_t heartbeat_ns;
+};
+struct vgpu_sched {
+    uint32_t magic, version;
+    union { pthread_mutex_t m; char pad[64]; } lock;
+    struct vgpu_sched_entry e[VGPU_SCHED_MAX];
+};
+
+/* Given the live entries, compute window offset and length (per mille of the period) for
+ * entry `self`. High priority first, then by join time; shares are scaled down for low
+ * priority when the sum exceeds 1000. Pure. */
+void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,
+                       int n, int self, uint32_t *offset_pm, uint32_t *len_pm);
+
+/* Per-device gate state (process-local). */
+struct vgpu_gate {
+    int active;                 /* 0 = no limit: launches pass untouched */
+    uint64_t period_ns;
+    uint64_t offset_ns;         /* start of own window inside the period */
+    uint64_t len_ns;            /* own window length (share * period) */
+    uint64_t kernel_ns_est;     /* EMA of GPU ns per launch */
+    uint64_t debt_ns;           /* GPU time used beyond the last windows' budget */
+    uint64_t win_start;         /* start of the window being run (0 = none yet) */
+    uint64_t win_budget;        /* len_ns - debt at window start */
+    _Atomic uint64_t win_launches; /* launches counted in this window (process) */
+    uint64_t last_ws;           /* start of the last window run */
+    _Atomic uint64_t *shared_win_id;   /* region counters (container-wide) or local ones */
+    _Atomic uint64_t *shared_win_used;
+    _Atomic uint64_t local_win_id, local_win_used;
+    pthread_mutex_t mu;
+    uint64_t throttles;         /* statistics */
+    uint64_t last_sched_ns;
+};
+
+void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
+/* Fast check: 1 if a launch at `now` may pass (and is counted), 0 = take the slow path. */
+int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now);
+/* The window ended (time or budget) and was detected at t_det; the launch queue drained at
+ * `drained`. Updates the per-launch cost estimate and the debt. Pure arithmetic. */
+void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained);
+/* Choose the next window (never the one just run; windows paid by debt are skipped) and
+ * return the ns to wait from `now` until it opens. Pure arithmetic. */
+uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now);
+/* Node-wide schedule file for one card: register/heartbeat `key` and return the layout.
+ * 0 on success (offset/len in per mille of the period), -1 if the file cannot be used. */
+int vgpu_sched_update(const char *dir, const char *uuid, const char *key, uint32_t share_pm,
+                      uint32_t prio, uint32_t *offset_pm, uint32_t *len_pm);
+uint64_t vgpu_now_ns(void);
+
+/* ------------------------------------------------------------------ CUDA / NVML types */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef unsigned long long cuuint64_t;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUarray_st *CUarray;
+typedef struct CUmipmappedArray_st *CUmipmappedArray;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct { char bytes[16]; } CUuuid;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_NOT_FOUND 500
+#define CUDA_ERROR_NOT_SUPPORTED 801
+
+#define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 0x2
+#define CU_MEM_LOCATION_TYPE_DEVICE 1
+#define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
+
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct {
+    int type;
+    int requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    unsigned char allocFlags[8];
+} CUmemAllocationProp;
+typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR;
+typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR;
+typedef struct { size_t size, alignment; unsigned reserved[4]; } CUDA_ARRAY_MEMORY_REQUIREMENTS;
+typedef struct {
+    unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    CUstream hStream;
+    void *attrs;
+    unsigned numAttrs;
+} CUlaunchConfig;
+
+typedef int nvmlReturn_t;
+typedef struct nvmlDevice_st *nvmlDevice_t;
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+typedef struct { unsigned pid; unsigned long long usedGpuMemory; unsigned gpuInstanceId, computeInstanceId; } nvmlProcessInfo_t;
+#define NVML_SUCCESS 0
+#define NVML_ERROR_UNINITIALIZED 1
+#define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+
+/* ------------------------------------------------------------------ shim runtime */
+
+/* Hook table: one entry per exported, intercepted driver symbol. */
+struct vgpu_hook {
+    const char *name;           /* exported name in libcuda.so.1, e.g. "cuMemAlloc_v2" */
+    const char *base;           /* name as asked through cuGetProcAddress, e.g. "cuMemAlloc" */
+    int min_version;            /* CUDA version from which `base` means this ABI */
+    int ptds;                   /* 1: per-thread default stream variant */
+    void *hook;                 /* our wrapper */
+    void *real;                 /* the driver's function (set by vgpu_symbols_bind) */
+};
+extern struct vgpu_hook vgpu_cuda_hooks[];
+extern const int vgpu_cuda_nhooks;
+extern struct vgpu_hook vgpu_nvml_hooks[];
+extern const int vgpu_nvml_nhooks;
+
+struct vgpu_state {
+    struct vgpu_config cfg;
+    struct vgpu_region_handle region;
+    int limited;                /* any limit active */
+    int compute_limited;
+    void *libcuda, *libnvml;
+    /* CUDA ordinal -> region device index (-1 = not in the claim) */
+    int cuda_map[VGPU_MAX_DEV];
+    int cuda_mapped;
+    uint64_t cuda_total[VGPU_MAX_DEV]; /* physical bytes per region device (0 = unknown) */
+    struct vgpu_gate gate[VGPU_MAX_DEV];
+    /* reconciliation with NVML per-process usage */
+    uint64_t last_reconcile_ns[VGPU_MAX_DEV];
+    int nvml_ready;
+};
+extern struct vgpu_state vgpu;
+
+void vgpu_init(void);                /* idempotent; never calls CUDA */
+int vgpu_cuda_ready(void);           /* 0 ok, else CUresult for fail-closed */
+void vgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void *vgpu_real_dlsym(void *handle, const char *name);
+void vgpu_symbols_bind(void);        /* dlopen libcuda/libnvml and fill .real */
+void *vgpu_real_cuda(int idx);
+void *vgpu_cuda_sym(const char *name);   /* real libcuda symbol by name */
+void *vgpu_nvml_sym(const char *name);   /* real libnvidia-ml symbol by name */
+void *vgpu_hook_for(const char *name);   /* our wrapper for an exported name, or NULL */
+int vgpu_map_cuda_device(CUdevice dev);  /* region device index for an ordinal, -1 none */
+int vgpu_map_uuid(const char *uuid);     /* region device index for a UUID string, -1 none */
+void vgpu_format_uuid(const CUuuid *u, char *out, size_t n);
+void vgpu_reconcile(int d, int force);   /* NVML per-process usage -> overhead charge */
+void vgpu_compute_setup(int d, CUdevice dev);
+void vgpu_compute_gate(CUstream stream);
+uint64_t vgpu_nvml_process_used(int d, int *found); /* bytes NVML reports for this process */
+void vgpu_ensure_slot(void);             /* take this process's region slot if not yet */
+
+#endif

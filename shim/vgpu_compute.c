@@ -1,0 +1,228 @@
+/*
+ * vgpu_compute.c - the compute limit: a windowed duty cycle on the launch path.
+ *
+ * Model. Time is cut into periods P (default 100 ms) of CLOCK_MONOTONIC, which every
+ * container on the node shares. A container with `cores` percent owns one window of length
+ * cores% * P at a fixed offset inside each period; the offsets of the containers on one card
+ * come from a node-wide schedule file (vgpu_sched_update), so co-tenants' windows do not
+ * overlap (time-division, hard cap). Launches pass untouched while
+ *   (a) the window is open in time, and
+ *   (b) the GPU time already queued in this window, estimated as launches x the measured GPU
+ *       ns per launch, is below the window's budget.
+ * The first launch that fails either test drains the launching stream (cuStreamSynchronize),
+ * measures when the queue really ran dry, turns any overrun into debt that shortens the next
+ * windows, and sleeps until the next window opens. The per-launch cost estimate comes from the
+ * same drain: (drain time - window start) / launches, when the queue was still busy.
+ *
+ * So the cost per launch with a limit is one clock read and two relaxed atomic adds; there is
+ * no NVML sensor in the loop, no lag, and no dependence on the SM count.
+ *
+ * Pure: gate arithmetic and schedule layout; the schedule file uses POSIX only.
+ */
+#include "vgpu.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define SCHED_MAGIC 0x4853564bu /* "KVSH" */
+#define SCHED_STALE_NS (3ull * 1000000000ull)
+
+void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns)
+{
+    memset(g, 0, sizeof *g);
+    pthread_mutex_init(&g->mu, NULL);
+    g->period_ns = period_ns ? period_ns : 100000000ull;
+    g->active = cores > 0 && cores < 100;
+    g->len_ns = g->period_ns * (uint64_t)(cores > 0 ? cores : 100) / 100;
+    g->shared_win_id = &g->local_win_id;
+    g->shared_win_used = &g->local_win_used;
+}
+
+int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now)
+{
+    uint64_t ws = g->win_start;
+    if (!ws || now < ws || now - ws >= g->win_budget)
+        return 0;
+    uint64_t est = g->kernel_ns_est;
+    if (est && atomic_fetch_add_explicit(g->shared_win_used, est, memory_order_relaxed) >= g->win_budget)
+        return 0;
+    atomic_fetch_add_explicit(&g->win_launches, 1, memory_order_relaxed);
+    return 1;
+}
+
+void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained)
+{
+    uint64_t ws = g->win_start, n = atomic_load(&g->win_launches);
+    if (!ws)
+        return;
+    if (drained < t_det)
+        drained = t_det;
+    if (n > 0 && drained > ws) {
+        uint64_t sample = (drained - ws) / n;
+        int busy = drained - t_det > 20000; /* queue still held work: GPU busy since ws */
+        if (!g->kernel_ns_est)
+            g->kernel_ns_est = sample;
+        else if (busy || sample < g->kernel_ns_est)
+            g->kernel_ns_est = (g->kernel_ns_est + sample) / 2;
+    }
+    uint64_t end = ws + g->win_budget;
+    uint64_t ref = t_det > end ? t_det : end;
+    if (drained > ref)
+        g->debt_ns += drained - ref;
+    g->last_ws = ws;
+    g->win_start = 0;
+}
+
+uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now)
+{
+    uint64_t P = g->period_ns, off = g->offset_ns % P, len = g->len_ns ? g->len_ns : 1;
+    uint64_t ws = now >= off ? now - (now - off) % P : off;
+    if (now >= ws + len)
+        ws += P;
+    while (g->last_ws && ws <= g->last_ws)
+        ws += P;
+    while (g->debt_ns >= len) { /* whole windows paid by debt */
+        g->debt_ns -= len;
+        ws += P;
+    }
+    g->win_budget = len - g->debt_ns;
+    g->debt_ns = 0;
+    g->win_start = ws;
+    atomic_store(&g->win_launches, 0);
+    uint64_t old = atomic_load(g->shared_win_id);
+    if (old != ws && atomic_compare_exchange_strong(g->shared_win_id, &old, ws))
+        atomic_store(g->shared_win_used, 0);
+    return ws > now ? ws - now : 0;
+}
+
+void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,
+                       int n, int self, uint32_t *offset_pm, uint32_t *len_pm)
+{
+    int order[VGPU_SCHED_MAX];
+    uint64_t hi = 0, lo = 0;
+    if (n > VGPU_SCHED_MAX)
+        n = VGPU_SCHED_MAX;
+    for (int i = 0; i < n; i++) {
+        order[i] = i;
+        if (prio[i] == 0)
+            hi += share_pm[i];
+        else
+            lo += share_pm[i];
+    }
+    for (int i = 1; i < n; i++) /* insertion sort by (priority, join time, index) */
+        for (int j = i; j > 0; j--) {
+            int a = order[j - 1], b = order[j];
+            int swap = prio[a] > prio[b] || (prio[a] == prio[b] && joined[a] > joined[b]);
+            if (!swap)
+                break;
+            order[j - 1] = b, order[j] = a;
+        }
+    /* High priority gets its share (scaled only if high alone overcommits); low priority is
+     * scaled into what is left. */
+    uint64_t hi_num = hi > 1000 ? 1000 : hi, hi_den = hi > 1000 ? hi : 1;
+    uint64_t left = 1000 - (hi > 1000 ? 1000 : hi);
+    uint64_t lo_num = lo > left ? left : 1, lo_den = lo > left ? lo : 1;
+    uint64_t off = 0;
+    *offset_pm = 0;
+    *len_pm = 0;
+    for (int k = 0; k < n; k++) {
+        int i = order[k];
+        uint64_t len = prio[i] == 0 ? (hi > 1000 ? share_pm[i] * hi_num / hi_den : share_pm[i])
+                                    : (lo > left ? share_pm[i] * lo_num / lo_den : share_pm[i]);
+        if (i == self) {
+            *offset_pm = (uint32_t)off;
+            *len_pm = (uint32_t)len;
+        }
+        off += len;
+    }
+}
+
+static void sched_init_mutex(pthread_mutex_t *m)
+{
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(m, &a);
+    pthread_mutexattr_destroy(&a);
+}
+
+int vgpu_sched_update(const char *dir, const char *uuid, const char *key, uint32_t share_pm,
+                      uint32_t prio, uint32_t *offset_pm, uint32_t *len_pm)
+{
+    char path[700];
+    snprintf(path, sizeof path, "%s/%s.sched", dir, uuid);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return -1;
+    fchmod(fd, 0666);
+    struct stat st;
+    size_t sz = sizeof(struct vgpu_sched);
+    flock(fd, LOCK_EX);
+    if (fstat(fd, &st) != 0 || ((size_t)st.st_size < sz && ftruncate(fd, (off_t)sz) != 0)) {
+        close(fd);
+        return -1;
+    }
+    struct vgpu_sched *s = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (s == MAP_FAILED) {
+        close(fd);
+        return -1;
+    }
+    if (s->magic != SCHED_MAGIC || s->version != 1) {
+        memset(s, 0, sz);
+        sched_init_mutex(&s->lock.m);
+        s->version = 1;
+        __atomic_store_n(&s->magic, SCHED_MAGIC, __ATOMIC_RELEASE);
+    }
+    flock(fd, LOCK_UN);
+    int rc = pthread_mutex_lock(&s->lock.m);
+    if (rc == EOWNERDEAD)
+        pthread_mutex_consistent(&s->lock.m);
+    uint64_t now = vgpu_now_ns();
+    int me = -1, free_e = -1;
+    for (int i = 0; i < VGPU_SCHED_MAX; i++) {
+        struct vgpu_sched_entry *e = &s->e[i];
+        int live = e->key[0] && now - atomic_load(&e->heartbeat_ns) < SCHED_STALE_NS;
+        if (e->key[0] && strncmp(e->key, key, sizeof e->key) == 0) {
+            me = i;
+            if (!live)
+                e->joined_ns = now; /* came back after going idle: join at the end */
+        } else if (!live && free_e < 0)
+            free_e = i;
+    }
+    if (me < 0 && free_e >= 0) {
+        me = free_e;
+        memset(&s->e[me], 0, sizeof s->e[me]);
+        snprintf(s->e[me].key, sizeof s->e[me].key, "%s", key);
+        s->e[me].joined_ns = now;
+    }
+    if (me >= 0) {
+        s->e[me].share_pm = share_pm;
+        s->e[me].priority = prio;
+        atomic_store(&s->e[me].heartbeat_ns, now);
+    }
+    uint32_t sh[VGPU_SCHED_MAX], pr[VGPU_SCHED_MAX];
+    uint64_t jo[VGPU_SCHED_MAX];
+    int n = 0, self = -1;
+    for (int i = 0; i < VGPU_SCHED_MAX; i++) {
+        struct vgpu_sched_entry *e = &s->e[i];
+        if (!e->key[0] || now - atomic_load(&e->heartbeat_ns) >= SCHED_STALE_NS)
+            continue;
+        if (i == me)
+            self = n;
+        sh[n] = e->share_pm, pr[n] = e->priority, jo[n] = e->joined_ns, n++;
+    }
+    pthread_mutex_unlock(&s->lock.m);
+    munmap(s, sz);
+    close(fd);
+    if (self < 0)
+        return -1;
+    vgpu_sched_layout(sh, pr, jo, n, self, offset_pm, len_pm);
+    return 0;
+}

@@ -1,0 +1,907 @@
+/*
+ * vgpu_cuda.c - CUDA driver API hooks: memory paths, memory info, launches.
+ *
+ * Accounting rule (per device of the claim, in bytes): every allocation is reserved in the
+ * shared region *before* the driver is asked (vgpu_region_reserve: atomic against all the
+ * container's processes), then committed to a per-process table (pointer/handle -> bytes,
+ * device) or rolled back if the driver fails. Frees look the table up; a pointer that is
+ * not in it is passed through untouched (never an error). Paths and the amount charged:
+ *
+ *   cuMemAlloc_v2, cuMemAllocAsync(_ptsz), cuMemAllocFromPoolAsync(_ptsz): the size asked
+ *   cuMemAllocPitch_v2: pitch returned by the driver x height (estimate reserved first)
+ *   cuMemAllocManaged: the size asked, on the current device (policy: managed memory may
+ *       migrate to the host, but it can always fault back, so it counts in full)
+ *   cuMemCreate (location type device): the size asked, on prop->location.id
+ *   cuArrayCreate_v2, cuArray3DCreate_v2, cuMipmappedArrayCreate: the driver's memory
+ *       requirements (cu*GetMemoryRequirements), an element-size estimate reserved first
+ *   graph memory nodes, context, modules, pool caches, allocator rounding: through the
+ *       NVML reconciliation (vgpu_nvml.c), which sets this process's overhead charge
+ *
+ * Reported values (CUDA driver API reference semantics kept; NULL out-pointers are passed to
+ * the driver as given, so the driver decides what NULL means):
+ *   total = min(limit, physical total); free = min(max(total - used, 0), physical free)
+ *
+ * Launch hooks (cuLaunchKernel(_ptsz), cuLaunchKernelEx(_ptsz), cuLaunchCooperativeKernel
+ * (_ptsz), cuGraphLaunch(_ptsz)) pass through vgpu_compute_gate (vgpu_compute.c).
+ */
+#include "vgpu.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+enum {
+    H_GPA, H_GPA2, H_INIT, H_ALLOC, H_PITCH, H_MANAGED, H_FREE, H_ASYNC, H_ASYNC_PTSZ,
+    H_POOL, H_POOL_PTSZ, H_FREEASYNC, H_FREEASYNC_PTSZ, H_CREATE, H_RELEASE, H_ARRAY,
+    H_ARRAY3D, H_ARRAYDESTROY, H_MIPMAP, H_MIPMAPDESTROY, H_GETINFO, H_TOTALMEM, H_LAUNCH,
+    H_LAUNCH_PTSZ, H_LAUNCHEX, H_LAUNCHEX_PTSZ, H_COOP, H_COOP_PTSZ, H_GRAPH, H_GRAPH_PTSZ,
+    H_COUNT
+};
+const int vgpu_idx_gpa = H_GPA, vgpu_idx_gpa_v2 = H_GPA2;
+
+/* mode of this process: decided once after vgpu_init */
+enum { M_UNSET, M_PASS, M_LIMITED, M_BROKEN };
+static int mode_v;
+static inline int mode(void)
+{
+    if (__builtin_expect(mode_v == M_UNSET, 0)) {
+        vgpu_init();
+        mode_v = vgpu.cfg.broken ? M_BROKEN : (vgpu.limited && !vgpu.cfg.disabled) ? M_LIMITED : M_PASS;
+    }
+    return mode_v;
+}
+
+#define REAL(i, T) ((T)vgpu_real_cuda(i))
+#define BROKEN_GUARD()                                                                          \
+    do {                                                                                        \
+        if (__builtin_expect(mode() == M_BROKEN, 0))                                            \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                  \
+    } while (0)
+
+/* ------------------------------------------------------------------ allocation table */
+
+enum { K_PTR = 1, K_HANDLE = 2, K_ARRAY = 3, K_MIPMAP = 4, K_TOMB = -1 };
+struct aent { uint64_t key; uint64_t size; int32_t dev; int32_t kind; };
+static struct aent *tab;
+static size_t tab_cap, tab_used; /* used counts live + tombstones */
+static pthread_mutex_t tab_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static size_t slot_of(uint64_t key, int kind, size_t cap)
+{
+    return (size_t)(((key ^ ((uint64_t)kind << 56)) * 0x9e3779b97f4a7c15ull) >> 17) & (cap - 1);
+}
+
+static void tab_grow(void)
+{
+    size_t ncap = tab_cap ? tab_cap * 2 : 1024;
+    struct aent *n = calloc(ncap, sizeof *n);
+    if (!n)
+        return;
+    size_t live = 0;
+    for (size_t i = 0; i < tab_cap; i++) {
+        if (tab[i].kind <= 0)
+            continue;
+        size_t j = slot_of(tab[i].key, tab[i].kind, ncap);
+        while (n[j].kind)
+            j = (j + 1) & (ncap - 1);
+        n[j] = tab[i];
+        live++;
+    }
+    free(tab);
+    tab = n, tab_cap = ncap, tab_used = live;
+}
+
+static void tab_put(int kind, uint64_t key, uint64_t size, int dev)
+{
+    pthread_mutex_lock(&tab_mu);
+    if ((tab_used + 1) * 2 >= tab_cap)
+        tab_grow();
+    if (tab_cap) {
+        size_t j = slot_of(key, kind, tab_cap);
+        while (tab[j].kind > 0 && !(tab[j].kind == kind && tab[j].key == key))
+            j = (j + 1) & (tab_cap - 1);
+        if (tab[j].kind == 0)
+            tab_used++;
+        tab[j] = (struct aent){key, size, dev, kind};
+    }
+    pthread_mutex_unlock(&tab_mu);
+}
+
+static int tab_take(int kind, uint64_t key, uint64_t *size, int *dev)
+{
+    int found = 0;
+    pthread_mutex_lock(&tab_mu);
+    if (tab_cap) {
+        size_t j = slot_of(key, kind, tab_cap);
+        while (tab[j].kind) {
+            if (tab[j].kind == kind && tab[j].key == key) {
+                *size = tab[j].size, *dev = tab[j].dev;
+                tab[j].kind = K_TOMB;
+                found = 1;
+                break;
+            }
+            j = (j + 1) & (tab_cap - 1);
+        }
+    }
+    pthread_mutex_unlock(&tab_mu);
+    return found;
+}
+
+void vgpu_cuda_after_fork(void)
+{
+    pthread_mutex_init(&tab_mu, NULL);
+    free(tab);
+    tab = NULL, tab_cap = tab_used = 0;
+}
+
+/* ------------------------------------------------------------------ devices */
+
+static pthread_mutex_t map_mu = PTHREAD_MUTEX_INITIALIZER;
+static int single_gate = -1;
+
+void vgpu_format_uuid(const CUuuid *u, char *out, size_t n)
+{
+    const unsigned char *b = (const unsigned char *)u->bytes;
+    snprintf(out, n, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12],
+             b[13], b[14], b[15]);
+}
+
+int vgpu_map_uuid(const char *uuid)
+{
+    /* "GPU-"/"MIG-" prefixes differ between CUDA and NVML for MIG: compare what follows. */
+    if (strlen(uuid) < 5)
+        return -1;
+    for (int d = 0; d < vgpu.cfg.ndev; d++) {
+        const char *c = vgpu.cfg.source == VGPU_SRC_HAMI && vgpu.region.r ? vgpu.region.r->dev[d].uuid
+                                                                          : vgpu.cfg.dev[d].uuid;
+        if (strlen(c) >= 5 && strcasecmp(c + 4, uuid + 4) == 0)
+            return d;
+    }
+    return -1;
+}
+
+static void map_devices_locked(void)
+{
+    CUresult (*count)(int *) = (CUresult(*)(int *))vgpu_cuda_sym("cuDeviceGetCount");
+    CUresult (*get)(CUdevice *, int) = (CUresult(*)(CUdevice *, int))vgpu_cuda_sym("cuDeviceGet");
+    CUresult (*guuid)(CUuuid *, CUdevice) = (CUresult(*)(CUuuid *, CUdevice))vgpu_cuda_sym("cuDeviceGetUuid_v2");
+    if (!guuid)
+        guuid = (CUresult(*)(CUuuid *, CUdevice))vgpu_cuda_sym("cuDeviceGetUuid");
+    CUresult (*total)(size_t *, CUdevice) = REAL(H_TOTALMEM, CUresult(*)(size_t *, CUdevice));
+    int n = 0;
+    if (!count || !get || !guuid || count(&n) != CUDA_SUCCESS)
+        return;
+    int active = 0, last = -1;
+    for (int ord = 0; ord < n && ord < VGPU_MAX_DEV; ord++) {
+        CUdevice dev;
+        CUuuid u;
+        char s[VGPU_UUID_LEN];
+        if (get(&dev, ord) != CUDA_SUCCESS || dev < 0 || dev >= VGPU_MAX_DEV ||
+            guuid(&u, dev) != CUDA_SUCCESS)
+            continue;
+        vgpu_format_uuid(&u, s, sizeof s);
+        int d;
+        if (vgpu.cfg.source == VGPU_SRC_HAMI) {
+            /* HAMi index mode: limit i belongs to the i-th visible device. */
+            d = ord < vgpu.cfg.ndev ? ord : -1;
+            if (d >= 0 && vgpu.region.r)
+                snprintf(vgpu.region.r->dev[d].uuid, VGPU_UUID_LEN, "%s", s);
+        } else {
+            d = vgpu_map_uuid(s);
+            if (d < 0) {
+                vgpu_log(1, "CUDA device %d (%s) is not in the claim: allocations on it are refused", ord, s);
+                d = -2;
+            }
+        }
+        vgpu.cuda_map[dev] = d;
+        if (d >= 0) {
+            size_t t = 0;
+            if (total && total(&t, dev) == CUDA_SUCCESS)
+                vgpu.cuda_total[d] = t;
+            vgpu_compute_setup(d, dev);
+            if (vgpu.gate[d].active)
+                active++, last = d;
+        }
+    }
+    single_gate = active == 1 ? last : -1;
+    __atomic_store_n(&vgpu.cuda_mapped, 1, __ATOMIC_RELEASE);
+}
+
+static void map_devices(void)
+{
+    if (__atomic_load_n(&vgpu.cuda_mapped, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&map_mu);
+    if (!vgpu.cuda_mapped)
+        map_devices_locked();
+    pthread_mutex_unlock(&map_mu);
+}
+
+int vgpu_map_cuda_device(CUdevice dev)
+{
+    map_devices();
+    if (dev < 0 || dev >= VGPU_MAX_DEV)
+        return vgpu.cfg.source == VGPU_SRC_HAMI ? -1 : -2;
+    return vgpu.cuda_map[dev];
+}
+
+static int cur_dev(void)
+{
+    static CUresult (*f)(CUdevice *);
+    CUdevice dev;
+    if (!f)
+        f = (CUresult(*)(CUdevice *))vgpu_cuda_sym("cuCtxGetDevice");
+    if (!f || f(&dev) != CUDA_SUCCESS)
+        return -1;
+    return vgpu_map_cuda_device(dev);
+}
+
+/* ------------------------------------------------------------------ charging */
+
+static pthread_mutex_t join_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void vgpu_ensure_slot(void)
+{
+    if (vgpu.region.slot >= 0)
+        return;
+    pthread_mutex_lock(&join_mu);
+    if (vgpu.region.slot < 0) {
+        int32_t pid = (int32_t)getpid();
+        if (vgpu_region_join(&vgpu.region, pid, vgpu_proc_start_time(pid)) < 0)
+            vgpu_log(0, "shared region has no free slot: this process is not counted");
+    }
+    pthread_mutex_unlock(&join_mu);
+}
+
+/* 0: charged (or nothing to charge), -1: refuse with CUDA_ERROR_OUT_OF_MEMORY. */
+static int charge(int d, uint64_t bytes)
+{
+    if (d == -1)
+        return 0;
+    if (d == -2) {
+        vgpu_log(1, "allocation on a device outside the claim refused");
+        return -1;
+    }
+    vgpu_ensure_slot();
+    struct vgpu_region *r = vgpu.region.r;
+    uint64_t lim = r->dev[d].limit, used = vgpu_region_used(r, d);
+    if (lim)
+        vgpu_reconcile(d, used + bytes > lim - lim / 10 ? 2 : 0);
+    if (vgpu_region_reserve(&vgpu.region, d, bytes) == 0)
+        return 0;
+    vgpu_reconcile(d, 1);
+    if (vgpu_region_reserve(&vgpu.region, d, bytes) == 0)
+        return 0;
+    vgpu_log(2, "device %d: out of memory: %llu MiB asked, %llu of %llu MiB charged", d,
+             (unsigned long long)(bytes >> 20), (unsigned long long)(vgpu_region_used(r, d) >> 20),
+             (unsigned long long)(lim >> 20));
+    return -1;
+}
+
+static void uncharge(int d, uint64_t bytes)
+{
+    if (d >= 0)
+        vgpu_region_release(&vgpu.region, d, bytes);
+}
+
+/* ------------------------------------------------------------------ init and info */
+
+VGPU_API CUresult cuInit(unsigned flags)
+{
+    if (mode() == M_BROKEN)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult rc = REAL(H_INIT, CUresult(*)(unsigned))(flags);
+    if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
+        map_devices();
+    return rc;
+}
+
+VGPU_API CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
+{
+    BROKEN_GUARD();
+    size_t f = 0, t = 0;
+    CUresult rc = REAL(H_GETINFO, CUresult(*)(size_t *, size_t *))(free_b ? &f : NULL, total_b ? &t : NULL);
+    if (rc != CUDA_SUCCESS || mode() != M_LIMITED) {
+        if (rc == CUDA_SUCCESS) {
+            if (free_b) *free_b = f;
+            if (total_b) *total_b = t;
+        }
+        return rc;
+    }
+    int d = cur_dev();
+    uint64_t lim = d >= 0 ? vgpu.region.r->dev[d].limit : 0;
+    if (lim) {
+        vgpu_reconcile(d, 0);
+        uint64_t phys = total_b ? t : vgpu.cuda_total[d];
+        uint64_t T = phys && phys < lim ? phys : lim;
+        uint64_t used = vgpu_region_used(vgpu.region.r, d);
+        uint64_t F = used >= T ? 0 : T - used;
+        if (free_b && F > f)
+            F = f;
+        f = F, t = T;
+    }
+    if (free_b) *free_b = f;
+    if (total_b) *total_b = t;
+    return rc;
+}
+
+VGPU_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    BROKEN_GUARD();
+    CUresult rc = REAL(H_TOTALMEM, CUresult(*)(size_t *, CUdevice))(bytes, dev);
+    if (rc == CUDA_SUCCESS && bytes && mode() == M_LIMITED) {
+        int d = vgpu_map_cuda_device(dev);
+        uint64_t lim = d >= 0 ? vgpu.region.r->dev[d].limit : 0;
+        if (lim && lim < *bytes)
+            *bytes = lim;
+    }
+    return rc;
+}
+
+/* ------------------------------------------------------------------ linear allocations */
+
+VGPU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUdeviceptr *, size_t) = REAL(H_ALLOC, CUresult(*)(CUdeviceptr *, size_t));
+    if (mode() != M_LIMITED)
+        return real(dptr, size);
+    int d = cur_dev();
+    if (charge(d, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(dptr, size);
+    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
+        tab_put(K_PTR, *dptr, size, d);
+    else
+        uncharge(d, size);
+    return rc;
+}
+
+VGPU_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned flags)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUdeviceptr *, size_t, unsigned) = REAL(H_MANAGED, CUresult(*)(CUdeviceptr *, size_t, unsigned));
+    if (mode() != M_LIMITED)
+        return real(dptr, size, flags);
+    int d = cur_dev();
+    if (charge(d, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(dptr, size, flags);
+    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
+        tab_put(K_PTR, *dptr, size, d);
+    else
+        uncharge(d, size);
+    return rc;
+}
+
+VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                                     unsigned elem)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUdeviceptr *, size_t *, size_t, size_t, unsigned) =
+        REAL(H_PITCH, CUresult(*)(CUdeviceptr *, size_t *, size_t, size_t, unsigned));
+    if (mode() != M_LIMITED)
+        return real(dptr, pitch, width, height, elem);
+    int d = cur_dev();
+    uint64_t est = ((width + 511) & ~(size_t)511) * (uint64_t)height;
+    if (charge(d, est))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(dptr, pitch, width, height, elem);
+    if (rc != CUDA_SUCCESS || d < 0 || !dptr || !pitch) {
+        uncharge(d, est);
+        return rc;
+    }
+    uint64_t actual = (uint64_t)*pitch * height;
+    if (actual > est && charge(d, actual - est)) {
+        REAL(H_FREE, CUresult(*)(CUdeviceptr))(*dptr);
+        uncharge(d, est);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (actual < est)
+        uncharge(d, est - actual);
+    tab_put(K_PTR, *dptr, actual, d);
+    return rc;
+}
+
+VGPU_API CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUdeviceptr) = REAL(H_FREE, CUresult(*)(CUdeviceptr));
+    uint64_t size;
+    int d;
+    if (mode() != M_LIMITED || !tab_take(K_PTR, p, &size, &d))
+        return real(p);
+    CUresult rc = real(p);
+    if (rc == CUDA_SUCCESS)
+        uncharge(d, size);
+    else
+        tab_put(K_PTR, p, size, d);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ stream-ordered */
+
+static CUresult alloc_async(int idx, CUdeviceptr *dptr, size_t size, CUstream s)
+{
+    CUresult (*real)(CUdeviceptr *, size_t, CUstream) = REAL(idx, CUresult(*)(CUdeviceptr *, size_t, CUstream));
+    if (mode() != M_LIMITED)
+        return real(dptr, size, s);
+    int d = cur_dev();
+    if (charge(d, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(dptr, size, s);
+    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
+        tab_put(K_PTR, *dptr, size, d);
+    else
+        uncharge(d, size);
+    return rc;
+}
+
+VGPU_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s)
+{
+    BROKEN_GUARD();
+    return alloc_async(H_ASYNC, dptr, size, s);
+}
+
+VGPU_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream s)
+{
+    BROKEN_GUARD();
+    return alloc_async(H_ASYNC_PTSZ, dptr, size, s);
+}
+
+static CUresult alloc_pool(int idx, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s)
+{
+    CUresult (*real)(CUdeviceptr *, size_t, CUmemoryPool, CUstream) =
+        REAL(idx, CUresult(*)(CUdeviceptr *, size_t, CUmemoryPool, CUstream));
+    if (mode() != M_LIMITED)
+        return real(dptr, size, pool, s);
+    int d = cur_dev(); /* policy: the pool is charged to the current context's device */
+    if (charge(d, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(dptr, size, pool, s);
+    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
+        tab_put(K_PTR, *dptr, size, d);
+    else
+        uncharge(d, size);
+    return rc;
+}
+
+VGPU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s)
+{
+    BROKEN_GUARD();
+    return alloc_pool(H_POOL, dptr, size, pool, s);
+}
+
+VGPU_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s)
+{
+    BROKEN_GUARD();
+    return alloc_pool(H_POOL_PTSZ, dptr, size, pool, s);
+}
+
+static CUresult free_async(int idx, CUdeviceptr p, CUstream s)
+{
+    CUresult (*real)(CUdeviceptr, CUstream) = REAL(idx, CUresult(*)(CUdeviceptr, CUstream));
+    uint64_t size;
+    int d;
+    if (mode() != M_LIMITED || !tab_take(K_PTR, p, &size, &d))
+        return real(p, s);
+    CUresult rc = real(p, s);
+    if (rc == CUDA_SUCCESS)
+        uncharge(d, size); /* the pool keeps the pages for reuse; NVML reconciliation sees them */
+    else
+        tab_put(K_PTR, p, size, d);
+    return rc;
+}
+
+VGPU_API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s)
+{
+    BROKEN_GUARD();
+    return free_async(H_FREEASYNC, p, s);
+}
+
+VGPU_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s)
+{
+    BROKEN_GUARD();
+    return free_async(H_FREEASYNC_PTSZ, p, s);
+}
+
+/* ------------------------------------------------------------------ virtual memory (VMM) */
+
+VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
+                              unsigned long long flags)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long) =
+        REAL(H_CREATE, CUresult(*)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long));
+    if (mode() != M_LIMITED || !prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return real(h, size, prop, flags);
+    int d = vgpu_map_cuda_device(prop->location.id);
+    if (charge(d, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(h, size, prop, flags);
+    if (rc == CUDA_SUCCESS && d >= 0 && h)
+        tab_put(K_HANDLE, *h, size, d);
+    else
+        uncharge(d, size);
+    return rc;
+}
+
+VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUmemGenericAllocationHandle) = REAL(H_RELEASE, CUresult(*)(CUmemGenericAllocationHandle));
+    uint64_t size;
+    int d;
+    if (mode() != M_LIMITED || !tab_take(K_HANDLE, h, &size, &d))
+        return real(h);
+    CUresult rc = real(h);
+    if (rc == CUDA_SUCCESS)
+        uncharge(d, size);
+    else
+        tab_put(K_HANDLE, h, size, d);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ arrays */
+
+static uint64_t elem_bytes(int fmt)
+{
+    switch (fmt) {
+    case 0x01: case 0x08: return 1;              /* (UN)SIGNED_INT8 */
+    case 0x02: case 0x09: case 0x10: return 2;   /* INT16, HALF */
+    default: return 4;                           /* INT32, FLOAT, others: corrected below */
+    }
+}
+
+static uint64_t array_est(size_t w, size_t h, size_t dpt, int fmt, unsigned ch)
+{
+    return (uint64_t)w * (h ? h : 1) * (dpt ? dpt : 1) * elem_bytes(fmt) * (ch ? ch : 1);
+}
+
+/* Charge the driver's own figure once the array exists (estimate already reserved). */
+static int settle_array(int d, uint64_t est, uint64_t *actual, void *arr, int mip, CUdevice dev)
+{
+    CUDA_ARRAY_MEMORY_REQUIREMENTS req;
+    CUresult (*q)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, void *, CUdevice) =
+        (CUresult(*)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, void *, CUdevice))vgpu_cuda_sym(
+            mip ? "cuMipmappedArrayGetMemoryRequirements" : "cuArrayGetMemoryRequirements");
+    *actual = est;
+    if (!q || q(&req, arr, dev) != CUDA_SUCCESS || !req.size)
+        return 0;
+    if (req.size > est && charge(d, req.size - est))
+        return -1;
+    if (req.size < est)
+        uncharge(d, est - req.size);
+    *actual = req.size;
+    return 0;
+}
+
+static CUresult array_common(CUarray *arr, const void *desc, int three_d)
+{
+    int idx = three_d ? H_ARRAY3D : H_ARRAY;
+    CUresult (*real)(CUarray *, const void *) = REAL(idx, CUresult(*)(CUarray *, const void *));
+    if (mode() != M_LIMITED || !desc)
+        return real(arr, desc);
+    uint64_t est;
+    if (three_d) {
+        const CUDA_ARRAY3D_DESCRIPTOR *a = desc;
+        est = array_est(a->Width, a->Height, a->Depth, a->Format, a->NumChannels);
+    } else {
+        const CUDA_ARRAY_DESCRIPTOR *a = desc;
+        est = array_est(a->Width, a->Height, 1, a->Format, a->NumChannels);
+    }
+    int d = cur_dev();
+    if (charge(d, est))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(arr, desc);
+    if (rc != CUDA_SUCCESS || d < 0 || !arr) {
+        uncharge(d, est);
+        return rc;
+    }
+    CUdevice dev = 0;
+    CUresult (*gd)(CUdevice *) = (CUresult(*)(CUdevice *))vgpu_cuda_sym("cuCtxGetDevice");
+    if (gd)
+        gd(&dev);
+    uint64_t actual;
+    if (settle_array(d, est, &actual, *arr, 0, dev)) {
+        REAL(H_ARRAYDESTROY, CUresult(*)(CUarray))(*arr);
+        uncharge(d, est);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    tab_put(K_ARRAY, (uint64_t)(uintptr_t)*arr, actual, d);
+    return rc;
+}
+
+VGPU_API CUresult cuArrayCreate_v2(CUarray *arr, const CUDA_ARRAY_DESCRIPTOR *desc)
+{
+    BROKEN_GUARD();
+    return array_common(arr, desc, 0);
+}
+
+VGPU_API CUresult cuArray3DCreate_v2(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc)
+{
+    BROKEN_GUARD();
+    return array_common(arr, desc, 1);
+}
+
+VGPU_API CUresult cuArrayDestroy(CUarray arr)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUarray) = REAL(H_ARRAYDESTROY, CUresult(*)(CUarray));
+    uint64_t size;
+    int d;
+    if (mode() != M_LIMITED || !tab_take(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d))
+        return real(arr);
+    CUresult rc = real(arr);
+    if (rc == CUDA_SUCCESS)
+        uncharge(d, size);
+    else
+        tab_put(K_ARRAY, (uint64_t)(uintptr_t)arr, size, d);
+    return rc;
+}
+
+VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc,
+                                         unsigned levels)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned) =
+        REAL(H_MIPMAP, CUresult(*)(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned));
+    if (mode() != M_LIMITED || !desc)
+        return real(arr, desc, levels);
+    uint64_t base = array_est(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels);
+    uint64_t est = levels > 1 ? base * 2 : base; /* upper bound of the level sum */
+    int d = cur_dev();
+    if (charge(d, est))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(arr, desc, levels);
+    if (rc != CUDA_SUCCESS || d < 0 || !arr) {
+        uncharge(d, est);
+        return rc;
+    }
+    CUdevice dev = 0;
+    CUresult (*gd)(CUdevice *) = (CUresult(*)(CUdevice *))vgpu_cuda_sym("cuCtxGetDevice");
+    if (gd)
+        gd(&dev);
+    uint64_t actual;
+    if (settle_array(d, est, &actual, *arr, 1, dev)) {
+        REAL(H_MIPMAPDESTROY, CUresult(*)(CUmipmappedArray))(*arr);
+        uncharge(d, est);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    tab_put(K_MIPMAP, (uint64_t)(uintptr_t)*arr, actual, d);
+    return rc;
+}
+
+VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUmipmappedArray) = REAL(H_MIPMAPDESTROY, CUresult(*)(CUmipmappedArray));
+    uint64_t size;
+    int d;
+    if (mode() != M_LIMITED || !tab_take(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d))
+        return real(arr);
+    CUresult rc = real(arr);
+    if (rc == CUDA_SUCCESS)
+        uncharge(d, size);
+    else
+        tab_put(K_MIPMAP, (uint64_t)(uintptr_t)arr, size, d);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ compute gate */
+
+#define CU_STREAM_PER_THREAD ((CUstream)0x2)
+
+void vgpu_compute_setup(int d, CUdevice dev)
+{
+    (void)dev;
+    struct vgpu_gate *g = &vgpu.gate[d];
+    int cores = vgpu.cfg.policy == VGPU_POLICY_DISABLE ? 0 : (int)vgpu.region.r->dev[d].cores;
+    vgpu_gate_init(g, cores, vgpu.cfg.period_ns);
+    if (!vgpu.region.private_map) {
+        g->shared_win_id = &vgpu.region.r->dev[d].win_id;
+        g->shared_win_used = &vgpu.region.r->dev[d].win_used;
+    }
+}
+
+static void refresh_schedule(int d, uint64_t now)
+{
+    struct vgpu_gate *g = &vgpu.gate[d];
+    if (!vgpu.cfg.sched_dir[0] || (g->last_sched_ns && now - g->last_sched_ns < 1000000000ull))
+        return;
+    g->last_sched_ns = now;
+    uint32_t off = 0, len = 0;
+    const char *key = vgpu.cfg.claim[0] ? vgpu.cfg.claim : vgpu.cfg.region_path;
+    uint32_t share = (uint32_t)vgpu.region.r->dev[d].cores * 10;
+    if (vgpu_sched_update(vgpu.cfg.sched_dir, vgpu.region.r->dev[d].uuid[0] ? vgpu.region.r->dev[d].uuid : "dev",
+                          key, share, (uint32_t)vgpu.cfg.priority, &off, &len) == 0 && len) {
+        g->offset_ns = g->period_ns * off / 1000;
+        g->len_ns = g->period_ns * len / 1000;
+    }
+}
+
+static void sleep_until(uint64_t t)
+{
+    struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+        ;
+}
+
+static void gate_slow(int d, CUstream s)
+{
+    static CUresult (*sync)(CUstream), (*capturing)(CUstream, int *);
+    if (!sync) {
+        capturing = (CUresult(*)(CUstream, int *))vgpu_cuda_sym("cuStreamIsCapturing");
+        sync = (CUresult(*)(CUstream))vgpu_cuda_sym("cuStreamSynchronize");
+    }
+    struct vgpu_gate *g = &vgpu.gate[d];
+    pthread_mutex_lock(&g->mu);
+    uint64_t now = vgpu_now_ns();
+    if (g->win_start && now < g->win_start) {
+        sleep_until(g->win_start);
+        now = vgpu_now_ns();
+    }
+    if (g->win_start && vgpu_gate_fast(g, now)) {
+        pthread_mutex_unlock(&g->mu);
+        return;
+    }
+    if (g->win_start) {
+        int st = 0;
+        if (capturing && capturing(s, &st) == CUDA_SUCCESS && st != 0) {
+            pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
+            return;
+        }
+        if (sync)
+            sync(s);
+        vgpu_gate_close(g, now, vgpu_now_ns());
+        g->throttles++;
+    }
+    now = vgpu_now_ns();
+    refresh_schedule(d, now);
+    if (vgpu_gate_plan(g, now))
+        sleep_until(g->win_start);
+    atomic_fetch_add_explicit(g->shared_win_used, g->kernel_ns_est, memory_order_relaxed);
+    atomic_fetch_add_explicit(&g->win_launches, 1, memory_order_relaxed);
+    pthread_mutex_unlock(&g->mu);
+}
+
+void vgpu_compute_gate(CUstream s)
+{
+    if (__builtin_expect(!vgpu.compute_limited, 1))
+        return;
+    int d = single_gate;
+    if (d < 0) {
+        d = cur_dev();
+        if (d < 0 || !vgpu.gate[d].active)
+            return;
+    }
+    if (__builtin_expect(vgpu_gate_fast(&vgpu.gate[d], vgpu_now_ns()), 1))
+        return;
+    gate_slow(d, s);
+}
+
+/* ------------------------------------------------------------------ launches */
+
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, CUstream, void **, void **);
+typedef CUresult (*coop_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            unsigned, CUstream, void **);
+
+VGPU_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                 unsigned by, unsigned bz, unsigned shm, CUstream s, void **p, void **e)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(s);
+    return REAL(H_LAUNCH, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+}
+
+VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                      unsigned by, unsigned bz, unsigned shm, CUstream s, void **p, void **e)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
+    return REAL(H_LAUNCH_PTSZ, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+}
+
+VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(c ? c->hStream : NULL);
+    return REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+}
+
+VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
+    return REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+}
+
+VGPU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                            unsigned by, unsigned bz, unsigned shm, CUstream s, void **p)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(s);
+    return REAL(H_COOP, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+}
+
+VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                                 unsigned bx, unsigned by, unsigned bz, unsigned shm,
+                                                 CUstream s, void **p)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
+    return REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+}
+
+static CUresult graph_launch(int idx, CUgraphExec g, CUstream s)
+{
+    vgpu_compute_gate(s);
+    if (mode() == M_LIMITED) {
+        /* Graph memory nodes allocate at launch; NVML reconciliation charges them. A graph
+         * launch while the container is already over its limit is refused. */
+        int d = cur_dev();
+        if (d >= 0 && vgpu.region.r->dev[d].limit) {
+            vgpu_reconcile(d, 0);
+            if (vgpu_region_used(vgpu.region.r, d) > vgpu.region.r->dev[d].limit)
+                return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    return REAL(idx, CUresult(*)(CUgraphExec, CUstream))(g, s);
+}
+
+VGPU_API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
+{
+    BROKEN_GUARD();
+    return graph_launch(H_GRAPH, g, s);
+}
+
+VGPU_API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
+{
+    BROKEN_GUARD();
+    return graph_launch(H_GRAPH_PTSZ, g, s ? s : CU_STREAM_PER_THREAD);
+}
+
+/* ------------------------------------------------------------------ the table */
+
+extern CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t);
+extern CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, int *);
+
+#define HK(name, base, ver, ptds) {#name, base, ver, ptds, (void *)name, NULL}
+struct vgpu_hook vgpu_cuda_hooks[] = {
+    [H_GPA] = HK(cuGetProcAddress, "cuGetProcAddress", 11030, 0),
+    [H_GPA2] = HK(cuGetProcAddress_v2, "cuGetProcAddress", 12000, 0),
+    [H_INIT] = HK(cuInit, "cuInit", 2000, 0),
+    [H_ALLOC] = HK(cuMemAlloc_v2, "cuMemAlloc", 3020, 0),
+    [H_PITCH] = HK(cuMemAllocPitch_v2, "cuMemAllocPitch", 3020, 0),
+    [H_MANAGED] = HK(cuMemAllocManaged, "cuMemAllocManaged", 6000, 0),
+    [H_FREE] = HK(cuMemFree_v2, "cuMemFree", 3020, 0),
+    [H_ASYNC] = HK(cuMemAllocAsync, "cuMemAllocAsync", 11020, 0),
+    [H_ASYNC_PTSZ] = HK(cuMemAllocAsync_ptsz, "cuMemAllocAsync", 11020, 1),
+    [H_POOL] = HK(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 11020, 0),
+    [H_POOL_PTSZ] = HK(cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, 1),
+    [H_FREEASYNC] = HK(cuMemFreeAsync, "cuMemFreeAsync", 11020, 0),
+    [H_FREEASYNC_PTSZ] = HK(cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, 1),
+    [H_CREATE] = HK(cuMemCreate, "cuMemCreate", 10020, 0),
+    [H_RELEASE] = HK(cuMemRelease, "cuMemRelease", 10020, 0),
+    [H_ARRAY] = HK(cuArrayCreate_v2, "cuArrayCreate", 3020, 0),
+    [H_ARRAY3D] = HK(cuArray3DCreate_v2, "cuArray3DCreate", 3020, 0),
+    [H_ARRAYDESTROY] = HK(cuArrayDestroy, "cuArrayDestroy", 2000, 0),
+    [H_MIPMAP] = HK(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 5000, 0),
+    [H_MIPMAPDESTROY] = HK(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 5000, 0),
+    [H_GETINFO] = HK(cuMemGetInfo_v2, "cuMemGetInfo", 3020, 0),
+    [H_TOTALMEM] = HK(cuDeviceTotalMem_v2, "cuDeviceTotalMem", 3020, 0),
+    [H_LAUNCH] = HK(cuLaunchKernel, "cuLaunchKernel", 4000, 0),
+    [H_LAUNCH_PTSZ] = HK(cuLaunchKernel_ptsz, "cuLaunchKernel", 4000, 1),
+    [H_LAUNCHEX] = HK(cuLaunchKernelEx, "cuLaunchKernelEx", 11060, 0),
+    [H_LAUNCHEX_PTSZ] = HK(cuLaunchKernelEx_ptsz, "cuLaunchKernelEx", 11060, 1),
+    [H_COOP] = HK(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", 9000, 0),
+    [H_COOP_PTSZ] = HK(cuLaunchCooperativeKernel_ptsz, "cuLaunchCooperativeKernel", 9000, 1),
+    [H_GRAPH] = HK(cuGraphLaunch, "cuGraphLaunch", 10000, 0),
+    [H_GRAPH_PTSZ] = HK(cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, 1),
+};
+const int vgpu_cuda_nhooks = H_COUNT;

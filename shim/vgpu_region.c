@@ -1,0 +1,347 @@
+/*
+ * vgpu_region.c - the container's shared region: one quota for all its processes.
+ *
+ * A fixed-layout file (struct vgpu_region in vgpu.h, documented in docs/shim.md) mapped
+ * MAP_SHARED by every process of the container and read by the node agent. Admission is a
+ * reserve under one robust, process-shared mutex: check `used + bytes <= limit`, then charge
+ * the device total and the caller's slot in the same critical section, so N racing
+ * processes can never overshoot the limit together.
+ *
+ * Crash safety: the mutex is PTHREAD_MUTEX_ROBUST, so a holder that dies (SIGKILL) hands
+ * the lock to the next locker with EOWNERDEAD; that locker recomputes every device total
+ * from the live slots and marks the mutex consistent. A slot belongs to (pid, start time
+ * from /proc/<pid>/stat), so a reused PID never inherits a dead process's charges. Dead
+ * slots are reaped when a process joins, when an allocation would fail, and on recovery.
+ */
+#include "vgpu.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+uint64_t vgpu_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t vgpu_proc_start_time(int32_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')'); /* comm may contain spaces and ')' */
+    if (!p)
+        return 0;
+    /* after ") " comes field 3 (state); starttime is field 22 */
+    if (p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X'))
+        return 0; /* zombie: gone for our purposes */
+    for (int field = 2; field < 22 && p; field++)
+        p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+static void init_mutex(pthread_mutex_t *m)
+{
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(m, &a);
+    pthread_mutexattr_destroy(&a);
+}
+
+static void recompute_locked(struct vgpu_region *r)
+{
+    for (int d = 0; d < VGPU_MAX_DEV; d++) {
+        uint64_t sum = 0;
+        for (int s = 0; s < VGPU_MAX_SLOTS; s++)
+            if (r->slot[s].pid)
+                sum += r->slot[s].data[d] + r->slot[s].overhead[d];
+        atomic_store(&r->dev[d].used, sum);
+    }
+}
+
+int vgpu_region_lock(struct vgpu_region *r)
+{
+    int rc = pthread_mutex_lock(&r->lock.m);
+    if (rc == EOWNERDEAD) {
+        /* The holder died inside a critical section: its partial update is repaired by
+         * dropping dead slots and recomputing the totals from the slots. */
+        vgpu_region_reap_locked(r);
+        recompute_locked(r);
+        pthread_mutex_consistent(&r->lock.m);
+        return 0;
+    }
+    if (rc == ENOTRECOVERABLE) {
+        init_mutex(&r->lock.m);
+        return pthread_mutex_lock(&r->lock.m) == 0 ? 0 : -1;
+    }
+    return rc == 0 ? 0 : -1;
+}
+
+void vgpu_region_unlock(struct vgpu_region *r)
+{
+    pthread_mutex_unlock(&r->lock.m);
+}
+
+static void clear_slot_locked(struct vgpu_region *r, int s)
+{
+    struct vgpu_slot *sl = &r->slot[s];
+    for (int d = 0; d < VGPU_MAX_DEV; d++) {
+        uint64_t c = sl->data[d] + sl->overhead[d];
+        uint64_t u = atomic_load(&r->dev[d].used);
+        atomic_store(&r->dev[d].used, u > c ? u - c : 0);
+    }
+    memset(sl, 0, sizeof *sl);
+}
+
+int vgpu_region_reap_locked(struct vgpu_region *r)
+{
+    int n = 0;
+    for (int s = 0; s < VGPU_MAX_SLOTS; s++) {
+        struct vgpu_slot *sl = &r->slot[s];
+        if (sl->pid && vgpu_proc_start_time(sl->pid) != sl->start_time) {
+            clear_slot_locked(r, s);
+            n++;
+        }
+    }
+    return n;
+}
+
+static void apply_config_locked(struct vgpu_region *r, const struct vgpu_config *cfg)
+{
+    if (!cfg)
+        return;
+    r->ndev = (uint32_t)cfg->ndev;
+    r->priority = (uint32_t)cfg->priority;
+    snprintf(r->claim, sizeof r->claim, "%s", cfg->claim);
+    for (int d = 0; d < VGPU_MAX_DEV; d++) {
+        struct vgpu_region_dev *rd = &r->dev[d];
+        if (d < cfg->ndev) {
+            snprintf(rd->uuid, sizeof rd->uuid, "%s", cfg->dev[d].uuid);
+            rd->limit = cfg->dev[d].mem_limit;
+            rd->cores = (uint32_t)cfg->dev[d].cores;
+        } else {
+            rd->uuid[0] = 0;
+            rd->limit = 0;
+            rd->cores = 0;
+        }
+    }
+}
+
+static int valid(const struct vgpu_region *r)
+{
+    return r->magic == VGPU_REGION_MAGIC && r->version == VGPU_REGION_VERSION &&
+           r->size == sizeof *r && r->max_slots == VGPU_MAX_SLOTS;
+}
+
+static void init_region(struct vgpu_region *r)
+{
+    uint64_t gen = r->generation;
+    memset(r, 0, sizeof *r);
+    init_mutex(&r->lock.m);
+    r->version = VGPU_REGION_VERSION;
+    r->size = sizeof *r;
+    r->max_slots = VGPU_MAX_SLOTS;
+    r->generation = gen + 1;
+    for (int d = 0; d < VGPU_MAX_DEV; d++)
+        r->dev[d].sm_util = 0xffffffffu;
+    __atomic_store_n(&r->magic, VGPU_REGION_MAGIC, __ATOMIC_RELEASE);
+}
+
+int vgpu_region_open(struct vgpu_region_handle *h, const char *path, const struct vgpu_config *cfg)
+{
+    memset(h, 0, sizeof *h);
+    h->fd = -1;
+    h->slot = -1;
+    size_t sz = sizeof(struct vgpu_region);
+    if (!path || !path[0]) {
+        h->r = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        if (h->r == MAP_FAILED)
+            return h->r = NULL, -1;
+        h->private_map = 1;
+        init_region(h->r);
+        apply_config_locked(h->r, cfg);
+        return 0;
+    }
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return -1;
+    fchmod(fd, 0666); /* every user of the container shares the quota */
+    flock(fd, LOCK_EX); /* serialises creation and re-initialisation only */
+    struct stat st;
+    if (fstat(fd, &st) != 0 || ((size_t)st.st_size < sz && ftruncate(fd, (off_t)sz) != 0)) {
+        int e = errno;
+        flock(fd, LOCK_UN);
+        close(fd);
+        return errno = e, -1;
+    }
+    struct vgpu_region *r = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (r == MAP_FAILED) {
+        int e = errno;
+        flock(fd, LOCK_UN);
+        close(fd);
+        return errno = e, -1;
+    }
+    if (!valid(r))
+        init_region(r);
+    h->r = r;
+    h->fd = fd;
+    if (cfg) {
+        vgpu_region_lock(r);
+        apply_config_locked(r, cfg); /* the claim is authoritative: latest process wins */
+        vgpu_region_unlock(r);
+    }
+    flock(fd, LOCK_UN);
+    return 0;
+}
+
+int vgpu_region_attach(struct vgpu_region_handle *h, const char *path)
+{
+    memset(h, 0, sizeof *h);
+    h->slot = -1;
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(struct vgpu_region)) {
+        close(fd);
+        return errno = EINVAL, -1;
+    }
+    struct vgpu_region *r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (r == MAP_FAILED) {
+        close(fd);
+        return -1;
+    }
+    if (!valid(r)) {
+        munmap(r, sizeof *r);
+        close(fd);
+        return errno = EPROTO, -1;
+    }
+    h->r = r;
+    h->fd = fd;
+    return 0;
+}
+
+void vgpu_region_close(struct vgpu_region_handle *h)
+{
+    if (h->r)
+        munmap(h->r, sizeof *h->r);
+    if (h->fd >= 0)
+        close(h->fd);
+    h->r = NULL;
+    h->fd = -1;
+    h->slot = -1;
+}
+
+int vgpu_region_join(struct vgpu_region_handle *h, int32_t pid, uint64_t start_time)
+{
+    struct vgpu_region *r = h->r;
+    int free_slot = -1, mine = -1;
+    vgpu_region_lock(r);
+    vgpu_region_reap_locked(r);
+    for (int s = 0; s < VGPU_MAX_SLOTS; s++) {
+        if (r->slot[s].pid == pid) {
+            mine = s; /* same pid and start time survived the reap: our own old slot */
+            break;
+        }
+        if (!r->slot[s].pid && free_slot < 0)
+            free_slot = s;
+    }
+    if (mine >= 0)
+        clear_slot_locked(r, mine);
+    else
+        mine = free_slot;
+    if (mine >= 0) {
+        r->slot[mine].pid = pid;
+        r->slot[mine].start_time = start_time;
+    }
+    vgpu_region_unlock(r);
+    return h->slot = mine;
+}
+
+void vgpu_region_leave(struct vgpu_region_handle *h)
+{
+    if (!h->r || h->slot < 0)
+        return;
+    vgpu_region_lock(h->r);
+    clear_slot_locked(h->r, h->slot);
+    vgpu_region_unlock(h->r);
+    h->slot = -1;
+}
+
+int vgpu_region_reserve(struct vgpu_region_handle *h, int d, uint64_t bytes)
+{
+    struct vgpu_region *r = h->r;
+    if (d < 0 || d >= VGPU_MAX_DEV || h->slot < 0)
+        return 0;
+    vgpu_region_lock(r);
+    uint64_t used = atomic_load(&r->dev[d].used), limit = r->dev[d].limit;
+    if (limit && (used + bytes > limit || used + bytes < used)) {
+        /* Before refusing, return the quota of processes that died without cleaning up. */
+        if (vgpu_region_reap_locked(r) > 0)
+            used = atomic_load(&r->dev[d].used);
+        if (used + bytes > limit || used + bytes < used) {
+            vgpu_region_unlock(r);
+            return -1;
+        }
+    }
+    atomic_store(&r->dev[d].used, used + bytes);
+    r->slot[h->slot].data[d] += bytes;
+    vgpu_region_unlock(r);
+    return 0;
+}
+
+void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes)
+{
+    struct vgpu_region *r = h->r;
+    if (d < 0 || d >= VGPU_MAX_DEV || h->slot < 0)
+        return;
+    vgpu_region_lock(r);
+    struct vgpu_slot *sl = &r->slot[h->slot];
+    if (bytes > sl->data[d])
+        bytes = sl->data[d];
+    sl->data[d] -= bytes;
+    uint64_t u = atomic_load(&r->dev[d].used);
+    atomic_store(&r->dev[d].used, u > bytes ? u - bytes : 0);
+    vgpu_region_unlock(r);
+}
+
+uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes)
+{
+    struct vgpu_region *r = h->r;
+    if (d < 0 || d >= VGPU_MAX_DEV || h->slot < 0)
+        return 0;
+    vgpu_region_lock(r);
+    /* Policy: overhead (context, modules, allocator rounding) is charged, but never more
+     * than half the limit, so a slice smaller than a context still holds data. */
+    if (r->dev[d].limit && bytes > r->dev[d].limit / 2)
+        bytes = r->dev[d].limit / 2;
+    struct vgpu_slot *sl = &r->slot[h->slot];
+    uint64_t u = atomic_load(&r->dev[d].used) - sl->overhead[d] + bytes;
+    sl->overhead[d] = bytes;
+    atomic_store(&r->dev[d].used, u);
+    vgpu_region_unlock(r);
+    return bytes;
+}
+
+uint64_t vgpu_region_used(struct vgpu_region *r, int d)
+{
+    return (d >= 0 && d < VGPU_MAX_DEV) ? atomic_load(&r->dev[d].used) : 0;
+}

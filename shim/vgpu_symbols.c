@@ -1,0 +1,199 @@
+/*
+ * vgpu_symbols.c - how calls reach the shim and how the shim reaches the driver.
+ *
+ * Three doors, all answered from the hook tables (vgpu_cuda_hooks, vgpu_nvml_hooks):
+ *  1. Direct linking: libvgpu.so exports the hooked names (cuMemAlloc_v2, nvmlDeviceGet...),
+ *     and LD_PRELOAD puts it first in the global scope.
+ *  2. dlsym(handle, "cu..."/"nvml..."): the CUDA runtime and NVML users dlopen the driver and
+ *     look names up; our dlsym answers hooked names with the wrapper. dlsym(RTLD_NEXT, ...)
+ *     keeps its meaning: the search starts after the *caller's* object, not after ours.
+ *  3. cuGetProcAddress / cuGetProcAddress_v2 (CUDA >= 11.3 runtimes get every entry point
+ *     this way): the real driver resolves the name for the requested cudaVersion and flags
+ *     first; only if the pointer it returns is one of the ABI variants we wrap is it replaced
+ *     by our wrapper for that same variant. So a request for an old ABI, a newer _v3, or a
+ *     per-thread-default-stream (_ptsz) entry we do not wrap gets the driver's own function.
+ *     If the driver hands out pointers that differ from its exported symbols (checked once),
+ *     the match falls back to (name, minimum version, ptds flag) from the table.
+ * The driver is reached through dlopen("libcuda.so.1") / dlopen("libnvidia-ml.so.1") and the
+ * real dlsym (dlvsym(RTLD_NEXT, "dlsym", GLIBC_*)), never through the global scope, so our own
+ * exports are never called by mistake.
+ */
+#include "vgpu.h"
+
+#include <dlfcn.h>
+#include <link.h>
+#include <string.h>
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static dlsym_fn real_dlsym_fn;
+static pthread_once_t cuda_once = PTHREAD_ONCE_INIT, nvml_once = PTHREAD_ONCE_INIT;
+static int gpa_returns_exports = 1;
+
+static void find_real_dlsym(void)
+{
+    static const char *const vers[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
+    for (size_t i = 0; i < sizeof vers / sizeof vers[0] && !real_dlsym_fn; i++)
+        real_dlsym_fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", vers[i]);
+}
+
+void *vgpu_real_dlsym(void *handle, const char *name)
+{
+    if (!real_dlsym_fn)
+        find_real_dlsym();
+    return real_dlsym_fn ? real_dlsym_fn(handle, name) : NULL;
+}
+
+/* RTLD_NEXT on behalf of `caller`: the first object after the caller's in load order that
+ * itself defines the name (glibc's rule for objects loaded at start-up). */
+static void *next_after(const void *caller, const char *name)
+{
+    Dl_info info;
+    struct link_map *me = NULL;
+    if (!dladdr1(caller, &info, (void **)&me, RTLD_DL_LINKMAP) || !me)
+        return vgpu_real_dlsym(RTLD_NEXT, name);
+    for (struct link_map *l = me->l_next; l; l = l->l_next) {
+        void *h = dlopen(l->l_name[0] ? l->l_name : NULL, RTLD_LAZY | RTLD_NOLOAD);
+        if (!h)
+            continue;
+        void *p = vgpu_real_dlsym(h, name);
+        dlclose(h);
+        struct link_map *owner = NULL;
+        if (p && dladdr1(p, &info, (void **)&owner, RTLD_DL_LINKMAP) && owner == l)
+            return p;
+    }
+    return NULL;
+}
+
+void *vgpu_hook_for(const char *name)
+{
+    if (name[0] == 'c' && name[1] == 'u') {
+        for (int i = 0; i < vgpu_cuda_nhooks; i++)
+            if (strcmp(vgpu_cuda_hooks[i].name, name) == 0)
+                return vgpu_cuda_hooks[i].hook;
+    } else if (strncmp(name, "nvml", 4) == 0) {
+        for (int i = 0; i < vgpu_nvml_nhooks; i++)
+            if (strcmp(vgpu_nvml_hooks[i].name, name) == 0)
+                return vgpu_nvml_hooks[i].hook;
+    }
+    return NULL;
+}
+
+VGPU_API void *dlsym(void *handle, const char *symbol)
+{
+    if (handle == RTLD_NEXT)
+        return next_after(__builtin_return_address(0), symbol);
+    const char *sym = symbol;
+    __asm__("" : "+r"(sym)); /* callers do pass NULL; keep the check the compiler would drop */
+    if (sym && ((sym[0] == 'c' && symbol[1] == 'u') || strncmp(symbol, "nvml", 4) == 0)) {
+        void *h = vgpu_hook_for(symbol);
+        if (h) {
+            vgpu_init();
+            if (!vgpu.cfg.disabled)
+                return h;
+        }
+    }
+    return vgpu_real_dlsym(handle, symbol);
+}
+
+static void bind_cuda(void)
+{
+    vgpu.libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!vgpu.libcuda) {
+        vgpu_log(0, "cannot load libcuda.so.1: %s", dlerror());
+        return;
+    }
+    for (int i = 0; i < vgpu_cuda_nhooks; i++)
+        vgpu_cuda_hooks[i].real = vgpu_real_dlsym(vgpu.libcuda, vgpu_cuda_hooks[i].name);
+    /* Does the driver's cuGetProcAddress hand out its exported addresses? */
+    CUresult (*gpa)(const char *, void **, int, cuuint64_t) =
+        (CUresult(*)(const char *, void **, int, cuuint64_t))vgpu_real_dlsym(vgpu.libcuda, "cuGetProcAddress");
+    void *probe = NULL, *exported = vgpu_real_dlsym(vgpu.libcuda, "cuMemAlloc_v2");
+    if (gpa && exported && gpa("cuMemAlloc", &probe, 12000, 0) == CUDA_SUCCESS && probe)
+        gpa_returns_exports = probe == exported;
+    vgpu_log(3, "libcuda bound; cuGetProcAddress returns exported addresses: %d", gpa_returns_exports);
+}
+
+static void bind_nvml(void)
+{
+    vgpu.libnvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!vgpu.libnvml) {
+        vgpu_log(2, "cannot load libnvidia-ml.so.1: %s", dlerror());
+        return;
+    }
+    for (int i = 0; i < vgpu_nvml_nhooks; i++)
+        vgpu_nvml_hooks[i].real = vgpu_real_dlsym(vgpu.libnvml, vgpu_nvml_hooks[i].name);
+}
+
+void vgpu_symbols_bind(void)
+{
+    pthread_once(&cuda_once, bind_cuda);
+}
+
+void *vgpu_real_cuda(int idx)
+{
+    if (!vgpu_cuda_hooks[idx].real)
+        pthread_once(&cuda_once, bind_cuda);
+    return vgpu_cuda_hooks[idx].real;
+}
+
+void *vgpu_cuda_sym(const char *name)
+{
+    pthread_once(&cuda_once, bind_cuda);
+    return vgpu.libcuda ? vgpu_real_dlsym(vgpu.libcuda, name) : NULL;
+}
+
+void *vgpu_nvml_sym(const char *name)
+{
+    pthread_once(&nvml_once, bind_nvml);
+    return vgpu.libnvml ? vgpu_real_dlsym(vgpu.libnvml, name) : NULL;
+}
+
+/* Replace a driver pointer returned by cuGetProcAddress with our wrapper of the same ABI. */
+static void *translate(const char *symbol, void *p, int ver, cuuint64_t flags)
+{
+    if (!p || !symbol)
+        return p;
+    for (int i = 0; i < vgpu_cuda_nhooks; i++)
+        if (vgpu_cuda_hooks[i].real == p)
+            return vgpu_cuda_hooks[i].hook;
+    if (gpa_returns_exports)
+        return p;
+    int best = -1, ptds = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    for (int i = 0; i < vgpu_cuda_nhooks; i++) {
+        const struct vgpu_hook *h = &vgpu_cuda_hooks[i];
+        if (strcmp(h->base, symbol) == 0 && ver >= h->min_version && h->ptds == ptds && h->real &&
+            (best < 0 || h->min_version > vgpu_cuda_hooks[best].min_version))
+            best = i;
+    }
+    return best >= 0 ? vgpu_cuda_hooks[best].hook : p;
+}
+
+/* Indices of the two entries in vgpu_cuda_hooks (kept in sync by vgpu_cuda.c). */
+extern const int vgpu_idx_gpa, vgpu_idx_gpa_v2;
+
+VGPU_API CUresult cuGetProcAddress(const char *symbol, void **pfn, int ver, cuuint64_t flags)
+{
+    vgpu_init();
+    CUresult (*real)(const char *, void **, int, cuuint64_t) =
+        (CUresult(*)(const char *, void **, int, cuuint64_t))vgpu_real_cuda(vgpu_idx_gpa);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    CUresult rc = real(symbol, pfn, ver, flags);
+    if (rc == CUDA_SUCCESS && pfn && !vgpu.cfg.disabled)
+        *pfn = translate(symbol, *pfn, ver, flags);
+    return rc;
+}
+
+VGPU_API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int ver, cuuint64_t flags,
+                                      int *status)
+{
+    vgpu_init();
+    CUresult (*real)(const char *, void **, int, cuuint64_t, int *) =
+        (CUresult(*)(const char *, void **, int, cuuint64_t, int *))vgpu_real_cuda(vgpu_idx_gpa_v2);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    CUresult rc = real(symbol, pfn, ver, flags, status);
+    if (rc == CUDA_SUCCESS && pfn && !vgpu.cfg.disabled)
+        *pfn = translate(symbol, *pfn, ver, flags);
+    return rc;
+}
