@@ -32,6 +32,11 @@ def refusal_message(errors: list[str]) -> str:
     return f"{len(errors)} problems: " + "; ".join(f"({i}) {e}" for i, e in enumerate(errors, 1))
 
 
+def _who(pod: dict[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return f"pod {meta.get('namespace', '')}/{meta.get('name') or meta.get('generateName', '') + '*'}"
+
+
 def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str]) -> None:
     """Register the mutating (CREATE) and validating (CREATE, UPDATE) pod webhooks on ``registry``.
 
@@ -45,9 +50,9 @@ def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str
     def mutate(body: kopf.Body, patch: kopf.Patch, logger: Logger, **_: Any) -> None:
         pod = dict(body)
         ops = mutate_pod(pod)
+        logger.debug("kvgpu admission: mutate %s: %d patch ops", _who(pod), len(ops))
         if not ops:
             return
-        logger.debug("kvgpu: injecting the shim (%d patch ops)", len(ops))
         # Kopf diffs the body before and after the patch's functions to build the JSON patch.
         def apply(raw: Any) -> None:
             raw.update(apply_ops(raw, ops))
@@ -60,6 +65,7 @@ def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str
         old: kopf.Body | None = None, operation: str | None = None, **_: Any,
     ) -> None:
         username = str((userinfo or {}).get("username", ""))
+        logger.debug("kvgpu admission: validate %s %s by %s", operation, _who(dict(body)), username)
         errors = validate_pod(
             operation or "", dict(body), dict(old) if old is not None else None, username, operators,
         )

@@ -1,0 +1,207 @@
+"""The admission webhooks against the real kube-apiserver: our configurations (CEL match
+conditions included) are accepted by it, pods are mutated and refused through Kopf's webhook
+server, and pods that mention no GPU never reach the operator."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import kopf
+import pytest
+from kopfthread import KopfThread, free_port, kopf_in_thread, wait_port
+from kvgpu.admission.config import webhook_configurations
+from kvgpu.admission.handlers import register
+from kvgpu.admission.mutate import MANAGED_LABEL
+from kvgpu.admission.validate import validate_pod
+from kvgpu.core import keys
+from kvgpu.devcluster import Cluster
+
+OPERATOR_USER = "kvgpu-operator"  # the CN of the dev PKI's operator certificate
+
+
+@pytest.fixture(scope="module")
+def webhooks(cluster: Cluster) -> Iterator[KopfThread]:
+    registry = kopf.OperatorRegistry()
+    register(registry, {OPERATOR_USER})
+    pki = cluster.run_dir / "pki"
+    port = free_port()
+
+    def adjust(settings: kopf.OperatorSettings) -> None:
+        settings.admission.server = kopf.WebhookServer(
+            addr="127.0.0.1", port=port, host="127.0.0.1",
+            certfile=str(pki / "webhook.crt"), pkeyfile=str(pki / "webhook.key"),
+        )
+        settings.admission.managed = None
+
+    with kopf_in_thread(registry, cluster.operator_kubeconfig, adjust=adjust) as op:
+        wait_port("127.0.0.1", port)
+        configs = webhook_configurations(
+            url_base=f"https://127.0.0.1:{port}", service=None,
+            ca_bundle=(pki / "ca.crt").read_bytes(), exclude_namespaces=[],
+        )
+        try:
+            for cfg in configs:
+                cluster.kubectl("apply", "-f", "-", input=json.dumps(cfg))
+            _wait_webhooks_active(cluster)
+            yield op
+        finally:
+            for cfg in configs:
+                cluster.kubectl("delete", cfg["kind"].lower(), cfg["metadata"]["name"], "--ignore-not-found",
+                                check=False)
+
+
+def _pod(namespace: str, name: str, annotations: dict[str, str] | None = None,
+         limits: dict[str, str] | None = None) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": "main", "image": "registry.invalid/cuda:12"}
+    if limits:
+        c["resources"] = {"limits": limits}
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "annotations": annotations or {}},
+        "spec": {"containers": [c, {"name": "side", "image": "registry.invalid/busybox"}]},
+    }
+
+
+def _wait_webhooks_active(cluster: Cluster, timeout: float = 30.0) -> None:
+    """The API server picks up new webhook configurations asynchronously: probe until a pod that
+    must be refused is refused (server-side dry run, nothing stored)."""
+    probe = _pod("default", "kvgpu-probe", {"kvgpu.io/gpumem": "not-a-size"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(probe), check=False)
+        if p.returncode != 0 and "kvgpu.io/gpumem" in p.stderr:
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"the kvgpu webhooks never refused the probe pod: {p.stderr or p.stdout}")
+
+
+def _create(cluster: Cluster, pod: dict[str, Any], *, check: bool = True) -> Any:
+    return cluster.kubectl("create", "-f", "-", input=json.dumps(pod), check=check)
+
+
+def _get(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    return dict(json.loads(cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json").stdout))
+
+
+def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: KopfThread) -> None:
+    _create(cluster, _pod(namespace, "sliced", {"kvgpu.io/gpumem": "3000", "kvgpu.io/gpucores": "30"}))
+    pod = _get(cluster, namespace, "sliced")
+    assert pod["spec"]["schedulerName"] == keys.SCHEDULER_NAME
+    assert pod["metadata"]["labels"][MANAGED_LABEL] == "true"
+    main, side = pod["spec"]["containers"]
+    env = {e["name"]: e for e in main["env"]}
+    assert env[keys.ENV_POD_UID]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    assert env[keys.ENV_CLAIM]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['kvgpu.io/claim.main']"
+    assert env[keys.ENV_VISIBLE]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['kvgpu.io/devices.main']"
+    assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/main"
+    mounts = {m["mountPath"]: m for m in main["volumeMounts"]}
+    assert mounts["/etc/ld.so.preload"]["readOnly"] is True
+    assert mounts[keys.CONTAINER_SHIM_DIR]["readOnly"] is True
+    assert mounts[keys.CONTAINER_REGION_DIR]["subPathExpr"] == "$(KVGPU_POD_UID)/main"
+    assert mounts[keys.CONTAINER_CLAIM_DIR]["readOnly"] is True
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["kvgpu-preload"]["hostPath"] == {"path": keys.HOST_PRELOAD_FILE, "type": "File"}
+    assert volumes["kvgpu-claims"]["downwardAPI"]["items"][0]["path"] == "main"
+    # The other container sees no cards, whatever its image says.
+    assert side["env"] == [{"name": keys.ENV_VISIBLE, "value": "none"}]
+    assert not any(m["mountPath"] == "/etc/ld.so.preload" for m in side.get("volumeMounts", []))
+    # The stored (defaulted) object still passes our own validation.
+    assert validate_pod("CREATE", pod, None, "someone", {OPERATOR_USER}) == []
+
+
+def test_hami_limits_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: KopfThread) -> None:
+    pod = _pod(namespace, "hami", limits={"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"})
+    init = {"name": "prep", "image": "registry.invalid/cuda:12",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+    pod["spec"]["initContainers"] = [init]
+    _create(cluster, pod)
+    got = _get(cluster, namespace, "hami")
+    assert got["spec"]["schedulerName"] == keys.SCHEDULER_NAME
+    for c in (got["spec"]["initContainers"][0], got["spec"]["containers"][0]):
+        names = {e["name"] for e in c["env"]}
+        assert names >= {keys.ENV_CLAIM, keys.ENV_VISIBLE, keys.ENV_POD_UID}, c["name"]
+    items = {i["path"] for i in {v["name"]: v for v in got["spec"]["volumes"]}["kvgpu-claims"]
+             ["downwardAPI"]["items"]}
+    assert items == {"main", "prep"}
+
+
+def test_bad_value_is_refused_with_the_message(
+    cluster: Cluster, namespace: str, webhooks: KopfThread,
+) -> None:
+    p = _create(cluster, _pod(namespace, "bad", {"kvgpu.io/gpumem": "3Gx", "kvgpu.io/gpucores": "130"}),
+                check=False)
+    assert p.returncode != 0
+    assert 'admission webhook "pods.validate.kvgpu.io" denied the request' in p.stderr, p.stderr
+    assert "kvgpu.io/gpumem" in p.stderr and "3Gx" in p.stderr and "3Gi" in p.stderr, p.stderr
+    assert "kvgpu.io/gpucores" in p.stderr and "130" in p.stderr, p.stderr  # every bad key at once
+
+
+def test_forged_allocation_annotation_is_refused(
+    cluster: Cluster, namespace: str, webhooks: KopfThread,
+) -> None:
+    forged = {"kvgpu.io/gpumem": "3000", "kvgpu.io/claim.main": "v1;GPU-0;m=80000"}
+    p = _create(cluster, _pod(namespace, "forged", forged), check=False)
+    assert p.returncode != 0 and "kvgpu.io/claim.main" in p.stderr, p.stderr
+
+
+def test_foreign_scheduler_and_preset_node_are_refused(
+    cluster: Cluster, namespace: str, webhooks: KopfThread,
+) -> None:
+    pod = _pod(namespace, "volcano", {"kvgpu.io/gpumem": "3000"})
+    pod["spec"]["schedulerName"] = "volcano"
+    p = _create(cluster, pod, check=False)
+    assert p.returncode != 0 and "volcano" in p.stderr and keys.SCHEDULER_NAME in p.stderr, p.stderr
+    pod = _pod(namespace, "pinned", {"kvgpu.io/gpumem": "3000"})
+    pod["spec"]["nodeName"] = "gpu-node-1"
+    p = _create(cluster, pod, check=False)
+    assert p.returncode != 0 and "spec.nodeName" in p.stderr, p.stderr
+
+
+def test_reserved_env_is_refused(cluster: Cluster, namespace: str, webhooks: KopfThread) -> None:
+    pod = _pod(namespace, "sneaky", {"kvgpu.io/gpumem": "3000"})
+    pod["spec"]["containers"][0]["env"] = [{"name": "CUDA_DISABLE_CONTROL", "value": "true"}]
+    pod["spec"]["containers"][1]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    p = _create(cluster, pod, check=False)
+    assert p.returncode != 0, p.stdout
+    assert "CUDA_DISABLE_CONTROL" in p.stderr and "NVIDIA_VISIBLE_DEVICES" in p.stderr, p.stderr
+
+
+def test_allocation_annotations_change_only_by_the_operator(
+    cluster: Cluster, namespace: str, webhooks: KopfThread,
+) -> None:
+    _create(cluster, _pod(namespace, "bound", {"kvgpu.io/gpumem": "3000"}))
+    key = keys.devices_annotation("main")
+    as_operator = f"--kubeconfig={cluster.operator_kubeconfig}"  # the last --kubeconfig wins
+    cluster.kubectl(as_operator, "annotate", "pod", "bound", "-n", namespace, f"{key}=GPU-aaaa")
+    p = cluster.kubectl("annotate", "pod", "bound", "-n", namespace, "--overwrite", f"{key}=GPU-bbbb",
+                        check=False)
+    assert p.returncode != 0 and key in p.stderr and "only be changed by the kvgpu operator" in p.stderr, \
+        p.stderr
+    p = cluster.kubectl("annotate", "pod", "bound", "-n", namespace, f"{key}-", check=False)
+    assert p.returncode != 0 and key in p.stderr, p.stderr
+    p = cluster.kubectl("label", "pod", "bound", "-n", namespace, f"{MANAGED_LABEL}-", check=False)
+    assert p.returncode != 0 and MANAGED_LABEL in p.stderr, p.stderr
+    assert _get(cluster, namespace, "bound")["metadata"]["annotations"][key] == "GPU-aaaa"
+    # Anything else stays the user's to change.
+    cluster.kubectl("label", "pod", "bound", "-n", namespace, "team=ml")
+    cluster.kubectl("annotate", "pod", "bound", "-n", namespace, "note=hello")
+
+
+def test_pod_without_gpu_keys_never_reaches_the_webhook(
+    cluster: Cluster, namespace: str, webhooks: KopfThread,
+) -> None:
+    _create(cluster, _pod(namespace, "plain", {"team": "web"}))
+    cluster.kubectl("label", "pod", "plain", "-n", namespace, "x=y")
+    pod = _get(cluster, namespace, "plain")
+    assert pod["spec"]["schedulerName"] == "default-scheduler"
+    assert MANAGED_LABEL not in pod["metadata"].get("labels", {})
+    assert all("env" not in c for c in pod["spec"]["containers"])
+    # Positive control: the same request for a GPU pod is logged by the handlers.
+    _create(cluster, _pod(namespace, "gpu", {"kvgpu.io/gpu": "1"}))
+    assert webhooks.messages(f"{namespace}/gpu"), "the handlers log every call they get"
+    assert not webhooks.messages(f"{namespace}/plain"), webhooks.messages(f"{namespace}/plain")

@@ -1,0 +1,372 @@
+"""Admission decisions as pure functions: mutate_pod (ops), validate_pod (messages), config."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvgpu.admission import mutate as m
+from kvgpu.admission.config import gpu_pod_expression, webhook_configurations
+from kvgpu.admission.handlers import refusal_message
+from kvgpu.admission.validate import validate_pod
+from kvgpu.core import keys
+
+OPS = {"kvgpu-operator"}
+
+
+def pod(annotations: dict[str, Any] | None = None, *, containers: list[dict[str, Any]] | None = None,
+        init: list[dict[str, Any]] | None = None, **spec: Any) -> dict[str, Any]:
+    p: dict[str, Any] = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "ns", "annotations": dict(annotations or {})},
+        "spec": {"schedulerName": "default-scheduler",
+                 "containers": containers or [{"name": "main", "image": "cuda"},
+                                              {"name": "side", "image": "x"}],
+                 **spec},
+    }
+    if init:
+        p["spec"]["initContainers"] = init
+    return p
+
+
+def mutated(p: dict[str, Any]) -> dict[str, Any]:
+    return m.apply_ops(p, m.mutate_pod(p))
+
+
+def create_errors(p: dict[str, Any]) -> list[str]:
+    return validate_pod("CREATE", p, None, "alice", OPS)
+
+
+SLICED = {"kvgpu.io/gpumem": "3000", "kvgpu.io/gpucores": "30"}
+
+
+# --------------------------------------------------------------------------- mutate
+
+
+def test_mutation_injects_the_shim_into_the_sliced_container() -> None:
+    out = mutated(pod(SLICED))
+    assert out["spec"]["schedulerName"] == keys.SCHEDULER_NAME
+    assert out["metadata"]["labels"] == {m.MANAGED_LABEL: "true"}
+    main, side = out["spec"]["containers"]
+    assert main["env"] == m.injected_env("main")
+    assert main["volumeMounts"] == m.injected_mounts("main")
+    assert side["env"] == [{"name": keys.ENV_VISIBLE, "value": "none"}]
+    assert "volumeMounts" not in side
+    vols = {v["name"]: v for v in out["spec"]["volumes"]}
+    assert set(vols) == set(m.RESERVED_VOLUMES)
+    assert all(v.startswith("kvgpu-") for v in vols)
+    assert vols["kvgpu-region"]["hostPath"] == {"path": keys.HOST_REGION_ROOT, "type": "DirectoryOrCreate"}
+    assert vols["kvgpu-claims"]["downwardAPI"]["items"] == [
+        {"path": "main", "fieldRef": {"apiVersion": "v1",
+                                      "fieldPath": "metadata.annotations['kvgpu.io/claim.main']"}}]
+
+
+def test_injected_env_reads_the_allocation_annotations() -> None:
+    env = {e["name"]: e for e in m.injected_env("main")}
+    ref = {k: v.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for k, v in env.items()}
+    assert ref[keys.ENV_POD_UID] == "metadata.uid"
+    assert ref[keys.ENV_CLAIM] == f"metadata.annotations['{keys.claim_annotation('main')}']"
+    assert ref[keys.ENV_VISIBLE] == f"metadata.annotations['{keys.devices_annotation('main')}']"
+    assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/main"
+    assert env[keys.ENV_REGION_DIR]["value"] == keys.CONTAINER_REGION_DIR
+    mounts = {x["mountPath"]: x for x in m.injected_mounts("main")}
+    assert mounts[keys.CONTAINER_REGION_DIR]["subPathExpr"] == "$(KVGPU_POD_UID)/main"
+    assert all(x.get("readOnly") for p, x in mounts.items() if p != keys.CONTAINER_REGION_DIR)
+
+
+def test_long_container_names_use_the_hashed_key() -> None:
+    name = "c" * 50
+    p = pod({"kvgpu.io/gpu": "1"}, containers=[{"name": name, "image": "x"}])
+    out = mutated(p)
+    key = keys.container_key(name)
+    assert key.startswith("h-")
+    env = {e["name"]: e for e in out["spec"]["containers"][0]["env"]}
+    assert env[keys.ENV_CLAIM_FILE]["value"] == f"/etc/kvgpu/{key}"
+    assert create_errors(out) == []
+
+
+@pytest.mark.parametrize("p", [
+    pod(SLICED),
+    pod({"kvgpu.io/gpu": "2", "kvgpu.io/containers": "main,side"}),
+    pod(containers=[{"name": "main", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+        init=[{"name": "prep", "image": "x", "resources": {"limits": {"nvidia.com/gpumem": "1000"}}}]),
+    pod(SLICED, containers=[{"name": "main", "image": "x", "env": [{"name": "A", "value": "1"}],
+                             "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+        volumes=[{"name": "data", "emptyDir": {}}]),
+], ids=["annotations", "two-containers", "hami-init", "existing-lists"])
+def test_mutation_is_idempotent_and_passes_validation(p: dict[str, Any]) -> None:
+    out = mutated(p)
+    assert m.mutate_pod(out) == []  # reinvocation adds nothing
+    assert create_errors(out) == []
+    # The user's own entries are kept, ours appended.
+    for c in p["spec"]["containers"]:
+        got = next(x for x in out["spec"]["containers"] if x["name"] == c["name"])
+        assert got.get("env", [])[: len(c.get("env", []))] == c.get("env", [])
+
+
+def test_hami_init_container_is_injected() -> None:
+    p = pod(containers=[{"name": "main", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+            init=[{"name": "prep", "image": "x", "resources": {"limits": {"nvidia.com/gpumem": "1000"}}}])
+    out = mutated(p)
+    assert out["spec"]["initContainers"][0]["env"] == m.injected_env("prep")
+    items = {i["path"] for v in out["spec"]["volumes"] if v["name"] == "kvgpu-claims"
+             for i in v["downwardAPI"]["items"]}
+    assert items == {"main", "prep"}
+
+
+def test_no_ops_for_pods_without_slices_or_with_errors() -> None:
+    assert m.mutate_pod(pod({"team": "web"})) == []
+    assert m.mutate_pod(pod({"nvidia.com/use-gputype": "A100"})) == []
+    assert m.mutate_pod(pod({"kvgpu.io/gpumem": "3Gx"})) == []
+
+
+def test_mutation_keeps_a_foreign_scheduler_and_user_clashes() -> None:
+    p = pod(SLICED, schedulerName="volcano")
+    p["spec"]["containers"][0]["env"] = [{"name": keys.ENV_CLAIM, "value": "forged"}]
+    out = mutated(p)
+    assert out["spec"]["schedulerName"] == "volcano"
+    claim = [e for e in out["spec"]["containers"][0]["env"] if e["name"] == keys.ENV_CLAIM]
+    assert claim == [{"name": keys.ENV_CLAIM, "value": "forged"}]
+    errors = create_errors(out)
+    assert any("volcano" in e and keys.SCHEDULER_NAME in e for e in errors)
+    assert any(keys.ENV_CLAIM in e and "'main'" in e for e in errors)
+
+
+def test_mutation_escapes_label_keys_in_json_pointers() -> None:
+    p = pod(SLICED)
+    p["metadata"]["labels"] = {"app": "x"}
+    ops = m.mutate_pod(p)
+    assert {"op": "add", "path": "/metadata/labels/kvgpu.io~1managed", "value": "true"} in ops
+    assert m.apply_ops(p, ops)["metadata"]["labels"] == {"app": "x", m.MANAGED_LABEL: "true"}
+
+
+def test_ops_are_valid_json_patch() -> None:
+    jsonpatch = pytest.importorskip("jsonpatch")
+    p = pod(SLICED, volumes=[{"name": "data", "emptyDir": {}}])
+    p["metadata"]["labels"] = {"app": "x"}
+    ops = m.mutate_pod(p)
+    assert jsonpatch.apply_patch(p, ops) == m.apply_ops(p, ops)
+
+
+# --------------------------------------------------------------------------- validate (CREATE)
+
+
+def _with(p: dict[str, Any], fn: Any) -> dict[str, Any]:
+    p = copy.deepcopy(p)
+    fn(p)
+    return p
+
+
+def _c(p: dict[str, Any], i: int = 0) -> dict[str, Any]:
+    return p["spec"]["containers"][i]  # type: ignore[no-any-return]
+
+
+GOOD = mutated(pod(SLICED))
+
+REJECTIONS: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("bad-values", mutated(pod({"kvgpu.io/gpumem": "3Gx", "kvgpu.io/gpucores": "130"})),
+     ["kvgpu.io/gpumem", '"3Gx"', "3Gi", "kvgpu.io/gpucores", '"130"']),
+    ("unknown-key", pod({"kvgpu.io/gpumemory": "3000"}), ["kvgpu.io/gpumemory"]),
+    ("forged-claim", _with(GOOD, lambda p: p["metadata"]["annotations"].update(
+        {keys.claim_annotation("main"): "x"})), ["kvgpu.io/claim.main", "cannot be set on a new pod"]),
+    ("forged-node", pod({keys.POD_NODE: "n1"}), [keys.POD_NODE]),
+    ("foreign-scheduler", mutated(pod(SLICED, schedulerName="volcano")), ["'volcano'", keys.SCHEDULER_NAME]),
+    ("node-name", _with(GOOD, lambda p: p["spec"].update(nodeName="n1")), ["spec.nodeName", "'n1'"]),
+    ("privileged", _with(GOOD, lambda p: _c(p).update(securityContext={"privileged": True})),
+     ["'main'", "privileged"]),
+    ("sys-admin", _with(GOOD, lambda p: _c(p).update(
+        securityContext={"capabilities": {"add": ["SYS_ADMIN"]}})), ["'main'", "SYS_ADMIN"]),
+    ("env-ld-preload", _with(GOOD, lambda p: _c(p)["env"].append({"name": "LD_PRELOAD", "value": ""})),
+     ["'main'", "LD_PRELOAD"]),
+    ("env-visible-side", _with(GOOD, lambda p: _c(p, 1).update(
+        env=[{"name": keys.ENV_VISIBLE, "value": "all"}])), ["'side'", keys.ENV_VISIBLE]),
+    ("env-claim-other-container", _with(GOOD, lambda p: _c(p, 1).update(env=[
+        {"name": keys.ENV_CLAIM, "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{keys.claim_annotation('main')}']"}}}])),
+     ["'side'", keys.ENV_CLAIM]),
+    ("env-fieldref-altered", _with(GOOD, lambda p: _c(p)["env"].__setitem__(2, {
+        "name": keys.ENV_VISIBLE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['x']"}}})),
+     [keys.ENV_VISIBLE]),
+    ("init-env", _with(GOOD, lambda p: p["spec"].update(initContainers=[
+        {"name": "prep", "image": "x", "env": [{"name": "CUDA_DEVICE_MEMORY_LIMIT", "value": "80g"}]}])),
+     ["init container 'prep'", "CUDA_DEVICE_MEMORY_LIMIT"]),
+    ("not-mutated", pod(SLICED), ["was not prepared by kvgpu's mutating webhook", "volume kvgpu-shim"]),
+    ("volume-name-clash", mutated(pod(SLICED, volumes=[{"name": "kvgpu-shim", "emptyDir": {}}])),
+     ["'kvgpu-shim' is reserved"]),
+    ("mount-path-clash", mutated(pod(SLICED, containers=[{"name": "main", "image": "x", "volumeMounts": [
+        {"name": "data", "mountPath": "/etc/ld.so.preload"}]}], volumes=[{"name": "data", "emptyDir": {}}])),
+     ["mounts something else at /etc/ld.so.preload"]),
+    ("region-without-subpath", _with(GOOD, lambda p: _c(p, 1).update(volumeMounts=[
+        {"name": "kvgpu-region", "mountPath": "/all"}])), ["'side'", "'kvgpu-region'"]),
+]
+
+
+@pytest.mark.parametrize(("case", "p", "needles"), REJECTIONS, ids=[r[0] for r in REJECTIONS])
+def test_rejections_name_the_problem(case: str, p: dict[str, Any], needles: list[str]) -> None:
+    errors = create_errors(p)
+    text = "\n".join(errors)
+    assert errors, case
+    for n in needles:
+        assert n in text, f"{case}: {n!r} not in {errors}"
+
+
+def test_every_bad_key_is_reported_at_once() -> None:
+    p = pod({"kvgpu.io/gpumem": "3Gx", "kvgpu.io/gpucores": "130", "kvgpu.io/priority": "urgent"})
+    errors = create_errors(p)
+    assert len(errors) == 3
+    assert "3 problems: (1)" in refusal_message(errors)
+
+
+def test_pods_without_slices_are_allowed_even_if_odd() -> None:
+    assert create_errors(pod({"team": "web"})) == []
+    # Not our business when the pod asks for no slices.
+    p = pod({"nvidia.com/use-gputype": "A100"})
+    _c(p)["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    _c(p)["securityContext"] = {"privileged": True}
+    assert create_errors(p) == []
+
+
+def test_privileged_container_without_slices_is_allowed() -> None:
+    assert create_errors(_with(GOOD, lambda p: _c(p, 1).update(securityContext={"privileged": True}))) == []
+
+
+def test_defaulted_shapes_still_pass() -> None:
+    """What the API server stores: fieldRef without apiVersion is defaulted, mode fields added."""
+    p = copy.deepcopy(GOOD)
+    for e in _c(p)["env"]:
+        e.get("valueFrom", {}).get("fieldRef", {}).pop("apiVersion", None)
+    for v in p["spec"]["volumes"]:
+        if "downwardAPI" in v:
+            v["downwardAPI"]["defaultMode"] = 420
+    _c(p)["volumeMounts"][2]["mountPropagation"] = "None"
+    assert create_errors(p) == []
+
+
+# --------------------------------------------------------------------------- validate (UPDATE)
+
+
+BOUND = _with(GOOD, lambda p: p["metadata"]["annotations"].update({
+    keys.POD_NODE: "n1", keys.claim_annotation("main"): "v1;x", keys.devices_annotation("main"): "GPU-a"}))
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p["metadata"]["annotations"].update({keys.devices_annotation("main"): "GPU-b"}),
+    lambda p: p["metadata"]["annotations"].pop(keys.claim_annotation("main")),
+    lambda p: p["metadata"]["annotations"].update({keys.POD_CLAIMS: "c1"}),
+    lambda p: p["metadata"]["annotations"].update({keys.devices_annotation("side"): "GPU-a"}),
+], ids=["change", "remove", "add-claims", "add-other-container"])
+def test_only_the_operator_changes_allocation_annotations(change: Any) -> None:
+    new = _with(BOUND, change)
+    errors = validate_pod("UPDATE", new, BOUND, "alice", OPS)
+    assert any("only be changed by the kvgpu operator" in e for e in errors), errors
+    assert validate_pod("UPDATE", new, BOUND, "kvgpu-operator", OPS) == []
+
+
+def test_operator_writes_allocation_on_a_pending_pod() -> None:
+    assert validate_pod("UPDATE", BOUND, GOOD, "kvgpu-operator", OPS) == []
+    assert validate_pod("UPDATE", BOUND, GOOD, "system:serviceaccount:x:y", OPS)
+
+
+def test_other_updates_are_the_users() -> None:
+    new = _with(BOUND, lambda p: p["metadata"].update(labels={m.MANAGED_LABEL: "true", "team": "ml"}))
+    assert validate_pod("UPDATE", new, BOUND, "alice", OPS) == []
+
+
+def test_managed_label_is_protected() -> None:
+    new = _with(BOUND, lambda p: p["metadata"].update(labels={}))
+    assert any(m.MANAGED_LABEL in e for e in validate_pod("UPDATE", new, BOUND, "alice", OPS))
+
+
+def test_request_changes_after_scheduling_are_refused() -> None:
+    new = _with(BOUND, lambda p: p["metadata"]["annotations"].update({"kvgpu.io/gpumem": "6000"}))
+    assert any("once the pod is scheduled" in e for e in validate_pod("UPDATE", new, BOUND, "alice", OPS))
+    pending = _with(GOOD, lambda p: p["metadata"]["annotations"].update({"kvgpu.io/gpumem": "3Gx"}))
+    assert any("3Gx" in e for e in validate_pod("UPDATE", pending, GOOD, "alice", OPS))
+
+
+def test_delete_and_connect_are_allowed() -> None:
+    assert validate_pod("DELETE", BOUND, BOUND, "alice", OPS) == []
+
+
+# --------------------------------------------------------------------------- robustness
+
+_keys = st.one_of(
+    st.sampled_from([
+        "kvgpu.io/gpu", "kvgpu.io/gpumem", "kvgpu.io/gpumem-percentage", "kvgpu.io/gpucores",
+        "kvgpu.io/priority", "kvgpu.io/containers", "kvgpu.io/gpu-type", "kvgpu.io/numa-bind",
+        "kvgpu.io/node-policy", "kvgpu.io/gpu-uuid", "nvidia.com/use-gputype", "hami.io/gpu-scheduler-policy",
+        keys.POD_NODE, keys.POD_CLAIMS, keys.claim_annotation("main"), "kvgpu.io/", "team",
+    ]),
+    st.text(max_size=30),
+)
+_values = st.one_of(
+    st.text(max_size=20), st.sampled_from(["", "0", "1", "100", "3Gi", "-1", "main,side", "1e9"]),
+    st.integers(), st.none(), st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ann=st.dictionaries(_keys, _values, max_size=6), old_ann=st.dictionaries(_keys, _values, max_size=4),
+       op=st.sampled_from(["CREATE", "UPDATE"]))
+def test_arbitrary_annotations_never_crash(ann: dict[Any, Any], old_ann: dict[Any, Any], op: str) -> None:
+    p = pod(ann)
+    out = m.apply_ops(p, m.mutate_pod(p))
+    for candidate in (p, out):
+        errors = validate_pod(op, candidate, pod(old_ann), "alice", OPS)
+        assert isinstance(errors, list) and all(isinstance(e, str) and e for e in errors)
+    assert m.mutate_pod(out) == []
+
+
+@given(body=st.recursive(st.none() | st.text(max_size=5) | st.integers(),
+                         lambda ch: st.lists(ch, max_size=3)
+                         | st.dictionaries(st.text(max_size=8), ch, max_size=3),
+                         max_leaves=15))
+@settings(max_examples=200, deadline=None)
+def test_malformed_bodies_never_crash(body: Any) -> None:
+    p = {"metadata": body, "spec": body}
+    validate_pod("CREATE", p, None, "alice", OPS)
+    validate_pod("UPDATE", p, p, "alice", OPS)
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def test_configurations_shape() -> None:
+    mut, val = webhook_configurations(url_base="https://127.0.0.1:9443/", service=None, ca_bundle=b"PEM",
+                                      exclude_namespaces=["kvgpu-system"])
+    assert mut["kind"] == "MutatingWebhookConfiguration" and mut["metadata"]["name"] == "kvgpu-mutate"
+    assert val["kind"] == "ValidatingWebhookConfiguration" and val["metadata"]["name"] == "kvgpu-validate"
+    (mw,), (vw,) = mut["webhooks"], val["webhooks"]
+    assert mw["name"] == "pods.mutate.kvgpu.io" and vw["name"] == "pods.validate.kvgpu.io"
+    assert mw["clientConfig"]["url"] == "https://127.0.0.1:9443/kvgpu-mutate-pods"
+    assert vw["clientConfig"]["url"] == "https://127.0.0.1:9443/kvgpu-validate-pods"
+    assert mw["clientConfig"]["caBundle"] == "UEVN"
+    assert mw["reinvocationPolicy"] == "IfNeeded" and "reinvocationPolicy" not in vw
+    assert mw["rules"][0]["operations"] == ["CREATE"] and vw["rules"][0]["operations"] == ["CREATE", "UPDATE"]
+    for w in (mw, vw):
+        assert w["failurePolicy"] == "Fail" and w["sideEffects"] == "None" and w["timeoutSeconds"] == 5
+        assert w["admissionReviewVersions"] == ["v1"]
+        (expr,) = w["namespaceSelector"]["matchExpressions"]
+        assert expr == {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
+                        "values": ["kube-system", "kvgpu-system"]}
+    assert "oldObject" in vw["matchConditions"][0]["expression"]
+    assert "oldObject" not in mw["matchConditions"][0]["expression"]
+
+
+def test_configurations_with_a_service() -> None:
+    mut, _ = webhook_configurations(url_base=None, service=("kvgpu-system", "kvgpu-webhook", 443),
+                                    ca_bundle=b"x", exclude_namespaces=[])
+    assert mut["webhooks"][0]["clientConfig"]["service"] == {
+        "namespace": "kvgpu-system", "name": "kvgpu-webhook", "port": 443, "path": "/kvgpu-mutate-pods"}
+    with pytest.raises(ValueError):
+        webhook_configurations(url_base="https://x", service=("a", "b", 1), ca_bundle=b"",
+                               exclude_namespaces=[])
+
+
+def test_match_expression_mentions_every_prefix() -> None:
+    e = gpu_pod_expression(update=False)
+    for needle in ("'kvgpu.io/'", "'nvidia.com/'", "'hami.io/'", "initContainers", "limits", "requests"):
+        assert needle in e
