@@ -151,19 +151,24 @@ def structural(model: type[BaseModel]) -> dict[str, Any]:
     return _order(_resolve(raw, defs))
 
 
-def _root(spec: type[BaseModel], status: type[BaseModel], description: str) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "description": description,
-        "required": ["spec"],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": structural(spec),
-            "status": structural(status),
-        },
+def _root(
+    spec: type[BaseModel], status: type[BaseModel], description: str, spec_required: bool
+) -> dict[str, Any]:
+    spec_schema = structural(spec)
+    root: dict[str, Any] = {"type": "object", "description": description}
+    if spec_required:
+        root["required"] = ["spec"]
+    else:
+        spec_schema["default"] = {}  # every field has a default: `spec: {}` (or none) is a valid object
+        spec_schema = _order(spec_schema)
+    root["properties"] = {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+        "spec": spec_schema,
+        "status": structural(status),
     }
+    return root
 
 
 def _col(name: str, type_: str, path: str, description: str, priority: int = 0) -> dict[str, Any]:
@@ -230,7 +235,11 @@ def _crd(
                     "storage": True,
                     "subresources": {"status": {}},
                     "additionalPrinterColumns": columns,
-                    "schema": {"openAPIV3Schema": _root(spec, status, (model.__doc__ or "").strip())},
+                    "schema": {
+                        "openAPIV3Schema": _root(
+                            spec, status, (model.__doc__ or "").strip(), spec_required=model is VGPUClaim
+                        )
+                    },
                 }
             ],
         },
