@@ -20,6 +20,7 @@ from kvgpu.api.models import (
     VGPUPool,
     VGPUPoolStatus,
 )
+from kvgpu.api.requests import parse_pod
 from kvgpu.core.keys import GROUP, VERSION
 from kvgpu.devcluster import Cluster
 
@@ -72,6 +73,18 @@ def test_examples_apply(crds: Cluster, namespace: str, pools: list[str]) -> None
         "get", "pods", "-n", namespace, "-o", "jsonpath={.items[*].metadata.name}"
     ).stdout.split()
     assert {"cuda-slice", "cuda-slice-hami", "train-with-warmup"} <= set(pods)
+    # pods as the server stores them (quantities canonicalised, e.g. 3000 -> "3k") mean the same
+    for f in ("pod-annotations.yaml", "pod-hami.yaml", "pod-init-container.yaml"):
+        local = yaml.safe_load((EXAMPLES / f).read_text())
+        stored = json.loads(
+            crds.kubectl("get", "pod", local["metadata"]["name"], "-n", namespace, "-o", "json").stdout
+        )
+        a, b = parse_pod(local), parse_pod(stored)
+        assert a is not None and b is not None and a.containers == b.containers, f
+    limits = json.loads(crds.kubectl("get", "pod", "cuda-slice-hami", "-n", namespace, "-o", "json").stdout)[
+        "spec"
+    ]["containers"][0]["resources"]["limits"]
+    print(f"HAMi limits as stored by the API server: {limits}")
     # what the server stored still parses with our models
     body = json.loads(crds.kubectl("get", "vgpupool", "default", "-o", "json").stdout)
     assert VGPUPool.model_validate(body).spec.split_count == 10

@@ -326,6 +326,8 @@ def _default(s: dict[str, Any]) -> str:
     d = s["default"]
     if d == {} or d == []:
         return ""
+    if d == "":
+        return '`""`'
     if isinstance(d, bool):
         return f"`{str(d).lower()}`"
     return f"`{d}`"
@@ -433,7 +435,7 @@ def render_docs() -> str:
         _table("VGPUClaim status", cs["status"], "status"),
         "## Requests (pods)",
         "",
-        (rq.__doc__ or "").strip().split("\n\n", 1)[1],
+        rq.DOC_MARKDOWN,
         "",
         "### kvgpu annotations",
         "",

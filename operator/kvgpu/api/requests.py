@@ -195,6 +195,38 @@ _FALSE = frozenset({"0", "f", "F", "false", "FALSE", "False"})
 _VALUE_SHOWN = 80
 
 
+#: How requests are read, for docs/api.md (Markdown).
+DOC_MARKDOWN = f"""\
+A pod asks for slices in one of two forms; both give the same per-container request.
+
+- **Annotation form**: `{GPU}`, `{GPUMEM}`, `{GPUMEM_PERCENTAGE}`, `{GPUCORES}`, `{PRIORITY}` on the pod
+  (for a Deployment, Job, ... on `spec.template.metadata`). The request applies to each container
+  named in `{CONTAINERS}` (init containers allowed), by default to the first app container. Any
+  `kvgpu.io/` request annotation, even a selection one alone, makes the pod a GPU pod (1 card by default).
+- **HAMi form**: container `limits` (or `requests`) `{HAMI_GPU}`, `{HAMI_GPUMEM}`, `{HAMI_GPUMEM_PERCENTAGE}`,
+  `{HAMI_GPUCORES}`, `{HAMI_PRIORITY}`, per container, init containers included. `{HAMI_GPU}: 0` alone
+  means no GPU for that container.
+
+The selection and policy annotations (`{GPU_TYPE}` ... or HAMi's spelling) apply to every requesting
+container in both forms. Mixing the amount annotations with `nvidia.com/*` limits is refused; so is
+setting a kvgpu key and its HAMi synonym to different values.
+
+**Defaults** come from the pool: before a node is chosen, the pool named `default`, else the only
+pool, else HAMi's defaults (1 card, whole memory, no core limit, priority 1, binpack nodes, spread
+cards). A request that ends up with the whole card's memory and names no cores gets `gpucores: 100`
+(an exclusive card) when the pool's default gpucores is 0, as in HAMi. `gpumem-percentage: 100` is the
+whole card.
+
+**Memory values**: a plain number counts MiB (`3000`); so does a number with a decimal suffix, because
+the API server prints resource quantities that way (a limit of `3000` reads back as `3k`); a binary
+suffix means bytes (`3Gi` = 3072 MiB, `3000Mi` = 3000 MiB) and must come to a whole number of MiB.
+At most {MAX_CARD_MEMORY_MIB} MiB (1 TiB) per card. Quantities are parsed by the Kubernetes client
+library (`kubernetes.utils.quantity.parse_quantity`).
+
+**Sidecars** (init containers with `restartPolicy: Always`) are counted as app containers.
+"""
+
+
 # --------------------------------------------------------------------------- errors
 
 
