@@ -25,6 +25,51 @@ def main() -> None:
     """kvgpu: fractional NVIDIA GPUs for Kubernetes."""
 
 
+@main.command("operator")
+@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="kubeconfig file; default: the in-cluster service account")
+@click.option("--extender-address", default="127.0.0.1:8888", show_default=True,
+              help="host:port of the scheduler extender (port 0 = any free port)")
+@click.option("--webhook-port", type=click.IntRange(0, 65535), default=None,
+              help="serve the admission webhooks on this port (HTTPS)")
+@click.option("--webhook-host", default="127.0.0.1", show_default=True,
+              help="host name the API server uses to reach the webhooks")
+@click.option("--webhook-cert", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--webhook-key", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--webhook-ca", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="CA bundle for the webhook configurations (with --dev-webhooks)")
+@click.option("--dev-webhooks", is_flag=True,
+              help="create the webhook configurations pointing at https://<webhook-host>:<port>")
+@click.option("--operator-username", "operator_usernames", multiple=True,
+              help="user names allowed to write kvgpu.io allocation annotations (repeatable)")
+@click.option("--exclude-namespace", "exclude_namespaces", multiple=True,
+              help="namespaces the webhooks never see (kube-system always)")
+@click.option("--peering/--standalone", default=False, show_default=True,
+              help="Kopf peering (one active replica, the others on standby)")
+@click.option("--priority", type=int, default=0, help="peering priority of this replica (distinct per replica)")
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+              help="write the extender URL here once the ledger is rebuilt")
+def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: int | None, webhook_host: str,
+                 webhook_cert: str | None, webhook_key: str | None, webhook_ca: str | None, dev_webhooks: bool,
+                 operator_usernames: tuple[str, ...], exclude_namespaces: tuple[str, ...], peering: bool,
+                 priority: int, ready_file: str | None) -> None:
+    """Run the operator: scheduler extender, admission webhooks and reconcilers."""
+    from kvgpu.logs import configure_logging
+    from kvgpu.runtime import OperatorConfig, run
+
+    host, _, port = extender_address.rpartition(":")
+    if not host or not port.isdigit():
+        raise click.BadParameter("use host:port", param_hint="--extender-address")
+    cfg = OperatorConfig(
+        kubeconfig=kubeconfig, extender_host=host, extender_port=int(port), webhook_port=webhook_port,
+        webhook_host=webhook_host, webhook_cert=webhook_cert, webhook_key=webhook_key, webhook_ca=webhook_ca,
+        dev_webhook_configurations=dev_webhooks, operator_usernames=operator_usernames,
+        exclude_namespaces=exclude_namespaces, standalone=not peering, priority=priority,
+        ready_file=ready_file)
+    configure_logging()
+    asyncio.run(run(cfg))
+
+
 @main.group()
 def dev() -> None:
     """A real local control plane (etcd, kube-apiserver, kube-scheduler, KCM) for development."""

@@ -1,0 +1,1 @@
+"""The kube-scheduler extender: filter, prioritize and bind over HTTP (JSON)."""

@@ -1,0 +1,91 @@
+"""kube-scheduler's extender wire format (``k8s.io/kube-scheduler/extender/v1``), pure.
+
+- filter:     ExtenderArgs ``{pod, nodes | nodenames}`` → ExtenderFilterResult
+  ``{nodenames, failedNodes, failedAndUnresolvableNodes, error}`` (we run ``nodeCacheCapable``,
+  so node names travel, not Node objects);
+- prioritize: ExtenderArgs → HostPriorityList ``[{host, score}]``, score 0..10
+  (kube-scheduler's ``MaxExtenderPriority``), multiplied by the extender's weight;
+- bind:       ExtenderBindingArgs ``{podName, podNamespace, podUID, node}`` →
+  ExtenderBindingResult ``{error}``.
+
+Malformed input raises :class:`ProtocolError` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MAX_EXTENDER_PRIORITY = 10
+
+
+class ProtocolError(ValueError):
+    """An extender request that does not follow kube-scheduler's schema."""
+
+
+@dataclass(frozen=True)
+class ExtenderArgs:
+    pod: dict[str, Any]
+    node_names: list[str]
+    nodes: list[dict[str, Any]] | None  # Node objects, when the scheduler sent them (nodeCacheCapable false)
+
+
+@dataclass(frozen=True)
+class BindingArgs:
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    node: str
+
+
+def parse_args(doc: Any) -> ExtenderArgs:
+    if not isinstance(doc, dict):
+        raise ProtocolError("extender args must be a JSON object")
+    pod = doc.get("pod") or doc.get("Pod")
+    if not isinstance(pod, dict) or not isinstance(pod.get("metadata"), dict):
+        raise ProtocolError("extender args: 'pod' must be a Pod object with metadata")
+    names = doc.get("nodenames") or doc.get("NodeNames")
+    nodes = doc.get("nodes") or doc.get("Nodes")
+    if names is not None:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ProtocolError("extender args: 'nodenames' must be a list of strings")
+        return ExtenderArgs(pod, list(names), None)
+    if isinstance(nodes, dict) and isinstance(nodes.get("items"), list):
+        try:
+            items = nodes["items"]
+            return ExtenderArgs(pod, [str(n["metadata"]["name"]) for n in items], items)
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"extender args: node without metadata.name ({e!r})") from e
+    raise ProtocolError("extender args: need 'nodenames' (list) or 'nodes' (NodeList)")
+
+
+def parse_binding(doc: Any) -> BindingArgs:
+    if not isinstance(doc, dict):
+        raise ProtocolError("binding args must be a JSON object")
+    out = []
+    for k in ("podName", "podNamespace", "podUID", "node"):
+        v = doc.get(k, doc.get(k[0].upper() + k[1:]))
+        if not isinstance(v, str) or not v:
+            raise ProtocolError(f"binding args: '{k}' must be a non-empty string")
+        out.append(v)
+    return BindingArgs(*out)
+
+
+def filter_result(
+    args: ExtenderArgs, feasible: list[str], failed: dict[str, str], error: str = ""
+) -> dict[str, Any]:
+    """Every feasible node passes; every other node gets its reason. Reasons are marked
+    unresolvable: preempting pods the scheduler picks would not free GPU slices reliably."""
+    res: dict[str, Any] = {"nodenames": feasible, "failedNodes": {}, "failedAndUnresolvableNodes": failed}
+    if args.nodes is not None:
+        keep = set(feasible)
+        items = [n for n in args.nodes if n["metadata"]["name"] in keep]
+        res["nodes"] = {"apiVersion": "v1", "kind": "NodeList", "items": items}
+    if error:
+        res["error"] = error
+    return res
+
+
+def priority_list(scores: dict[str, int]) -> list[dict[str, Any]]:
+    """0..100 scores → kube-scheduler's 0..10 extender scale."""
+    return [{"host": h, "score": max(0, min(MAX_EXTENDER_PRIORITY, round(s / 10)))} for h, s in scores.items()]

@@ -1,0 +1,83 @@
+"""The KubeSchedulerConfiguration of the kvgpu scheduler instance (dev cluster and manifests).
+
+One profile, ``kvgpu-scheduler`` (the mutating webhook points slice-requesting pods at it),
+with our extender for filter/prioritize/bind. Everything else is upstream kube-scheduler:
+its own plugins score and filter cpu, memory, affinity, taints and spread as usual.
+
+- ``nodeCacheCapable: true``: the scheduler sends node names, not Node objects;
+- no ``managedResources``: every pod of this profile goes to the extender (annotation-form
+  pods request no extended resource at all);
+- ``NodeResourcesFit.ignoredResources``: HAMi's per-card amounts (``nvidia.com/gpumem`` …) are
+  not node resources; the extender accounts them. ``nvidia.com/gpu`` stays a counted resource;
+- back-off 1 s: a pod rejected for lack of GPU capacity is retried right after the operator
+  nudges it (capacity freed), not minutes later.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvgpu.core import keys
+
+IGNORED_RESOURCES = (
+    "nvidia.com/gpumem",
+    "nvidia.com/gpumem-percentage",
+    "nvidia.com/gpucores",
+    "nvidia.com/priority",
+)
+
+
+def extender_entry(url_prefix: str, *, http_timeout_s: int = 10, weight: int = 5) -> dict[str, Any]:
+    return {
+        "urlPrefix": url_prefix,
+        "filterVerb": "filter",
+        "prioritizeVerb": "prioritize",
+        "bindVerb": "bind",
+        "weight": weight,
+        "nodeCacheCapable": True,
+        "enableHTTPS": url_prefix.startswith("https:"),
+        "httpTimeout": f"{http_timeout_s}s",
+        "ignorable": False,
+    }
+
+
+def profile(scheduler_name: str = keys.SCHEDULER_NAME) -> dict[str, Any]:
+    return {
+        "schedulerName": scheduler_name,
+        "pluginConfig": [{
+            "name": "NodeResourcesFit",
+            "args": {
+                "apiVersion": "kubescheduler.config.k8s.io/v1",
+                "kind": "NodeResourcesFitArgs",
+                "ignoredResources": list(IGNORED_RESOURCES),
+                "scoringStrategy": {"type": "LeastAllocated",
+                                    "resources": [{"name": "cpu", "weight": 1}, {"name": "memory", "weight": 1}]},
+            },
+        }],
+    }
+
+
+def scheduler_configuration(
+    url_prefix: str,
+    *,
+    kubeconfig: str | None = None,
+    leader_elect: bool = False,
+    lease_namespace: str = "kube-system",
+    qps: int = 500,
+) -> dict[str, Any]:
+    """A complete ``KubeSchedulerConfiguration`` (kubescheduler.config.k8s.io/v1) as a dict."""
+    cfg: dict[str, Any] = {
+        "apiVersion": "kubescheduler.config.k8s.io/v1",
+        "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {"qps": qps, "burst": qps * 2},
+        "leaderElection": {"leaderElect": leader_elect, "resourceNamespace": lease_namespace,
+                           "resourceName": keys.SCHEDULER_NAME},
+        "parallelism": 16,
+        "podInitialBackoffSeconds": 1,
+        "podMaxBackoffSeconds": 1,
+        "profiles": [profile()],
+        "extenders": [extender_entry(url_prefix)],
+    }
+    if kubeconfig:
+        cfg["clientConnection"]["kubeconfig"] = kubeconfig
+    return cfg

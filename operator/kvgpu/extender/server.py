@@ -1,0 +1,134 @@
+"""The extender's HTTP server (aiohttp), served by the operator process.
+
+Routes (prefix ``/scheduler``): ``POST filter``, ``POST prioritize``, ``POST bind``;
+``GET /healthz``; ``GET /readyz`` (200 once the ledger is rebuilt); ``GET /metrics``.
+Until the ledger is rebuilt from the claims, filter answers with an error so kube-scheduler
+retries instead of placing pods against an empty ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgpu import kube
+from kvgpu.api.requests import RequestError, parse_pod
+from kvgpu.extender.binder import Binder
+from kvgpu.extender.protocol import ProtocolError, filter_result, parse_args, parse_binding, priority_list
+from kvgpu.metrics import OperatorMetrics
+from kvgpu.reconcile.state import OperatorState
+
+log = structlog.get_logger("kvgpu.extender")
+MAX_BODY = 64 * 1024 * 1024
+
+
+class Extender:
+    def __init__(self, state: OperatorState, api: Any, metrics: OperatorMetrics) -> None:
+        self.state = state
+        self.api = api
+        self.metrics = metrics
+        self.binder = Binder(state, api, metrics)
+        # last reasons per pod uid, for Events (posted when they change) and `kubectl vgpu why`
+        self.last_reasons: dict[str, str] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.add_routes([
+            web.post("/scheduler/filter", self.filter),
+            web.post("/scheduler/prioritize", self.prioritize),
+            web.post("/scheduler/bind", self.bind),
+            web.get("/healthz", self.healthz),
+            web.get("/readyz", self.readyz),
+            web.get("/metrics", self.metrics_endpoint),
+        ])
+        return app
+
+    async def _json(self, request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ProtocolError(f"request body is not JSON: {e}") from e
+
+    async def filter(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        try:
+            args = parse_args(await self._json(request))
+        except ProtocolError as e:
+            return web.json_response({"error": str(e)})
+        try:
+            if not self.state.ready:
+                return web.json_response(filter_result(args, [], {}, "kvgpu operator is starting: ledger not rebuilt yet"))
+            try:
+                req = parse_pod(args.pod, self.state.default_pool_spec())
+            except RequestError as e:
+                failed = dict.fromkeys(args.node_names, f"invalid GPU request: {e}")
+                return web.json_response(filter_result(args, [], failed))
+            if req is None:  # not ours: every node passes
+                return web.json_response(filter_result(args, list(args.node_names), {}))
+            feasible, reasons = self.state.ledger.filter(req, args.node_names)
+            meta = args.pod["metadata"]
+            uid = str(meta.get("uid", ""))
+            if not feasible:
+                self.state.pending[uid] = (str(meta.get("namespace")), str(meta.get("name")))
+                self.metrics.pending.set(len(self.state.pending))
+                await self._explain(args.pod, reasons)
+            return web.json_response(filter_result(args, feasible, reasons))
+        except Exception as e:  # never crash the scheduler's request: report it
+            log.exception("filter failed")
+            return web.json_response(filter_result(args, [], {}, f"kvgpu filter failed: {e!r}"))
+        finally:
+            self.metrics.extender_latency.labels(verb="filter").observe(time.perf_counter() - t0)
+
+    async def _explain(self, pod: dict[str, Any], reasons: dict[str, str]) -> None:
+        uid = str(pod["metadata"].get("uid", ""))
+        shown = sorted(reasons.items())
+        text = "; ".join(f"{n}: {r}" for n, r in shown[:8])
+        if len(shown) > 8:
+            text += f"; and {len(shown) - 8} more nodes"
+        msg = f"no node has room for the GPU request: {text}" if shown else "no GPU node is known to kvgpu"
+        if self.last_reasons.get(uid) == msg:
+            return
+        self.last_reasons[uid] = msg
+        await kube.post_event(self.api, {"apiVersion": "v1", "kind": "Pod", "metadata": pod["metadata"]},
+                              reason="NoGPUCapacity", message=msg, type_="Warning")
+
+    async def prioritize(self, request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        try:
+            args = parse_args(await self._json(request))
+            req = parse_pod(args.pod, self.state.default_pool_spec())
+            if req is None or not self.state.ready:
+                return web.json_response([{"host": n, "score": 0} for n in args.node_names])
+            return web.json_response(priority_list(self.state.ledger.score(req, args.node_names)))
+        except (ProtocolError, RequestError) as e:
+            return web.json_response({"error": str(e)}, status=400)
+        finally:
+            self.metrics.extender_latency.labels(verb="prioritize").observe(time.perf_counter() - t0)
+
+    async def bind(self, request: web.Request) -> web.Response:
+        try:
+            args = parse_binding(await self._json(request))
+        except ProtocolError as e:
+            return web.json_response({"error": str(e)})
+        if not self.state.ready:
+            return web.json_response({"error": "kvgpu operator is starting: ledger not rebuilt yet"})
+        err = await self.binder.bind(args)
+        if not err:
+            self.metrics.binds.inc()
+            self.last_reasons.pop(args.pod_uid, None)
+        return web.json_response({"error": err} if err else {})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ready" if self.state.ready else "rebuilding", status=200 if self.state.ready else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,192 @@
+"""Thin kubernetes_asyncio adapters: everything the operator reads or writes goes through here.
+
+All functions take an ``ApiClient`` and plain dicts; they raise ``ApiException`` from
+kubernetes_asyncio unchanged unless documented. Merge patches carry their content type
+explicitly (kubernetes_asyncio would default dict patches on custom objects to JSON patch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import uuid
+from typing import Any
+
+import tenacity
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from kvgpu.core import keys
+
+MERGE = "application/merge-patch+json"
+
+
+def _transient(e: BaseException) -> bool:
+    if isinstance(e, ApiException):
+        return e.status in (429, 500, 502, 503, 504)
+    return isinstance(e, OSError | asyncio.TimeoutError)
+
+
+#: Retry policy for calls that must eventually succeed (start-up listing): transient API
+#: errors (429 "storage is (re)initializing", 5xx) and connection errors, for up to 2 minutes.
+retry_transient = tenacity.retry(
+    retry=tenacity.retry_if_exception(_transient),
+    wait=tenacity.wait_exponential(multiplier=0.1, max=2.0),
+    stop=tenacity.stop_after_delay(120),
+    reraise=True,
+)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _plain(api: client.ApiClient, obj: Any) -> dict[str, Any]:
+    return obj if isinstance(obj, dict) else api.sanitize_for_serialization(obj)
+
+
+async def get_pod(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return _plain(api, await client.CoreV1Api(api).read_namespaced_pod(name, namespace))
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+async def patch_pod_metadata(
+    api: client.ApiClient, namespace: str, name: str, *, annotations: dict[str, str | None]
+) -> dict[str, Any]:
+    body = {"metadata": {"annotations": annotations}}
+    return _plain(api, await client.CoreV1Api(api).patch_namespaced_pod(name, namespace, body, _content_type=MERGE))
+
+
+async def create_binding(api: client.ApiClient, namespace: str, name: str, uid: str, node: str) -> None:
+    body = {
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+    }
+    # The generated client fails to deserialize the Status answer of pods/binding; ask for raw data.
+    await client.CoreV1Api(api).create_namespaced_pod_binding(name, namespace, body, _preload_content=False)
+
+
+@retry_transient
+async def list_all(api: client.ApiClient, kind: str) -> list[dict[str, Any]]:
+    """List ``nodes``, ``vgpupools``, ``vgpuclaims`` (all namespaces) or kvgpu-managed ``pods``."""
+    if kind == "nodes":
+        return _plain(api, await client.CoreV1Api(api).list_node())["items"]
+    if kind == "pods":
+        res = await client.CoreV1Api(api).list_pod_for_all_namespaces(
+            label_selector=f"{keys.POD_MANAGED_LABEL}=true"
+        )
+        return _plain(api, res)["items"]
+    co = client.CustomObjectsApi(api)
+    if kind == "vgpupools":
+        return (await co.list_cluster_custom_object(keys.GROUP, keys.VERSION, "vgpupools"))["items"]
+    if kind == "vgpuclaims":
+        return (await co.list_cluster_custom_object(keys.GROUP, keys.VERSION, "vgpuclaims"))["items"]
+    raise ValueError(kind)
+
+
+async def create_claim(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    co = client.CustomObjectsApi(api)
+    return await co.create_namespaced_custom_object(keys.GROUP, keys.VERSION, namespace, "vgpuclaims", body)
+
+
+async def get_claim(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return await client.CustomObjectsApi(api).get_namespaced_custom_object(
+            keys.GROUP, keys.VERSION, namespace, "vgpuclaims", name
+        )
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+async def delete_claim(api: client.ApiClient, namespace: str, name: str) -> bool:
+    """Delete a claim; False when it was already gone."""
+    try:
+        await client.CustomObjectsApi(api).delete_namespaced_custom_object(
+            keys.GROUP, keys.VERSION, namespace, "vgpuclaims", name
+        )
+        return True
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+
+
+async def patch_claim_status(
+    api: client.ApiClient, namespace: str, name: str, status: dict[str, Any]
+) -> dict[str, Any] | None:
+    try:
+        return await client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+            keys.GROUP, keys.VERSION, namespace, "vgpuclaims", name, {"status": status}, _content_type=MERGE
+        )
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+async def patch_pool_status(api: client.ApiClient, name: str, status: dict[str, Any]) -> None:
+    try:
+        await client.CustomObjectsApi(api).patch_cluster_custom_object_status(
+            keys.GROUP, keys.VERSION, "vgpupools", name, {"status": status}, _content_type=MERGE
+        )
+    except ApiException as e:
+        if e.status != 404:
+            raise
+
+
+async def patch_node_annotations(api: client.ApiClient, name: str, annotations: dict[str, str | None]) -> None:
+    try:
+        await client.CoreV1Api(api).patch_node(
+            name, {"metadata": {"annotations": annotations}}, _content_type=MERGE
+        )
+    except ApiException as e:
+        if e.status != 404:
+            raise
+
+
+async def post_event(
+    api: client.ApiClient,
+    obj: dict[str, Any],
+    *,
+    reason: str,
+    message: str,
+    type_: str = "Normal",
+    component: str = "kvgpu-operator",
+) -> None:
+    """Record a core/v1 Event on ``obj`` (a Pod, Node or VGPUClaim dict). Never raises."""
+    meta = obj.get("metadata", {})
+    ns = meta.get("namespace") or "default"
+    now = _now()
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta.get('name', 'obj')}.{uuid.uuid4().hex[:12]}", "namespace": ns},
+        "involvedObject": {
+            "apiVersion": obj.get("apiVersion", "v1"),
+            "kind": obj.get("kind", "Pod"),
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": type_,
+        "source": {"component": component},
+        "reportingComponent": component,
+        "reportingInstance": component,
+        "firstTimestamp": now[:19] + "Z",
+        "lastTimestamp": now[:19] + "Z",
+        "count": 1,
+    }
+    try:
+        await client.CoreV1Api(api).create_namespaced_event(ns, body)
+    except (ApiException, OSError):
+        pass

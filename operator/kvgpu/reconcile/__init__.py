@@ -1,0 +1,1 @@
+"""Kopf reconcilers and the operator's in-memory state."""

@@ -1,0 +1,178 @@
+"""The operator's in-memory state: the ledger plus what it is built from. Pure (no I/O).
+
+Sources: Node objects (the agent's ``kvgpu.io/inventory`` annotation and the node's labels),
+VGPUPools (slicing per card, request defaults) and VGPUClaims (the durable reservations).
+Every mutation keeps the ledger consistent with them; the Kopf handlers and the extender call
+these methods without awaiting in between, so the single asyncio thread serialises them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvgpu.allocator.ledger import Ledger
+from kvgpu.api.models import VGPUPool, VGPUPoolSpec
+from kvgpu.api.pools import effective_slicing
+from kvgpu.core import keys
+from kvgpu.core.inventory import NodeInventory
+from kvgpu.core.requests import ContainerAllocation, DeviceGrant, PodAllocation
+
+
+def claim_key(namespace: str, name: str) -> str:
+    return f"{namespace}/{name}"
+
+
+def allocation_from_claim(claim: dict[str, Any]) -> tuple[str, PodAllocation]:
+    """``(ledger key, allocation)`` recorded by a VGPUClaim dict. Raises ``KeyError``/``ValueError``
+    for a malformed claim."""
+    meta, spec = claim["metadata"], claim["spec"]
+    devices = tuple(
+        DeviceGrant(str(d["uuid"]), int(d["index"]), str(d["model"]), int(d["memory"]), int(d["cores"]))
+        for d in spec["devices"]
+    )
+    ca = ContainerAllocation(
+        str(spec["container"]), devices, int(spec.get("priority", 1)), bool(spec.get("init", False))
+    )
+    return claim_key(meta["namespace"], meta["name"]), PodAllocation(str(spec["podUID"]), str(spec["node"]), (ca,))
+
+
+@dataclass
+class NodeRecord:
+    name: str
+    labels: dict[str, str]
+    raw_inventory: str
+    inventory: NodeInventory | None
+    error: str = ""
+
+
+@dataclass
+class OperatorState:
+    ledger: Ledger = field(default_factory=Ledger)
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    pools: dict[str, VGPUPool] = field(default_factory=dict)
+    # pending kvgpu pods not yet bound: uid -> (namespace, name)
+    pending: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # nodes whose allocation annotation must be rewritten
+    dirty_nodes: set[str] = field(default_factory=set)
+    pod_nodes: dict[str, str] = field(default_factory=dict)
+    ready: bool = False
+
+    # ----- pools -------------------------------------------------------------------------------
+    def default_pool_spec(self) -> VGPUPoolSpec | None:
+        """Request defaults for pods: the pool named ``default``, else the only pool, else HAMi's."""
+        if "default" in self.pools:
+            return self.pools["default"].spec
+        if len(self.pools) == 1:
+            return next(iter(self.pools.values())).spec
+        return None
+
+    def set_pool(self, body: dict[str, Any]) -> None:
+        pool = VGPUPool.model_validate(body)
+        self.pools[pool.name] = pool
+        self._reslice_all()
+
+    def remove_pool(self, name: str) -> None:
+        if self.pools.pop(name, None) is not None:
+            self._reslice_all()
+
+    # ----- nodes -------------------------------------------------------------------------------
+    def set_node(self, body: dict[str, Any]) -> bool:
+        """Update from a Node dict. Returns True when the node's GPU view changed."""
+        meta = body.get("metadata", {})
+        name = meta["name"]
+        raw = (meta.get("annotations") or {}).get(keys.NODE_INVENTORY, "")
+        labels = dict(meta.get("labels") or {})
+        old = self.nodes.get(name)
+        if old is not None and old.raw_inventory == raw and old.labels == labels:
+            return False
+        if not raw:
+            self.remove_node(name)
+            return old is not None
+        try:
+            inv = NodeInventory.loads(raw)
+            rec = NodeRecord(name, labels, raw, inv)
+        except ValueError as e:
+            rec = NodeRecord(name, labels, raw, None, f"unreadable inventory annotation: {e}")
+        self.nodes[name] = rec
+        self._apply_node(rec)
+        return True
+
+    def remove_node(self, name: str) -> None:
+        self.nodes.pop(name, None)
+        self.ledger.remove_node(name)
+
+    def _apply_node(self, rec: NodeRecord) -> None:
+        if rec.inventory is None:
+            self.ledger.remove_node(rec.name)
+            return
+        pools = list(self.pools.values())
+        cards = tuple(
+            replace(c, slicing=effective_slicing(pools, rec.labels, c)) for c in rec.inventory.cards
+        )
+        self.ledger.set_node(replace(rec.inventory, node=rec.name, cards=cards))
+        self.dirty_nodes.add(rec.name)
+
+    def _reslice_all(self) -> None:
+        for rec in self.nodes.values():
+            self._apply_node(rec)
+
+    # ----- claims ------------------------------------------------------------------------------
+    def rebuild(self, nodes: list[dict[str, Any]], pools: list[dict[str, Any]], claims: list[dict[str, Any]]) -> list[str]:
+        """Rebuild everything from listed objects (start-up). Returns problems for the log."""
+        problems: list[str] = []
+        self.nodes.clear()
+        self.pools.clear()
+        self.ledger = Ledger()
+        for p in pools:
+            try:
+                pool = VGPUPool.model_validate(p)
+                self.pools[pool.name] = pool
+            except ValueError as e:
+                problems.append(f"VGPUPool {p.get('metadata', {}).get('name')}: {e}")
+        for n in nodes:
+            self.set_node(n)
+        reservations: dict[str, PodAllocation] = {}
+        for c in claims:
+            if (c.get("status") or {}).get("phase") in ("Released", "Failed"):
+                continue
+            try:
+                k, a = allocation_from_claim(c)
+                reservations[k] = a
+            except (KeyError, ValueError, TypeError) as e:
+                problems.append(f"VGPUClaim {c.get('metadata', {}).get('name')}: {e!r}")
+        invs = [self.ledger_inventory(n) for n in self.nodes]
+        self.ledger = Ledger.rebuild([i for i in invs if i is not None], reservations)
+        self.pod_nodes = {a.pod_uid: a.node for a in reservations.values()}
+        self.dirty_nodes.update(self.nodes)
+        return problems
+
+    def ledger_inventory(self, node: str) -> NodeInventory | None:
+        rec = self.nodes.get(node)
+        if rec is None or rec.inventory is None:
+            return None
+        pools = list(self.pools.values())
+        cards = tuple(replace(c, slicing=effective_slicing(pools, rec.labels, c)) for c in rec.inventory.cards)
+        return replace(rec.inventory, node=node, cards=cards)
+
+    def reserve(self, key: str, allocation: PodAllocation) -> None:
+        """Reserve in the ledger (raises ``AllocationError``) and remember the pod's node."""
+        self.ledger.reserve(key, allocation)
+        self.pod_nodes[allocation.pod_uid] = allocation.node
+        self.dirty_nodes.add(allocation.node)
+
+    def release_pod(self, uid: str) -> list[str]:
+        """Release every reservation of a pod (idempotent). Returns the released keys."""
+        node = self.pod_nodes.pop(uid, None)
+        released = self.ledger.release(uid)
+        if node is not None:
+            self.dirty_nodes.add(node)
+        return released
+
+    def release_key(self, key: str) -> None:
+        alloc = self.ledger.reservation(key)
+        self.ledger.release(key)
+        if alloc is not None:
+            self.dirty_nodes.add(alloc.node)
+            if not any(a.pod_uid == alloc.pod_uid for a in self.ledger.reservations().values()):
+                self.pod_nodes.pop(alloc.pod_uid, None)

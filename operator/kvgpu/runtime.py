@@ -1,0 +1,389 @@
+"""The operator process: Kopf (reconcilers, admission webhooks) and the extender's HTTP server
+in one asyncio loop, sharing one :class:`OperatorState`.
+
+Start-up order: list nodes, pools and claims → rebuild the ledger → only then does the extender
+answer filter/bind (before that it tells kube-scheduler to retry) → Kopf watches keep the state
+live. Background tasks write node allocation annotations and VGPUPool status when they change,
+sweep orphaned claims, and requeue pending pods when capacity frees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+import structlog
+from aiohttp import web
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from kvgpu import kube
+from kvgpu.core import keys
+from kvgpu.extender.server import Extender
+from kvgpu.metrics import OperatorMetrics
+from kvgpu.reconcile import handlers
+from kvgpu.reconcile.state import OperatorState, allocation_from_claim, claim_key
+
+log = structlog.get_logger("kvgpu.operator")
+
+
+@dataclass
+class OperatorConfig:
+    """How to run the operator. Ports 0 = pick a free one (dev/tests)."""
+
+    kubeconfig: str | None = None  # None: in-cluster service account
+    extender_host: str = "127.0.0.1"
+    extender_port: int = 8888
+    webhook_port: int | None = None  # None: no admission webhooks served
+    webhook_host: str = "127.0.0.1"
+    webhook_cert: str | None = None
+    webhook_key: str | None = None
+    webhook_ca: str | None = None  # PEM bundle the API server uses to trust the webhook
+    dev_webhook_configurations: bool = False  # create the webhook configurations pointing at us
+    exclude_namespaces: tuple[str, ...] = ()
+    operator_usernames: tuple[str, ...] = ()
+    standalone: bool = True
+    priority: int = 0
+    peering_name: str = "kvgpu"
+    sweep_interval_s: float = 15.0
+    flush_interval_s: float = 0.5
+    orphan_grace_s: float = 30.0
+    ready_file: str | None = None  # written with the extender URL once ready
+
+
+@dataclass
+class Runtime:
+    cfg: OperatorConfig
+    state: OperatorState = field(default_factory=OperatorState)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    api: Any = None
+    extender: Extender | None = None
+    extender_port: int = 0
+    pools_dirty: bool = True
+    _runner: web.AppRunner | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _nudge: asyncio.Event = field(default_factory=asyncio.Event)
+    _written_nodes: dict[str, str] = field(default_factory=dict)
+    _written_pools: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _claim_phase: dict[str, str] = field(default_factory=dict)
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    # ----- start / stop ------------------------------------------------------------------------
+    async def startup(self) -> None:
+        cfgobj = client.Configuration()
+        if self.cfg.kubeconfig:
+            await config.load_kube_config(config_file=self.cfg.kubeconfig, client_configuration=cfgobj)
+        else:
+            config.load_incluster_config(client_configuration=cfgobj)
+        cfgobj.connection_pool_maxsize = 64
+        self.api = client.ApiClient(configuration=cfgobj)
+        t0 = time.perf_counter()
+        await self.rebuild()
+        self.metrics.ledger_rebuild.set(time.perf_counter() - t0)
+        self.extender = Extender(self.state, self.api, self.metrics)
+        self._runner = web.AppRunner(self.extender.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.extender_host, self.cfg.extender_port)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        self.extender_port = int(sock.getsockname()[1])
+        if self.cfg.dev_webhook_configurations and self.cfg.webhook_port:
+            await self.apply_dev_webhooks()
+        self._tasks = [
+            asyncio.create_task(self._loop(self.flush, self.cfg.flush_interval_s), name="kvgpu-flush"),
+            asyncio.create_task(self._loop(self.sweep, self.cfg.sweep_interval_s), name="kvgpu-sweep"),
+            asyncio.create_task(self._requeue_loop(), name="kvgpu-requeue"),
+        ]
+        self.ready_event.set()
+        if self.cfg.ready_file:
+            Path(self.cfg.ready_file).write_text(
+                f"http://{self.cfg.extender_host}:{self.extender_port}/scheduler\n")
+        log.info("operator ready", extender=f"http://{self.cfg.extender_host}:{self.extender_port}/scheduler",
+                 nodes=len(self.state.nodes), claims=len(self.state.ledger.reservations()))
+
+    async def cleanup(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.api is not None:
+            await self.api.close()
+
+    async def rebuild(self) -> None:
+        nodes, pools, claims = await asyncio.gather(
+            kube.list_all(self.api, "nodes"), kube.list_all(self.api, "vgpupools"),
+            kube.list_all(self.api, "vgpuclaims"))
+        problems = self.state.rebuild(nodes, pools, claims)
+        for p in problems + self.state.ledger.problems():
+            log.warning("rebuild problem", problem=p)
+        self.state.ready = True
+
+    async def apply_dev_webhooks(self) -> None:
+        from kvgpu.admission.config import webhook_configurations
+
+        ca = Path(self.cfg.webhook_ca or "").read_bytes()
+        mutating, validating = webhook_configurations(
+            url_base=f"https://{self.cfg.webhook_host}:{self.cfg.webhook_port}", service=None, ca_bundle=ca,
+            exclude_namespaces=list(self.cfg.exclude_namespaces))
+        adm = client.AdmissionregistrationV1Api(self.api)
+        for body, create, replace_, read in (
+            (mutating, adm.create_mutating_webhook_configuration, adm.replace_mutating_webhook_configuration,
+             adm.read_mutating_webhook_configuration),
+            (validating, adm.create_validating_webhook_configuration,
+             adm.replace_validating_webhook_configuration, adm.read_validating_webhook_configuration),
+        ):
+            name = body["metadata"]["name"]
+            try:
+                await create(body)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                old = await read(name)
+                body["metadata"]["resourceVersion"] = old.metadata.resource_version
+                await replace_(name, body)
+
+    # ----- pods and claims ---------------------------------------------------------------------
+    async def on_pod(self, etype: str | None, pod: dict[str, Any]) -> None:
+        meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+        uid, ns, name = meta["uid"], meta["namespace"], meta["name"]
+        phase = status.get("phase")
+        if etype == "DELETED" or phase in handlers.TERMINAL:
+            self.state.pending.pop(uid, None)
+            released = self.state.release_pod(uid)
+            claims = [c for c in (meta.get("annotations") or {}).get(keys.POD_CLAIMS, "").split(",") if c]
+            for cname in claims:
+                if etype == "DELETED":
+                    await kube.delete_claim(self.api, ns, cname)
+                else:
+                    await self._set_claim_phase(ns, cname, "Released", f"pod {phase}")
+            if released:
+                self.nudge_pending(f"pod {ns}/{name} released its slices")
+            return
+        if not spec.get("nodeName"):
+            return
+        self.state.pending.pop(uid, None)
+        if phase == "Running":
+            for cname in (meta.get("annotations") or {}).get(keys.POD_CLAIMS, "").split(","):
+                if cname:
+                    await self._set_claim_phase(ns, cname, "Running", f"pod running on {spec['nodeName']}")
+
+    async def _set_claim_phase(self, ns: str, name: str, phase: str, message: str) -> None:
+        key = claim_key(ns, name)
+        if self._claim_phase.get(key) == phase:
+            return
+        if await kube.patch_claim_status(self.api, ns, name, {"phase": phase, "message": message}) is not None:
+            self._claim_phase[key] = phase
+            if phase in ("Released", "Failed"):
+                self._claim_phase.pop(key, None)
+
+    def on_claim_deleted(self, claim: dict[str, Any]) -> None:
+        try:
+            key, alloc = allocation_from_claim(claim)
+        except (KeyError, ValueError, TypeError):
+            return
+        self._claim_phase.pop(key, None)
+        held = self.state.ledger.reservation(key)
+        if held is not None and held == alloc:
+            self.state.release_key(key)
+            self.nudge_pending(f"claim {key} deleted")
+
+    def claims_on_lost_node(self, node: str) -> None:
+        """A node disappeared: its pods are gone with it (pod GC); the sweep releases claims."""
+        self.nudge_pending(f"node {node} removed")
+
+    # ----- background --------------------------------------------------------------------------
+    async def _loop(self, fn: Any, interval: float) -> None:
+        while True:
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background task failed", task=fn.__name__)
+            await asyncio.sleep(interval)
+
+    async def flush(self) -> None:
+        """Write changed node allocation annotations and VGPUPool status."""
+        dirty, self.state.dirty_nodes = self.state.dirty_nodes, set()
+        for name in sorted(dirty):
+            if name not in self.state.ledger.nodes():
+                continue
+            usage = self.state.ledger.node_usage(name)
+            text = json.dumps(usage.to_json(), sort_keys=True, separators=(",", ":"))
+            for c in usage.cards:
+                lbl = {"node": name, "uuid": c.uuid}
+                self.metrics.slots_used.labels(**lbl).set(c.slots_used)
+                self.metrics.slots_total.labels(**lbl).set(c.slots_total)
+                self.metrics.memory_used.labels(**lbl).set(c.memory_used_mib)
+                self.metrics.memory_total.labels(**lbl).set(c.memory_total_mib)
+                self.metrics.cores_used.labels(**lbl).set(c.cores_used)
+            if self._written_nodes.get(name) == text:
+                continue
+            await kube.patch_node_annotations(self.api, name, {keys.NODE_ALLOCATION: text})
+            self._written_nodes[name] = text
+            self.pools_dirty = True
+        self.metrics.pending.set(len(self.state.pending))
+        if self.pools_dirty:
+            self.pools_dirty = False
+            await self.write_pool_status()
+
+    async def write_pool_status(self) -> None:
+        usage = self.state.ledger.pool_usage()
+        claims_per_pool: dict[str, int] = {}
+        for alloc in self.state.ledger.reservations().values():
+            for ca in alloc.containers:
+                for d in ca.devices:
+                    inv = self.state.ledger_inventory(alloc.node)
+                    card = next((c for c in (inv.cards if inv else ()) if c.uuid == d.uuid), None)
+                    if card is not None and card.slicing is not None:
+                        claims_per_pool[card.slicing.pool] = claims_per_pool.get(card.slicing.pool, 0) + 1
+                        break
+        for name, pool in self.state.pools.items():
+            u = usage.get(name)
+            status: dict[str, Any] = {
+                "observedGeneration": pool.metadata.get("generation"),
+                "nodes": u.nodes if u else 0,
+                "cards": u.cards if u else 0,
+                "slotsUsed": u.slots_used if u else 0,
+                "slotsTotal": u.slots_total if u else 0,
+                "memoryUsedMiB": u.memory_used_mib if u else 0,
+                "memoryTotalMiB": u.memory_total_mib if u else 0,
+                "coresUsed": u.cores_used if u else 0,
+                "coresTotal": u.cores_total if u else 0,
+                "claims": claims_per_pool.get(name, 0),
+            }
+            status["slotsSummary"] = f"{status['slotsUsed']}/{status['slotsTotal']}"
+            from kvgpu.api.models import format_mib
+
+            status["memorySummary"] = f"{format_mib(status['memoryUsedMiB'])}/{format_mib(status['memoryTotalMiB'])}"
+            if self._written_pools.get(name) == status:
+                continue
+            await kube.patch_pool_status(self.api, name, status)
+            self._written_pools[name] = status
+
+    async def sweep(self) -> None:
+        """Remove orphaned claims (their pod is gone or is another pod now) and release them;
+        re-reserve live claims the ledger lacks (drift)."""
+        claims = await kube.list_all(self.api, "vgpuclaims")
+        pods = {p["metadata"]["uid"]: p for p in await kube.list_all(self.api, "pods")}
+        now = time.time()
+        for c in claims:
+            meta, spec = c["metadata"], c.get("spec") or {}
+            if (c.get("status") or {}).get("phase") in ("Released", "Failed"):
+                continue
+            pod = pods.get(spec.get("podUID"))
+            if pod is None:
+                created = meta.get("creationTimestamp", "")
+                age = now - _ts(created)
+                if age < self.cfg.orphan_grace_s:
+                    continue  # a bind in flight may not have bound the pod yet
+                # Re-check the pod directly (the list is label-filtered).
+                live = await kube.get_pod(self.api, meta["namespace"], spec.get("podName", ""))
+                if live is not None and live["metadata"]["uid"] == spec.get("podUID"):
+                    continue
+                log.info("removing orphaned claim", claim=f"{meta['namespace']}/{meta['name']}")
+                await kube.delete_claim(self.api, meta["namespace"], meta["name"])
+                self.state.release_key(claim_key(meta["namespace"], meta["name"]))
+                await kube.post_event(self.api, c, reason="OrphanRemoved",
+                                      message="the pod this claim belonged to no longer exists")
+                self.nudge_pending("orphaned claim removed")
+                continue
+            key, alloc = allocation_from_claim(c)
+            if self.state.ledger.reservation(key) is None:
+                try:
+                    self.state.reserve(key, alloc)
+                except Exception as e:  # over-committed: force it, the claims are the truth
+                    log.warning("claim does not fit the ledger; forcing", claim=key, error=str(e))
+                    self.state.ledger.reserve(key, alloc, force=True)
+                    self.state.pod_nodes[alloc.pod_uid] = alloc.node
+
+    def nudge_pending(self, why: str) -> None:
+        if self.state.pending:
+            self._nudge.set()
+
+    async def _requeue_loop(self) -> None:
+        while True:
+            await self._nudge.wait()
+            await asyncio.sleep(0.05)  # coalesce bursts of releases
+            self._nudge.clear()
+            stamp = f"{time.time():.3f}"
+            for uid, (ns, name) in list(self.state.pending.items()):
+                try:
+                    await kube.patch_pod_metadata(self.api, ns, name, annotations={keys.POD_REQUEUE: stamp})
+                except ApiException as e:
+                    if e.status == 404:
+                        self.state.pending.pop(uid, None)
+                except Exception:
+                    log.exception("requeue failed", pod=f"{ns}/{name}")
+
+
+def _ts(s: str) -> float:
+    import datetime
+
+    try:
+        return datetime.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def build(cfg: OperatorConfig) -> tuple[kopf.OperatorRegistry, kopf.OperatorSettings, Runtime]:
+    """The registry, settings and runtime of one operator process."""
+    rt = Runtime(cfg)
+    registry = kopf.OperatorRegistry()
+    settings = kopf.OperatorSettings()
+
+    @kopf.on.startup(registry=registry)
+    async def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        await rt.startup()
+
+    @kopf.on.cleanup(registry=registry)
+    async def _cleanup(**_: Any) -> None:
+        await rt.cleanup()
+
+    @kopf.on.login(registry=registry)
+    def _login(**kw: Any) -> Any:
+        if cfg.kubeconfig:
+            return kopf.login_with_kubeconfig(**kw)
+        return kopf.login_with_service_account(**kw)
+
+    handlers.register(registry, rt)
+    if cfg.webhook_port:
+        from kvgpu.admission.handlers import register as register_admission
+
+        register_admission(registry, set(cfg.operator_usernames))
+        settings.admission.server = kopf.WebhookServer(
+            addr=cfg.webhook_host if cfg.dev_webhook_configurations else "0.0.0.0",
+            port=cfg.webhook_port, host=cfg.webhook_host,
+            certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
+        settings.admission.managed = None
+    settings.watching.label_selectors["pods"] = f"{keys.POD_MANAGED_LABEL}=true"
+    settings.posting.level = 30  # warnings and errors become Events; decisions post their own
+    settings.persistence.finalizer = "kvgpu.io/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvgpu.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kvgpu.io")
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 30
+    return registry, settings, rt
+
+
+async def run(cfg: OperatorConfig, stop_flag: Any = None, ready_flag: Any = None) -> None:
+    """Run the operator until ``stop_flag`` (an asyncio/threading Event or Future) is set."""
+    if cfg.kubeconfig:
+        os.environ["KUBECONFIG"] = cfg.kubeconfig  # Kopf's kubeconfig login reads it from here
+    registry, settings, rt = build(cfg)
+    await kopf.operator(
+        registry=registry, settings=settings, clusterwide=True,
+        standalone=cfg.standalone, priority=cfg.priority,
+        peering_name=None if cfg.standalone else cfg.peering_name,
+        stop_flag=stop_flag, ready_flag=ready_flag, memo=kopf.Memo(runtime=rt),
+    )
