@@ -118,11 +118,17 @@ async def test_agent_health_round_trip(cluster: Cluster, namespace: str, crds, t
     sim = sim_file(tmp_path, node)
     health = tmp_path / "health.json"
     health.write_text("{}")
+    pool = {
+        "apiVersion": "kvgpu.io/v1alpha1",
+        "kind": "VGPUPool",
+        "metadata": {"name": f"pool-{namespace}"},
+        "spec": {"splitCount": 2, "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": node}}},
+    }
     cfg = AgentConfig(
         node=node,
         simulated=str(sim),
         kubeconfig=str(cluster.kubeconfig),
-        interval_s=0.5,
+        interval_s=30.0,
         simulated_health=str(health),
         health_probe_s=0.2,
         recovery_s=0.0,
@@ -161,7 +167,16 @@ async def test_agent_health_round_trip(cluster: Cluster, namespace: str, crds, t
             assert "GPUUnhealthy" in reasons and "GPUHealthy" in reasons and "GPUInventoryChanged" in reasons
             warn = next(e for e in evs.items if e.reason == "GPUUnhealthy")
             assert warn.type == "Warning" and inv.cards[1].uuid in warn.message
+
+            # A pool appears: the pool watch kicks a refresh; the slicing lands without the agent
+            # reading nodes or pools from the API server (it answers from its watch caches).
+            calls = agent.api.api_calls
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(pool))
+            sliced = await wait_inventory(lambda i: all(c.slicing for c in i.cards))
+            assert {c.slicing.split_count for c in sliced.cards} == {2}
+            assert agent.api.api_calls == calls
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            cluster.kubectl("delete", "vgpupool", pool["metadata"]["name"], "--wait=false", check=False)
             await client.CoreV1Api(api).delete_node(node)

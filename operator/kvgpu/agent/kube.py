@@ -7,8 +7,11 @@ agent needs: nodes get/patch, events create, vgpupools list, pods list/watch (fi
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import datetime
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvgpu.core import keys
@@ -53,8 +56,14 @@ class KubeApi:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self._node_uid: dict[str, str] = {}
+        self._nodes: dict[str, dict[str, Any]] = {}  # watched node(s), by name
+        self._pools: dict[str, dict[str, Any]] | None = None  # None: not synced
+        self.api_calls = 0  # GET/LIST fallbacks made (for tests)
 
     async def get_node(self, name: str) -> dict[str, Any]:
+        if name in self._nodes:
+            return copy.deepcopy(self._nodes[name])
+        self.api_calls += 1
         node = await self.core.read_node(name)
         d: dict[str, Any] = self.api.sanitize_for_serialization(node)
         self._node_uid[name] = (d.get("metadata") or {}).get("uid", "")
@@ -66,11 +75,111 @@ class KubeApi:
         meta: dict[str, Any] = {"annotations": annotations}
         if labels:
             meta["labels"] = labels
-        await self.core.patch_node(name, {"metadata": meta}, _content_type="application/merge-patch+json")  # type: ignore[call-arg]
+        node = await self.core.patch_node(  # type: ignore[call-arg]
+            name, {"metadata": meta}, _content_type="application/merge-patch+json"
+        )
+        if name in self._nodes:  # the watch will say the same soon; do not compare with stale data
+            self._store_node(self.api.sanitize_for_serialization(node))
+
+    def _store_node(self, d: dict[str, Any]) -> None:
+        meta = d.get("metadata") or {}
+        old = self._nodes.get(meta.get("name", ""))
+        if old is not None:
+            old_rv = int((old.get("metadata") or {}).get("resourceVersion") or 0)
+            if int(meta.get("resourceVersion") or 0) < old_rv:
+                return  # an older event than what we have (e.g. after our own patch)
+        self._nodes[meta.get("name", "")] = d
+        self._node_uid[meta.get("name", "")] = meta.get("uid", "")
+
+    async def watch(self, node: str, on_change: Callable[[], None], retry_s: float = 5.0) -> None:
+        """Keep the node and pool caches current until cancelled; ``on_change()`` after relevant
+        changes. Errors are logged and the watch restarts with a fresh list."""
+        await asyncio.gather(
+            self._watch_node(node, on_change, retry_s), self._watch_pools(on_change, retry_s)
+        )
+
+    async def _watch_node(self, node: str, on_change: Callable[[], None], retry_s: float) -> None:
+        from kubernetes_asyncio import watch
+
+        sel = f"metadata.name={node}"
+
+        def relevant(d: dict[str, Any]) -> tuple[Any, Any]:
+            m = d.get("metadata") or {}
+            return (m.get("labels"), m.get("annotations"))
+
+        while True:
+            try:
+                lst = self.api.sanitize_for_serialization(await self.core.list_node(field_selector=sel))
+                for item in lst.get("items") or []:
+                    self._store_node(item)
+                rv = (lst.get("metadata") or {}).get("resourceVersion")
+                async with watch.Watch().stream(
+                    self.core.list_node, field_selector=sel, resource_version=rv, timeout_seconds=300
+                ) as stream:
+                    async for ev in stream:
+                        d = self.api.sanitize_for_serialization(ev["object"])
+                        if ev["type"] == "DELETED":
+                            self._nodes.pop(node, None)
+                            continue
+                        before = self._nodes.get(node)
+                        self._store_node(d)
+                        if before is None or relevant(before) != relevant(self._nodes[node]):
+                            on_change()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._nodes.pop(node, None)
+                log.warning("node watch failed (%s); relisting in %.0fs", e, retry_s)
+                await asyncio.sleep(retry_s)
+
+    async def _watch_pools(self, on_change: Callable[[], None], retry_s: float) -> None:
+        from kubernetes_asyncio import watch
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        args = (keys.GROUP, keys.VERSION, "vgpupools")
+        while True:
+            try:
+                try:
+                    lst = await self.custom.list_cluster_custom_object(*args)
+                except ApiException as e:
+                    if e.status != 404:
+                        raise
+                    self._pools = {}  # CRD not installed (yet): no pools; look again later
+                    await asyncio.sleep(retry_s * 6)
+                    continue
+                pools = {(p.get("metadata") or {}).get("name", ""): p for p in lst.get("items") or []}
+                if self._pools != pools:
+                    self._pools = pools
+                    on_change()
+                rv = (lst.get("metadata") or {}).get("resourceVersion")
+                async with watch.Watch().stream(
+                    self.custom.list_cluster_custom_object, *args, resource_version=rv, timeout_seconds=300
+                ) as stream:
+                    async for ev in stream:
+                        obj = ev["object"]
+                        name = (obj.get("metadata") or {}).get("name", "")
+                        cur = dict(self._pools or {})
+                        if ev["type"] == "DELETED":
+                            cur.pop(name, None)
+                        elif ev["type"] in ("ADDED", "MODIFIED"):
+                            cur[name] = obj
+                        else:
+                            continue
+                        self._pools = cur
+                        on_change()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._pools = None
+                log.warning("VGPUPool watch failed (%s); relisting in %.0fs", e, retry_s)
+                await asyncio.sleep(retry_s)
 
     async def list_pools(self) -> list[dict[str, Any]]:
         from kubernetes_asyncio.client.exceptions import ApiException
 
+        if self._pools is not None:
+            return [copy.deepcopy(p) for p in self._pools.values()]
+        self.api_calls += 1
         try:
             res = await self.custom.list_cluster_custom_object(keys.GROUP, keys.VERSION, "vgpupools")
         except ApiException as e:

@@ -182,6 +182,8 @@ class Agent:
                     )
                 self.plugin = DevicePlugin(plugin_cfg, inv, hints=self.pods.hints)
                 tg.create_task(self.plugin.run(), name="device-plugin")
+            if isinstance(self.api, KubeApi):
+                tg.create_task(self.api.watch(self.cfg.node, self.registrar.kick), name="node-pool-watch")
             tg.create_task(self.registrar.run(self.cfg.interval_s, self._on_inventory), name="registration")
             if self.cfg.health:
                 mon = HealthMonitor(self.health, self._health_source(), self._on_health)
