@@ -105,7 +105,7 @@ class KubeApi:
 
         def relevant(d: dict[str, Any]) -> tuple[Any, Any]:
             m = d.get("metadata") or {}
-            return (m.get("labels"), m.get("annotations"))
+            return (m.get("labels"), (m.get("annotations") or {}).get(keys.NODE_INVENTORY))
 
         while True:
             try:
