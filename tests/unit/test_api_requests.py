@@ -424,8 +424,33 @@ def test_no_request() -> None:
 
 
 def test_operator_annotations_are_not_requests() -> None:
-    p = pod({"kvgpu.io/bound-node": "n1", "kvgpu.io/claims": "c", "kvgpu.io/claim.cuda": "v1;..."})
+    operator_owned = {
+        "kvgpu.io/bound-node": "n1",
+        "kvgpu.io/claims": "c",
+        "kvgpu.io/claim.cuda": "v1;...",
+        "kvgpu.io/requeue": "2026-11-30T06:00:00Z",
+        "kvgpu.io/last-handled-configuration": "{}",  # Kopf's diff-base (prefix kvgpu.io)
+        "kvgpu.io/on_pod": "{}",  # Kopf's progress storage
+    }
+    p = pod(operator_owned)
     assert not wants_slices(p) and parse_pod(p) is None
+    c = one(parse_pod(pod({**operator_owned, "kvgpu.io/gpumem": "1000"})))
+    assert c.memory_mib == 1000
+
+
+@pytest.mark.parametrize(
+    ("key", "suggestion"),
+    [
+        ("kvgpu.io/gpumemory", "kvgpu.io/gpumem"),
+        ("kvgpu.io/cores", "kvgpu.io/gpucores"),
+        ("kvgpu.io/container", "kvgpu.io/containers"),
+        ("kvgpu.io/priorty", "kvgpu.io/priority"),
+    ],
+)
+def test_misspelt_keys_are_refused_with_a_suggestion(key: str, suggestion: str) -> None:
+    p = pod({key: "1"})
+    assert wants_slices(p)
+    assert errors(p) == [f'{key}: "1" is not a kvgpu request annotation; did you mean {suggestion}?']
 
 
 def test_identity_fields() -> None:

@@ -209,7 +209,9 @@ A pod asks for slices in one of two forms; both give the same per-container requ
 
 The selection and policy annotations (`{GPU_TYPE}` ... or HAMi's spelling) apply to every requesting
 container in both forms. Mixing the amount annotations with `nvidia.com/*` limits is refused; so is
-setting a kvgpu key and its HAMi synonym to different values.
+setting a kvgpu key and its HAMi synonym to different values. A `kvgpu.io/` key that looks like a
+misspelt request key (`kvgpu.io/gpumemory`) is refused with a suggestion; other `kvgpu.io/` keys
+belong to the operator (allocation records, Kopf's bookkeeping) and are not part of the request.
 
 **Defaults** come from the pool: before a node is chosen, the pool named `default`, else the only
 pool, else HAMi's defaults (1 card, whole memory, no core limit, priority 1, binpack nodes, spread
@@ -512,8 +514,9 @@ def _annotations(meta: Mapping[str, Any], errs: _Errors) -> dict[str, Any]:
 def wants_slices(obj: Mapping[str, Any]) -> bool:
     """True when a pod (or a workload's pod template) asks kvgpu for GPU slices.
 
-    That is: it carries a kvgpu request annotation (any key of :data:`ANNOTATION_KEYS`, or an
-    unknown ``kvgpu.io/`` key, which :func:`validate_pod` then rejects), or a container names a
+    That is: it carries a kvgpu request annotation (any key of :data:`ANNOTATION_KEYS`, or a
+    ``kvgpu.io/`` key that looks like a misspelt one, which :func:`validate_pod` then rejects; other
+    ``kvgpu.io/`` keys are the operator's and do not count), or a container names a
     HAMi resource (``nvidia.com/gpu`` other than 0, ``gpumem``, ``gpumem-percentage``,
     ``gpucores``, ``priority``). Never raises; malformed objects count as not asking.
     """
@@ -534,7 +537,22 @@ requests_slices = wants_slices
 
 
 def _is_request_annotation(key: str) -> bool:
-    return key.startswith(K) and key not in _OPERATOR_KEYS and not keys.is_allocation_annotation(key)
+    """A kvgpu request key, or a ``kvgpu.io/`` key that looks like a misspelt one.
+
+    Other ``kvgpu.io/`` keys belong to the operator (allocation annotations, Kopf's progress and
+    diff-base annotations) and are not part of the request.
+    """
+    if not key.startswith(K):
+        return False
+    return key in REQUEST_ANNOTATIONS or _misspelt(key) is not None
+
+
+def _misspelt(key: str) -> str | None:
+    """The request key that ``key`` is probably a typo of, if any."""
+    if key in REQUEST_ANNOTATIONS or key in _OPERATOR_KEYS or keys.is_allocation_annotation(key):
+        return None
+    close = difflib.get_close_matches(key, REQUEST_ANNOTATIONS, n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 # --------------------------------------------------------------------------- the parser
@@ -580,10 +598,9 @@ def _parse(obj: Mapping[str, Any], pool: VGPUPoolSpec | None) -> PodRequest | No
         _fail(errs)
 
     for k in ours:
-        if k not in REQUEST_ANNOTATIONS:
-            close = difflib.get_close_matches(k, REQUEST_ANNOTATIONS, n=1, cutoff=0.75)
-            hint = f"did you mean {close[0]}?" if close else "use one of " + ", ".join(REQUEST_ANNOTATIONS)
-            errs.add(k, ann[k], "is not a kvgpu request annotation", hint)
+        typo = _misspelt(k)
+        if typo is not None:
+            errs.add(k, ann[k], "is not a kvgpu request annotation", f"did you mean {typo}?")
     amounts = [k for k in ours if k in AMOUNT_ANNOTATIONS]
     if amounts and hami:
         names = ", ".join(hami)
