@@ -13,6 +13,7 @@ from kvgpu.api.pools import (
     effective_slicing,
     node_matches,
     node_slicing,
+    pool_conditions,
     specificity,
 )
 from kvgpu.core.inventory import Card, Slicing
@@ -130,3 +131,24 @@ def test_defaults_pool() -> None:
     dflt = pool("default", defaults={"gpu": 3})
     assert defaults_pool([only, dflt]).defaults.gpu == 3
     assert defaults_pool([only, pool("other")]).defaults.gpu == 1
+
+
+def test_pool_conditions() -> None:
+    t0, t1 = "2026-11-30T06:00:00Z", "2026-11-30T07:00:00Z"
+    conds = pool_conditions(cards=8, healthy_cards=8, conflicts_with=["b"], generation=2, now=t0)
+    ready, conflict = conds
+    assert (ready.type, ready.status.value, ready.reason) == ("Ready", "True", "CardsCovered")
+    assert (conflict.type, conflict.status.value) == ("Conflict", "True") and "b" in conflict.message
+    again = pool_conditions(
+        cards=8, healthy_cards=0, conflicts_with=["b"], generation=3, now=t1, previous=conds
+    )
+    assert again[0].status.value == "False" and again[0].reason == "NoHealthyCards"
+    assert (
+        again[0].last_transition_time == t1 and again[1].last_transition_time == t0
+    )  # unchanged keeps its time
+    none = pool_conditions(cards=0, healthy_cards=0, conflicts_with=[], generation=None, now=t0)
+    assert none[0].reason == "NoCardsCovered" and none[1].status.value == "False"
+    many = pool_conditions(
+        cards=1, healthy_cards=1, conflicts_with=[f"p{i:03}" for i in range(500)], generation=1, now=t0
+    )
+    assert "and 490 more" in many[1].message and len(many[1].message) < 300

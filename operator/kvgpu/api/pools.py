@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgpu.api.models import (
+    COND_CONFLICT,
+    COND_READY,
+    Condition,
+    ConditionStatus,
     DeviceFilter,
     Mode,
     NodeSelector,
@@ -158,3 +162,63 @@ def defaults_pool(pools: Iterable[PoolLike]) -> VGPUPoolSpec:
     if len(models) == 1:
         return models[0].spec
     return VGPUPoolSpec()
+
+
+#: Most pool names a Conflict message lists before "and N more" (keeps the status small).
+MAX_NAMES_IN_MESSAGE = 10
+
+
+def pool_conditions(
+    *,
+    cards: int,
+    healthy_cards: int,
+    conflicts_with: Iterable[str],
+    generation: int | None,
+    now: str,
+    previous: Iterable[Condition] = (),
+) -> list[Condition]:
+    """The ``Ready`` and ``Conflict`` conditions of a pool's status.
+
+    ``cards``/``healthy_cards``: covered cards (all / healthy); ``conflicts_with``: names of the
+    pools it ties with (see :func:`conflicts`); ``now``: RFC 3339 time for transitions. A
+    condition whose status did not change keeps its ``lastTransitionTime`` from ``previous``.
+    """
+    others = sorted(set(conflicts_with))
+    if cards == 0:
+        ready = (ConditionStatus.FALSE, "NoCardsCovered", "no card of any node matches the pool")
+    elif healthy_cards == 0:
+        ready = (ConditionStatus.FALSE, "NoHealthyCards", f"all {cards} covered cards are unhealthy")
+    else:
+        ready = (
+            ConditionStatus.TRUE,
+            "CardsCovered",
+            f"{healthy_cards} of {cards} covered cards are healthy",
+        )
+    if others:
+        shown = ", ".join(others[:MAX_NAMES_IN_MESSAGE])
+        more = len(others) - MAX_NAMES_IN_MESSAGE
+        shown += f" and {more} more" if more > 0 else ""
+        conflict = (
+            ConditionStatus.TRUE,
+            "EquallySpecificPools",
+            f"equally specific pools cover some of the same cards: {shown}; the name that sorts first "
+            "wins. Narrow a nodeSelector or device filter to resolve it",
+        )
+    else:
+        conflict = (ConditionStatus.FALSE, "NoConflict", "no other pool is equally specific on any card")
+    before = {c.type: c for c in previous}
+    out = []
+    for ctype, (status, reason, message) in ((COND_READY, ready), (COND_CONFLICT, conflict)):
+        old = before.get(ctype)
+        since = old.last_transition_time if old is not None and old.status == status else now
+        out.append(
+            Condition(
+                type=ctype,
+                status=status,
+                reason=reason,
+                message=message,
+                last_transition_time=since,
+                observed_generation=generation,
+            )
+        )
+    return out
