@@ -187,9 +187,22 @@ def test_allocation_annotations_change_only_by_the_operator(
     p = cluster.kubectl("label", "pod", "bound", "-n", namespace, f"{MANAGED_LABEL}-", check=False)
     assert p.returncode != 0 and MANAGED_LABEL in p.stderr, p.stderr
     assert _get(cluster, namespace, "bound")["metadata"]["annotations"][key] == "GPU-aaaa"
+    p = cluster.kubectl("annotate", "pod", "bound", "-n", namespace, "--overwrite", "kvgpu.io/gpumem=6000",
+                        check=False)
+    assert p.returncode != 0 and "fixed when the pod is created" in p.stderr, p.stderr
     # Anything else stays the user's to change.
     cluster.kubectl("label", "pod", "bound", "-n", namespace, "team=ml")
     cluster.kubectl("annotate", "pod", "bound", "-n", namespace, "note=hello")
+
+
+def test_debug_container_gets_no_cards(cluster: Cluster, namespace: str, webhooks: KopfThread) -> None:
+    _create(cluster, _pod(namespace, "dbg", {"kvgpu.io/gpumem": "3000"}))
+    p = cluster.kubectl("debug", "dbg", "-n", namespace, "--image=registry.invalid/cuda-debug",
+                        "--container=evil", "--env=NVIDIA_VISIBLE_DEVICES=all", check=False)
+    assert p.returncode != 0 and "ephemeral container 'evil'" in p.stderr, p.stderr
+    cluster.kubectl("debug", "dbg", "-n", namespace, "--image=registry.invalid/cuda-debug", "--container=ok")
+    (eph,) = _get(cluster, namespace, "dbg")["spec"]["ephemeralContainers"]
+    assert eph["name"] == "ok" and eph["env"] == [{"name": keys.ENV_VISIBLE, "value": "none"}]
 
 
 def test_pod_without_gpu_keys_never_reaches_the_webhook(

@@ -280,15 +280,57 @@ def test_managed_label_is_protected() -> None:
     assert any(m.MANAGED_LABEL in e for e in validate_pod("UPDATE", new, BOUND, "alice", OPS))
 
 
-def test_request_changes_after_scheduling_are_refused() -> None:
-    new = _with(BOUND, lambda p: p["metadata"]["annotations"].update({"kvgpu.io/gpumem": "6000"}))
-    assert any("once the pod is scheduled" in e for e in validate_pod("UPDATE", new, BOUND, "alice", OPS))
-    pending = _with(GOOD, lambda p: p["metadata"]["annotations"].update({"kvgpu.io/gpumem": "3Gx"}))
-    assert any("3Gx" in e for e in validate_pod("UPDATE", pending, GOOD, "alice", OPS))
+@pytest.mark.parametrize(("old", "change", "key"), [
+    (BOUND, lambda p: p["metadata"]["annotations"].update({"kvgpu.io/gpumem": "6000"}), "kvgpu.io/gpumem"),
+    (GOOD, lambda p: p["metadata"]["annotations"].update({"kvgpu.io/containers": "side"}),
+     "kvgpu.io/containers"),
+    (GOOD, lambda p: p["metadata"]["annotations"].pop("kvgpu.io/gpucores"), "kvgpu.io/gpucores"),
+    (pod({"team": "web"}), lambda p: p["metadata"]["annotations"].update({"kvgpu.io/gpu": "1"}),
+     "kvgpu.io/gpu"),
+    (GOOD, lambda p: p["metadata"]["annotations"].update({"nvidia.com/use-gputype": "A100"}),
+     "nvidia.com/use-gputype"),
+], ids=["after-scheduling", "containers", "removed", "plain-pod-becomes-gpu", "hami-annotation"])
+def test_requests_are_fixed_at_create(old: dict[str, Any], change: Any, key: str) -> None:
+    errors = validate_pod("UPDATE", _with(old, change), old, "alice", OPS)
+    assert any(key in e and "fixed when the pod is created" in e for e in errors), errors
 
 
-def test_delete_and_connect_are_allowed() -> None:
+def test_delete_and_other_subresources_are_allowed() -> None:
     assert validate_pod("DELETE", BOUND, BOUND, "alice", OPS) == []
+    forged = _with(BOUND, lambda p: p["metadata"]["annotations"].update({keys.POD_NODE: "n2"}))
+    assert validate_pod("UPDATE", forged, BOUND, "alice", OPS, subresource="status") == []
+
+
+# --------------------------------------------------------------------------- ephemeral containers
+
+
+def _debug(p: dict[str, Any], env: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": "dbg", "image": "cuda-debug"}
+    if env is not None:
+        c["env"] = env
+    return _with(p, lambda q: q["spec"].update(ephemeralContainers=[c]))
+
+
+def test_debug_container_sees_no_cards() -> None:
+    p = _debug(BOUND)
+    ops = m.mutate_ephemeral(p)
+    out = m.apply_ops(p, ops)
+    assert out["spec"]["ephemeralContainers"][0]["env"] == [m.no_devices_env()]
+    assert m.mutate_ephemeral(out) == []
+    assert validate_pod("UPDATE", out, BOUND, "alice", OPS, subresource="ephemeralcontainers") == []
+    assert m.mutate_ephemeral(_debug(pod({"team": "web"}))) == []
+
+
+@pytest.mark.parametrize("env", [
+    [{"name": keys.ENV_VISIBLE, "value": "all"}],
+    [{"name": "CUDA_DISABLE_CONTROL", "value": "1"}],
+    [{"name": keys.ENV_CLAIM, "valueFrom": {"fieldRef": {
+        "fieldPath": f"metadata.annotations['{keys.claim_annotation('main')}']"}}}],
+])
+def test_debug_container_cannot_set_reserved_env(env: list[dict[str, Any]]) -> None:
+    p = m.apply_ops(_debug(BOUND, env), m.mutate_ephemeral(_debug(BOUND, env)))
+    errors = validate_pod("UPDATE", p, BOUND, "kvgpu-operator", OPS, subresource="ephemeralcontainers")
+    assert any("ephemeral container 'dbg'" in e and env[0]["name"] in e for e in errors), errors
 
 
 # --------------------------------------------------------------------------- robustness
@@ -345,7 +387,10 @@ def test_configurations_shape() -> None:
     assert vw["clientConfig"]["url"] == "https://127.0.0.1:9443/kvgpu-validate-pods"
     assert mw["clientConfig"]["caBundle"] == "UEVN"
     assert mw["reinvocationPolicy"] == "IfNeeded" and "reinvocationPolicy" not in vw
-    assert mw["rules"][0]["operations"] == ["CREATE"] and vw["rules"][0]["operations"] == ["CREATE", "UPDATE"]
+    assert [(r["operations"], r["resources"]) for r in mw["rules"]] == [
+        (["CREATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"])]
+    assert [(r["operations"], r["resources"]) for r in vw["rules"]] == [
+        (["CREATE", "UPDATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"])]
     for w in (mw, vw):
         assert w["failurePolicy"] == "Fail" and w["sideEffects"] == "None" and w["timeoutSeconds"] == 5
         assert w["admissionReviewVersions"] == ["v1"]

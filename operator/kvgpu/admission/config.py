@@ -3,7 +3,8 @@
 Same objects for dev mode (``url_base`` such as ``https://127.0.0.1:9443``, the API server
 calls the operator process directly) and production manifests (``service`` reference).
 
-Scope, from the outside in: pods only; not in ``kube-system`` nor the excluded namespaces (the
+Scope, from the outside in: pods (CREATE; UPDATE for validation) and pods/ephemeralcontainers
+(UPDATE, ``kubectl debug``); not in ``kube-system`` nor the excluded namespaces (the
 operator's own, so a broken webhook can never block the operator's pod); and, through CEL
 ``matchConditions`` evaluated by the API server, only pods that mention GPUs at all — a
 ``kvgpu.io/``, ``nvidia.com/`` or ``hami.io/`` annotation, or a container/init container with an
@@ -27,6 +28,7 @@ VALIDATE_NAME = "kvgpu-validate"
 MUTATE_WEBHOOK = f"pods.mutate.{keys.GROUP}"
 VALIDATE_WEBHOOK = f"pods.validate.{keys.GROUP}"
 TIMEOUT_S = 5
+EPHEMERAL_RESOURCE = "pods/ephemeralcontainers"  # kubectl debug: see mutate.mutate_ephemeral
 ALWAYS_EXCLUDED_NAMESPACES = ("kube-system",)
 
 _ANNOTATION_PREFIXES = (f"{keys.GROUP}/", "nvidia.com/", "hami.io/")
@@ -75,16 +77,20 @@ def _client_config(
     return cfg
 
 
+def _rule(operations: list[str], resources: list[str]) -> dict[str, Any]:
+    return {"apiGroups": [""], "apiVersions": ["v1"], "operations": operations, "resources": resources,
+            "scope": "Namespaced"}
+
+
 def _webhook(
-    name: str, path: str, operations: list[str], *, update: bool, url_base: str | None,
+    name: str, path: str, rules: list[dict[str, Any]], *, update: bool, url_base: str | None,
     service: tuple[str, str, int] | None, ca_bundle: bytes, exclude_namespaces: list[str],
 ) -> dict[str, Any]:
     excluded = sorted({*ALWAYS_EXCLUDED_NAMESPACES, *exclude_namespaces})
     return {
         "name": name,
         "clientConfig": _client_config(path, url_base, service, ca_bundle),
-        "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": operations,
-                   "resources": ["pods"], "scope": "Namespaced"}],
+        "rules": rules,
         "failurePolicy": "Fail",
         "matchPolicy": "Equivalent",
         "sideEffects": "None",
@@ -112,10 +118,12 @@ def webhook_configurations(
     """
     common = {"url_base": url_base, "service": service, "ca_bundle": ca_bundle,
               "exclude_namespaces": list(exclude_namespaces)}
-    mutating = _webhook(MUTATE_WEBHOOK, MUTATE_ID, ["CREATE"], update=False, **common)  # type: ignore[arg-type]
+    ephemeral = _rule(["UPDATE"], [EPHEMERAL_RESOURCE])
+    mutating = _webhook(MUTATE_WEBHOOK, MUTATE_ID, [_rule(["CREATE"], ["pods"]), ephemeral],
+                        update=False, **common)  # type: ignore[arg-type]
     mutating["reinvocationPolicy"] = "IfNeeded"
-    validating = _webhook(VALIDATE_WEBHOOK, VALIDATE_ID, ["CREATE", "UPDATE"], update=True,
-                          **common)  # type: ignore[arg-type]
+    validating = _webhook(VALIDATE_WEBHOOK, VALIDATE_ID, [_rule(["CREATE", "UPDATE"], ["pods"]), ephemeral],
+                          update=True, **common)  # type: ignore[arg-type]
     labels = {"app.kubernetes.io/name": "kvgpu", "app.kubernetes.io/component": "admission"}
     return (
         {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",

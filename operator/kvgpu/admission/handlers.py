@@ -14,8 +14,8 @@ from typing import Any
 
 import kopf
 
-from kvgpu.admission.mutate import apply_ops, mutate_pod
-from kvgpu.admission.validate import validate_pod
+from kvgpu.admission.mutate import apply_ops, mutate_ephemeral, mutate_pod
+from kvgpu.admission.validate import EPHEMERAL, validate_pod
 
 MUTATE_ID = "kvgpu-mutate-pods"
 VALIDATE_ID = "kvgpu-validate-pods"
@@ -46,11 +46,23 @@ def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str
     """
     operators = frozenset(operator_usernames)
 
-    @kopf.on.mutate("pods", id=MUTATE_ID, operations=["CREATE"], registry=registry)
-    def mutate(body: kopf.Body, patch: kopf.Patch, logger: Logger, **_: Any) -> None:
+    # subresource="*": the configurations route pods (CREATE) and pods/ephemeralcontainers
+    # (UPDATE) here; Kopf would otherwise match the main resource only.
+    @kopf.on.mutate("pods", id=MUTATE_ID, operations=["CREATE", "UPDATE"], subresource="*",
+                    registry=registry)
+    def mutate(
+        body: kopf.Body, patch: kopf.Patch, logger: Logger,
+        operation: str | None = None, subresource: str | None = None, **_: Any,
+    ) -> None:
         pod = dict(body)
-        ops = mutate_pod(pod)
-        logger.debug("kvgpu admission: mutate %s: %d patch ops", _who(pod), len(ops))
+        if subresource == EPHEMERAL and operation == "UPDATE":
+            ops = mutate_ephemeral(pod)
+        elif subresource is None and operation == "CREATE":
+            ops = mutate_pod(pod)
+        else:
+            ops = []
+        logger.debug("kvgpu admission: mutate %s %s%s: %d patch ops", operation, _who(pod),
+                     f" ({subresource})" if subresource else "", len(ops))
         if not ops:
             return
         # Kopf diffs the body before and after the patch's functions to build the JSON patch.
@@ -59,15 +71,19 @@ def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str
 
         patch.fns.append(apply)
 
-    @kopf.on.validate("pods", id=VALIDATE_ID, operations=["CREATE", "UPDATE"], registry=registry)
+    @kopf.on.validate("pods", id=VALIDATE_ID, operations=["CREATE", "UPDATE"], subresource="*",
+                      registry=registry)
     def validate(
         body: kopf.Body, userinfo: kopf.UserInfo, logger: Logger,
-        old: kopf.Body | None = None, operation: str | None = None, **_: Any,
+        old: kopf.Body | None = None, operation: str | None = None, subresource: str | None = None,
+        **_: Any,
     ) -> None:
         username = str((userinfo or {}).get("username", ""))
-        logger.debug("kvgpu admission: validate %s %s by %s", operation, _who(dict(body)), username)
+        logger.debug("kvgpu admission: validate %s %s%s by %s", operation, _who(dict(body)),
+                     f" ({subresource})" if subresource else "", username)
         errors = validate_pod(
             operation or "", dict(body), dict(old) if old is not None else None, username, operators,
+            subresource=subresource,
         )
         if errors:
             logger.info("kvgpu: refused %s by %s: %s", operation, username, "; ".join(errors))

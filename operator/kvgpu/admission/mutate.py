@@ -12,7 +12,8 @@ that
   ``ld.so.preload``, a per-container shared-region directory, and a read-only downward-API file
   with the container's claim,
 * set ``NVIDIA_VISIBLE_DEVICES=none`` in the pod's other containers, so an image default
-  (CUDA images set ``all``) cannot expose every card of the node to a container without slices.
+  (CUDA images set ``all``) cannot expose every card of the node to a container without slices
+  (:func:`mutate_ephemeral` does the same for debug containers added later).
 
 Idempotent: entries are matched by name (env, volumes) or mount path, so running it on its own
 output returns ``[]`` (safe with ``reinvocationPolicy: IfNeeded``). It never overwrites what the
@@ -168,6 +169,17 @@ def mutate_pod(pod: Mapping[str, Any], *, sliced: Collection[str] | None = None)
                              "mountPath")
             else:
                 _add_entries(ops, f"{base}/env", c.get("env"), [no_devices_env()], "name")
+    return ops
+
+
+def mutate_ephemeral(pod: Mapping[str, Any]) -> list[JSONPatchOp]:
+    """Ops for an UPDATE of ``pods/ephemeralcontainers`` (``kubectl debug``): in a pod with
+    slices, every ephemeral container without ``NVIDIA_VISIBLE_DEVICES`` gets ``none``."""
+    if not parse(pod).requests_slices:
+        return []
+    ops: list[JSONPatchOp] = []
+    for i, c in enumerate((pod.get("spec") or {}).get("ephemeralContainers") or []):
+        _add_entries(ops, f"/spec/ephemeralContainers/{i}/env", c.get("env"), [no_devices_env()], "name")
     return ops
 
 

@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgpu.api import requests as api_requests
+from kvgpu.core import keys
+
+_HAMI_ANNOTATIONS = frozenset(k.key for k in api_requests.HAMI_KEYS if k.where == "annotation")
+_OPERATOR_KEYS = frozenset(
+    v for v in vars(keys).values() if isinstance(v, str) and v.startswith(f"{keys.GROUP}/")
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +64,12 @@ def parse(pod: Mapping[str, Any]) -> Parsed:
         requests_slices=True,
         containers=tuple(SlicedContainer(c.container, c.init) for c in req.containers),
     )
+
+
+def is_request_annotation(key: str) -> bool:
+    """True for pod annotations that are (or claim to be) part of a GPU request: every
+    ``kvgpu.io/`` key the operator does not own, and HAMi's request annotations."""
+    if key in _HAMI_ANNOTATIONS:
+        return True
+    return (key.startswith(f"{keys.GROUP}/") and key not in _OPERATOR_KEYS
+            and not keys.is_allocation_annotation(key))

@@ -21,9 +21,13 @@ CREATE, for every pod reaching the webhook: allocation annotations
 (:func:`kvgpu.core.keys.is_allocation_annotation`) are refused whoever sets them — only the
 operator writes them, and only on existing pods.
 
-UPDATE, by anyone not in ``operator_usernames``: any change to allocation annotations or to the
-``kvgpu.io/managed`` label; a changed request must still parse, and cannot change once the pod
-is scheduled. The operator's own updates are not second-guessed.
+UPDATE, by anyone not in ``operator_usernames``: any change to allocation annotations, to the
+``kvgpu.io/managed`` label or to the request annotations (the injection was made for the request
+as it was at CREATE). The operator's own updates are not second-guessed.
+
+UPDATE of ``pods/ephemeralcontainers`` (``kubectl debug``), by anyone, on a pod with slices: an
+ephemeral container may not set reserved env vars (the mutating webhook gives it
+``NVIDIA_VISIBLE_DEVICES=none`` so a CUDA debug image cannot see every card of the node).
 """
 
 from __future__ import annotations
@@ -32,11 +36,11 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from kvgpu.admission import mutate as m
-from kvgpu.admission.parsing import parse
+from kvgpu.admission.parsing import is_request_annotation, parse
 from kvgpu.core import keys
 
+EPHEMERAL = "ephemeralcontainers"
 _DANGEROUS_CAPS = frozenset({"SYS_ADMIN", "ALL", "CAP_SYS_ADMIN"})
-_REQUEST_PREFIXES = (f"{keys.GROUP}/", "nvidia.com/", "hami.io/")
 
 
 def _mapping(v: Any) -> Mapping[str, Any]:
@@ -231,10 +235,19 @@ def _create_errors(pod: Mapping[str, Any]) -> list[str]:
 
 
 def _request_keys(ann: Mapping[str, str]) -> dict[str, str]:
-    return {
-        k: v for k, v in ann.items()
-        if k.startswith(_REQUEST_PREFIXES) and not keys.is_allocation_annotation(k)
-    }
+    return {k: v for k, v in ann.items() if is_request_annotation(k)}
+
+
+def _ephemeral_errors(pod: Mapping[str, Any]) -> list[str]:
+    """Ephemeral containers (``kubectl debug``) in a pod with slices: no reserved env vars but
+    ``NVIDIA_VISIBLE_DEVICES=none``, which the mutating webhook sets."""
+    if not parse(pod).requests_slices:
+        return []
+    errors = []
+    for c in _list(_mapping(pod.get("spec")).get("ephemeralContainers")):
+        if isinstance(c, Mapping):
+            errors += _env_errors("ephemeral container", c, sliced=False)
+    return errors
 
 
 def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None) -> list[str]:
@@ -250,13 +263,13 @@ def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None) -> lis
     new_l, old_l = _labels(pod).get(m.MANAGED_LABEL), _labels(old).get(m.MANAGED_LABEL)
     if new_l != old_l and old_l is not None:
         errors.append(f"label {m.MANAGED_LABEL} may only be changed by the kvgpu operator")
-    if _request_keys(new_ann) != _request_keys(old_ann):
-        spec = _mapping(pod.get("spec"))
-        if spec.get("nodeName") or keys.POD_NODE in old_ann:
-            errors.append("GPU request annotations cannot change once the pod is scheduled; "
-                          "create a new pod instead")
-        parsed = parse(pod)
-        errors += parsed.errors
+    new_req, old_req = _request_keys(new_ann), _request_keys(old_ann)
+    changed = sorted(k for k in set(new_req) | set(old_req) if new_req.get(k) != old_req.get(k))
+    if changed:
+        # The shim was injected (or not) at CREATE for the request as it was then; a changed
+        # request would no longer match the pod's containers.
+        errors.append(f"annotation {', '.join(changed)} is part of the pod's GPU request, which is fixed "
+                      "when the pod is created; create a new pod (or change the Deployment's template)")
     return errors
 
 
@@ -266,10 +279,20 @@ def validate_pod(
     old_pod: Mapping[str, Any] | None,
     username: str,
     operator_usernames: Collection[str],
+    *,
+    subresource: str | None = None,
 ) -> list[str]:
     """Every reason to refuse this admission request; ``[]`` means allowed. Never raises on
-    malformed input (an unparsable value is a message, not a crash)."""
+    malformed input (an unparsable value is a message, not a crash).
+
+    ``subresource`` ``"ephemeralcontainers"`` (an UPDATE adding debug containers) checks only
+    the ephemeral containers; other subresources are allowed.
+    """
     if not isinstance(pod, Mapping):
+        return []
+    if subresource == EPHEMERAL:
+        return _ephemeral_errors(pod) if operation == "UPDATE" else []
+    if subresource:
         return []
     if operation == "CREATE":
         return _create_errors(pod)
