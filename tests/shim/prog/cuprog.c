@@ -1,0 +1,338 @@
+/*
+ * cuprog - a CUDA driver API client for the shim's tests (stub driver) and the GPU bench
+ * (real driver). Linked directly against libcuda.so.1; it also reaches the driver through
+ * dlsym and cuGetProcAddress(_v2) on request, so all three doors of the shim are exercised.
+ * Declares the few driver types itself (no CUDA headers). Output: one JSON object per line.
+ *
+ *   cuprog info [ordinal]                  memory as the process sees it
+ *   cuprog null                            NULL out-pointers to cuMemGetInfo_v2
+ *   cuprog fill PATH CHUNK [MAX_N] [HOLD_S] allocate CHUNK bytes until failure (or MAX_N)
+ *       PATH: alloc managed pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym
+ *   cuprog pitch WIDTH HEIGHT              cuMemAllocPitch_v2: pitch and result
+ *   cuprog race CHUNK GO_FILE              wait for GO_FILE, fill with cuMemAlloc, hold 1 s
+ *   cuprog launch MODE SECONDS SYNC_EVERY  launch loop; MODE kernel ex coop graph ptsz gpa
+ *   cuprog bench N                         ns per launch, alloc+free (2 MiB), cuMemGetInfo
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr, CUmemGenericAllocationHandle;
+typedef void *CUcontext, *CUstream, *CUfunction, *CUmodule, *CUarray, *CUmipmappedArray, *CUgraphExec;
+typedef struct { char bytes[16]; } CUuuid;
+typedef struct { int type; int requestedHandleTypes; struct { int type; int id; } location; void *w; unsigned char f[8]; } CUmemAllocationProp;
+typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR;
+typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR;
+typedef struct { unsigned gx, gy, gz, bx, by, bz, shm; CUstream hStream; void *attrs; unsigned n; } CUlaunchConfig;
+
+CUresult cuInit(unsigned);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDeviceGetUuid(CUuuid *, CUdevice);
+CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
+CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
+CUresult cuMemAllocPitch_v2(CUdeviceptr *, size_t *, size_t, size_t, unsigned);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, void *, CUstream);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuMemCreate(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+CUresult cuMemRelease(CUmemGenericAllocationHandle);
+CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
+CUresult cuArray3DCreate_v2(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
+CUresult cuArrayDestroy(CUarray);
+CUresult cuMipmappedArrayCreate(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned);
+CUresult cuMipmappedArrayDestroy(CUmipmappedArray);
+CUresult cuModuleLoadData(CUmodule *, const void *);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
+CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
+CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **);
+CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuCtxSynchronize(void);
+CUresult cuGetProcAddress(const char *, void **, int, unsigned long long);
+CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
+
+static const char PTX[] =
+    ".version 7.0\n.target sm_50\n.address_size 64\n.visible .entry empty()\n{\n ret;\n}\n";
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static CUdevice setup(int ord)
+{
+    CUdevice d;
+    CUcontext c;
+    CUresult rc = cuInit(0);
+    if (rc) { printf("{\"init_rc\": %d}\n", rc); exit(3); }
+    if ((rc = cuDeviceGet(&d, ord))) { printf("{\"device_rc\": %d}\n", rc); exit(3); }
+    if ((rc = cuCtxCreate_v2(&c, 0, d))) { printf("{\"ctx_rc\": %d}\n", rc); exit(3); }
+    return d;
+}
+
+struct held { int kind; unsigned long long v; };
+
+static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct held *h)
+{
+    CUdeviceptr p = 0;
+    CUresult rc;
+    h->kind = 0;
+    if (!strcmp(path, "alloc") || !strcmp(path, "gpa") || !strcmp(path, "gpa_v1") || !strcmp(path, "dlsym")) {
+        static CUresult (*fn)(CUdeviceptr *, size_t);
+        if (!fn) {
+            if (!strcmp(path, "gpa")) {
+                int st = -1;
+                rc = cuGetProcAddress_v2("cuMemAlloc", (void **)&fn, 12000, 0, &st);
+                if (rc || !fn) return 900 + rc;
+            } else if (!strcmp(path, "gpa_v1")) {
+                rc = cuGetProcAddress("cuMemAlloc", (void **)&fn, 11040, 0);
+                if (rc || !fn) return 900 + rc;
+            } else if (!strcmp(path, "dlsym")) {
+                void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+                fn = lib ? (CUresult(*)(CUdeviceptr *, size_t))dlsym(lib, "cuMemAlloc_v2") : NULL;
+                if (!fn) return 950;
+            } else {
+                fn = cuMemAlloc_v2;
+            }
+        }
+        rc = fn(&p, chunk);
+        h->kind = 1, h->v = p;
+    } else if (!strcmp(path, "managed")) {
+        rc = cuMemAllocManaged(&p, chunk, 1);
+        h->kind = 1, h->v = p;
+    } else if (!strcmp(path, "pitch")) {
+        size_t pitch;
+        rc = cuMemAllocPitch_v2(&p, &pitch, chunk / 64, 64, 4);
+        h->kind = 1, h->v = p;
+    } else if (!strcmp(path, "async")) {
+        rc = cuMemAllocAsync(&p, chunk, NULL);
+        h->kind = 2, h->v = p;
+    } else if (!strcmp(path, "pool")) {
+        rc = cuMemAllocFromPoolAsync(&p, chunk, NULL, NULL);
+        h->kind = 2, h->v = p;
+    } else if (!strcmp(path, "vmm")) {
+        CUmemAllocationProp prop;
+        memset(&prop, 0, sizeof prop);
+        prop.type = 1, prop.location.type = 1, prop.location.id = dev;
+        CUmemGenericAllocationHandle hd = 0;
+        rc = cuMemCreate(&hd, chunk, &prop, 0);
+        h->kind = 3, h->v = hd;
+    } else if (!strcmp(path, "array")) {
+        CUDA_ARRAY_DESCRIPTOR a = {chunk / 4 / 1024, 1024, 0x20, 1};
+        CUarray arr = NULL;
+        rc = cuArrayCreate_v2(&arr, &a);
+        h->kind = 4, h->v = (uintptr_t)arr;
+    } else if (!strcmp(path, "array3d")) {
+        CUDA_ARRAY3D_DESCRIPTOR a = {chunk / 4 / 1024 / 4, 1024, 4, 0x20, 1, 0};
+        CUarray arr = NULL;
+        rc = cuArray3DCreate_v2(&arr, &a);
+        h->kind = 4, h->v = (uintptr_t)arr;
+    } else if (!strcmp(path, "mipmap")) {
+        CUDA_ARRAY3D_DESCRIPTOR a = {chunk / 4 / 1024, 1024, 0, 0x20, 1, 0};
+        CUmipmappedArray arr = NULL;
+        rc = cuMipmappedArrayCreate(&arr, &a, 1);
+        h->kind = 5, h->v = (uintptr_t)arr;
+    } else {
+        fprintf(stderr, "unknown path %s\n", path);
+        exit(2);
+    }
+    if (rc)
+        h->kind = 0;
+    return rc;
+}
+
+static void free_one(struct held *h)
+{
+    switch (h->kind) {
+    case 1: cuMemFree_v2(h->v); break;
+    case 2: cuMemFreeAsync(h->v, NULL); break;
+    case 3: cuMemRelease(h->v); break;
+    case 4: cuArrayDestroy((CUarray)(uintptr_t)h->v); break;
+    case 5: cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h->v); break;
+    }
+}
+
+static int cmd_fill(const char *path, size_t chunk, long max_n, double hold)
+{
+    CUdevice dev = setup(0);
+    static struct held held[1 << 16];
+    long n = 0;
+    CUresult rc = 0;
+    while (n < (1 << 16) && (max_n <= 0 || n < max_n)) {
+        rc = alloc_one(path, chunk, dev, &held[n]);
+        if (rc)
+            break;
+        n++;
+    }
+    size_t f = 0, t = 0;
+    cuMemGetInfo_v2(&f, &t);
+    printf("{\"n\": %ld, \"bytes\": %llu, \"rc\": %d, \"free\": %zu, \"total\": %zu}\n", n,
+           (unsigned long long)n * chunk, rc, f, t);
+    fflush(stdout);
+    if (hold > 0)
+        usleep((useconds_t)(hold * 1e6));
+    for (long i = 0; i < n; i++)
+        free_one(&held[i]);
+    cuMemGetInfo_v2(&f, &t);
+    printf("{\"freed\": %ld, \"free\": %zu, \"total\": %zu}\n", n, f, t);
+    return 0;
+}
+
+static CUfunction kernel(void)
+{
+    CUmodule m;
+    CUfunction f;
+    CUresult rc = cuModuleLoadData(&m, PTX);
+    if (!rc)
+        rc = cuModuleGetFunction(&f, m, "empty");
+    if (rc) { printf("{\"module_rc\": %d}\n", rc); exit(3); }
+    return f;
+}
+
+static CUresult launch_once(const char *mode, CUfunction f)
+{
+    static CUresult (*gpa_launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
+    if (!strcmp(mode, "kernel"))
+        return cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    if (!strcmp(mode, "ptsz"))
+        return cuLaunchKernel_ptsz(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    if (!strcmp(mode, "ex")) {
+        CUlaunchConfig c = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+        return cuLaunchKernelEx(&c, f, NULL, NULL);
+    }
+    if (!strcmp(mode, "coop"))
+        return cuLaunchCooperativeKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL);
+    if (!strcmp(mode, "graph"))
+        return cuGraphLaunch(NULL, NULL);
+    if (!strcmp(mode, "gpa")) {
+        if (!gpa_launch) {
+            int st;
+            if (cuGetProcAddress_v2("cuLaunchKernel", (void **)&gpa_launch, 12000, 0, &st))
+                return 999;
+        }
+        return gpa_launch(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    }
+    return 998;
+}
+
+static int cmd_launch(const char *mode, double secs, long sync_every)
+{
+    setup(0);
+    CUfunction f = kernel();
+    long n = 0;
+    double t0 = now_s(), t;
+    CUresult rc = 0;
+    while ((t = now_s()) - t0 < secs) {
+        if ((rc = launch_once(mode, f)))
+            break;
+        if (++n % sync_every == 0)
+            cuStreamSynchronize(NULL);
+    }
+    cuCtxSynchronize();
+    t = now_s() - t0;
+    printf("{\"launches\": %ld, \"secs\": %.4f, \"rate\": %.2f, \"rc\": %d}\n", n, t, n / t, rc);
+    return rc != 0;
+}
+
+static int cmd_bench(long n)
+{
+    setup(0);
+    CUfunction f = kernel();
+    for (int i = 0; i < 1000; i++)
+        cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    cuCtxSynchronize();
+    double t0 = now_s();
+    for (long i = 0; i < n; i++)
+        cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    double launch_cpu = (now_s() - t0) / n;
+    cuCtxSynchronize();
+    double launch_sustained = (now_s() - t0) / n;
+    long m = n / 20 > 100 ? n / 20 : 100;
+    t0 = now_s();
+    for (long i = 0; i < m; i++) {
+        CUdeviceptr p;
+        cuMemAlloc_v2(&p, 2 << 20);
+        cuMemFree_v2(p);
+    }
+    double allocfree = (now_s() - t0) / m;
+    size_t fr, to;
+    t0 = now_s();
+    for (long i = 0; i < m; i++)
+        cuMemGetInfo_v2(&fr, &to);
+    double info = (now_s() - t0) / m;
+    printf("{\"launch_ns\": %.1f, \"launch_sustained_ns\": %.1f, \"allocfree_ns\": %.1f, \"meminfo_ns\": %.1f}\n",
+           launch_cpu * 1e9, launch_sustained * 1e9, allocfree * 1e9, info * 1e9);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc < 2) { fprintf(stderr, "usage: see the header of cuprog.c\n"); return 2; }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "info")) {
+        CUdevice d = setup(argc > 2 ? atoi(argv[2]) : 0);
+        size_t f = 0, t = 0, tm = 0;
+        CUresult r1 = cuMemGetInfo_v2(&f, &t), r2 = cuDeviceTotalMem_v2(&tm, d);
+        CUuuid u;
+        cuDeviceGetUuid(&u, d);
+        unsigned char *b = (unsigned char *)u.bytes;
+        printf("{\"rc\": %d, \"free\": %zu, \"total\": %zu, \"totalmem_rc\": %d, \"totalmem\": %zu, \"uuid_last\": %d}\n",
+               r1, f, t, r2, tm, b[15]);
+        return 0;
+    }
+    if (!strcmp(cmd, "null")) {
+        setup(0);
+        size_t f = 0, t = 0;
+        CUresult a = cuMemGetInfo_v2(NULL, &t), b = cuMemGetInfo_v2(&f, NULL), c = cuMemGetInfo_v2(NULL, NULL);
+        CUresult d = cuDeviceTotalMem_v2(NULL, 0);
+        printf("{\"null_free_rc\": %d, \"total\": %zu, \"null_total_rc\": %d, \"free\": %zu, \"both_null_rc\": %d, \"totalmem_null_rc\": %d}\n",
+               a, t, b, f, c, d);
+        return 0;
+    }
+    if (!strcmp(cmd, "fill") && argc >= 4)
+        return cmd_fill(argv[2], strtoull(argv[3], NULL, 0), argc > 4 ? atol(argv[4]) : 0, argc > 5 ? atof(argv[5]) : 0);
+    if (!strcmp(cmd, "pitch") && argc >= 4) {
+        setup(0);
+        CUdeviceptr p;
+        size_t pitch = 0;
+        CUresult rc = cuMemAllocPitch_v2(&p, &pitch, strtoull(argv[2], NULL, 0), strtoull(argv[3], NULL, 0), 4);
+        printf("{\"rc\": %d, \"pitch\": %zu}\n", rc, pitch);
+        return 0;
+    }
+    if (!strcmp(cmd, "race") && argc >= 4) {
+        setup(0);
+        while (access(argv[3], F_OK) != 0)
+            usleep(200);
+        size_t chunk = strtoull(argv[2], NULL, 0);
+        long n = 0;
+        CUdeviceptr p;
+        while (cuMemAlloc_v2(&p, chunk) == 0)
+            n++;
+        printf("{\"n\": %ld, \"bytes\": %llu}\n", n, (unsigned long long)n * chunk);
+        fflush(stdout);
+        usleep(1000000);
+        return 0;
+    }
+    if (!strcmp(cmd, "launch") && argc >= 5)
+        return cmd_launch(argv[2], atof(argv[3]), atol(argv[4]));
+    if (!strcmp(cmd, "bench") && argc >= 3)
+        return cmd_bench(atol(argv[2]));
+    fprintf(stderr, "bad command\n");
+    return 2;
+}

@@ -1,0 +1,378 @@
+/*
+ * Stub libcuda.so.1 for the shim's CPU tests: a card of STUB_MEM_MIB MiB whose kernels take
+ * STUB_KERNEL_US of simulated GPU time on one FIFO queue shared by all processes (see
+ * stub_state.h). Error codes and NULL handling follow the CUDA driver API reference where
+ * the tests depend on them. Built with -Wl,-Bsymbolic so its own references bind locally, as
+ * the real driver's do.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/types.h>
+#include "stub_state.h"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext, *CUstream, *CUfunction, *CUarray, *CUmipmappedArray, *CUmemoryPool, *CUgraphExec;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { char bytes[16]; } CUuuid;
+typedef struct { int type; int requestedHandleTypes; struct { int type; int id; } location; void *w; unsigned char f[8]; } CUmemAllocationProp;
+typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR;
+typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR;
+typedef struct { size_t size, alignment; unsigned reserved[4]; } CUDA_ARRAY_MEMORY_REQUIREMENTS;
+typedef struct { unsigned gx, gy, gz, bx, by, bz, shm; CUstream hStream; void *attrs; unsigned n; } CUlaunchConfig;
+
+#define API __attribute__((visibility("default")))
+#define OK 0
+#define E_INVALID_VALUE 1
+#define E_OOM 2
+#define E_NOT_INIT 3
+#define E_INVALID_DEVICE 101
+#define E_INVALID_CONTEXT 201
+#define E_NOT_FOUND 500
+#define MIB (1024ull * 1024ull)
+
+static int inited, nvis, vis[STUB_MAXDEV];
+static __thread int cur_ctx = -1; /* physical index of the current context's card */
+static int ctx_made[STUB_MAXDEV];
+static _Atomic uint64_t next_addr = 0;
+
+struct ent { uint64_t key; uint64_t size; int phys; int kind; };
+static struct ent tab[65536];
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int ndev_phys(void) { long n = stub_env("STUB_NDEV", 1); return n < 1 ? 1 : n > STUB_MAXDEV ? STUB_MAXDEV : (int)n; }
+static uint64_t mem_total(void) { return (uint64_t)stub_env("STUB_MEM_MIB", 1024) * MIB; }
+
+static void uuid_str(int phys, char *out, size_t n)
+{
+    unsigned char b[16];
+    stub_uuid_bytes(phys, b);
+    snprintf(out, n, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+static void parse_visible(void)
+{
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    int np = ndev_phys();
+    nvis = 0;
+    if (!v) {
+        for (int i = 0; i < np; i++)
+            vis[nvis++] = i;
+        return;
+    }
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", v);
+    for (char *t = strtok(buf, ","); t && nvis < STUB_MAXDEV; t = strtok(NULL, ",")) {
+        int phys = -1;
+        if (!strncmp(t, "GPU-", 4)) {
+            for (int i = 0; i < np; i++) {
+                char u[64];
+                uuid_str(i, u, sizeof u);
+                if (!strcmp(u, t))
+                    phys = i;
+            }
+        } else {
+            phys = atoi(t);
+        }
+        if (phys < 0 || phys >= np)
+            break; /* like the driver: stop at the first invalid entry */
+        vis[nvis++] = phys;
+    }
+}
+
+static int phys_of(CUdevice d) { return (d >= 0 && d < nvis) ? vis[d] : -1; }
+
+static struct ent *find(uint64_t key, int kind, int create)
+{
+    size_t h = (size_t)((key * 0x9e3779b97f4a7c15ull) >> 48) ^ (size_t)kind;
+    for (size_t i = 0; i < 65536; i++) {
+        struct ent *e = &tab[(h + i) & 65535];
+        if (e->kind == kind && e->key == key)
+            return e;
+        if (!e->kind && create)
+            return e;
+        if (!e->kind)
+            return NULL;
+    }
+    return NULL;
+}
+
+static void make_ctx(int phys)
+{
+    if (!ctx_made[phys]) {
+        ctx_made[phys] = 1;
+        struct stub_proc *me = stub_me();
+        if (me)
+            atomic_fetch_add(&me->used[phys], (uint64_t)stub_env("STUB_CTX_MIB", 64) * MIB);
+    }
+}
+
+/* Physical allocation: 2 MiB pages, refused when the card is full. */
+static CUresult phys_alloc(int phys, uint64_t size, unsigned long long *addr, int kind, uint64_t key_hint)
+{
+    if (size == 0)
+        return E_INVALID_VALUE;
+    uint64_t rounded = (size + 2 * MIB - 1) & ~(2 * MIB - 1);
+    pthread_mutex_lock(&mu);
+    if (stub_dev_used(phys) + rounded > mem_total()) {
+        pthread_mutex_unlock(&mu);
+        return E_OOM;
+    }
+    struct stub_proc *me = stub_me();
+    atomic_fetch_add(&me->used[phys], rounded);
+    uint64_t a = key_hint ? key_hint : ((uint64_t)getpid() << 36) + atomic_fetch_add(&next_addr, rounded) + 0x1000000;
+    struct ent *e = find(a, kind, 1);
+    *e = (struct ent){a, rounded, phys, kind};
+    pthread_mutex_unlock(&mu);
+    *addr = a;
+    return OK;
+}
+
+static CUresult phys_free(uint64_t key, int kind)
+{
+    pthread_mutex_lock(&mu);
+    struct ent *e = find(key, kind, 0);
+    if (!e) {
+        pthread_mutex_unlock(&mu);
+        return E_INVALID_VALUE;
+    }
+    atomic_fetch_sub(&stub_me()->used[e->phys], e->size);
+    /* backward-shift deletion keeps the probe chains intact */
+    size_t i = (size_t)(e - tab);
+    e->kind = 0;
+    for (size_t j = (i + 1) & 65535; tab[j].kind; j = (j + 1) & 65535) {
+        struct ent t = tab[j];
+        tab[j].kind = 0;
+        *find(t.key, t.kind, 1) = t;
+    }
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+#define NEED_CTX() do { if (!inited) return E_NOT_INIT; if (cur_ctx < 0) return E_INVALID_CONTEXT; } while (0)
+
+API CUresult cuInit(unsigned flags) { (void)flags; parse_visible(); inited = 1; stub_me(); return OK; }
+API CUresult cuDriverGetVersion(int *v) { if (!v) return E_INVALID_VALUE; *v = 13000; return OK; }
+API CUresult cuDeviceGetCount(int *n) { if (!inited) return E_NOT_INIT; if (!n) return E_INVALID_VALUE; *n = nvis; return OK; }
+API CUresult cuDeviceGet(CUdevice *d, int ord) { if (!inited) return E_NOT_INIT; if (!d) return E_INVALID_VALUE; if (ord < 0 || ord >= nvis) return E_INVALID_DEVICE; *d = ord; return OK; }
+API CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d) { int p = phys_of(d); if (p < 0) return E_INVALID_DEVICE; stub_uuid_bytes(p, (unsigned char *)u->bytes); return OK; }
+API CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) { return cuDeviceGetUuid(u, d); }
+API CUresult cuDeviceGetName(char *n, int len, CUdevice d) { if (phys_of(d) < 0) return E_INVALID_DEVICE; snprintf(n, (size_t)len, "Stub GPU"); return OK; }
+API CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { if (!inited) return E_NOT_INIT; if (!b) return E_INVALID_VALUE; if (phys_of(d) < 0) return E_INVALID_DEVICE; *b = mem_total(); return OK; }
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { int p = phys_of(d); if (p < 0) return E_INVALID_DEVICE; make_ctx(p); *c = (CUcontext)(uintptr_t)(0x1000 + p); return OK; }
+API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d) { (void)f; int p = phys_of(d); if (!inited) return E_NOT_INIT; if (p < 0) return E_INVALID_DEVICE; make_ctx(p); cur_ctx = p; *c = (CUcontext)(uintptr_t)(0x1000 + p); return OK; }
+API CUresult cuCtxSetCurrent(CUcontext c) { cur_ctx = c ? (int)((uintptr_t)c - 0x1000) : -1; return OK; }
+API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_ctx < 0 ? NULL : (CUcontext)(uintptr_t)(0x1000 + cur_ctx); return OK; }
+API CUresult cuCtxGetDevice(CUdevice *d)
+{
+    NEED_CTX();
+    for (int i = 0; i < nvis; i++)
+        if (vis[i] == cur_ctx) { *d = i; return OK; }
+    return E_INVALID_CONTEXT;
+}
+
+API CUresult cuMemGetInfo_v2(size_t *f, size_t *t)
+{
+    NEED_CTX();
+    if (!f && !t)
+        return E_INVALID_VALUE;
+    uint64_t used = stub_dev_used(cur_ctx), tot = mem_total();
+    if (f) *f = used > tot ? 0 : tot - used;
+    if (t) *t = tot;
+    return OK;
+}
+
+API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { NEED_CTX(); if (!p) return E_INVALID_VALUE; return phys_alloc(cur_ctx, n, p, 1, 0); }
+API CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned fl) { (void)fl; return cuMemAlloc_v2(p, n); }
+API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned e)
+{
+    NEED_CTX();
+    if (!p || !pitch || (e != 4 && e != 8 && e != 16)) return E_INVALID_VALUE;
+    size_t pt = (w + 2047) & ~(size_t)2047; /* this stub pads rows to 2 KiB */
+    CUresult rc = phys_alloc(cur_ctx, (uint64_t)pt * h, p, 1, 0);
+    if (rc == OK) *pitch = pt;
+    return rc;
+}
+API CUresult cuMemFree_v2(CUdeviceptr p) { if (!inited) return E_NOT_INIT; return phys_free(p, 1); }
+API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { (void)s; return cuMemAlloc_v2(p, n); }
+API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { return cuMemAllocAsync(p, n, s); }
+API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { (void)pool; return cuMemAllocAsync(p, n, s); }
+API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { return cuMemAllocFromPoolAsync(p, n, pool, s); }
+API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return cuMemFree_v2(p); }
+API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return cuMemFreeAsync(p, s); }
+API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *prop, unsigned long long fl)
+{
+    (void)fl;
+    if (!inited) return E_NOT_INIT;
+    if (!h || !prop || prop->location.type != 1) return E_INVALID_VALUE;
+    int p = phys_of(prop->location.id);
+    if (p < 0) return E_INVALID_DEVICE;
+    if (n % (2 * MIB)) return E_INVALID_VALUE; /* granularity, like the driver */
+    return phys_alloc(p, n, h, 2, 0);
+}
+API CUresult cuMemRelease(CUmemGenericAllocationHandle h) { return phys_free(h, 2); }
+
+static uint64_t arr_bytes(size_t w, size_t h, size_t d, unsigned ch)
+{
+    uint64_t b = (uint64_t)w * (h ? h : 1) * (d ? d : 1) * 4 * (ch ? ch : 1);
+    return (b + 65535) & ~65535ull;
+}
+API CUresult cuArrayCreate_v2(CUarray *a, const CUDA_ARRAY_DESCRIPTOR *d)
+{
+    NEED_CTX();
+    unsigned long long addr;
+    CUresult rc = phys_alloc(cur_ctx, arr_bytes(d->Width, d->Height, 1, d->NumChannels), &addr, 3, 0);
+    if (rc == OK) *a = (CUarray)(uintptr_t)addr;
+    return rc;
+}
+API CUresult cuArray3DCreate_v2(CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR *d)
+{
+    NEED_CTX();
+    unsigned long long addr;
+    CUresult rc = phys_alloc(cur_ctx, arr_bytes(d->Width, d->Height, d->Depth, d->NumChannels), &addr, 3, 0);
+    if (rc == OK) *a = (CUarray)(uintptr_t)addr;
+    return rc;
+}
+API CUresult cuArrayDestroy(CUarray a) { return phys_free((uint64_t)(uintptr_t)a, 3); }
+API CUresult cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUarray a, CUdevice d)
+{
+    (void)d;
+    pthread_mutex_lock(&mu);
+    struct ent *e = find((uint64_t)(uintptr_t)a, 3, 0);
+    pthread_mutex_unlock(&mu);
+    if (!e) return E_INVALID_VALUE;
+    r->size = e->size, r->alignment = 65536;
+    return OK;
+}
+API CUresult cuMipmappedArrayCreate(CUmipmappedArray *a, const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels)
+{
+    NEED_CTX();
+    uint64_t base = arr_bytes(d->Width, d->Height, d->Depth, d->NumChannels);
+    unsigned long long addr;
+    CUresult rc = phys_alloc(cur_ctx, levels > 1 ? base + base / 3 : base, &addr, 4, 0);
+    if (rc == OK) *a = (CUmipmappedArray)(uintptr_t)addr;
+    return rc;
+}
+API CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) { return phys_free((uint64_t)(uintptr_t)a, 4); }
+API CUresult cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUmipmappedArray a, CUdevice d)
+{
+    (void)d;
+    pthread_mutex_lock(&mu);
+    struct ent *e = find((uint64_t)(uintptr_t)a, 4, 0);
+    pthread_mutex_unlock(&mu);
+    if (!e) return E_INVALID_VALUE;
+    r->size = e->size, r->alignment = 65536;
+    return OK;
+}
+API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void)d; (void)attr; *(uint64_t *)v = 0; return OK; }
+
+/* ---- execution: one FIFO queue per card, shared by all processes */
+static __thread uint64_t last_done[STUB_MAXDEV];
+
+static CUresult launch(void)
+{
+    NEED_CTX();
+    struct stub_state *s = stub_state();
+    struct stub_proc *me = stub_me();
+    uint64_t dur = (uint64_t)stub_env("STUB_KERNEL_US", 1000) * 1000, now = stub_now();
+    uint64_t bu = atomic_load(&s->busy_until[cur_ctx]), start, end;
+    do {
+        start = bu > now ? bu : now;
+        end = start + dur;
+    } while (!atomic_compare_exchange_weak(&s->busy_until[cur_ctx], &bu, end));
+    last_done[cur_ctx] = end;
+    atomic_fetch_add(&me->busy_ns[cur_ctx], dur);
+    atomic_fetch_add(&me->launches[cur_ctx], 1);
+    uint64_t cap = 200000000ull; /* a full launch queue blocks the caller, as on a GPU */
+    if (end > now + cap) {
+        uint64_t t = end - cap;
+        struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+        clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
+    }
+    return OK;
+}
+
+static CUresult drain(void)
+{
+    NEED_CTX();
+    uint64_t t = last_done[cur_ctx];
+    if (t > stub_now()) {
+        struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            ;
+    }
+    return OK;
+}
+
+API CUresult cuLaunchKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { return launch(); }
+API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { return launch(); }
+API CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { if (!cfg) return E_INVALID_VALUE; return launch(); }
+API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { return cuLaunchKernelEx(cfg, f, p, x); }
+API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(); }
+API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(); }
+API CUresult cuGraphLaunch(CUgraphExec g, CUstream s) { return launch(); }
+API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) { return launch(); }
+API CUresult cuStreamSynchronize(CUstream s) { (void)s; return drain(); }
+API CUresult cuCtxSynchronize(void) { return drain(); }
+API CUresult cuStreamIsCapturing(CUstream s, int *st) { (void)s; *st = 0; return OK; }
+
+/* ---- cuGetProcAddress: the driver's own name -> ABI table (subset) */
+static CUresult tramp_alloc(CUdeviceptr *p, size_t n) { return cuMemAlloc_v2(p, n); }
+static CUresult tramp_free(CUdeviceptr p) { return cuMemFree_v2(p); }
+static CUresult tramp_info(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
+
+struct pa { const char *name; const char *exported; int minver; int ptds; void *fn; void *indirect; };
+static const struct pa table[] = {
+    {"cuInit", "cuInit", 2000, 0, (void *)cuInit, NULL},
+    {"cuDeviceGet", "cuDeviceGet", 2000, 0, (void *)cuDeviceGet, NULL},
+    {"cuDeviceGetCount", "cuDeviceGetCount", 2000, 0, (void *)cuDeviceGetCount, NULL},
+    {"cuCtxCreate", "cuCtxCreate_v2", 3020, 0, (void *)cuCtxCreate_v2, NULL},
+    {"cuMemAlloc", "cuMemAlloc_v2", 3020, 0, (void *)cuMemAlloc_v2, (void *)tramp_alloc},
+    {"cuMemFree", "cuMemFree_v2", 3020, 0, (void *)cuMemFree_v2, (void *)tramp_free},
+    {"cuMemGetInfo", "cuMemGetInfo_v2", 3020, 0, (void *)cuMemGetInfo_v2, (void *)tramp_info},
+    {"cuMemAllocAsync", "cuMemAllocAsync", 11020, 0, (void *)cuMemAllocAsync, NULL},
+    {"cuMemAllocAsync", "cuMemAllocAsync_ptsz", 11020, 1, (void *)cuMemAllocAsync_ptsz, NULL},
+    {"cuMemFreeAsync", "cuMemFreeAsync", 11020, 0, (void *)cuMemFreeAsync, NULL},
+    {"cuLaunchKernel", "cuLaunchKernel", 4000, 0, (void *)cuLaunchKernel, NULL},
+    {"cuLaunchKernel", "cuLaunchKernel_ptsz", 4000, 1, (void *)cuLaunchKernel_ptsz, NULL},
+    {"cuStreamSynchronize", "cuStreamSynchronize", 2000, 0, (void *)cuStreamSynchronize, NULL},
+};
+
+API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags, int *status)
+{
+    int ptds = (flags & 2) != 0, best = -1, indirect = stub_env("STUB_GPA_INDIRECT", 0) != 0;
+    if (!sym || !pfn) return E_INVALID_VALUE;
+    for (int i = 0; i < (int)(sizeof table / sizeof table[0]); i++)
+        if (!strcmp(table[i].name, sym) && ver >= table[i].minver && table[i].ptds == ptds &&
+            (best < 0 || table[i].minver > table[best].minver))
+            best = i;
+    if (best < 0 && ptds) /* no per-thread variant: the plain one */
+        for (int i = 0; i < (int)(sizeof table / sizeof table[0]); i++)
+            if (!strcmp(table[i].name, sym) && ver >= table[i].minver && !table[i].ptds)
+                best = i;
+    if (status) *status = best >= 0 ? 0 : 1;
+    if (best < 0) { *pfn = NULL; return E_NOT_FOUND; }
+    *pfn = indirect && table[best].indirect ? table[best].indirect : table[best].fn;
+    return OK;
+}
+API CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned long long flags)
+{
+    return cuGetProcAddress_v2(sym, pfn, ver, flags, NULL);
+}
+
+/* test-only introspection: GPU ns and launches of this process on card `phys` */
+API unsigned long long stubBusyNs(int phys) { struct stub_proc *me = stub_me(); return me ? me->busy_ns[phys] : 0; }
+API unsigned long long stubLaunches(int phys) { struct stub_proc *me = stub_me(); return me ? me->launches[phys] : 0; }
+
+/* modules: enough for the test programs (the empty kernel's PTX is accepted and ignored) */
+API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; if (!inited) return E_NOT_INIT; *m = (void *)0x77; return OK; }
+API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name) { (void)m; (void)name; *f = (CUfunction)0x78; return OK; }
+API CUresult cuStreamCreate(CUstream *s, unsigned fl) { (void)fl; *s = (CUstream)0x79; return OK; }
+API CUresult cuGraphCreate(void **g, unsigned fl) { (void)fl; *g = (void *)0x7a; return OK; }
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }

@@ -1,0 +1,118 @@
+/*
+ * Shared state of the stub driver (libcuda.so.1 + libnvidia-ml.so.1 stand-ins for CPU CI).
+ * One mmap'ed file (STUB_STATE) shared by every process of a test, so the "card" has one
+ * physical memory and one execution queue that all processes compete for.
+ *
+ * Env: STUB_NDEV (1..4, default 1), STUB_MEM_MIB (per card, default 1024), STUB_CTX_MIB
+ * (memory a context takes, default 64), STUB_KERNEL_US (GPU time per launch, default 1000),
+ * STUB_STATE (state file; default: private to the process), STUB_GPA_INDIRECT=1
+ * (cuGetProcAddress hands out trampolines instead of the exported addresses).
+ */
+#ifndef STUB_STATE_H
+#define STUB_STATE_H
+#include <fcntl.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define STUB_MAXDEV 4
+#define STUB_MAXPROC 256
+
+struct stub_proc {
+    _Atomic int32_t pid;
+    _Atomic uint64_t used[STUB_MAXDEV];    /* bytes this process holds (NVML per-process) */
+    _Atomic uint64_t busy_ns[STUB_MAXDEV]; /* GPU time of its launches */
+    _Atomic uint64_t launches[STUB_MAXDEV];
+};
+struct stub_state {
+    uint32_t magic;
+    _Atomic uint64_t busy_until[STUB_MAXDEV]; /* end of the queued work on each card */
+    struct stub_proc proc[STUB_MAXPROC];
+};
+
+static struct stub_state *stub_st;
+
+static inline uint64_t stub_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline long stub_env(const char *n, long dflt)
+{
+    const char *v = getenv(n);
+    return v && *v ? atol(v) : dflt;
+}
+
+static inline struct stub_state *stub_state(void)
+{
+    if (stub_st)
+        return stub_st;
+    const char *path = getenv("STUB_STATE");
+    void *m = MAP_FAILED;
+    if (path && *path) {
+        int fd = open(path, O_RDWR | O_CREAT, 0666);
+        if (fd >= 0) {
+            if (ftruncate(fd, sizeof(struct stub_state)) == 0)
+                m = mmap(NULL, sizeof(struct stub_state), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            close(fd);
+        }
+    }
+    if (m == MAP_FAILED)
+        m = mmap(NULL, sizeof(struct stub_state), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    stub_st = m;
+    return stub_st;
+}
+
+/* This process's row (created on first use, reused if the pid is already there). */
+static inline struct stub_proc *stub_me(void)
+{
+    static __thread int cached_pid;
+    static __thread struct stub_proc *cached;
+    int32_t pid = getpid();
+    if (cached && cached_pid == pid)
+        return cached;
+    struct stub_state *s = stub_state();
+    for (int i = 0; i < STUB_MAXPROC; i++)
+        if (atomic_load(&s->proc[i].pid) == pid)
+            return cached_pid = pid, cached = &s->proc[i];
+    for (int i = 0; i < STUB_MAXPROC; i++) {
+        int32_t z = 0;
+        if (atomic_compare_exchange_strong(&s->proc[i].pid, &z, pid)) {
+            for (int d = 0; d < STUB_MAXDEV; d++)
+                s->proc[i].used[d] = s->proc[i].busy_ns[d] = s->proc[i].launches[d] = 0;
+            return cached_pid = pid, cached = &s->proc[i];
+        }
+    }
+    return NULL;
+}
+
+static inline int stub_alive(int32_t pid)
+{
+    return pid > 0 && kill(pid, 0) == 0;
+}
+
+static inline uint64_t stub_dev_used(int phys)
+{
+    struct stub_state *s = stub_state();
+    uint64_t sum = 0;
+    for (int i = 0; i < STUB_MAXPROC; i++) {
+        int32_t pid = atomic_load(&s->proc[i].pid);
+        if (pid && stub_alive(pid))
+            sum += atomic_load(&s->proc[i].used[phys]);
+    }
+    return sum;
+}
+
+static inline void stub_uuid_bytes(int phys, unsigned char b[16])
+{
+    memset(b, 0, 16);
+    b[0] = 0x5a, b[1] = 0x11, b[15] = (unsigned char)phys;
+}
+#endif
