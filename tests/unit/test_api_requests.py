@@ -492,8 +492,9 @@ def test_malformed_pods() -> None:
     assert not wants_slices({"kind": "Service"})
     with pytest.raises(RequestError):
         pod_template({"kind": "Service"})
-    with pytest.raises(RequestError, match="spec"):
+    with pytest.raises(RequestErrors, match="spec") as exc:
         parse_pod({"kind": "Pod", "metadata": {}})
+    assert len(exc.value.errors) == 1
     p = pod({"kvgpu.io/gpu": "1"})
     p["spec"]["containers"] = []
     assert errors(p) == ['spec.containers: "[]" is empty; give the pod at least one container']

@@ -583,7 +583,10 @@ def parse_pod(obj: Mapping[str, Any], pool: VGPUPoolSpec | None = None) -> PodRe
 def _parse(obj: Mapping[str, Any], pool: VGPUPoolSpec | None) -> PodRequest | None:
     pool = pool or VGPUPoolSpec()
     errs = _Errors()
-    meta, spec = pod_template(obj)
+    try:
+        meta, spec = pod_template(obj)
+    except RequestError as e:
+        raise RequestErrors([e]) from None
     ann = _annotations(meta, errs)
     inits, apps = _containers(spec, errs)
     _fail(errs)
