@@ -167,3 +167,18 @@ def test_invalid_example(path: Path) -> None:
             VGPUPool.model_validate(doc)
     else:
         assert [str(e) for e in validate_pod(doc)] == expected
+
+
+def test_example_pools_cover_as_documented() -> None:
+    from kvgpu.api.pools import effective_slicing
+    from kvgpu.core.inventory import Card
+
+    pools = [VGPUPool.model_validate(d) for p in VALID for d in _docs(p) if d["kind"] == "VGPUPool"]
+    h200 = Card(uuid="GPU-1", index=0, model="NVIDIA H200", memory_mib=143771, sm_count=132)
+    a100 = Card(uuid="GPU-2", index=1, model="NVIDIA A100-SXM4-80GB", memory_mib=81920, sm_count=108)
+    inference = {"kvgpu.io/gpu-node": "true", "pool": "inference"}
+    s = effective_slicing(pools, inference, h200)
+    assert s is not None and (s.pool, s.split_count, s.memory_scaling) == ("inference-h200", 20, 1.5)
+    assert effective_slicing(pools, inference, a100).pool == "default"  # type: ignore[union-attr]
+    assert effective_slicing(pools, {"kvgpu.io/gpu-node": "true"}, h200).pool == "default"  # type: ignore[union-attr]
+    assert effective_slicing(pools, {}, h200) is None  # not a GPU node
