@@ -24,6 +24,10 @@ container series; bytes and percent):
 ``kvgpu_container_enforced_limit_bytes``  the limit the shim reports (differs from the claim = bug)
 ``kvgpu_card_info`` / ``_healthy`` / ``_memory_bytes`` / ``_slices``  per card of the node
 ``kvgpu_region_read_errors_total``      regions that could not be read
+``kvgpu_container_unenforced_processes``  processes of the container outside the shim (see
+                                        :mod:`kvgpu.agent.enforcement`), with ``processes``
+``kvgpu_container_nvml_memory_bytes``   the container's memory on the card as NVML measures it
+``kvgpu_card_foreign_memory_bytes`` / ``_processes``  use of the card no claim accounts for
 ====================================== =============================================================
 
 With ``hami_compat`` the HAMi monitor names ``hami_vgpu_memory_used_bytes``,
@@ -75,6 +79,7 @@ class BoundContainer:
     priority: int
     devices: tuple[BoundDevice, ...]
     started: bool = False  # the container has been created by the kubelet
+    container_id: str = ""  # runtime ID without the "<runtime>://" prefix, "" before creation
 
 
 def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
@@ -88,8 +93,8 @@ def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
     if status.get("phase") in ("Succeeded", "Failed"):
         return []
     ann = meta.get("annotations") or {}
-    started = {
-        cs.get("name")
+    ids = {
+        cs.get("name"): str(cs.get("containerID")).split("://", 1)[-1]
         for cs in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or [])
         if cs.get("containerID")
     }
@@ -119,7 +124,8 @@ def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
                 claim=cs.claim,
                 priority=cs.priority,
                 devices=tuple(BoundDevice(d.uuid, d.memory_mib, d.cores) for d in cs.devices),
-                started=name in started,
+                started=name in ids,
+                container_id=ids.get(name, ""),
             )
         )
     return out
@@ -249,6 +255,7 @@ class UsageCollector(Collector):
         reader: RegionReader | None = None,
         region_root: str = keys.HOST_REGION_ROOT,
         hami_compat: bool = True,
+        processes: Callable[[], Sequence[Any]] | None = None,
     ) -> None:
         self.node = node
         self.containers = containers
@@ -256,6 +263,7 @@ class UsageCollector(Collector):
         self.reader = reader if reader is not None else default_reader()
         self.region_root = Path(region_root)
         self.hami_compat = hami_compat
+        self.processes = processes  # -> enforcement.ProcessView snapshot
         self.read_errors = 0
 
     def region_dir(self, c: BoundContainer) -> Path:
@@ -314,6 +322,28 @@ class UsageCollector(Collector):
                 labels=_HLABELS,
             ),
         }
+        views = list(self.processes()) if self.processes is not None else []
+        unenforced: dict[tuple[str, str, str], int] = {}
+        nvml_mem: dict[tuple[str, str, str], int] = {}
+        foreign: dict[str, list[int]] = {}
+        for v in views:
+            if v.container is None:
+                foreign.setdefault(v.process.uuid, []).append(v.process.used_bytes)
+                continue
+            k = (v.container.pod_uid, v.container.container, v.process.uuid)
+            nvml_mem[k] = nvml_mem.get(k, 0) + v.process.used_bytes
+            if v.state == "unenforced":
+                unenforced[k] = unenforced.get(k, 0) + 1
+        g["unenforced"] = GaugeMetricFamily(
+            "kvgpu_container_unenforced_processes",
+            "GPU processes of the container the shim does not control (escaped isolation).",
+            labels=_CLABELS,
+        )
+        g["nvml"] = GaugeMetricFamily(
+            "kvgpu_container_nvml_memory_bytes",
+            "Device memory of the container's processes on the card as NVML measures it.",
+            labels=_CLABELS,
+        )
         for c in self.containers():
             usage: dict[str, DeviceUsage] = {}
             ok = False
@@ -336,6 +366,10 @@ class UsageCollector(Collector):
                 g["used"].add_metric(lv, used)
                 g["sm"].add_metric(lv, sm)
                 g["procs"].add_metric(lv, len(u.pids) if u else 0)
+                if self.processes is not None:
+                    k = (c.pod_uid, c.container, d.uuid)
+                    g["unenforced"].add_metric(lv, unenforced.get(k, 0))
+                    g["nvml"].add_metric(lv, nvml_mem.get(k, 0))
                 if u is not None:
                     g["enforced"].add_metric(lv, u.limit_mib * MIB)
                 if self.hami_compat:
@@ -360,6 +394,22 @@ class UsageCollector(Collector):
             mem.add_metric(lv, card.memory_mib * MIB)
             slices.add_metric(lv, card.slicing.split_count if card.slicing else 0)
         yield from (info, healthy, mem, slices)
+        if self.processes is not None:
+            fmem = GaugeMetricFamily(
+                "kvgpu_card_foreign_memory_bytes",
+                "Device memory of processes on the card that no claim accounts for.",
+                labels=_CARD,
+            )
+            fprocs = GaugeMetricFamily(
+                "kvgpu_card_foreign_processes",
+                "Processes on the card that belong to no claimed container.",
+                labels=_CARD,
+            )
+            for card in inv.cards if inv else ():
+                lv = [self.node, card.uuid, str(card.index), card.model]
+                fmem.add_metric(lv, sum(foreign.get(card.uuid, [])))
+                fprocs.add_metric(lv, len(foreign.get(card.uuid, [])))
+            yield from (fmem, fprocs)
         err = CounterMetricFamily(
             "kvgpu_region_read_errors", "Shared regions that could not be read.", labels=["node"]
         )

@@ -188,6 +188,36 @@ class KubeApi:
             raise
         return list(res.get("items") or [])
 
+    async def pod_event(
+        self, namespace: str, pod: str, uid: str, reason: str, message: str, type_: str = "Warning"
+    ) -> None:
+        """Record a core/v1 Event about a Pod (best effort: failures are logged)."""
+        now = _now()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{pod}.kvgpu-", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod,
+                "namespace": namespace,
+                "uid": uid,
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": type_,
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self.core.create_namespaced_event(namespace, body)  # type: ignore[arg-type]
+        except Exception as e:
+            log.warning("could not record event %s on pod %s/%s: %s", reason, namespace, pod, e)
+
     async def node_event(self, node: str, reason: str, message: str, type_: str = "Normal") -> None:
         now = _now()
         body = {

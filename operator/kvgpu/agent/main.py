@@ -25,7 +25,8 @@ from kvgpu.core.inventory import NodeInventory
 
 from .deviceplugin import DevicePlugin, PluginConfig
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
-from .exporter import UsageCollector, gc_regions, make_registry, serve
+from .enforcement import EnforcementMonitor, nvml_processes
+from .exporter import BoundContainer, UsageCollector, default_reader, gc_regions, make_registry, serve
 from .health import (
     APPLICATION_XIDS,
     HealthChange,
@@ -74,6 +75,7 @@ class AgentConfig:
     hami_metrics: bool = True
     region_root: str = keys.HOST_REGION_ROOT
     region_gc_s: float = 300.0
+    enforcement_s: float = 15.0  # NVML process reconciliation period; 0 disables (always off simulated)
 
 
 @asynccontextmanager
@@ -107,6 +109,8 @@ class Agent:
         self.pods = PodCache(cfg.node)
         self.plugin: DevicePlugin | None = None
         self.metrics_server: Any = None
+        self.reader = default_reader()
+        self.enforcement: EnforcementMonitor | None = None
 
     def inventory(self) -> NodeInventory | None:
         return self.registrar.inventory
@@ -137,6 +141,38 @@ class Agent:
             lambda: [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())],
             nvml=nv,
             probe_interval_s=self.cfg.health_probe_s,
+        )
+
+    def _read_region(self, pod_uid: str, container: str) -> Any:
+        from pathlib import Path
+
+        return self.reader(Path(self.cfg.region_root) / pod_uid / container)
+
+    async def _unenforced_event(self, c: BoundContainer, message: str) -> None:
+        pod_event = getattr(self.api, "pod_event", None)
+        if pod_event is not None:
+            await pod_event(
+                c.namespace,
+                c.pod,
+                c.pod_uid,
+                "GPUUnenforced",
+                f"container {c.container} runs outside the kvgpu shim on {message}",
+            )
+
+    def _make_enforcement(self) -> EnforcementMonitor | None:
+        if self.cfg.simulated or not self.cfg.enforcement_s or not isinstance(self.discovery, NvmlDiscovery):
+            return None
+        nv = self.discovery.nvml
+
+        def uuids() -> list[str]:
+            return [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())]
+
+        return EnforcementMonitor(
+            processes=lambda: nvml_processes(nv, uuids()),
+            containers=self.pods.containers,
+            read_region=self._read_region,
+            on_unenforced=self._unenforced_event,
+            interval_s=self.cfg.enforcement_s,
         )
 
     async def _region_gc(self) -> None:
@@ -191,13 +227,20 @@ class Agent:
             if self.api_client is not None:
                 tg.create_task(self.pods.run(self.api_client), name="pods")
                 tg.create_task(self._region_gc(), name="region-gc")
+            self.enforcement = self._make_enforcement()
+            if self.enforcement is not None:
+                tg.create_task(self.enforcement.run(), name="enforcement")
             if self.cfg.metrics_port:
                 collector = UsageCollector(
                     self.cfg.node,
                     self.pods.containers,
                     self.inventory,
+                    reader=self.reader,
                     region_root=self.cfg.region_root,
                     hami_compat=self.cfg.hami_metrics,
+                    processes=(lambda: self.enforcement.snapshot if self.enforcement else [])
+                    if self.enforcement is not None
+                    else None,
                 )
                 self.metrics_server = serve(
                     make_registry(collector), self.cfg.metrics_port, self.cfg.metrics_addr

@@ -1,0 +1,224 @@
+"""Who really uses the cards: NVML's process list reconciled with claims and shim regions.
+
+HAMi only knows reservations; a process that escaped the shim (no preload, a static binary,
+``CUDA_DISABLE_CONTROL``) or a GPU process of a pod without slices is invisible to it. Here every
+compute process NVML reports on a card is attributed to a pod and container through
+``/proc/<pid>/cgroup`` (pod UID and container ID, cgroupfs and systemd layouts) and
+``/proc/<pid>/status`` (``NSpid``: its PID inside the container), then classified:
+
+- ``enforced``  — a container with a claim on that card, and the PID is attached to the
+  container's shim region for that card;
+- ``unenforced`` — a container with a claim, but the process is not in the region (shim not
+  loaded or bypassed), or it uses a card its claim does not name;
+- ``foreign``   — anything else (a pod without slices, a host process, a pod of another node).
+
+:class:`EnforcementMonitor` takes a snapshot every ``interval_s``; the exporter reads it
+(``kvgpu_container_unenforced_processes``, ``kvgpu_container_nvml_memory_bytes``,
+``kvgpu_card_foreign_memory_bytes``, ...) and a Warning Event ``GPUUnenforced`` is recorded on
+the pod the first time one of its containers is seen unenforced. The agent needs
+``hostPID: true`` so NVML's PIDs and ``/proc`` agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .exporter import BoundContainer, DeviceUsage
+
+log = logging.getLogger(__name__)
+
+_POD_RE = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+_CID_RE = re.compile(r"(?:cri-containerd-|docker-|crio-|containerd-)?([0-9a-f]{64})(?:\.scope)?$")
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A compute process on a card as NVML reports it (host PID; memory in bytes, 0 if unknown)."""
+
+    uuid: str
+    host_pid: int
+    used_bytes: int
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Where a host PID lives: pod UID and container ID from its cgroup, PID in its namespace."""
+
+    pod_uid: str = ""
+    container_id: str = ""
+    inner_pid: int = 0
+
+
+def attribute(host_pid: int, proc: str = "/proc") -> Attribution:
+    """Attribute a host PID to a pod/container. Unknown parts stay empty/0; never raises."""
+    base = Path(proc) / str(host_pid)
+    pod_uid = container_id = ""
+    try:
+        for line in (base / "cgroup").read_text().splitlines():
+            path = line.split(":", 2)[-1]
+            m = _POD_RE.search(path)
+            if m:
+                pod_uid = m.group(1).replace("_", "-")
+                c = _CID_RE.search(path.rstrip("/").rsplit("/", 1)[-1])
+                container_id = c.group(1) if c else ""
+                break
+    except OSError:
+        pass
+    inner = 0
+    try:
+        for line in (base / "status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                inner = int(line.split()[-1])
+                break
+    except (OSError, ValueError):
+        pass
+    return Attribution(pod_uid, container_id, inner)
+
+
+def nvml_processes(nvml: Any, uuids: Iterable[str]) -> list[GpuProcess]:
+    """Compute processes per card from NVML (cards that fail to answer are skipped, logged)."""
+    out = []
+    for u in uuids:
+        try:
+            h = nvml.nvmlDeviceGetHandleByUUID(u)
+            procs = nvml.nvmlDeviceGetComputeRunningProcesses(h)
+        except Exception as e:
+            log.debug("NVML process list of %s failed: %s", u, e)
+            continue
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            out.append(GpuProcess(u, int(p.pid), int(used) if isinstance(used, int) and used > 0 else 0))
+    return out
+
+
+@dataclass(frozen=True)
+class ProcessView:
+    """One classified process. ``container`` is the claimed container it belongs to, if any."""
+
+    process: GpuProcess
+    state: str  # "enforced" | "unenforced" | "foreign"
+    reason: str
+    container: BoundContainer | None = None
+    pod_uid: str = ""
+
+
+def classify(
+    processes: Sequence[GpuProcess],
+    containers: Sequence[BoundContainer],
+    regions: Mapping[tuple[str, str], Sequence[DeviceUsage] | None],
+    attribute_fn: Callable[[int], Attribution] = attribute,
+) -> list[ProcessView]:
+    """Classify each process. ``regions`` maps (pod UID, container name) to the region rows
+    (``None``: no region)."""
+    by_id: dict[tuple[str, str], BoundContainer] = {}
+    by_pod: dict[str, list[BoundContainer]] = {}
+    for bc in containers:
+        by_pod.setdefault(bc.pod_uid, []).append(bc)
+        if bc.container_id:
+            by_id[(bc.pod_uid, bc.container_id)] = bc
+    out = []
+    for p in processes:
+        a = attribute_fn(p.host_pid)
+        c = by_id.get((a.pod_uid, a.container_id))
+        if c is None and a.pod_uid in by_pod and len(by_pod[a.pod_uid]) == 1 and not a.container_id:
+            c = by_pod[a.pod_uid][0]  # cgroup without a container ID (v1 layouts): one claimed container
+        if c is None:
+            why = "pod without slices" if a.pod_uid else "not in a pod"
+            out.append(ProcessView(p, "foreign", why, None, a.pod_uid))
+            continue
+        if p.uuid not in {d.uuid for d in c.devices}:
+            out.append(ProcessView(p, "unenforced", "uses a card its claim does not name", c, a.pod_uid))
+            continue
+        rows = regions.get((c.pod_uid, c.container))
+        if rows is None:
+            out.append(ProcessView(p, "unenforced", "no shim region: the shim is not loaded", c, a.pod_uid))
+            continue
+        pids = {pid for r in rows if r.uuid == p.uuid for pid in r.pids} or {
+            pid for r in rows for pid in r.pids
+        }
+        if not pids:  # the region lists no PIDs at all: cannot tell, do not accuse
+            out.append(ProcessView(p, "enforced", "region lists no PIDs (unverified)", c, a.pod_uid))
+            continue
+        if a.inner_pid and a.inner_pid not in pids:
+            out.append(
+                ProcessView(p, "unenforced", f"PID {a.inner_pid} is not attached to the shim", c, a.pod_uid)
+            )
+            continue
+        out.append(ProcessView(p, "enforced", "", c, a.pod_uid))
+    return out
+
+
+PodEvent = Callable[[BoundContainer, str], Awaitable[None]]
+
+
+@dataclass
+class EnforcementMonitor:
+    """Periodic snapshot of classified processes; one pod event per unenforced container.
+
+    ``processes()`` lists GPU processes (NVML, or a fake); ``containers()`` the claimed containers;
+    ``read_region(pod_uid, container)`` the region rows or ``None``.
+    """
+
+    processes: Callable[[], list[GpuProcess]]
+    containers: Callable[[], list[BoundContainer]]
+    read_region: Callable[[str, str], Sequence[DeviceUsage] | None]
+    on_unenforced: PodEvent | None = None
+    attribute_fn: Callable[[int], Attribution] = attribute
+    interval_s: float = 15.0
+    snapshot: list[ProcessView] = field(default_factory=list)
+    _reported: set[tuple[str, str]] = field(default_factory=set)
+
+    async def check(self) -> list[ProcessView]:
+        """Take one snapshot (NVML and /proc reads happen in a worker thread)."""
+
+        def work() -> list[ProcessView]:
+            containers = self.containers()
+            procs = self.processes()
+            regions: dict[tuple[str, str], Sequence[DeviceUsage] | None] = {}
+            for c in containers:
+                try:
+                    regions[(c.pod_uid, c.container)] = self.read_region(c.pod_uid, c.container)
+                except Exception:
+                    regions[(c.pod_uid, c.container)] = None
+            return classify(procs, containers, regions, self.attribute_fn)
+
+        views = await asyncio.to_thread(work)
+        self.snapshot = views
+        live = {(c.pod_uid, c.container) for c in self.containers()}
+        self._reported &= live
+        for v in views:
+            if v.state != "unenforced" or v.container is None:
+                continue
+            key = (v.container.pod_uid, v.container.container)
+            if key in self._reported:
+                continue
+            self._reported.add(key)
+            log.warning(
+                "container %s/%s/%s runs unenforced on %s: %s",
+                v.container.namespace,
+                v.container.pod,
+                v.container.container,
+                v.process.uuid,
+                v.reason,
+            )
+            if self.on_unenforced is not None:
+                try:
+                    await self.on_unenforced(v.container, f"card {v.process.uuid}: {v.reason}")
+                except Exception:
+                    log.exception("could not record the GPUUnenforced event")
+        return views
+
+    async def run(self) -> None:
+        """Until cancelled."""
+        while True:
+            try:
+                await self.check()
+            except Exception:
+                log.exception("enforcement check failed")
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,131 @@
+"""NVML processes reconciled with claims and regions: enforced / unenforced / foreign."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvgpu.agent.enforcement import (
+    Attribution,
+    EnforcementMonitor,
+    GpuProcess,
+    attribute,
+    classify,
+    nvml_processes,
+)
+from kvgpu.agent.exporter import BoundContainer, BoundDevice, DeviceUsage, UsageCollector, make_registry
+from kvgpu.core.inventory import Card, NodeInventory
+from prometheus_client import generate_latest
+
+U0, U1 = "GPU-a", "GPU-b"
+POD = "0a1b2c3d-1111-2222-3333-444455556666"
+CID = "ab" * 32
+MAIN = BoundContainer("team", "nb", POD, "main", "team/nb-main", 1, (BoundDevice(U0, 3000, 30),), True, CID)
+
+
+def write_proc(root, pid, cgroup, nspid):
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    (d / "cgroup").write_text(cgroup)
+    (d / "status").write_text(f"Name:\tpython\nNSpid:\t{pid}\t{nspid}\n")
+
+
+def test_attribute_cgroup_layouts(tmp_path):
+    systemd = (
+        "0::/kubepods.slice/kubepods-burstable.slice/"
+        f"kubepods-burstable-pod{POD.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n"
+    )
+    write_proc(tmp_path, 100, systemd, 7)
+    assert attribute(100, str(tmp_path)) == Attribution(POD, CID, 7)
+    cgroupfs = f"12:memory:/kubepods/besteffort/pod{POD}/{CID}\n11:cpu:/kubepods/besteffort/pod{POD}/{CID}\n"
+    write_proc(tmp_path, 101, cgroupfs, 9)
+    assert attribute(101, str(tmp_path)) == Attribution(POD, CID, 9)
+    write_proc(tmp_path, 102, "0::/system.slice/sshd.service\n", 102)
+    assert attribute(102, str(tmp_path)) == Attribution("", "", 102)
+    assert attribute(999, str(tmp_path)) == Attribution()
+
+
+def test_classify():
+    attrs = {
+        1: Attribution(POD, CID, 7),  # attached to the region
+        2: Attribution(POD, CID, 8),  # same container, not attached
+        3: Attribution("other-pod", "c" * 64, 1),  # pod without slices
+        4: Attribution("", "", 4),  # host process
+    }
+    procs = [
+        GpuProcess(U0, 1, 100),
+        GpuProcess(U0, 2, 200),
+        GpuProcess(U0, 3, 300),
+        GpuProcess(U0, 4, 400),
+        GpuProcess(U1, 1, 50),  # a card the claim does not name
+    ]
+    regions = {(POD, "main"): [DeviceUsage(U0, 3000, 0.1, (7,), None)]}
+    views = classify(procs, [MAIN], regions, attrs.__getitem__)
+    states = [(v.process.host_pid, v.process.uuid, v.state) for v in views]
+    assert states == [
+        (1, U0, "enforced"),
+        (2, U0, "unenforced"),
+        (3, U0, "foreign"),
+        (4, U0, "foreign"),
+        (1, U1, "unenforced"),
+    ]
+    assert "not attached" in views[1].reason and "does not name" in views[4].reason
+    # No region at all: the shim is not loaded.
+    (v,) = classify([GpuProcess(U0, 1, 1)], [MAIN], {(POD, "main"): None}, attrs.__getitem__)
+    assert v.state == "unenforced" and "not loaded" in v.reason
+    # A region without PID lists cannot accuse anyone.
+    (v,) = classify(
+        [GpuProcess(U0, 2, 1)], [MAIN], {(POD, "main"): [DeviceUsage(U0, 3000, 0)]}, attrs.__getitem__
+    )
+    assert v.state == "enforced"
+
+
+def test_nvml_processes():
+    class Nv:
+        def nvmlDeviceGetHandleByUUID(self, u):
+            if u == "GPU-lost":
+                raise RuntimeError("GPU is lost")
+            return u
+
+        def nvmlDeviceGetComputeRunningProcesses(self, h):
+            return [
+                SimpleNamespace(pid=10, usedGpuMemory=1 << 20),
+                SimpleNamespace(pid=11, usedGpuMemory=None),
+            ]
+
+    got = nvml_processes(Nv(), [U0, "GPU-lost"])
+    assert got == [GpuProcess(U0, 10, 1 << 20), GpuProcess(U0, 11, 0)]
+
+
+async def test_monitor_events_once_and_metrics():
+    events = []
+
+    async def on_unenforced(c, msg):
+        events.append((c.pod, c.container, msg))
+
+    mon = EnforcementMonitor(
+        processes=lambda: [GpuProcess(U0, 2, 5 << 20), GpuProcess(U0, 3, 7 << 20)],
+        containers=lambda: [MAIN],
+        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)],
+        on_unenforced=on_unenforced,
+        attribute_fn={2: Attribution(POD, CID, 8), 3: Attribution("x", "", 1)}.__getitem__,
+    )
+    await mon.check()
+    await mon.check()
+    assert len(events) == 1 and events[0][:2] == ("nb", "main") and "card GPU-a" in events[0][2]
+
+    inv = NodeInventory("n", (Card(U0, 0, "NVIDIA H200", 143771, 132),), "nvml")
+    col = UsageCollector(
+        "n",
+        lambda: [MAIN],
+        lambda: inv,
+        reader=lambda p: [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)],
+        processes=lambda: mon.snapshot,
+    )
+    text = generate_latest(make_registry(col)).decode()
+    assert 'kvgpu_container_unenforced_processes{claim="team/nb-main"' in text
+    line = next(x for x in text.splitlines() if x.startswith("kvgpu_container_unenforced_processes{"))
+    assert line.endswith(" 1.0")
+    line = next(x for x in text.splitlines() if x.startswith("kvgpu_container_nvml_memory_bytes{"))
+    assert float(line.split()[-1]) == 5 << 20
+    line = next(x for x in text.splitlines() if x.startswith("kvgpu_card_foreign_memory_bytes{"))
+    assert float(line.split()[-1]) == 7 << 20
