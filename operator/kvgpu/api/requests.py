@@ -30,6 +30,7 @@ allowed form; :func:`validate_pod` returns all of a pod's errors, :func:`parse_p
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -547,6 +548,7 @@ def _is_request_annotation(key: str) -> bool:
     return key in REQUEST_ANNOTATIONS or _misspelt(key) is not None
 
 
+@functools.lru_cache(maxsize=4096)
 def _misspelt(key: str) -> str | None:
     """The request key that ``key`` is probably a typo of, if any."""
     if key in REQUEST_ANNOTATIONS or key in _OPERATOR_KEYS or keys.is_allocation_annotation(key):
