@@ -12,6 +12,7 @@ Node Event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -207,15 +208,12 @@ class Agent:
         inv = await self.start_checks()
         async with asyncio.TaskGroup() as tg:
             if self.cfg.device_plugin:
-                plugin_cfg = self.cfg.plugin
-                if plugin_cfg.host_shim_dir != self.cfg.host_shim_dir:
-                    plugin_cfg = PluginConfig(
-                        **{
-                            **plugin_cfg.__dict__,
-                            "host_shim_dir": self.cfg.host_shim_dir,
-                            "host_preload_file": self.cfg.host_preload_file,
-                        }
-                    )
+                # The plugin serves what this agent installs.
+                plugin_cfg = dataclasses.replace(
+                    self.cfg.plugin,
+                    host_shim_dir=self.cfg.host_shim_dir,
+                    host_preload_file=self.cfg.host_preload_file,
+                )
                 self.plugin = DevicePlugin(plugin_cfg, inv, hints=self.pods.hints)
                 tg.create_task(self.plugin.run(), name="device-plugin")
             if isinstance(self.api, KubeApi):
