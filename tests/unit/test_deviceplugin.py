@@ -248,6 +248,8 @@ def test_split_count_override_and_uncovered():
     assert len(device_list(inv2, PluginConfig(split_count=4))) == 8
     excl = replace(inv, cards=tuple(replace(c, slicing=Slicing("x", mode="exclusive")) for c in inv.cards))
     assert len(device_list(excl, PluginConfig())) == 2
+    mig = replace(inv, cards=(replace(inv.cards[0], mig_mode=True), inv.cards[1]))
+    assert len(device_list(mig, PluginConfig())) == 3  # the MIG-enabled card offers no shim slices
 
 
 def test_preferred_policy():

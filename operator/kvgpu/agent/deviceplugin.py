@@ -109,6 +109,8 @@ def card_of(device_id: str) -> str:
 
 
 def replicas_for(card: Card, cfg: PluginConfig) -> int:
+    if card.mig_mode:
+        return 0  # a MIG-enabled card cannot be sliced by the shim (MIG devices are another resource)
     if cfg.split_count is not None:
         return cfg.split_count
     if card.slicing is None:
