@@ -36,7 +36,8 @@ CUresult cuInit(unsigned);
 CUresult cuDeviceGet(CUdevice *, int);
 CUresult cuDeviceGetUuid(CUuuid *, CUdevice);
 CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
-CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
@@ -81,7 +82,10 @@ static CUdevice setup(int ord)
     CUresult rc = cuInit(0);
     if (rc) { printf("{\"init_rc\": %d}\n", rc); exit(3); }
     if ((rc = cuDeviceGet(&d, ord))) { printf("{\"device_rc\": %d}\n", rc); exit(3); }
-    if ((rc = cuCtxCreate_v2(&c, 0, d))) { printf("{\"ctx_rc\": %d}\n", rc); exit(3); }
+    if ((rc = cuDevicePrimaryCtxRetain(&c, d)) || (rc = cuCtxSetCurrent(c))) {
+        printf("{\"ctx_rc\": %d}\n", rc);
+        exit(3);
+    }
     return d;
 }
 

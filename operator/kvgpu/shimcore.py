@@ -1,0 +1,149 @@
+"""Python view of the shim's pure core (``shim/_build/_vgpucore``, built by ``shim/build.py``).
+
+The node agent's usage exporter reads each container's shared region with :func:`read_region`;
+the tests drive the claim parser, the region and the compute gate through :func:`core`.
+
+Units: memory in MiB (float, from the region's bytes), compute in percent of the card's SMs.
+The region layout is documented in ``docs/shim.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+_MIB = 1024 * 1024
+_BUILD = Path(__file__).resolve().parents[2] / "shim" / "_build"
+_core: ModuleType | None = None
+
+
+class ShimCoreUnavailable(ImportError):
+    """The cffi module is not built and cannot be built here (no shim sources or compiler)."""
+
+
+def core() -> ModuleType:
+    """Return the cffi module (``.ffi``, ``.lib``), building it from ``shim/`` if needed."""
+    global _core
+    if _core is not None:
+        return _core
+    try:
+        _core = importlib.import_module("_vgpucore")
+        return _core
+    except ImportError:
+        pass
+    if str(_BUILD) not in sys.path:
+        sys.path.insert(0, str(_BUILD))
+    try:
+        _core = importlib.import_module("_vgpucore")
+        return _core
+    except ImportError:
+        build = _BUILD.parent / "build.py"
+        if not build.exists():
+            raise ShimCoreUnavailable("kvgpu shim core module _vgpucore is not built") from None
+        subprocess.run([sys.executable, str(build)], check=True, capture_output=True)
+        importlib.invalidate_caches()
+        _core = importlib.import_module("_vgpucore")
+        return _core
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessUsage:
+    """One process of the container on one card (from its region slot)."""
+
+    pid: int  # PID inside the container
+    host_pid: int  # host PID if the agent filled it, else 0
+    data_mib: float  # counted allocations
+    overhead_mib: float  # context/module/pool overhead charged after NVML reconciliation
+
+    @property
+    def used_mib(self) -> float:
+        return self.data_mib + self.overhead_mib
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceUsage:
+    """One card of the container's claim."""
+
+    index: int  # position in the claim (HAMi mode: CUDA device index)
+    uuid: str  # "" until a process of the container has mapped it (HAMi mode)
+    limit_mib: float  # 0 = no memory limit
+    used_mib: float  # charged to the container (data + overhead of live processes)
+    cores: int  # compute limit, percent of SMs (0 = none)
+    sm_util: int | None  # last known SM utilisation of the container, percent
+    processes: tuple[ProcessUsage, ...] = field(default=())
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self.processes)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionUsage:
+    """A snapshot of one container's shared region."""
+
+    path: str
+    claim: str  # "<namespace>/<name>" of the VGPUClaim, "" in HAMi mode
+    priority: int
+    generation: int  # bumped whenever the region file is (re)initialised
+    devices: tuple[DeviceUsage, ...]
+
+
+def _s(ffi: Any, arr: Any) -> str:
+    return bytes(ffi.string(arr)).decode("utf-8", "replace")
+
+
+def read_region(path: str | Path) -> RegionUsage:
+    """Read a region file (``<KVGPU_REGION_DIR>/vgpu.region``) without taking a slot.
+
+    Raises ``FileNotFoundError`` if it does not exist and ``ValueError`` if it is not a
+    kvgpu region of this layout version. Counters are read without the lock: each value is
+    consistent, the set may be a few microseconds apart.
+    """
+    m = core()
+    ffi, lib = m.ffi, m.lib
+    h = ffi.new("struct vgpu_region_handle *")
+    if lib.vgpu_region_attach(h, str(path).encode()) != 0:
+        err = ffi.errno
+        if not Path(path).exists():
+            raise FileNotFoundError(str(path))
+        raise ValueError(f"{path}: not a kvgpu region of this version (errno {err})")
+    try:
+        r = h.r
+        devices = []
+        for d in range(r.ndev):
+            rd = r.dev[d]
+            procs = tuple(
+                ProcessUsage(
+                    pid=s.pid,
+                    host_pid=s.host_pid,
+                    data_mib=s.data[d] / _MIB,
+                    overhead_mib=s.overhead[d] / _MIB,
+                )
+                for s in r.slot
+                if s.pid
+            )
+            devices.append(
+                DeviceUsage(
+                    index=d,
+                    uuid=_s(ffi, rd.uuid),
+                    limit_mib=rd.limit / _MIB,
+                    used_mib=lib.vgpu_region_used(r, d) / _MIB,
+                    cores=rd.cores,
+                    sm_util=None if rd.sm_util == 0xFFFFFFFF else rd.sm_util,
+                    processes=procs,
+                )
+            )
+        return RegionUsage(
+            path=str(path),
+            claim=_s(ffi, r.claim),
+            priority=r.priority,
+            generation=r.generation,
+            devices=tuple(devices),
+        )
+    finally:
+        lib.vgpu_region_close(h)
