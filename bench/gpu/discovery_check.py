@@ -4,6 +4,7 @@
 Needs only nvidia-ml-py (``pynvml``) and ``nvidia-smi`` on PATH; run from the repository root::
 
     python3 bench/gpu/discovery_check.py [--node NAME] [--json OUT]
+    python3 bench/gpu/discovery_check.py --compare-q OUT.json h200-nvidia-smi.txt   # offline
 
 Prints the inventory JSON (the ``kvgpu.io/inventory`` annotation the agent would publish), then
 per card the comparison with
@@ -45,6 +46,71 @@ def smi_cards() -> list[dict[str, str]]:
     return rows
 
 
+def parse_smi_q(text: str) -> list[dict[str, str]]:
+    """Cards from ``nvidia-smi -q`` text: uuid, name, memory (FB total MiB), minor, mig."""
+    cards: list[dict[str, str]] = []
+    section = ""
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        if line.startswith("GPU ") and ":" in line and not line.startswith("GPU UUID"):
+            cards.append({"bus": line.split(None, 1)[1]})
+            section = ""
+            continue
+        if not cards or not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        key, sep, value = line.strip().partition(":")
+        key, value = key.strip(), value.strip()
+        if not sep or (not value and indent <= 4):
+            section = key
+            continue
+        if indent <= 4:
+            section = ""
+        c = cards[-1]
+        if key == "GPU UUID":
+            c["uuid"] = value
+        elif key == "Product Name":
+            c["name"] = value
+        elif key == "Minor Number":
+            c["minor"] = value
+        elif section == "FB Memory Usage" and key == "Total":
+            c["memory"] = value.split()[0]
+        elif section == "MIG Mode" and key == "Current":
+            c["mig"] = value
+    return cards
+
+
+def compare_offline(inventory_json: str, smi_q: str) -> int:
+    """Compare a saved inventory (``--json`` output) with saved ``nvidia-smi -q`` text."""
+    inv = json.loads(pathlib.Path(inventory_json).read_text())
+    q = {c.get("uuid"): c for c in parse_smi_q(pathlib.Path(smi_q).read_text())}
+    bad = 0
+    for c in inv["cards"]:
+        r = q.get(c["uuid"])
+        if r is None:
+            print(f"MISMATCH {c['uuid']}: not in {smi_q}")
+            bad += 1
+            continue
+        for what, ours, theirs in (
+            ("model", c["model"], r.get("name")),
+            ("memoryMiB", str(c["memoryMiB"]), r.get("memory")),
+            ("migMode", "Enabled" if c["migMode"] else "Disabled", r.get("mig", "Disabled")),
+        ):
+            ok = ours == theirs or (
+                what == "migMode" and r.get("mig") in (None, "N/A") and ours == "Disabled"
+            )
+            bad += not ok
+            print(
+                f"{'ok      ' if ok else 'MISMATCH'} {c['uuid']} {what}: kvgpu={ours} nvidia-smi -q={theirs}"
+            )
+        print(f"info     {c['uuid']} smCount={c['smCount']} (nvidia-smi -q prints no SM count)")
+    if len(q) != len(inv["cards"]):
+        print(f"MISMATCH card count: inventory {len(inv['cards'])}, nvidia-smi -q {len(q)}")
+        bad += 1
+    print("RESULT:", "PASS" if not bad else f"FAIL ({bad} mismatches)")
+    return 1 if bad else 0
+
+
 def health_check(d: NvmlDiscovery, uuids: list[str]) -> int:
     """The health source's probe must pass on a healthy card, and XID events must register."""
     from kvgpu.agent.health import NvmlHealthSource
@@ -77,7 +143,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--node", default=socket.gethostname())
     ap.add_argument("--json", help="also write the inventory JSON here")
+    ap.add_argument(
+        "--compare-q",
+        nargs=2,
+        metavar=("INVENTORY_JSON", "SMI_Q_TXT"),
+        help="offline: compare a saved inventory with saved `nvidia-smi -q` output",
+    )
     a = ap.parse_args()
+    if a.compare_q:
+        return compare_offline(*a.compare_q)
     d = NvmlDiscovery(a.node)
     try:
         inv = d.discover()
