@@ -25,7 +25,7 @@ def discovered():
 
 
 def test_discovery_matches_nvidia_smi(discovered):
-    d, inv = discovered
+    _, inv = discovered
     out = subprocess.run(
         ["nvidia-smi", "--query-gpu=uuid,index,name,memory.total", "--format=csv,noheader,nounits"],
         check=True,
