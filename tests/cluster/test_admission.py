@@ -205,6 +205,46 @@ def test_debug_container_gets_no_cards(cluster: Cluster, namespace: str, webhook
     assert eph["name"] == "ok" and eph["env"] == [{"name": keys.ENV_VISIBLE, "value": "none"}]
 
 
+def _deployment(namespace: str, name: str, annotations: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}}, "template": {
+                "metadata": {"labels": {"app": name}, "annotations": annotations},
+                "spec": {"containers": [{"name": "main", "image": "registry.invalid/cuda:12"}]}}}}
+
+
+def test_workloads_are_checked_at_apply_and_their_pods_mutated(
+    cluster: Cluster, namespace: str, webhooks: KopfThread,
+) -> None:
+    bad = _deployment(namespace, "bad", {"kvgpu.io/gpumem": "3Gx"})
+    p = cluster.kubectl("apply", "-f", "-", input=json.dumps(bad), check=False)
+    assert p.returncode != 0 and "workloads.validate.kvgpu.io" in p.stderr and "3Gx" in p.stderr, p.stderr
+    cron = {"apiVersion": "batch/v1", "kind": "CronJob",
+            "metadata": {"name": "nightly", "namespace": namespace},
+            "spec": {"schedule": "0 3 * * *", "jobTemplate": {"spec": {"template": {
+                "metadata": {"annotations": {"kvgpu.io/gpucores": "101"}},
+                "spec": {"restartPolicy": "Never",
+                         "containers": [{"name": "main", "image": "registry.invalid/cuda:12"}]}}}}}}
+    p = cluster.kubectl("apply", "-f", "-", input=json.dumps(cron), check=False)
+    assert p.returncode != 0 and '"101"' in p.stderr, p.stderr
+    # A good Deployment: the ReplicaSet controller's pod (generateName, no uid yet) is mutated.
+    good = _deployment(namespace, "good", {"kvgpu.io/gpumem": "3Gi"})
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(good))
+    deadline = time.monotonic() + 60
+    pods: list[dict[str, Any]] = []
+    while not pods and time.monotonic() < deadline:
+        out = cluster.kubectl("get", "pods", "-n", namespace, "-l", "app=good", "-o", "json").stdout
+        pods = json.loads(out)["items"]
+        time.sleep(0.3)
+    assert pods, "the ReplicaSet never created its pod"
+    assert pods[0]["spec"]["schedulerName"] == keys.SCHEDULER_NAME
+    assert pods[0]["metadata"]["labels"][MANAGED_LABEL] == "true"
+    cluster.kubectl("scale", "deployment", "good", "-n", namespace, "--replicas=0")
+    # Workloads without GPU keys are not even sent to the operator.
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(_deployment(namespace, "web", {"team": "web"})))
+    assert not webhooks.messages(f"deployments {namespace}/web")
+    assert webhooks.messages(f"deployments {namespace}/good")
+
+
 def test_pod_without_gpu_keys_never_reaches_the_webhook(
     cluster: Cluster, namespace: str, webhooks: KopfThread,
 ) -> None:

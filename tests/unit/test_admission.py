@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvgpu.admission import mutate as m
-from kvgpu.admission.config import gpu_pod_expression, webhook_configurations
+from kvgpu.admission.config import gpu_pod_expression, gpu_workload_expression, webhook_configurations
 from kvgpu.admission.handlers import refusal_message
-from kvgpu.admission.validate import validate_pod
+from kvgpu.admission.validate import validate_pod, validate_workload
 from kvgpu.core import keys
 
 OPS = {"kvgpu-operator"}
@@ -333,6 +333,41 @@ def test_debug_container_cannot_set_reserved_env(env: list[dict[str, Any]]) -> N
     assert any("ephemeral container 'dbg'" in e and env[0]["name"] in e for e in errors), errors
 
 
+# --------------------------------------------------------------------------- workloads
+
+
+def deployment(annotations: dict[str, str], **container: Any) -> dict[str, Any]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "ns"},
+            "spec": {"template": {"metadata": {"annotations": annotations},
+                                  "spec": {"containers": [{"name": "main", "image": "x", **container}]}}}}
+
+
+def test_workload_templates_are_validated_like_pods() -> None:
+    assert validate_workload("CREATE", deployment(SLICED), None) == []  # no injection expected
+    errors = validate_workload("CREATE", deployment({"kvgpu.io/gpumem": "3Gx", keys.POD_NODE: "n"},
+                                                    securityContext={"privileged": True}), None)
+    text = "\n".join(errors)
+    assert all(e.startswith("pod template: ") for e in errors)
+    for needle in ('"3Gx"', keys.POD_NODE):
+        assert needle in text
+    assert "privileged" not in text  # no request parsed: containers unknown, nothing more to say
+    errors = validate_workload("CREATE", deployment(SLICED, securityContext={"privileged": True}), None)
+    assert any("privileged" in e for e in errors)
+    cron = {"apiVersion": "batch/v1", "kind": "CronJob", "metadata": {"name": "c"},
+            "spec": {"jobTemplate": {"spec": {"template": deployment({"kvgpu.io/gpucores": "101"})
+                                              ["spec"]["template"]}}}}
+    assert any('"101"' in e for e in validate_workload("CREATE", cron, None))
+
+
+def test_unchanged_workload_templates_pass_updates() -> None:
+    bad = deployment({"kvgpu.io/gpumem": "3Gx"})
+    scaled = _with(bad, lambda d: d["spec"].update(replicas=3))
+    assert validate_workload("UPDATE", scaled, bad, ) == []
+    assert validate_workload("UPDATE", bad, deployment(SLICED))
+    assert validate_workload("DELETE", bad, bad) == []
+    assert validate_workload("CREATE", {"kind": "Service", "spec": {}}, None) == []
+
+
 # --------------------------------------------------------------------------- robustness
 
 _keys = st.one_of(
@@ -381,7 +416,7 @@ def test_configurations_shape() -> None:
                                       exclude_namespaces=["kvgpu-system"])
     assert mut["kind"] == "MutatingWebhookConfiguration" and mut["metadata"]["name"] == "kvgpu-mutate"
     assert val["kind"] == "ValidatingWebhookConfiguration" and val["metadata"]["name"] == "kvgpu-validate"
-    (mw,), (vw,) = mut["webhooks"], val["webhooks"]
+    (mw,), (vw, ww) = mut["webhooks"], val["webhooks"]
     assert mw["name"] == "pods.mutate.kvgpu.io" and vw["name"] == "pods.validate.kvgpu.io"
     assert mw["clientConfig"]["url"] == "https://127.0.0.1:9443/kvgpu-mutate-pods"
     assert vw["clientConfig"]["url"] == "https://127.0.0.1:9443/kvgpu-validate-pods"
@@ -391,7 +426,7 @@ def test_configurations_shape() -> None:
         (["CREATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"])]
     assert [(r["operations"], r["resources"]) for r in vw["rules"]] == [
         (["CREATE", "UPDATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"])]
-    for w in (mw, vw):
+    for w in (mw, vw, ww):
         assert w["failurePolicy"] == "Fail" and w["sideEffects"] == "None" and w["timeoutSeconds"] == 5
         assert w["admissionReviewVersions"] == ["v1"]
         (expr,) = w["namespaceSelector"]["matchExpressions"]
@@ -412,6 +447,18 @@ def test_configurations_with_a_service() -> None:
 
 
 def test_match_expression_mentions_every_prefix() -> None:
-    e = gpu_pod_expression(update=False)
-    for needle in ("'kvgpu.io/'", "'nvidia.com/'", "'hami.io/'", "initContainers", "limits", "requests"):
-        assert needle in e
+    for e in (gpu_pod_expression(update=False), gpu_workload_expression()):
+        for needle in ("'kvgpu.io/'", "'nvidia.com/'", "'hami.io/'", "initContainers", "limits", "requests"):
+            assert needle in e
+    assert "jobTemplate" in gpu_workload_expression()
+
+
+def test_workload_webhook() -> None:
+    _, val = webhook_configurations(url_base="https://h:1", service=None, ca_bundle=b"",
+                                    exclude_namespaces=[])
+    ww = val["webhooks"][1]
+    assert ww["name"] == "workloads.validate.kvgpu.io"
+    assert ww["clientConfig"]["url"] == "https://h:1/kvgpu-validate-workloads"
+    groups = {r["apiGroups"][0]: set(r["resources"]) for r in ww["rules"]}
+    assert groups["apps"] == {"deployments", "statefulsets", "daemonsets", "replicasets"}
+    assert groups["batch"] == {"jobs", "cronjobs"}

@@ -9,9 +9,11 @@ operator's own, so a broken webhook can never block the operator's pod); and, th
 ``matchConditions`` evaluated by the API server, only pods that mention GPUs at all — a
 ``kvgpu.io/``, ``nvidia.com/`` or ``hami.io/`` annotation, or a container/init container with an
 ``nvidia.com/`` limit or request (for UPDATE also a pod that *had* ``kvgpu.io/`` annotations or
-the managed label, so removing them is seen). Every other pod never reaches the operator, so
-``failurePolicy: Fail`` costs nothing for them and closes the "webhook down ⇒ pod runs
-unlimited" hole HAMi has with ``Ignore``.
+the managed label, so removing them is seen). A third webhook validates the pod templates of
+workloads (Deployment, Job, CronJob, ...) that mention GPUs, so a bad request is refused at
+``kubectl apply`` rather than showing up later as FailedCreate events. Every other object never
+reaches the operator, so ``failurePolicy: Fail`` costs nothing for them and closes the
+"webhook down ⇒ pod runs unlimited" hole HAMi has with ``Ignore``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from kvgpu.admission.handlers import MUTATE_ID, VALIDATE_ID
+from kvgpu.admission.handlers import MUTATE_ID, VALIDATE_ID, VALIDATE_WORKLOADS_ID, WORKLOADS
 from kvgpu.admission.mutate import MANAGED_LABEL
 from kvgpu.core import keys
 
@@ -27,6 +29,7 @@ MUTATE_NAME = "kvgpu-mutate"
 VALIDATE_NAME = "kvgpu-validate"
 MUTATE_WEBHOOK = f"pods.mutate.{keys.GROUP}"
 VALIDATE_WEBHOOK = f"pods.validate.{keys.GROUP}"
+WORKLOADS_WEBHOOK = f"workloads.validate.{keys.GROUP}"
 TIMEOUT_S = 5
 EPHEMERAL_RESOURCE = "pods/ephemeralcontainers"  # kubectl debug: see mutate.mutate_ephemeral
 ALWAYS_EXCLUDED_NAMESPACES = ("kube-system",)
@@ -36,30 +39,59 @@ _ANNOTATION_PREFIXES = (f"{keys.GROUP}/", "nvidia.com/", "hami.io/")
 
 def _any_annotation(obj: str, prefixes: tuple[str, ...]) -> str:
     starts = " || ".join(f"k.startsWith('{p}')" for p in prefixes)
-    return (f"({obj} != null && has({obj}.metadata.annotations) && "
+    return (f"({obj} != null && has({obj}.metadata) && has({obj}.metadata.annotations) && "
             f"{obj}.metadata.annotations.exists(k, {starts}))")
 
 
-def _any_container_resource(field: str) -> str:
+def _any_container_resource(spec: str, field: str) -> str:
     def in_map(m: str) -> str:
         return f"(has(c.resources.{m}) && c.resources.{m}.exists(r, r.startsWith('nvidia.com/')))"
 
-    return (f"(has(object.spec.{field}) && object.spec.{field}.exists(c, has(c.resources) && "
+    return (f"(has({spec}.{field}) && {spec}.{field}.exists(c, has(c.resources) && "
             f"({in_map('limits')} || {in_map('requests')})))")
+
+
+def _mentions_gpus(pod: str) -> list[str]:
+    """CEL parts: ``pod`` (a Pod or a pod template expression) mentions GPUs."""
+    return [
+        _any_annotation(pod, _ANNOTATION_PREFIXES),
+        f"(has({pod}.spec) && ({_any_container_resource(f'{pod}.spec', 'containers')} || "
+        f"{_any_container_resource(f'{pod}.spec', 'initContainers')}))",
+    ]
 
 
 def gpu_pod_expression(*, update: bool) -> str:
     """CEL: true for pods that mention GPUs (and, with ``update``, pods that were kvgpu pods)."""
-    parts = [
-        _any_annotation("object", _ANNOTATION_PREFIXES),
-        _any_container_resource("containers"),
-        _any_container_resource("initContainers"),
-    ]
+    parts = _mentions_gpus("object")
     if update:
         parts.append(_any_annotation("oldObject", (f"{keys.GROUP}/",)))
-        parts.append(f"(oldObject != null && has(oldObject.metadata.labels) && "
+        parts.append(f"(oldObject != null && has(oldObject.metadata) && has(oldObject.metadata.labels) && "
                      f"'{MANAGED_LABEL}' in oldObject.metadata.labels)")
     return " || ".join(parts)
+
+
+#: Where each workload keeps its pod template (CEL, ``object`` being the workload).
+_TEMPLATES = {
+    "cronjobs": "object.spec.jobTemplate.spec.template",
+    "podtemplates": "object.template",
+}
+_DEFAULT_TEMPLATE = "object.spec.template"
+
+
+def gpu_workload_expression() -> str:
+    """CEL: true for workloads whose pod template mentions GPUs."""
+    def parent(path: str) -> str:  # has(a.b) && has(a.b.c) && ...: no step may be missing
+        parts = path.split(".")
+        return " && ".join(f"has({'.'.join(parts[: i + 1])})" for i in range(1, len(parts)))
+
+    branches = []
+    for plural, path in _TEMPLATES.items():
+        branches.append(f"(request.resource.resource == '{plural}' && {parent(path)} && "
+                        f"({' || '.join(_mentions_gpus(path))}))")
+    others = " && ".join(f"request.resource.resource != '{p}'" for p in _TEMPLATES)
+    branches.append(f"({others} && {parent(_DEFAULT_TEMPLATE)} && "
+                    f"({' || '.join(_mentions_gpus(_DEFAULT_TEMPLATE))}))")
+    return " || ".join(branches)
 
 
 def _client_config(
@@ -77,13 +109,13 @@ def _client_config(
     return cfg
 
 
-def _rule(operations: list[str], resources: list[str]) -> dict[str, Any]:
-    return {"apiGroups": [""], "apiVersions": ["v1"], "operations": operations, "resources": resources,
+def _rule(operations: list[str], resources: list[str], group: str = "") -> dict[str, Any]:
+    return {"apiGroups": [group], "apiVersions": ["v1"], "operations": operations, "resources": resources,
             "scope": "Namespaced"}
 
 
 def _webhook(
-    name: str, path: str, rules: list[dict[str, Any]], *, update: bool, url_base: str | None,
+    name: str, path: str, rules: list[dict[str, Any]], *, expression: str, url_base: str | None,
     service: tuple[str, str, int] | None, ca_bundle: bytes, exclude_namespaces: list[str],
 ) -> dict[str, Any]:
     excluded = sorted({*ALWAYS_EXCLUDED_NAMESPACES, *exclude_namespaces})
@@ -99,7 +131,7 @@ def _webhook(
         "namespaceSelector": {"matchExpressions": [
             {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded}]},
         "objectSelector": {},
-        "matchConditions": [{"name": "mentions-gpus", "expression": gpu_pod_expression(update=update)}],
+        "matchConditions": [{"name": "mentions-gpus", "expression": expression}],
     }
 
 
@@ -120,14 +152,22 @@ def webhook_configurations(
               "exclude_namespaces": list(exclude_namespaces)}
     ephemeral = _rule(["UPDATE"], [EPHEMERAL_RESOURCE])
     mutating = _webhook(MUTATE_WEBHOOK, MUTATE_ID, [_rule(["CREATE"], ["pods"]), ephemeral],
-                        update=False, **common)  # type: ignore[arg-type]
+                        expression=gpu_pod_expression(update=False), **common)  # type: ignore[arg-type]
     mutating["reinvocationPolicy"] = "IfNeeded"
     validating = _webhook(VALIDATE_WEBHOOK, VALIDATE_ID, [_rule(["CREATE", "UPDATE"], ["pods"]), ephemeral],
-                          update=True, **common)  # type: ignore[arg-type]
+                          expression=gpu_pod_expression(update=True), **common)  # type: ignore[arg-type]
+    by_group: dict[str, list[str]] = {}
+    for group, plural in sorted(WORKLOADS):
+        by_group.setdefault(group, []).append(plural)
+    workloads = _webhook(
+        WORKLOADS_WEBHOOK, VALIDATE_WORKLOADS_ID,
+        [_rule(["CREATE", "UPDATE"], plurals, group) for group, plurals in sorted(by_group.items())],
+        expression=gpu_workload_expression(), **common,  # type: ignore[arg-type]
+    )
     labels = {"app.kubernetes.io/name": "kvgpu", "app.kubernetes.io/component": "admission"}
     return (
         {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
          "metadata": {"name": MUTATE_NAME, "labels": labels}, "webhooks": [mutating]},
         {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-         "metadata": {"name": VALIDATE_NAME, "labels": labels}, "webhooks": [validating]},
+         "metadata": {"name": VALIDATE_NAME, "labels": labels}, "webhooks": [validating, workloads]},
     )

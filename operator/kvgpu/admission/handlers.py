@@ -15,10 +15,17 @@ from typing import Any
 import kopf
 
 from kvgpu.admission.mutate import apply_ops, mutate_ephemeral, mutate_pod
-from kvgpu.admission.validate import EPHEMERAL, validate_pod
+from kvgpu.admission.validate import EPHEMERAL, validate_pod, validate_workload
 
 MUTATE_ID = "kvgpu-mutate-pods"
 VALIDATE_ID = "kvgpu-validate-pods"
+VALIDATE_WORKLOADS_ID = "kvgpu-validate-workloads"
+
+#: (API group, plural) of the workloads whose pod templates are validated.
+WORKLOADS: frozenset[tuple[str, str]] = frozenset({
+    ("apps", "deployments"), ("apps", "statefulsets"), ("apps", "daemonsets"), ("apps", "replicasets"),
+    ("batch", "jobs"), ("batch", "cronjobs"), ("", "replicationcontrollers"), ("", "podtemplates"),
+})
 
 #: HTTP status sent with a refusal; the API server shows the message to the user either way.
 REFUSAL_CODE = 400
@@ -38,7 +45,8 @@ def _who(pod: dict[str, Any]) -> str:
 
 
 def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str]) -> None:
-    """Register the mutating (CREATE) and validating (CREATE, UPDATE) pod webhooks on ``registry``.
+    """Register the pod webhooks (mutate, validate) and the workload template webhook
+    (validate) on ``registry``.
 
     ``operator_usernames``: the API usernames of the operator (e.g.
     ``system:serviceaccount:kvgpu-system:kvgpu-operator``); only they may change allocation
@@ -87,4 +95,21 @@ def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str
         )
         if errors:
             logger.info("kvgpu: refused %s by %s: %s", operation, username, "; ".join(errors))
+            raise kopf.AdmissionError(refusal_message(errors), code=REFUSAL_CODE)
+
+    def is_workload(resource: kopf.Resource) -> bool:
+        return (resource.group, resource.plural) in WORKLOADS
+
+    @kopf.on.validate(is_workload, id=VALIDATE_WORKLOADS_ID, operations=["CREATE", "UPDATE"],
+                      registry=registry)
+    def validate_template(
+        body: kopf.Body, resource: kopf.Resource, logger: Logger,
+        old: kopf.Body | None = None, operation: str | None = None, **_: Any,
+    ) -> None:
+        meta = body.get("metadata") or {}
+        logger.debug("kvgpu admission: validate %s %s %s/%s", operation, resource.plural,
+                     meta.get("namespace", ""), meta.get("name", ""))
+        errors = validate_workload(operation or "", dict(body), dict(old) if old is not None else None)
+        if errors:
+            logger.info("kvgpu: refused %s of %s: %s", operation, resource.plural, "; ".join(errors))
             raise kopf.AdmissionError(refusal_message(errors), code=REFUSAL_CODE)

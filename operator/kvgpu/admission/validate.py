@@ -37,6 +37,7 @@ from typing import Any
 
 from kvgpu.admission import mutate as m
 from kvgpu.admission.parsing import is_request_annotation, parse
+from kvgpu.api.requests import pod_template
 from kvgpu.core import keys
 
 EPHEMERAL = "ephemeralcontainers"
@@ -209,7 +210,7 @@ def _forged_annotation_errors(pod: Mapping[str, Any]) -> list[str]:
             "allocation annotations)"]
 
 
-def _create_errors(pod: Mapping[str, Any]) -> list[str]:
+def _create_errors(pod: Mapping[str, Any], *, injected: bool = True) -> list[str]:
     errors = _forged_annotation_errors(pod)
     parsed = parse(pod)
     if not parsed.requests_slices:
@@ -229,7 +230,7 @@ def _create_errors(pod: Mapping[str, Any]) -> list[str]:
         if is_sliced:
             errors += _privilege_errors(kind, c)
         errors += _env_errors(kind, c, is_sliced)
-    if not parsed.errors:
+    if injected and not parsed.errors:
         errors += _injection_errors(pod, sliced)
     return errors
 
@@ -271,6 +272,31 @@ def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None) -> lis
         errors.append(f"annotation {', '.join(changed)} is part of the pod's GPU request, which is fixed "
                       "when the pod is created; create a new pod (or change the Deployment's template)")
     return errors
+
+
+def validate_workload(
+    operation: str, obj: Mapping[str, Any], old_obj: Mapping[str, Any] | None,
+) -> list[str]:
+    """The checks of a pod CREATE, applied to a workload's pod template (Deployment, StatefulSet,
+    DaemonSet, ReplicaSet, Job, CronJob, ReplicationController, PodTemplate), so that a bad
+    request is refused at ``kubectl apply`` instead of surfacing later as FailedCreate events on
+    a ReplicaSet. The injection itself is not expected in templates. An UPDATE that leaves the
+    pod template as it was is always allowed (scaling, labels, garbage collection)."""
+    if not isinstance(obj, Mapping):
+        return []
+    try:
+        meta, spec = pod_template(obj)
+    except Exception:  # not a workload we understand: not ours to refuse
+        return []
+    if operation == "UPDATE" and isinstance(old_obj, Mapping):
+        try:
+            if pod_template(old_obj) == (meta, spec):
+                return []
+        except Exception:
+            pass
+    elif operation != "CREATE":
+        return []
+    return [f"pod template: {e}" for e in _create_errors({"metadata": meta, "spec": spec}, injected=False)]
 
 
 def validate_pod(
