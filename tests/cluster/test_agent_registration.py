@@ -180,3 +180,37 @@ async def test_agent_health_round_trip(cluster: Cluster, namespace: str, crds, t
             await asyncio.gather(task, return_exceptions=True)
             cluster.kubectl("delete", "vgpupool", pool["metadata"]["name"], "--wait=false", check=False)
             await client.CoreV1Api(api).delete_node(node)
+
+
+async def test_simulated_fleet_annotates_every_node(cluster: Cluster, namespace: str, crds, tmp_path) -> None:
+    from kvgpu.agent.main import run_simulated_fleet
+
+    names = [f"gpu-{namespace}-a", f"gpu-{namespace}-b"]
+    sim = tmp_path / "fleet.json"
+    sim.write_text(
+        json.dumps({"nodes": [{"name": n, "cards": [{"count": i + 1}]} for i, n in enumerate(names)]})
+    )
+    async with cluster.api() as api:
+        await create_nodes(
+            api, [SimulatedNode(n, (SimulatedCardSpec(count=1),)) for n in names], with_inventory=False
+        )
+        task = asyncio.create_task(run_simulated_fleet(str(sim), str(cluster.kubeconfig)))
+        try:
+            deadline = asyncio.get_running_loop().time() + 20
+            while True:
+                got = {}
+                for n in names:
+                    raw = ((await node_of(api, n)).metadata.annotations or {}).get(keys.NODE_INVENTORY)
+                    if raw:
+                        got[n] = len(NodeInventory.loads(raw).cards)
+                if got == {names[0]: 1, names[1]: 2}:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, got
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.2)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            for n in names:
+                await client.CoreV1Api(api).delete_node(n)

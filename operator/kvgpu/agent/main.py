@@ -266,4 +266,41 @@ async def run(cfg: AgentConfig) -> None:
                 server.shutdown()
 
 
-__all__ = ["Agent", "AgentConfig", "DiscoveryError", "kube_client", "run"]
+async def run_simulated_fleet(
+    simulated: str,
+    kubeconfig: str | None,
+    *,
+    nodes: list[str] | None = None,
+    interval_s: float = 30.0,
+    simulated_health: str | None = None,
+) -> None:
+    """One simulated agent per node of the simulated config (or of ``nodes``), in this process,
+    sharing one API client — for ``make demo`` and fake-node tests. No device plugin, no metrics
+    server, no shim installation. Runs until cancelled; raises ``DiscoveryError`` for a bad file.
+    """
+    from .discovery import load_simulated_config
+
+    names = nodes or [n.name for n in load_simulated_config(simulated)]
+    async with kube_client(kubeconfig) as api_client:
+        agents = [
+            Agent(
+                AgentConfig(
+                    node=n,
+                    simulated=simulated,
+                    kubeconfig=kubeconfig,
+                    interval_s=interval_s,
+                    simulated_health=simulated_health,
+                    device_plugin=False,
+                    metrics_port=0,
+                ),
+                KubeApi(api_client),  # one per agent: its own node watch and caches
+                api_client,
+            )
+            for n in names
+        ]
+        async with asyncio.TaskGroup() as tg:
+            for a in agents:
+                tg.create_task(a.run(), name=f"agent-{a.cfg.node}")
+
+
+__all__ = ["Agent", "AgentConfig", "DiscoveryError", "kube_client", "run", "run_simulated_fleet"]
