@@ -108,16 +108,27 @@ def kopf_in_thread(
     kubeconfig: Path,
     *,
     adjust: Callable[[kopf.OperatorSettings], None] | None = None,
+    namespaces: list[str] | None = None,
+    memo: Any = None,
     ready_timeout: float = 60.0,
     stop_timeout: float = 30.0,
     log_level: int = logging.DEBUG,
 ) -> Iterator[KopfThread]:
-    """Run ``registry``'s handlers in a Kopf operator in a thread while the block runs."""
-    info = connection_info(kubeconfig)
+    """Run ``registry``'s handlers in a Kopf operator in a thread while the block runs.
 
-    @kopf.on.login(registry=registry, id="kopfthread-login")
-    def _login(**_: Any) -> kopf.ConnectionInfo:
-        return info
+    ``namespaces``: serve only these (default: cluster-wide). ``memo``: Kopf's operator memo.
+    A registry may be run again later (the login handler is added once, credentials replaced).
+    """
+    creds: dict[str, kopf.ConnectionInfo] | None = getattr(registry, "_kopfthread_creds", None)
+    if creds is None:
+        creds = {}
+        registry._kopfthread_creds = creds  # type: ignore[attr-defined]
+
+        @kopf.on.login(registry=registry, id="kopfthread-login")
+        def _login(**_: Any) -> kopf.ConnectionInfo:
+            return creds["info"]
+
+    creds["info"] = connection_info(kubeconfig)
 
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False  # tests read logs, not Events, unless adjust says otherwise
@@ -132,7 +143,8 @@ def kopf_in_thread(
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(kopf.operator(
-                registry=registry, settings=settings, standalone=True, clusterwide=True,
+                registry=registry, settings=settings, standalone=True,
+                clusterwide=not namespaces, namespaces=namespaces or (), memo=memo,
                 stop_flag=stop_flag, ready_flag=ready_flag,
             ))
         except BaseException as e:  # reported to the test on exit
