@@ -129,3 +129,32 @@ async def test_monitor_events_once_and_metrics():
     assert float(line.split()[-1]) == 5 << 20
     line = next(x for x in text.splitlines() if x.startswith("kvgpu_card_foreign_memory_bytes{"))
     assert float(line.split()[-1]) == 7 << 20
+
+
+def test_host_pid_from_region_and_shimcore_shapes():
+    from kvgpu import shimcore
+    from kvgpu.agent.exporter import adapt_region
+
+    ru = shimcore.RegionUsage(
+        path="x",
+        claim="team/nb-main",
+        priority=0,
+        generation=1,
+        devices=(
+            shimcore.DeviceUsage(0, U0, 3000.0, 12.5, 30, 40, (shimcore.ProcessUsage(7, 4242, 10.0, 2.5),)),
+        ),
+    )
+    (row,) = adapt_region(ru)
+    assert (row.uuid, row.limit_mib, row.used_mib, row.pids, row.sm_util, row.host_pids) == (
+        U0,
+        3000,
+        12.5,
+        (7,),
+        40.0,
+        (4242,),
+    )
+    # The agent-known host PID proves attachment even when the namespace PID is unknown.
+    (v,) = classify(
+        [GpuProcess(U0, 4242, 1)], [MAIN], {(POD, "main"): [row]}, lambda pid: Attribution(POD, CID, 0)
+    )
+    assert v.state == "enforced"

@@ -139,9 +139,11 @@ def classify(
         if rows is None:
             out.append(ProcessView(p, "unenforced", "no shim region: the shim is not loaded", c, a.pod_uid))
             continue
-        pids = {pid for r in rows if r.uuid == p.uuid for pid in r.pids} or {
-            pid for r in rows for pid in r.pids
-        }
+        mine = [r for r in rows if r.uuid == p.uuid] or list(rows)
+        pids = {pid for r in mine for pid in r.pids}
+        if p.host_pid in {h for r in mine for h in r.host_pids}:
+            out.append(ProcessView(p, "enforced", "", c, a.pod_uid))
+            continue
         if not pids:  # the region lists no PIDs at all: cannot tell, do not accuse
             out.append(ProcessView(p, "enforced", "region lists no PIDs (unverified)", c, a.pod_uid))
             continue

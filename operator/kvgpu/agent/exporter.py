@@ -148,6 +148,7 @@ class DeviceUsage:
     used_mib: float
     pids: tuple[int, ...] = ()
     sm_util: float | None = None
+    host_pids: tuple[int, ...] = ()  # host PIDs of those processes where known (0s dropped)
 
 
 RegionReader = Callable[[Path], Sequence[DeviceUsage] | None]
@@ -181,6 +182,8 @@ def adapt_region(usage: Any) -> list[DeviceUsage]:
             used = int(b) / MIB
         sm = _first(d, "sm_util", "sm_utilization", "sm_percent")
         pids = _first(d, "pids", default=()) or ()
+        procs = _first(d, "processes", default=()) or ()
+        host = tuple(int(h) for p in procs if (h := _first(p, "host_pid", default=0)))
         out.append(
             DeviceUsage(
                 str(_first(d, "uuid", default="")),
@@ -188,17 +191,28 @@ def adapt_region(usage: Any) -> list[DeviceUsage]:
                 float(used or 0),
                 tuple(int(p) for p in pids),
                 None if sm is None else float(sm),
+                host,
             )
         )
     return out
 
 
+REGION_FILE = "vgpu.region"  # the shim's file in the container's region directory
+
+
 def default_reader() -> RegionReader:
-    """``kvgpu.shimcore.read_region`` adapted; a reader that sees nothing if it is unavailable."""
+    """A reader of ``<dir>/vgpu.region`` through ``kvgpu.shimcore.read_region``.
+
+    Returns ``None`` for a directory without a region (the container has not started CUDA). If
+    the shim's core module cannot be loaded here, returns a reader that always answers ``None``
+    (usage series stay 0; limits from claims are still exported) and logs why once.
+    """
     try:
-        from kvgpu.shimcore import read_region  # type: ignore[import-not-found]
-    except ImportError:
-        log.warning("kvgpu.shimcore is not available: usage series will stay at 0")
+        from kvgpu import shimcore
+
+        shimcore.core()  # load (or build) once at start, never during a scrape
+    except Exception as e:  # ImportError, ShimCoreUnavailable, a failed build
+        log.warning("shim core unavailable (%s): usage series will stay at 0", e)
 
         def nothing(path: Path) -> None:
             return None
@@ -206,9 +220,10 @@ def default_reader() -> RegionReader:
         return nothing
 
     def read(path: Path) -> list[DeviceUsage] | None:
-        if not path.exists():
+        try:
+            return adapt_region(shimcore.read_region(path / REGION_FILE))
+        except FileNotFoundError:
             return None
-        return adapt_region(read_region(path))
 
     return read
 
