@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import socket
 import threading
@@ -174,3 +175,30 @@ def kopf_in_thread(
         kopf_logger.setLevel(old_level)
         if state.thread.is_alive():
             raise RuntimeError(f"the Kopf operator did not stop within {stop_timeout:.0f} s")
+
+
+@contextmanager
+def temporarily_applied(cluster: Any, objects: list[dict[str, Any]], settle_s: float = 2.0) -> Iterator[None]:
+    """``kubectl apply`` cluster-scoped ``objects`` for the block, then put back what was there
+    before (replaced as it was, or deleted if it did not exist) — e.g. our own webhook
+    configurations while a session-wide operator has its own under the same names. After
+    putting objects back it waits ``settle_s`` (the API server reloads webhooks asynchronously)."""
+    saved: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    for obj in objects:
+        p = cluster.kubectl("get", obj["kind"].lower(), obj["metadata"]["name"], "-o", "json", check=False)
+        saved.append((obj, json.loads(p.stdout) if p.returncode == 0 else None))
+    try:
+        for obj in objects:
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+        yield
+    finally:
+        for obj, old in saved:
+            if old is None:
+                cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--ignore-not-found",
+                                check=False)
+            else:
+                for k in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+                    old["metadata"].pop(k, None)
+                cluster.kubectl("replace", "-f", "-", input=json.dumps(old), check=False)
+        if any(old is not None for _, old in saved):
+            time.sleep(settle_s)

@@ -11,7 +11,7 @@ from typing import Any
 
 import kopf
 import pytest
-from kopfthread import KopfThread, free_port, kopf_in_thread, wait_port
+from kopfthread import KopfThread, free_port, kopf_in_thread, temporarily_applied, wait_port
 from kvgpu.admission.config import webhook_configurations
 from kvgpu.admission.handlers import register
 from kvgpu.admission.mutate import MANAGED_LABEL
@@ -20,6 +20,8 @@ from kvgpu.core import keys
 from kvgpu.devcluster import Cluster
 
 OPERATOR_USER = "kvgpu-operator"  # the CN of the dev PKI's operator certificate
+# Our pods must never be placed (and annotated) by a kvgpu scheduler that other tests may run.
+NO_NODE = {"kvgpu.io/admission-test": "no-such-node"}
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +44,9 @@ def webhooks(cluster: Cluster) -> Iterator[KopfThread]:
             url_base=f"https://127.0.0.1:{port}", service=None,
             ca_bundle=(pki / "ca.crt").read_bytes(), exclude_namespaces=[],
         )
-        try:
-            for cfg in configs:
-                cluster.kubectl("apply", "-f", "-", input=json.dumps(cfg))
-            _wait_webhooks_active(cluster)
+        with temporarily_applied(cluster, list(configs)):
+            _wait_webhooks_active(cluster, op)
             yield op
-        finally:
-            for cfg in configs:
-                cluster.kubectl("delete", cfg["kind"].lower(), cfg["metadata"]["name"], "--ignore-not-found",
-                                check=False)
 
 
 def _pod(namespace: str, name: str, annotations: dict[str, str] | None = None,
@@ -61,18 +57,20 @@ def _pod(namespace: str, name: str, annotations: dict[str, str] | None = None,
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace, "annotations": annotations or {}},
-        "spec": {"containers": [c, {"name": "side", "image": "registry.invalid/busybox"}]},
+        "spec": {"containers": [c, {"name": "side", "image": "registry.invalid/busybox"}],
+                 "nodeSelector": NO_NODE},
     }
 
 
-def _wait_webhooks_active(cluster: Cluster, timeout: float = 30.0) -> None:
-    """The API server picks up new webhook configurations asynchronously: probe until a pod that
-    must be refused is refused (server-side dry run, nothing stored)."""
+def _wait_webhooks_active(cluster: Cluster, op: KopfThread, timeout: float = 30.0) -> None:
+    """The API server picks up new webhook configurations asynchronously (and a session-wide
+    operator may have had its own under the same names): probe until our thread is called and
+    refuses a bad pod (server-side dry run, nothing stored)."""
     probe = _pod("default", "kvgpu-probe", {"kvgpu.io/gpumem": "not-a-size"})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         p = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(probe), check=False)
-        if p.returncode != 0 and "kvgpu.io/gpumem" in p.stderr:
+        if p.returncode != 0 and "kvgpu.io/gpumem" in p.stderr and op.messages("default/kvgpu-probe"):
             return
         time.sleep(0.3)
     raise TimeoutError(f"the kvgpu webhooks never refused the probe pod: {p.stderr or p.stdout}")
@@ -209,7 +207,8 @@ def _deployment(namespace: str, name: str, annotations: dict[str, str]) -> dict[
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
             "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}}, "template": {
                 "metadata": {"labels": {"app": name}, "annotations": annotations},
-                "spec": {"containers": [{"name": "main", "image": "registry.invalid/cuda:12"}]}}}}
+                "spec": {"containers": [{"name": "main", "image": "registry.invalid/cuda:12"}],
+                         "nodeSelector": NO_NODE}}}}
 
 
 def test_workloads_are_checked_at_apply_and_their_pods_mutated(

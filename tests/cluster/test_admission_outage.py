@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from kopfthread import free_port
+from kopfthread import free_port, temporarily_applied
 from kvgpu.admission.config import webhook_configurations
 from kvgpu.devcluster import Cluster
 
@@ -21,14 +21,8 @@ def dead_webhooks(cluster: Cluster) -> Iterator[None]:
         url_base=f"https://127.0.0.1:{free_port()}", service=None,
         ca_bundle=(cluster.run_dir / "pki" / "ca.crt").read_bytes(), exclude_namespaces=[],
     )
-    try:
-        for cfg in configs:
-            cluster.kubectl("apply", "-f", "-", input=json.dumps(cfg))
+    with temporarily_applied(cluster, list(configs)):
         yield
-    finally:
-        for cfg in configs:
-            cluster.kubectl("delete", cfg["kind"].lower(), cfg["metadata"]["name"], "--ignore-not-found",
-                            check=False)
 
 
 def _pod(namespace: str, name: str, annotations: dict[str, str]) -> str:
