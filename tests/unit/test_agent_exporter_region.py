@@ -72,3 +72,55 @@ def test_usage_from_a_real_region(core, tmp_path):
     finally:
         lib.vgpu_region_leave(h)
         lib.vgpu_region_close(h)
+
+
+async def test_agent_fills_host_pid_into_the_region(core, tmp_path):
+    from kvgpu import shimcore
+    from kvgpu.agent.enforcement import (
+        Attribution,
+        EnforcementMonitor,
+        GpuProcess,
+        proc_start_time,
+        set_region_host_pid,
+    )
+
+    ffi, lib = core.ffi, core.lib
+    claim = f"v1;claim=team/nb-main;priority=0;dev={U0},3000,30"
+    region_dir = tmp_path / "pod-uid-1" / "main"
+    region_dir.mkdir(parents=True)
+    region = region_dir / "vgpu.region"
+    cfg = ffi.new("struct vgpu_config *")
+    assert lib.vgpu_claim_parse(claim.encode(), cfg) == 0
+    h = ffi.new("struct vgpu_region_handle *")
+    assert lib.vgpu_region_open(h, str(region).encode(), cfg) == 0
+    me, start = os.getpid(), own_start_time()
+    assert proc_start_time(me) == start
+    try:
+        assert lib.vgpu_region_join(h, me, start) >= 0
+        # Wrong start time (PID reuse): refused.
+        assert not set_region_host_pid(region, me, 777, start + 1)
+        # The monitor sees NVML host PID 4242 = our container PID `me`, attached: writes it once.
+        container = BoundContainer(
+            "team", "nb", "pod-uid-1", "main", "team/nb-main", 0, (BoundDevice(U0, 3000, 30),), True, "c" * 64
+        )
+
+        def writer(uid, name, inner, host):
+            return set_region_host_pid(tmp_path / uid / name / "vgpu.region", inner, host, start)
+
+        reader = default_reader()
+        mon = EnforcementMonitor(
+            processes=lambda: [GpuProcess(U0, 4242, 1 << 20)],
+            containers=lambda: [container],
+            read_region=lambda uid, name: reader(tmp_path / uid / name),
+            attribute_fn=lambda pid: Attribution("pod-uid-1", "c" * 64, me),
+            host_pid_writer=writer,
+        )
+        (v,) = await mon.check()
+        assert v.state == "enforced" and mon.host_pids_written == 1
+        (dev,) = shimcore.read_region(region).devices
+        assert [(p.pid, p.host_pid) for p in dev.processes] == [(me, 4242)]
+        await mon.check()
+        assert mon.host_pids_written == 1  # already there: no second write
+    finally:
+        lib.vgpu_region_leave(h)
+        lib.vgpu_region_close(h)

@@ -17,6 +17,11 @@ compute process NVML reports on a card is attributed to a pod and container thro
 ``kvgpu_card_foreign_memory_bytes``, ...) and a Warning Event ``GPUUnenforced`` is recorded on
 the pod the first time one of its containers is seen unenforced. The agent needs
 ``hostPID: true`` so NVML's PIDs and ``/proc`` agree.
+
+It also fills the shim's missing piece: for each attached process whose region slot has no host
+PID yet, the agent writes it (:func:`set_region_host_pid`, checked against the slot's start time),
+so the shim can find its own process in NVML's per-process usage and charge context/module
+overhead — inside a PID namespace it cannot know its host PID itself.
 """
 
 from __future__ import annotations
@@ -106,6 +111,8 @@ class ProcessView:
     reason: str
     container: BoundContainer | None = None
     pod_uid: str = ""
+    inner_pid: int = 0  # the process's PID in its container's namespace (0: unknown)
+    needs_host_pid: bool = False  # attached to the region, but its slot lacks the host PID
 
 
 def classify(
@@ -130,31 +137,91 @@ def classify(
             c = by_pod[a.pod_uid][0]  # cgroup without a container ID (v1 layouts): one claimed container
         if c is None:
             why = "pod without slices" if a.pod_uid else "not in a pod"
-            out.append(ProcessView(p, "foreign", why, None, a.pod_uid))
+            out.append(ProcessView(p, "foreign", why, None, a.pod_uid, a.inner_pid))
             continue
         if p.uuid not in {d.uuid for d in c.devices}:
-            out.append(ProcessView(p, "unenforced", "uses a card its claim does not name", c, a.pod_uid))
+            out.append(
+                ProcessView(p, "unenforced", "uses a card its claim does not name", c, a.pod_uid, a.inner_pid)
+            )
             continue
         rows = regions.get((c.pod_uid, c.container))
         if rows is None:
-            out.append(ProcessView(p, "unenforced", "no shim region: the shim is not loaded", c, a.pod_uid))
+            out.append(
+                ProcessView(
+                    p, "unenforced", "no shim region: the shim is not loaded", c, a.pod_uid, a.inner_pid
+                )
+            )
             continue
         mine = [r for r in rows if r.uuid == p.uuid] or list(rows)
         pids = {pid for r in mine for pid in r.pids}
         if p.host_pid in {h for r in mine for h in r.host_pids}:
-            out.append(ProcessView(p, "enforced", "", c, a.pod_uid))
+            out.append(ProcessView(p, "enforced", "", c, a.pod_uid, a.inner_pid))
             continue
         if not pids:  # the region lists no PIDs at all: cannot tell, do not accuse
-            out.append(ProcessView(p, "enforced", "region lists no PIDs (unverified)", c, a.pod_uid))
+            out.append(
+                ProcessView(p, "enforced", "region lists no PIDs (unverified)", c, a.pod_uid, a.inner_pid)
+            )
             continue
         if a.inner_pid and a.inner_pid not in pids:
             out.append(
-                ProcessView(p, "unenforced", f"PID {a.inner_pid} is not attached to the shim", c, a.pod_uid)
+                ProcessView(
+                    p,
+                    "unenforced",
+                    f"PID {a.inner_pid} is not attached to the shim",
+                    c,
+                    a.pod_uid,
+                    a.inner_pid,
+                )
             )
             continue
-        out.append(ProcessView(p, "enforced", "", c, a.pod_uid))
+        out.append(ProcessView(p, "enforced", "", c, a.pod_uid, a.inner_pid, needs_host_pid=True))
     return out
 
+
+def proc_start_time(pid: int, proc: str = "/proc") -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot; the same in every PID namespace)."""
+    try:
+        stat = (Path(proc) / str(pid) / "stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def set_region_host_pid(region_file: Path, inner_pid: int, host_pid: int, start_time: int | None) -> bool:
+    """Write ``host_pid`` into the region slot of ``inner_pid`` (under the region's lock).
+
+    The slot must also carry ``start_time`` when given (guards against PID reuse). The shim uses
+    the host PID to find its own process in NVML's per-process usage (a container has its own PID
+    namespace). Returns True when a slot was updated; False if no slot matched or the file is not a
+    region. Raises ``ImportError`` when the shim core cannot be loaded.
+    """
+    from kvgpu import shimcore
+
+    m = shimcore.core()
+    ffi, lib = m.ffi, m.lib
+    h = ffi.new("struct vgpu_region_handle *")
+    if lib.vgpu_region_attach(h, str(region_file).encode()) != 0:
+        return False
+    try:
+        r = h.r
+        lib.vgpu_region_lock(r)
+        try:
+            for s in range(min(int(r.max_slots), 128)):
+                slot = r.slot[s]
+                if slot.pid != inner_pid or (start_time is not None and slot.start_time != start_time):
+                    continue
+                if slot.host_pid == host_pid:
+                    return False
+                slot.host_pid = host_pid
+                return True
+        finally:
+            lib.vgpu_region_unlock(r)
+    finally:
+        lib.vgpu_region_close(h)
+    return False
+
+
+HostPidWriter = Callable[[str, str, int, int], bool]  # (pod uid, container, inner pid, host pid)
 
 PodEvent = Callable[[BoundContainer, str], Awaitable[None]]
 
@@ -172,7 +239,9 @@ class EnforcementMonitor:
     read_region: Callable[[str, str], Sequence[DeviceUsage] | None]
     on_unenforced: PodEvent | None = None
     attribute_fn: Callable[[int], Attribution] = attribute
-    interval_s: float = 15.0
+    host_pid_writer: HostPidWriter | None = None
+    interval_s: float = 5.0
+    host_pids_written: int = 0
     snapshot: list[ProcessView] = field(default_factory=list)
     _reported: set[tuple[str, str]] = field(default_factory=set)
 
@@ -188,7 +257,22 @@ class EnforcementMonitor:
                     regions[(c.pod_uid, c.container)] = self.read_region(c.pod_uid, c.container)
                 except Exception:
                     regions[(c.pod_uid, c.container)] = None
-            return classify(procs, containers, regions, self.attribute_fn)
+            views = classify(procs, containers, regions, self.attribute_fn)
+            if self.host_pid_writer is not None:
+                for v in views:
+                    if not (v.needs_host_pid and v.container and v.inner_pid):
+                        continue
+                    rows = regions.get((v.container.pod_uid, v.container.container)) or []
+                    if any(v.process.host_pid in r.host_pids for r in rows):
+                        continue
+                    try:
+                        if self.host_pid_writer(
+                            v.container.pod_uid, v.container.container, v.inner_pid, v.process.host_pid
+                        ):
+                            self.host_pids_written += 1
+                    except Exception as e:
+                        log.debug("could not write host PID %d: %s", v.process.host_pid, e)
+            return views
 
         views = await asyncio.to_thread(work)
         self.snapshot = views

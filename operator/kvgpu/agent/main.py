@@ -26,8 +26,16 @@ from kvgpu.core.inventory import NodeInventory
 
 from .deviceplugin import DevicePlugin, PluginConfig
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
-from .enforcement import EnforcementMonitor, nvml_processes
-from .exporter import BoundContainer, UsageCollector, default_reader, gc_regions, make_registry, serve
+from .enforcement import EnforcementMonitor, nvml_processes, proc_start_time, set_region_host_pid
+from .exporter import (
+    REGION_FILE,
+    BoundContainer,
+    UsageCollector,
+    default_reader,
+    gc_regions,
+    make_registry,
+    serve,
+)
 from .health import (
     APPLICATION_XIDS,
     HealthChange,
@@ -76,7 +84,7 @@ class AgentConfig:
     hami_metrics: bool = True
     region_root: str = keys.HOST_REGION_ROOT
     region_gc_s: float = 300.0
-    enforcement_s: float = 15.0  # NVML process reconciliation period; 0 disables (always off simulated)
+    enforcement_s: float = 5.0  # NVML process check + host-PID filling period; 0 disables (off simulated)
 
 
 @asynccontextmanager
@@ -173,8 +181,15 @@ class Agent:
             containers=self.pods.containers,
             read_region=self._read_region,
             on_unenforced=self._unenforced_event,
+            host_pid_writer=self._write_host_pid,
             interval_s=self.cfg.enforcement_s,
         )
+
+    def _write_host_pid(self, pod_uid: str, container: str, inner_pid: int, host_pid: int) -> bool:
+        from pathlib import Path
+
+        path = Path(self.cfg.region_root) / pod_uid / container / REGION_FILE
+        return set_region_host_pid(path, inner_pid, host_pid, proc_start_time(host_pid))
 
     async def _region_gc(self) -> None:
         await self.pods.synced.wait()
