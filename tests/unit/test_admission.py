@@ -190,6 +190,10 @@ REJECTIONS: list[tuple[str, dict[str, Any], list[str]]] = [
     ("env-fieldref-altered", _with(GOOD, lambda p: _c(p)["env"].__setitem__(2, {
         "name": keys.ENV_VISIBLE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['x']"}}})),
      [keys.ENV_VISIBLE]),
+    ("env-indexed-limit", _with(GOOD, lambda p: _c(p)["env"].append(
+        {"name": "CUDA_DEVICE_MEMORY_LIMIT_0", "value": "80g"})), ["CUDA_DEVICE_MEMORY_LIMIT_0"]),
+    ("env-core-policy", _with(GOOD, lambda p: _c(p)["env"].append(
+        {"name": "GPU_CORE_UTILIZATION_POLICY", "value": "disable"})), ["GPU_CORE_UTILIZATION_POLICY"]),
     ("init-env", _with(GOOD, lambda p: p["spec"].update(initContainers=[
         {"name": "prep", "image": "x", "env": [{"name": "CUDA_DEVICE_MEMORY_LIMIT", "value": "80g"}]}])),
      ["init container 'prep'", "CUDA_DEVICE_MEMORY_LIMIT"]),

@@ -14,7 +14,9 @@ CREATE, for pods that request slices:
 * ``spec.nodeName`` preset (it would skip the scheduler, so no card would be allocated);
 * privileged containers, and containers adding ``SYS_ADMIN``/``ALL``, among those with slices
   (they can unmount or bypass the shim);
-* reserved env vars (:data:`kvgpu.core.keys.RESERVED_ENV`) set by the user in any container;
+* reserved env vars (:func:`is_reserved_env`: :data:`kvgpu.core.keys.RESERVED_ENV` and a few
+  more shim inputs) set by the user in any container (``envFrom`` and image defaults cannot be
+  seen here: the injected explicit env wins over both for the injected names);
 * the injection incomplete or altered (reserved volumes, mounts, the region sub-path).
 
 CREATE, for every pod reaching the webhook: allocation annotations
@@ -32,6 +34,7 @@ ephemeral container may not set reserved env vars (the mutating webhook gives it
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -42,6 +45,17 @@ from kvgpu.core import keys
 
 EPHEMERAL = "ephemeralcontainers"
 _DANGEROUS_CAPS = frozenset({"SYS_ADMIN", "ALL", "CAP_SYS_ADMIN"})
+
+#: Besides :data:`kvgpu.core.keys.RESERVED_ENV`, shim inputs that would loosen a slice's limits or
+#: raise its priority: HAMi-core's per-device limits, core policy (``disable``) and task priority,
+#: and the shim's compute-coordination directory.
+EXTRA_RESERVED_ENV = frozenset({"GPU_CORE_UTILIZATION_POLICY", "CUDA_TASK_PRIORITY", "KVGPU_SCHED_DIR"})
+_INDEXED_RESERVED_ENV = re.compile(r"^(CUDA_DEVICE_MEMORY_LIMIT|CUDA_DEVICE_SM_LIMIT)_[0-9]+$")
+
+
+def is_reserved_env(name: str) -> bool:
+    """True for env var names a user may not set in a pod with slices."""
+    return name in keys.RESERVED_ENV or name in EXTRA_RESERVED_ENV or bool(_INDEXED_RESERVED_ENV.match(name))
 
 
 def _mapping(v: Any) -> Mapping[str, Any]:
@@ -130,7 +144,7 @@ def _env_errors(kind: str, c: Mapping[str, Any], sliced: bool) -> list[str]:
         if not isinstance(e, Mapping):
             continue
         ename = e.get("name")
-        if ename not in keys.RESERVED_ENV:
+        if not isinstance(ename, str) or not is_reserved_env(ename):
             continue
         want = allowed.get(str(ename))
         if want is not None and _same_env(e, want):
