@@ -124,3 +124,78 @@ async def test_agent_fills_host_pid_into_the_region(core, tmp_path):
     finally:
         lib.vgpu_region_leave(h)
         lib.vgpu_region_close(h)
+
+
+async def test_container_sm_utilisation_measured_and_written(core, tmp_path):
+    from kvgpu import shimcore
+    from kvgpu.agent.enforcement import Attribution, EnforcementMonitor, GpuProcess, set_region_sm_util
+
+    ffi, lib = core.ffi, core.lib
+    region_dir = tmp_path / "pod-uid-1" / "main"
+    region_dir.mkdir(parents=True)
+    region = region_dir / "vgpu.region"
+    cfg = ffi.new("struct vgpu_config *")
+    assert lib.vgpu_claim_parse(f"v1;claim=team/nb-main;priority=0;dev={U0},3000,30".encode(), cfg) == 0
+    h = ffi.new("struct vgpu_region_handle *")
+    assert lib.vgpu_region_open(h, str(region).encode(), cfg) == 0
+    try:
+        assert lib.vgpu_region_join(h, os.getpid(), own_start_time()) >= 0
+        assert shimcore.read_region(region).devices[0].sm_util is None  # nobody measured yet
+        container = BoundContainer(
+            "team", "nb", "pod-uid-1", "main", "team/nb-main", 0, (BoundDevice(U0, 3000, 30),), True, "c" * 64
+        )
+        reader = default_reader()
+        mon = EnforcementMonitor(
+            processes=lambda: [GpuProcess(U0, 4242, 1 << 20), GpuProcess(U0, 4243, 1 << 20)],
+            containers=lambda: [container],
+            read_region=lambda uid, name: reader(tmp_path / uid / name),
+            attribute_fn=lambda pid: Attribution("pod-uid-1", "c" * 64, os.getpid() if pid == 4242 else 99),
+            utilization=lambda: {(U0, 4242): 18.0, (U0, 4243): 7.0, (U0, 1): 50.0},
+            sm_util_writer=lambda uid, name, uuid, pct: set_region_sm_util(
+                tmp_path / uid / name / "vgpu.region", uuid, pct
+            ),
+        )
+        await mon.check()
+        assert mon.container_util == {("pod-uid-1", "main", U0): 25.0}
+        assert shimcore.read_region(region).devices[0].sm_util == 25
+        inv = NodeInventory("n", (Card(U0, 0, "NVIDIA H200", 143771, 132),), "nvml")
+        col = UsageCollector(
+            "n",
+            lambda: [container],
+            lambda: inv,
+            reader=reader,
+            region_root=str(tmp_path),
+            processes=lambda: mon.snapshot,
+            utilization=lambda: mon.container_util,
+        )
+        text = generate_latest(make_registry(col)).decode()
+        assert sample(text, "kvgpu_container_sm_utilization_percent") == 25
+    finally:
+        lib.vgpu_region_leave(h)
+        lib.vgpu_region_close(h)
+
+
+def test_process_utilization_keeps_last_timestamp():
+    from types import SimpleNamespace
+
+    from kvgpu.agent.enforcement import ProcessUtilization
+
+    calls = []
+
+    class Nv:
+        def nvmlDeviceGetHandleByUUID(self, u):
+            return u
+
+        def nvmlDeviceGetProcessUtilization(self, h, ts):
+            calls.append(ts)
+            if ts:
+                raise RuntimeError("Not Found")  # no new samples
+            return [
+                SimpleNamespace(pid=5, timeStamp=100, smUtil=10),
+                SimpleNamespace(pid=5, timeStamp=200, smUtil=30),
+            ]
+
+    pu = ProcessUtilization(Nv())
+    assert pu([U0]) == {(U0, 5): 30.0}
+    assert pu([U0]) == {}
+    assert calls == [0, 200]

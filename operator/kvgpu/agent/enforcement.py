@@ -102,6 +102,32 @@ def nvml_processes(nvml: Any, uuids: Iterable[str]) -> list[GpuProcess]:
     return out
 
 
+class ProcessUtilization:
+    """Per-process SM utilisation from ``nvmlDeviceGetProcessUtilization`` (percent per host PID).
+
+    Each call returns the samples NVML took since the previous call on that card (the highest
+    sample per PID); a card without new samples answers ``{}`` for its processes.
+    """
+
+    def __init__(self, nvml: Any) -> None:
+        self.nv = nvml
+        self.last: dict[str, int] = {}
+
+    def __call__(self, uuids: Iterable[str]) -> dict[tuple[str, int], float]:
+        out: dict[tuple[str, int], float] = {}
+        for u in uuids:
+            try:
+                h = self.nv.nvmlDeviceGetHandleByUUID(u)
+                samples = self.nv.nvmlDeviceGetProcessUtilization(h, self.last.get(u, 0))
+            except Exception:  # NOT_FOUND: no samples since last time; NOT_SUPPORTED
+                continue
+            for smp in samples:
+                key = (u, int(smp.pid))
+                out[key] = max(out.get(key, 0.0), float(smp.smUtil))
+                self.last[u] = max(self.last.get(u, 0), int(smp.timeStamp))
+        return out
+
+
 @dataclass(frozen=True)
 class ProcessView:
     """One classified process. ``container`` is the claimed container it belongs to, if any."""
@@ -221,7 +247,30 @@ def set_region_host_pid(region_file: Path, inner_pid: int, host_pid: int, start_
     return False
 
 
+def set_region_sm_util(region_file: Path, uuid: str, percent: int) -> bool:
+    """Store the container's SM utilisation (percent, 0..100) of card ``uuid`` in its region's
+    ``sm_util`` (a single 32-bit store; the shim only reads it). Returns False if the file is not
+    a region or has no such card. Raises ``ImportError`` when the shim core cannot be loaded."""
+    from kvgpu import shimcore
+
+    m = shimcore.core()
+    ffi, lib = m.ffi, m.lib
+    h = ffi.new("struct vgpu_region_handle *")
+    if lib.vgpu_region_attach(h, str(region_file).encode()) != 0:
+        return False
+    try:
+        r = h.r
+        for d in range(min(int(r.ndev), 16)):
+            if bytes(ffi.string(r.dev[d].uuid)).decode("utf-8", "replace") == uuid:
+                r.dev[d].sm_util = max(0, min(100, int(percent)))
+                return True
+    finally:
+        lib.vgpu_region_close(h)
+    return False
+
+
 HostPidWriter = Callable[[str, str, int, int], bool]  # (pod uid, container, inner pid, host pid)
+SmUtilWriter = Callable[[str, str, str, int], bool]  # (pod uid, container, card uuid, percent)
 
 PodEvent = Callable[[BoundContainer, str], Awaitable[None]]
 
@@ -240,8 +289,12 @@ class EnforcementMonitor:
     on_unenforced: PodEvent | None = None
     attribute_fn: Callable[[int], Attribution] = attribute
     host_pid_writer: HostPidWriter | None = None
+    utilization: Callable[[], dict[tuple[str, int], float]] | None = None
+    sm_util_writer: SmUtilWriter | None = None
     interval_s: float = 5.0
     host_pids_written: int = 0
+    #: (pod uid, container, card uuid) -> SM percent of the container's processes (NVML samples)
+    container_util: dict[tuple[str, str, str], float] = field(default_factory=dict)
     snapshot: list[ProcessView] = field(default_factory=list)
     _reported: set[tuple[str, str]] = field(default_factory=set)
 
@@ -258,6 +311,29 @@ class EnforcementMonitor:
                 except Exception:
                     regions[(c.pod_uid, c.container)] = None
             views = classify(procs, containers, regions, self.attribute_fn)
+            if self.utilization is not None:
+                samples = self.utilization()
+                util: dict[tuple[str, str, str], float] = {}
+                for v in views:
+                    if v.container is None:
+                        continue
+                    k = (v.container.pod_uid, v.container.container, v.process.uuid)
+                    util[k] = min(
+                        100.0, util.get(k, 0.0) + samples.get((v.process.uuid, v.process.host_pid), 0.0)
+                    )
+                # Containers with slices but no process on a card use 0 % of it.
+                for c in containers:
+                    for d in c.devices:
+                        util.setdefault((c.pod_uid, c.container, d.uuid), 0.0)
+                self.container_util = util
+                if self.sm_util_writer is not None:
+                    for (uid, name, uuid), pct in util.items():
+                        if regions.get((uid, name)) is None:
+                            continue
+                        try:
+                            self.sm_util_writer(uid, name, uuid, round(pct))
+                        except Exception as e:
+                            log.debug("could not write SM utilisation: %s", e)
             if self.host_pid_writer is not None:
                 for v in views:
                     if not (v.needs_host_pid and v.container and v.inner_pid):

@@ -271,6 +271,7 @@ class UsageCollector(Collector):
         region_root: str = keys.HOST_REGION_ROOT,
         hami_compat: bool = True,
         processes: Callable[[], Sequence[Any]] | None = None,
+        utilization: Callable[[], Mapping[tuple[str, str, str], float]] | None = None,
     ) -> None:
         self.node = node
         self.containers = containers
@@ -279,6 +280,7 @@ class UsageCollector(Collector):
         self.region_root = Path(region_root)
         self.hami_compat = hami_compat
         self.processes = processes  # -> enforcement.ProcessView snapshot
+        self.utilization = utilization  # -> {(pod uid, container, uuid): SM percent} measured by NVML
         self.read_errors = 0
 
     def region_dir(self, c: BoundContainer) -> Path:
@@ -338,6 +340,7 @@ class UsageCollector(Collector):
             ),
         }
         views = list(self.processes()) if self.processes is not None else []
+        measured = dict(self.utilization()) if self.utilization is not None else {}
         unenforced: dict[tuple[str, str, str], int] = {}
         nvml_mem: dict[tuple[str, str, str], int] = {}
         foreign: dict[str, list[int]] = {}
@@ -375,7 +378,9 @@ class UsageCollector(Collector):
                 lv = [self.node, c.namespace, c.pod, c.container, c.claim, d.uuid, index.get(d.uuid, "")]
                 u = usage.get(d.uuid)
                 used = (u.used_mib * MIB) if u else 0.0
-                sm = (u.sm_util or 0.0) if u else 0.0
+                sm = u.sm_util if u and u.sm_util is not None else None
+                if sm is None:
+                    sm = measured.get((c.pod_uid, c.container, d.uuid), 0.0)
                 g["limit"].add_metric(lv, d.memory_mib * MIB)
                 g["cores"].add_metric(lv, d.cores)
                 g["used"].add_metric(lv, used)

@@ -26,7 +26,14 @@ from kvgpu.core.inventory import NodeInventory
 
 from .deviceplugin import DevicePlugin, PluginConfig
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
-from .enforcement import EnforcementMonitor, nvml_processes, proc_start_time, set_region_host_pid
+from .enforcement import (
+    EnforcementMonitor,
+    ProcessUtilization,
+    nvml_processes,
+    proc_start_time,
+    set_region_host_pid,
+    set_region_sm_util,
+)
 from .exporter import (
     REGION_FILE,
     BoundContainer,
@@ -176,13 +183,23 @@ class Agent:
         def uuids() -> list[str]:
             return [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())]
 
+        util = ProcessUtilization(nv)
         return EnforcementMonitor(
             processes=lambda: nvml_processes(nv, uuids()),
             containers=self.pods.containers,
             read_region=self._read_region,
             on_unenforced=self._unenforced_event,
             host_pid_writer=self._write_host_pid,
+            utilization=lambda: util(uuids()),
+            sm_util_writer=self._write_sm_util,
             interval_s=self.cfg.enforcement_s,
+        )
+
+    def _write_sm_util(self, pod_uid: str, container: str, uuid: str, percent: int) -> bool:
+        from pathlib import Path
+
+        return set_region_sm_util(
+            Path(self.cfg.region_root) / pod_uid / container / REGION_FILE, uuid, percent
         )
 
     def _write_host_pid(self, pod_uid: str, container: str, inner_pid: int, host_pid: int) -> bool:
@@ -252,6 +269,9 @@ class Agent:
                     region_root=self.cfg.region_root,
                     hami_compat=self.cfg.hami_metrics,
                     processes=(lambda: self.enforcement.snapshot if self.enforcement else [])
+                    if self.enforcement is not None
+                    else None,
+                    utilization=(lambda: self.enforcement.container_util if self.enforcement else {})
                     if self.enforcement is not None
                     else None,
                 )
