@@ -121,6 +121,16 @@ def health_check(d: NvmlDiscovery, uuids: list[str]) -> int:
         o = src.probe(u)
         bad += not o.ok
         print(f"{'ok      ' if o.ok else 'MISMATCH'} {u} health probe: {o.reason or 'healthy'}")
+    from kvgpu.agent.enforcement import ProcessUtilization, attribute, nvml_processes
+
+    procs = nvml_processes(d.nvml, uuids)
+    util = ProcessUtilization(d.nvml)(uuids)
+    for p in procs:
+        print(
+            f"info     {p.uuid} process host_pid={p.host_pid} used={p.used_bytes >> 20}MiB "
+            f"sm={util.get((p.uuid, p.host_pid), 'n/a')} attribution={attribute(p.host_pid)}"
+        )
+    print(f"info     NVML compute processes: {len(procs)}; utilisation samples: {len(util)}")
     nv = d.nvml
     es = nv.nvmlEventSetCreate()
     try:

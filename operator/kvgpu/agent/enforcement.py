@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .exporter import BoundContainer, DeviceUsage
+from .usage import BoundContainer, DeviceUsage
 
 log = logging.getLogger(__name__)
 

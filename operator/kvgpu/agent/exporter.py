@@ -39,217 +39,30 @@ dashboards keep working — with a real container index instead of HAMi's consta
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvgpu.core import claimstr, keys
+from kvgpu.core import keys
 from kvgpu.core.inventory import NodeInventory
 
+from .usage import (
+    MIB,
+    BoundContainer,
+    BoundDevice,
+    DeviceUsage,
+    RegionReader,
+    adapt_region,
+    containers_of_pod,
+    default_reader,
+    gc_regions,
+    pending_device_sets,
+)
+
 log = logging.getLogger(__name__)
-MIB = 1 << 20
-
-
-# --------------------------------------------------------------------------- claims
-
-
-@dataclass(frozen=True)
-class BoundDevice:
-    uuid: str
-    memory_mib: int
-    cores: int
-
-
-@dataclass(frozen=True)
-class BoundContainer:
-    """A container with slices on this node (from its pod's claim annotation)."""
-
-    namespace: str
-    pod: str
-    pod_uid: str
-    container: str
-    claim: str  # "<namespace>/<name>" of the VGPUClaim
-    priority: int
-    devices: tuple[BoundDevice, ...]
-    started: bool = False  # the container has been created by the kubelet
-    container_id: str = ""  # runtime ID without the "<runtime>://" prefix, "" before creation
-
-
-def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
-    """The bound containers of one pod (API dict). Ended pods and bad claim strings give none.
-
-    A claim annotation that does not decode is logged and skipped (the shim would refuse it too).
-    """
-    meta = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    status = pod.get("status") or {}
-    if status.get("phase") in ("Succeeded", "Failed"):
-        return []
-    ann = meta.get("annotations") or {}
-    ids = {
-        cs.get("name"): str(cs.get("containerID")).split("://", 1)[-1]
-        for cs in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or [])
-        if cs.get("containerID")
-    }
-    out = []
-    for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
-        name = c.get("name", "")
-        text = ann.get(keys.claim_annotation(name))
-        if not text:
-            continue
-        try:
-            cs = claimstr.decode(text)
-        except claimstr.ClaimStringError as e:
-            log.warning(
-                "pod %s/%s container %s: bad claim annotation: %s",
-                meta.get("namespace"),
-                meta.get("name"),
-                name,
-                e,
-            )
-            continue
-        out.append(
-            BoundContainer(
-                namespace=str(meta.get("namespace", "")),
-                pod=str(meta.get("name", "")),
-                pod_uid=str(meta.get("uid", "")),
-                container=name,
-                claim=cs.claim,
-                priority=cs.priority,
-                devices=tuple(BoundDevice(d.uuid, d.memory_mib, d.cores) for d in cs.devices),
-                started=name in ids,
-                container_id=ids.get(name, ""),
-            )
-        )
-    return out
-
-
-def pending_device_sets(containers: Iterable[BoundContainer]) -> list[list[str]]:
-    """Card-UUID lists of bound containers the kubelet has not created yet (device plugin hint)."""
-    return [[d.uuid for d in c.devices] for c in containers if not c.started]
-
-
-# --------------------------------------------------------------------------- regions
-
-
-@dataclass(frozen=True)
-class DeviceUsage:
-    """One card's usage in a container's region. Memory in MiB, SM use in percent (None: unknown)."""
-
-    uuid: str
-    limit_mib: int
-    used_mib: float
-    pids: tuple[int, ...] = ()
-    sm_util: float | None = None
-    host_pids: tuple[int, ...] = ()  # host PIDs of those processes where known (0s dropped)
-
-
-RegionReader = Callable[[Path], Sequence[DeviceUsage] | None]
-
-
-def _first(obj: Any, *names: str, default: Any = None) -> Any:
-    for n in names:
-        if isinstance(obj, Mapping) and n in obj:
-            return obj[n]
-        if hasattr(obj, n):
-            return getattr(obj, n)
-    return default
-
-
-def adapt_region(usage: Any) -> list[DeviceUsage]:
-    """Normalise what a region reader returned (``RegionUsage`` with ``devices``, or a list of
-    per-device records, objects or dicts) into :class:`DeviceUsage` rows."""
-    if usage is None:
-        return []
-    devs = _first(usage, "devices", default=usage)
-    out = []
-    for d in devs or []:
-        if isinstance(d, DeviceUsage):
-            out.append(d)
-            continue
-        limit = _first(d, "limit_mib", "memory_limit_mib", "limit")
-        used = _first(d, "used_mib", "memory_used_mib", "used")
-        if limit is None and (b := _first(d, "limit_bytes")) is not None:
-            limit = int(b) // MIB
-        if used is None and (b := _first(d, "used_bytes")) is not None:
-            used = int(b) / MIB
-        sm = _first(d, "sm_util", "sm_utilization", "sm_percent")
-        pids = _first(d, "pids", default=()) or ()
-        procs = _first(d, "processes", default=()) or ()
-        host = tuple(int(h) for p in procs if (h := _first(p, "host_pid", default=0)))
-        out.append(
-            DeviceUsage(
-                str(_first(d, "uuid", default="")),
-                int(limit or 0),
-                float(used or 0),
-                tuple(int(p) for p in pids),
-                None if sm is None else float(sm),
-                host,
-            )
-        )
-    return out
-
-
-REGION_FILE = "vgpu.region"  # the shim's file in the container's region directory
-
-
-def default_reader() -> RegionReader:
-    """A reader of ``<dir>/vgpu.region`` through ``kvgpu.shimcore.read_region``.
-
-    Returns ``None`` for a directory without a region (the container has not started CUDA). If
-    the shim's core module cannot be loaded here, returns a reader that always answers ``None``
-    (usage series stay 0; limits from claims are still exported) and logs why once.
-    """
-    try:
-        from kvgpu import shimcore
-
-        shimcore.core()  # load (or build) once at start, never during a scrape
-    except Exception as e:  # ImportError, ShimCoreUnavailable, a failed build
-        log.warning("shim core unavailable (%s): usage series will stay at 0", e)
-
-        def nothing(path: Path) -> None:
-            return None
-
-        return nothing
-
-    def read(path: Path) -> list[DeviceUsage] | None:
-        try:
-            return adapt_region(shimcore.read_region(path / REGION_FILE))
-        except FileNotFoundError:
-            return None
-
-    return read
-
-
-def gc_regions(
-    root: str | os.PathLike[str], live_pod_uids: set[str], min_age_s: float = 300.0, now: float | None = None
-) -> list[Path]:
-    """Delete ``<root>/<pod-uid>`` directories of pods no longer on this node, once older than
-    ``min_age_s`` (so a pod bound a moment ago is never raced). Returns what was removed."""
-    now = time.time() if now is None else now
-    removed: list[Path] = []
-    try:
-        entries = list(Path(root).iterdir())
-    except OSError:
-        return removed
-    for d in entries:
-        if not d.is_dir() or d.name in live_pod_uids:
-            continue
-        try:
-            if now - d.stat().st_mtime < min_age_s:
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
 
 
 # --------------------------------------------------------------------------- collector
@@ -452,12 +265,15 @@ def serve(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> Any:
 
 
 __all__ = [
+    "MIB",
     "BoundContainer",
     "BoundDevice",
     "DeviceUsage",
+    "RegionReader",
     "UsageCollector",
     "adapt_region",
     "containers_of_pod",
+    "default_reader",
     "gc_regions",
     "make_registry",
     "pending_device_sets",

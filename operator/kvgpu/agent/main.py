@@ -34,15 +34,7 @@ from .enforcement import (
     set_region_host_pid,
     set_region_sm_util,
 )
-from .exporter import (
-    REGION_FILE,
-    BoundContainer,
-    UsageCollector,
-    default_reader,
-    gc_regions,
-    make_registry,
-    serve,
-)
+from .exporter import UsageCollector, make_registry, serve
 from .health import (
     APPLICATION_XIDS,
     HealthChange,
@@ -55,6 +47,7 @@ from .kube import KubeApi, NodeApi
 from .pods import PodCache
 from .registration import Registrar
 from .shiminstall import install_shim, prune_shims
+from .usage import REGION_FILE, BoundContainer, default_reader, gc_regions
 
 log = logging.getLogger(__name__)
 

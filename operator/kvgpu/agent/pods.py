@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .exporter import BoundContainer, containers_of_pod, pending_device_sets
+from .usage import BoundContainer, containers_of_pod, pending_device_sets
 
 log = logging.getLogger(__name__)
 
