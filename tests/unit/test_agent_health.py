@@ -173,3 +173,26 @@ async def test_nvml_source_emits_xids_and_probes():
     assert reasons[B] == "XID 79: GPU has fallen off the bus"
     assert reasons[A].startswith("NVML:")
     assert fake.registered and all(m & 8 for m in fake.registered)
+
+
+async def test_nvml_source_without_events_still_probes():
+    class NoEvents(FakeNvmlEvents):
+        def nvmlEventSetCreate(self):
+            raise RuntimeError("Not Supported")
+
+    fake = NoEvents()
+    fake.lost.add(B)
+    state = HealthState([A, B], recovery_s=1000)
+    got: list = []
+    done = asyncio.Event()
+
+    async def on_change(changes):
+        got.extend(changes)
+        done.set()
+
+    src = NvmlHealthSource(lambda: [A, B], nvml=fake, probe_interval_s=0.05, wait_ms=10)
+    task = asyncio.create_task(HealthMonitor(state, src, on_change).run())
+    await asyncio.wait_for(done.wait(), 5)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert [(c.uuid, c.healthy) for c in got] == [(B, False)]

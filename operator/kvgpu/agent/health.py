@@ -284,8 +284,14 @@ class NvmlHealthSource:
         return Observation("probe", uuid, ok=True)
 
     def _register(self, uuids: list[str], emit: Emit) -> tuple[Any, dict[Any, str]]:
+        """An event set with XID/ECC events of every card that supports them. Returns
+        ``(None, {})`` when NVML cannot create a set or no card registered (probes still run)."""
         nv = self.nv
-        es = nv.nvmlEventSetCreate()
+        try:
+            es = nv.nvmlEventSetCreate()
+        except Exception as e:
+            log.warning("NVML event set unavailable (%s): health from probes only", e)
+            return None, {}
         mask = nv.nvmlEventTypeXidCriticalError
         for name in ("nvmlEventTypeDoubleBitEccError", "nvmlEventTypeSingleBitEccError"):
             mask |= getattr(nv, name, 0)
@@ -296,11 +302,15 @@ class NvmlHealthSource:
             except Exception as e:
                 emit(Observation("error", u, reason=f"NVML: {e}"))
                 continue
-            handles[_addr(h)] = u
             try:
                 nv.nvmlDeviceRegisterEvents(h, mask & nv.nvmlDeviceGetSupportedEventTypes(h), es)
+                handles[_addr(h)] = u
             except Exception as e:  # NOT_SUPPORTED: probes still run
                 log.warning("no NVML events for %s: %s", u, e)
+        if not handles:
+            with contextlib.suppress(Exception):
+                nv.nvmlEventSetFree(es)
+            return None, {}
         return es, handles
 
     def _run(self, emit: Emit) -> None:
@@ -317,9 +327,14 @@ class NvmlHealthSource:
                     next_probe = now + self.probe_interval_s
                     cur = sorted(self.uuids())
                     if cur != uuids:
-                        nv.nvmlEventSetFree(es)
+                        if es is not None:
+                            with contextlib.suppress(Exception):
+                                nv.nvmlEventSetFree(es)
                         uuids = cur
                         es, handles = self._register(uuids, emit)
+                if es is None:
+                    self._stop.wait(self.wait_ms / 1000)
+                    continue
                 try:
                     data = nv.nvmlEventSetWait(es, self.wait_ms)
                 except Exception as e:
@@ -329,6 +344,9 @@ class NvmlHealthSource:
                     self._stop.wait(1.0)
                     continue
                 uuid = handles.get(_addr(data.device), "")
+                if not uuid:  # an event of a handle we did not register: never blame every card
+                    log.warning("NVML event %#x for an unknown device ignored", int(data.eventType))
+                    continue
                 etype = int(data.eventType)
                 if etype & nv.nvmlEventTypeXidCriticalError:
                     emit(Observation("xid", uuid, xid=int(data.eventData)))
@@ -336,8 +354,9 @@ class NvmlHealthSource:
                     emit(Observation("xid", uuid, xid=48))
                 # single-bit ECC: informational; probes catch pending retirement.
         finally:
-            with contextlib.suppress(Exception):
-                nv.nvmlEventSetFree(es)
+            if es is not None:
+                with contextlib.suppress(Exception):
+                    nv.nvmlEventSetFree(es)
 
 
 def _addr(handle: Any) -> Any:
