@@ -243,6 +243,22 @@ class UsageCollector(Collector):
                 fmem.add_metric(lv, sum(foreign.get(card.uuid, [])))
                 fprocs.add_metric(lv, len(foreign.get(card.uuid, [])))
             yield from (fmem, fprocs)
+        agent = GaugeMetricFamily(
+            "kvgpu_agent_info", "The agent (value 1).", labels=["node", "version", "source", "driver", "cuda"]
+        )
+        from kvgpu import __version__
+
+        agent.add_metric(
+            [
+                self.node,
+                __version__,
+                inv.source if inv else "",
+                inv.driver if inv else "",
+                inv.cuda if inv else "",
+            ],
+            1,
+        )
+        yield agent
         err = CounterMetricFamily(
             "kvgpu_region_read_errors", "Shared regions that could not be read.", labels=["node"]
         )
