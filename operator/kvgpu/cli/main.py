@@ -70,6 +70,39 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: in
     asyncio.run(run(cfg))
 
 
+@main.command("agent")
+@click.option("--node", envvar="NODE_NAME", default="", help="this node's name (env NODE_NAME)")
+@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="kubeconfig file; default: the in-cluster service account")
+@click.option("--simulated", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="simulated inventory file (no NVML): see kvgpu.core.inventory")
+@click.option("--fleet", is_flag=True,
+              help="with --simulated: one agent per node of the file, in this process (fake nodes)")
+@click.option("--interval", type=float, default=30.0, show_default=True, help="re-discovery period, s")
+@click.option("--shim-source", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="the built libvgpu.so to install on the host")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=9394, show_default=True,
+              help="usage exporter port (0 = off)")
+@click.option("--no-device-plugin", is_flag=True, help="do not serve the kubelet device plugin")
+def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: bool, interval: float,
+              shim_source: str | None, metrics_port: int, no_device_plugin: bool) -> None:
+    """Run the node agent: discovery, inventory, health, device plugin, shim install, usage metrics."""
+    from kvgpu.agent.main import AgentConfig, run, run_simulated_fleet
+    from kvgpu.logs import configure_logging
+
+    configure_logging()
+    if fleet:
+        if not simulated:
+            raise click.BadParameter("--fleet needs --simulated", param_hint="--fleet")
+        asyncio.run(run_simulated_fleet(simulated, kubeconfig, interval_s=interval))
+        return
+    if not node:
+        raise click.BadParameter("give --node or set NODE_NAME", param_hint="--node")
+    cfg = AgentConfig(node=node, simulated=simulated, kubeconfig=kubeconfig, interval_s=interval,
+                      shim_source=shim_source, metrics_port=metrics_port, device_plugin=not no_device_plugin)
+    asyncio.run(run(cfg))
+
+
 @main.group()
 def dev() -> None:
     """A real local control plane (etcd, kube-apiserver, kube-scheduler, KCM) for development."""
