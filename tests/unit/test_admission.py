@@ -466,3 +466,53 @@ def test_workload_webhook() -> None:
     groups = {r["apiGroups"][0]: set(r["resources"]) for r in ww["rules"]}
     assert groups["apps"] == {"deployments", "statefulsets", "daemonsets", "replicasets"}
     assert groups["batch"] == {"jobs", "cronjobs"}
+
+
+_names = st.sampled_from(["main", "side", "prep", "x" * 45, "a-b"])
+_env = st.lists(st.fixed_dictionaries({"name": st.sampled_from(["A", "PATH", "HOME", "B_C"]),
+                                       "value": st.text(max_size=4)}), max_size=3)
+_mounts = st.lists(st.fixed_dictionaries({"name": st.just("data"),
+                                          "mountPath": st.sampled_from(["/data", "/cache", "/x/y"])}),
+                   max_size=2, unique_by=lambda v: v["mountPath"])
+
+
+@st.composite
+def _pods(draw: Any) -> dict[str, Any]:
+    names = draw(st.lists(_names, min_size=1, max_size=4, unique=True))
+    n_init = draw(st.integers(0, len(names) - 1))
+    hami = draw(st.booleans())
+
+    def container(n: str) -> dict[str, Any]:
+        c: dict[str, Any] = {"name": n, "image": "x"}
+        if draw(st.booleans()):
+            c["env"] = draw(_env)
+        if draw(st.booleans()):
+            c["volumeMounts"] = draw(_mounts)
+        if hami and draw(st.booleans()):
+            c["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+        return c
+
+    ann = {} if hami else {"kvgpu.io/gpumem": "1000",
+                           "kvgpu.io/containers": ",".join(draw(st.sets(st.sampled_from(names[n_init:]),
+                                                                        min_size=1)))}
+    p = pod(ann, containers=[container(n) for n in names[n_init:]],
+            init=[container(n) for n in names[:n_init]] or None)
+    if draw(st.booleans()):
+        p["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
+    if draw(st.booleans()):
+        p["metadata"]["labels"] = {"app": "x"}
+    return p
+
+
+@settings(max_examples=200, deadline=None)
+@given(p=_pods())
+def test_any_clean_pod_is_injected_once_and_then_valid(p: dict[str, Any]) -> None:
+    jsonpatch = pytest.importorskip("jsonpatch")
+    ops = m.mutate_pod(p)
+    out = jsonpatch.apply_patch(p, ops)
+    assert out == m.apply_ops(p, ops)
+    assert m.mutate_pod(out) == []
+    assert create_errors(out) == [], (p, ops)
+    for kind in ("initContainers", "containers"):
+        for before, after in zip(p["spec"].get(kind, []), out["spec"].get(kind, []), strict=True):
+            assert after.get("env", [])[: len(before.get("env", []))] == before.get("env", [])  # user first
