@@ -29,11 +29,11 @@ from typing import Any
 from kvgpu.core import keys
 from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode
 from kvgpu.devcluster import Cluster, ensure_binaries
-from kvgpu.devcluster.cluster import REPO_ROOT
+from kvgpu.devcluster.cluster import REPO_ROOT, die_with_parent
 from kvgpu.devcluster.fakenodes import create_nodes
 from kvgpu.devcluster.system import KvgpuSystem
 
-RUN_DIR = REPO_ROOT / "run" / "demo"
+RUN_DIR = Path(os.environ.get("KVGPU_DEMO_DIR") or REPO_ROOT / "run" / "demo")
 STUB_UUID = "GPU-5a110000-0000-0000-0000-000000000000"  # the stub driver's first card
 T0 = time.monotonic()
 
@@ -62,7 +62,7 @@ def start_agent(c: Cluster, fleet: Path) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "kvgpu.cli.main", "agent", "--fleet", f"--simulated={fleet}",
          f"--kubeconfig={c.kubeconfig}", "--interval=5"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        preexec_fn=die_with_parent, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     log.close()
     return p
 

@@ -120,7 +120,7 @@ def dev_up(run_dir: Path, nodes: int, cards: int) -> None:
 
     if (run_dir / "cluster.json").exists() and any(Cluster.attach(run_dir).alive().values()):
         raise click.ClickException(f"a dev cluster already runs in {run_dir}; `kvgpu dev down` first")
-    c = Cluster(run_dir=run_dir.resolve()).start()
+    c = Cluster(run_dir=run_dir.resolve(), detached=True).start()
     sims = [SimulatedNode(f"gpu-node-{i}", (SimulatedCardSpec(count=cards),)) for i in range(nodes)]
 
     async def _nodes() -> None:

@@ -80,6 +80,7 @@ class Cluster:
     run_dir: Path
     bin_dir: Path = field(default_factory=ensure_binaries)
     with_controller_manager: bool = True
+    detached: bool = False  # True: components outlive this process (kvgpu dev up)
     api_port: int = 0
     components: dict[str, Component] = field(default_factory=dict)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -259,7 +260,7 @@ class Cluster:
         exe = self.bin_dir / argv[0]
         proc = subprocess.Popen(
             [str(exe), *argv[1:]], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=self.run_dir, start_new_session=True,
+            cwd=self.run_dir, start_new_session=True, preexec_fn=None if self.detached else die_with_parent,
         )
         log.close()
         self._procs[name] = proc
@@ -346,6 +347,17 @@ class Cluster:
 
     def alive(self) -> dict[str, bool]:
         return {k: _pid_runs(v.pid, self.bin_dir) for k, v in self.components.items()}
+
+
+def die_with_parent() -> None:
+    """In a child before exec: ask Linux to SIGKILL it when the process that started it dies
+    (prctl PR_SET_PDEATHSIG), so a test run that is itself killed leaves nothing behind."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
 
 
 def _pid_runs(pid: int, bin_dir: Path) -> bool:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgpu.devcluster.cluster import REPO_ROOT, Cluster, ClusterError, free_port
+from kvgpu.devcluster.cluster import REPO_ROOT, Cluster, ClusterError, die_with_parent, free_port
 from kvgpu.extender.schedconfig import scheduler_configuration
 
 CRD_DIR = REPO_ROOT / "crds"
@@ -66,7 +66,8 @@ class KvgpuSystem:
         log = self.operator_log().open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.operator = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+                                         env=env, start_new_session=True,
+                                         preexec_fn=None if self.cluster.detached else die_with_parent)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
