@@ -175,6 +175,25 @@ async def test_agent_health_round_trip(cluster: Cluster, namespace: str, crds, t
             sliced = await wait_inventory(lambda i: all(c.slicing for c in i.cards))
             assert {c.slicing.split_count for c in sliced.cards} == {2}
             assert agent.api.api_calls == calls
+
+            # No kubelet on a fake node: the simulated agent reports nvidia.com/gpu as the kubelet
+            # would from the device plugin (2 cards x splitCount 2; healthy replicas allocatable).
+            deadline = asyncio.get_running_loop().time() + 20
+            while True:
+                st = (await node_of(api, node)).status
+                if st.capacity.get("nvidia.com/gpu") == "4" and st.allocatable.get("nvidia.com/gpu") == "4":
+                    break
+                assert asyncio.get_running_loop().time() < deadline, (st.capacity, st.allocatable)
+                await asyncio.sleep(0.1)
+            health.write_text(json.dumps({"0": "simulated: fallen off the bus"}))
+            deadline = asyncio.get_running_loop().time() + 20
+            while True:
+                st = (await node_of(api, node)).status
+                if st.allocatable.get("nvidia.com/gpu") == "2":
+                    break
+                assert asyncio.get_running_loop().time() < deadline, (st.capacity, st.allocatable)
+                await asyncio.sleep(0.1)
+            assert st.capacity["nvidia.com/gpu"] == "4"
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

@@ -81,6 +81,16 @@ class KubeApi:
         if name in self._nodes:  # the watch will say the same soon; do not compare with stale data
             self._store_node(self.api.sanitize_for_serialization(node))
 
+    async def patch_node_resource(self, name: str, resource: str, capacity: int, allocatable: int) -> None:
+        """Set ``status.capacity``/``allocatable`` of one extended resource (what a kubelet reports
+        from a device plugin). For simulated nodes only; needs ``nodes/status`` patch."""
+        body = {
+            "status": {"capacity": {resource: str(capacity)}, "allocatable": {resource: str(allocatable)}}
+        }
+        await self.core.patch_node_status(  # type: ignore[call-arg]
+            name, body, _content_type="application/merge-patch+json"
+        )
+
     def _store_node(self, d: dict[str, Any]) -> None:
         meta = d.get("metadata") or {}
         old = self._nodes.get(meta.get("name", ""))

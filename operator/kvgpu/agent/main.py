@@ -24,7 +24,7 @@ from kvgpu import __version__
 from kvgpu.core import keys
 from kvgpu.core.inventory import NodeInventory
 
-from .deviceplugin import DevicePlugin, PluginConfig
+from .deviceplugin import DevicePlugin, PluginConfig, device_list
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
 from .enforcement import (
     EnforcementMonitor,
@@ -73,6 +73,9 @@ class AgentConfig:
     recovery_s: float = 60.0
     extra_ignored_xids: tuple[int, ...] = ()
     device_plugin: bool = True
+    #: simulated mode without a kubelet: patch the Node's capacity/allocatable of the plugin's
+    #: resource as the kubelet would from ListAndWatch (all replicas / healthy replicas)
+    simulated_capacity: bool = True
     plugin: PluginConfig = field(default_factory=PluginConfig)
     shim_source: str | None = None
     shim_version: str = __version__
@@ -120,6 +123,7 @@ class Agent:
         self.metrics_server: Any = None
         self.reader = default_reader()
         self.enforcement: EnforcementMonitor | None = None
+        self._capacity: tuple[int, int] | None = None
 
     def inventory(self) -> NodeInventory | None:
         return self.registrar.inventory
@@ -137,6 +141,14 @@ class Agent:
     async def _on_inventory(self, inv: NodeInventory) -> None:
         if self.plugin is not None:
             await self.plugin.update(inv)
+        if self.cfg.simulated and self.cfg.simulated_capacity and not self.cfg.device_plugin:
+            devices = device_list(inv, self.cfg.plugin)
+            want = (len(devices), sum(d.health == "Healthy" for d in devices))
+            if want != self._capacity:
+                patch = getattr(self.api, "patch_node_resource", None)
+                if patch is not None:
+                    await patch(self.cfg.node, self.cfg.plugin.resource_name, *want)
+                    self._capacity = want
 
     def _health_source(self) -> Any:
         if self.cfg.simulated:
