@@ -411,3 +411,20 @@ def test_usage_summaries_and_pool_usage() -> None:
     assert (pools["p2"].cards, pools["p2"].slots_total) == (1, 10)
     assert list(led.usage()) == ["a", "b"]
     assert led.node_usage("b").cards[1].reason == "not covered by a VGPUPool"
+
+
+def test_rebuild_leaves_out_contradictory_claims_and_says_so() -> None:
+    led = ledger(node("a", 2), node("b", 2))
+    a = led.allocate(pod(c(memory_mib=1000)), "a")
+    b = led.allocate(pod(c(memory_mib=1000)), "b")  # same pod UID, other node
+    again = Ledger.rebuild([node("a", 2), node("b", 2)], {"k1": a, "k2": b})
+    assert again.reservations() == {"k1": a}
+    assert any("'k2' left out" in p for p in again.problems())
+
+
+def test_set_node_with_equal_inventory_changes_nothing() -> None:
+    led = ledger(node("a", 2))
+    led.bind(pod(c(memory_mib=1000)), "a")
+    snap = led.snapshot()
+    led.set_node(node("a", 2))
+    assert led.snapshot() == snap

@@ -312,6 +312,9 @@ class Ledger:
     Reservation keys are free-form strings (the extender uses the VGPUClaim's
     ``<namespace>/<name>``, or the pod UID when one key covers the whole pod).
 
+    Pool defaults and per-pod overrides of the policies are resolved by the request parser:
+    the ledger uses ``PodRequest.node_policy`` / ``gpu_policy`` as given.
+
     ``cache`` (default on): :meth:`filter` remembers, per node, its verdict for each request
     shape (the containers' requests and the GPU policy) until that node's usage or inventory
     changes, so a burst of identical pods costs one dictionary lookup per unchanged node. The
@@ -326,13 +329,18 @@ class Ledger:
         self._pods: dict[str, _Pod] = {}
         self._cache = cache
         self._shapes: dict[tuple[Any, ...], int] = {}
+        self._rejected: dict[str, str] = {}  # rebuild: key -> why it could not be recorded
 
     # ------------------------------------------------------------------ nodes
 
     def set_node(self, inventory: NodeInventory) -> None:
         """Add or replace a node's inventory (cards with their ``slicing``). Reservations that
         name the node are re-applied; grants on cards the inventory no longer has are kept as
-        reservations but count on no card (see :meth:`problems`)."""
+        reservations but count on no card (see :meth:`problems`). An inventory equal to the
+        current one changes nothing."""
+        old = self._nodes.get(inventory.node)
+        if old is not None and old.inventory == inventory:
+            return
         node = _Node(inventory)
         self._nodes[inventory.node] = node
         for pod in self._pods.values():
@@ -353,8 +361,10 @@ class Ledger:
     def filter(self, pod: PodRequest, nodes: Iterable[str] | None = None) -> tuple[list[str], dict[str, str]]:
         """Every node of ``nodes`` (default: all known, sorted) where :meth:`allocate` would
         succeed, in the given order, and for each other node a reason for a person, e.g.
-        ``"8 usable cards, most free memory 2048 MiB < 3000 MiB"`` (no node name; see
-        :func:`explain`). Raises ``ValueError`` for an invalid request."""
+        ``"8 cards, most free memory 2048 MiB < 3000 MiB"`` (no node name, so kube-scheduler can
+        group equal reasons; :func:`explain` makes one line for an Event). O(1) per node that
+        fails the aggregate pre-checks, O(cards) otherwise; see ``cache``. Raises ``ValueError``
+        for an invalid request."""
         needs = _needs(pod)
         feasible: list[str] = []
         reasons: dict[str, str] = {}
@@ -517,13 +527,17 @@ class Ledger:
         cls, inventories: Iterable[NodeInventory], reservations: Mapping[str, PodAllocation]
     ) -> Ledger:
         """A ledger from node inventories and the reservations recorded in the VGPUClaims
-        (key → allocation), reserved with ``force=True``. Raises :class:`AllocationError` only
-        for contradictory input (a pod on two nodes, a container twice)."""
+        (key -> allocation), reserved with ``force=True`` in key order. Never raises for
+        contradictory input (a pod on two nodes, a container or a card twice): such a key is
+        left out and named by :meth:`problems`, so start-up is not blocked by one bad claim."""
         led = cls()
         for inv in inventories:
             led.set_node(inv)
         for key in sorted(reservations):
-            led.reserve(key, reservations[key], force=True)
+            try:
+                led.reserve(key, reservations[key], force=True)
+            except AllocationError as e:
+                led._rejected[key] = str(e)
         return led
 
     # ------------------------------------------------------------------ views
@@ -598,10 +612,10 @@ class Ledger:
         return {p: PoolUsage(p, len(a[0]), *a[1:]) for p, a in sorted(acc.items())}
 
     def problems(self) -> list[str]:
-        """What a forced reservation left inconsistent, for a person: cards over capacity or
-        shared despite an exclusive slice, grants on unknown nodes or cards. Empty when the
-        ledger is consistent."""
-        out: list[str] = []
+        """What forced reservations left inconsistent, for a person: cards over capacity or
+        shared despite an exclusive slice, grants on unknown nodes or cards, reservations
+        :meth:`rebuild` left out. Empty when the ledger is consistent."""
+        out = [f"reservation {k!r} left out: {why}" for k, why in sorted(self._rejected.items())]
         for name in self.nodes():
             for c in self._nodes[name].cards:
                 over = []
