@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvgpu.api.models import NodeSelector, VGPUPool
 from kvgpu.api.pools import (
+    card_matches,
     conflicts,
     covering_pool,
     defaults_pool,
@@ -152,3 +155,42 @@ def test_pool_conditions() -> None:
         cards=1, healthy_cards=1, conflicts_with=[f"p{i:03}" for i in range(500)], generation=1, now=t0
     )
     assert "and 490 more" in many[1].message and len(many[1].message) < 300
+
+
+_POOL_SPECS = st.fixed_dictionaries(
+    {},
+    optional={
+        "nodeSelector": st.fixed_dictionaries(
+            {},
+            optional={
+                "matchLabels": st.dictionaries(
+                    st.sampled_from(["zone", "kvgpu.io/gpu-node"]), st.sampled_from(["a", "true"]), max_size=2
+                )
+            },
+        ),
+        "devices": st.fixed_dictionaries(
+            {},
+            optional={
+                "models": st.lists(st.sampled_from(["H200", "A100", "nvidia"]), max_size=2),
+                "indexes": st.lists(st.integers(0, 2), max_size=2),
+                "uuids": st.lists(st.sampled_from(["GPU-aaaa-0", "GPU-bbbb-1"]), max_size=1),
+            },
+        ),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_POOL_SPECS, min_size=0, max_size=5), st.randoms(use_true_random=False))
+def test_coverage_does_not_depend_on_pool_order(specs: list[dict[str, Any]], rnd: Any) -> None:
+    pools = [pool(f"p{i}", **s) for i, s in enumerate(specs)]
+    shuffled = list(pools)
+    rnd.shuffle(shuffled)
+    for card in (H200, A100):
+        a, b = covering_pool(pools, GPU_NODE, card), covering_pool(shuffled, GPU_NODE, card)
+        assert (a.pool.name if a.pool else None) == (b.pool.name if b.pool else None)
+        assert a.conflicts == b.conflicts
+        if a.pool is not None:
+            assert card_matches(a.pool.spec.devices, card)
+            assert node_matches(a.pool.spec.node_selector, GPU_NODE)
+            assert a.pool.name not in a.conflicts
