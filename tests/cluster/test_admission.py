@@ -12,6 +12,7 @@ from typing import Any
 import kopf
 import pytest
 from kopfthread import KopfThread, free_port, kopf_in_thread, temporarily_applied, wait_port
+from kvgpu.admission import mutate as m
 from kvgpu.admission.config import webhook_configurations
 from kvgpu.admission.handlers import register
 from kvgpu.admission.mutate import MANAGED_LABEL
@@ -28,6 +29,7 @@ NO_NODE = {"kvgpu.io/admission-test": "no-such-node"}
 def webhooks(cluster: Cluster) -> Iterator[KopfThread]:
     registry = kopf.OperatorRegistry()
     register(registry, {OPERATOR_USER})
+    _register_sidecar_injector(registry)
     pki = cluster.run_dir / "pki"
     port = free_port()
 
@@ -40,13 +42,38 @@ def webhooks(cluster: Cluster) -> Iterator[KopfThread]:
 
     with kopf_in_thread(registry, cluster.operator_kubeconfig, adjust=adjust) as op:
         wait_port("127.0.0.1", port)
-        configs = webhook_configurations(
-            url_base=f"https://127.0.0.1:{port}", service=None,
-            ca_bundle=(pki / "ca.crt").read_bytes(), exclude_namespaces=[],
-        )
-        with temporarily_applied(cluster, list(configs)):
+        ca = (pki / "ca.crt").read_bytes()
+        configs = webhook_configurations(url_base=f"https://127.0.0.1:{port}", service=None, ca_bundle=ca,
+                                         exclude_namespaces=[])
+        with temporarily_applied(cluster, [*configs, _sidecar_configuration(configs[0], port)]):
             _wait_webhooks_active(cluster, op)
             yield op
+
+
+SIDECAR_LABEL = "admission-test/sidecar"
+
+
+def _register_sidecar_injector(registry: kopf.OperatorRegistry) -> None:
+    """Another mutating webhook (think: a service mesh) that adds a container after ours ran."""
+
+    @kopf.on.mutate("pods", id="test-add-sidecar", operations=["CREATE"], registry=registry)
+    def add_sidecar(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        names = [c["name"] for c in body["spec"]["containers"]]
+        if "mesh" not in names:
+            sidecar = {"name": "mesh", "image": "registry.invalid/mesh"}
+            patch.fns.append(lambda raw: raw["spec"]["containers"].append(sidecar))
+
+
+def _sidecar_configuration(ours: dict[str, Any], port: int) -> dict[str, Any]:
+    (hook,) = json.loads(json.dumps(ours["webhooks"]))
+    hook.update(name="sidecar.admission-test.kvgpu.io", reinvocationPolicy="Never",
+                objectSelector={"matchLabels": {SIDECAR_LABEL: "yes"}})
+    hook["rules"] = hook["rules"][:1]
+    hook["clientConfig"]["url"] = f"https://127.0.0.1:{port}/test-add-sidecar"
+    del hook["matchConditions"]
+    # Named after ours: the API server calls configurations in name order, so it runs second.
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": "zz-admission-test-sidecar"}, "webhooks": [hook]}
 
 
 def _pod(namespace: str, name: str, annotations: dict[str, str] | None = None,
@@ -110,6 +137,22 @@ def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: Ko
     assert not any(m["mountPath"] == "/etc/ld.so.preload" for m in side.get("volumeMounts", []))
     # The stored (defaulted) object still passes our own validation.
     assert validate_pod("CREATE", pod, None, "someone", {OPERATOR_USER}) == []
+
+
+def test_reinvoked_after_another_webhook_adds_a_container(
+    cluster: Cluster, namespace: str, webhooks: KopfThread,
+) -> None:
+    pod = _pod(namespace, "meshed", {"kvgpu.io/gpumem": "3000"})
+    pod["metadata"]["labels"] = {SIDECAR_LABEL: "yes"}
+    _create(cluster, pod)
+    got = {c["name"]: c for c in _get(cluster, namespace, "meshed")["spec"]["containers"]}
+    assert set(got) == {"main", "side", "mesh"}
+    # reinvocationPolicy IfNeeded: we ran again after the sidecar appeared, and only added to it.
+    assert got["mesh"]["env"] == [{"name": keys.ENV_VISIBLE, "value": "none"}]
+    assert [e["name"] for e in got["main"]["env"]] == [e["name"] for e in m.injected_env("main")]
+    assert len(got["main"]["volumeMounts"]) == len(m.injected_mounts("main"))
+    calls = webhooks.messages(f"mutate CREATE pod {namespace}/meshed:")
+    assert len(calls) == 2 and calls[1].endswith(": 1 patch ops"), calls
 
 
 def test_hami_limits_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: KopfThread) -> None:
