@@ -258,3 +258,10 @@ def test_invalid_claim_refused(crds: Cluster, namespace: str) -> None:
     res = crds.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body), check=False)
     assert res.returncode != 0
     assert "spec.devices[0].cores" in res.stderr and "Duplicate value" in res.stderr, res.stderr
+
+
+def test_kubectl_explain_shows_model_descriptions(crds: Cluster) -> None:
+    out = crds.kubectl("explain", "vgpupool.spec.splitCount").stdout
+    assert "Most slices (containers) sharing one card at a time" in out
+    out = crds.kubectl("explain", "vgpuclaim.spec.devices.memory").stdout
+    assert "Memory limit on this card, MiB" in out
