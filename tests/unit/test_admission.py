@@ -445,6 +445,12 @@ def test_configurations_with_a_service() -> None:
                                     ca_bundle=b"x", exclude_namespaces=[])
     assert mut["webhooks"][0]["clientConfig"]["service"] == {
         "namespace": "kvgpu-system", "name": "kvgpu-webhook", "port": 443, "path": "/kvgpu-mutate-pods"}
+    inject = {"cert-manager.io/inject-ca-from": "kvgpu-system/kvgpu-webhook"}
+    mut, val = webhook_configurations(url_base=None, service=("kvgpu-system", "kvgpu-webhook", 443),
+                                      ca_bundle=b"", exclude_namespaces=[], annotations=inject)
+    for cfg in (mut, val):
+        assert cfg["metadata"]["annotations"] == inject
+        assert all("caBundle" not in w["clientConfig"] for w in cfg["webhooks"])
     with pytest.raises(ValueError):
         webhook_configurations(url_base="https://x", service=("a", "b", 1), ca_bundle=b"",
                                exclude_namespaces=[])

@@ -99,7 +99,7 @@ def _client_config(
 ) -> dict[str, Any]:
     if (url_base is None) == (service is None):
         raise ValueError("give exactly one of url_base and service")
-    cfg: dict[str, Any] = {"caBundle": base64.b64encode(ca_bundle).decode()}
+    cfg: dict[str, Any] = {"caBundle": base64.b64encode(ca_bundle).decode()} if ca_bundle else {}
     if url_base is not None:
         cfg["url"] = f"{url_base.rstrip('/')}/{path}"
     else:
@@ -141,12 +141,15 @@ def webhook_configurations(
     service: tuple[str, str, int] | None,
     ca_bundle: bytes,
     exclude_namespaces: list[str],
+    annotations: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Return ``(MutatingWebhookConfiguration, ValidatingWebhookConfiguration)`` dicts.
 
     ``url_base``: the operator's webhook server as the API server reaches it (dev mode);
     ``service``: ``(namespace, name, port)`` of its Service (production). Exactly one of the two.
-    ``ca_bundle``: PEM of the CA that signed the server certificate.
+    ``ca_bundle``: PEM of the CA that signed the server certificate; empty leaves ``caBundle``
+    out, for an injector to fill (e.g. cert-manager's, with ``annotations``
+    ``{"cert-manager.io/inject-ca-from": "<namespace>/<certificate>"}``).
     """
     common = {"url_base": url_base, "service": service, "ca_bundle": ca_bundle,
               "exclude_namespaces": list(exclude_namespaces)}
@@ -164,10 +167,16 @@ def webhook_configurations(
         [_rule(["CREATE", "UPDATE"], plurals, group) for group, plurals in sorted(by_group.items())],
         expression=gpu_workload_expression(), **common,  # type: ignore[arg-type]
     )
-    labels = {"app.kubernetes.io/name": "kvgpu", "app.kubernetes.io/component": "admission"}
+    def meta(name: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "kvgpu",
+                                                        "app.kubernetes.io/component": "admission"}}
+        if annotations:
+            out["annotations"] = dict(annotations)
+        return out
+
     return (
         {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
-         "metadata": {"name": MUTATE_NAME, "labels": labels}, "webhooks": [mutating]},
+         "metadata": meta(MUTATE_NAME), "webhooks": [mutating]},
         {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-         "metadata": {"name": VALIDATE_NAME, "labels": labels}, "webhooks": [validating, workloads]},
+         "metadata": meta(VALIDATE_NAME), "webhooks": [validating, workloads]},
     )
