@@ -224,6 +224,15 @@ def test_every_bad_key_is_reported_at_once() -> None:
     assert "3 problems: (1)" in refusal_message(errors)
 
 
+def test_managed_label_only_on_gpu_pods() -> None:
+    p = pod({"team": "web"})
+    p["metadata"]["labels"] = {m.MANAGED_LABEL: "true"}
+    assert any(m.MANAGED_LABEL in e for e in create_errors(p))
+    plain = pod({"team": "web"})
+    assert any(m.MANAGED_LABEL in e for e in validate_pod("UPDATE", p, plain, "alice", OPS))
+    assert validate_pod("UPDATE", p, plain, "kvgpu-operator", OPS) == []
+
+
 def test_pods_without_slices_are_allowed_even_if_odd() -> None:
     assert create_errors(pod({"team": "web"})) == []
     # Not our business when the pod asks for no slices.

@@ -60,13 +60,19 @@ def _mentions_gpus(pod: str) -> list[str]:
     ]
 
 
+def _has_managed_label(obj: str) -> str:
+    return (f"({obj} != null && has({obj}.metadata) && has({obj}.metadata.labels) && "
+            f"'{MANAGED_LABEL}' in {obj}.metadata.labels)")
+
+
 def gpu_pod_expression(*, update: bool) -> str:
-    """CEL: true for pods that mention GPUs (and, with ``update``, pods that were kvgpu pods)."""
+    """CEL: true for pods that mention GPUs. With ``update`` (the validating webhook, CREATE and
+    UPDATE) also for pods carrying the managed label, and pods that were kvgpu pods before."""
     parts = _mentions_gpus("object")
     if update:
+        parts.append(_has_managed_label("object"))
         parts.append(_any_annotation("oldObject", (f"{keys.GROUP}/",)))
-        parts.append(f"(oldObject != null && has(oldObject.metadata) && has(oldObject.metadata.labels) && "
-                     f"'{MANAGED_LABEL}' in oldObject.metadata.labels)")
+        parts.append(_has_managed_label("oldObject"))
     return " || ".join(parts)
 
 

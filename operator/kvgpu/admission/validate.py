@@ -21,7 +21,8 @@ CREATE, for pods that request slices:
 
 CREATE, for every pod reaching the webhook: allocation annotations
 (:func:`kvgpu.core.keys.is_allocation_annotation`) are refused whoever sets them — only the
-operator writes them, and only on existing pods.
+operator writes them, and only on existing pods; the ``kvgpu.io/managed`` label on a pod that
+requests no slices (the operator would watch it for nothing).
 
 UPDATE, by anyone not in ``operator_usernames``: any change to allocation annotations, to the
 ``kvgpu.io/managed`` label or to the request annotations (the injection was made for the request
@@ -228,6 +229,9 @@ def _create_errors(pod: Mapping[str, Any], *, injected: bool = True) -> list[str
     errors = _forged_annotation_errors(pod)
     parsed = parse(pod)
     if not parsed.requests_slices:
+        if m.MANAGED_LABEL in _labels(pod):
+            errors.append(f"label {m.MANAGED_LABEL} is set by kvgpu on pods that request GPU slices; "
+                          "remove it")
         return errors
     errors += parsed.errors
     spec = _mapping(pod.get("spec"))
@@ -276,7 +280,7 @@ def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None) -> lis
         errors.append(f"annotation {', '.join(changed)} may only be changed by the kvgpu operator; "
                       "leave kvgpu.io allocation annotations as they are")
     new_l, old_l = _labels(pod).get(m.MANAGED_LABEL), _labels(old).get(m.MANAGED_LABEL)
-    if new_l != old_l and old_l is not None:
+    if new_l != old_l:
         errors.append(f"label {m.MANAGED_LABEL} may only be changed by the kvgpu operator")
     new_req, old_req = _request_keys(new_ann), _request_keys(old_ann)
     changed = sorted(k for k in set(new_req) | set(old_req) if new_req.get(k) != old_req.get(k))
