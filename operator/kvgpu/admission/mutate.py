@@ -33,7 +33,7 @@ from kvgpu.core import keys
 
 JSONPatchOp = dict[str, Any]
 
-MANAGED_LABEL = f"{keys.GROUP}/managed"
+MANAGED_LABEL = keys.POD_MANAGED_LABEL
 DEFAULT_SCHEDULER = "default-scheduler"
 
 VOLUME_SHIM = "kvgpu-shim"
