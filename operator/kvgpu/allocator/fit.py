@@ -51,10 +51,10 @@ PHRASES = (
     "an excluded UUID",
     "without a free slot",
     "held exclusively",
-    "not idle (an exclusive request needs a card with no slice)",
+    "not idle (needed by an exclusive request)",
     "with too little free memory",
     "with too few free cores",
-    "with all cores taken (a request without a core limit cannot join)",
+    "with all cores taken (needed by a request without a core limit)",
     "on another NUMA node",
 )
 

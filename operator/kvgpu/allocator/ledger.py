@@ -188,6 +188,7 @@ class _Node:
         "n_usable",
         "name",
         "unusable",
+        "used_pct",
         "util",
         "verdicts",
     )
@@ -245,6 +246,7 @@ class _Node:
         if ct:
             parts.append(cu / ct)
         self.util = sum(parts) / len(parts)
+        self.used_pct = min(100, max(0, round(100 * self.util)))
         # Filter verdicts by request shape, valid until the node's usage changes again.
         self.verdicts: dict[int, str | None] = {}
 
@@ -404,16 +406,10 @@ class Ledger:
         the slots, memory and cores fractions over usable cards): ``binpack`` scores full
         nodes high, ``spread`` empty ones. Unknown nodes score 0. (kube-scheduler's extender
         scores are 0..10: the extender divides by 10.)"""
-        binpack = pod.node_policy == Policy.BINPACK
-        out: dict[str, int] = {}
-        for name in nodes:
-            node = self._nodes.get(name)
-            if node is None:
-                out[name] = 0
-                continue
-            u = round(100 * node.util)
-            out[name] = min(100, max(0, u if binpack else 100 - u))
-        return out
+        get = self._nodes.get
+        if Policy(pod.node_policy) == Policy.BINPACK:
+            return {name: n.used_pct if (n := get(name)) else 0 for name in nodes}
+        return {name: 100 - n.used_pct if (n := get(name)) else 0 for name in nodes}
 
     def allocate(self, pod: PodRequest, node: str) -> PodAllocation:
         """Pick the cards for every container of ``pod`` on ``node`` (by the pod's
@@ -861,7 +857,7 @@ def _why(
         if code == F.NO_MEMORY:
             s += f" (most free {max(0, most_free)} MiB)"
         parts.append(s)
-    if numa_most is not None:
+    if numa_most is not None and fitting >= n.cards:
         parts.append(f"{fitting} fit but at most {numa_most} on one NUMA node")
     fit_txt = f"{fitting} of {len(node.cards)} cards fit"
     return f"needs {n.describe()}: {fit_txt}" + (f"; {', '.join(parts)}" if parts else "")
