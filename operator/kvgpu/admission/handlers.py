@@ -1,7 +1,8 @@
 """Kopf wiring of the admission webhooks (no decisions here: see mutate.py and validate.py).
 
-:func:`register` adds two handlers to a registry; their ids are the URL paths the webhook
-configurations (:mod:`kvgpu.admission.config`) point at. Serving is Kopf's webhook server with
+:func:`register` adds three handlers to a registry (mutate pods, validate pods, validate
+workload pod templates); their ids are the URL paths the webhook configurations
+(:mod:`kvgpu.admission.config`) point at. Serving is Kopf's webhook server with
 ``settings.admission.managed = None``: we write our own configurations, because Kopf's managed
 ones have no namespaceSelector, matchConditions or reinvocationPolicy and a 30 s timeout.
 """
