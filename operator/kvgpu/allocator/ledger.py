@@ -181,8 +181,10 @@ class _Node:
         "max_free_cores",
         "max_free_mem",
         "max_free_pct",
+        "model_names",
         "models",
         "n_full_mem",
+        "n_held",
         "n_idle",
         "n_open",
         "n_usable",
@@ -201,6 +203,7 @@ class _Node:
         usable = [c for c in self.cards if c.unusable is None]
         self.n_usable = len(usable)
         self.models = tuple(sorted({c.model_l for c in usable}))
+        self.model_names = ", ".join(sorted({c.model for c in usable}))
         counts: dict[int, int] = {}
         for c in self.cards:
             if c.unusable is not None:
@@ -210,7 +213,7 @@ class _Node:
 
     def refresh(self) -> None:
         """Recompute the O(1) pre-filter aggregates (O(cards))."""
-        n_open = n_idle = n_full = 0
+        n_open = n_idle = n_full = n_held = 0
         mfm = mfc = -1
         mfp = -1.0
         su = st = mu = mt = cu = ct = 0
@@ -223,7 +226,10 @@ class _Node:
             mt += c.mem_total
             cu += c.cores
             ct += c.cores_total
-            if c.slots >= c.slots_total or c.excl:
+            if c.excl:
+                n_held += 1
+                continue
+            if c.slots >= c.slots_total:
                 continue
             n_open += 1
             if c.pods == 0:
@@ -240,7 +246,7 @@ class _Node:
             fc = c.cores_total - c.cores
             if fc > mfc:
                 mfc = fc
-        self.n_open, self.n_idle, self.n_full_mem = n_open, n_idle, n_full
+        self.n_open, self.n_idle, self.n_full_mem, self.n_held = n_open, n_idle, n_full, n_held
         self.max_free_mem, self.max_free_pct, self.max_free_cores = mfm, mfp, mfc
         parts = [su / st if st else 0.0, mu / mt if mt else 0.0]
         if ct:
@@ -260,7 +266,7 @@ class _Node:
                 return f"no usable card ({self.unusable})"
             return f"{_cards(self.n_usable)} usable < {n.cards} requested"
         if n.types and not any(t in m for m in self.models for t in n.types):
-            return f"no card of type {'/'.join(n.req.types)} (models: {', '.join(self.models)})"
+            return f"no card of type {' or '.join(n.req.types)} (cards here: {self.model_names})"
         have = _cards(self.n_usable)
         if n.exclusive and self.n_idle < n.cards:
             return f"{have}, {self.n_idle} idle < {n.cards} needed for an exclusive request (cores 100)"
@@ -269,7 +275,8 @@ class _Node:
                 f"{have}, {self.n_full_mem} with all memory free < {n.cards} needed for a whole-card request"
             )
         if self.n_open < n.cards:
-            return f"{have}, {self.n_open} with a free slot < {n.cards} needed"
+            held = f" ({self.n_held} held exclusively)" if self.n_held else ""
+            return f"{have}, {self.n_open} with a free slot{held} < {n.cards} needed"
         if n.mem_abs > self.max_free_mem:
             return f"{have}, most free memory {self.max_free_mem} MiB < {n.mem_abs} MiB"
         if n.pct and n.pct > self.max_free_pct:
