@@ -1,0 +1,322 @@
+"""``kubectl vgpu`` — a kubectl plugin (the ``kubectl-vgpu`` executable on PATH) for kvgpu.
+
+    kubectl vgpu nodes [NODE ...] [-l SELECTOR] [-o wide|json]
+        per card: slots, memory and cores used/total, health
+    kubectl vgpu claims [-n NS | -A] [--no-usage] [-o wide|json]
+        VGPUClaims like `kubectl get vgpuclaims`, plus memory used and SM utilisation per card
+        from the node agents' exporters (through the API server's pod proxy; "-" when unknown)
+    kubectl vgpu why POD [-n NS] [-o json]
+        why a pod is pending: its request as kvgpu reads it (or what is invalid in it), the
+        NoGPUCapacity/FailedScheduling events, and which nodes have room now
+
+kubectl's connection flags work before or after the sub-command: ``--kubeconfig``,
+``--context``, ``-n/--namespace``, ``-A/--all-namespaces``. The namespace defaults to the
+context's. Permissions needed: list nodes; list VGPUClaims and VGPUPools; get pods and list
+events in the namespace; for usage, list pods and get pods/proxy in the agents' namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvgpu.cli.vgpu import views
+from kvgpu.core import keys
+
+AGENT_NAMESPACE = "kvgpu-system"
+AGENT_SELECTOR = "app.kubernetes.io/name=kvgpu,app.kubernetes.io/component=agent"
+AGENT_METRICS_PORT = 9394
+USAGE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class KubeOptions:
+    kubeconfig: str | None = None
+    context: str | None = None
+    namespace: str | None = None
+    all_namespaces: bool = False
+    output: str = ""
+
+    def merged(self, **sub: Any) -> KubeOptions:
+        """Options given after the sub-command win over those given before it."""
+        out = KubeOptions(**vars(self))
+        for k, v in sub.items():
+            if v not in (None, False, ""):
+                setattr(out, k, v)
+        return out
+
+
+def _kube_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    for opt in reversed([
+        click.option("--kubeconfig", default=None,
+                     help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)"),
+        click.option("--context", default=None, help="kubeconfig context"),
+        click.option("-n", "--namespace", default=None, help="namespace (default: the context's)"),
+        click.option("-A", "--all-namespaces", is_flag=True, default=False, help="every namespace"),
+        click.option("-o", "--output", type=click.Choice(["", "wide", "json"]), default="",
+                     help="wide: more columns; json: machine-readable"),
+    ]):
+        f = opt(f)
+    return f
+
+
+# --------------------------------------------------------------------------- API access
+
+
+def _current_namespace(opts: KubeOptions) -> str:
+    if opts.namespace:
+        return opts.namespace
+    from kubernetes_asyncio.config import list_kube_config_contexts
+
+    try:
+        contexts, active = list_kube_config_contexts(opts.kubeconfig)
+    except Exception:
+        return "default"
+    ctx = next((c for c in contexts if c.get("name") == opts.context), None) if opts.context else active
+    return str(((ctx or {}).get("context") or {}).get("namespace") or "default")
+
+
+@asynccontextmanager
+async def connect(opts: KubeOptions) -> AsyncIterator[Any]:
+    """A kubernetes_asyncio ``ApiClient``: the kubeconfig (file, context) like kubectl, or the
+    in-cluster service account when there is no kubeconfig at all."""
+    from kubernetes_asyncio import client, config
+
+    cfg = client.Configuration()
+    if opts.kubeconfig and not Path(opts.kubeconfig).expanduser().exists():  # noqa: ASYNC240
+        raise click.ClickException(f"kubeconfig file {opts.kubeconfig} does not exist")
+    try:
+        await config.load_kube_config(
+            config_file=opts.kubeconfig, context=opts.context, client_configuration=cfg)
+    except config.ConfigException as e:
+        if opts.kubeconfig or opts.context:
+            raise click.ClickException(f"kubeconfig: {e}") from e
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            raise click.ClickException(f"no kubeconfig found and not in a cluster: {e}") from e
+    async with client.ApiClient(configuration=cfg) as api:
+        yield api
+
+
+def _plain(api: Any, obj: Any) -> Any:
+    return obj if isinstance(obj, dict) else api.sanitize_for_serialization(obj)
+
+
+def _api_error(e: Exception, what: str) -> click.ClickException:
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    if isinstance(e, ApiException):
+        reason = e.reason
+        try:
+            reason = json.loads(e.body or "{}").get("message") or reason
+        except (ValueError, AttributeError):
+            pass
+        return click.ClickException(f"{what}: {reason} ({e.status})")
+    return click.ClickException(f"{what}: {e}")
+
+
+async def _list_nodes(api: Any, selector: str | None = None) -> list[dict[str, Any]]:
+    from kubernetes_asyncio import client
+
+    res = await client.CoreV1Api(api).list_node(label_selector=selector or "")
+    return list(_plain(api, res)["items"])
+
+
+async def _list_custom(api: Any, plural: str, namespace: str | None) -> list[dict[str, Any]]:
+    from kubernetes_asyncio import client
+
+    co = client.CustomObjectsApi(api)
+    if namespace is None:
+        res = await co.list_cluster_custom_object(keys.GROUP, keys.VERSION, plural)
+    else:
+        res = await co.list_namespaced_custom_object(keys.GROUP, keys.VERSION, namespace, plural)
+    return list(res.get("items") or [])
+
+
+async def agent_usage(api: Any, nodes: set[str], namespace: str = AGENT_NAMESPACE,
+                      timeout_s: float = USAGE_TIMEOUT_S) -> dict[views.UsageKey, views.Usage]:
+    """Scrape the agents of ``nodes`` through the API server's pod proxy. Best effort: an agent
+    that is missing, not ready or not allowed to be reached adds nothing."""
+    from kubernetes_asyncio import client
+
+    core = client.CoreV1Api(api)
+    try:
+        pods = _plain(api, await core.list_namespaced_pod(namespace, label_selector=AGENT_SELECTOR))["items"]
+    except Exception:
+        return {}
+    by_node = {p["spec"].get("nodeName"): p["metadata"]["name"] for p in pods
+               if (p.get("status") or {}).get("phase") == "Running"}
+
+    async def scrape(pod: str) -> dict[views.UsageKey, views.Usage]:
+        try:
+            text = await asyncio.wait_for(core.connect_get_namespaced_pod_proxy_with_path(
+                f"{pod}:{AGENT_METRICS_PORT}", namespace, "metrics"), timeout_s)
+            return views.parse_usage(text if isinstance(text, str) else str(text))
+        except Exception:
+            return {}
+
+    out: dict[views.UsageKey, views.Usage] = {}
+    for part in await asyncio.gather(*(scrape(by_node[n]) for n in sorted(nodes) if n in by_node)):
+        out.update(part)
+    return out
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+# --------------------------------------------------------------------------- commands
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@_kube_options
+@click.pass_context
+def main(ctx: click.Context, **kw: Any) -> None:
+    """kvgpu's view of GPU slices: cards, claims, and why a pod is pending."""
+    ctx.obj = KubeOptions(**kw)
+
+
+@main.command("nodes")
+@click.argument("names", nargs=-1)
+@click.option("-l", "--selector", default=None, help="node label selector")
+@_kube_options
+@click.pass_obj
+def nodes_cmd(obj: KubeOptions, names: tuple[str, ...], selector: str | None, **kw: Any) -> None:
+    """Per card: slots, memory and cores used/total, health."""
+    opts = obj.merged(**kw)
+
+    async def run() -> list[views.CardRow]:
+        async with connect(opts) as api:
+            try:
+                nodes = await _list_nodes(api, selector)
+            except Exception as e:
+                raise _api_error(e, "listing nodes") from e
+        if names:
+            missing = set(names) - {n["metadata"]["name"] for n in nodes}
+            if missing:
+                raise click.ClickException(f"node(s) not found: {', '.join(sorted(missing))}")
+            nodes = [n for n in nodes if n["metadata"]["name"] in names]
+        return views.card_rows(nodes)
+
+    rows = asyncio.run(run())
+    if opts.output == "json":
+        _emit_json([r.to_json() for r in rows])
+        return
+    if not rows:
+        click.echo("No GPU nodes found (no node has a kvgpu inventory or allocation annotation).", err=True)
+        return
+    wide = opts.output == "wide"
+    click.echo(views.table(views.CARD_HEADERS_WIDE if wide else views.CARD_HEADERS,
+                           [r.cells(wide) for r in rows]))
+
+
+@main.command("claims")
+@click.option("--usage/--no-usage", default=True, show_default=True,
+              help="ask the node agents for memory used and SM utilisation")
+@click.option("--agent-namespace", default=AGENT_NAMESPACE, show_default=True)
+@_kube_options
+@click.pass_obj
+def claims_cmd(obj: KubeOptions, usage: bool, agent_namespace: str, **kw: Any) -> None:
+    """VGPUClaims (like `kubectl get vgpuclaims`) with usage when the agents report it."""
+    opts = obj.merged(**kw)
+    ns = None if opts.all_namespaces else _current_namespace(opts)
+
+    async def run() -> list[views.ClaimRow]:
+        async with connect(opts) as api:
+            try:
+                claims = await _list_custom(api, "vgpuclaims", ns)
+            except Exception as e:
+                raise _api_error(e, "listing VGPUClaims") from e
+            live = [c for c in claims if (c.get("status") or {}).get("phase") not in ("Released", "Failed")]
+            used = {}
+            if usage and live:
+                used = await agent_usage(api, {str((c.get("spec") or {}).get("node")) for c in live},
+                                         agent_namespace)
+        return views.claim_rows(claims, _now(), used)
+
+    rows = asyncio.run(run())
+    if opts.output == "json":
+        _emit_json([r.to_json() for r in rows])
+        return
+    if not rows:
+        where = "any namespace" if ns is None else f"namespace {ns}"
+        click.echo(f"No VGPUClaims found in {where}.", err=True)
+        return
+    wide = opts.output == "wide"
+    click.echo(views.table(views.claim_headers(ns is None, wide), [r.cells(ns is None, wide) for r in rows]))
+
+
+@main.command("why")
+@click.argument("pod")
+@_kube_options
+@click.pass_obj
+def why_cmd(obj: KubeOptions, pod: str, **kw: Any) -> None:
+    """Why POD is pending (or where it went): request, events, room on the nodes."""
+    from kubernetes_asyncio import client
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    opts = obj.merged(**kw)
+    ns = _current_namespace(opts)
+    if "/" in pod:  # pod/NAME like kubectl
+        kind, _, pod = pod.partition("/")
+        if kind not in ("pod", "pods", "po"):
+            raise click.BadParameter("give a pod name (or pod/NAME)", param_hint="POD")
+
+    async def run() -> views.Explanation:
+        async with connect(opts) as api:
+            core = client.CoreV1Api(api)
+            try:
+                body = _plain(api, await core.read_namespaced_pod(pod, ns))
+            except ApiException as e:
+                if e.status == 404:
+                    raise click.ClickException(f'pod "{pod}" not found in namespace {ns}') from e
+                raise _api_error(e, "reading the pod") from e
+            body.setdefault("apiVersion", "v1")
+            body.setdefault("kind", "Pod")
+
+            async def events() -> list[dict[str, Any]]:
+                try:
+                    res = await core.list_namespaced_event(ns, field_selector=f"involvedObject.name={pod}")
+                    return list(_plain(api, res)["items"])
+                except Exception:
+                    return []
+
+            async def optional(coro: Any, default: Any) -> Any:
+                try:
+                    return await coro
+                except ApiException as e:
+                    if e.status in (403, 404):
+                        return default
+                    raise
+
+            try:
+                evs, nodes, pools, claims = await asyncio.gather(
+                    events(), _list_nodes(api), optional(_list_custom(api, "vgpupools", None), []),
+                    optional(_list_custom(api, "vgpuclaims", None), None))
+            except Exception as e:
+                raise _api_error(e, "listing nodes, pools and claims") from e
+        return views.explain_pod(body, events=evs, nodes=nodes, pools=pools, claims=claims, now=_now())
+
+    ex = asyncio.run(run())
+    if opts.output == "json":
+        _emit_json(ex.to_json())
+        return
+    click.echo(views.format_explanation(ex))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
