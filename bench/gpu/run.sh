@@ -12,6 +12,8 @@
 #   overhead    empty-kernel launch, 2 MiB alloc+free, cuMemGetInfo: native / shim off / on
 #   startup     first CUDA call in torch, native vs shim, 5 runs each, interleaved
 #   seed        if bench/gpu/seed-claim.env exists: nvidia-smi and the torch OOM check under it
+# PARTS (default all: "memory cpaths compute overhead startup seed") selects parts; SECS sets the
+# compute run length (default 8), BENCH_N the micro-benchmark count, ROUNDS the start-up rounds.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/raw}
@@ -20,7 +22,10 @@ exec > >(tee "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=${PY:-python3}
 SECS=${SECS:-8}
+PARTS=${PARTS:-"memory cpaths compute overhead startup seed"}
 hdr() { echo; echo "=== $* ==="; }
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+# Never `wait` without a PID here: bash would also wait for the tee process substitution.
 
 hdr "DISCOVERY $(date -u +%FT%TZ)"
 nvidia-smi -q > "$OUT/nvidia-smi-q.txt" 2>&1
@@ -49,6 +54,7 @@ shim() {
         KVGPU_CLAIM="v1;claim=bench/$id;priority=1;dev=$UUID,$mem,$cores" "$@"
 }
 
+if want memory; then
 hdr "MEMORY: NULL pointers and totals (C, driver API)"
 echo -n "native null: "; $CUPROG null
 echo -n "shim   null: "; shim null 3000 0 $CUPROG null
@@ -69,45 +75,56 @@ echo -n "native async 256: "; PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync $P
 echo -n "shim async 3000/256: "; shim masync 3000 0 env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync $PY bench/gpu/memtest.py 256
 hdr "MEMORY: expandable segments (VMM: cuMemCreate/cuMemMap)"
 echo -n "shim vmm 3000/256: "; shim mvmm 3000 0 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $PY bench/gpu/memtest.py 256
+fi
+if want cpaths; then
 hdr "MEMORY: every C path under 3000 MiB, 64 MiB chunks (NVML per-process while holding)"
 for p in alloc pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym; do
-    shim "c$p" 3000 0 $CUPROG fill $p 67108864 0 1.5 > "$OUT/c.txt" &
+    shim "c$p" 3000 0 timeout -k 2 20 $CUPROG fill $p 67108864 0 1.5 > "$OUT/c.txt" &
+    pid=$!
     sleep 1.2
-    used=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')
-    wait
+    used=$(timeout -k 2 10 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')
+    wait $pid
     echo "$p: $(head -1 "$OUT/c.txt") nvml=[$used]"
 done
 echo -n "standalone nvidia-smi under a 3000 MiB claim: "
 shim smi 3000 0 nvidia-smi --query-gpu=memory.total,memory.used,memory.free --format=csv,noheader
 
+fi
+if want compute; then
 hdr "COMPUTE: 4096^2 fp32 matmul, ${SECS}s each"
 $PY bench/gpu/matmul.py "$SECS" native
 for c in 10 30 50 70 90; do shim "k$c" 140000 "$c" $PY bench/gpu/matmul.py "$SECS" "limit$c"; done
 hdr "COMPUTE: two processes at once"
-$PY bench/gpu/matmul.py "$SECS" pairA-native & $PY bench/gpu/matmul.py "$SECS" pairB-native; wait
-shim pa 70000 30 $PY bench/gpu/matmul.py "$SECS" pairA-30 & shim pb 70000 70 $PY bench/gpu/matmul.py "$SECS" pairB-70; wait
-
-hdr "OVERHEAD: cuprog bench 200000 (ns), 3 rounds"
+$PY bench/gpu/matmul.py "$SECS" pairA-native & p1=$!; $PY bench/gpu/matmul.py "$SECS" pairB-native; wait $p1
+shim pa 70000 30 $PY bench/gpu/matmul.py "$SECS" pairA-30 & p1=$!; shim pb 70000 70 $PY bench/gpu/matmul.py "$SECS" pairB-70; wait $p1
+fi
+if want overhead; then
+N=${BENCH_N:-200000}
+hdr "OVERHEAD: cuprog bench $N (ns), 3 rounds"
 for r in 1 2 3; do
-    echo -n "native:      "; $CUPROG bench 200000
-    echo -n "shim off:    "; env LD_PRELOAD="$LIB" $CUPROG bench 200000
-    echo -n "shim mem:    "; shim o1 100000 0 $CUPROG bench 200000
-    echo -n "shim mem+99: "; shim o2 100000 99 $CUPROG bench 200000
+    echo -n "native:      "; $CUPROG bench $N
+    echo -n "shim off:    "; env LD_PRELOAD="$LIB" $CUPROG bench $N
+    echo -n "shim mem:    "; shim o1 100000 0 $CUPROG bench $N
+    echo -n "shim mem+99: "; shim o2 100000 99 $CUPROG bench $N
 done
+fi
 
-hdr "STARTUP: first CUDA call (s), torch, 5 rounds"
-for r in 1 2 3 4 5; do
+if want startup; then
+ROUNDS=${ROUNDS:-5}
+hdr "STARTUP: first CUDA call (s), torch, $ROUNDS rounds"
+for r in $(seq "$ROUNDS"); do
     echo "native $($PY bench/gpu/startup.py)  shim $(shim st 3000 30 $PY bench/gpu/startup.py)"
 done
+fi
 
-if [ -f bench/gpu/seed-claim.env ]; then
+if want seed && [ -f bench/gpu/seed-claim.env ]; then
     hdr "SEED WALK-THROUGH"
     cat bench/gpu/seed-claim.env
     set -a; . bench/gpu/seed-claim.env; set +a
     RD=$(mktemp -d)
     echo "--- nvidia-smi under the seed claim"
-    env LD_PRELOAD="$LIB" KVGPU_REGION_DIR="$RD" nvidia-smi
+    env LD_PRELOAD="$LIB" KVGPU_REGION_DIR="$RD" timeout -k 2 30 nvidia-smi
     echo "--- torch 256 MiB blocks under the seed claim"
-    env LD_PRELOAD="$LIB" KVGPU_REGION_DIR="$RD" $PY bench/gpu/memtest.py 256 --smi
+    env LD_PRELOAD="$LIB" KVGPU_REGION_DIR="$RD" timeout -k 2 60 $PY bench/gpu/memtest.py 256 --smi
 fi
 hdr "DONE $(date -u +%FT%TZ)"
