@@ -73,6 +73,7 @@ class Runtime:
     _written_nodes: dict[str, str] = field(default_factory=dict)
     _written_pools: dict[str, dict[str, Any]] = field(default_factory=dict)
     _claim_phase: dict[str, str] = field(default_factory=dict)
+    _topology: dict[str, tuple[int, int, frozenset[str]]] | None = None
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     # ----- start / stop ------------------------------------------------------------------------
@@ -237,39 +238,70 @@ class Runtime:
             self.pools_dirty = False
             await self.write_pool_status()
 
+    def _pool_topology(self) -> dict[str, tuple[int, int, frozenset[str]]]:
+        """Per pool: (covered cards, healthy covered cards, pools it conflicts with). Recomputed
+        only when nodes' inventories or pools change, not on every allocation."""
+        from kvgpu.api.pools import conflicts
+
+        if self._topology is not None and not self.state.topology_dirty:
+            return self._topology
+        self.state.topology_dirty = False
+        counts: dict[str, list[int]] = {}
+        for node in self.state.nodes:
+            inv = self.state.ledger_inventory(node)
+            for c in inv.cards if inv else ():
+                if c.slicing is not None:
+                    a = counts.setdefault(c.slicing.pool, [0, 0])
+                    a[0] += 1
+                    a[1] += int(c.healthy)
+        pairs = [(r.labels, r.inventory.cards) for r in self.state.nodes.values() if r.inventory is not None]
+        clash = conflicts(list(self.state.pools.values()), pairs)
+        self._topology = {
+            name: (counts.get(name, [0, 0])[0], counts.get(name, [0, 0])[1], clash.get(name, frozenset()))
+            for name in self.state.pools
+        }
+        return self._topology
+
     async def write_pool_status(self) -> None:
+        """VGPUPool status: aggregate counts (bounded size at any cluster size) and conditions."""
+        import datetime
+
+        from kvgpu.api.models import VGPUPoolStatus
+        from kvgpu.api.pools import pool_conditions
+
         usage = self.state.ledger.pool_usage()
+        topo = self._pool_topology()
         claims_per_pool: dict[str, int] = {}
         for alloc in self.state.ledger.reservations().values():
+            inv = self.state.ledger_inventory(alloc.node)
+            by_uuid = {c.uuid: c for c in (inv.cards if inv else ())}
             for ca in alloc.containers:
-                for d in ca.devices:
-                    inv = self.state.ledger_inventory(alloc.node)
-                    card = next((c for c in (inv.cards if inv else ()) if c.uuid == d.uuid), None)
-                    if card is not None and card.slicing is not None:
-                        claims_per_pool[card.slicing.pool] = claims_per_pool.get(card.slicing.pool, 0) + 1
-                        break
+                card = by_uuid.get(ca.devices[0].uuid) if ca.devices else None
+                if card is not None and card.slicing is not None:
+                    claims_per_pool[card.slicing.pool] = claims_per_pool.get(card.slicing.pool, 0) + 1
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         for name, pool in self.state.pools.items():
             u = usage.get(name)
-            status: dict[str, Any] = {
-                "observedGeneration": pool.metadata.get("generation"),
-                "nodes": u.nodes if u else 0,
-                "cards": u.cards if u else 0,
-                "slotsUsed": u.slots_used if u else 0,
-                "slotsTotal": u.slots_total if u else 0,
-                "memoryUsedMiB": u.memory_used_mib if u else 0,
-                "memoryTotalMiB": u.memory_total_mib if u else 0,
-                "coresUsed": u.cores_used if u else 0,
-                "coresTotal": u.cores_total if u else 0,
-                "claims": claims_per_pool.get(name, 0),
-            }
-            status["slotsSummary"] = f"{status['slotsUsed']}/{status['slotsTotal']}"
-            from kvgpu.api.models import format_mib
-
-            status["memorySummary"] = f"{format_mib(status['memoryUsedMiB'])}/{format_mib(status['memoryTotalMiB'])}"
-            if self._written_pools.get(name) == status:
+            cards, healthy, clash = topo.get(name, (0, 0, frozenset()))
+            prev = pool.status.conditions if pool.status is not None else []
+            status = VGPUPoolStatus(
+                observed_generation=pool.metadata.get("generation"),
+                nodes=u.nodes if u else 0, cards=cards, unhealthy_cards=cards - healthy,
+                slots_used=u.slots_used if u else 0, slots_total=u.slots_total if u else 0,
+                memory_used_mib=u.memory_used_mib if u else 0, memory_total_mib=u.memory_total_mib if u else 0,
+                cores_used=u.cores_used if u else 0, cores_total=u.cores_total if u else 0,
+                claims=claims_per_pool.get(name, 0),
+                conditions=pool_conditions(cards=cards, healthy_cards=healthy, conflicts_with=clash,
+                                           generation=pool.metadata.get("generation"), now=now, previous=prev),
+            )
+            body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+            compare = {k: v for k, v in body.items() if k != "conditions"}
+            compare["conditions"] = [(c["type"], c["status"], c.get("reason"), c.get("message"))
+                                     for c in body.get("conditions", [])]
+            if self._written_pools.get(name) == compare:
                 continue
-            await kube.patch_pool_status(self.api, name, status)
-            self._written_pools[name] = status
+            await kube.patch_pool_status(self.api, name, body)
+            self._written_pools[name] = compare
 
     async def sweep(self) -> None:
         """Remove orphaned claims (their pod is gone or is another pod now) and release them;

@@ -48,7 +48,7 @@ class KvgpuSystem:
     def operator_log(self) -> Path:
         return self.cluster.log(f"kvgpu-operator-{self.starts}")
 
-    def start_operator(self, timeout: float = 60) -> None:
+    def start_operator(self, timeout: float = 120) -> None:
         if self.operator is not None and self.operator.poll() is None:
             raise ClusterError("the operator already runs")
         self.ready_file.unlink(missing_ok=True)

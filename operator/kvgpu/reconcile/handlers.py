@@ -50,13 +50,12 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         if event.get("type") == "DELETED":
             rt.state.remove_pool(name)
         else:
-            old = rt.state.pools.get(name)
             try:
-                rt.state.set_pool(dict(body))
+                changed = rt.state.set_pool(dict(body))
             except ValueError as e:
                 logger.error(f"VGPUPool {name} is invalid: {e}")
                 return
-            if old is not None and old.spec == rt.state.pools[name].spec:
+            if not changed:
                 return
         rt.pools_dirty = True
         rt.nudge_pending("pool changed")

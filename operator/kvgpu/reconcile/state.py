@@ -56,6 +56,7 @@ class OperatorState:
     # nodes whose allocation annotation must be rewritten
     dirty_nodes: set[str] = field(default_factory=set)
     pod_nodes: dict[str, str] = field(default_factory=dict)
+    topology_dirty: bool = True  # nodes' cards or pools changed: pool coverage must be recomputed
     ready: bool = False
 
     # ----- pools -------------------------------------------------------------------------------
@@ -67,12 +68,20 @@ class OperatorState:
             return next(iter(self.pools.values())).spec
         return None
 
-    def set_pool(self, body: dict[str, Any]) -> None:
+    def set_pool(self, body: dict[str, Any]) -> bool:
+        """Add or update a pool; re-slice the cards only when its spec changed (a status write
+        must not cost a pass over every node). Returns True when the spec changed."""
         pool = VGPUPool.model_validate(body)
+        old = self.pools.get(pool.name)
         self.pools[pool.name] = pool
+        if old is not None and old.spec == pool.spec:
+            return False
+        self.topology_dirty = True
         self._reslice_all()
+        return True
 
     def remove_pool(self, name: str) -> None:
+        self.topology_dirty = True
         if self.pools.pop(name, None) is not None:
             self._reslice_all()
 
@@ -99,6 +108,7 @@ class OperatorState:
         return True
 
     def remove_node(self, name: str) -> None:
+        self.topology_dirty = True
         self.nodes.pop(name, None)
         self.ledger.remove_node(name)
 
@@ -112,6 +122,7 @@ class OperatorState:
         )
         self.ledger.set_node(replace(rec.inventory, node=rec.name, cards=cards))
         self.dirty_nodes.add(rec.name)
+        self.topology_dirty = True
 
     def _reslice_all(self) -> None:
         for rec in self.nodes.values():
