@@ -240,8 +240,9 @@ def run(invs: list[NodeInventory], ops: list[Op], led: Ledger | None = None, che
                 try:
                     led.allocate(pod, n)
                     ok = True
-                except AllocationError:
+                except AllocationError as e:
                     ok = False
+                    assert str(e).endswith(f": {reasons.get(n)}"), "filter and allocate give one reason"
                 assert ok == (n in feasible), f"filter and allocate disagree on {n}: {reasons.get(n)}"
                 # The O(1) pre-filter only rejects nodes where full placement fails too.
                 placed = ledger_mod._place(led._nodes[n], pod, ledger_mod._needs(pod))

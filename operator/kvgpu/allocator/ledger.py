@@ -294,8 +294,11 @@ class _Node:
             why = self.prefilter(n)
             if why is not None:
                 return f"container {n.req.container!r}: {why}" if many else why
-        if fast and _surely_fits(self, needs):
-            return None
+        if fast:
+            if len(needs) == 1:
+                return _scan(self, needs[0])  # exactly _place's verdict and reason
+            if _surely_fits(self, needs):
+                return None
         return _place(self, pod, needs)
 
 
@@ -771,23 +774,43 @@ def _surely_fits(node: _Node, needs: list[Need]) -> bool:
 def _enough(node: _Node, n: Need) -> bool:
     """Single-container fast path: are there ``n.cards`` fitting cards (on one NUMA node when
     ``numa_bind``)? Equivalent to :func:`_pick` succeeding, without ordering."""
+    return _scan(node, n) is None
+
+
+def _scan(node: _Node, n: Need) -> str | None:
+    """One pass over the cards for one container placed alone: None as soon as enough cards
+    fit, else the same reason :func:`_pick` gives (without scoring any card)."""
     want = n.cards
+    fails: list[tuple[int, CardState, list[int] | None]] = []
+    selectable, fit = F.selectable, F.fit
     if not n.req.numa_bind:
         k = 0
         for c in node.cards:
-            if F.selectable(c, n) is None and type(F.fit(c, n, None)) is tuple:
-                k += 1
-                if k >= want:
-                    return True
-        return False
+            code = selectable(c, n)
+            if code is None:
+                r = fit(c, n, None)
+                if type(r) is tuple:
+                    k += 1
+                    if k >= want:
+                        return None
+                    continue
+                code = r  # type: ignore[assignment]
+            fails.append((code, c, None))  # type: ignore[arg-type]
+        return _why(node, n, k, fails, None)
     per: dict[int | None, int] = {}
     for c in node.cards:
-        if F.selectable(c, n) is None and type(F.fit(c, n, None)) is tuple:
-            k = per.get(c.numa, 0) + 1
-            if k >= want:
-                return True
-            per[c.numa] = k
-    return False
+        code = selectable(c, n)
+        if code is None:
+            r = fit(c, n, None)
+            if type(r) is tuple:
+                k = per.get(c.numa, 0) + 1
+                if k >= want:
+                    return None
+                per[c.numa] = k
+                continue
+            code = r  # type: ignore[assignment]
+        fails.append((code, c, None))  # type: ignore[arg-type]
+    return _why(node, n, sum(per.values()), fails, max(per.values(), default=0))
 
 
 def _pick(
