@@ -47,8 +47,9 @@ ktp: ## build (or reuse from cache) the etcd/kube-apiserver/kube-scheduler/kubec
 	@hack/ktp/build.sh >/dev/null
 
 .PHONY: crds
-crds: $(STAMP) ## regenerate crds/ and docs/api.md from the models
+crds: $(STAMP) ## regenerate crds/, docs/api.md and docs/configuration.md from the code
 	$(VPY) -m kvgpu.api.crdgen
+	$(VPY) -m kvgpu.cli.configdoc
 
 .PHONY: bench
 bench: install ## run the CPU benchmarks in bench/

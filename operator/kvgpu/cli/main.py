@@ -34,8 +34,10 @@ def main() -> None:
               help="serve the admission webhooks on this port (HTTPS)")
 @click.option("--webhook-host", default="127.0.0.1", show_default=True,
               help="host name the API server uses to reach the webhooks")
-@click.option("--webhook-cert", type=click.Path(exists=True, dir_okay=False), default=None)
-@click.option("--webhook-key", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--webhook-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM serving certificate of the webhooks (re-read when it changes)")
+@click.option("--webhook-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM private key of --webhook-cert")
 @click.option("--webhook-ca", type=click.Path(exists=True, dir_okay=False), default=None,
               help="CA bundle for the webhook configurations (with --dev-webhooks)")
 @click.option("--dev-webhooks", is_flag=True,
