@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ EXPECTED = {
 }
 CERT_MANAGER = {"Issuer": 2, "Certificate": 2}
 STAND_IN = "cert-manager-stand-in"
+MANIFESTS_DIR = Path(__file__).resolve().parents[2] / "manifests"
 OPEN = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 
@@ -94,3 +96,168 @@ def test_default_install_dry_runs_on_the_server(cluster: Cluster, stand_in_cert_
     sts = next(i for i in items if i["kind"] == "StatefulSet")
     assert sts["spec"]["template"]["spec"]["containers"][0]["env"][0]["name"] == "POD_INDEX"
     assert sts["spec"]["revisionHistoryLimit"] == 10
+
+
+# --------------------------------------------------------------------------- RBAC, for real
+
+SA = "system:serviceaccount:kvgpu-system:"
+
+#: (account, verb, group, resource, subresource, namespace or "" for cluster-wide[, name]) the components
+#: call — operator/kvgpu/kube.py and Kopf; agent/kube.py and agent/pods.py; kube-scheduler.
+ALLOWED = [
+    ("kvgpu-operator", v, "", "pods", "", "") for v in ("get", "list", "watch", "patch")
+] + [
+    ("kvgpu-operator", "create", "", "pods", "binding", "team"),
+    ("kvgpu-operator", "patch", "", "nodes", "", ""),
+    ("kvgpu-operator", "watch", "", "nodes", "", ""),
+    ("kvgpu-operator", "create", "", "events", "", "team"),
+    ("kvgpu-operator", "create", "kvgpu.io", "vgpuclaims", "", "team"),
+    ("kvgpu-operator", "delete", "kvgpu.io", "vgpuclaims", "", "team"),
+    ("kvgpu-operator", "list", "kvgpu.io", "vgpuclaims", "", ""),
+    ("kvgpu-operator", "patch", "kvgpu.io", "vgpuclaims", "status", "team"),
+    ("kvgpu-operator", "watch", "kvgpu.io", "vgpupools", "", ""),
+    ("kvgpu-operator", "patch", "kvgpu.io", "vgpupools", "status", ""),
+    ("kvgpu-operator", "patch", "kopf.dev", "clusterkopfpeerings", "", ""),
+    ("kvgpu-agent", "patch", "", "nodes", "", ""),
+    ("kvgpu-agent", "watch", "", "nodes", "", ""),
+    ("kvgpu-agent", "watch", "", "pods", "", ""),
+    ("kvgpu-agent", "create", "", "events", "", "default"),
+    ("kvgpu-agent", "list", "kvgpu.io", "vgpupools", "", ""),
+    ("kvgpu-scheduler", "create", "", "pods", "binding", "team"),
+    ("kvgpu-scheduler", "watch", "", "pods", "", ""),
+    ("kvgpu-scheduler", "create", "events.k8s.io", "events", "", "team"),
+    ("kvgpu-scheduler", "create", "coordination.k8s.io", "leases", "", "kvgpu-system"),
+    ("kvgpu-scheduler", "watch", "storage.k8s.io", "csinodes", "", ""),
+    ("kvgpu-scheduler", "get", "", "configmaps", "", "kube-system", "extension-apiserver-authentication"),
+]
+DENIED = [
+    ("kvgpu-operator", "delete", "", "pods", "", "team"),
+    ("kvgpu-operator", "get", "", "secrets", "", "kvgpu-system"),
+    ("kvgpu-operator", "update", "kvgpu.io", "vgpupools", "", ""),
+    ("kvgpu-operator", "create", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", ""),
+    ("kvgpu-agent", "patch", "", "pods", "", "team"),
+    ("kvgpu-agent", "list", "kvgpu.io", "vgpuclaims", "", ""),
+    ("kvgpu-agent", "delete", "", "nodes", "", ""),
+    ("kvgpu-scheduler", "update", "coordination.k8s.io", "leases", "", "kube-system"),
+    ("kvgpu-scheduler", "create", "coordination.k8s.io", "leases", "", "kube-system"),
+    ("kvgpu-scheduler", "patch", "", "nodes", "", ""),
+]
+
+
+def _rbac_objects(cluster: Cluster) -> list[dict[str, Any]]:
+    kinds = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+    return [d for d in _render(cluster, "manifests/base") if d["kind"] in kinds]
+
+
+@pytest.fixture
+def rbac(cluster: Cluster) -> Any:
+    objs = _rbac_objects(cluster)
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(objs))
+    yield
+    rest = [d for d in objs if d["kind"] != "Namespace"]
+    cluster.kubectl("delete", "--wait=false", "--ignore-not-found", "-f", "-", input=_as_list(rest),
+                    check=False)
+
+
+def _review(account: str, verb: str, group: str, resource: str, sub: str, ns: str,
+            name: str = "") -> dict[str, Any]:
+    attrs = {"verb": verb, "group": group, "resource": resource}
+    if name:
+        attrs["name"] = name
+    if sub:
+        attrs["subresource"] = sub
+    if ns:
+        attrs["namespace"] = ns
+    return {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+            "spec": {"user": SA + account, "groups": ["system:serviceaccounts",
+                                                      "system:serviceaccounts:kvgpu-system",
+                                                      "system:authenticated"],
+                     "resourceAttributes": attrs}}
+
+
+def _json_stream(text: str) -> list[dict[str, Any]]:
+    """kubectl prints one JSON document per created object."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while i < len(text.rstrip()):
+        obj, i = dec.raw_decode(text, i)
+        out += obj.get("items", [obj]) if obj.get("kind") == "List" else [obj]
+        while i < len(text) and text[i].isspace():
+            i += 1
+    return out
+
+
+def test_rbac_allows_the_calls_and_nothing_broader(cluster: Cluster, rbac: Any) -> None:
+    cases = [(c, True) for c in ALLOWED] + [(c, False) for c in DENIED]
+    p = cluster.kubectl("create", "-o", "json", "-f", "-", input=_as_list([_review(*c) for c, _ in cases]))
+    results = _json_stream(p.stdout)
+    wrong = [(c, want) for (c, want), r in zip(cases, results, strict=True)
+             if bool(r["status"].get("allowed")) != want]
+    assert not wrong, wrong
+
+
+def test_agent_runs_with_its_own_service_account(cluster: Cluster, rbac: Any, namespace: str,
+                                                 tmp_path: Any) -> None:
+    """The simulated agent, authenticated as kvgpu-agent with the manifests' ClusterRole (plus
+    the simulated-agent component's nodes/status), publishes its node's inventory and label, with
+    no 403 anywhere in its log."""
+    import asyncio
+    import subprocess
+    import sys
+    import time
+
+    from kvgpu.core import keys
+    from kvgpu.core.inventory import SimulatedNode
+    from kvgpu.devcluster.fakenodes import create_nodes
+
+    node = f"{namespace}-agent"
+
+    async def mk() -> None:
+        async with cluster.api() as api:
+            await create_nodes(api, [SimulatedNode(node, ())], with_inventory=False)
+
+    asyncio.run(mk())
+    extra = MANIFESTS_DIR / "components" / "simulated-agent" / "rbac.yaml"
+    cluster.kubectl("apply", "--server-side", "-f", str(extra))
+    token = cluster.kubectl("create", "token", "kvgpu-agent", "-n", "kvgpu-system",
+                            "--duration=1h").stdout.strip()
+    kc = yaml.safe_load(cluster.kubeconfig.read_text())
+    kc["users"] = [{"name": "kvgpu-agent", "user": {"token": token}}]
+    for ctx in kc["contexts"]:
+        ctx["context"]["user"] = "kvgpu-agent"
+    kubeconfig = tmp_path / "agent.kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(kc))
+    sim = tmp_path / "sim.json"
+    sim.write_text(json.dumps({"nodes": [{"name": node, "cards": [{"model": "NVIDIA H200", "count": 2}]}]}))
+    log = tmp_path / "agent.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvgpu.cli.main", "agent", f"--node={node}", f"--simulated={sim}",
+             f"--kubeconfig={kubeconfig}", "--no-device-plugin", "--metrics-port=0", "--interval=2"],
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        got: dict[str, Any] = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            meta = json.loads(cluster.kubectl("get", "node", node, "-o", "json").stdout)["metadata"]
+            if keys.NODE_INVENTORY in (meta.get("annotations") or {}) and \
+                    (meta.get("labels") or {}).get(keys.NODE_LABEL_GPU) == "true":
+                got = meta
+                break
+            time.sleep(0.5)
+        text = log.read_text(errors="replace")
+        assert got, f"no inventory published; agent log:\n{text[-3000:]}"
+        inv = json.loads(got["annotations"][keys.NODE_INVENTORY])
+        assert len(inv["cards"]) == 2
+        time.sleep(2)  # let the pod and pool watches run a little
+        text = log.read_text(errors="replace")
+        assert "403" not in text and "forbidden" not in text.lower(), text[-3000:]
+        assert proc.poll() is None, text[-3000:]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        cluster.kubectl("delete", "node", node, "--wait=false", check=False)
+        cluster.kubectl("delete", "-f", str(extra), "--wait=false", "--ignore-not-found", check=False)
