@@ -526,6 +526,7 @@ class Ledger:
         return dict(self._keys)
 
     def reservation(self, key: str) -> PodAllocation | None:
+        """The allocation reserved under ``key``, or None."""
         return self._keys.get(key)
 
     @classmethod
