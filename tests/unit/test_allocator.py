@@ -428,3 +428,16 @@ def test_set_node_with_equal_inventory_changes_nothing() -> None:
     snap = led.snapshot()
     led.set_node(node("a", 2))
     assert led.snapshot() == snap
+
+
+def test_pod_keys_and_pod_node() -> None:
+    led = ledger(node("a", 2))
+    p = pod(c("x", memory_mib=100), c("y", memory_mib=100), uid="u")
+    alloc = led.allocate(p, "a")
+    for ca in alloc.containers:
+        led.reserve(f"ns/p-{ca.container}", PodAllocation("u", "a", (ca,)))
+    assert led.pod_keys("u") == ["ns/p-x", "ns/p-y"] and led.pod_node("u") == "a"
+    led.release("ns/p-x")
+    assert led.pod_keys("u") == ["ns/p-y"]
+    led.release("ns/p-y")
+    assert led.pod_keys("u") == [] and led.pod_node("u") is None

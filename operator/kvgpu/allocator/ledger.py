@@ -529,6 +529,16 @@ class Ledger:
         """The allocation reserved under ``key``, or None."""
         return self._keys.get(key)
 
+    def pod_keys(self, pod_uid: str) -> list[str]:
+        """The reservation keys of a pod, sorted (empty when it holds none). O(its keys)."""
+        pod = self._pods.get(pod_uid)
+        return sorted(pod.keys) if pod else []
+
+    def pod_node(self, pod_uid: str) -> str | None:
+        """The node a pod holds reservations on, or None. O(1)."""
+        pod = self._pods.get(pod_uid)
+        return pod.node if pod else None
+
     @classmethod
     def rebuild(
         cls, inventories: Iterable[NodeInventory], reservations: Mapping[str, PodAllocation]
