@@ -176,6 +176,7 @@ struct vgpu_gate {
     uint64_t win_budget;        /* len_ns - debt at window start */
     _Atomic uint64_t win_launches; /* launches counted in this window (process) */
     uint64_t last_ws;           /* start of the last window run */
+    uint64_t last_end;          /* time the last window's budget ran out */
     _Atomic uint64_t *shared_win_id;   /* region counters (container-wide) or local ones */
     _Atomic uint64_t *shared_win_used;
     _Atomic uint64_t local_win_id, local_win_used;

@@ -50,6 +50,8 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now)
     if (!ws || now < ws || now - ws >= g->win_budget)
         return 0;
     uint64_t est = g->kernel_ns_est;
+    if (!est && now - ws >= g->win_budget / 8)
+        return 0; /* no cost estimate yet: a short probe window measures one */
     if (est && atomic_fetch_add_explicit(g->shared_win_used, est, memory_order_relaxed) >= g->win_budget)
         return 0;
     atomic_fetch_add_explicit(&g->win_launches, 1, memory_order_relaxed);
@@ -76,12 +78,33 @@ void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained)
     if (drained > ref)
         g->debt_ns += drained - ref;
     g->last_ws = ws;
+    g->last_end = end;
     g->win_start = 0;
 }
 
 uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now)
 {
     uint64_t P = g->period_ns, off = g->offset_ns % P, len = g->len_ns ? g->len_ns : 1;
+    if (g->last_end && !g->debt_ns && now + len / 50 < g->last_end) {
+        /* The budget was counted out but the queue drained early (the estimate was high, or
+         * the application paused): use the rest of the same window. */
+        g->win_start = now;
+        g->win_budget = g->last_end - now;
+        g->last_end = 0;
+        atomic_store(&g->win_launches, 0);
+        atomic_store(g->shared_win_used, 0);
+        return 0;
+    }
+    g->last_end = 0;
+    if (!g->last_ws && !g->kernel_ns_est) {
+        /* First window of the process: start now, unaligned, so that the probe that
+         * measures the per-launch cost sees only its own launches. */
+        g->win_start = now;
+        g->win_budget = len;
+        atomic_store(&g->win_launches, 0);
+        atomic_store(g->shared_win_used, 0);
+        return 0;
+    }
     uint64_t ws = now >= off ? now - (now - off) % P : off;
     if (now >= ws + len)
         ws += P;

@@ -757,8 +757,16 @@ static void gate_slow(int d, CUstream s)
         }
         if (sync)
             sync(s);
-        vgpu_gate_close(g, now, vgpu_now_ns());
+        uint64_t drained = vgpu_now_ns(), ws = g->win_start, n = atomic_load(&g->win_launches);
+        vgpu_gate_close(g, now, drained);
         g->throttles++;
+        if (vgpu.cfg.log_level >= 3)
+            vgpu_log(3, "gate d%d: window %llu us budget %llu us: %llu launches, detected +%llu us, "
+                        "drained +%llu us, est %llu ns, debt %llu us", d,
+                     (unsigned long long)(ws / 1000), (unsigned long long)(g->win_budget / 1000),
+                     (unsigned long long)n, (unsigned long long)((now - ws) / 1000),
+                     (unsigned long long)((drained - ws) / 1000), (unsigned long long)g->kernel_ns_est,
+                     (unsigned long long)(g->debt_ns / 1000));
     }
     now = vgpu_now_ns();
     refresh_schedule(d, now);

@@ -106,6 +106,8 @@ for r in 1 2 3; do
     echo -n "shim off:    "; env LD_PRELOAD="$LIB" $CUPROG bench $N
     echo -n "shim mem:    "; shim o1 100000 0 $CUPROG bench $N
     echo -n "shim mem+99: "; shim o2 100000 99 $CUPROG bench $N
+    # the gate's per-launch cost alone: limit on, but one 9.9 s window covers the whole run
+    echo -n "shim mem+99 P=10s: "; shim o3 100000 99 env KVGPU_COMPUTE_PERIOD_MS=10000 $CUPROG bench $N
 done
 fi
 
