@@ -177,7 +177,8 @@ def _review(account: str, verb: str, group: str, resource: str, sub: str, ns: st
 
 def _json_stream(text: str) -> list[dict[str, Any]]:
     """kubectl prints one JSON document per created object."""
-    dec, out, i = json.JSONDecoder(), [], 0
+    dec, i = json.JSONDecoder(), 0
+    out: list[dict[str, Any]] = []
     while i < len(text.rstrip()):
         obj, i = dec.raw_decode(text, i)
         out += obj.get("items", [obj]) if obj.get("kind") == "List" else [obj]
@@ -218,14 +219,7 @@ def test_agent_runs_with_its_own_service_account(cluster: Cluster, rbac: Any, na
     asyncio.run(mk())
     extra = MANIFESTS_DIR / "components" / "simulated-agent" / "rbac.yaml"
     cluster.kubectl("apply", "--server-side", "-f", str(extra))
-    token = cluster.kubectl("create", "token", "kvgpu-agent", "-n", "kvgpu-system",
-                            "--duration=1h").stdout.strip()
-    kc = yaml.safe_load(cluster.kubeconfig.read_text())
-    kc["users"] = [{"name": "kvgpu-agent", "user": {"token": token}}]
-    for ctx in kc["contexts"]:
-        ctx["context"]["user"] = "kvgpu-agent"
-    kubeconfig = tmp_path / "agent.kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(kc))
+    kubeconfig = _sa_kubeconfig(cluster, "kvgpu-agent", tmp_path / "agent.kubeconfig")
     sim = tmp_path / "sim.json"
     sim.write_text(json.dumps({"nodes": [{"name": node, "cards": [{"model": "NVIDIA H200", "count": 2}]}]}))
     log = tmp_path / "agent.log"
@@ -261,3 +255,73 @@ def test_agent_runs_with_its_own_service_account(cluster: Cluster, rbac: Any, na
             proc.wait()
         cluster.kubectl("delete", "node", node, "--wait=false", check=False)
         cluster.kubectl("delete", "-f", str(extra), "--wait=false", "--ignore-not-found", check=False)
+
+
+def _sa_kubeconfig(cluster: Cluster, account: str, path: Path) -> Path:
+    token = cluster.kubectl("create", "token", account, "-n", "kvgpu-system", "--duration=1h").stdout.strip()
+    kc = yaml.safe_load(cluster.kubeconfig.read_text())
+    kc["users"] = [{"name": account, "user": {"token": token}}]
+    for ctx in kc["contexts"]:
+        ctx["context"]["user"] = account
+    path.write_text(yaml.safe_dump(kc))
+    return path
+
+
+def test_operator_works_with_only_its_cluster_role(gpu: Any, rbac: Any, tmp_path: Path) -> None:
+    """The session's operator (system:masters) is replaced for this test by one authenticated as
+    the kvgpu-operator ServiceAccount with the manifests' ClusterRole, in peering mode as in the
+    StatefulSet: a pod is admitted, scheduled, bound, claimed, followed to Running and released,
+    with no 403 in the operator's log. The session operator is restored afterwards."""
+    import subprocess
+    import sys
+    import time
+
+    cluster, system = gpu.cluster, gpu.system
+    crds = _render(cluster, "manifests/crds")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(crds))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/clusterkopfpeerings.kopf.dev",
+                    "--timeout=60s")
+    peering = next(d for d in _render(cluster, "manifests/base") if d["kind"] == "ClusterKopfPeering")
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=_as_list([peering]))
+    kubeconfig = _sa_kubeconfig(cluster, "kvgpu-operator", tmp_path / "operator.kubeconfig")
+    pki = cluster.run_dir / "pki"
+    ready, log = tmp_path / "ready", tmp_path / "operator.log"
+    argv = [sys.executable, "-m", "kvgpu.cli.main", "operator", f"--kubeconfig={kubeconfig}",
+            f"--extender-address=127.0.0.1:{system.extender_port}", f"--webhook-port={system.webhook_port}",
+            "--webhook-host=127.0.0.1", f"--webhook-cert={pki / 'webhook.crt'}",
+            f"--webhook-key={pki / 'webhook.key'}", f"--operator-username={SA}kvgpu-operator",
+            "--exclude-namespace=kvgpu-system", "--peering", "--priority=1", f"--ready-file={ready}"]
+    system.stop_operator()
+    proc = None
+    try:
+        with log.open("wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        gpu.wait(lambda: ready.exists() or proc.poll() is not None, 60, "operator ready")
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+
+        [node] = gpu.nodes(1, cards=2)
+        gpu.create(gpu.pod("seed", {"kvgpu.io/gpumem": "3000", "kvgpu.io/gpucores": "30"}))
+        pod = gpu.wait_bound("seed", timeout=90)  # peering: the operator starts handling after its keepalive
+        assert pod["spec"]["nodeName"] == node and pod["spec"]["schedulerName"] == "kvgpu-scheduler"
+        [claim] = gpu.claims()
+        assert claim["spec"]["devices"][0]["memory"] == 3000
+        gpu.mark_running("seed")
+        gpu.wait(lambda: gpu.claims()[0].get("status", {}).get("phase") == "Running", 30, "claim Running")
+        node_obj = json.loads(cluster.kubectl("get", "node", node, "-o", "json").stdout)
+        assert "kvgpu.io/allocation" in node_obj["metadata"]["annotations"]
+        gpu.delete_pod("seed")
+        gpu.wait(lambda: not gpu.claims(), 30, "claim removed with its pod")
+        text = log.read_text(errors="replace")
+        assert "403" not in text and "forbidden" not in text.lower(), text[-3000:]
+        status = json.loads(cluster.kubectl("get", "clusterkopfpeering", "kvgpu", "-o", "json").stdout)
+        assert status.get("status"), "the operator kept alive in the peering"
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        time.sleep(0.5)
+        system.start_operator()
