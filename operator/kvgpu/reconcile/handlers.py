@@ -31,9 +31,12 @@ TERMINAL = ("Succeeded", "Failed")
 
 
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
-    """Register the reconcilers on ``registry``, bound to the runtime ``rt``."""
+    """Register the reconcilers on ``registry``, bound to the runtime ``rt``.
 
-    @kopf.on.event("", "v1", "nodes", registry=registry)
+    (The ``type: ignore`` marks: Kopf's ``WatchingFn`` protocol spells out every keyword it
+    passes; these handlers name the ones they use and take the rest as ``**_``.)"""
+
+    @kopf.on.event("", "v1", "nodes", registry=registry)  # type: ignore[arg-type]
     async def node_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
         name = body["metadata"]["name"]
         if event.get("type") == "DELETED":
@@ -44,7 +47,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         if rt.state.set_node(dict(body)):
             rt.nudge_pending("node inventory changed")
 
-    @kopf.on.event(keys.GROUP, keys.VERSION, "vgpupools", registry=registry)
+    @kopf.on.event(keys.GROUP, keys.VERSION, "vgpupools", registry=registry)  # type: ignore[arg-type]
     async def pool_event(event: dict[str, Any], body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         name = body["metadata"]["name"]
         if event.get("type") == "DELETED":
@@ -60,12 +63,12 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         rt.pools_dirty = True
         rt.nudge_pending("pool changed")
 
-    @kopf.on.event("", "v1", "pods", registry=registry,
+    @kopf.on.event("", "v1", "pods", registry=registry,  # type: ignore[arg-type]
                    labels={keys.POD_MANAGED_LABEL: "true"})
     async def pod_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
         await rt.on_pod(event.get("type"), dict(body))
 
-    @kopf.on.event(keys.GROUP, keys.VERSION, "vgpuclaims", registry=registry)
+    @kopf.on.event(keys.GROUP, keys.VERSION, "vgpuclaims", registry=registry)  # type: ignore[arg-type]
     async def claim_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
         if event.get("type") == "DELETED":
             rt.on_claim_deleted(dict(body))
