@@ -313,3 +313,24 @@ def test_same_inputs_same_answers(scenario, probe) -> None:
     assert a.score(probe, a.nodes()) == b.score(probe, b.nodes())
     for n in a.filter(probe)[0]:
         assert a.allocate(probe, n) == b.allocate(probe, n)
+
+
+@SETTINGS
+@given(scenarios(), pods("probe"))
+def test_reserving_container_by_container_never_fails_and_equals_one_key(scenario, probe) -> None:
+    """The extender reserves one key per container (one VGPUClaim each) after ``allocate``:
+    every intermediate step must fit, and the end state equals reserving the pod at once."""
+    invs, ops = scenario
+    led, _, _ = run(invs, ops)
+    before = led.snapshot()
+    for n in led.filter(probe)[0]:
+        alloc = led.allocate(probe, n)
+        led.reserve("whole", alloc)
+        whole = led.usage()
+        led.release("whole")
+        for ca in alloc.containers:
+            led.reserve(f"ns/probe-{ca.container}", PodAllocation(probe.uid, n, (ca,)))
+        assert led.usage() == whole
+        assert led.problems() == []
+        assert len(led.release(probe.uid)) == len(alloc.containers)
+        assert led.snapshot() == before
