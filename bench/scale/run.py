@@ -1,0 +1,635 @@
+"""Scale bench: the real control plane, the real kube-scheduler with the kvgpu extender, and
+thousands of fake GPU nodes (Node objects only; the bench plays kubelet).
+
+What one run measures, for each burst size and mode, GPU pods and (as the baseline) the same
+number of pods that request no GPU, through the default kube-scheduler, on the same nodes:
+
+* ``stream``: the scheduler runs; the bench creates the pods as fast as it can (64 in flight).
+  Throughput = pods / (first create sent → last pod seen Bound). Includes admission.
+* ``queued``: the scheduler is stopped, the pods are created, then the scheduler is started.
+  Throughput = pods / (first Bound → last Bound): pure scheduling + extender + bind.
+
+Per pod: create → Bound, and for GPU pods → claim ``Running`` (the bench patches pod status to
+Running once it sees the pod bound; the operator then moves the claim). Extender latency per
+verb from the operator's ``kvgpu_extender_request_seconds`` histogram (delta over the burst),
+and from direct probes of ``/scheduler/filter`` and ``/scheduler/prioritize`` with the node
+list kube-scheduler would send. Operator CPU and RSS from ``/proc/<pid>``. Requeue: a pending
+pod that fits nowhere, time from freeing the capacity (delete of the pod holding it) to Bound.
+
+Usage (from the repository root)::
+
+    .venv/bin/python bench/scale/run.py --nodes 1000 --bursts 500,2000
+    .venv/bin/python bench/scale/run.py --nodes 5000 --bursts 2000 --requeue-trials 0
+
+Results are merged into ``bench/results/scale.json`` (keyed by node count);
+``bench/scale/report.py`` renders the table and plot into ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "operator"))
+sys.path.insert(0, str(REPO))
+
+from kubernetes_asyncio import client  # noqa: E402
+from kvgpu.core import keys  # noqa: E402
+from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode  # noqa: E402
+from kvgpu.devcluster import Cluster  # noqa: E402
+from kvgpu.devcluster.fakenodes import node_manifest  # noqa: E402
+from kvgpu.devcluster.system import KvgpuSystem  # noqa: E402
+from kvgpu.extender.schedconfig import scheduler_configuration  # noqa: E402
+
+from bench.scale import kubeio  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "scale.json"
+CARD = SimulatedCardSpec(model="NVIDIA H100 80GB HBM3", memory_mib=81559, sm_count=132, numa=0, count=8)
+KVGPU_SCHED = "kube-scheduler-kvgpu-scheduler"
+DEFAULT_SCHED = "kube-scheduler-default-scheduler"
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.now(UTC).strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- workload
+def gpu_request(rng: random.Random) -> tuple[dict[str, str], dict[str, str]]:
+    """A mixed-size request: (annotations, container limits). Mostly small slices, some halves,
+    some HAMi-form, some two-card and a few exclusive cards."""
+    r = rng.random()
+    if r < 0.45:
+        return {"kvgpu.io/gpumem": str(rng.choice((2000, 4000, 8000, 10000))),
+                "kvgpu.io/gpucores": str(rng.choice((10, 20, 30)))}, {}
+    if r < 0.65:
+        return {"kvgpu.io/gpumem-percentage": str(rng.choice((25, 50))), "kvgpu.io/gpucores": "25"}, {}
+    if r < 0.80:
+        return {}, {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(rng.choice((3000, 6000))),
+                    "nvidia.com/gpucores": "20"}
+    if r < 0.95:
+        return {"kvgpu.io/gpu": "2", "kvgpu.io/gpumem": "16000", "kvgpu.io/gpucores": "30"}, {}
+    return {"kvgpu.io/gpucores": "100"}, {}  # a whole card
+
+
+def pod_body(name: str, *, gpu: bool, rng: random.Random) -> dict[str, Any]:
+    ann, limits = gpu_request(rng) if gpu else ({}, {})
+    res: dict[str, Any] = {"requests": {"cpu": "10m", "memory": "16Mi"}}
+    if limits:
+        res["limits"] = limits
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "annotations": ann, "labels": {"kvgpu.io/bench": "scale"}},
+        "spec": {"containers": [{"name": "main", "image": "bench", "resources": res}],
+                 "terminationGracePeriodSeconds": 0,
+                 "tolerations": [{"key": "node.kubernetes.io/not-ready", "operator": "Exists"}]},
+    }
+
+
+# ----------------------------------------------------------------------------- probes
+class ProcSampler:
+    """Samples CPU seconds and RSS of some PIDs every ``period`` seconds in a thread."""
+
+    def __init__(self, pids: dict[str, int] | int, period: float = 0.5) -> None:
+        self.pids = pids if isinstance(pids, dict) else {"operator": pids}
+        self.period = period
+        self.samples: dict[str, list[tuple[float, float, int]]] = {k: [] for k in self.pids}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def read(self, pid: int | None = None) -> tuple[float, int]:
+        pid = pid if pid is not None else next(iter(self.pids.values()))
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime, all threads
+        rss = 0
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        return cpu, rss
+
+    def _sample(self) -> None:
+        t = time.monotonic()
+        for name, pid in self.pids.items():
+            try:
+                cpu, rss = self.read(pid)
+            except OSError:
+                continue
+            self.samples[name].append((t, cpu, rss))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> ProcSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self._sample()
+
+    def summary(self, name: str = "operator") -> dict[str, float]:
+        ss = self.samples.get(name) or []
+        if len(ss) < 2:
+            return {}
+        (t0, c0, _), (t1, c1, _) = ss[0], ss[-1]
+        return {"cpu_seconds": round(c1 - c0, 2), "cpu_cores_avg": round((c1 - c0) / max(t1 - t0, 1e-9), 3),
+                "rss_mib_peak": round(max(s[2] for s in ss) / 2**20, 1),
+                "rss_mib_end": round(ss[-1][2] / 2**20, 1)}
+
+    def cpu_by_process(self) -> dict[str, float]:
+        """CPU seconds per sampled process over the sampling window."""
+        out = {}
+        for name, ss in self.samples.items():
+            if len(ss) >= 2:
+                out[name] = round(ss[-1][1] - ss[0][1], 2)
+        return out
+
+
+def load_average() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def scrape_histogram(port: int) -> dict[str, dict[float, float]]:
+    """Cumulative bucket counts of kvgpu_extender_request_seconds per verb."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    out: dict[str, dict[float, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("kvgpu_extender_request_seconds_bucket{"):
+            continue
+        labels, value = line[line.index("{") + 1:line.index("}")], float(line.rsplit(" ", 1)[1])
+        kv = dict(p.split("=", 1) for p in labels.split(","))
+        verb, le = kv["verb"].strip('"'), kv["le"].strip('"')
+        out.setdefault(verb, {})[float("inf") if le == "+Inf" else float(le)] = value
+    return out
+
+
+def histogram_quantiles(before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]
+                        ) -> dict[str, dict[str, float]]:
+    """p50/p99 (ms, linear inside the bucket) and the share ≤ 20 ms of each verb's delta."""
+    res: dict[str, dict[str, float]] = {}
+    for verb, buckets in after.items():
+        b0 = before.get(verb, {})
+        les = sorted(buckets)
+        cum = [buckets[le] - b0.get(le, 0.0) for le in les]
+        total = cum[-1] if cum else 0
+        if total <= 0:
+            continue
+
+        def q(p: float, les: list[float] = les, cum: list[float] = cum, total: float = total) -> float:
+            want = p * total
+            prev_le, prev_c = 0.0, 0.0
+            for le, c in zip(les, cum, strict=True):
+                if c >= want:
+                    if le == float("inf"):
+                        return prev_le * 1000
+                    frac = (want - prev_c) / (c - prev_c) if c > prev_c else 1.0
+                    return (prev_le + (le - prev_le) * frac) * 1000
+                prev_le, prev_c = le, c
+            return prev_le * 1000
+
+        le20 = next((c for le, c in zip(les, cum, strict=True) if abs(le - 0.02) < 1e-12), float("nan"))
+        res[verb] = {"count": int(total), "p50_ms": round(q(0.5), 2), "p99_ms": round(q(0.99), 2),
+                     "share_le_20ms": round(le20 / total, 4)}
+    return res
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
+
+
+# ----------------------------------------------------------------------------- the bench
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvgpu-scale-"))
+        self.cluster = Cluster(self.run_dir)
+        self.system = KvgpuSystem(self.cluster)
+        self.result: dict[str, Any] = {}
+
+    # --- setup -------------------------------------------------------------------------------
+    def start(self) -> None:
+        t0 = time.monotonic()
+        self.cluster.start()
+        self.system.start()
+        self.cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": "default"},
+            "spec": {"nodeSelector": {"matchLabels": {keys.NODE_LABEL_GPU: "true"}}, "splitCount": 10}}))
+        log(f"control plane + operator up in {time.monotonic() - t0:.1f} s ({self.run_dir})")
+
+    def stop(self) -> None:
+        self.system.stop()
+        self.cluster.stop()
+        if not self.args.run_dir and not self.args.keep:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    @property
+    def ext_port(self) -> int:
+        return self.system.extender_port
+
+    async def make_nodes(self, api: client.ApiClient) -> dict[str, Any]:
+        n = self.args.nodes
+        bodies = [node_manifest(SimulatedNode(f"gpu-{i:05d}", (CARD,)), pods="250") for i in range(n)]
+        # One small tainted node for the requeue trials (bursts cannot land there).
+        rq = node_manifest(SimulatedNode("requeue-0", (SimulatedCardSpec(memory_mib=10000, count=1),),
+                                         labels=(("kvgpu.io/bench", "requeue"),)))
+        rq["spec"]["taints"] = [{"key": "kvgpu.io/bench", "value": "requeue", "effect": "NoSchedule"}]
+        bodies.append(rq)
+        annotated: set[str] = set()
+        all_done = asyncio.Event()
+
+        def on_node(etype: str, obj: dict[str, Any], t: float) -> None:
+            if keys.NODE_ALLOCATION in ((obj.get("metadata") or {}).get("annotations") or {}):
+                annotated.add(obj["metadata"]["name"])
+                if len(annotated) >= len(bodies):
+                    all_done.set()
+
+        w = kubeio.Watch(api, "nodes", None, on_node).start()
+        await w.synced.wait()
+        sampler = ProcSampler(self.system.operator.pid)  # type: ignore[union-attr]
+        with sampler:
+            t0 = time.monotonic()
+            res = await kubeio.bounded(bodies, lambda b: kubeio.create_node(api, b), 64)
+            created = time.monotonic() - t0
+            errors = [r for r in res if isinstance(r, Exception)]
+            if errors:
+                raise RuntimeError(f"{len(errors)} node creations failed, e.g. {errors[0]!r}")
+            log(f"{len(bodies)} nodes created in {created:.1f} s ({len(bodies) / created:.0f}/s)")
+            await asyncio.wait_for(all_done.wait(), timeout=max(300, n * 0.2))
+            synced = time.monotonic() - t0
+        await w.stop()
+        log(f"operator wrote the allocation annotation of every node {synced:.1f} s after the first create")
+        return {"nodes": n, "cards_per_node": CARD.count, "create_s": round(created, 2),
+                "create_per_s": round(len(bodies) / created, 1), "operator_synced_s": round(synced, 2),
+                "operator_during_sync": sampler.summary()}
+
+    # --- one burst ---------------------------------------------------------------------------
+    async def burst(self, api: client.ApiClient, size: int, *, gpu: bool, mode: str) -> dict[str, Any]:
+        kind = "gpu" if gpu else "baseline"
+        ns = f"b-{kind}-{mode}-{size}-{self.rng.randrange(16**6):06x}"
+        await kubeio.bounded([ns], lambda n: client.CoreV1Api(api).create_namespace(
+            {"metadata": {"name": n}}, _preload_content=False), 1)
+        bodies = [pod_body(f"p{i:05d}", gpu=gpu, rng=self.rng) for i in range(size)]
+        t_sent: dict[str, float] = {}
+        t_bound: dict[str, float] = {}
+        t_running: dict[str, float] = {}
+        t_claim: dict[str, float] = {}
+        done = asyncio.Event()
+        kubelet: list[asyncio.Task[Any]] = []
+        sem = asyncio.Semaphore(32)
+
+        async def play_kubelet(name: str) -> None:
+            async with sem:
+                try:
+                    await kubeio.mark_running(api, ns, name)
+                except Exception:
+                    pass
+
+        def finished() -> bool:
+            if len(t_bound) < size:
+                return False
+            return len(t_claim) >= size if gpu else len(t_running) >= size
+
+        def on_pod(etype: str, obj: dict[str, Any], t: float) -> None:
+            name = obj["metadata"]["name"]
+            if obj.get("spec", {}).get("nodeName") and name not in t_bound:
+                t_bound[name] = t
+                kubelet.append(asyncio.create_task(play_kubelet(name)))
+            if (obj.get("status") or {}).get("phase") == "Running" and name not in t_running:
+                t_running[name] = t
+            if finished():
+                done.set()
+
+        def on_claim(etype: str, obj: dict[str, Any], t: float) -> None:
+            pod = (obj.get("spec") or {}).get("podName")
+            if (obj.get("status") or {}).get("phase") == "Running" and pod and pod not in t_claim:
+                t_claim[pod] = t
+            if finished():
+                done.set()
+
+        watches = [kubeio.Watch(api, "pods", ns, on_pod).start()]
+        if gpu:
+            watches.append(kubeio.Watch(api, "vgpuclaims", ns, on_claim).start())
+        for w in watches:
+            await w.synced.wait()
+        sched = KVGPU_SCHED if gpu else DEFAULT_SCHED
+
+        async def create(b: dict[str, Any]) -> None:
+            t_sent[b["metadata"]["name"]] = time.monotonic()
+            await kubeio.create_pod(api, ns, b)
+
+        hist0 = scrape_histogram(self.ext_port)
+        sampler = ProcSampler(self.pids())
+        load0 = load_average()
+        t_sched_start = None
+        with sampler:
+            if mode == "queued":
+                self.cluster.stop_component(sched)
+            t0 = time.monotonic()
+            res = await kubeio.bounded(bodies, create, 64)
+            t_created = time.monotonic()
+            errors = [r for r in res if isinstance(r, Exception)]
+            if mode == "queued":
+                t_sched_start = time.monotonic()
+                await asyncio.to_thread(self._start_scheduler, gpu)
+            try:
+                await asyncio.wait_for(done.wait(), timeout=self.args.burst_timeout)
+                timed_out = False
+            except TimeoutError:
+                timed_out = True
+            t_end = time.monotonic()
+            await asyncio.gather(*kubelet, return_exceptions=True)
+        for w in watches:
+            await w.stop()
+        hist1 = scrape_histogram(self.ext_port)
+
+        bound = sorted(t_bound.values())
+        lat_bound = [t_bound[n] - t_sent[n] for n in t_bound if n in t_sent]
+        lat_claim = [t_claim[n] - t_sent[n] for n in t_claim if n in t_sent]
+        lat_run = [t_running[n] - t_sent[n] for n in t_running if n in t_sent]
+        out: dict[str, Any] = {
+            "kind": kind, "mode": mode, "pods": size, "create_errors": len(errors),
+            "create_s": round(t_created - t0, 2), "bound": len(bound), "timed_out": timed_out,
+        }
+        if errors:
+            out["create_error_example"] = repr(errors[0])[:300]
+        if bound:
+            if mode == "stream":
+                span = bound[-1] - t0
+            else:
+                span = bound[-1] - bound[0]
+                out["scheduler_start_to_first_bound_s"] = round(bound[0] - (t_sched_start or t0), 2)
+            out["span_s"] = round(span, 2)
+            out["bound_per_s"] = round(len(bound) / span, 1) if span > 0 else None
+            ends = sorted(t_claim.values()) if gpu else sorted(t_running.values())
+            if ends:
+                ref = t0 if mode == "stream" else bound[0]
+                out["running_per_s"] = round(len(ends) / (ends[-1] - ref), 1)
+                out["running"] = len(ends)
+            out["create_to_bound_ms"] = {"p50": round(pct(lat_bound, 0.5) * 1000),
+                                         "p99": round(pct(lat_bound, 0.99) * 1000)}
+            out["create_to_running_ms"] = {"p50": round(pct(lat_claim or lat_run, 0.5) * 1000),
+                                           "p99": round(pct(lat_claim or lat_run, 0.99) * 1000)}
+            ref = t0 if mode == "stream" else bound[0]
+            out["bound_curve_s"] = [round(b - ref, 3) for b in bound[:: max(1, len(bound) // 200)]]
+        if gpu:
+            out["extender"] = histogram_quantiles(hist0, hist1)
+        out["operator"] = sampler.summary()
+        out["cpu_seconds_by_process"] = sampler.cpu_by_process()
+        out["load_average_1m"] = [load0, load_average()]
+        out["wall_s"] = round(t_end - t0, 2)
+        log(f"{kind:8s} {mode:6s} {size:5d} pods: bound {len(bound)}/{size}"
+            f" {out.get('bound_per_s')} pods/s, running {out.get('running_per_s')} pods/s,"
+            f" create {out['create_s']} s, errors {len(errors)}, operator {out['operator']}"
+            + (f", extender {out['extender']}" if gpu else "") + f", cpu {out['cpu_seconds_by_process']}")
+        await self.cleanup_namespace(api, ns, gpu)
+        return out
+
+    def pids(self) -> dict[str, int]:
+        """The processes whose CPU a burst accounts: control plane, operator, this bench."""
+        out = {"operator": self.system.operator.pid, "bench": os.getpid()}  # type: ignore[union-attr]
+        for name, comp in self.cluster.components.items():
+            out[name.replace("kube-scheduler-", "scheduler-")] = comp.pid
+        return out
+
+    def _start_scheduler(self, gpu: bool) -> None:
+        if gpu:
+            url = f"http://127.0.0.1:{self.ext_port}/scheduler"
+            self.cluster.start_scheduler("kvgpu-scheduler", scheduler_configuration(url))
+        else:
+            self.cluster.start_scheduler("default-scheduler")
+
+    async def cleanup_namespace(self, api: client.ApiClient, ns: str, gpu: bool) -> None:
+        """Delete the burst's pods and namespace; for GPU bursts wait until its claims are gone,
+        so the next burst starts from a quiet operator."""
+        t0 = time.monotonic()
+        await asyncio.to_thread(self.cluster.kubectl, "delete", "pods", "--all", "-n", ns, "--grace-period=0",
+                                "--force", "--wait=false", check=False, timeout=300)
+        if gpu:
+            while time.monotonic() - t0 < 180:
+                left = len((await kubeio.list_raw(api, "vgpuclaims", ns)).get("items") or [])
+                if not left:
+                    break
+                await asyncio.sleep(1.0)
+        await asyncio.to_thread(self.cluster.kubectl, "delete", "namespace", ns, "--wait=false", check=False)
+        await asyncio.sleep(self.args.settle)
+        log(f"cleaned {ns} in {time.monotonic() - t0:.1f} s")
+
+    # --- direct extender probes ----------------------------------------------------------------
+    async def probe_extender(self, api: client.ApiClient, n_calls: int = 200) -> dict[str, Any]:
+        """Call filter and prioritize directly, sequentially, with the node list kube-scheduler
+        sends (it scores at most max(100, 10 %) of the nodes at this size; we send that many)."""
+        import aiohttp
+
+        names = [f"gpu-{i:05d}" for i in range(self.args.nodes)]
+        k = max(100, self.args.nodes // 10)
+        out: dict[str, Any] = {"node_names_per_call": k}
+        uid = "00000000-0000-0000-0000-000000000001"
+        pod = {"metadata": {"name": "probe", "namespace": "default", "uid": uid,
+                            "annotations": {"kvgpu.io/gpumem": "8000", "kvgpu.io/gpucores": "20"}},
+               "spec": {"schedulerName": keys.SCHEDULER_NAME, "containers": [{"name": "main", "image": "x"}]}}
+        async with aiohttp.ClientSession() as s:
+            for verb in ("filter", "prioritize"):
+                lat = []
+                for i in range(n_calls):
+                    start = (i * 37) % max(1, len(names) - k)
+                    body = json.dumps({"pod": pod, "nodenames": names[start:start + k]}).encode()
+                    t = time.perf_counter()
+                    async with s.post(f"http://127.0.0.1:{self.ext_port}/scheduler/{verb}", data=body,
+                                      headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                    lat.append(time.perf_counter() - t)
+                out[verb] = {"calls": n_calls, "p50_ms": round(pct(lat, 0.5) * 1000, 2),
+                             "p99_ms": round(pct(lat, 0.99) * 1000, 2), "max_ms": round(max(lat) * 1000, 2)}
+        log(f"direct extender probes: {out}")
+        return out
+
+    # --- requeue ---------------------------------------------------------------------------------
+    async def requeue(self, api: client.ApiClient, trials: int) -> dict[str, Any]:
+        """A chain of pods that each need the whole requeue-0 card: pod k waits (fits nowhere)
+        until pod k-1 is deleted; the time from that delete to pod k Bound is one sample."""
+        ns = f"requeue-{self.rng.randrange(16**6):06x}"
+        await kubeio.bounded([ns], lambda n: client.CoreV1Api(api).create_namespace(
+            {"metadata": {"name": n}}, _preload_content=False), 1)
+        bound: dict[str, asyncio.Event] = {}
+
+        def on_pod(etype: str, obj: dict[str, Any], t: float) -> None:
+            name = obj["metadata"]["name"]
+            if obj.get("spec", {}).get("nodeName"):
+                bound.setdefault(name, asyncio.Event()).set()
+
+        w = kubeio.Watch(api, "pods", ns, on_pod).start()
+        await w.synced.wait()
+
+        def body(i: int) -> dict[str, Any]:
+            return {"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": f"r{i:03d}", "annotations": {"kvgpu.io/gpumem": "10000"}},
+                    "spec": {"containers": [{"name": "main", "image": "bench"}],
+                             "nodeSelector": {"kvgpu.io/bench": "requeue"},
+                             "tolerations": [{"key": "kvgpu.io/bench", "operator": "Exists"}],
+                             "terminationGracePeriodSeconds": 0}}
+
+        async def wait_bound(name: str, limit_s: float) -> bool:
+            ev = bound.setdefault(name, asyncio.Event())
+            try:
+                await asyncio.wait_for(ev.wait(), limit_s)
+                return True
+            except TimeoutError:
+                return False
+
+        await kubeio.create_pod(api, ns, body(0))
+        if not await wait_bound("r000", 60):
+            raise RuntimeError("requeue: the first pod was never bound")
+        samples: list[float] = []
+        misses = 0
+        for i in range(1, trials + 1):
+            name = f"r{i:03d}"
+            await kubeio.create_pod(api, ns, body(i))
+            await asyncio.sleep(self.args.requeue_wait)  # rejected by filter, parked by kube-scheduler
+            if bound.get(name) is not None and bound[name].is_set():
+                raise RuntimeError(f"requeue: {name} was bound while the card was full")
+            t0 = time.monotonic()
+            await kubeio.delete_pod(api, ns, f"r{i - 1:03d}")
+            if await wait_bound(name, 30):
+                samples.append(time.monotonic() - t0)
+            else:
+                misses += 1
+        await w.stop()
+        await self.cleanup_namespace(api, ns, True)
+        out = {"trials": trials, "placed": len(samples), "missed_30s": misses,
+               "wait_before_free_s": self.args.requeue_wait,
+               "p50_s": round(pct(samples, 0.5), 3), "p90_s": round(pct(samples, 0.9), 3),
+               "p99_s": round(pct(samples, 0.99), 3), "max_s": round(max(samples), 3) if samples else None,
+               "mean_s": round(statistics.fmean(samples), 3) if samples else None,
+               "within_2s": sum(s <= 2.0 for s in samples), "samples_s": [round(s, 3) for s in samples]}
+        log(f"requeue: {out}")
+        return out
+
+    # --- main ----------------------------------------------------------------------------------
+    async def main(self) -> dict[str, Any]:
+        async with self.cluster.api() as api:
+            api.configuration.connection_pool_maxsize = 128
+            idle = ProcSampler(self.system.operator.pid)  # type: ignore[union-attr]
+            nodes = await self.make_nodes(api)
+            _cpu, rss = idle.read()
+            nodes["operator_rss_mib_after_sync"] = round(rss / 2**20, 1)
+            out: dict[str, Any] = {"setup": nodes, "bursts": []}
+            if self.args.requeue_trials:
+                out["requeue"] = await self.requeue(api, self.args.requeue_trials)
+            for size in self.args.bursts:
+                for mode in self.args.modes:
+                    for gpu in (False, True):
+                        out["bursts"].append(await self.burst(api, size, gpu=gpu, mode=mode))
+                        self._save_partial(out)
+            out["extender_probe"] = await self.probe_extender(api)
+            _cpu, rss = idle.read()
+            out["operator_rss_mib_end"] = round(rss / 2**20, 1)
+            return out
+
+    def _save_partial(self, out: dict[str, Any]) -> None:
+        (self.run_dir / "partial.json").write_text(json.dumps(out, indent=1))
+
+
+def machine() -> dict[str, Any]:
+    mem = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "cpu": cpu,
+            "python": platform.python_version(), "kernel": platform.release()}
+
+
+def merge_results(path: Path, nodes: int, record: dict[str, Any]) -> None:
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    data.setdefault("runs", {})[str(nodes)] = record
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--bursts", type=lambda s: [int(x) for x in s.split(",") if x], default=[500, 2000])
+    p.add_argument("--modes", type=lambda s: [x for x in s.split(",") if x], default=["stream", "queued"])
+    p.add_argument("--requeue-trials", type=int, default=50)
+    p.add_argument("--requeue-wait", type=float, default=2.0,
+                   help="seconds a pending pod waits (rejected, parked) before capacity frees")
+    p.add_argument("--burst-timeout", type=float, default=600)
+    p.add_argument("--settle", type=float, default=3.0, help="quiet seconds between bursts")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--run-dir", default="")
+    p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--profile", action="store_true",
+                   help="record the operator with py-spy during the bursts (needs py-spy on PATH)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+    started = datetime.now(UTC)
+    bench.start()
+    spy = None
+    try:
+        if args.profile:
+            import subprocess
+
+            svg = bench.run_dir / "operator-profile.txt"
+            spy_bin = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            spy = subprocess.Popen([spy_bin, "record", "-p", str(bench.system.operator.pid),  # type: ignore[union-attr]
+                                    "-o", str(svg), "--rate", "50", "--format", "raw", "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        result = asyncio.run(bench.main())
+    finally:
+        if spy is not None:
+            import signal
+
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
+        bench.stop()
+    record = {
+        "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "python bench/scale/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(),
+        **result,
+    }
+    merge_results(Path(args.out), args.nodes, record)
+    log(f"results merged into {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

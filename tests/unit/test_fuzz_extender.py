@@ -1,0 +1,274 @@
+"""Fuzzing the scheduler extender's inputs (hypothesis).
+
+* ``parse_args`` / ``parse_binding`` on any JSON value: a result or :class:`ProtocolError`
+  naming what is wrong, nothing else;
+* the aiohttp app (``Extender.app()``) over HTTP with a fake state (three simulated nodes,
+  one pool) and a fake API (``kvgpu.kube`` calls patched): random bytes, invalid JSON,
+  JSON of the wrong shape, and well-formed requests carrying random pods, for ``filter``,
+  ``prioritize`` and ``bind``. Every answer is JSON with the shape kube-scheduler expects or
+  an ``error`` string; never a 500, never an exception out of the handler; a failed bind leaves
+  nothing reserved in the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvgpu import kube
+from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode
+from kvgpu.devcluster.fakenodes import node_manifest
+from kvgpu.extender.protocol import ProtocolError, parse_args, parse_binding
+from kvgpu.extender.server import Extender
+from kvgpu.metrics import OperatorMetrics
+from kvgpu.reconcile.state import OperatorState
+from tests.unit.test_fuzz_admission import broken_pods, json_any, pods, valid_pods
+
+FUZZ = settings(max_examples=250, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+NODES = ["n0", "n1", "n2"]
+UID = "11111111-2222-3333-4444-555555555555"
+
+
+# ----------------------------------------------------------------------------- pure parsers
+@FUZZ
+@given(doc=json_any)
+def test_parse_args_any_json(doc: Any) -> None:
+    try:
+        args = parse_args(doc)
+    except ProtocolError as e:
+        assert str(e).startswith("extender args"), str(e)
+        return
+    assert isinstance(args.pod, dict) and isinstance(args.pod["metadata"], dict)
+    assert all(isinstance(n, str) for n in args.node_names)
+
+
+@FUZZ
+@given(pod=st.one_of(pods(), broken_pods(), json_any),
+       names=st.one_of(st.none(), st.lists(st.text(max_size=6), max_size=4), json_any),
+       nodes=st.one_of(st.none(), json_any, st.fixed_dictionaries({"items": st.lists(json_any, max_size=3)})))
+def test_parse_args_shaped_json(pod: Any, names: Any, nodes: Any) -> None:
+    doc: dict[str, Any] = {"pod": pod}
+    if names is not None:
+        doc["nodenames"] = names
+    if nodes is not None:
+        doc["nodes"] = nodes
+    try:
+        parse_args(doc)
+    except ProtocolError as e:
+        assert "extender args" in str(e)
+
+
+@FUZZ
+@given(doc=st.one_of(json_any, st.fixed_dictionaries({}, optional={
+    "podName": json_any, "podNamespace": json_any, "podUID": json_any, "node": json_any,
+    "PodName": json_any})))
+def test_parse_binding_any_json(doc: Any) -> None:
+    try:
+        b = parse_binding(doc)
+    except ProtocolError as e:
+        assert str(e).startswith("binding args"), str(e)
+        return
+    assert all(isinstance(v, str) and v for v in (b.pod_name, b.pod_namespace, b.pod_uid, b.node))
+
+
+# ----------------------------------------------------------------------------- the HTTP app
+class FakeKube:
+    """Stands in for the API: ``get_pod`` answers the pod under test; writes are recorded."""
+
+    def __init__(self) -> None:
+        self.pod: Any = None
+        self.calls: list[str] = []
+        self.fail_binding = False
+
+    async def get_pod(self, api: Any, ns: str, name: str) -> Any:
+        self.calls.append("get_pod")
+        return copy_json(self.pod)
+
+    async def create_claim(self, api: Any, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append("create_claim")
+        return body
+
+    async def get_claim(self, api: Any, ns: str, name: str) -> None:
+        return None
+
+    async def delete_claim(self, api: Any, ns: str, name: str) -> bool:
+        self.calls.append("delete_claim")
+        return True
+
+    async def patch_pod_metadata(self, api: Any, ns: str, name: str, *, annotations: Any) -> dict[str, Any]:
+        self.calls.append("patch_pod")
+        return {}
+
+    async def create_binding(self, api: Any, ns: str, name: str, uid: str, node: str) -> None:
+        self.calls.append("binding")
+        if self.fail_binding:
+            from kubernetes_asyncio.client.exceptions import ApiException
+
+            raise ApiException(status=409, reason="Conflict")
+
+    async def patch_claim_status(self, api: Any, ns: str, name: str, status: Any) -> dict[str, Any]:
+        return {}
+
+    async def post_event(self, api: Any, obj: Any, **kw: Any) -> None:
+        return None
+
+
+def copy_json(x: Any) -> Any:
+    return json.loads(json.dumps(x)) if x is not None else None
+
+
+def make_state() -> OperatorState:
+    st_ = OperatorState()
+    st_.set_pool({"apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": "default"},
+                  "spec": {"nodeSelector": {"matchLabels": {"kvgpu.io/gpu-node": "true"}}, "splitCount": 4}})
+    for n in NODES:
+        st_.set_node(node_manifest(SimulatedNode(n, (SimulatedCardSpec(memory_mib=20000, count=2),))))
+    st_.ready = True
+    return st_
+
+
+class Harness:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.fake = FakeKube()
+        for name in ("get_pod", "create_claim", "get_claim", "delete_claim", "patch_pod_metadata",
+                     "create_binding", "patch_claim_status", "post_event"):
+            monkeypatch.setattr(kube, name, getattr(self.fake, name))
+        self.state = make_state()
+        self.ext = Extender(self.state, api=None, metrics=OperatorMetrics())
+        self.loop = asyncio.new_event_loop()
+        self.client = TestClient(TestServer(self.ext.app()), loop=self.loop)
+        self.loop.run_until_complete(self.client.start_server())
+
+    def post(self, verb: str, body: bytes) -> tuple[int, Any]:
+        async def go() -> tuple[int, Any]:
+            r = await self.client.post(f"/scheduler/{verb}", data=body,
+                                       headers={"Content-Type": "application/json"})
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text
+
+        return self.loop.run_until_complete(go())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.run_until_complete(asyncio.sleep(0))
+        self.loop.close()
+
+
+@pytest.fixture
+def harness(monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
+    h = Harness(monkeypatch)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _check_filter(status: int, data: Any) -> None:
+    assert status == 200, (status, data)
+    assert isinstance(data, dict), data
+    if "error" in data and not data.get("nodenames"):
+        assert isinstance(data["error"], str) and data["error"].strip()
+        return
+    assert isinstance(data.get("nodenames"), list)
+    assert isinstance(data.get("failedAndUnresolvableNodes", {}), dict)
+    for reason in data.get("failedAndUnresolvableNodes", {}).values():
+        assert isinstance(reason, str) and reason.strip()
+
+
+def _check_prioritize(status: int, data: Any) -> None:
+    assert status in (200, 400), (status, data)
+    if status == 400 or isinstance(data, dict):
+        assert isinstance(data, dict) and isinstance(data.get("error"), str) and data["error"].strip()
+        return
+    assert isinstance(data, list)
+    for h in data:
+        assert set(h) == {"host", "score"} and 0 <= h["score"] <= 10
+
+
+raw_bodies = st.one_of(
+    st.binary(max_size=200),
+    st.text(max_size=100).map(str.encode),
+    json_any.map(lambda x: json.dumps(x).encode()),
+    st.sampled_from([b"", b"{", b"null", b"[]", b'{"pod": null}', b'{"pod": {"metadata": 1}}',
+                     b'{"nodenames": "n0"}', b"\xff\xfe", b'{"pod": {"metadata": {}}, "nodenames": [1]}']),
+)
+
+
+@FUZZ
+@given(body=raw_bodies, verb=st.sampled_from(["filter", "prioritize", "bind"]))
+def test_http_garbage(harness: Harness, body: bytes, verb: str) -> None:
+    status, data = harness.post(verb, body)
+    if verb == "filter":
+        _check_filter(status, data)
+    elif verb == "prioritize":
+        _check_prioritize(status, data)
+    else:
+        assert status == 200 and isinstance(data, dict) and isinstance(data.get("error"), str), (status, data)
+
+
+def _with_uid(pod: Any) -> Any:
+    if isinstance(pod, dict) and isinstance(pod.get("metadata"), dict):
+        pod["metadata"].setdefault("uid", UID)
+    return pod
+
+
+@FUZZ
+@given(pod=st.one_of(pods(), valid_pods(), broken_pods()),
+       names=st.lists(st.sampled_from([*NODES, "unknown", ""]), max_size=5))
+def test_http_filter_and_prioritize_random_pods(harness: Harness, pod: Any, names: list[str]) -> None:
+    body = json.dumps({"pod": _with_uid(pod), "nodenames": names}).encode()
+    status, data = harness.post("filter", body)
+    _check_filter(status, data)
+    if isinstance(data, dict) and isinstance(data.get("nodenames"), list):
+        assert set(data["nodenames"]) <= set(names)
+        assert set(data["nodenames"]) | set(data.get("failedAndUnresolvableNodes", {})) >= {
+            n for n in names if n in NODES} or data.get("error")
+    _check_prioritize(*harness.post("prioritize", body))
+
+
+@FUZZ
+@given(pod=st.one_of(pods(), valid_pods()), node=st.sampled_from([*NODES, "unknown"]),
+       bound_to=st.sampled_from([None, "n0", "n1"]), same_uid=st.booleans(), fail_binding=st.booleans(),
+       via_filter=st.booleans())
+def test_http_bind_random_pods(harness: Harness, pod: dict[str, Any], node: str, bound_to: str | None, same_uid: bool,
+                               fail_binding: bool, via_filter: bool) -> None:
+    """Bind a random pod (optionally after filter cached its request); success books exactly
+    the claims of that pod; any failure leaves no reservation behind. The live pod is
+    well-formed (the API server validates pods); its annotations and limits are random."""
+    harness.state.release_pod(UID)
+    before = dict(harness.state.ledger.reservations())
+    pod = _with_uid(pod)
+    if via_filter and isinstance(pod, dict):
+        harness.post("filter", json.dumps({"pod": pod, "nodenames": NODES}).encode())
+    live = copy_json(pod)
+    if isinstance(live, dict):
+        if isinstance(live.get("metadata"), dict) and not same_uid:
+            live["metadata"]["uid"] = "another-uid"
+        if bound_to and isinstance(live.get("spec"), dict):
+            live["spec"]["nodeName"] = bound_to
+    harness.fake.pod = live
+    harness.fake.fail_binding = fail_binding
+    args = {"podName": "p", "podNamespace": "ns", "podUID": UID, "node": node}
+    status, data = harness.post("bind", json.dumps(args).encode())
+    assert status == 200 and isinstance(data, dict), (status, data)
+    after = harness.state.ledger.reservations()
+    if data.get("error"):
+        event("bind refused")
+        assert isinstance(data["error"], str) and data["error"].strip()
+        assert after == before, "a failed bind left reservations"
+    else:
+        event("bind succeeded")
+        new = {k: v for k, v in after.items() if k not in before}
+        assert all(v.pod_uid == UID and v.node == node for v in new.values())
+    harness.state.release_pod(UID)  # the next example starts from an empty ledger
