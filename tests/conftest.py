@@ -10,6 +10,7 @@ known place for debugging; by default it is a pytest tmp dir, printed at start-u
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(run_dir=run_dir)
     print(f"\n[kvgpu] local control plane in {run_dir} (logs in {run_dir / 'logs'})")
     c.start()
+    out = c.kubectl("version", "-o", "json").stdout
+    _SUMMARY.append(f"kube-apiserver answered: {json.loads(out)['serverVersion']['gitVersion']} "
+                    f"(real control plane from hack/ktp, run dir {run_dir})")
     try:
         yield c
     finally:
@@ -41,6 +45,14 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     cluster.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", "--wait=false",
                     check=False)
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+_SUMMARY: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in _SUMMARY:
+        terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
