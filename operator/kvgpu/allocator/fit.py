@@ -38,7 +38,7 @@ SUPPORTED_MODES = ("hami-core", "exclusive")
 UNHEALTHY, NO_POOL, MIG, BAD_MODE = 0, 1, 2, 3
 TYPE_NOT_LISTED, TYPE_EXCLUDED, UUID_NOT_LISTED, UUID_EXCLUDED = 4, 5, 6, 7
 NO_SLOT, HELD_EXCLUSIVE, NOT_IDLE, NO_MEMORY, NO_CORES, COMPUTE_FULL = 8, 9, 10, 11, 12, 13
-NUMA_SPLIT = 14
+NUMA_SPLIT, NO_CAPACITY = 14, 15
 
 PHRASES = (
     "unhealthy",
@@ -56,6 +56,7 @@ PHRASES = (
     "with too few free cores",
     "with all cores taken (needed by a request without a core limit)",
     "on another NUMA node",
+    "given no slots or no memory by its pool",
 )
 
 
@@ -108,7 +109,7 @@ class CardState:
             self.mem_total = max(0, int(card.memory_mib * sl.memory_scaling))
             self.cores_total = max(0, round(100 * sl.core_scaling))
         if self.unusable is None and (self.slots_total == 0 or self.mem_total == 0):
-            self.unusable = NO_POOL
+            self.unusable = NO_CAPACITY
         # Usage: slices, MiB, cores, pods holding it exclusively, pods with any slice on it.
         self.slots = self.mem = self.cores = self.excl = self.pods = 0
 
