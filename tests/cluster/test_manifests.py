@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from kvgpu.devcluster import Cluster
+from kvgpu.extender.schedconfig import scheduler_configuration
 
 EXPECTED = {
     "Namespace": 1, "CustomResourceDefinition": 3, "ClusterKopfPeering": 1,
@@ -267,11 +268,26 @@ def _sa_kubeconfig(cluster: Cluster, account: str, path: Path) -> Path:
     return path
 
 
-def test_operator_works_with_only_its_cluster_role(gpu: Any, rbac: Any, tmp_path: Path) -> None:
-    """The session's operator (system:masters) is replaced for this test by one authenticated as
-    the kvgpu-operator ServiceAccount with the manifests' ClusterRole, in peering mode as in the
-    StatefulSet: a pod is admitted, scheduled, bound, claimed, followed to Running and released,
-    with no 403 in the operator's log. The session operator is restored afterwards."""
+def _stop(proc: Any) -> None:
+    import subprocess
+
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, tmp_path: Path) -> None:
+    """The session's operator and kvgpu kube-scheduler (both with broad identities) are replaced
+    for this test by ones authenticated as the kvgpu-operator and kvgpu-scheduler
+    ServiceAccounts with the manifests' roles: the operator in peering mode as in the
+    StatefulSet, the scheduler with the generated ConfigMap's configuration (leader election on,
+    only the extender URL pointed at the local operator). A pod is admitted, scheduled, bound,
+    claimed, followed to Running and released, with no request refused in either log. The
+    session's components are restored afterwards."""
     import subprocess
     import sys
     import time
@@ -291,9 +307,23 @@ def test_operator_works_with_only_its_cluster_role(gpu: Any, rbac: Any, tmp_path
             "--webhook-host=127.0.0.1", f"--webhook-cert={pki / 'webhook.crt'}",
             f"--webhook-key={pki / 'webhook.key'}", f"--operator-username={SA}kvgpu-operator",
             "--exclude-namespace=kvgpu-system", "--peering", "--priority=1", f"--ready-file={ready}"]
+    sched_cfg = yaml.safe_load(next(d for d in _render(cluster, "manifests/base")
+                                    if d["kind"] == "ConfigMap")["data"]["config.yaml"])
+    sched_cfg["extenders"][0]["urlPrefix"] = f"http://127.0.0.1:{system.extender_port}/scheduler"
+    sched_cfg["clientConnection"]["kubeconfig"] = str(
+        _sa_kubeconfig(cluster, "kvgpu-scheduler", tmp_path / "scheduler.kubeconfig"))
+    sched_path = tmp_path / "scheduler.yaml"
+    sched_path.write_text(yaml.safe_dump(sched_cfg))
+    sched_log = tmp_path / "scheduler.log"
     system.stop_operator()
-    proc = None
+    cluster.stop_component("kube-scheduler-kvgpu-scheduler")
+    proc = sched = None
     try:
+        with sched_log.open("wb") as out:
+            sched = subprocess.Popen(
+                [str(cluster.bin_dir / "kube-scheduler"), f"--config={sched_path}",
+                 "--bind-address=127.0.0.1", "--secure-port=0", "--v=2"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         with log.open("wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         gpu.wait(lambda: ready.exists() or proc.poll() is not None, 60, "operator ready")
@@ -315,13 +345,19 @@ def test_operator_works_with_only_its_cluster_role(gpu: Any, rbac: Any, tmp_path
         assert "403" not in text and "forbidden" not in text.lower(), text[-3000:]
         status = json.loads(cluster.kubectl("get", "clusterkopfpeering", "kvgpu", "-o", "json").stdout)
         assert status.get("status"), "the operator kept alive in the peering"
+        lease = json.loads(cluster.kubectl("get", "lease", "kvgpu-scheduler", "-n", "kvgpu-system",
+                                           "-o", "json").stdout)
+        assert lease["spec"]["holderIdentity"]
+        assert sched.poll() is None
+        text = sched_log.read_text(errors="replace")
+        refused = [line for line in text.splitlines() if "forbidden" in line.lower()]
+        assert not refused, "\n".join(refused[:20])
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(proc)
+        _stop(sched)
         time.sleep(0.5)
         system.start_operator()
+        cluster.start_scheduler("kvgpu-scheduler", scheduler_configuration(
+            f"http://127.0.0.1:{system.extender_port}/scheduler"))
+        cluster.kubectl("delete", "lease", "kvgpu-scheduler", "-n", "kvgpu-system", "--ignore-not-found",
+                        check=False)
