@@ -177,6 +177,7 @@ class _Node:
     __slots__ = (
         "by_uuid",
         "cards",
+        "have",
         "inventory",
         "max_free_cores",
         "max_free_mem",
@@ -202,6 +203,7 @@ class _Node:
         self.by_uuid = {c.uuid: c for c in self.cards}
         usable = [c for c in self.cards if c.unusable is None]
         self.n_usable = len(usable)
+        self.have = _cards(self.n_usable)  # "8 cards", for reasons
         self.models = tuple(sorted({c.model_l for c in usable}))
         self.model_names = ", ".join(sorted({c.model for c in usable}))
         counts: dict[int, int] = {}
@@ -264,10 +266,10 @@ class _Node:
                 if total == 0:
                     return "no GPU card"
                 return f"no usable card ({self.unusable})"
-            return f"{_cards(self.n_usable)} usable < {n.cards} requested"
+            return f"{self.have} usable < {n.cards} requested"
         if n.types and not any(t in m for m in self.models for t in n.types):
             return f"no card of type {' or '.join(n.req.types)} (cards here: {self.model_names})"
-        have = _cards(self.n_usable)
+        have = self.have
         if n.exclusive and self.n_idle < n.cards:
             return f"{have}, {self.n_idle} idle < {n.cards} needed for an exclusive request (cores 100)"
         if n.whole and self.n_full_mem < n.cards:
