@@ -254,3 +254,36 @@ def test_cli_reports_a_bad_kubeconfig(tmp_path: Any) -> None:
     res = CliRunner().invoke(main, ["--kubeconfig", str(tmp_path / "none"), "nodes"])
     assert res.exit_code != 0
     assert "kubeconfig" in res.output.lower() or "no kubeconfig" in res.output.lower()
+
+
+def test_agent_usage_scrapes_each_needed_node_through_the_pod_proxy(monkeypatch: Any) -> None:
+    import asyncio
+
+    from kubernetes_asyncio import client
+    from kvgpu.cli import kubectl_vgpu
+
+    calls: list[tuple[str, str, str]] = []
+
+    class FakeCore:
+        def __init__(self, api: Any) -> None:
+            pass
+
+        async def list_namespaced_pod(self, namespace: str, label_selector: str) -> dict[str, Any]:
+            assert (namespace, label_selector) == ("kvgpu-system", kubectl_vgpu.AGENT_SELECTOR)
+            return {"items": [
+                {"metadata": {"name": f"agent-{n}"}, "spec": {"nodeName": n}, "status": {"phase": phase}}
+                for n, phase in (("n0", "Running"), ("n1", "Running"), ("n2", "Pending"), ("n3", "Running"))]}
+
+        async def connect_get_namespaced_pod_proxy_with_path(
+            self, name: str, namespace: str, path: str
+        ) -> str:
+            calls.append((name, namespace, path))
+            if name.startswith("agent-n1"):
+                raise OSError("connection refused")
+            return _metrics("GPU-1")
+
+    monkeypatch.setattr(client, "CoreV1Api", FakeCore)
+    usage = asyncio.run(kubectl_vgpu.agent_usage(object(), {"n0", "n1", "n2"}))
+    assert sorted(calls) == [("agent-n0:9394", "kvgpu-system", "metrics"),
+                             ("agent-n1:9394", "kvgpu-system", "metrics")]
+    assert usage == {("team", "train", "main", "GPU-1"): views.Usage(1.572864e9, 28.6)}
