@@ -37,6 +37,8 @@ OPERATOR_SERVICE = "kvgpu-operator"  # extender (8888) and /metrics
 WEBHOOK_SERVICE = "kvgpu-webhook"  # admission webhooks (443 -> 9443)
 EXTENDER_PORT = 8888
 WEBHOOK_SERVICE_PORT = 443
+# Besides kube-system (always excluded by webhook_configurations) and our own namespace.
+SYSTEM_NAMESPACES = ("kube-node-lease", "kube-public")
 SCHEDULER_CONFIG_MAP = "kvgpu-scheduler-config"
 SCHEDULER_CONFIG_KEY = "config.yaml"
 SCHEDULER_CONFIG_DIR = "/etc/kvgpu-scheduler"
@@ -86,7 +88,7 @@ def webhook_objects() -> tuple[dict[str, Any], dict[str, Any]]:
         url_base=None,
         service=(NAMESPACE, WEBHOOK_SERVICE, WEBHOOK_SERVICE_PORT),
         ca_bundle=b"",
-        exclude_namespaces=[NAMESPACE],
+        exclude_namespaces=[NAMESPACE, *SYSTEM_NAMESPACES],
     )
     for obj in (mutating, validating):
         labels = obj["metadata"].setdefault("labels", {})
