@@ -287,3 +287,20 @@ def test_agent_usage_scrapes_each_needed_node_through_the_pod_proxy(monkeypatch:
     assert sorted(calls) == [("agent-n0:9394", "kvgpu-system", "metrics"),
                              ("agent-n1:9394", "kvgpu-system", "metrics")]
     assert usage == {("team", "train", "main", "GPU-1"): views.Usage(1.572864e9, 28.6)}
+
+
+def test_namespace_defaults_to_the_context_like_kubectl(tmp_path: Any) -> None:
+    import yaml
+    from kvgpu.cli.kubectl_vgpu import _current_namespace
+
+    kc = tmp_path / "config"
+    kc.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "a",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "a", "context": {"cluster": "c", "user": "u", "namespace": "ml"}},
+                     {"name": "b", "context": {"cluster": "c", "user": "u"}}],
+    }))
+    assert _current_namespace(KubeOptions(kubeconfig=str(kc))) == "ml"
+    assert _current_namespace(KubeOptions(kubeconfig=str(kc), context="b")) == "default"
+    assert _current_namespace(KubeOptions(kubeconfig=str(kc), namespace="x")) == "x"
