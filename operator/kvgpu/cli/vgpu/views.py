@@ -446,6 +446,9 @@ def format_explanation(ex: Explanation, max_nodes: int = 20) -> str:
         lines += [f"  {e}" for e in ex.events]
     elif not ex.node:
         lines.append("Events: none about scheduling yet.")
+        if ex.scheduler == keys.SCHEDULER_NAME and not ex.request_errors:
+            lines.append(f"  (if this stays, check that the {keys.SCHEDULER_NAME} kube-scheduler and the "
+                         "kvgpu operator run: kubectl -n kvgpu-system get pods)")
     if not ex.node and not ex.request_errors and not ex.not_ours:
         if ex.feasible:
             more = " ..." if len(ex.feasible) > max_nodes else ""
