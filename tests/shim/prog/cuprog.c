@@ -46,6 +46,7 @@ CUresult cuMemFree_v2(CUdeviceptr);
 CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, void *, CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuDeviceGetDefaultMemPool(void **, CUdevice);
 CUresult cuMemCreate(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
 CUresult cuMemRelease(CUmemGenericAllocationHandle);
 CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
@@ -127,7 +128,10 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
         rc = cuMemAllocAsync(&p, chunk, NULL);
         h->kind = 2, h->v = p;
     } else if (!strcmp(path, "pool")) {
-        rc = cuMemAllocFromPoolAsync(&p, chunk, NULL, NULL);
+        static void *pool;
+        if (!pool && (rc = cuDeviceGetDefaultMemPool(&pool, dev)))
+            return rc;
+        rc = cuMemAllocFromPoolAsync(&p, chunk, pool, NULL);
         h->kind = 2, h->v = p;
     } else if (!strcmp(path, "vmm")) {
         CUmemAllocationProp prop;

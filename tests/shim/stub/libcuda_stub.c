@@ -202,7 +202,7 @@ API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t 
 API CUresult cuMemFree_v2(CUdeviceptr p) { if (!inited) return E_NOT_INIT; return phys_free(p, 1); }
 API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { (void)s; return cuMemAlloc_v2(p, n); }
 API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { return cuMemAllocAsync(p, n, s); }
-API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { (void)pool; return cuMemAllocAsync(p, n, s); }
+API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { if (!pool) return E_INVALID_VALUE; return cuMemAllocAsync(p, n, s); }
 API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { return cuMemAllocFromPoolAsync(p, n, pool, s); }
 API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return cuMemFree_v2(p); }
 API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return cuMemFreeAsync(p, s); }
@@ -375,4 +375,5 @@ API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; if (!inite
 API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name) { (void)m; (void)name; *f = (CUfunction)0x78; return OK; }
 API CUresult cuStreamCreate(CUstream *s, unsigned fl) { (void)fl; *s = (CUstream)0x79; return OK; }
 API CUresult cuGraphCreate(void **g, unsigned fl) { (void)fl; *g = (void *)0x7a; return OK; }
+API CUresult cuDeviceGetDefaultMemPool(void **p, CUdevice d) { if (phys_of(d) < 0) return E_INVALID_DEVICE; *p = (void *)(uintptr_t)(0x500 + d); return OK; }
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }

@@ -1,0 +1,229 @@
+"""Memory limit through the shim, on the stub card (4096 MiB, 64 MiB context, 2 MiB pages).
+
+Every allocation path stops at the limit with CUDA_ERROR_OUT_OF_MEMORY (2); the context is
+charged after NVML reconciliation; reported totals agree; NULL pointers behave as without the
+shim; devices are found by UUID whatever CUDA_VISIBLE_DEVICES says.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import MIB, claim, uuid
+
+PATHS = ["alloc", "managed", "pitch", "async", "pool", "vmm", "array", "array3d", "mipmap", "gpa",
+         "gpa_v1", "dlsym"]
+CHUNK = 64 * MIB
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_stops_at_the_limit(box, path: str) -> None:
+    native = box.json("fill", path, str(CHUNK), "20", env=box.env(shim=False))[0]
+    assert native["n"] == 20  # the stub card alone would allow more
+    out = box.json("fill", path, str(CHUNK), env=box.env(claim((0, 1000, 0))))
+    first, after = out
+    # 1000 MiB - 64 MiB context = 936 MiB -> 14 chunks of 64 MiB, the 15th is refused
+    assert first["n"] == 14 and first["rc"] == 2
+    assert first["total"] == 1000 * MIB and first["free"] <= 1000 * MIB - (14 * 64 + 64) * MIB
+    assert after["free"] == 1000 * MIB - 64 * MIB  # freed memory returns; the context stays
+
+
+def test_gpa_indirect_pointers_still_hooked(box) -> None:
+    """A driver whose cuGetProcAddress returns non-exported addresses: name/version fallback."""
+    out = box.json("fill", "gpa", str(CHUNK), env=box.env(claim((0, 1000, 0)), STUB_GPA_INDIRECT=1))
+    assert out[0]["n"] == 14 and out[0]["rc"] == 2
+
+
+def test_pitch_is_charged_with_the_real_pitch(box) -> None:
+    # The stub pads rows to 2 KiB. 1100 B x 130000 rows: estimate (512 B rows) 136 MiB fits in
+    # 300 - 64 = 236 MiB, the real 2048 B pitch (254 MiB) does not.
+    assert box.json("pitch", "1100", "130000", env=box.env(shim=False))[0] == {"rc": 0, "pitch": 2048}
+    assert box.json("pitch", "1100", "130000", env=box.env(claim((0, 300, 0))))[0]["rc"] == 2
+    assert box.json("pitch", "1100", "100000", env=box.env(claim((0, 300, 0))))[0]["rc"] == 0
+
+
+def test_small_limit_300_mib_works(box) -> None:
+    info = box.json("info", env=box.env(claim((0, 300, 0))))[0]
+    assert info["rc"] == 0 and info["total"] == 300 * MIB and info["totalmem"] == 300 * MIB
+    assert info["free"] == (300 - 64) * MIB
+    out = box.json("fill", "alloc", str(16 * MIB), env=box.env(claim((0, 300, 0))))[0]
+    assert out["n"] == 14 and out["rc"] == 2  # 236 MiB / 16
+
+
+def test_limit_below_the_context_still_usable(box) -> None:
+    """Context 256 MiB > limit 100 MiB: overhead is charged up to half the limit; no errors."""
+    env = box.env(claim((0, 100, 0)), STUB_CTX_MIB=256)
+    info = box.json("info", env=env)[0]
+    assert info["rc"] == 0 and info["total"] == 100 * MIB and info["free"] == 50 * MIB
+    out = box.json("fill", "alloc", str(10 * MIB), env=env)[0]
+    assert out["n"] == 5 and out["rc"] == 2 and out["free"] == 0
+
+
+def test_limit_above_physical_reports_physical(box) -> None:
+    info = box.json("info", env=box.env(claim((0, 10000, 0))))[0]
+    assert info["total"] == 4096 * MIB and info["totalmem"] == 4096 * MIB
+
+
+def test_null_pointers_like_the_driver(box) -> None:
+    native = box.json("null", env=box.env(shim=False))[0]
+    shimmed = box.json("null", env=box.env(claim((0, 1000, 0))))[0]
+    for k in ("null_free_rc", "null_total_rc", "both_null_rc", "totalmem_null_rc"):
+        assert shimmed[k] == native[k], k
+    assert shimmed["total"] == 1000 * MIB and shimmed["free"] == (1000 - 64) * MIB
+
+
+NVML_PROBE = r"""
+import ctypes, json, sys
+class M1(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+class M2(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint), ("total", ctypes.c_ulonglong), ("reserved", ctypes.c_ulonglong),
+                ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+cu = ctypes.CDLL("libcuda.so.1")
+nv = ctypes.CDLL("libnvidia-ml.so.1")
+assert cu.cuInit(0) == 0
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_ulonglong()
+cu.cuDeviceGet(ctypes.byref(dev), 0)
+cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+cu.cuCtxSetCurrent(ctx)
+assert cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(sys.argv[1]) << 20)) == 0
+f, t, tm = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
+cu.cuMemGetInfo_v2(ctypes.byref(f), ctypes.byref(t))
+cu.cuDeviceTotalMem_v2(ctypes.byref(tm), dev)
+assert nv.nvmlInit_v2() == 0
+h = ctypes.c_void_p()
+nv.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(h))
+m1, m2 = M1(), M2()
+m2.version = (2 << 24) | ctypes.sizeof(M2)
+r1 = nv.nvmlDeviceGetMemoryInfo(h, ctypes.byref(m1))
+r2 = nv.nvmlDeviceGetMemoryInfo_v2(h, ctypes.byref(m2))
+rn = nv.nvmlDeviceGetMemoryInfo(h, None)
+print(json.dumps(dict(cu_free=f.value, cu_total=t.value, totalmem=tm.value, r1=r1, r2=r2, rnull=rn,
+    v1=[m1.total, m1.used, m1.free], v2=[m2.total, m2.used, m2.free, m2.reserved])))
+"""
+
+
+def test_cuda_and_nvml_totals_agree(box) -> None:
+    env = box.env(claim((0, 3000, 0)))
+    p = box.run(sys.executable, "-c", NVML_PROBE, "512", env=env)
+    o = json.loads(p.stdout)
+    total = 3000 * MIB
+    assert o["r1"] == 0 and o["r2"] == 0 and o["rnull"] == 2  # NULL: INVALID_ARGUMENT, as NVML
+    assert o["cu_total"] == o["totalmem"] == o["v1"][0] == o["v2"][0] == total
+    used = (512 + 64) * MIB
+    assert o["v1"][1] == o["v2"][1] == used and o["v2"][3] == 0
+    assert o["v1"][2] == o["v2"][2] == o["cu_free"] == total - used
+    native = json.loads(box.run(sys.executable, "-c", NVML_PROBE, "512", env=box.env(shim=False)).stdout)
+    assert native["v1"][0] == 4096 * MIB  # the probe itself sees the whole stub card without the shim
+
+
+def test_nvml_view_never_underflows(box) -> None:
+    """Charged more than the limit (overhead cap hit): used is capped at total, free is 0."""
+    env = box.env(claim((0, 100, 0)), STUB_CTX_MIB=40)
+    o = json.loads(box.run(sys.executable, "-c", NVML_PROBE, "60", env=env).stdout)
+    assert o["v1"][0] == 100 * MIB and o["v1"][1] <= 100 * MIB and o["v1"][2] <= 100 * MIB
+    assert o["v1"][1] + o["v1"][2] == 100 * MIB
+
+
+@pytest.mark.parametrize(
+    "visible, expect_total, expect_last",
+    [(None, 500, 0), ("0", 500, 0), ("1", 1500, 1), ("1,0", 1500, 1), (uuid(1), 1500, 1)],
+)
+def test_devices_mapped_by_uuid(box, visible, expect_total, expect_last) -> None:
+    extra = {"STUB_NDEV": 2}
+    if visible is not None:
+        extra["CUDA_VISIBLE_DEVICES"] = visible
+    info = box.json("info", env=box.env(claim((0, 500, 0), (1, 1500, 0)), **extra))[0]
+    assert info["uuid_last"] == expect_last and info["total"] == expect_total * MIB
+    assert info["totalmem"] == expect_total * MIB
+
+
+def test_second_visible_device_has_its_own_limit(box) -> None:
+    env = box.env(claim((0, 500, 0), (1, 1500, 0)), STUB_NDEV=2, CUDA_VISIBLE_DEVICES="1,0")
+    info1 = box.json("info", "1", env=env)[0]  # ordinal 1 = physical card 0
+    assert info1["uuid_last"] == 0 and info1["total"] == 500 * MIB
+
+
+def test_device_outside_the_claim_is_refused(box) -> None:
+    env = box.env(claim((1, 1500, 0)), STUB_NDEV=2, CUDA_VISIBLE_DEVICES="0")
+    out = box.json("fill", "alloc", str(CHUNK), env=env)[0]
+    assert out["n"] == 0 and out["rc"] == 2
+
+
+def test_processes_of_a_container_share_one_quota(box) -> None:
+    env = box.env(claim((0, 1000, 0)))
+    holder = subprocess.Popen([str(box.kit.cuprog), "fill", "alloc", str(CHUNK), "5", "30"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(holder.stdout.readline())["n"] == 5
+        # 1000 - 2 contexts (128) - 5 x 64 (320) = 552 MiB left -> 8 chunks
+        out = box.json("fill", "alloc", str(CHUNK), env=env)[0]
+        assert out["n"] == 8 and out["rc"] == 2
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_racing_processes_never_exceed_the_limit(box) -> None:
+    """N processes allocate 1 MiB chunks at the same instant; the total stays within the limit."""
+    limit, n = 200, 6
+    env = box.env(claim((0, limit, 0)), STUB_CTX_MIB=0)
+    go = box.dir / "go"
+    procs = [subprocess.Popen([str(box.kit.cuprog), "race", str(MIB), str(go)], env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    time.sleep(0.5)
+    go.touch()
+    totals = [json.loads(p.communicate(timeout=60)[0])["bytes"] for p in procs]
+    assert sum(totals) <= limit * MIB
+    assert sum(totals) == limit * MIB  # and nothing is lost: the last MiB is handed out
+    assert min(totals) >= 0 and len(totals) == n
+
+
+def test_sigkilled_process_returns_its_memory(box) -> None:
+    env = box.env(claim((0, 1000, 0)))
+    holder = subprocess.Popen([str(box.kit.cuprog), "fill", "alloc", str(CHUNK), "10", "60"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    assert json.loads(holder.stdout.readline())["n"] == 10
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    out = box.json("fill", "alloc", str(CHUNK), env=env)[0]
+    assert out["n"] == 14  # the dead process's 10 chunks and context came back
+
+
+def test_region_is_readable_by_the_agent(box, core) -> None:
+    from kvgpu.shimcore import read_region
+
+    env = box.env(claim((0, 1000, 25), name="ns1/claim-a", priority=0))
+    holder = subprocess.Popen([str(box.kit.cuprog), "fill", "alloc", str(CHUNK), "3", "30"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(holder.stdout.readline())["n"] == 3
+        r = read_region(box.region)
+        assert r.claim == "ns1/claim-a" and r.priority == 0 and len(r.devices) == 1
+        d = r.devices[0]
+        assert d.uuid == uuid(0) and d.limit_mib == 1000 and d.cores == 25
+        assert d.pids == (holder.pid,)
+        assert d.used_mib == 3 * 64 + 64 and d.processes[0].data_mib == 192
+        assert d.processes[0].overhead_mib == 64
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(FileNotFoundError):
+        read_region(box.dir / "missing")
+    bad = box.dir / "bad.region"
+    bad.write_bytes(b"\0" * 100)
+    with pytest.raises(ValueError):
+        read_region(bad)
+
+
+def test_no_claim_means_pass_through(box) -> None:
+    out = box.json("fill", "alloc", str(CHUNK), "40", env=box.env())[0]
+    assert out["n"] == 40 and out["total"] == 4096 * MIB
+    assert not Path(box.region).exists()

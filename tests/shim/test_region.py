@@ -1,0 +1,111 @@
+"""The shared region through the cffi module: atomic admission, crash-safe lock, PID reuse."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from .conftest import MIB, ROOT
+
+HOLDER = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+from kvgpu.shimcore import core
+m = core(); ffi, lib = m.ffi, m.lib
+h = ffi.new("struct vgpu_region_handle *")
+assert lib.vgpu_region_attach(h, sys.argv[1].encode()) == 0
+assert lib.vgpu_region_join(h, os.getpid(), lib.vgpu_proc_start_time(os.getpid())) >= 0
+assert lib.vgpu_region_reserve(h, 0, 100 << 20) == 0
+lib.vgpu_region_lock(h.r)          # ... and die holding it
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def open_region(core, path, limit_mib: int):
+    ffi, lib = core.ffi, core.lib
+    cfg = ffi.new("struct vgpu_config *")
+    assert lib.vgpu_claim_parse(f"v1;claim=a/b;dev=GPU-x,{limit_mib},0".encode(), cfg) == 0
+    h = ffi.new("struct vgpu_region_handle *")
+    assert lib.vgpu_region_open(h, str(path).encode(), cfg) == 0
+    return h
+
+
+def test_layout_is_stable(core) -> None:
+    # docs/shim.md documents this size; the agent and older shims rely on it
+    assert core.lib.vgpu_py_region_size() == core.ffi.sizeof("struct vgpu_region")
+    assert core.ffi.offsetof("struct vgpu_region", "dev") == 480
+    assert core.ffi.sizeof("struct vgpu_region_dev") == 168
+    assert core.ffi.sizeof("struct vgpu_slot") == 304
+
+
+def test_reserve_is_bounded_and_released(core, tmp_path) -> None:
+    lib = core.lib
+    h = open_region(core, tmp_path / "r", 100)
+    assert lib.vgpu_region_join(h, os.getpid(), lib.vgpu_proc_start_time(os.getpid())) >= 0
+    assert lib.vgpu_region_reserve(h, 0, 60 * MIB) == 0
+    assert lib.vgpu_region_reserve(h, 0, 41 * MIB) == -1
+    assert lib.vgpu_region_reserve(h, 0, 40 * MIB) == 0
+    assert lib.vgpu_region_used(h.r, 0) == 100 * MIB
+    lib.vgpu_region_release(h, 0, 60 * MIB)
+    lib.vgpu_region_release(h, 0, 1 << 40)  # over-release clamps at what the slot holds
+    assert lib.vgpu_region_used(h.r, 0) == 0
+    assert lib.vgpu_region_set_overhead(h, 0, 80 * MIB) == 50 * MIB  # capped at half the limit
+    lib.vgpu_region_leave(h)
+    assert lib.vgpu_region_used(h.r, 0) == 0
+    lib.vgpu_region_close(h)
+
+
+def test_sigkill_while_holding_the_lock(core, tmp_path) -> None:
+    lib = core.lib
+    path = tmp_path / "r"
+    h = open_region(core, path, 300)
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(ROOT / "operator")],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "locked"
+    assert lib.vgpu_region_used(h.r, 0) == 100 * MIB
+    child.kill()
+    child.wait()
+    t0 = time.monotonic()
+    assert lib.vgpu_region_join(h, os.getpid(), lib.vgpu_proc_start_time(os.getpid())) >= 0
+    # the whole 300 MiB is ours again: the dead holder's 100 MiB came back with the lock
+    assert lib.vgpu_region_reserve(h, 0, 300 * MIB) == 0
+    assert time.monotonic() - t0 < 1.0
+    lib.vgpu_region_leave(h)
+    lib.vgpu_region_close(h)
+
+
+def test_pid_reuse_does_not_inherit_charges(core, tmp_path) -> None:
+    lib, ffi = core.lib, core.ffi
+    h = open_region(core, tmp_path / "r", 100)
+    me = os.getpid()
+    # A slot that claims our PID but another start time: a dead process whose PID was reused.
+    stale = ffi.new("struct vgpu_region_handle *")
+    stale.r, stale.fd = h.r, -1
+    assert lib.vgpu_region_join(stale, me, 12345) >= 0
+    assert lib.vgpu_region_reserve(stale, 0, 90 * MIB) == 0
+    assert lib.vgpu_region_join(h, me, lib.vgpu_proc_start_time(me)) >= 0  # reaps the impostor
+    assert lib.vgpu_region_used(h.r, 0) == 0
+    assert lib.vgpu_region_reserve(h, 0, 100 * MIB) == 0
+    lib.vgpu_region_close(h)
+
+
+def test_start_time_of_processes(core) -> None:
+    lib = core.lib
+    assert lib.vgpu_proc_start_time(os.getpid()) > 0
+    p = subprocess.Popen(["sleep", "5"])
+    st = lib.vgpu_proc_start_time(p.pid)
+    assert st >= lib.vgpu_proc_start_time(os.getpid())
+    p.kill()
+    p.wait()
+    assert lib.vgpu_proc_start_time(p.pid) == 0
+
+
+def test_claim_change_updates_limits(core, tmp_path) -> None:
+    h1 = open_region(core, tmp_path / "r", 100)
+    h2 = open_region(core, tmp_path / "r", 200)
+    assert h1.r.dev[0].limit == 200 * MIB  # same mapping: the latest claim is authoritative
+    core.lib.vgpu_region_close(h1)
+    core.lib.vgpu_region_close(h2)
