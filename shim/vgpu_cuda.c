@@ -711,7 +711,7 @@ void vgpu_compute_setup(int d, CUdevice dev)
 static void refresh_schedule(int d, uint64_t now)
 {
     struct vgpu_gate *g = &vgpu.gate[d];
-    if (!vgpu.cfg.sched_dir[0] || (g->last_sched_ns && now - g->last_sched_ns < 1000000000ull))
+    if (!vgpu.cfg.sched_dir[0] || (g->last_sched_ns && now - g->last_sched_ns < 250000000ull))
         return;
     g->last_sched_ns = now;
     uint32_t off = 0, len = 0;

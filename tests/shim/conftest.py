@@ -43,10 +43,12 @@ def claim(*devs: tuple[int, int, int], name: str = "team-a/job", priority: int =
 
 
 def _stale() -> bool:
-    if not LIB.exists() or not list(BUILD.glob("_vgpucore*.so")):
+    mods = list(BUILD.glob("_vgpucore*.so"))
+    if not LIB.exists() or not mods:
         return True
-    newest = max(p.stat().st_mtime for p in list(SHIM.glob("*.c")) + list(SHIM.glob("*.h")))
-    return LIB.stat().st_mtime < newest
+    sources = list(SHIM.glob("*.c")) + list(SHIM.glob("*.h")) + [SHIM / "build.py"]
+    newest = max(p.stat().st_mtime for p in sources)
+    return min(p.stat().st_mtime for p in [LIB, *mods]) < newest
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""The compute gate: pure arithmetic through cffi, then against the stub card's simulated
+queue (kernels of STUB_KERNEL_US on one FIFO shared by all processes)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from .conftest import claim
+
+MS = 1_000_000
+
+
+def gate(core, cores: int, period_ms: int = 100):
+    g = core.ffi.new("struct vgpu_gate *")
+    core.lib.vgpu_gate_init(g, cores, period_ms * MS)
+    return g
+
+
+def test_gate_arithmetic(core) -> None:
+    lib = core.lib
+    assert gate(core, 0).active == 0 and gate(core, 100).active == 0
+    g = gate(core, 30)
+    assert g.active == 1 and g.len_ns == 30 * MS
+    t = 1000 * 100 * MS + 7 * MS  # somewhere inside a period
+    assert lib.vgpu_gate_plan(g, t) == 0 and g.win_start == t  # first window: a probe, now
+    assert lib.vgpu_gate_fast(g, t + 1) == 1
+    assert lib.vgpu_gate_fast(g, t + 30 * MS // 8) == 0  # probe ends without an estimate
+    # 10 launches, queue drained 5 ms after the window start: 0.5 ms per launch
+    for _ in range(9):
+        assert lib.vgpu_gate_fast(g, t + 2) == 1
+    lib.vgpu_gate_close(g, t + 3 * MS, t + 5 * MS)
+    assert g.kernel_ns_est == 500_000 and g.debt_ns == 0
+    # the queue drained early: the rest of the same window is used
+    assert lib.vgpu_gate_plan(g, t + 5 * MS) == 0 and g.win_budget == 25 * MS
+    # budget counted out: 25 ms / 0.5 ms = 50 launches pass, the 51st does not
+    passed = sum(lib.vgpu_gate_fast(g, t + 5 * MS + 10) for _ in range(60))
+    assert passed == 50
+    # that window overran by 4 ms: the debt shortens the next one, aligned to the period
+    ws = g.win_start
+    lib.vgpu_gate_close(g, ws + 100_000, ws + 25 * MS + 4 * MS)
+    assert g.debt_ns == 4 * MS
+    sleep = lib.vgpu_gate_plan(g, ws + 29 * MS)
+    assert g.win_start % (100 * MS) == 0 and g.win_start > ws
+    assert sleep == g.win_start - (ws + 29 * MS) and g.win_budget == 26 * MS
+    # a debt of more than one window skips whole windows
+    ws = g.win_start
+    lib.vgpu_gate_close(g, ws + 26 * MS, ws + 26 * MS + 70 * MS)
+    lib.vgpu_gate_plan(g, ws + 96 * MS)
+    assert g.win_start == ws + 300 * MS and g.win_budget == 20 * MS
+
+
+@pytest.mark.parametrize(
+    "shares, prios, self_, expect",
+    [
+        ([300, 700], [1, 1], 0, (0, 300)),
+        ([300, 700], [1, 1], 1, (300, 700)),
+        ([700, 300], [1, 0], 1, (0, 300)),       # high priority first
+        ([700, 300], [1, 0], 0, (300, 700)),
+        ([800, 600], [1, 0], 0, (600, 400)),     # low priority squeezed into what is left
+        ([800, 600], [0, 0], 1, (571, 428)),     # high alone overcommits: scaled
+    ],
+)
+def test_schedule_layout(core, shares, prios, self_, expect) -> None:
+    ffi, lib = core.ffi, core.lib
+    off, ln = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+    lib.vgpu_sched_layout(ffi.new("uint32_t[]", shares), ffi.new("uint32_t[]", prios),
+                          ffi.new("uint64_t[]", list(range(len(shares)))), len(shares), self_, off, ln)
+    assert (off[0], ln[0]) == expect
+
+
+def test_schedule_file_gives_disjoint_windows(core, tmp_path) -> None:
+    ffi, lib = core.ffi, core.lib
+    o, n = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+    assert lib.vgpu_sched_update(str(tmp_path).encode(), b"GPU-x", b"a/one", 300, 1, o, n) == 0
+    assert (o[0], n[0]) == (0, 300)
+    assert lib.vgpu_sched_update(str(tmp_path).encode(), b"GPU-x", b"b/two", 700, 1, o, n) == 0
+    assert (o[0], n[0]) == (300, 700)
+    assert lib.vgpu_sched_update(str(tmp_path).encode(), b"GPU-x", b"a/one", 300, 1, o, n) == 0
+    assert (o[0], n[0]) == (0, 300)
+    assert lib.vgpu_sched_update(str(tmp_path).encode(), b"GPU-y", b"b/two", 700, 1, o, n) == 0
+    assert (o[0], n[0]) == (0, 700)  # one file per card
+
+
+def rate(box, env, mode="kernel", secs=2.0) -> float:
+    return box.json("launch", mode, str(secs), "20", env=env, timeout=60)[0]["rate"]
+
+
+@pytest.fixture
+def stub2ms(box):
+    box.base_env["STUB_KERNEL_US"] = "2000"
+    return box
+
+
+def test_share_follows_the_limit(stub2ms) -> None:
+    box = stub2ms
+    native = rate(box, box.env(shim=False))
+    for target in (20, 50, 80):
+        got = rate(box, box.env(claim((0, 1000, target)))) / native * 100
+        assert abs(got - target) <= 6, (target, got)
+
+
+@pytest.mark.parametrize("mode", ["ex", "coop", "graph", "ptsz", "gpa"])
+def test_every_launch_path_is_gated(stub2ms, mode) -> None:
+    box = stub2ms
+    native = rate(box, box.env(shim=False), mode, 1.0)
+    got = rate(box, box.env(claim((0, 1000, 25))), mode, 1.5) / native * 100
+    assert 15 <= got <= 35, got
+
+
+def co_tenants(box, a: tuple[int, int], b: tuple[int, int], secs=3.0) -> tuple[float, float]:
+    sched = box.dir / "sched"
+    sched.mkdir(exist_ok=True)
+    outs = []
+    procs = []
+    for i, (cores, prio) in enumerate((a, b)):
+        rd = box.dir / f"r{i}"
+        rd.mkdir(exist_ok=True)
+        env = box.env(claim((0, 1000, cores), name=f"ns/t{i}", priority=prio),
+                      KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd)
+        procs.append(subprocess.Popen([str(box.kit.cuprog), "launch", "kernel", str(secs), "20"], env=env,
+                                      stdout=subprocess.PIPE, text=True))
+    import json
+
+    for p in procs:
+        outs.append(json.loads(p.communicate(timeout=60)[0])["rate"])
+    return outs[0], outs[1]
+
+
+def test_co_tenants_30_70(stub2ms) -> None:
+    box = stub2ms
+    native = rate(box, box.env(shim=False))
+    ra, rb = co_tenants(box, (30, 1), (70, 1))
+    assert abs(ra / native * 100 - 30) <= 6 and abs(rb / native * 100 - 70) <= 6, (ra, rb, native)
+
+
+def test_priority_wins_when_overcommitted(stub2ms) -> None:
+    box = stub2ms
+    native = rate(box, box.env(shim=False))
+    low, high = co_tenants(box, (70, 1), (70, 0))
+    assert abs(high / native * 100 - 70) <= 7 and abs(low / native * 100 - 30) <= 7, (low, high, native)
+
+
+def test_no_limit_no_throttle(stub2ms) -> None:
+    box = stub2ms
+    native = rate(box, box.env(shim=False), secs=1.0)
+    assert rate(box, box.env(claim((0, 1000, 0))), secs=1.0) >= 0.9 * native
+    off = box.env(claim((0, 1000, 30)), GPU_CORE_UTILIZATION_POLICY="disable")
+    assert rate(box, off, secs=1.0) >= 0.9 * native
