@@ -336,8 +336,7 @@ class Runtime:
                     self.state.reserve(key, alloc)
                 except Exception as e:  # over-committed: force it, the claims are the truth
                     log.warning("claim does not fit the ledger; forcing", claim=key, error=str(e))
-                    self.state.ledger.reserve(key, alloc, force=True)
-                    self.state.pod_nodes[alloc.pod_uid] = alloc.node
+                    self.state.reserve(key, alloc, force=True)
 
     def nudge_pending(self, why: str) -> None:
         if self.state.pending:

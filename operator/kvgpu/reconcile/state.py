@@ -55,7 +55,6 @@ class OperatorState:
     pending: dict[str, tuple[str, str]] = field(default_factory=dict)
     # nodes whose allocation annotation must be rewritten
     dirty_nodes: set[str] = field(default_factory=set)
-    pod_nodes: dict[str, str] = field(default_factory=dict)
     topology_dirty: bool = True  # nodes' cards or pools changed: pool coverage must be recomputed
     ready: bool = False
 
@@ -154,7 +153,6 @@ class OperatorState:
                 problems.append(f"VGPUClaim {c.get('metadata', {}).get('name')}: {e!r}")
         invs = [self.ledger_inventory(n) for n in self.nodes]
         self.ledger = Ledger.rebuild([i for i in invs if i is not None], reservations)
-        self.pod_nodes = {a.pod_uid: a.node for a in reservations.values()}
         self.dirty_nodes.update(self.nodes)
         return problems
 
@@ -166,15 +164,14 @@ class OperatorState:
         cards = tuple(replace(c, slicing=effective_slicing(pools, rec.labels, c)) for c in rec.inventory.cards)
         return replace(rec.inventory, node=node, cards=cards)
 
-    def reserve(self, key: str, allocation: PodAllocation) -> None:
-        """Reserve in the ledger (raises ``AllocationError``) and remember the pod's node."""
-        self.ledger.reserve(key, allocation)
-        self.pod_nodes[allocation.pod_uid] = allocation.node
+    def reserve(self, key: str, allocation: PodAllocation, *, force: bool = False) -> None:
+        """Reserve in the ledger (raises ``AllocationError`` unless ``force``)."""
+        self.ledger.reserve(key, allocation, force=force)
         self.dirty_nodes.add(allocation.node)
 
     def release_pod(self, uid: str) -> list[str]:
         """Release every reservation of a pod (idempotent). Returns the released keys."""
-        node = self.pod_nodes.pop(uid, None)
+        node = self.ledger.pod_node(uid)
         released = self.ledger.release(uid)
         if node is not None:
             self.dirty_nodes.add(node)
@@ -185,5 +182,3 @@ class OperatorState:
         self.ledger.release(key)
         if alloc is not None:
             self.dirty_nodes.add(alloc.node)
-            if not any(a.pod_uid == alloc.pod_uid for a in self.ledger.reservations().values()):
-                self.pod_nodes.pop(alloc.pod_uid, None)
