@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import tenacity
@@ -45,9 +47,19 @@ def _plain(api: client.ApiClient, obj: Any) -> dict[str, Any]:
     return obj if isinstance(obj, dict) else api.sanitize_for_serialization(obj)
 
 
+async def _raw(resp: Any) -> Any:
+    """The JSON body of a ``_preload_content=False`` answer. Reading pods as plain JSON skips
+    the generated models (deserialize + sanitize cost ~1 ms of CPU per pod, on the bind path)."""
+    try:
+        return json.loads(await resp.read())
+    finally:
+        resp.release()
+
+
 async def get_pod(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
     try:
-        return _plain(api, await client.CoreV1Api(api).read_namespaced_pod(name, namespace))
+        resp = await client.CoreV1Api(api).read_namespaced_pod(name, namespace, _preload_content=False)
+        return await _raw(resp)
     except ApiException as e:
         if e.status == 404:
             return None
@@ -55,10 +67,11 @@ async def get_pod(api: client.ApiClient, namespace: str, name: str) -> dict[str,
 
 
 async def patch_pod_metadata(
-    api: client.ApiClient, namespace: str, name: str, *, annotations: dict[str, str | None]
+    api: client.ApiClient, namespace: str, name: str, *, annotations: Mapping[str, str | None]
 ) -> dict[str, Any]:
-    body = {"metadata": {"annotations": annotations}}
-    return _plain(api, await client.CoreV1Api(api).patch_namespaced_pod(name, namespace, body, _content_type=MERGE))
+    body = {"metadata": {"annotations": dict(annotations)}}
+    return await _raw(await client.CoreV1Api(api).patch_namespaced_pod(
+        name, namespace, body, _content_type=MERGE, _preload_content=False))
 
 
 async def create_binding(api: client.ApiClient, namespace: str, name: str, uid: str, node: str) -> None:
@@ -76,12 +89,13 @@ async def create_binding(api: client.ApiClient, namespace: str, name: str, uid: 
 async def list_all(api: client.ApiClient, kind: str) -> list[dict[str, Any]]:
     """List ``nodes``, ``vgpupools``, ``vgpuclaims`` (all namespaces) or kvgpu-managed ``pods``."""
     if kind == "nodes":
-        return _plain(api, await client.CoreV1Api(api).list_node())["items"]
+        nodes = await _raw(await client.CoreV1Api(api).list_node(_preload_content=False))
+        return list(nodes.get("items") or [])
     if kind == "pods":
         res = await client.CoreV1Api(api).list_pod_for_all_namespaces(
-            label_selector=f"{keys.POD_MANAGED_LABEL}=true"
+            label_selector=f"{keys.POD_MANAGED_LABEL}=true", _preload_content=False
         )
-        return _plain(api, res)["items"]
+        return list((await _raw(res)).get("items") or [])
     co = client.CustomObjectsApi(api)
     if kind == "vgpupools":
         return (await co.list_cluster_custom_object(keys.GROUP, keys.VERSION, "vgpupools"))["items"]
@@ -187,6 +201,7 @@ async def post_event(
         "count": 1,
     }
     try:
-        await client.CoreV1Api(api).create_namespaced_event(ns, body)
+        resp: Any = await client.CoreV1Api(api).create_namespaced_event(ns, body, _preload_content=False)
+        resp.release()
     except (ApiException, OSError):
         pass

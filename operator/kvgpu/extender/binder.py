@@ -18,10 +18,12 @@ annotations, so nothing stays reserved; the error goes back to kube-scheduler, w
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from typing import Any
 
+import aiohttp
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -105,14 +107,51 @@ class BindError(RuntimeError):
 
 
 class Binder:
+    #: filter hints kept at most (pods filtered but never bound: chosen elsewhere, deleted)
+    MAX_HINTS = 50_000
+
     def __init__(self, state: OperatorState, api: Any, metrics: Any = None) -> None:
         self.state = state
         self.api = api
         self.metrics = metrics
+        # pod UID -> the request filter parsed; bind reserves with it before its first API call
+        self._hints: dict[str, PodRequest] = {}
+        self._tail: set[asyncio.Task[None]] = set()
+        # pod UID -> [lock, users]: binds of one pod run one at a time (kube-scheduler retries a
+        # bind that timed out while the first attempt may still be running here)
+        self._locks: dict[str, list[Any]] = {}
+
+    def remember(self, uid: str, req: PodRequest) -> None:
+        """Called by filter for a pod it found room for. The bind that follows reserves the
+        cards before reading the pod, so the next pods' filters see them taken at once (with
+        a read first, a burst piles onto the node prioritize likes best, and most of those
+        binds then fail and retry)."""
+        if len(self._hints) >= self.MAX_HINTS:
+            self._hints.clear()
+        self._hints[uid] = req
+
+    def _reserve_early(self, args: BindingArgs) -> PodRequest | None:
+        """Reserve with filter's request when the pod holds nothing yet; returns the request
+        used (None: no hint, or a retry that holds reservations). No room: BindError, at once."""
+        hint = self._hints.pop(args.pod_uid, None)
+        if hint is None or self.state.ledger.pod_node(args.pod_uid) is not None:
+            return None
+        ns, name, uid, node = args.pod_namespace, args.pod_name, args.pod_uid, args.node
+        req = PodRequest(ns, name, uid, hint.containers, hint.node_policy, hint.gpu_policy)
+        try:
+            alloc = self.state.ledger.allocate(req, node)
+            for ca in alloc.containers:
+                key = claim_key(ns, claim_name(name, ca.container, uid))
+                self.state.reserve(key, PodAllocation(uid, node, (ca,)))
+        except (AllocationError, ValueError) as e:
+            self.state.release_pod(uid)
+            raise BindError(str(e)) from e
+        return req
 
     async def bind(self, args: BindingArgs) -> str:
         """Run the bind; return "" on success or the error message (nothing left reserved)."""
         t0 = time.perf_counter()
+        who = f"{args.pod_namespace}/{args.pod_name}"
         try:
             await self._bind(args)
             return ""
@@ -121,11 +160,45 @@ class Binder:
                 self.metrics.bind_failures.labels(reason="bind").inc()
             log.info("bind failed", pod=f"{args.pod_namespace}/{args.pod_name}", node=args.node, error=str(e))
             return str(e)
+        except (ApiException, OSError, TimeoutError, aiohttp.ClientError) as e:  # the API server is away
+            self.state.release_pod(args.pod_uid)
+            if self.metrics is not None:
+                self.metrics.bind_failures.labels(reason="api").inc()
+            log.info("bind failed: API error", pod=who, node=args.node, error=repr(e)[:300])
+            return f"binding {who} to {args.node} failed: API error {e!r}"[:2000]
+        except Exception as e:  # a bug or an answer we did not expect: keep nothing, tell the scheduler
+            self.state.release_pod(args.pod_uid)
+            if self.metrics is not None:
+                self.metrics.bind_failures.labels(reason="internal").inc()
+            log.exception("bind failed unexpectedly", pod=who, node=args.node)
+            return f"kvgpu could not bind {who} to {args.node}: {e!r}"[:2000]
         finally:
             if self.metrics is not None:
                 self.metrics.extender_latency.labels(verb="bind").observe(time.perf_counter() - t0)
 
     async def _bind(self, args: BindingArgs) -> None:
+        entry = self._locks.get(args.pod_uid)
+        if entry is None:
+            entry = self._locks[args.pod_uid] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                await self._bind_once(args)
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self._locks.pop(args.pod_uid, None)
+
+    async def _bind_once(self, args: BindingArgs) -> None:
+        early = self._reserve_early(args)
+        try:
+            await self._bind_pod(args, early)
+        except BaseException:
+            if early is not None:
+                self.state.release_pod(args.pod_uid)
+            raise
+
+    async def _bind_pod(self, args: BindingArgs, early: PodRequest | None) -> None:
         ns, name, node = args.pod_namespace, args.pod_name, args.node
         pod = await kube.get_pod(self.api, ns, name)
         if pod is None:
@@ -148,6 +221,8 @@ class Binder:
 
         # --- step 2: the ledger, synchronously ------------------------------------------------
         reused = self._held(ckeys, args.pod_uid, node)
+        if early is not None and early != req:
+            reused = None  # the pod's request changed since filter: allocate for the live one
         created: list[str] = []
         if reused is None:
             self.state.release_pod(args.pod_uid)  # a retry towards another node
@@ -171,9 +246,19 @@ class Binder:
                 except ApiException as e:
                     if e.status != 409:
                         raise
-                    old = await kube.get_claim(self.api, ns, body["metadata"]["name"])
-                    if old is None or old["spec"].get("podUID") != args.pod_uid or old["spec"].get("node") != node:
-                        raise BindError(f"claim {body['metadata']['name']} exists for another pod or node") from e
+                    cname = body["metadata"]["name"]
+                    old = await kube.get_claim(self.api, ns, cname)
+                    if old is not None and old["spec"].get("podUID") == args.pod_uid and not bound_to \
+                            and old["spec"].get("node") != node:
+                        # Left by an attempt towards another node that died half-way (operator
+                        # killed mid-bind); the pod is unbound and no other bind of it runs: replace it.
+                        log.info("replacing a stale claim", claim=f"{ns}/{cname}",
+                                 old_node=old["spec"].get("node"), node=node)
+                        await kube.delete_claim(self.api, ns, cname)
+                        await kube.create_claim(self.api, ns, body)
+                        created.append(cname)
+                    elif old is None or old["spec"].get("podUID") != args.pod_uid or old["spec"].get("node") != node:
+                        raise BindError(f"claim {cname} exists for another pod or node") from e
             # --- step 4: annotations ----------------------------------------------------------
             if not bound_to:
                 await kube.patch_pod_metadata(self.api, ns, name, annotations=allocation_annotations(ns, pod, alloc))
@@ -198,7 +283,14 @@ class Binder:
             reason = getattr(e, "reason", None) or str(e)
             raise BindError(f"binding {ns}/{name} to {node} failed: {reason}") from e
         self.state.pending.pop(args.pod_uid, None)
-        for cname in names.values():
+        # The pod is bound: answer kube-scheduler now; the claim phase and the Event follow.
+        task = asyncio.create_task(self._after_bind(ns, meta, node, alloc, list(names.values())))
+        self._tail.add(task)
+        task.add_done_callback(self._tail.discard)
+
+    async def _after_bind(self, ns: str, meta: dict[str, Any], node: str, alloc: PodAllocation,
+                          claims: list[str]) -> None:
+        for cname in claims:
             try:
                 await kube.patch_claim_status(self.api, ns, cname, {"phase": "Bound", "message": f"bound to {node}"})
             except (ApiException, OSError):

@@ -73,7 +73,9 @@ class Extender:
             feasible, reasons = self.state.ledger.filter(req, args.node_names)
             meta = args.pod["metadata"]
             uid = str(meta.get("uid", ""))
-            if not feasible:
+            if feasible:
+                self.binder.remember(uid, req)
+            else:
                 self.state.pending[uid] = (str(meta.get("namespace")), str(meta.get("name")))
                 self.metrics.pending.set(len(self.state.pending))
                 await self._explain(args.pod, reasons)
