@@ -84,6 +84,7 @@ class Cluster:
     api_port: int = 0
     components: dict[str, Component] = field(default_factory=dict)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
+    _argv: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     # ----- paths -------------------------------------------------------------------------
     @property
@@ -217,6 +218,26 @@ class Cluster:
             _stop_pid(comp.pid, self.bin_dir, timeout)
         self._save_state()
 
+    def restart_component(self, name: str, *, down_s: float = 0.0) -> Component:
+        """Stop a component this object started and start it again with the same command line
+        (same ports, data and flags), after ``down_s`` seconds; returns once it is healthy.
+        For fault-injection tests (e.g. an API server restart in the middle of a burst)."""
+        if name not in self._argv:
+            raise ClusterError(f"{name} was not started by this Cluster object; cannot restart it")
+        argv, port = self._argv[name], self.components[name].port
+        self.stop_component(name)
+        if down_s:
+            time.sleep(down_s)
+        comp = self._spawn(name, argv, port=port)
+        if name == "etcd":
+            self._wait_http(f"http://127.0.0.1:{port}/health", name, tls=False)
+        elif name == "kube-apiserver":
+            self._wait_http(f"{self.server}/readyz", name, tls=True)
+        else:
+            self._wait_http(f"https://127.0.0.1:{port}/healthz", name, tls=True, verify=False)
+        self._save_state()
+        return comp
+
     def stop(self) -> None:
         """Stop every component we started, newest first, by PID."""
         for name in reversed(list({**self.components, **{k: None for k in self._procs}})):
@@ -264,6 +285,7 @@ class Cluster:
         )
         log.close()
         self._procs[name] = proc
+        self._argv[name] = list(argv)
         comp = Component(name, proc.pid, str(log_path), port)
         self.components[name] = comp
         return comp
