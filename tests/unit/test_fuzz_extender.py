@@ -21,7 +21,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
 from kvgpu import kube
 from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode
 from kvgpu.devcluster.fakenodes import node_manifest
@@ -29,6 +28,7 @@ from kvgpu.extender.protocol import ProtocolError, parse_args, parse_binding
 from kvgpu.extender.server import Extender
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile.state import OperatorState
+
 from tests.unit.test_fuzz_admission import broken_pods, json_any, pods, valid_pods
 
 FUZZ = settings(max_examples=250, deadline=None,
@@ -239,10 +239,10 @@ def test_http_filter_and_prioritize_random_pods(harness: Harness, pod: Any, name
 
 @FUZZ
 @given(pod=st.one_of(pods(), valid_pods()), node=st.sampled_from([*NODES, "unknown"]),
-       bound_to=st.sampled_from([None, "n0", "n1"]), same_uid=st.booleans(), fail_binding=st.booleans(),
-       via_filter=st.booleans())
-def test_http_bind_random_pods(harness: Harness, pod: dict[str, Any], node: str, bound_to: str | None, same_uid: bool,
-                               fail_binding: bool, via_filter: bool) -> None:
+       bound_to=st.sampled_from([None, "n0", "n1"]), same_uid=st.booleans(),
+       fail_binding=st.booleans(), via_filter=st.booleans())
+def test_http_bind_random_pods(harness: Harness, pod: dict[str, Any], node: str, bound_to: str | None,
+                               same_uid: bool, fail_binding: bool, via_filter: bool) -> None:
     """Bind a random pod (optionally after filter cached its request); success books exactly
     the claims of that pod; any failure leaves no reservation behind. The live pod is
     well-formed (the API server validates pods); its annotations and limits are random."""

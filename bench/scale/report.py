@@ -1,0 +1,214 @@
+"""Render ``bench/results/scale.json`` into the "Scale" section of ``docs/benchmarks.md``
+(between its own BEGIN/END markers; the rest of the file is left alone) and the plot
+``docs/img/scale-throughput.png``.
+
+    .venv/bin/python bench/scale/report.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results" / "scale.json"
+DOC = REPO / "docs" / "benchmarks.md"
+IMG = REPO / "docs" / "img" / "scale-throughput.png"
+BEGIN = "<!-- BEGIN scale (bench/scale/run.py) -->"
+END = "<!-- END scale -->"
+GOALS = {"pods_per_s": 200, "extender_p99_ms": 20, "operator_rss_mib": 500}
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _pairs(run: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(baseline, gpu) per (mode, size), in run order."""
+    base: dict[tuple[str, int], dict[str, Any]] = {}
+    out = []
+    for b in run.get("bursts", []):
+        key = (b["mode"], b["pods"])
+        if b["kind"] == "baseline":
+            base[key] = b
+        elif key in base:
+            out.append((base[key], b))
+    return out
+
+
+def burst_table(run: dict[str, Any]) -> list[str]:
+    rows = ["| mode | pods | baseline pods/s (Bound) | kvgpu pods/s (Bound) | ratio | kvgpu pods/s (claim Running) "
+            "| create→Bound p50 / p99 (s) | filter p50 / p99 (ms) | prioritize p50 / p99 (ms) | bind p50 / p99 (ms) "
+            "| operator CPU (cores avg) | operator RSS peak (MiB) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for base, g in _pairs(run):
+        ratio = (g.get("bound_per_s") or 0) / base["bound_per_s"] if base.get("bound_per_s") else None
+        ext = g.get("extender", {})
+
+        def lat(verb: str, ext: dict[str, Any] = ext) -> str:
+            v = ext.get(verb)
+            return f"{_f(v['p50_ms'])} / {_f(v['p99_ms'])}" if v else "–"
+
+        cb = g.get("create_to_bound_ms", {})
+        op = g.get("operator", {})
+        rows.append(
+            f"| {g['mode']} | {g['pods']} | {_f(base.get('bound_per_s'))} | {_f(g.get('bound_per_s'))} "
+            f"| {_f(ratio, 2)} | {_f(g.get('running_per_s'))} "
+            f"| {_f(cb.get('p50', 0) / 1000, 1)} / {_f(cb.get('p99', 0) / 1000, 1)} "
+            f"| {lat('filter')} | {lat('prioritize')} | {lat('bind')} "
+            f"| {_f(op.get('cpu_cores_avg'), 2)} | {_f(op.get('rss_mib_peak'))} |")
+    return rows
+
+
+def cpu_table(run: dict[str, Any]) -> list[str]:
+    """Where the CPU went during each burst (seconds per process)."""
+    names: list[str] = []
+    for b in run.get("bursts", []):
+        for k in b.get("cpu_seconds_by_process", {}):
+            if k not in names:
+                names.append(k)
+    if not names:
+        return []
+    rows = ["| burst | " + " | ".join(names) + " | load avg (start → end) |",
+            "|---|" + "---:|" * (len(names) + 1)]
+    for b in run.get("bursts", []):
+        c = b.get("cpu_seconds_by_process", {})
+        la = b.get("load_average_1m", [None, None])
+        rows.append(f"| {b['kind']} {b['mode']} {b['pods']} | " + " | ".join(_f(c.get(n)) for n in names)
+                    + f" | {_f(la[0])} → {_f(la[1])} |")
+    return rows
+
+
+def plot(data: dict[str, Any]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = sorted(data.get("runs", {}).items(), key=lambda kv: int(kv[0]))
+    if not runs:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels, bvals, gvals = [], [], []
+    for nodes, run in runs:
+        for base, g in _pairs(run):
+            labels.append(f"{int(nodes) // 1000}k nodes\n{g['mode']} {g['pods']}")
+            bvals.append(base.get("bound_per_s") or 0)
+            gvals.append(g.get("bound_per_s") or 0)
+    x = range(len(labels))
+    ax = axes[0]
+    ax.bar([i - 0.2 for i in x], bvals, 0.4, label="no GPU (default kube-scheduler)", color="#999999")
+    ax.bar([i + 0.2 for i in x], gvals, 0.4, label="GPU slices (kube-scheduler + kvgpu extender)", color="#1f77b4")
+    ax.axhline(GOALS["pods_per_s"], color="#d62728", linestyle="--", linewidth=1, label="goal 200 pods/s")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("pods/s to Bound")
+    ax.set_title("Throughput per burst")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    for nodes, run in runs:
+        for b in run.get("bursts", []):
+            if b["kind"] == "gpu" and b.get("bound_curve_s") and b["pods"] == max(
+                    x["pods"] for x in run["bursts"]):
+                curve = b["bound_curve_s"]
+                ys = [(i + 1) * b["pods"] / len(curve) for i in range(len(curve))]
+                ax.plot(curve, ys, label=f"GPU {int(nodes)} nodes, {b['mode']}")
+            if b["kind"] == "baseline" and b.get("bound_curve_s") and b["pods"] == max(
+                    x["pods"] for x in run["bursts"]):
+                curve = b["bound_curve_s"]
+                ys = [(i + 1) * b["pods"] / len(curve) for i in range(len(curve))]
+                ax.plot(curve, ys, linestyle=":", label=f"no GPU {int(nodes)} nodes, {b['mode']}")
+    ax.set_xlabel("seconds (stream: from the first create; queued: from the first bind)")
+    ax.set_ylabel("pods Bound")
+    ax.set_title("Largest burst: pods Bound over time")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    IMG.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(IMG, dpi=110)
+    return True
+
+
+def section(data: dict[str, Any], with_plot: bool) -> str:
+    out = [BEGIN, "## Scale", "",
+           "The whole system on the local control plane (`kvgpu.devcluster`: etcd, kube-apiserver, "
+           "kube-controller-manager, the default kube-scheduler, the kvgpu kube-scheduler calling the operator's "
+           "extender, the operator with its webhooks) and fake GPU nodes: Node objects with 8 simulated "
+           "H100 80 GB cards each, no kubelet (the bench patches pod status to Running once a pod is bound, "
+           "as a kubelet would; the operator then moves the claim to Running). Every process, the bench "
+           "included, shares the same cores.", "",
+           "Bursts of annotated pods of mixed sizes (45 % 2-10 GB with 10-30 % cores, 20 % 25/50 % of a "
+           "card, 15 % HAMi-form limits, 15 % two cards, 5 % a whole card) and, as the baseline, the same "
+           "number of pods that request no GPU, scheduled by the default kube-scheduler onto the same nodes. "
+           "*stream*: the scheduler runs while the bench creates the pods (64 in flight), pods/s = pods / "
+           "(first create → last Bound), admission included. *queued*: the scheduler is stopped while the "
+           "pods are created, then started; pods/s = pods / (first Bound → last Bound). Extender latency: "
+           "the operator's `kvgpu_extender_request_seconds` histogram over the burst (p50/p99 interpolated "
+           "inside buckets 0.5, 1, 2, 5, 10, 20, 50 ms … 5 s, so a p99 shown as 5000 ms means ≥ 5 s). "
+           "Operator CPU and RSS from `/proc/<pid>`.", ""]
+    goals = (f"Goals (issue 7): ≥ {GOALS['pods_per_s']} GPU pods/s, extender p99 ≤ {GOALS['extender_p99_ms']} ms, "
+             f"operator ≤ {GOALS['operator_rss_mib']} MiB at 5,000 nodes.")
+    out += [goals, ""]
+    for nodes, run in sorted(data.get("runs", {}).items(), key=lambda kv: int(kv[0])):
+        m = run.get("machine", {})
+        s = run.get("setup", {})
+        out += [f"### {int(nodes):,} nodes × {s.get('cards_per_node', 8)} cards", "",
+                f"- Date: {run.get('date')}; machine: {m.get('cores')} cores ({m.get('cpu')}), "
+                f"{m.get('memory_gib')} GiB, Python {m.get('python')}; shared with other engineers' builds and "
+                "tests (load averages below).",
+                f"- Command: `{run.get('command')}`",
+                f"- Nodes created in {_f(s.get('create_s'))} s ({_f(s.get('create_per_s'))}/s, 64 in flight); the "
+                f"operator had written every node's allocation annotation {_f(s.get('operator_synced_s'))} s after "
+                f"the first create; operator RSS then {_f(s.get('operator_rss_mib_after_sync'))} MiB, at the end "
+                f"{_f(run.get('operator_rss_mib_end'))} MiB.", ""]
+        out += burst_table(run) + [""]
+        probe = run.get("extender_probe")
+        if probe:
+            out += [f"Direct probes after the bursts (sequential HTTP calls from the bench, {probe['filter']['calls']} "
+                    f"each, {probe['node_names_per_call']} node names per call as kube-scheduler sends at this size): "
+                    f"filter p50 {probe['filter']['p50_ms']} ms, p99 {probe['filter']['p99_ms']} ms; prioritize p50 "
+                    f"{probe['prioritize']['p50_ms']} ms, p99 {probe['prioritize']['p99_ms']} ms.", ""]
+        rq = run.get("requeue")
+        if rq and rq.get("placed"):
+            out += [f"Requeue ({rq['trials']} trials): a pod that fits nowhere waits {rq['wait_before_free_s']} s "
+                    f"(rejected by filter, parked by kube-scheduler), then the pod holding the capacity is deleted; "
+                    f"time from that delete to Bound: p50 {rq['p50_s']} s, p90 {rq['p90_s']} s, p99 {rq['p99_s']} s, "
+                    f"max {rq['max_s']} s; {rq['within_2s']}/{rq['trials']} within 2 s"
+                    + (f", {rq['missed_30s']} not placed within 30 s" if rq.get("missed_30s") else "") + ".", ""]
+        ct = cpu_table(run)
+        if ct:
+            out += ["CPU seconds per process during each burst:", ""] + ct + [""]
+    if with_plot:
+        out += [f"![scale throughput](img/{IMG.name})", ""]
+    notes = data.get("notes")
+    if notes:
+        out += ["### Reading the numbers", ""] + [f"- {n}" for n in notes] + [""]
+    out.append(END)
+    return "\n".join(out) + "\n"
+
+
+def render(doc_text: str, sec: str) -> str:
+    if BEGIN in doc_text and END in doc_text:
+        a = doc_text.index(BEGIN)
+        b = doc_text.index(END) + len(END)
+        rest = doc_text[b:]
+        return doc_text[:a] + sec.rstrip("\n") + (rest if rest.startswith("\n") else "\n" + rest)
+    return doc_text.rstrip("\n") + "\n\n" + sec
+
+
+def main() -> int:
+    data = json.loads(RESULTS.read_text())
+    with_plot = plot(data)
+    DOC.write_text(render(DOC.read_text() if DOC.exists() else "# Benchmarks\n", section(data, with_plot)))
+    print(f"wrote {DOC.relative_to(REPO)}" + (f" and {IMG.relative_to(REPO)}" if with_plot else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

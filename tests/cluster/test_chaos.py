@@ -1,0 +1,341 @@
+"""Fault injection on the real control plane: the operator SIGKILLed three times during a
+burst, the API server restarted during a burst, a node with claims deleted, pods deleted in
+the middle of their bind, and users writing pods' annotations while they are being bound.
+
+After each fault the same invariants are checked (:func:`check_invariants`):
+
+* every pod is bound exactly once (one claim per pod, on the pod's node, matching the pod's
+  allocation annotations) or is pending with a reason (an Event says why);
+* no card is over-allocated, counted from the claims;
+* no orphaned claim after reconciliation (its pod exists with the same UID) — the orphan
+  sweep runs every 15 s with a 30 s grace, so this is waited for up to 60 s;
+* ledger == claims: the ``kvgpu.io/allocation`` annotation the operator writes on each node
+  equals the sums over the claims on that node.
+
+Sizes are kept small enough for a 2-core machine shared with other work (200 pods rather than
+1,000 for the SIGKILL burst; the scale bench covers 1,000-5,000 nodes).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.cluster.conftest import GpuEnv
+
+SPLIT = 10
+CARD_MIB = 20000
+
+
+# ----------------------------------------------------------------------------- helpers
+def _sized(i: int) -> dict[str, str]:
+    """Mixed request sizes (memory 1000-2500 MiB, cores 5-10 %): 10 fit on every card."""
+    return {"kvgpu.io/gpumem": str(1000 + 500 * (i % 4)), "kvgpu.io/gpucores": str(5 + 5 * (i % 2))}
+
+
+def _pods(gpu: GpuEnv, n: int, prefix: str = "c") -> list[dict[str, Any]]:
+    return [gpu.pod(f"{prefix}{i:03d}", _sized(i)) for i in range(n)]
+
+
+def _kubectl_json(gpu: GpuEnv, *args: str) -> Any:
+    p = gpu.cluster.kubectl(*args, "-o", "json", check=False, timeout=60)
+    if p.returncode != 0:
+        return None
+    return json.loads(p.stdout)
+
+
+def _live(gpu: GpuEnv, kind: str) -> list[dict[str, Any]] | None:
+    """Objects of the test namespace, or None while the API server does not answer."""
+    doc = _kubectl_json(gpu, "get", kind, "-n", gpu.ns)
+    return None if doc is None else list(doc["items"])
+
+
+class Creator(threading.Thread):
+    """Creates the given pods like a workload controller would: whatever is missing is
+    created again (creations are refused while the webhook or the API server is down)."""
+
+    def __init__(self, gpu: GpuEnv, pods: list[dict[str, Any]], chunk: int = 50) -> None:
+        super().__init__(daemon=True)
+        self.gpu, self.pods, self.chunk = gpu, pods, chunk
+        self.stop = threading.Event()
+        self.rounds = 0
+
+    def run(self) -> None:
+        by_name = {p["metadata"]["name"]: p for p in self.pods}
+        while not self.stop.is_set():
+            have = _live(self.gpu, "pods")
+            if have is None:
+                time.sleep(0.5)
+                continue
+            missing = [by_name[n] for n in sorted(set(by_name) - {p["metadata"]["name"] for p in have})]
+            if not missing:
+                return
+            self.rounds += 1
+            for i in range(0, len(missing), self.chunk):
+                doc = {"apiVersion": "v1", "kind": "List", "items": missing[i:i + self.chunk]}
+                self.gpu.cluster.kubectl("create", "-f", "-", input=json.dumps(doc), check=False, timeout=120)
+                if self.stop.is_set():
+                    return
+            time.sleep(0.5)
+
+
+def _bound(pods: list[dict[str, Any]] | None) -> int:
+    return sum(bool(p["spec"].get("nodeName")) for p in pods or [])
+
+
+def _wait(cond: Any, timeout: float, what: str, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def _active(claims: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for c in claims if (c.get("status") or {}).get("phase") not in ("Released", "Failed")]
+
+
+def _card_sums(claims: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    """node -> uuid -> [slots, memory, cores], over active claims."""
+    out: dict[str, dict[str, list[int]]] = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0, 0, 0]))
+    for c in _active(claims):
+        for d in c["spec"]["devices"]:
+            acc = out[c["spec"]["node"]][d["uuid"]]
+            acc[0] += 1
+            acc[1] += int(d["memory"])
+            acc[2] += int(d["cores"])
+    return out
+
+
+def _ledger_matches_claims(gpu: GpuEnv, nodes: list[str]) -> str:
+    """'' when every node's allocation annotation equals the sums over the claims, else why not."""
+    claims = _kubectl_json(gpu, "get", "vgpuclaims", "-A")
+    if claims is None:
+        return "API server not answering"
+    sums = _card_sums(claims["items"])
+    for node in nodes:
+        obj = _kubectl_json(gpu, "get", "node", node)
+        if obj is None:
+            return f"node {node} unreadable"
+        raw = (obj["metadata"].get("annotations") or {}).get("kvgpu.io/allocation")
+        if raw is None:
+            return f"node {node} has no allocation annotation"
+        usage = json.loads(raw)
+        for card in usage["cards"]:
+            want = sums.get(node, {}).get(card["uuid"], [0, 0, 0])
+            have = [card["slots"][0], card["memoryMiB"][0], card["cores"][0]]
+            if have != want:
+                return f"{node} card {card['index']}: annotation says {have}, claims sum to {want}"
+    return ""
+
+
+def check_invariants(gpu: GpuEnv, *, expect_all_bound: bool, nodes: list[str] | None = None,
+                     settle_s: float = 60) -> dict[str, int]:
+    """The four invariants (module docstring). Orphans and the ledger are given ``settle_s``
+    to converge (the sweep and the flush are periodic)."""
+    nodes = gpu.node_names if nodes is None else nodes
+    live_nodes = set(nodes)
+
+    def no_orphans() -> bool | list[str]:
+        pods, claims = _live(gpu, "pods"), _live(gpu, "vgpuclaims")
+        if pods is None or claims is None:
+            return False
+        uids = {p["metadata"]["uid"]: p for p in pods}
+        orphans = [c["metadata"]["name"] for c in _active(claims) if c["spec"]["podUID"] not in uids]
+        return not orphans
+
+    _wait(no_orphans, settle_s, "no orphaned claims")
+    _wait(lambda: _ledger_matches_claims(gpu, sorted(live_nodes)) == "" or False, settle_s,
+          "node allocation annotations == sums over claims")
+    pods, claims = _live(gpu, "pods") or [], _active(_live(gpu, "vgpuclaims") or [])
+    by_uid = collections.defaultdict(list)
+    for c in claims:
+        by_uid[c["spec"]["podUID"]].append(c)
+    bound = pending = 0
+    for p in pods:
+        meta, name = p["metadata"], p["metadata"]["name"]
+        node = p["spec"].get("nodeName")
+        mine = by_uid.get(meta["uid"], [])
+        if node:
+            bound += 1
+            assert len(mine) == 1, f"{name} bound to {node} has {len(mine)} claims"
+            c = mine[0]
+            assert c["spec"]["node"] == node, f"{name} on {node} but its claim says {c['spec']['node']}"
+            ann = meta.get("annotations") or {}
+            assert ann.get("kvgpu.io/devices.main") == ",".join(d["uuid"] for d in c["spec"]["devices"]), name
+            assert ann.get("kvgpu.io/claims") == c["metadata"]["name"], name
+        else:
+            pending += 1
+            assert not mine, f"pending pod {name} holds claims {[c['metadata']['name'] for c in mine]}"
+            events = gpu.events(name)
+            assert events, f"pending pod {name} has no event saying why"
+    if expect_all_bound:
+        assert pending == 0, f"{pending} pods still pending"
+    for node, cards in _card_sums(claims).items():
+        for uuid, (slots, mem, cores) in cards.items():
+            assert slots <= SPLIT and mem <= CARD_MIB and cores <= 100, (node, uuid, slots, mem, cores)
+    return {"bound": bound, "pending": pending, "claims": len(claims)}
+
+
+def _all_bound(gpu: GpuEnv, n: int) -> bool:
+    pods = _live(gpu, "pods")
+    return pods is not None and len(pods) == n and _bound(pods) == n
+
+
+# ----------------------------------------------------------------------------- the faults
+def test_operator_sigkill_three_times_during_burst(gpu: GpuEnv) -> None:
+    n = 200
+    gpu.nodes(6, cards=4, memory_mib=CARD_MIB)  # 24 cards x 10 slots = 240 slots
+    creator = Creator(gpu, _pods(gpu, n))
+    creator.start()
+    kills = []
+    try:
+        for frac in (0.15, 0.45, 0.75):
+            want = int(n * frac)
+            _wait(lambda want=want: _bound(_live(gpu, "pods")) >= want, 120, f"{want} pods bound")
+            gpu.system.kill_operator()
+            kills.append(_bound(_live(gpu, "pods")))
+            time.sleep(1.0)
+            gpu.system.start_operator()
+        _wait(lambda: _all_bound(gpu, n), 150, f"all {n} pods bound")
+    finally:
+        creator.stop.set()
+        creator.join(30)
+    print(f"operator SIGKILLed with {kills} pods bound; creator rounds {creator.rounds}")
+    stats = check_invariants(gpu, expect_all_bound=True)
+    assert stats["bound"] == n and stats["claims"] == n
+
+
+def test_apiserver_restart_during_burst(gpu: GpuEnv) -> None:
+    n = 150
+    gpu.nodes(5, cards=4, memory_mib=CARD_MIB)
+    creator = Creator(gpu, _pods(gpu, n, "a"))
+    creator.start()
+    try:
+        _wait(lambda: _bound(_live(gpu, "pods")) >= 30, 120, "30 pods bound")
+        t0 = time.monotonic()
+        gpu.cluster.restart_component("kube-apiserver", down_s=2.0)
+        print(f"kube-apiserver restarted in {time.monotonic() - t0:.1f} s")
+        _wait(lambda: _all_bound(gpu, n), 150, f"all {n} pods bound after the restart")
+    finally:
+        creator.stop.set()
+        creator.join(30)
+    stats = check_invariants(gpu, expect_all_bound=True)
+    assert stats["claims"] == n
+
+
+def test_node_with_claims_deleted(gpu: GpuEnv) -> None:
+    """A node disappears (no drain): pod GC removes its pods, their claims go, the other
+    nodes' accounting is untouched, and new pods never land on it."""
+    nodes = gpu.nodes(3, cards=2, memory_mib=CARD_MIB)
+    gpu.create(*_pods(gpu, 30, "d"))
+    _wait(lambda: _all_bound(gpu, 30), 90, "30 pods bound")
+    for p in _live(gpu, "pods") or []:
+        gpu.mark_running(p["metadata"]["name"])
+    victim = nodes[0]
+    on_victim = {p["metadata"]["name"] for p in _live(gpu, "pods") or [] if p["spec"]["nodeName"] == victim}
+    assert on_victim, "binpack should have put pods on the first node"
+    gpu.cluster.kubectl("delete", "node", victim, "--wait=false")
+    gpu.node_names.remove(victim)
+
+    def victim_cleared() -> bool:
+        claims = _live(gpu, "vgpuclaims")
+        pods = _live(gpu, "pods")
+        if claims is None or pods is None:
+            return False
+        return not any(c["spec"]["node"] == victim for c in _active(claims)) and not any(
+            p["spec"].get("nodeName") == victim for p in pods)
+
+    t0 = time.monotonic()
+    _wait(victim_cleared, 150, f"pods and claims of {victim} gone", every=2.0)
+    took = time.monotonic() - t0
+    print(f"{len(on_victim)} pods and their claims gone {took:.0f} s after deleting {victim}")
+    gpu.create(*[gpu.pod(f"e{i:02d}", _sized(i)) for i in range(10)])
+    _wait(lambda: _bound(_live(gpu, "pods")) == len(_live(gpu, "pods") or [1, 1]), 60, "new pods bound")
+    assert not any(p["spec"]["nodeName"] == victim for p in _live(gpu, "pods") or [])
+    check_invariants(gpu, expect_all_bound=True, nodes=nodes[1:])
+
+
+def test_pods_deleted_in_the_middle_of_bind(gpu: GpuEnv) -> None:
+    n = 120
+    gpu.nodes(4, cards=4, memory_mib=CARD_MIB)
+    pods = _pods(gpu, n, "m")
+    creator = Creator(gpu, pods, chunk=120)
+    creator.start()
+    _wait(lambda: _bound(_live(gpu, "pods")) >= 10, 120, "first binds")
+    # Delete every third pod now, bound or not: many of them have a bind in flight.
+    victims = [p["metadata"]["name"] for p in pods[::3]]
+    creator.stop.set()
+    creator.join(60)
+    gpu.cluster.kubectl("delete", "pod", "-n", gpu.ns, *victims, "--grace-period=0", "--force",
+                        "--wait=false", check=False)
+    survivors = n - len(victims)
+    # Pods the creator had not created yet are created now (without the victims).
+    have = {p["metadata"]["name"] for p in _live(gpu, "pods") or []}
+    rest = [p for p in pods if p["metadata"]["name"] not in have and p["metadata"]["name"] not in victims]
+    if rest:
+        gpu.create(*rest)
+    _wait(lambda: _all_bound(gpu, survivors), 120, f"all {survivors} survivors bound")
+    stats = check_invariants(gpu, expect_all_bound=True)
+    assert stats["claims"] == survivors
+
+
+def test_conflicting_updates_while_binding(gpu: GpuEnv) -> None:
+    """Users patch pods (their own annotations: allowed; kvgpu allocation annotations and
+    the request: refused) while the pods are being bound; binds still land exactly once."""
+    n = 120
+    gpu.nodes(4, cards=4, memory_mib=CARD_MIB)
+    pods = _pods(gpu, n, "u")
+    stop = threading.Event()
+    outcomes: collections.Counter[str] = collections.Counter()
+
+    def meddle() -> None:
+        i = 0
+        while not stop.is_set():
+            name = pods[i % n]["metadata"]["name"]
+            for kind, patch in (
+                ("user", {"metadata": {"annotations": {"example.com/touched": str(i)}}}),
+                ("forged", {"metadata": {"annotations": {"kvgpu.io/claims": "forged"}}}),
+                ("request", {"metadata": {"annotations": {"kvgpu.io/gpumem": "100"}}}),
+            ):
+                p = gpu.cluster.kubectl("patch", "pod", name, "-n", gpu.ns, "--type=merge",
+                                        "-p", json.dumps(patch), check=False, timeout=30)
+                verdict = "ok" if p.returncode == 0 else "missing" if "NotFound" in p.stderr else "refused"
+                outcomes[f"{kind}:{verdict}"] += 1
+            i += 7
+
+    threads = [threading.Thread(target=meddle, daemon=True) for _ in range(4)]
+    creator = Creator(gpu, pods)
+    creator.start()  # pods the meddlers patch before they exist are simply not found
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: _all_bound(gpu, n), 150, f"all {n} pods bound")
+        _wait(lambda: outcomes["user:ok"] >= 10, 60, "10 user patches")
+    finally:
+        stop.set()
+        creator.stop.set()
+        for t in [*threads, creator]:
+            t.join(30)
+    print(f"user patches during the burst: {dict(outcomes)}")
+    assert outcomes["forged:ok"] == 0 and outcomes["request:ok"] == 0, outcomes
+    assert outcomes["forged:refused"] > 0 and outcomes["request:refused"] > 0, outcomes
+    stats = check_invariants(gpu, expect_all_bound=True)
+    assert stats["claims"] == n
+
+
+@pytest.fixture(autouse=True)
+def _operator_running(kvgpu_system: Any) -> Any:
+    """A test that failed half-way must not leave the next one without an operator."""
+    yield
+    if kvgpu_system.operator is None or kvgpu_system.operator.poll() is not None:
+        kvgpu_system.start_operator()
