@@ -54,7 +54,10 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now)
         return 0; /* no cost estimate yet: a short probe window measures one */
     if (est && atomic_fetch_add_explicit(g->shared_win_used, est, memory_order_relaxed) >= g->win_budget)
         return 0;
-    atomic_fetch_add_explicit(&g->win_launches, 1, memory_order_relaxed);
+    /* A plain add (no lock prefix): concurrent threads may lose a count, which only makes
+     * the next cost estimate slightly high; the budget itself is the atomic above. */
+    atomic_store_explicit(&g->win_launches, atomic_load_explicit(&g->win_launches, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
     return 1;
 }
 

@@ -6,7 +6,8 @@
  * Env: STUB_NDEV (1..4, default 1), STUB_MEM_MIB (per card, default 1024), STUB_CTX_MIB
  * (memory a context takes, default 64), STUB_KERNEL_US (GPU time per launch, default 1000),
  * STUB_STATE (state file; default: private to the process), STUB_GPA_INDIRECT=1
- * (cuGetProcAddress hands out trampolines instead of the exported addresses).
+ * (cuGetProcAddress hands out trampolines instead of the exported addresses),
+ * STUB_NULL_LAUNCH=1 (launches return at once: for measuring the shim's own cost).
  */
 #ifndef STUB_STATE_H
 #define STUB_STATE_H
