@@ -79,7 +79,7 @@ fi
 if want cpaths; then
 hdr "MEMORY: every C path under 3000 MiB, 64 MiB chunks (NVML per-process while holding)"
 for p in alloc pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym; do
-    shim "c$p" 3000 0 timeout -k 2 20 $CUPROG fill $p 67108864 0 1.5 > "$OUT/c.txt" &
+    shim "c${p//_/-}" 3000 0 timeout -k 2 20 $CUPROG fill $p 67108864 0 1.5 > "$OUT/c.txt" &
     pid=$!
     sleep 1.2
     used=$(timeout -k 2 10 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')
@@ -123,6 +123,13 @@ if want seed && [ -f bench/gpu/seed-claim.env ]; then
     hdr "SEED WALK-THROUGH"
     cat bench/gpu/seed-claim.env
     set -a; . bench/gpu/seed-claim.env; set +a
+    # Each fresh device machine has another card UUID: map the claim's first UUID to this card.
+    CU=$(echo "$KVGPU_CLAIM" | sed -n 's/.*dev=\([^,]*\),.*/\1/p' | head -1)
+    if [ -n "$CU" ] && [ "$CU" != "$UUID" ]; then
+        echo "NOTE: the claim names $CU, this machine's card is $UUID: substituted"
+        KVGPU_CLAIM=${KVGPU_CLAIM//$CU/$UUID}; NVIDIA_VISIBLE_DEVICES=${NVIDIA_VISIBLE_DEVICES//$CU/$UUID}
+        echo "KVGPU_CLAIM=$KVGPU_CLAIM"
+    fi
     RD=$(mktemp -d)
     echo "--- nvidia-smi under the seed claim"
     env LD_PRELOAD="$LIB" KVGPU_REGION_DIR="$RD" timeout -k 2 30 nvidia-smi
