@@ -133,6 +133,7 @@ int vgpu_region_join(struct vgpu_region_handle *h, int32_t pid, uint64_t start_t
 void vgpu_region_leave(struct vgpu_region_handle *h);
 /* Free slots whose process is gone (pid dead or start time differs). Lock held. Returns count. */
 int vgpu_region_reap_locked(struct vgpu_region *r);
+int vgpu_region_reap(struct vgpu_region *r); /* takes the lock */
 /* Charge bytes on device d to own slot if it fits the limit. 0 ok, -1 over the limit. */
 int vgpu_region_reserve(struct vgpu_region_handle *h, int d, uint64_t bytes);
 void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes);
@@ -182,6 +183,8 @@ struct vgpu_gate {
     _Atomic uint64_t local_win_id, local_win_used;
     pthread_mutex_t mu;
     uint64_t throttles;         /* statistics */
+    uint64_t busy_acc_ns;       /* GPU time of closed windows since util_since_ns */
+    uint64_t util_since_ns;
     uint64_t last_sched_ns;
 };
 

@@ -63,7 +63,7 @@ static inline int mode(void)
 
 /* ------------------------------------------------------------------ allocation table */
 
-enum { K_PTR = 1, K_HANDLE = 2, K_ARRAY = 3, K_MIPMAP = 4, K_TOMB = -1 };
+enum { K_PTR = 1, K_HANDLE = 2, K_ARRAY = 3, K_MIPMAP = 4, K_GRAPH = 5, K_TOMB = -1 };
 struct aent { uint64_t key; uint64_t size; int32_t dev; int32_t kind; };
 static struct aent *tab;
 static size_t tab_cap, tab_used; /* used counts live + tombstones */
@@ -130,8 +130,15 @@ static int tab_take(int kind, uint64_t key, uint64_t *size, int *dev)
     return found;
 }
 
+static pthread_mutex_t map_mu = PTHREAD_MUTEX_INITIALIZER, join_mu = PTHREAD_MUTEX_INITIALIZER;
+
 void vgpu_cuda_after_fork(void)
 {
+    /* A thread of the parent may have held any of these at fork time. */
+    pthread_mutex_init(&map_mu, NULL);
+    pthread_mutex_init(&join_mu, NULL);
+    for (int d = 0; d < VGPU_MAX_DEV; d++)
+        pthread_mutex_init(&vgpu.gate[d].mu, NULL);
     pthread_mutex_init(&tab_mu, NULL);
     free(tab);
     tab = NULL, tab_cap = tab_used = 0;
@@ -139,7 +146,6 @@ void vgpu_cuda_after_fork(void)
 
 /* ------------------------------------------------------------------ devices */
 
-static pthread_mutex_t map_mu = PTHREAD_MUTEX_INITIALIZER;
 static int single_gate = -1;
 
 void vgpu_format_uuid(const CUuuid *u, char *out, size_t n)
@@ -241,8 +247,6 @@ static int cur_dev(void)
 }
 
 /* ------------------------------------------------------------------ charging */
-
-static pthread_mutex_t join_mu = PTHREAD_MUTEX_INITIALIZER;
 
 void vgpu_ensure_slot(void)
 {
@@ -760,6 +764,16 @@ static void gate_slow(int d, CUstream s)
         uint64_t drained = vgpu_now_ns(), ws = g->win_start, n = atomic_load(&g->win_launches);
         vgpu_gate_close(g, now, drained);
         g->throttles++;
+        /* Publish the container's measured share of card time (region dev.sm_util, %). */
+        g->busy_acc_ns += drained - ws;
+        if (!g->util_since_ns)
+            g->util_since_ns = ws;
+        if (drained - g->util_since_ns >= 1000000000ull) {
+            uint64_t pct = g->busy_acc_ns * 100 / (drained - g->util_since_ns);
+            vgpu.region.r->dev[d].sm_util = (uint32_t)(pct > 100 ? 100 : pct);
+            g->busy_acc_ns = 0;
+            g->util_since_ns = drained;
+        }
         if (vgpu.cfg.log_level >= 3)
             vgpu_log(3, "gate d%d: window %llu us budget %llu us: %llu launches, detected +%llu us, "
                         "drained +%llu us, est %llu ns, debt %llu us", d,
@@ -849,17 +863,25 @@ VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsi
 static CUresult graph_launch(int idx, CUgraphExec g, CUstream s)
 {
     vgpu_compute_gate(s);
-    if (mode() == M_LIMITED) {
-        /* Graph memory nodes allocate at launch; NVML reconciliation charges them. A graph
-         * launch while the container is already over its limit is refused. */
-        int d = cur_dev();
-        if (d >= 0 && vgpu.region.r->dev[d].limit) {
-            vgpu_reconcile(d, 0);
-            if (vgpu_region_used(vgpu.region.r, d) > vgpu.region.r->dev[d].limit)
-                return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-    }
-    return REAL(idx, CUresult(*)(CUgraphExec, CUstream))(g, s);
+    CUresult (*real)(CUgraphExec, CUstream) = REAL(idx, CUresult(*)(CUgraphExec, CUstream));
+    if (mode() != M_LIMITED)
+        return real(g, s);
+    /* Graph memory nodes reserve their pool at an executable graph's first launch; NVML
+     * reconciliation charges it right after that launch. A graph launch while the container
+     * is already over its limit is refused. */
+    int d = cur_dev();
+    if (d < 0 || !vgpu.region.r->dev[d].limit)
+        return real(g, s);
+    vgpu_reconcile(d, 0);
+    if (vgpu_region_used(vgpu.region.r, d) > vgpu.region.r->dev[d].limit)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    uint64_t seen_size;
+    int seen_dev, first = !tab_take(K_GRAPH, (uint64_t)(uintptr_t)g, &seen_size, &seen_dev);
+    tab_put(K_GRAPH, (uint64_t)(uintptr_t)g, 0, d);
+    CUresult rc = real(g, s);
+    if (rc == CUDA_SUCCESS && first)
+        vgpu_reconcile(d, 1);
+    return rc;
 }
 
 VGPU_API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)

@@ -122,6 +122,11 @@ void vgpu_reconcile(int d, int force)
     if (last && now - last < min_gap)
         return;
     vgpu.last_reconcile_ns[d] = now;
+    static uint64_t last_reap;
+    if (!last_reap || now - last_reap > 1000000000ull) { /* dead processes leave the view */
+        last_reap = now;
+        vgpu_region_reap(vgpu.region.r);
+    }
     vgpu_ensure_slot();
     int found;
     uint64_t used = vgpu_nvml_process_used(d, &found);
@@ -167,6 +172,12 @@ static int slice(nvmlDevice_t h, unsigned long long *total, unsigned long long *
     uint64_t lim = d >= 0 ? vgpu.region.r->dev[d].limit : 0;
     if (!lim)
         return 0;
+    static uint64_t last_reap;
+    uint64_t now = vgpu_now_ns();
+    if (!last_reap || now - last_reap > 1000000000ull) { /* nvidia-smi: no stale usage */
+        last_reap = now;
+        vgpu_region_reap(vgpu.region.r);
+    }
     uint64_t T = *total < lim ? *total : lim;
     uint64_t U = vgpu_region_used(vgpu.region.r, d);
     if (U > T)

@@ -124,6 +124,15 @@ int vgpu_region_reap_locked(struct vgpu_region *r)
     return n;
 }
 
+int vgpu_region_reap(struct vgpu_region *r)
+{
+    if (vgpu_region_lock(r) != 0)
+        return 0;
+    int n = vgpu_region_reap_locked(r);
+    vgpu_region_unlock(r);
+    return n;
+}
+
 static void apply_config_locked(struct vgpu_region *r, const struct vgpu_config *cfg)
 {
     if (!cfg)

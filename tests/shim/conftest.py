@@ -123,7 +123,7 @@ def box(shimkit: ShimKit, tmp_path: Path) -> Box:
 
 
 @pytest.fixture(scope="session")
-def core(shimkit: ShimKit):  # noqa: ANN201 - the cffi module
+def core(shimkit: ShimKit):
     sys.path.insert(0, str(ROOT / "operator"))
     from kvgpu.shimcore import core as load
 

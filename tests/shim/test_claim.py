@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kvgpu.core import claimstr
 
 MIB = 1024 * 1024
@@ -138,7 +137,8 @@ def test_claim_file_wins_over_env(core, tmp_path) -> None:
     assert not cfg.broken and core.ffi.string(cfg.claim) == b"ns/from-file" and cfg.priority == 0
     assert cfg.dev[0].mem_limit == 512 * MIB and cfg.dev[0].cores == 20
     # file named but absent: the env var is used
-    cfg = load(core, {"KVGPU_CLAIM_FILE": str(tmp_path / "nope"), "KVGPU_CLAIM": "v1;claim=a/b;dev=GPU-x,1,0"})
+    env = {"KVGPU_CLAIM_FILE": str(tmp_path / "nope"), "KVGPU_CLAIM": "v1;claim=a/b;dev=GPU-x,1,0"}
+    cfg = load(core, env)
     assert not cfg.broken and core.ffi.string(cfg.claim) == b"a/b"
 
 

@@ -227,3 +227,39 @@ def test_no_claim_means_pass_through(box) -> None:
     out = box.json("fill", "alloc", str(CHUNK), "40", env=box.env())[0]
     assert out["n"] == 40 and out["total"] == 4096 * MIB
     assert not Path(box.region).exists()
+
+
+def test_graph_memory_is_charged_through_nvml(box) -> None:
+    """Graph memory nodes (here 300 MiB at the first graph launch) appear only in NVML's
+    per-process usage; reconciliation charges them, and a graph launch over the limit fails."""
+    env = box.env(claim((0, 1000, 0)), STUB_GRAPH_MEM_MIB=300)
+    o = box.json("graphmem", "0", str(CHUNK), env=env)[0]
+    assert o["graph1_rc"] == 0 and o["graph2_rc"] == 0
+    assert o["more"] == 9  # (1000 - 64 context - 300 graph) / 64, not 14
+    over = box.json("graphmem", "10", str(CHUNK), env=box.env(claim((0, 1000, 0)), STUB_GRAPH_MEM_MIB=600))[0]
+    assert over["graph1_rc"] == 0 and over["graph2_rc"] == 2 and over["more"] == 0
+
+
+def test_hami_env_mode(box) -> None:
+    env = box.env(CUDA_DEVICE_MEMORY_LIMIT_0="500m", CUDA_DEVICE_MEMORY_LIMIT_1="1g", STUB_NDEV=2)
+    assert box.json("info", env=env)[0]["total"] == 500 * MIB
+    assert box.json("info", "1", env=env)[0]["total"] == 1024 * MIB
+    out = box.json("fill", "alloc", str(CHUNK), env=env)[0]
+    assert out["n"] == 6 and out["rc"] == 2  # (500 - 64) / 64
+    o = json.loads(box.run(sys.executable, "-c", NVML_PROBE, "100", env=env).stdout)
+    assert o["v1"][0] == o["v2"][0] == o["cu_total"] == 500 * MIB  # NVML by index in HAMi mode
+    shared = box.env(CUDA_DEVICE_MEMORY_LIMIT="300m", CUDA_DEVICE_MEMORY_SHARED_CACHE=box.dir / "h.cache")
+    del shared["KVGPU_REGION_DIR"]  # that one would win
+    assert box.json("info", env=shared)[0]["total"] == 300 * MIB
+    assert (box.dir / "h.cache").exists()
+
+
+def test_dead_process_leaves_the_nvml_view(box) -> None:
+    env = box.env(claim((0, 2000, 0)))
+    holder = subprocess.Popen([str(box.kit.cuprog), "fill", "alloc", str(CHUNK), "10", "60"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    assert json.loads(holder.stdout.readline())["n"] == 10
+    holder.kill()
+    holder.wait()
+    o = json.loads(box.run(sys.executable, "-c", NVML_PROBE, "64", env=env).stdout)
+    assert o["v1"][1] == (64 + 64) * MIB  # only the probe's own context and chunk

@@ -12,6 +12,7 @@
  *   cuprog race CHUNK GO_FILE              wait for GO_FILE, fill with cuMemAlloc, hold 1 s
  *   cuprog launch MODE SECONDS SYNC_EVERY  launch loop; MODE kernel ex coop graph ptsz gpa
  *   cuprog bench N                         ns per launch, alloc+free (2 MiB), cuMemGetInfo
+ *   cuprog graphmem N CHUNK                N chunks, two graph launches, then fill to the limit
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -339,6 +340,22 @@ int main(int argc, char **argv)
     }
     if (!strcmp(cmd, "launch") && argc >= 5)
         return cmd_launch(argv[2], atof(argv[3]), atol(argv[4]));
+    if (!strcmp(cmd, "graphmem") && argc >= 4) {
+        setup(0);
+        long n = atol(argv[2]), k = 0;
+        size_t chunk = strtoull(argv[3], NULL, 0);
+        CUdeviceptr p;
+        for (long i = 0; i < n; i++)
+            cuMemAlloc_v2(&p, chunk);
+        CUresult g1 = cuGraphLaunch(NULL, NULL);
+        cuCtxSynchronize();
+        CUresult g2 = cuGraphLaunch(NULL, NULL);
+        cuCtxSynchronize();
+        while (cuMemAlloc_v2(&p, chunk) == 0)
+            k++;
+        printf("{\"graph1_rc\": %d, \"graph2_rc\": %d, \"more\": %ld}\n", g1, g2, k);
+        return 0;
+    }
     if (!strcmp(cmd, "bench") && argc >= 3)
         return cmd_bench(atol(argv[2]));
     fprintf(stderr, "bad command\n");

@@ -320,7 +320,18 @@ API CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **p,
 API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { return cuLaunchKernelEx(cfg, f, p, x); }
 API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(); }
 API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(); }
-API CUresult cuGraphLaunch(CUgraphExec g, CUstream s) { return launch(); }
+static int graph_mem_done;
+/* Graph memory nodes: the first launch of a graph reserves STUB_GRAPH_MEM_MIB in the driver's
+ * graph pool, visible only through NVML per-process usage (as on a real driver). */
+API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
+{
+    long mib = stub_env("STUB_GRAPH_MEM_MIB", 0);
+    if (mib > 0 && !graph_mem_done && cur_ctx >= 0) {
+        graph_mem_done = 1;
+        atomic_fetch_add(&stub_me()->used[cur_ctx], (uint64_t)mib * MIB);
+    }
+    return launch();
+}
 API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) { return launch(); }
 API CUresult cuStreamSynchronize(CUstream s) { (void)s; return drain(); }
 API CUresult cuCtxSynchronize(void) { return drain(); }
