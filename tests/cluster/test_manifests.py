@@ -268,6 +268,13 @@ def _sa_kubeconfig(cluster: Cluster, account: str, path: Path) -> Path:
     return path
 
 
+def _fresh_peering(cluster: Cluster) -> None:
+    """The ClusterKopfPeering "kvgpu" with no peers left from earlier operators."""
+    cluster.kubectl("delete", "clusterkopfpeering", "kvgpu", "--ignore-not-found", "--wait=true")
+    peering = next(d for d in _render(cluster, "manifests/base") if d["kind"] == "ClusterKopfPeering")
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=_as_list([peering]))
+
+
 def _stop(proc: Any) -> None:
     import subprocess
 
@@ -297,8 +304,7 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(crds))
     cluster.kubectl("wait", "--for=condition=Established", "crd/clusterkopfpeerings.kopf.dev",
                     "--timeout=60s")
-    peering = next(d for d in _render(cluster, "manifests/base") if d["kind"] == "ClusterKopfPeering")
-    cluster.kubectl("apply", "--server-side", "-f", "-", input=_as_list([peering]))
+    _fresh_peering(cluster)
     kubeconfig = _sa_kubeconfig(cluster, "kvgpu-operator", tmp_path / "operator.kubeconfig")
     pki = cluster.run_dir / "pki"
     ready, log = tmp_path / "ready", tmp_path / "operator.log"
@@ -337,8 +343,14 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
         assert claim["spec"]["devices"][0]["memory"] == 3000
         gpu.mark_running("seed")
         gpu.wait(lambda: gpu.claims()[0].get("status", {}).get("phase") == "Running", 30, "claim Running")
-        node_obj = json.loads(cluster.kubectl("get", "node", node, "-o", "json").stdout)
-        assert "kvgpu.io/allocation" in node_obj["metadata"]["annotations"]
+        def summarised() -> bool:
+            node_obj = json.loads(cluster.kubectl("get", "node", node, "-o", "json").stdout)
+            return "kvgpu.io/allocation" in node_obj["metadata"]["annotations"]
+
+        try:
+            gpu.wait(summarised, 15, "the node's allocation summary")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{log.read_text(errors='replace')[-3000:]}") from None
         gpu.delete_pod("seed")
         gpu.wait(lambda: not gpu.claims(), 30, "claim removed with its pod")
         text = log.read_text(errors="replace")
@@ -361,3 +373,70 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
             f"http://127.0.0.1:{system.extender_port}/scheduler"))
         cluster.kubectl("delete", "lease", "kvgpu-scheduler", "-n", "kvgpu-system", "--ignore-not-found",
                         check=False)
+
+
+@pytest.mark.xfail(strict=True, reason="operator: a replica paused by Kopf peering still reports ready "
+                   "and serves the extender (see manifests/README.md, known limitation)")
+def test_standby_operator_is_not_ready(kvgpu_system: Any, rbac: Any, tmp_path: Path) -> None:
+    """Two replicas as the StatefulSet runs them (peering, distinct priorities): the paused one
+    must answer /readyz with 503, so the extender Service routes only to the active one."""
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from kvgpu.devcluster.cluster import free_port
+
+    cluster, system = kvgpu_system.cluster, kvgpu_system
+    crds = _render(cluster, "manifests/crds")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(crds))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/clusterkopfpeerings.kopf.dev",
+                    "--timeout=60s")
+    _fresh_peering(cluster)
+    kubeconfig = _sa_kubeconfig(cluster, "kvgpu-operator", tmp_path / "operator.kubeconfig")
+    ports = {0: free_port(), 1: free_port()}
+
+    def readyz(port: int) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+        except OSError:
+            return 0
+
+    system.stop_operator()
+    procs: list[Any] = []
+    try:
+        for ordinal, port in ports.items():
+            with (tmp_path / f"op{ordinal}.log").open("wb") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvgpu.cli.main", "operator", f"--kubeconfig={kubeconfig}",
+                     f"--extender-address=127.0.0.1:{port}", "--peering", f"--priority={ordinal}"],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            st = json.loads(cluster.kubectl("get", "clusterkopfpeering", "kvgpu", "-o", "json").stdout)
+            if len(st.get("status") or {}) >= 2 and readyz(ports[1]) == 200:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("both replicas did not join the peering")
+        def paused() -> bool:
+            return "Pausing operations" in (tmp_path / "op0.log").read_text(errors="replace")
+
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not paused():
+            time.sleep(0.5)
+        if not paused():
+            status = cluster.kubectl("get", "clusterkopfpeering", "kvgpu", "-o", "yaml").stdout
+            raise AssertionError("ordinal 0 did not pause:\n" + status + "\n"
+                                 + (tmp_path / "op0.log").read_text(errors="replace")[-3000:])
+        assert readyz(ports[1]) == 200, "the active replica is ready"
+        assert readyz(ports[0]) == 503, "the standby replica must not be ready"
+    finally:
+        for p in procs:
+            _stop(p)
+        time.sleep(0.5)
+        system.start_operator()
