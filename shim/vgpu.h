@@ -82,7 +82,8 @@ struct vgpu_region_dev {
     char uuid[VGPU_UUID_LEN];
     uint64_t limit;             /* bytes, 0 = none */
     uint32_t cores;             /* percent */
-    uint32_t sm_util;           /* last SM utilisation of the container, percent (or 0xffffffff) */
+    uint32_t sm_util;           /* SM utilisation of the container, percent (0xffffffff = unknown);
+                                 * written by the node agent from NVML samples, never by the shim */
     _Atomic uint64_t used;      /* bytes charged = sum over live slots of data + overhead */
     _Atomic uint64_t win_id;    /* compute: current window number (shared by the container) */
     _Atomic uint64_t win_used;  /* compute: estimated GPU ns launched in that window */
@@ -183,8 +184,6 @@ struct vgpu_gate {
     _Atomic uint64_t local_win_id, local_win_used;
     pthread_mutex_t mu;
     uint64_t throttles;         /* statistics */
-    uint64_t busy_acc_ns;       /* GPU time of closed windows since util_since_ns */
-    uint64_t util_since_ns;
     uint64_t last_sched_ns;
 };
 

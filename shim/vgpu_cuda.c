@@ -764,16 +764,7 @@ static void gate_slow(int d, CUstream s)
         uint64_t drained = vgpu_now_ns(), ws = g->win_start, n = atomic_load(&g->win_launches);
         vgpu_gate_close(g, now, drained);
         g->throttles++;
-        /* Publish the container's measured share of card time (region dev.sm_util, %). */
-        g->busy_acc_ns += drained - ws;
-        if (!g->util_since_ns)
-            g->util_since_ns = ws;
-        if (drained - g->util_since_ns >= 1000000000ull) {
-            uint64_t pct = g->busy_acc_ns * 100 / (drained - g->util_since_ns);
-            vgpu.region.r->dev[d].sm_util = (uint32_t)(pct > 100 ? 100 : pct);
-            g->busy_acc_ns = 0;
-            g->util_since_ns = drained;
-        }
+
         if (vgpu.cfg.log_level >= 3)
             vgpu_log(3, "gate d%d: window %llu us budget %llu us: %llu launches, detected +%llu us, "
                         "drained +%llu us, est %llu ns, debt %llu us", d,

@@ -149,11 +149,3 @@ def test_no_limit_no_throttle(stub2ms) -> None:
     off = box.env(claim((0, 1000, 30)), GPU_CORE_UTILIZATION_POLICY="disable")
     assert rate(box, off, secs=1.0) >= 0.9 * native
 
-
-def test_measured_share_is_published_in_the_region(stub2ms, core) -> None:
-    from kvgpu.shimcore import read_region
-
-    box = stub2ms
-    rate(box, box.env(claim((0, 1000, 30))), secs=2.5)
-    util = read_region(box.region).devices[0].sm_util
-    assert util is not None and 20 <= util <= 40, util
