@@ -120,6 +120,8 @@ struct vgpu_gate { int active; uint64_t period_ns; uint64_t offset_ns; uint64_t 
                    uint64_t win_budget; uint64_t last_ws; uint64_t throttles; ...; };
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now);
+int vgpu_gate_fast_coarse(struct vgpu_gate *g, uint64_t coarse_now, uint64_t margin);
+uint64_t vgpu_coarse_margin(void);
 void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained);
 uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now);
 void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,

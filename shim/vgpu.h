@@ -190,6 +190,9 @@ struct vgpu_gate {
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
 /* Fast check: 1 if a launch at `now` may pass (and is counted), 0 = take the slow path. */
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now);
+/* Same decision from a coarse clock that may lag the real one by up to `margin` ns: 1 pass
+ * (counted), 0 refuse, -1 undecided (ask vgpu_gate_fast with the precise time). */
+int vgpu_gate_fast_coarse(struct vgpu_gate *g, uint64_t coarse_now, uint64_t margin);
 /* The window ended (time or budget) and was detected at t_det; the launch queue drained at
  * `drained`. Updates the per-launch cost estimate and the debt. Pure arithmetic. */
 void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained);
@@ -201,6 +204,8 @@ uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now);
 int vgpu_sched_update(const char *dir, const char *uuid, const char *key, uint32_t share_pm,
                       uint32_t prio, uint32_t *offset_pm, uint32_t *len_pm);
 uint64_t vgpu_now_ns(void);
+uint64_t vgpu_coarse_ns(void);      /* CLOCK_MONOTONIC_COARSE */
+uint64_t vgpu_coarse_margin(void);  /* 2 x its resolution, ns */
 
 /* ------------------------------------------------------------------ CUDA / NVML types */
 

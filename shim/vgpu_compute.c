@@ -50,12 +50,26 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now)
     if (!ws || now < ws || now - ws >= g->win_budget)
         return 0;
     uint64_t est = g->kernel_ns_est;
-    if (!est && now - ws >= g->win_budget / 8)
-        return 0; /* no cost estimate yet: a short probe window measures one */
+    if (!est && now - ws >= (g->win_budget / 8 < 5000000 ? g->win_budget / 8 : 5000000))
+        return 0; /* no cost estimate yet: a short probe window (<= 5 ms) measures one */
     if (est && atomic_fetch_add_explicit(g->shared_win_used, est, memory_order_relaxed) >= g->win_budget)
         return 0;
     /* A plain add (no lock prefix): concurrent threads may lose a count, which only makes
      * the next cost estimate slightly high; the budget itself is the atomic above. */
+    atomic_store_explicit(&g->win_launches, atomic_load_explicit(&g->win_launches, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+    return 1;
+}
+
+int vgpu_gate_fast_coarse(struct vgpu_gate *g, uint64_t coarse_now, uint64_t margin)
+{
+    uint64_t ws = g->win_start, est = g->kernel_ns_est;
+    /* The real time lies in [coarse, coarse + margin]: decide only if that whole interval is
+     * inside the window (and an estimate exists, so the budget check is by count). */
+    if (!ws || !est || coarse_now < ws || coarse_now + margin >= ws + g->win_budget)
+        return -1;
+    if (atomic_fetch_add_explicit(g->shared_win_used, est, memory_order_relaxed) >= g->win_budget)
+        return 0;
     atomic_store_explicit(&g->win_launches, atomic_load_explicit(&g->win_launches, memory_order_relaxed) + 1,
                           memory_order_relaxed);
     return 1;

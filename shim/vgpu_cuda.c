@@ -182,6 +182,9 @@ static void map_devices_locked(void)
     if (!count || !get || !guuid || count(&n) != CUDA_SUCCESS)
         return;
     int active = 0, last = -1;
+    if (vgpu.cfg.source != VGPU_SRC_HAMI) /* claim mode: a card we cannot identify is refused */
+        for (int i = 0; i < VGPU_MAX_DEV; i++)
+            vgpu.cuda_map[i] = -2;
     for (int ord = 0; ord < n && ord < VGPU_MAX_DEV; ord++) {
         CUdevice dev;
         CUuuid u;
@@ -792,7 +795,15 @@ void vgpu_compute_gate(CUstream s)
         if (d < 0 || !vgpu.gate[d].active)
             return;
     }
-    if (__builtin_expect(vgpu_gate_fast(&vgpu.gate[d], vgpu_now_ns()), 1))
+    /* The coarse clock (a few ns) decides while the window is clearly open; near its edges
+     * the precise clock (tens of ns in a VM) does. */
+    static uint64_t margin;
+    if (__builtin_expect(!margin, 0))
+        margin = vgpu_coarse_margin();
+    int r = vgpu_gate_fast_coarse(&vgpu.gate[d], vgpu_coarse_ns(), margin);
+    if (__builtin_expect(r == 1, 1))
+        return;
+    if (r < 0 && vgpu_gate_fast(&vgpu.gate[d], vgpu_now_ns()))
         return;
     gate_slow(d, s);
 }

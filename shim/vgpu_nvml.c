@@ -47,9 +47,15 @@ static int nvml_map(nvmlDevice_t h)
 {
     static struct { nvmlDevice_t h; int d; } cache[VGPU_MAX_DEV];
     static int n;
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&mu);
     for (int i = 0; i < n; i++)
-        if (cache[i].h == h)
-            return cache[i].d;
+        if (cache[i].h == h) {
+            int d = cache[i].d;
+            pthread_mutex_unlock(&mu);
+            return d;
+        }
+    pthread_mutex_unlock(&mu);
     int d = -1;
     if (vgpu.cfg.source == VGPU_SRC_HAMI) {
         nvmlReturn_t (*idx)(nvmlDevice_t, unsigned *) =
@@ -64,8 +70,10 @@ static int nvml_map(nvmlDevice_t h)
         if (uuid && uuid(h, s, sizeof s) == NVML_SUCCESS)
             d = vgpu_map_uuid(s);
     }
+    pthread_mutex_lock(&mu);
     if (n < VGPU_MAX_DEV)
         cache[n].h = h, cache[n].d = d, n++;
+    pthread_mutex_unlock(&mu);
     return d;
 }
 

@@ -33,6 +33,21 @@ uint64_t vgpu_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+uint64_t vgpu_coarse_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t vgpu_coarse_margin(void)
+{
+    struct timespec r;
+    if (clock_getres(CLOCK_MONOTONIC_COARSE, &r) != 0 || r.tv_sec)
+        return UINT64_MAX / 4; /* unusable: always ask the precise clock */
+    return 2 * (uint64_t)r.tv_nsec;
+}
+
 uint64_t vgpu_proc_start_time(int32_t pid)
 {
     char path[64], buf[1024];

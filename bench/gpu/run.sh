@@ -44,7 +44,7 @@ LIBCUDA=$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')
 echo "libcuda: $LIBCUDA"
 gcc -O2 -o shim/_build/cuprog tests/shim/prog/cuprog.c -ldl "$LIBCUDA" || exit 1
 CUPROG=$PWD/shim/_build/cuprog
-strings "$LIB" | grep -m1 "kvgpu-shim"
+strings "$LIB" | grep -m1 "^kvgpu-shim [0-9]"
 SCHED=$(mktemp -d)
 
 # shim ID MEM_MIB CORES cmd...  -> run cmd under the shim with a fresh region

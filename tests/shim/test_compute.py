@@ -149,3 +149,21 @@ def test_no_limit_no_throttle(stub2ms) -> None:
     off = box.env(claim((0, 1000, 30)), GPU_CORE_UTILIZATION_POLICY="disable")
     assert rate(box, off, secs=1.0) >= 0.9 * native
 
+
+
+def test_coarse_clock_decides_only_inside_the_window(core) -> None:
+    lib = core.lib
+    g = gate(core, 30)
+    t = 100 * 100 * MS
+    lib.vgpu_gate_plan(g, t)  # probe window, no estimate yet
+    assert lib.vgpu_gate_fast_coarse(g, t + MS, 4 * MS) == -1
+    assert lib.vgpu_gate_fast(g, t + 1) == 1
+    lib.vgpu_gate_close(g, t + 2 * MS, t + 2 * MS)  # one launch, 2 ms
+    lib.vgpu_gate_plan(g, t + 2 * MS)  # drained early: the rest of the window
+    assert g.kernel_ns_est == 2 * MS and g.win_budget == 28 * MS
+    assert lib.vgpu_gate_fast_coarse(g, t + 3 * MS, 4 * MS) == 1  # clearly inside
+    assert lib.vgpu_gate_fast_coarse(g, t + 27 * MS, 4 * MS) == -1  # near the end: precise clock
+    assert lib.vgpu_gate_fast_coarse(g, t + MS, 4 * MS) == -1  # before the start
+    passed = [lib.vgpu_gate_fast_coarse(g, t + 4 * MS, 4 * MS) for _ in range(15)]
+    assert passed == [1] * 13 + [0, 0]  # 28 ms of budget / 2 ms per launch = 14 in all
+    assert lib.vgpu_coarse_margin() > 0
