@@ -120,6 +120,9 @@ class Binder:
         # pod UID -> [lock, users]: binds of one pod run one at a time (kube-scheduler retries a
         # bind that timed out while the first attempt may still be running here)
         self._locks: dict[str, list[Any]] = {}
+        # pod UID -> node, for pods this process bound: a bind retried by kube-scheduler after
+        # a timeout (the first attempt finished late) is answered without an API call
+        self._bound_to: dict[str, str] = {}
 
     def remember(self, uid: str, req: PodRequest) -> None:
         """Called by filter for a pod it found room for. The bind that follows reserves the
@@ -190,6 +193,9 @@ class Binder:
                 self._locks.pop(args.pod_uid, None)
 
     async def _bind_once(self, args: BindingArgs) -> None:
+        done = self._bound_to.get(args.pod_uid)
+        if done is not None and done != args.node:
+            raise BindError(f"pod {args.pod_namespace}/{args.pod_name} is already bound to {done}")
         early = self._reserve_early(args)
         try:
             await self._bind_pod(args, early)
@@ -283,6 +289,9 @@ class Binder:
             reason = getattr(e, "reason", None) or str(e)
             raise BindError(f"binding {ns}/{name} to {node} failed: {reason}") from e
         self.state.pending.pop(args.pod_uid, None)
+        if len(self._bound_to) >= self.MAX_HINTS:
+            self._bound_to.clear()
+        self._bound_to[args.pod_uid] = node
         # The pod is bound: answer kube-scheduler now; the claim phase and the Event follow.
         task = asyncio.create_task(self._after_bind(ns, meta, node, alloc, list(names.values())))
         self._tail.add(task)
