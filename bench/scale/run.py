@@ -133,6 +133,11 @@ class ProcSampler:
                 continue
             self.samples[name].append((t, cpu, rss))
 
+    def add(self, name: str, pid: int) -> None:
+        """Sample one more process from now on (a scheduler restarted during the burst)."""
+        self.samples[name] = []
+        self.pids = {**self.pids, name: pid}
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._sample()
@@ -357,6 +362,8 @@ class Bench:
             if mode == "queued":
                 t_sched_start = time.monotonic()
                 await asyncio.to_thread(self._start_scheduler, gpu)
+                short = sched.replace("kube-scheduler-", "scheduler-")
+                sampler.add(short, self.cluster.components[sched].pid)
             try:
                 await asyncio.wait_for(done.wait(), timeout=self.args.burst_timeout)
                 timed_out = False
@@ -502,6 +509,7 @@ class Bench:
             except TimeoutError:
                 return False
 
+        hist0 = scrape_histogram(self.ext_port)
         await kubeio.create_pod(api, ns, body(0))
         if not await wait_bound("r000", 60):
             raise RuntimeError("requeue: the first pod was never bound")
@@ -520,8 +528,10 @@ class Bench:
             else:
                 misses += 1
         await w.stop()
+        extender = histogram_quantiles(hist0, scrape_histogram(self.ext_port))
         await self.cleanup_namespace(api, ns, True)
-        out = {"trials": trials, "placed": len(samples), "missed_30s": misses,
+        out = {"extender_one_pod_at_a_time": extender, "trials": trials, "placed": len(samples),
+               "missed_30s": misses,
                "wait_before_free_s": self.args.requeue_wait,
                "p50_s": round(pct(samples, 0.5), 3), "p90_s": round(pct(samples, 0.9), 3),
                "p99_s": round(pct(samples, 0.99), 3), "max_s": round(max(samples), 3) if samples else None,
@@ -569,6 +579,22 @@ def machine() -> dict[str, Any]:
         pass
     return {"cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "cpu": cpu,
             "python": platform.python_version(), "kernel": platform.release()}
+
+
+def public_args(argv: list[str]) -> list[str]:
+    """The command line without options that only name local paths (they do not change results)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--run-dir", "--out"):
+            skip = True
+            continue
+        if a.startswith(("--run-dir=", "--out=")) or a == "--keep":
+            continue
+        out.append(a)
+    return out
 
 
 def merge_results(path: Path, nodes: int, record: dict[str, Any]) -> None:
@@ -620,9 +646,10 @@ def main(argv: list[str] | None = None) -> int:
             spy.send_signal(signal.SIGINT)
             spy.wait(60)
         bench.stop()
+    shown = public_args(argv if argv is not None else sys.argv[1:])
     record = {
         "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "python bench/scale/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python bench/scale/run.py " + " ".join(shown),
         "machine": machine(),
         **result,
     }
