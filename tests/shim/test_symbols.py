@@ -50,3 +50,36 @@ def test_ptds_launch_through_getprocaddress_is_gated(box) -> None:
     native = box.json("launch", "ptsz", "1", "20", env=box.env(shim=False))[0]["rate"]
     got = box.json("launch", "ptsz", "1.5", "20", env=box.env(claim((0, 1000, 25))))[0]["rate"]
     assert 0.15 <= got / native <= 0.35
+
+
+GPA = r"""
+import ctypes, json, sys
+cu = ctypes.CDLL("libcuda.so.1")
+shim = ctypes.CDLL(sys.argv[1])
+def gpa(name, ver, flags=0):
+    p, st = ctypes.c_void_p(), ctypes.c_int(-1)
+    rc = cu.cuGetProcAddress_v2(name.encode(), ctypes.byref(p), ver, ctypes.c_ulonglong(flags), ctypes.byref(st))
+    return rc, p.value
+addr = lambda lib, n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
+real = ctypes.CDLL(sys.argv[2])  # the stub itself, by path: its own symbols
+print(json.dumps({
+    "v2_is_hook": gpa("cuMemAlloc", 12000)[1] == addr(shim, "cuMemAlloc_v2"),
+    "v1_is_real": gpa("cuMemAlloc", 3010)[1] == addr(real, "cuMemAlloc"),
+    "ptsz_is_hook": gpa("cuLaunchKernel", 12000, 2)[1] == addr(shim, "cuLaunchKernel_ptsz"),
+    "plain_is_hook": gpa("cuLaunchKernel", 12000, 0)[1] == addr(shim, "cuLaunchKernel"),
+    "unhooked_is_real": gpa("cuDeviceGet", 12000)[1] == addr(real, "cuDeviceGet"),
+    "gpa_is_hook": gpa("cuGetProcAddress", 12000)[1] == addr(shim, "cuGetProcAddress_v2"),
+}))
+"""
+
+
+def test_getprocaddress_honours_version_and_flags(box) -> None:
+    """The ABI the caller asked for: cuMemAlloc at 3010 is the 32-bit v1 entry (never our _v2
+    wrapper); at 12000 our cuMemAlloc_v2; the PTDS flag gives our _ptsz wrapper."""
+    import json
+    import sys
+
+    stub = str(box.kit.stubdir / "libcuda.so.1")
+    out = box.run(sys.executable, "-c", GPA, str(box.kit.lib), stub, env=box.env(claim((0, 100, 0))))
+    assert json.loads(out.stdout) == {k: True for k in ("v2_is_hook", "v1_is_real", "ptsz_is_hook",
+                                                       "plain_is_hook", "unhooked_is_real", "gpa_is_hook")}

@@ -187,6 +187,8 @@ API CUresult cuMemGetInfo_v2(size_t *f, size_t *t)
 }
 
 API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { NEED_CTX(); if (!p) return E_INVALID_VALUE; return phys_alloc(cur_ctx, n, p, 1, 0); }
+/* The CUDA 3.1 ABI (32-bit size): what cuGetProcAddress("cuMemAlloc", 3010) resolves to. */
+API CUresult cuMemAlloc(unsigned *p, unsigned n) { CUdeviceptr d; CUresult rc = cuMemAlloc_v2(&d, n); if (p) *p = (unsigned)d; return rc; }
 API CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned fl) { (void)fl; return cuMemAlloc_v2(p, n); }
 API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned e)
 {
@@ -342,12 +344,17 @@ static CUresult tramp_alloc(CUdeviceptr *p, size_t n) { return cuMemAlloc_v2(p, 
 static CUresult tramp_free(CUdeviceptr p) { return cuMemFree_v2(p); }
 static CUresult tramp_info(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
 
+API CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned long long flags);
+API CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, unsigned long long flags, int *status);
 struct pa { const char *name; const char *exported; int minver; int ptds; void *fn; void *indirect; };
 static const struct pa table[] = {
     {"cuInit", "cuInit", 2000, 0, (void *)cuInit, NULL},
+    {"cuGetProcAddress", "cuGetProcAddress", 11030, 0, (void *)cuGetProcAddress, NULL},
+    {"cuGetProcAddress", "cuGetProcAddress_v2", 12000, 0, (void *)cuGetProcAddress_v2, NULL},
     {"cuDeviceGet", "cuDeviceGet", 2000, 0, (void *)cuDeviceGet, NULL},
     {"cuDeviceGetCount", "cuDeviceGetCount", 2000, 0, (void *)cuDeviceGetCount, NULL},
     {"cuCtxCreate", "cuCtxCreate_v2", 3020, 0, (void *)cuCtxCreate_v2, NULL},
+    {"cuMemAlloc", "cuMemAlloc", 2000, 0, (void *)cuMemAlloc, NULL},
     {"cuMemAlloc", "cuMemAlloc_v2", 3020, 0, (void *)cuMemAlloc_v2, (void *)tramp_alloc},
     {"cuMemFree", "cuMemFree_v2", 3020, 0, (void *)cuMemFree_v2, (void *)tramp_free},
     {"cuMemGetInfo", "cuMemGetInfo_v2", 3020, 0, (void *)cuMemGetInfo_v2, (void *)tramp_info},
