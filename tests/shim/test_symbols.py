@@ -58,7 +58,8 @@ cu = ctypes.CDLL("libcuda.so.1")
 shim = ctypes.CDLL(sys.argv[1])
 def gpa(name, ver, flags=0):
     p, st = ctypes.c_void_p(), ctypes.c_int(-1)
-    rc = cu.cuGetProcAddress_v2(name.encode(), ctypes.byref(p), ver, ctypes.c_ulonglong(flags), ctypes.byref(st))
+    fl = ctypes.c_ulonglong(flags)
+    rc = cu.cuGetProcAddress_v2(name.encode(), ctypes.byref(p), ver, fl, ctypes.byref(st))
     return rc, p.value
 addr = lambda lib, n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
 real = ctypes.CDLL(sys.argv[2])  # the stub itself, by path: its own symbols
