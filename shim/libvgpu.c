@@ -84,13 +84,12 @@ static void do_init(void)
     if (vgpu.cfg.source == VGPU_SRC_NONE)
         return;
     if (vgpu_region_open(&vgpu.region, vgpu.cfg.region_path, &vgpu.cfg) != 0) {
-        vgpu_log(1, "cannot open shared region %s (%m); the quota is per process",
+        /* Without the shared region each process would get the whole quota: fail closed. */
+        vgpu.cfg.broken = 1;
+        snprintf(vgpu.cfg.error, sizeof vgpu.cfg.error, "cannot open the shared region %.200s: %m",
                  vgpu.cfg.region_path);
-        if (vgpu_region_open(&vgpu.region, "", &vgpu.cfg) != 0) {
-            vgpu.cfg.broken = 1;
-            snprintf(vgpu.cfg.error, sizeof vgpu.cfg.error, "no memory for the shared region");
-            return;
-        }
+        vgpu_log(0, "refusing to initialise CUDA: %s", vgpu.cfg.error);
+        return;
     }
     vgpu.limited = 1;
     for (int d = 0; d < vgpu.cfg.ndev; d++)

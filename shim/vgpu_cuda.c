@@ -258,8 +258,10 @@ void vgpu_ensure_slot(void)
     pthread_mutex_lock(&join_mu);
     if (vgpu.region.slot < 0) {
         int32_t pid = (int32_t)getpid();
-        if (vgpu_region_join(&vgpu.region, pid, vgpu_proc_start_time(pid)) < 0)
-            vgpu_log(0, "shared region has no free slot: this process is not counted");
+        static int told;
+        if (vgpu_region_join(&vgpu.region, pid, vgpu_proc_start_time(pid)) < 0 && !told++)
+            vgpu_log(0, "shared region has no free slot (%d processes): allocations are refused",
+                     VGPU_MAX_SLOTS);
     }
     pthread_mutex_unlock(&join_mu);
 }
@@ -274,6 +276,8 @@ static int charge(int d, uint64_t bytes)
         return -1;
     }
     vgpu_ensure_slot();
+    if (vgpu.region.slot < 0)
+        return -1; /* no slot: this process could not be counted, so it gets nothing */
     struct vgpu_region *r = vgpu.region.r;
     uint64_t lim = r->dev[d].limit, used = vgpu_region_used(r, d);
     if (lim)

@@ -64,3 +64,9 @@ def test_exports_and_links() -> None:
     needed = [ln for ln in deps.splitlines() if "NEEDED" in ln]
     assert not [ln for ln in needed if "python" in ln or "cuda" in ln or "nvidia" in ln], needed
     assert b"kvgpu-shim 0.1.0" in LIB.read_bytes()
+
+
+def test_unusable_region_fails_closed(box) -> None:
+    e = box.env(claim((0, 1000, 0)), KVGPU_REGION_DIR=box.dir / "no" / "such" / "dir")
+    p = box.run("info", env=e, check=False)
+    assert p.returncode == 3 and "cannot open the shared region" in p.stderr
