@@ -38,7 +38,7 @@ enum {
     H_POOL, H_POOL_PTSZ, H_FREEASYNC, H_FREEASYNC_PTSZ, H_CREATE, H_RELEASE, H_ARRAY,
     H_ARRAY3D, H_ARRAYDESTROY, H_MIPMAP, H_MIPMAPDESTROY, H_GETINFO, H_TOTALMEM, H_LAUNCH,
     H_LAUNCH_PTSZ, H_LAUNCHEX, H_LAUNCHEX_PTSZ, H_COOP, H_COOP_PTSZ, H_GRAPH, H_GRAPH_PTSZ,
-    H_COUNT
+    H_ALLOC_V1, H_FREE_V1, H_COUNT
 };
 const int vgpu_idx_gpa = H_GPA, vgpu_idx_gpa_v2 = H_GPA2;
 
@@ -422,6 +422,45 @@ VGPU_API CUresult cuMemFree_v2(CUdeviceptr p)
 {
     BROKEN_GUARD();
     CUresult (*real)(CUdeviceptr) = REAL(H_FREE, CUresult(*)(CUdeviceptr));
+    uint64_t size;
+    int d;
+    if (mode() != M_LIMITED || !tab_take(K_PTR, p, &size, &d))
+        return real(p);
+    CUresult rc = real(p);
+    if (rc == CUDA_SUCCESS)
+        uncharge(d, size);
+    else
+        tab_put(K_PTR, p, size, d);
+    return rc;
+}
+
+/* The CUDA < 3.2 ABI (32-bit sizes and pointers), still reachable through cuGetProcAddress
+ * with an old cudaVersion: limited too, so it is no way around the quota. */
+VGPU_API CUresult cuMemAlloc(unsigned *dptr, unsigned size)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(unsigned *, unsigned) = REAL(H_ALLOC_V1, CUresult(*)(unsigned *, unsigned));
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    if (mode() != M_LIMITED)
+        return real(dptr, size);
+    int d = cur_dev();
+    if (charge(d, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(dptr, size);
+    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
+        tab_put(K_PTR, *dptr, size, d);
+    else
+        uncharge(d, size);
+    return rc;
+}
+
+VGPU_API CUresult cuMemFree(unsigned p)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(unsigned) = REAL(H_FREE_V1, CUresult(*)(unsigned));
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
     uint64_t size;
     int d;
     if (mode() != M_LIMITED || !tab_take(K_PTR, p, &size, &d))
@@ -939,5 +978,7 @@ struct vgpu_hook vgpu_cuda_hooks[] = {
     [H_COOP_PTSZ] = HK(cuLaunchCooperativeKernel_ptsz, "cuLaunchCooperativeKernel", 9000, 1),
     [H_GRAPH] = HK(cuGraphLaunch, "cuGraphLaunch", 10000, 0),
     [H_GRAPH_PTSZ] = HK(cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, 1),
+    [H_ALLOC_V1] = HK(cuMemAlloc, "cuMemAlloc", 2000, 0),
+    [H_FREE_V1] = HK(cuMemFree, "cuMemFree", 2000, 0),
 };
 const int vgpu_cuda_nhooks = H_COUNT;

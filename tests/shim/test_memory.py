@@ -19,7 +19,7 @@ import pytest
 from .conftest import MIB, claim, uuid
 
 PATHS = ["alloc", "managed", "pitch", "async", "pool", "vmm", "array", "array3d", "mipmap", "gpa",
-         "gpa_v1", "dlsym"]
+         "gpa_v1", "dlsym", "v1abi"]
 CHUNK = 64 * MIB
 
 

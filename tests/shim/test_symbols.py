@@ -65,7 +65,7 @@ addr = lambda lib, n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
 real = ctypes.CDLL(sys.argv[2])  # the stub itself, by path: its own symbols
 print(json.dumps({
     "v2_is_hook": gpa("cuMemAlloc", 12000)[1] == addr(shim, "cuMemAlloc_v2"),
-    "v1_is_real": gpa("cuMemAlloc", 3010)[1] == addr(real, "cuMemAlloc"),
+    "v1_is_v1_hook": gpa("cuMemAlloc", 3010)[1] == addr(shim, "cuMemAlloc"),
     "ptsz_is_hook": gpa("cuLaunchKernel", 12000, 2)[1] == addr(shim, "cuLaunchKernel_ptsz"),
     "plain_is_hook": gpa("cuLaunchKernel", 12000, 0)[1] == addr(shim, "cuLaunchKernel"),
     "unhooked_is_real": gpa("cuDeviceGet", 12000)[1] == addr(real, "cuDeviceGet"),
@@ -75,12 +75,12 @@ print(json.dumps({
 
 
 def test_getprocaddress_honours_version_and_flags(box) -> None:
-    """The ABI the caller asked for: cuMemAlloc at 3010 is the 32-bit v1 entry (never our _v2
-    wrapper); at 12000 our cuMemAlloc_v2; the PTDS flag gives our _ptsz wrapper."""
+    """The ABI the caller asked for: cuMemAlloc at 3010 is our wrapper of the 32-bit v1 entry
+    (never the _v2 one); at 12000 our cuMemAlloc_v2; the PTDS flag gives our _ptsz wrapper."""
     import json
     import sys
 
     stub = str(box.kit.stubdir / "libcuda.so.1")
     out = box.run(sys.executable, "-c", GPA, str(box.kit.lib), stub, env=box.env(claim((0, 100, 0))))
-    assert json.loads(out.stdout) == {k: True for k in ("v2_is_hook", "v1_is_real", "ptsz_is_hook",
+    assert json.loads(out.stdout) == {k: True for k in ("v2_is_hook", "v1_is_v1_hook", "ptsz_is_hook",
                                                        "plain_is_hook", "unhooked_is_real", "gpa_is_hook")}

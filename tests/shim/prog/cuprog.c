@@ -7,7 +7,7 @@
  *   cuprog info [ordinal]                  memory as the process sees it
  *   cuprog null                            NULL out-pointers to cuMemGetInfo_v2
  *   cuprog fill PATH CHUNK [MAX_N] [HOLD_S] allocate CHUNK bytes until failure (or MAX_N)
- *       PATH: alloc managed pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym
+ *       PATH: alloc managed pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym v1abi
  *   cuprog pitch WIDTH HEIGHT              cuMemAllocPitch_v2: pitch and result
  *   cuprog race CHUNK GO_FILE              wait for GO_FILE, fill with cuMemAlloc, hold 1 s
  *   cuprog launch MODE SECONDS SYNC_EVERY  launch loop; MODE kernel ex coop graph ptsz gpa
@@ -98,7 +98,21 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
     CUdeviceptr p = 0;
     CUresult rc;
     h->kind = 0;
-    if (!strcmp(path, "alloc") || !strcmp(path, "gpa") || !strcmp(path, "gpa_v1") || !strcmp(path, "dlsym")) {
+    if (!strcmp(path, "v1abi")) {
+        /* cuMemAlloc as a CUDA 3.1 runtime would get it: 32-bit size and pointer */
+        static CUresult (*fn)(unsigned *, unsigned);
+        static CUresult (*fr)(unsigned);
+        unsigned p32 = 0;
+        if (!fn) {
+            int st;
+            if ((rc = cuGetProcAddress_v2("cuMemAlloc", (void **)&fn, 3010, 0, &st)) || !fn)
+                return 900 + rc;
+            cuGetProcAddress_v2("cuMemFree", (void **)&fr, 3010, 0, &st);
+        }
+        rc = fn(&p32, (unsigned)chunk);
+        h->kind = 6, h->v = p32;
+        (void)fr;
+    } else if (!strcmp(path, "alloc") || !strcmp(path, "gpa") || !strcmp(path, "gpa_v1") || !strcmp(path, "dlsym")) {
         static CUresult (*fn)(CUdeviceptr *, size_t);
         if (!fn) {
             if (!strcmp(path, "gpa")) {
@@ -173,6 +187,13 @@ static void free_one(struct held *h)
     case 3: cuMemRelease(h->v); break;
     case 4: cuArrayDestroy((CUarray)(uintptr_t)h->v); break;
     case 5: cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h->v); break;
+    case 6: {
+        CUresult (*fr)(unsigned) = NULL;
+        int st;
+        if (!cuGetProcAddress_v2("cuMemFree", (void **)&fr, 3010, 0, &st) && fr)
+            fr((unsigned)h->v);
+        break;
+    }
     }
 }
 

@@ -188,7 +188,17 @@ API CUresult cuMemGetInfo_v2(size_t *f, size_t *t)
 
 API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { NEED_CTX(); if (!p) return E_INVALID_VALUE; return phys_alloc(cur_ctx, n, p, 1, 0); }
 /* The CUDA 3.1 ABI (32-bit size): what cuGetProcAddress("cuMemAlloc", 3010) resolves to. */
-API CUresult cuMemAlloc(unsigned *p, unsigned n) { CUdeviceptr d; CUresult rc = cuMemAlloc_v2(&d, n); if (p) *p = (unsigned)d; return rc; }
+API CUresult cuMemAlloc(unsigned *p, unsigned n)
+{
+    static unsigned next = 0x10000000u;
+    NEED_CTX();
+    if (!p) return E_INVALID_VALUE;
+    unsigned long long a = next;
+    CUresult rc = phys_alloc(cur_ctx, n, &a, 1, next);
+    if (rc == OK) { *p = (unsigned)a; next += (n + (2u << 20) - 1) & ~((2u << 20) - 1); }
+    return rc;
+}
+API CUresult cuMemFree(unsigned p) { return cuMemFree_v2(p); }
 API CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned fl) { (void)fl; return cuMemAlloc_v2(p, n); }
 API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned e)
 {
@@ -356,6 +366,7 @@ static const struct pa table[] = {
     {"cuCtxCreate", "cuCtxCreate_v2", 3020, 0, (void *)cuCtxCreate_v2, NULL},
     {"cuMemAlloc", "cuMemAlloc", 2000, 0, (void *)cuMemAlloc, NULL},
     {"cuMemAlloc", "cuMemAlloc_v2", 3020, 0, (void *)cuMemAlloc_v2, (void *)tramp_alloc},
+    {"cuMemFree", "cuMemFree", 2000, 0, (void *)cuMemFree, NULL},
     {"cuMemFree", "cuMemFree_v2", 3020, 0, (void *)cuMemFree_v2, (void *)tramp_free},
     {"cuMemGetInfo", "cuMemGetInfo_v2", 3020, 0, (void *)cuMemGetInfo_v2, (void *)tramp_info},
     {"cuMemAllocAsync", "cuMemAllocAsync", 11020, 0, (void *)cuMemAllocAsync, NULL},
