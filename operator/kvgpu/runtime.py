@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,13 @@ class OperatorConfig:
     flush_interval_s: float = 0.5
     orphan_grace_s: float = 30.0
     ready_file: str | None = None  # written with the extender URL once ready
+    # Leader election on a Lease: every replica watches (a warm standby), only the leader
+    # answers the extender, reports ready and writes. Losing the lease ends the process.
+    leader_elect: bool = False
+    lease_namespace: str = "kvgpu-system"
+    lease_name: str = "kvgpu-operator"
+    identity: str = ""  # default: host name + PID
+    lease_duration_s: int = 15
 
 
 @dataclass
@@ -75,6 +83,7 @@ class Runtime:
     _claim_phase: dict[str, str] = field(default_factory=dict)
     _topology: dict[str, tuple[int, int, frozenset[str]]] | None = None
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+    active: bool = True  # False on a standby replica (leader election)
 
     # ----- start / stop ------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -85,9 +94,9 @@ class Runtime:
             config.load_incluster_config(client_configuration=cfgobj)
         cfgobj.connection_pool_maxsize = 64
         self.api = client.ApiClient(configuration=cfgobj)
-        t0 = time.perf_counter()
-        await self.rebuild()
-        self.metrics.ledger_rebuild.set(time.perf_counter() - t0)
+        self.active = not self.cfg.leader_elect
+        if self.active:
+            await self.rebuild()
         self.extender = Extender(self.state, self.api, self.metrics)
         self._runner = web.AppRunner(self.extender.app(), access_log=None)
         await self._runner.setup()
@@ -102,12 +111,57 @@ class Runtime:
             asyncio.create_task(self._loop(self.sweep, self.cfg.sweep_interval_s), name="kvgpu-sweep"),
             asyncio.create_task(self._requeue_loop(), name="kvgpu-requeue"),
         ]
+        if self.active:
+            self._became_ready()
+        else:
+            self._tasks.append(asyncio.create_task(self._elect(), name="kvgpu-election"))
+            log.info("standby: waiting for the lease", lease=f"{self.cfg.lease_namespace}/{self.cfg.lease_name}")
+
+    def _became_ready(self) -> None:
         self.ready_event.set()
         if self.cfg.ready_file:
             Path(self.cfg.ready_file).write_text(
                 f"http://{self.cfg.extender_host}:{self.extender_port}/scheduler\n")
         log.info("operator ready", extender=f"http://{self.cfg.extender_host}:{self.extender_port}/scheduler",
                  nodes=len(self.state.nodes), claims=len(self.state.ledger.reservations()))
+
+    async def _elect(self) -> None:
+        """Run for the Lease (kubernetes_asyncio.leaderelection). On winning: rebuild the ledger
+        from the claims, then serve. On losing it: stop the process (a fresh start is the only
+        safe way back to standby; the Deployment/StatefulSet restarts it)."""
+        import socket
+
+        from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
+        from kubernetes_asyncio.leaderelection.resourcelock.leaselock import LeaseLock
+
+        identity = self.cfg.identity or f"{socket.gethostname()}-{os.getpid()}"
+        lock = LeaseLock(self.cfg.lease_name, self.cfg.lease_namespace, identity, self.api)
+        d = int(self.cfg.lease_duration_s)  # the lock stores it as an integer string
+        cfg = electionconfig.Config(lock, lease_duration=d, renew_deadline=d * 2 / 3, retry_period=d / 7,
+                                    onstarted_leading=self._lead, onstopped_leading=self._lost)
+        try:
+            await leaderelection.LeaderElection(cfg).run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("leader election failed: stopping")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    async def _lead(self) -> None:
+        log.info("won the lease: rebuilding the ledger", identity=self.cfg.identity or os.getpid())
+        await self.rebuild()
+        self.active = True
+        self.pools_dirty = True
+        self._became_ready()
+        await asyncio.Event().wait()  # lead until cancelled (lease lost)
+
+    async def _lost(self) -> None:
+        was = self.active
+        self.active = False
+        self.state.ready = False
+        if was:
+            log.error("lost the lease: stopping so a fresh process can stand by")
+            os.kill(os.getpid(), signal.SIGTERM)
 
     async def cleanup(self) -> None:
         for t in self._tasks:
@@ -121,6 +175,7 @@ class Runtime:
             await self.api.close()
 
     async def rebuild(self) -> None:
+        t0 = time.perf_counter()
         nodes, pools, claims = await asyncio.gather(
             kube.list_all(self.api, "nodes"), kube.list_all(self.api, "vgpupools"),
             kube.list_all(self.api, "vgpuclaims"))
@@ -128,6 +183,7 @@ class Runtime:
         for p in problems + self.state.ledger.problems():
             log.warning("rebuild problem", problem=p)
         self.state.ready = True
+        self.metrics.ledger_rebuild.set(time.perf_counter() - t0)
 
     async def apply_dev_webhooks(self) -> None:
         from kvgpu.admission.config import webhook_configurations
@@ -155,6 +211,8 @@ class Runtime:
 
     # ----- pods and claims ---------------------------------------------------------------------
     async def on_pod(self, etype: str | None, pod: dict[str, Any]) -> None:
+        if not self.active:
+            return  # a standby rebuilds from the claims when it takes over
         meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
         uid, ns, name = meta["uid"], meta["namespace"], meta["name"]
         phase = status.get("phase")
@@ -188,6 +246,8 @@ class Runtime:
                 self._claim_phase.pop(key, None)
 
     def on_claim_deleted(self, claim: dict[str, Any]) -> None:
+        if not self.active:
+            return
         try:
             key, alloc = allocation_from_claim(claim)
         except (KeyError, ValueError, TypeError):
@@ -206,7 +266,8 @@ class Runtime:
     async def _loop(self, fn: Any, interval: float) -> None:
         while True:
             try:
-                await fn()
+                if self.active:
+                    await fn()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -347,6 +408,8 @@ class Runtime:
             await self._nudge.wait()
             await asyncio.sleep(0.05)  # coalesce bursts of releases
             self._nudge.clear()
+            if not self.active:
+                continue
             stamp = f"{time.time():.3f}"
             for uid, (ns, name) in list(self.state.pending.items()):
                 try:

@@ -20,8 +20,8 @@ from kvgpu.devcluster import Cluster
 from kvgpu.extender.schedconfig import scheduler_configuration
 
 EXPECTED = {
-    "Namespace": 1, "CustomResourceDefinition": 3, "ClusterKopfPeering": 1,
-    "ServiceAccount": 3, "ClusterRole": 3, "ClusterRoleBinding": 3, "Role": 1, "RoleBinding": 2,
+    "Namespace": 1, "CustomResourceDefinition": 2,
+    "ServiceAccount": 3, "ClusterRole": 3, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
     "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
 }
@@ -95,7 +95,7 @@ def test_default_install_dry_runs_on_the_server(cluster: Cluster, stand_in_cert_
     assert Counter(i["kind"] for i in items) == Counter(d["kind"] for d in rest)
     # Defaults filled in by the server show the objects went through admission and schema.
     sts = next(i for i in items if i["kind"] == "StatefulSet")
-    assert sts["spec"]["template"]["spec"]["containers"][0]["env"][0]["name"] == "POD_INDEX"
+    assert sts["spec"]["template"]["spec"]["containers"][0]["env"][0]["name"] == "POD_NAME"
     assert sts["spec"]["revisionHistoryLimit"] == 10
 
 
@@ -118,7 +118,8 @@ ALLOWED = [
     ("kvgpu-operator", "patch", "kvgpu.io", "vgpuclaims", "status", "team"),
     ("kvgpu-operator", "watch", "kvgpu.io", "vgpupools", "", ""),
     ("kvgpu-operator", "patch", "kvgpu.io", "vgpupools", "status", ""),
-    ("kvgpu-operator", "patch", "kopf.dev", "clusterkopfpeerings", "", ""),
+    ("kvgpu-operator", "create", "coordination.k8s.io", "leases", "", "kvgpu-system"),
+    ("kvgpu-operator", "update", "coordination.k8s.io", "leases", "", "kvgpu-system", "kvgpu-operator"),
     ("kvgpu-agent", "patch", "", "nodes", "", ""),
     ("kvgpu-agent", "watch", "", "nodes", "", ""),
     ("kvgpu-agent", "watch", "", "pods", "", ""),
@@ -134,6 +135,7 @@ ALLOWED = [
 DENIED = [
     ("kvgpu-operator", "delete", "", "pods", "", "team"),
     ("kvgpu-operator", "get", "", "secrets", "", "kvgpu-system"),
+    ("kvgpu-operator", "update", "coordination.k8s.io", "leases", "", "kube-system", "kvgpu-operator"),
     ("kvgpu-operator", "update", "kvgpu.io", "vgpupools", "", ""),
     ("kvgpu-operator", "create", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", ""),
     ("kvgpu-agent", "patch", "", "pods", "", "team"),
@@ -268,13 +270,6 @@ def _sa_kubeconfig(cluster: Cluster, account: str, path: Path) -> Path:
     return path
 
 
-def _fresh_peering(cluster: Cluster) -> None:
-    """The ClusterKopfPeering "kvgpu" with no peers left from earlier operators."""
-    cluster.kubectl("delete", "clusterkopfpeering", "kvgpu", "--ignore-not-found", "--wait=true")
-    peering = next(d for d in _render(cluster, "manifests/base") if d["kind"] == "ClusterKopfPeering")
-    cluster.kubectl("apply", "--server-side", "-f", "-", input=_as_list([peering]))
-
-
 def _stop(proc: Any) -> None:
     import subprocess
 
@@ -290,7 +285,7 @@ def _stop(proc: Any) -> None:
 def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, tmp_path: Path) -> None:
     """The session's operator and kvgpu kube-scheduler (both with broad identities) are replaced
     for this test by ones authenticated as the kvgpu-operator and kvgpu-scheduler
-    ServiceAccounts with the manifests' roles: the operator in peering mode as in the
+    ServiceAccounts with the manifests' roles: the operator with leader election as in the
     StatefulSet, the scheduler with the generated ConfigMap's configuration (leader election on,
     only the extender URL pointed at the local operator). A pod is admitted, scheduled, bound,
     claimed, followed to Running and released, with no request refused in either log. The
@@ -302,9 +297,6 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
     cluster, system = gpu.cluster, gpu.system
     crds = _render(cluster, "manifests/crds")
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(crds))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/clusterkopfpeerings.kopf.dev",
-                    "--timeout=60s")
-    _fresh_peering(cluster)
     kubeconfig = _sa_kubeconfig(cluster, "kvgpu-operator", tmp_path / "operator.kubeconfig")
     pki = cluster.run_dir / "pki"
     ready, log = tmp_path / "ready", tmp_path / "operator.log"
@@ -312,7 +304,8 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
             f"--extender-address=127.0.0.1:{system.extender_port}", f"--webhook-port={system.webhook_port}",
             "--webhook-host=127.0.0.1", f"--webhook-cert={pki / 'webhook.crt'}",
             f"--webhook-key={pki / 'webhook.key'}", f"--operator-username={SA}kvgpu-operator",
-            "--exclude-namespace=kvgpu-system", "--peering", "--priority=1", f"--ready-file={ready}"]
+            "--exclude-namespace=kvgpu-system", "--leader-elect", "--lease-namespace=kvgpu-system",
+            f"--ready-file={ready}"]
     sched_cfg = yaml.safe_load(next(d for d in _render(cluster, "manifests/base")
                                     if d["kind"] == "ConfigMap")["data"]["config.yaml"])
     sched_cfg["extenders"][0]["urlPrefix"] = f"http://127.0.0.1:{system.extender_port}/scheduler"
@@ -337,7 +330,7 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
 
         [node] = gpu.nodes(1, cards=2)
         gpu.create(gpu.pod("seed", {"kvgpu.io/gpumem": "3000", "kvgpu.io/gpucores": "30"}))
-        pod = gpu.wait_bound("seed", timeout=90)  # peering: the operator starts handling after its keepalive
+        pod = gpu.wait_bound("seed", timeout=90)  # the operator first takes its Lease
         assert pod["spec"]["nodeName"] == node and pod["spec"]["schedulerName"] == "kvgpu-scheduler"
         [claim] = gpu.claims()
         assert claim["spec"]["devices"][0]["memory"] == 3000
@@ -355,8 +348,9 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
         gpu.wait(lambda: not gpu.claims(), 30, "claim removed with its pod")
         text = log.read_text(errors="replace")
         assert "403" not in text and "forbidden" not in text.lower(), text[-3000:]
-        status = json.loads(cluster.kubectl("get", "clusterkopfpeering", "kvgpu", "-o", "json").stdout)
-        assert status.get("status"), "the operator kept alive in the peering"
+        op_lease = json.loads(cluster.kubectl("get", "lease", "kvgpu-operator", "-n", "kvgpu-system",
+                                              "-o", "json").stdout)
+        assert op_lease["spec"]["holderIdentity"], "the operator holds its Lease"
         lease = json.loads(cluster.kubectl("get", "lease", "kvgpu-scheduler", "-n", "kvgpu-system",
                                            "-o", "json").stdout)
         assert lease["spec"]["holderIdentity"]
@@ -375,11 +369,12 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
                         check=False)
 
 
-@pytest.mark.xfail(strict=True, reason="operator: a replica paused by Kopf peering still reports ready "
-                   "and serves the extender (see manifests/README.md, known limitation)")
-def test_standby_operator_is_not_ready(kvgpu_system: Any, rbac: Any, tmp_path: Path) -> None:
-    """Two replicas as the StatefulSet runs them (peering, distinct priorities): the paused one
-    must answer /readyz with 503, so the extender Service routes only to the active one."""
+def test_standby_operator_is_not_ready_and_takes_over(kvgpu_system: Any, rbac: Any, tmp_path: Path) -> None:
+    """Two replicas as the StatefulSet runs them (--leader-elect, the operator's own
+    ServiceAccount): only the Lease holder answers /readyz with 200 (the Services route to ready
+    pods only), the standby answers 503; when the leader dies, the standby takes over."""
+    import os
+    import signal
     import subprocess
     import sys
     import time
@@ -389,11 +384,6 @@ def test_standby_operator_is_not_ready(kvgpu_system: Any, rbac: Any, tmp_path: P
     from kvgpu.devcluster.cluster import free_port
 
     cluster, system = kvgpu_system.cluster, kvgpu_system
-    crds = _render(cluster, "manifests/crds")
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(crds))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/clusterkopfpeerings.kopf.dev",
-                    "--timeout=60s")
-    _fresh_peering(cluster)
     kubeconfig = _sa_kubeconfig(cluster, "kvgpu-operator", tmp_path / "operator.kubeconfig")
     ports = {0: free_port(), 1: free_port()}
 
@@ -406,37 +396,38 @@ def test_standby_operator_is_not_ready(kvgpu_system: Any, rbac: Any, tmp_path: P
         except OSError:
             return 0
 
+    def wait_for(cond: Any, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return True
+            time.sleep(0.2)
+        return False
+
     system.stop_operator()
-    procs: list[Any] = []
+    procs: dict[int, Any] = {}
     try:
         for ordinal, port in ports.items():
             with (tmp_path / f"op{ordinal}.log").open("wb") as out:
-                procs.append(subprocess.Popen(
+                procs[ordinal] = subprocess.Popen(
                     [sys.executable, "-m", "kvgpu.cli.main", "operator", f"--kubeconfig={kubeconfig}",
-                     f"--extender-address=127.0.0.1:{port}", "--peering", f"--priority={ordinal}"],
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            st = json.loads(cluster.kubectl("get", "clusterkopfpeering", "kvgpu", "-o", "json").stdout)
-            if len(st.get("status") or {}) >= 2 and readyz(ports[1]) == 200:
-                break
-            time.sleep(0.5)
-        else:
-            raise AssertionError("both replicas did not join the peering")
-        def paused() -> bool:
-            return "Pausing operations" in (tmp_path / "op0.log").read_text(errors="replace")
-
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not paused():
-            time.sleep(0.5)
-        if not paused():
-            status = cluster.kubectl("get", "clusterkopfpeering", "kvgpu", "-o", "yaml").stdout
-            raise AssertionError("ordinal 0 did not pause:\n" + status + "\n"
-                                 + (tmp_path / "op0.log").read_text(errors="replace")[-3000:])
-        assert readyz(ports[1]) == 200, "the active replica is ready"
-        assert readyz(ports[0]) == 503, "the standby replica must not be ready"
+                     f"--extender-address=127.0.0.1:{port}", "--leader-elect", "--lease-namespace=kvgpu-system",
+                     f"--identity=kvgpu-operator-{ordinal}"],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        assert wait_for(lambda: sorted(readyz(p) for p in ports.values()) == [200, 503], 60), (
+            {o: readyz(p) for o, p in ports.items()},
+            (tmp_path / "op0.log").read_text(errors="replace")[-2000:],
+            (tmp_path / "op1.log").read_text(errors="replace")[-2000:])
+        leader = next(o for o, p in ports.items() if readyz(p) == 200)
+        standby = 1 - leader
+        os.kill(procs[leader].pid, signal.SIGKILL)  # a crash: the lease is not released
+        procs[leader].wait(10)
+        t0 = time.monotonic()
+        assert wait_for(lambda: readyz(ports[standby]) == 200, 60), (
+            (tmp_path / f"op{standby}.log").read_text(errors="replace")[-3000:])
+        print(f"standby took over {time.monotonic() - t0:.1f} s after the leader was killed")
     finally:
-        for p in procs:
+        for p in procs.values():
             _stop(p)
         time.sleep(0.5)
         system.start_operator()

@@ -49,7 +49,6 @@ def test_crd_copies_cover_every_crd() -> None:
     names = {p.name for p in (ROOT / "crds").glob("*.yaml")}
     listed = yaml.safe_load((MANIFESTS / "crds" / "kustomization.yaml").read_text())["resources"]
     assert names <= set(listed)
-    assert "kopf.dev_clusterkopfpeerings.yaml" in listed
 
 
 def test_rbac_has_no_wildcards_and_one_account_per_component() -> None:
@@ -84,7 +83,9 @@ def test_operator_role_covers_its_calls() -> None:
     assert {"create", "delete", "list", "watch", "get"} <= _verbs(role, "kvgpu.io", "vgpuclaims")
     assert _verbs(role, "kvgpu.io", "vgpuclaims/status") == {"patch"}
     assert _verbs(role, "kvgpu.io", "vgpupools/status") == {"patch"}
-    assert {"get", "list", "watch", "patch"} <= _verbs(role, "kopf.dev", "clusterkopfpeerings")
+    lease = _one(_docs("base"), "Role", "kvgpu-operator-lease")
+    assert any(r.get("resourceNames") == ["kvgpu-operator"] and set(r["verbs"]) == {"get", "update"}
+               for r in lease["rules"])
     assert _verbs(role, "", "events") == {"create"}
     # The operator never deletes pods nor writes nodes' spec/status or webhook configurations.
     assert "delete" not in _verbs(role, "", "pods")
@@ -148,23 +149,19 @@ def _expand(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
 
 
-def test_operator_arguments_parse_and_priorities_differ() -> None:
+def test_operator_arguments_parse_and_elect_a_leader() -> None:
     from kvgpu.cli.main import main
 
     sts = _one(_docs("base"), "StatefulSet", "kvgpu-operator")
     assert sts["spec"]["replicas"] == 2
     [c] = sts["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e for e in c["env"]}
-    assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['apps.kubernetes.io/pod-index']"
-    priorities = set()
-    for ordinal in range(sts["spec"]["replicas"]):
-        args = _expand(c["args"], {"POD_INDEX": str(ordinal)})
-        assert args[0] == "operator"
-        ctx = main.commands["operator"].make_context("operator", _strip_paths(args[1:]))
-        assert ctx.params["peering"] is True
-        priorities.add(ctx.params["priority"])
-    assert len(priorities) == 2, "Kopf peering freezes replicas of equal priority"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    args = _expand(c["args"], {"POD_NAME": "kvgpu-operator-0"})
+    assert args[0] == "operator"
+    ctx = main.commands["operator"].make_context("operator", _strip_paths(args[1:]))
+    assert ctx.params["leader_elect"] is True and ctx.params["peering"] is False
+    assert ctx.params["lease_namespace"] == "kvgpu-system"
 
 
 def _strip_paths(args: list[str]) -> list[str]:

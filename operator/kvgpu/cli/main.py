@@ -46,15 +46,22 @@ def main() -> None:
               help="user names allowed to write kvgpu.io allocation annotations (repeatable)")
 @click.option("--exclude-namespace", "exclude_namespaces", multiple=True,
               help="namespaces the webhooks never see (kube-system always)")
+@click.option("--leader-elect", is_flag=True,
+              help="several replicas: the holder of a Lease serves, the others stand by (warm) and take over")
+@click.option("--lease-namespace", default="kvgpu-system", show_default=True, help="namespace of the Lease")
+@click.option("--lease-name", default="kvgpu-operator", show_default=True, help="name of the Lease")
+@click.option("--identity", envvar="POD_NAME", default="",
+              help="this replica's name in the Lease (env POD_NAME; default host name + PID)")
 @click.option("--peering/--standalone", default=False, show_default=True,
-              help="Kopf peering (one active replica, the others on standby)")
+              help="Kopf peering instead of --leader-elect (Kopf pauses watching only; prefer --leader-elect)")
 @click.option("--priority", type=int, default=0, help="peering priority of this replica (distinct per replica)")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="write the extender URL here once the ledger is rebuilt")
 def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: int | None, webhook_host: str,
                  webhook_cert: str | None, webhook_key: str | None, webhook_ca: str | None, dev_webhooks: bool,
-                 operator_usernames: tuple[str, ...], exclude_namespaces: tuple[str, ...], peering: bool,
-                 priority: int, ready_file: str | None) -> None:
+                 operator_usernames: tuple[str, ...], exclude_namespaces: tuple[str, ...], leader_elect: bool,
+                 lease_namespace: str, lease_name: str, identity: str, peering: bool, priority: int,
+                 ready_file: str | None) -> None:
     """Run the operator: scheduler extender, admission webhooks and reconcilers."""
     from kvgpu.logs import configure_logging
     from kvgpu.runtime import OperatorConfig, run
@@ -67,7 +74,8 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: in
         webhook_host=webhook_host, webhook_cert=webhook_cert, webhook_key=webhook_key, webhook_ca=webhook_ca,
         dev_webhook_configurations=dev_webhooks, operator_usernames=operator_usernames,
         exclude_namespaces=exclude_namespaces, standalone=not peering, priority=priority,
-        ready_file=ready_file)
+        ready_file=ready_file, leader_elect=leader_elect, lease_namespace=lease_namespace, lease_name=lease_name,
+        identity=identity)
     configure_logging()
     asyncio.run(run(cfg))
 

@@ -25,6 +25,7 @@ from kvgpu.reconcile.state import OperatorState
 
 log = structlog.get_logger("kvgpu.extender")
 MAX_BODY = 64 * 1024 * 1024
+NOT_READY = "kvgpu operator not ready: starting (ledger not rebuilt yet) or a standby replica"
 
 
 class Extender:
@@ -62,7 +63,7 @@ class Extender:
             return web.json_response({"error": str(e)})
         try:
             if not self.state.ready:
-                return web.json_response(filter_result(args, [], {}, "kvgpu operator is starting: ledger not rebuilt yet"))
+                return web.json_response(filter_result(args, [], {}, NOT_READY))
             try:
                 req = parse_pod(args.pod, self.state.default_pool_spec())
             except RequestError as e:
@@ -118,7 +119,7 @@ class Extender:
         except ProtocolError as e:
             return web.json_response({"error": str(e)})
         if not self.state.ready:
-            return web.json_response({"error": "kvgpu operator is starting: ledger not rebuilt yet"})
+            return web.json_response({"error": NOT_READY})
         err = await self.binder.bind(args)
         if not err:
             self.metrics.binds.inc()
