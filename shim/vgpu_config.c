@@ -8,7 +8,10 @@
  *   v1;claim=<ns>/<name>;priority=<0|1>;dev=<UUID>,<memory MiB>,<cores %>[;dev=...]
  *
  * Precedence (first that is present wins; "present" = the variable is set, even empty):
- *   CUDA_DISABLE_CONTROL=true  -> shim inert
+ *   CUDA_DISABLE_CONTROL=true  -> shim inert, but only when no kvgpu claim is present
+ *                                 (KVGPU_CLAIM / KVGPU_CLAIM_FILE): an image's ENV must not lift
+ *                                 limits the operator granted; likewise
+ *                                 GPU_CORE_UTILIZATION_POLICY=disable is ignored under a claim
  *   KVGPU_CLAIM_FILE (file exists) -> claim string from the file
  *   KVGPU_CLAIM                -> claim string from the env
  *   CUDA_DEVICE_MEMORY_LIMIT[_i] / CUDA_DEVICE_SM_LIMIT[_i] -> HAMi-core index mode
@@ -305,10 +308,16 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
         snprintf(cfg->region_path, sizeof cfg->region_path, "%s/vgpu.region", v);
     else if ((v = get("CUDA_DEVICE_MEMORY_SHARED_CACHE", ctx)) && v[0])
         snprintf(cfg->region_path, sizeof cfg->region_path, "%s", v);
+    const char *claim_env = get("KVGPU_CLAIM", ctx), *claim_file = get("KVGPU_CLAIM_FILE", ctx);
+    int kvgpu_claim = claim_env != NULL || (claim_file && claim_file[0]);
     if (env_true(get("CUDA_DISABLE_CONTROL", ctx))) {
-        cfg->disabled = 1;
-        return;
+        if (!kvgpu_claim) {
+            cfg->disabled = 1;
+            return;
+        }
     }
+    if (kvgpu_claim && cfg->policy == VGPU_POLICY_DISABLE)
+        cfg->policy = VGPU_POLICY_DEFAULT; /* a claim's core limit is not the image's to lift */
 
     static char buf[8192];
     const char *text = NULL;

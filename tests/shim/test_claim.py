@@ -166,6 +166,13 @@ def test_hami_env_contract(core) -> None:
 
 
 def test_disable_control_and_nothing(core) -> None:
-    assert load(core, {"CUDA_DISABLE_CONTROL": "true", "KVGPU_CLAIM": "junk"}).disabled == 1
+    # HAMi-core's switch works for HAMi-style limits ...
+    assert load(core, {"CUDA_DISABLE_CONTROL": "true", "CUDA_DEVICE_MEMORY_LIMIT": "1g"}).disabled == 1
+    # ... but cannot lift a kvgpu claim (an image ENV could set it): the claim is still parsed.
+    cfg = load(core, {"CUDA_DISABLE_CONTROL": "true", "KVGPU_CLAIM": "junk"})
+    assert cfg.disabled == 0 and cfg.broken
+    good = "v1;claim=ns/x;priority=1;dev=GPU-1,100,30"
+    cfg = load(core, {"GPU_CORE_UTILIZATION_POLICY": "disable", "KVGPU_CLAIM": good})
+    assert cfg.disabled == 0 and not cfg.broken and cfg.policy != 2 and cfg.dev[0].cores == 30
     cfg = load(core, {})
     assert cfg.source == 0 and not cfg.broken

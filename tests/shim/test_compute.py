@@ -146,8 +146,12 @@ def test_no_limit_no_throttle(stub2ms) -> None:
     box = stub2ms
     native = rate(box, box.env(shim=False), secs=1.0)
     assert rate(box, box.env(claim((0, 1000, 0))), secs=1.0) >= 0.9 * native
-    off = box.env(claim((0, 1000, 30)), GPU_CORE_UTILIZATION_POLICY="disable")
+    # HAMi-core's policy switch lifts HAMi-style limits ...
+    off = box.env(CUDA_DEVICE_SM_LIMIT="30", GPU_CORE_UTILIZATION_POLICY="disable")
     assert rate(box, off, secs=1.0) >= 0.9 * native
+    # ... but not a kvgpu claim's (an image ENV must not lift what the operator granted).
+    kept = box.env(claim((0, 1000, 30)), GPU_CORE_UTILIZATION_POLICY="disable")
+    assert rate(box, kept, secs=1.0) <= 0.6 * native
 
 
 

@@ -40,9 +40,9 @@ def test_broken_claim_file_fails_closed_even_with_good_env(box) -> None:
     assert p.returncode == 3 and "cores 0..100" in p.stderr
 
 
-def test_disable_control_passes_through(box) -> None:
+def test_disable_control_cannot_lift_a_claim(box) -> None:
     e = box.env(claim((0, 100, 0)), CUDA_DISABLE_CONTROL="true")
-    assert box.json("info", env=e)[0]["total"] == 4096 * 1024 * 1024
+    assert box.json("info", env=e)[0]["total"] == 100 * 1024 * 1024
 
 
 def test_processes_without_cuda_pay_nothing(box) -> None:
