@@ -72,9 +72,13 @@ def test_injected_env_reads_the_allocation_annotations() -> None:
     assert ref[keys.ENV_VISIBLE] == f"metadata.annotations['{keys.devices_annotation('main')}']"
     assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/main"
     assert env[keys.ENV_REGION_DIR]["value"] == keys.CONTAINER_REGION_DIR
+    assert env[keys.ENV_SCHED_DIR]["value"] == keys.CONTAINER_SCHED_DIR
     mounts = {x["mountPath"]: x for x in m.injected_mounts("main")}
     assert mounts[keys.CONTAINER_REGION_DIR]["subPathExpr"] == "$(KVGPU_POD_UID)/main"
-    assert all(x.get("readOnly") for p, x in mounts.items() if p != keys.CONTAINER_REGION_DIR)
+    # Writable: the container's own region, and the node-wide compute schedule directory.
+    writable = {keys.CONTAINER_REGION_DIR, keys.CONTAINER_SCHED_DIR}
+    assert all(x.get("readOnly") for p, x in mounts.items() if p not in writable)
+    assert not any(x.get("readOnly") for p, x in mounts.items() if p in writable)
 
 
 def test_long_container_names_use_the_hashed_key() -> None:

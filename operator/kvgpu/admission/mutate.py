@@ -40,7 +40,8 @@ VOLUME_SHIM = "kvgpu-shim"
 VOLUME_PRELOAD = "kvgpu-preload"
 VOLUME_REGION = "kvgpu-region"
 VOLUME_CLAIMS = "kvgpu-claims"
-RESERVED_VOLUMES = (VOLUME_SHIM, VOLUME_PRELOAD, VOLUME_REGION, VOLUME_CLAIMS)
+VOLUME_SCHED = "kvgpu-sched"
+RESERVED_VOLUMES = (VOLUME_SHIM, VOLUME_PRELOAD, VOLUME_REGION, VOLUME_CLAIMS, VOLUME_SCHED)
 PRELOAD_MOUNT = "/etc/ld.so.preload"
 NO_DEVICES = "none"
 
@@ -74,6 +75,7 @@ def injected_env(container: str) -> list[dict[str, Any]]:
         {"name": keys.ENV_VISIBLE, **_field_ref(annotation_field_path(keys.devices_annotation(container)))},
         {"name": keys.ENV_CLAIM_FILE, "value": claim_file(container)},
         {"name": keys.ENV_REGION_DIR, "value": keys.CONTAINER_REGION_DIR},
+        {"name": keys.ENV_SCHED_DIR, "value": keys.CONTAINER_SCHED_DIR},
     ]
 
 
@@ -89,6 +91,8 @@ def injected_mounts(container: str) -> list[dict[str, Any]]:
         {"name": VOLUME_REGION, "mountPath": keys.CONTAINER_REGION_DIR,
          "subPathExpr": region_sub_path_expr(container)},
         {"name": VOLUME_CLAIMS, "mountPath": keys.CONTAINER_CLAIM_DIR, "readOnly": True},
+        # Node-wide: co-tenants of a card coordinate their compute windows through it.
+        {"name": VOLUME_SCHED, "mountPath": keys.CONTAINER_SCHED_DIR},
     ]
 
 
@@ -104,6 +108,7 @@ def injected_volumes(containers: Iterable[str]) -> list[dict[str, Any]]:
         {"name": VOLUME_PRELOAD, "hostPath": {"path": keys.HOST_PRELOAD_FILE, "type": "File"}},
         {"name": VOLUME_REGION, "hostPath": {"path": keys.HOST_REGION_ROOT, "type": "DirectoryOrCreate"}},
         {"name": VOLUME_CLAIMS, "downwardAPI": {"defaultMode": 0o444, "items": items}},
+        {"name": VOLUME_SCHED, "hostPath": {"path": keys.HOST_SCHED_DIR, "type": "DirectoryOrCreate"}},
     ]
 
 

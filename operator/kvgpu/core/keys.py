@@ -36,12 +36,14 @@ ENV_CLAIM = "KVGPU_CLAIM"
 ENV_CLAIM_FILE = "KVGPU_CLAIM_FILE"
 ENV_REGION_DIR = "KVGPU_REGION_DIR"
 ENV_POD_UID = "KVGPU_POD_UID"
+ENV_SCHED_DIR = "KVGPU_SCHED_DIR"  # node-wide compute schedule files, one per card (co-tenants)
 ENV_VISIBLE = "NVIDIA_VISIBLE_DEVICES"
 RESERVED_ENV = (
     ENV_CLAIM,
     ENV_CLAIM_FILE,
     ENV_REGION_DIR,
     ENV_POD_UID,
+    ENV_SCHED_DIR,
     ENV_VISIBLE,
     "LD_PRELOAD",
     "CUDA_DEVICE_MEMORY_LIMIT",
@@ -54,9 +56,11 @@ RESERVED_ENV = (
 HOST_SHIM_DIR = "/usr/local/kvgpu/lib"
 HOST_PRELOAD_FILE = "/usr/local/kvgpu/ld.so.preload"
 HOST_REGION_ROOT = "/var/lib/kvgpu/containers"
+HOST_SCHED_DIR = "/var/lib/kvgpu/sched"
 CONTAINER_SHIM_DIR = "/usr/local/kvgpu/lib"
 CONTAINER_SHIM_LIB = f"{CONTAINER_SHIM_DIR}/libvgpu.so"
 CONTAINER_REGION_DIR = "/var/run/kvgpu"
+CONTAINER_SCHED_DIR = "/var/run/kvgpu-sched"
 CONTAINER_CLAIM_DIR = "/etc/kvgpu"
 CONTAINER_CLAIM_FILE = f"{CONTAINER_CLAIM_DIR}/claim"
 
