@@ -1,19 +1,26 @@
 """Bind: pick the cards on the node kube-scheduler chose, record them, then bind the pod.
 
-Order (each step idempotent, so kube-scheduler may retry a bind at any point):
+Order (each step idempotent, so kube-scheduler may retry a bind at any point; binds of one
+pod run one at a time, a retry of a pod this process already bound elsewhere is refused at once):
 
+0. with the request filter parsed for this pod, ``allocate`` + ``reserve`` on the node before
+   any API call, so the next pods' filters see the cards taken (without this, a burst piles
+   onto the node prioritize likes best while the first binds wait for the API);
 1. read the pod; refuse if its UID differs (a new pod with the same name) or if it is already
    bound elsewhere; a pod already bound to this node with its claims present is a success;
-2. ``allocate`` + ``reserve`` in the ledger, one key per container claim, with no ``await``
-   in between (this is what makes concurrent binds on one node safe without a node lock);
-   a retry that finds this pod's reservations on the same node reuses them;
+2. ``allocate`` + ``reserve`` in the ledger (unless step 0 did, for the same request), one key
+   per container claim, with no ``await`` in between (this is what makes concurrent binds on
+   one node safe without a node lock); a retry that finds this pod's reservations on the same
+   node reuses them;
 3. create one VGPUClaim per sliced container (deterministic name; an existing claim of the
-   same pod UID is accepted, one of another pod is an error);
+   same pod UID on this node is accepted, one on another node of the still unbound pod is a
+   leftover of a bind cut short and is replaced, one of another pod is an error);
 4. write the allocation annotations the container's env and claim file read (downward API);
-5. create the Binding; then mark the claims Bound.
+5. create the Binding and answer; then mark the claims Bound and post the Event.
 
-Any failure releases the ledger keys, deletes the claims this attempt created and clears the
-annotations, so nothing stays reserved; the error goes back to kube-scheduler, which retries.
+Any failure (API errors and unexpected ones too) releases the ledger keys, deletes the claims
+this attempt created and clears the annotations, so nothing stays reserved; the error goes
+back to kube-scheduler, which retries.
 """
 
 from __future__ import annotations
