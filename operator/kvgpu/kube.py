@@ -74,11 +74,19 @@ async def patch_pod_metadata(
         name, namespace, body, _content_type=MERGE, _preload_content=False))
 
 
-async def create_binding(api: client.ApiClient, namespace: str, name: str, uid: str, node: str) -> None:
+async def create_binding(
+    api: client.ApiClient, namespace: str, name: str, uid: str, node: str,
+    annotations: dict[str, str] | None = None,
+) -> None:
+    """Bind the pod to ``node``. ``annotations`` are merged into the pod's by the API server in
+    the same write that sets ``spec.nodeName`` (the Binding subresource does that)."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": uid}
+    if annotations:
+        meta["annotations"] = annotations
     body = {
         "apiVersion": "v1",
         "kind": "Binding",
-        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        "metadata": meta,
         "target": {"apiVersion": "v1", "kind": "Node", "name": node},
     }
     # The generated client fails to deserialize the Status answer of pods/binding; ask for raw data.

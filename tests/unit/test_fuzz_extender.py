@@ -87,6 +87,7 @@ class FakeKube:
         self.pod: Any = None
         self.calls: list[str] = []
         self.fail_binding = False
+        self.binding_annotations: dict[str, str] | None = None
 
     async def get_pod(self, api: Any, ns: str, name: str) -> Any:
         self.calls.append("get_pod")
@@ -107,8 +108,10 @@ class FakeKube:
         self.calls.append("patch_pod")
         return {}
 
-    async def create_binding(self, api: Any, ns: str, name: str, uid: str, node: str) -> None:
+    async def create_binding(self, api: Any, ns: str, name: str, uid: str, node: str,
+                             annotations: dict[str, str] | None = None) -> None:
         self.calls.append("binding")
+        self.binding_annotations = annotations
         if self.fail_binding:
             from kubernetes_asyncio.client.exceptions import ApiException
 

@@ -248,7 +248,6 @@ class Binder:
                 raise BindError(str(e)) from e
         else:
             alloc = reused
-        annotated = False
         try:
             # --- step 3: claims -------------------------------------------------------------
             for ca in alloc.containers:
@@ -272,24 +271,19 @@ class Binder:
                         created.append(cname)
                     elif old is None or old["spec"].get("podUID") != args.pod_uid or old["spec"].get("node") != node:
                         raise BindError(f"claim {cname} exists for another pod or node") from e
-            # --- step 4: annotations ----------------------------------------------------------
+            # --- steps 4 and 5: the Binding, carrying the allocation annotations ---------------
+            # The API server merges a Binding's annotations into the pod in the write that sets
+            # spec.nodeName: one write instead of two, no validating-webhook round trip, and a pod
+            # is never seen annotated but unbound (or bound without its annotations).
             if not bound_to:
-                await kube.patch_pod_metadata(self.api, ns, name, annotations=allocation_annotations(ns, pod, alloc))
-                annotated = True
-                # --- step 5: binding ----------------------------------------------------------
-                await kube.create_binding(self.api, ns, name, args.pod_uid, node)
+                await kube.create_binding(self.api, ns, name, args.pod_uid, node,
+                                          annotations=allocation_annotations(ns, pod, alloc))
         except (ApiException, OSError, BindError) as e:
             for cname in created:
                 try:
                     await kube.delete_claim(self.api, ns, cname)
                 except (ApiException, OSError):
                     pass  # the orphan sweep removes it
-            if annotated:
-                try:
-                    clear: dict[str, str | None] = dict.fromkeys(allocation_annotations(ns, pod, alloc))
-                    await kube.patch_pod_metadata(self.api, ns, name, annotations=clear)
-                except (ApiException, OSError):
-                    pass
             self.state.release_pod(args.pod_uid)
             if isinstance(e, BindError):
                 raise
