@@ -15,12 +15,13 @@ pod run one at a time, a retry of a pod this process already bound elsewhere is 
 3. create one VGPUClaim per sliced container (deterministic name; an existing claim of the
    same pod UID on this node is accepted, one on another node of the still unbound pod is a
    leftover of a bind cut short and is replaced, one of another pod is an error);
-4. write the allocation annotations the container's env and claim file read (downward API);
-5. create the Binding and answer; then mark the claims Bound and post the Event.
+4. create the Binding carrying the allocation annotations the container's env and claim file
+   read (downward API): the API server merges them into the pod in the same write that sets
+   ``spec.nodeName``; answer; then mark the claims Bound and post the Event.
 
-Any failure (API errors and unexpected ones too) releases the ledger keys, deletes the claims
-this attempt created and clears the annotations, so nothing stays reserved; the error goes
-back to kube-scheduler, which retries.
+Any failure (API errors and unexpected ones too) releases the ledger keys and deletes the
+claims this attempt created, so nothing stays reserved; the error goes back to kube-scheduler,
+which retries.
 """
 
 from __future__ import annotations
