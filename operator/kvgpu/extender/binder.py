@@ -277,8 +277,16 @@ class Binder:
             # spec.nodeName: one write instead of two, no validating-webhook round trip, and a pod
             # is never seen annotated but unbound (or bound without its annotations).
             if not bound_to:
-                await kube.create_binding(self.api, ns, name, args.pod_uid, node,
-                                          annotations=allocation_annotations(ns, pod, alloc))
+                try:
+                    await kube.create_binding(self.api, ns, name, args.pod_uid, node,
+                                              annotations=allocation_annotations(ns, pod, alloc))
+                except (ApiException, OSError):
+                    # The Binding may have landed although we saw an error (a timeout under
+                    # load): if this pod is bound here now, this bind succeeded; releasing its
+                    # claims would leave a running pod unaccounted.
+                    if not await self._bound_here(ns, name, args.pod_uid, node):
+                        raise
+                    log.info("binding reported an error but the pod is bound here", pod=f"{ns}/{name}", node=node)
         except (ApiException, OSError, BindError) as e:
             for cname in created:
                 try:
@@ -312,6 +320,13 @@ class Binder:
         )
         await kube.post_event(self.api, {"apiVersion": "v1", "kind": "Pod", "metadata": meta},
                               reason="GPUSlicesBound", message=f"bound to {node}: {devs}")
+
+    async def _bound_here(self, ns: str, name: str, uid: str, node: str) -> bool:
+        try:
+            now = await kube.get_pod(self.api, ns, name)
+        except (ApiException, OSError):
+            return False
+        return now is not None and now["metadata"].get("uid") == uid and (now.get("spec") or {}).get("nodeName") == node
 
     def _pool_of(self, node: str, uuid: str) -> str:
         inv = self.state.ledger_inventory(node)
