@@ -23,7 +23,7 @@ from pathlib import Path
 from kvgpu.core import keys
 from kvgpu.core.inventory import Card, NodeInventory, SimulatedNode
 from kvgpu.devcluster import Cluster
-from kvgpu.devcluster.fakenodes import create_nodes, node_manifest
+from kvgpu.devcluster.fakenodes import node_manifest
 from kvgpu.devcluster.system import KvgpuSystem
 
 HERE = Path(__file__).resolve().parent

@@ -188,7 +188,7 @@ class Runtime:
     async def apply_dev_webhooks(self) -> None:
         from kvgpu.admission.config import webhook_configurations
 
-        ca = Path(self.cfg.webhook_ca or "").read_bytes()
+        ca = Path(self.cfg.webhook_ca or "").read_bytes()  # noqa: ASYNC240 (once, at start-up)
         mutating, validating = webhook_configurations(
             url_base=f"https://{self.cfg.webhook_host}:{self.cfg.webhook_port}", service=None, ca_bundle=ca,
             exclude_namespaces=list(self.cfg.exclude_namespaces))

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode
 from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.fakenodes import create_nodes

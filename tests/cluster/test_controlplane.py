@@ -8,7 +8,6 @@ import json
 
 import pytest
 from kubernetes_asyncio import client
-
 from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode
 from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.fakenodes import HAMI_RESOURCE, create_nodes, inventory_of

@@ -26,7 +26,10 @@ def _options(cmd: click.Command) -> list[str]:
         raw = p.default
         default = "" if raw in (None, (), False) or "Sentinel" in repr(raw) else f"`{raw}`"
         if p.is_flag:
-            default = ("on" if raw else "off") if not p.secondary_opts else f"`{p.secondary_opts[0] if not raw else p.opts[0]}`"
+            if p.secondary_opts:
+                default = f"`{p.opts[0] if raw else p.secondary_opts[0]}`"
+            else:
+                default = "on" if raw else "off"
         help_ = (p.help or "").replace("|", "\\|")
         rows.append(f"| {names} | {env} | {default} | {help_} |")
     return rows

@@ -2,8 +2,9 @@
 
 Writes into a directory: ``ca.crt/key`` (cluster CA), ``serving.crt/key`` (kube-apiserver,
 SANs for localhost/127.0.0.1 and the in-cluster names), ``admin.crt/key`` (client cert,
-``O=system:masters``), ``kvgpu-operator.crt/key`` (the operator, also system:masters), ``scheduler.crt/key`` (``system:kube-scheduler``), ``sa.key/sa.pub``
-(service-account token signing, RSA 2048). EC P-256 keys, 7-day validity.
+``O=system:masters``), ``kvgpu-operator.crt/key`` (the operator, also system:masters),
+``scheduler.crt/key`` (``system:kube-scheduler``), ``webhook.crt/key`` (the operator's webhook
+server), ``sa.key/sa.pub`` (service-account token signing, RSA 2048). EC P-256 keys, 7-day validity.
 """
 
 from __future__ import annotations

@@ -128,7 +128,9 @@ class OperatorState:
             self._apply_node(rec)
 
     # ----- claims ------------------------------------------------------------------------------
-    def rebuild(self, nodes: list[dict[str, Any]], pools: list[dict[str, Any]], claims: list[dict[str, Any]]) -> list[str]:
+    def rebuild(
+        self, nodes: list[dict[str, Any]], pools: list[dict[str, Any]], claims: list[dict[str, Any]]
+    ) -> list[str]:
         """Rebuild everything from listed objects (start-up). Returns problems for the log."""
         problems: list[str] = []
         self.nodes.clear()
