@@ -4,7 +4,7 @@
 
     .venv/bin/python bench/scale/report.py
 """
-# ruff: noqa: E501, RUF001  (prose for the Markdown page: long lines, typographic characters)
+
 
 from __future__ import annotations
 
@@ -162,7 +162,8 @@ def summary(data: dict[str, Any]) -> list[str]:
                if r.get("extender_one_pod_at_a_time", {}).get("bind")]
         alone = f"{min(one):.0f}-{max(one):.0f} ms p50 one pod at a time, " if one else ""
         rows.append(f"| extender p99 ≤ {GOALS['extender_p99_ms']} ms | filter and prioritize: **yes**, p99 ≤ "
-                    f"{max(p99):.0f} ms in every burst; bind (4 API writes): {alone}queued for CPU in bursts |")
+                    f"{max(p99):.0f} ms in every burst; bind (a read and two writes before it answers): {alone}"
+                    "queued for CPU in bursts |")
     if big:
         rows.append(f"| operator ≤ {GOALS['operator_rss_mib']} MiB at 5,000 nodes | **yes**: "
                     f"{big.get('setup', {}).get('operator_rss_mib_after_sync')} MiB after the node sync, "
