@@ -277,7 +277,8 @@ class Runtime:
     async def flush(self) -> None:
         """Write changed node allocation annotations and VGPUPool status."""
         dirty, self.state.dirty_nodes = self.state.dirty_nodes, set()
-        for name in sorted(dirty):
+        todo = sorted(dirty)
+        for i, name in enumerate(todo):
             if name not in self.state.ledger.nodes():
                 continue
             usage = self.state.ledger.node_usage(name)
@@ -291,13 +292,23 @@ class Runtime:
                 self.metrics.cores_used.labels(**lbl).set(c.cores_used)
             if self._written_nodes.get(name) == text:
                 continue
-            await kube.patch_node_annotations(self.api, name, {keys.NODE_ALLOCATION: text})
+            try:
+                await kube.patch_node_annotations(self.api, name, {keys.NODE_ALLOCATION: text})
+            except BaseException:
+                # Not written (API server away): this node and the rest stay dirty for the next
+                # round; dropping them left annotations stale until the node changed again.
+                self.state.dirty_nodes.update(todo[i:])
+                raise
             self._written_nodes[name] = text
             self.pools_dirty = True
         self.metrics.pending.set(len(self.state.pending))
         if self.pools_dirty:
             self.pools_dirty = False
-            await self.write_pool_status()
+            try:
+                await self.write_pool_status()
+            except BaseException:
+                self.pools_dirty = True
+                raise
 
     def _pool_topology(self) -> dict[str, tuple[int, int, frozenset[str]]]:
         """Per pool: (covered cards, healthy covered cards, pools it conflicts with). Recomputed
