@@ -50,6 +50,10 @@ void vgpu_log(int level, const char *fmt, ...)
 static const char *env_get(const char *name, void *ctx)
 {
     (void)ctx;
+    /* Not an env var: whether the kvgpu claims volume is mounted (a file-system fact the
+     * container's own processes cannot unset). */
+    if (strcmp(name, VGPU_CLAIM_MOUNT_KEY) == 0)
+        return access(VGPU_CLAIM_MOUNT, F_OK) == 0 ? VGPU_CLAIM_MOUNT : NULL;
     return getenv(name);
 }
 

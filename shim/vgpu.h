@@ -71,6 +71,11 @@ int vgpu_parse_mem(const char *text, uint64_t *out);
  * tests) and an optional file reader. Never fails: problems set cfg->broken. */
 typedef const char *(*vgpu_getenv_fn)(const char *name, void *ctx);
 void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx);
+/* The admission webhook mounts the claims volume here in every container with slices. The
+ * loader asks the getter for VGPU_CLAIM_MOUNT_KEY: the real shim answers from the file system
+ * (not from the environment), the test module from its env block. */
+#define VGPU_CLAIM_MOUNT "/etc/kvgpu"
+#define VGPU_CLAIM_MOUNT_KEY "@kvgpu-claim-mount"
 
 /* ------------------------------------------------------------------ region (pure) */
 

@@ -8,6 +8,7 @@
  *   v1;claim=<ns>/<name>;priority=<0|1>;dev=<UUID>,<memory MiB>,<cores %>[;dev=...]
  *
  * Precedence (first that is present wins; "present" = the variable is set, even empty):
+ *   the claims volume /etc/kvgpu mounted but no claim variable -> broken (env -u cannot escape)
  *   CUDA_DISABLE_CONTROL=true  -> shim inert, but only when no kvgpu claim is present
  *                                 (KVGPU_CLAIM / KVGPU_CLAIM_FILE): an image's ENV must not lift
  *                                 limits the operator granted; likewise
@@ -310,6 +311,13 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
         snprintf(cfg->region_path, sizeof cfg->region_path, "%s", v);
     const char *claim_env = get("KVGPU_CLAIM", ctx), *claim_file = get("KVGPU_CLAIM_FILE", ctx);
     int kvgpu_claim = claim_env != NULL || (claim_file && claim_file[0]);
+    if (!kvgpu_claim && get(VGPU_CLAIM_MOUNT_KEY, ctx)) {
+        /* A kvgpu container whose process unset its claim variables (env -u ...). */
+        cfg->broken = 1;
+        fail(cfg, "the kvgpu claims volume %s is mounted but KVGPU_CLAIM and KVGPU_CLAIM_FILE "
+                  "are unset", VGPU_CLAIM_MOUNT);
+        return;
+    }
     if (env_true(get("CUDA_DISABLE_CONTROL", ctx))) {
         if (!kvgpu_claim) {
             cfg->disabled = 1;
@@ -326,9 +334,11 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
         int rc = read_file(file, buf, sizeof buf);
         if (rc == 0)
             text = buf;
-        else if (rc == -2) {
+        else if (rc == -2 || !claim_env) {
+            /* -1 (missing) with no KVGPU_CLAIM to fall back on: the claim is named but absent. */
             cfg->broken = 1;
-            fail(cfg, "claim file %.200s cannot be read or is too large", file);
+            fail(cfg, "claim file %.200s %s", file,
+                 rc == -2 ? "cannot be read or is too large" : "does not exist and KVGPU_CLAIM is unset");
             return;
         }
     }

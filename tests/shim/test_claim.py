@@ -176,3 +176,24 @@ def test_disable_control_and_nothing(core) -> None:
     assert cfg.disabled == 0 and not cfg.broken and cfg.policy != 2 and cfg.dev[0].cores == 30
     cfg = load(core, {})
     assert cfg.source == 0 and not cfg.broken
+
+
+def test_unsetting_the_claim_in_a_kvgpu_container_fails_closed(core) -> None:
+    """`env -u KVGPU_CLAIM -u KVGPU_CLAIM_FILE` inside a container that has the claims volume
+    must not run unlimited, not even with HAMi's variables or CUDA_DISABLE_CONTROL."""
+    mount = {"@kvgpu-claim-mount": "/etc/kvgpu"}
+    for extra in ({}, {"CUDA_DISABLE_CONTROL": "true"}, {"CUDA_DEVICE_MEMORY_LIMIT": "100g"}):
+        cfg = load(core, {**mount, **extra})
+        assert cfg.broken and cfg.disabled == 0, extra
+        assert b"claims volume" in core.ffi.string(cfg.error)
+    good = "v1;claim=ns/x;priority=1;dev=GPU-1,100,30"
+    assert not load(core, {**mount, "KVGPU_CLAIM": good}).broken
+    assert load(core, {}).source == 0  # no volume, no claim: not a kvgpu container
+
+
+def test_named_claim_file_that_is_missing_fails_closed(core) -> None:
+    cfg = load(core, {"KVGPU_CLAIM_FILE": "/nonexistent/claim"})
+    assert cfg.broken and b"does not exist" in core.ffi.string(cfg.error)
+    good = "v1;claim=ns/x;priority=1;dev=GPU-1,100,30"
+    cfg = load(core, {"KVGPU_CLAIM_FILE": "/nonexistent/claim", "KVGPU_CLAIM": good})
+    assert not cfg.broken and cfg.dev[0].cores == 30  # the env copy of the same claim serves
