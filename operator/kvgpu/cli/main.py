@@ -139,6 +139,8 @@ def dev_up(run_dir: Path, nodes: int, cards: int) -> None:
 
     asyncio.run(_nodes())
     click.echo(f"control plane up: {c.server}")
+    click.echo("note: this is the control plane and fake GPU nodes only — kvgpu itself (CRDs, operator, "
+               "kvgpu-scheduler) is not running here; `make demo` runs the whole system")
     click.echo(f"export KUBECONFIG={c.kubeconfig}")
     click.echo(f"stop it with: kvgpu dev down --run-dir {run_dir}")
 
@@ -162,6 +164,8 @@ def dev_status(run_dir: Path) -> None:
     """Show which components of the dev cluster run."""
     from kvgpu.devcluster import Cluster
 
+    if not (run_dir / "cluster.json").exists():
+        raise click.ClickException(f"no dev cluster state in {run_dir}")
     c = Cluster.attach(run_dir)
     click.echo(json.dumps({"server": c.server, "kubeconfig": str(c.kubeconfig), "alive": c.alive()}, indent=2))
 

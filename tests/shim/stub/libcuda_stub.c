@@ -198,6 +198,7 @@ API CUresult cuMemAlloc(unsigned *p, unsigned n)
     if (rc == OK) { *p = (unsigned)a; next += (n + (2u << 20) - 1) & ~((2u << 20) - 1); }
     return rc;
 }
+API CUresult cuMemFree_v2(CUdeviceptr p);
 API CUresult cuMemFree(unsigned p) { return cuMemFree_v2(p); }
 API CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned fl) { (void)fl; return cuMemAlloc_v2(p, n); }
 API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned e)
