@@ -135,6 +135,13 @@ INVALID_ANNOTATIONS: list[tuple[dict[str, str], str]] = [
     ({"kvgpu.io/gpumem": ""}, f'kvgpu.io/gpumem: "" is not a memory quantity; {MEM}'),
     ({"kvgpu.io/gpumem": "Infinity"}, f'kvgpu.io/gpumem: "Infinity" is not a memory quantity; {MEM}'),
     ({"kvgpu.io/gpumem": "-5"}, f'kvgpu.io/gpumem: "-5" is negative; {MEM}'),
+    # Only Kubernetes' ASCII quantity grammar (found by a new-user test: Python's number parsing
+    # took full-width digits and underscores), and no sub-unit suffixes. Surrounding
+    # whitespace is stripped for every key, on purpose.
+    ({"kvgpu.io/gpumem": "３０００"}, f'kvgpu.io/gpumem: "３０００" is not a memory quantity; {MEM}'),
+    ({"kvgpu.io/gpumem": "3_000"}, f'kvgpu.io/gpumem: "3_000" is not a memory quantity; {MEM}'),
+    ({"kvgpu.io/gpumem": "3000m"},
+     f'kvgpu.io/gpumem: "3000m" is a fraction of a unit (milli, micro or nano), far below 1 MiB; {MEM}'),
     ({"kvgpu.io/gpumem": "2500Ki"}, f'kvgpu.io/gpumem: "2500Ki" is not a whole number of MiB; {MEM}'),
     ({"kvgpu.io/gpumem": "0.5"}, f'kvgpu.io/gpumem: "0.5" is not a whole number of MiB; {MEM}'),
     (

@@ -191,6 +191,10 @@ def _operator_annotations() -> frozenset[str]:
 _OPERATOR_KEYS = _operator_annotations()
 _UUID = re.compile(UUID_PATTERN)
 _INT = re.compile(r"^[0-9]{1,12}$")
+# Kubernetes' quantity grammar in plain ASCII (no spaces, underscores or non-ASCII digits, which
+# Python's number parsing would otherwise let through): digits, an optional fraction, then an
+# exponent or one suffix.
+_MEMORY_SHAPE = re.compile(r"\A[+-]?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|[munkMGTPE])?\Z")
 _TRUE = frozenset({"1", "t", "T", "true", "TRUE", "True"})
 _FALSE = frozenset({"0", "f", "F", "false", "FALSE", "False"})
 _VALUE_SHOWN = 80
@@ -298,8 +302,11 @@ def parse_memory_mib(key: str, raw: Any, container: str | None = None) -> int:
     Returns 0..1048576 (0 = the whole card). Raises :class:`RequestError`.
     """
     text = _text(raw)
-    if text is None or text == "":
+    if text is None or text == "" or not _MEMORY_SHAPE.match(text):
         raise RequestError(key, raw, "is not a memory quantity", FORM_MEMORY, container)
+    if text[-1] in "munµ":
+        raise RequestError(key, raw, "is a fraction of a unit (milli, micro or nano), far below 1 MiB",
+                           FORM_MEMORY, container)
     try:
         q = parse_quantity(text)
     except (ValueError, ArithmeticError, TypeError):
