@@ -117,7 +117,7 @@ static int parse_dev(struct vgpu_config *cfg, const char *v, size_t n)
     uint64_t mem, cores;
     if (!digits(c1 + 1, (size_t)(c2 - c1 - 1), &mem) ||
         !digits(c2 + 1, n - (size_t)(c2 + 1 - v), &cores))
-        return fail(cfg, "dev=%.*s: memory and cores must be integers", (int)n, v);
+        return fail(cfg, "dev=%.*s: memory and cores must be non-negative integers", (int)n, v);
     if (mem < 1 || mem > (1ull << 30) || cores > 100)
         return fail(cfg, "dev=%.*s: memory 1..2^30 MiB, cores 0..100", (int)n, v);
     for (int i = 0; i < cfg->ndev; i++)

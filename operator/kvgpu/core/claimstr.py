@@ -70,7 +70,7 @@ def decode(text: str) -> ClaimString:
             if len(bits) != 3 or not _UUID.match(bits[0]):
                 raise ClaimStringError(f"dev={value!r} must be <UUID>,<memory MiB>,<cores>")
             if not (bits[1].isdigit() and bits[2].isdigit()):
-                raise ClaimStringError(f"dev={value!r}: memory and cores must be integers")
+                raise ClaimStringError(f"dev={value!r}: memory and cores must be non-negative integers")
             mem, cores = int(bits[1]), int(bits[2])
             if mem < 1 or mem > 1 << 30 or cores > 100:
                 raise ClaimStringError(f"dev={value!r}: memory 1..2^30 MiB, cores 0..100")
