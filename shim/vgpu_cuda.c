@@ -299,6 +299,24 @@ static void uncharge(int d, uint64_t bytes)
         vgpu_region_release(&vgpu.region, d, bytes);
 }
 
+/* Every free/destroy path: a tracked object leaves the table before the driver call (so an
+ * address the driver hands out again at once is never confused with it) and is uncharged when
+ * the call succeeds; when it fails, the object goes back. release_begin is 0 for objects the
+ * shim does not track (limits off, or allocated before it), which then pass straight through. */
+static int release_begin(int kind, uint64_t key, uint64_t *size, int *d)
+{
+    return mode() == M_LIMITED && tab_take(kind, key, size, d);
+}
+
+static CUresult release_end(CUresult rc, int kind, uint64_t key, uint64_t size, int d)
+{
+    if (rc == CUDA_SUCCESS)
+        uncharge(d, size);
+    else
+        tab_put(kind, key, size, d);
+    return rc;
+}
+
 /* ------------------------------------------------------------------ init and info */
 
 VGPU_API CUresult cuInit(unsigned flags)
@@ -424,14 +442,9 @@ VGPU_API CUresult cuMemFree_v2(CUdeviceptr p)
     CUresult (*real)(CUdeviceptr) = REAL(H_FREE, CUresult(*)(CUdeviceptr));
     uint64_t size;
     int d;
-    if (mode() != M_LIMITED || !tab_take(K_PTR, p, &size, &d))
+    if (!release_begin(K_PTR, p, &size, &d))
         return real(p);
-    CUresult rc = real(p);
-    if (rc == CUDA_SUCCESS)
-        uncharge(d, size);
-    else
-        tab_put(K_PTR, p, size, d);
-    return rc;
+    return release_end(real(p), K_PTR, p, size, d);
 }
 
 /* The CUDA < 3.2 ABI (32-bit sizes and pointers), still reachable through cuGetProcAddress
@@ -463,14 +476,9 @@ VGPU_API CUresult cuMemFree(unsigned p)
         return CUDA_ERROR_NOT_FOUND;
     uint64_t size;
     int d;
-    if (mode() != M_LIMITED || !tab_take(K_PTR, p, &size, &d))
+    if (!release_begin(K_PTR, p, &size, &d))
         return real(p);
-    CUresult rc = real(p);
-    if (rc == CUDA_SUCCESS)
-        uncharge(d, size);
-    else
-        tab_put(K_PTR, p, size, d);
-    return rc;
+    return release_end(real(p), K_PTR, p, size, d);
 }
 
 /* ------------------------------------------------------------------ stream-ordered */
@@ -537,14 +545,10 @@ static CUresult free_async(int idx, CUdeviceptr p, CUstream s)
     CUresult (*real)(CUdeviceptr, CUstream) = REAL(idx, CUresult(*)(CUdeviceptr, CUstream));
     uint64_t size;
     int d;
-    if (mode() != M_LIMITED || !tab_take(K_PTR, p, &size, &d))
+    if (!release_begin(K_PTR, p, &size, &d))
         return real(p, s);
-    CUresult rc = real(p, s);
-    if (rc == CUDA_SUCCESS)
-        uncharge(d, size); /* the pool keeps the pages for reuse; NVML reconciliation sees them */
-    else
-        tab_put(K_PTR, p, size, d);
-    return rc;
+    /* uncharged at once: the pool keeps the pages for reuse; NVML reconciliation sees them */
+    return release_end(real(p, s), K_PTR, p, size, d);
 }
 
 VGPU_API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s)
@@ -586,14 +590,9 @@ VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
     CUresult (*real)(CUmemGenericAllocationHandle) = REAL(H_RELEASE, CUresult(*)(CUmemGenericAllocationHandle));
     uint64_t size;
     int d;
-    if (mode() != M_LIMITED || !tab_take(K_HANDLE, h, &size, &d))
+    if (!release_begin(K_HANDLE, h, &size, &d))
         return real(h);
-    CUresult rc = real(h);
-    if (rc == CUDA_SUCCESS)
-        uncharge(d, size);
-    else
-        tab_put(K_HANDLE, h, size, d);
-    return rc;
+    return release_end(real(h), K_HANDLE, h, size, d);
 }
 
 /* ------------------------------------------------------------------ arrays */
@@ -684,14 +683,9 @@ VGPU_API CUresult cuArrayDestroy(CUarray arr)
     CUresult (*real)(CUarray) = REAL(H_ARRAYDESTROY, CUresult(*)(CUarray));
     uint64_t size;
     int d;
-    if (mode() != M_LIMITED || !tab_take(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d))
+    if (!release_begin(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d))
         return real(arr);
-    CUresult rc = real(arr);
-    if (rc == CUDA_SUCCESS)
-        uncharge(d, size);
-    else
-        tab_put(K_ARRAY, (uint64_t)(uintptr_t)arr, size, d);
-    return rc;
+    return release_end(real(arr), K_ARRAY, (uint64_t)(uintptr_t)arr, size, d);
 }
 
 VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc,
@@ -732,14 +726,9 @@ VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
     CUresult (*real)(CUmipmappedArray) = REAL(H_MIPMAPDESTROY, CUresult(*)(CUmipmappedArray));
     uint64_t size;
     int d;
-    if (mode() != M_LIMITED || !tab_take(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d))
+    if (!release_begin(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d))
         return real(arr);
-    CUresult rc = real(arr);
-    if (rc == CUDA_SUCCESS)
-        uncharge(d, size);
-    else
-        tab_put(K_MIPMAP, (uint64_t)(uintptr_t)arr, size, d);
-    return rc;
+    return release_end(real(arr), K_MIPMAP, (uint64_t)(uintptr_t)arr, size, d);
 }
 
 /* ------------------------------------------------------------------ compute gate */
