@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -174,6 +173,41 @@ async def patch_node_annotations(api: client.ApiClient, name: str, annotations: 
             raise
 
 
+def event_body(
+    involved: dict[str, Any],
+    namespace: str,
+    *,
+    reason: str,
+    message: str,
+    type_: str = "Normal",
+    component: str = "kvgpu-operator",
+    instance: str | None = None,
+    host: str | None = None,
+) -> dict[str, Any]:
+    """A core/v1 Event about ``involved`` (``{apiVersion, kind, name, namespace?, uid}``), recorded
+    in ``namespace``; the API server names it (``generateName``). Message cut to 1024 characters.
+    Shared by the operator and the agent."""
+    now = _now()[:19] + "Z"
+    source: dict[str, str] = {"component": component}
+    if host:
+        source["host"] = host
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{involved.get('name') or 'obj'}.kvgpu-", "namespace": namespace},
+        "involvedObject": {k: v for k, v in involved.items() if v is not None},
+        "reason": reason,
+        "message": message[:1024],
+        "type": type_,
+        "source": source,
+        "reportingComponent": component,
+        "reportingInstance": instance or component,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+
+
 async def post_event(
     api: client.ApiClient,
     obj: dict[str, Any],
@@ -186,28 +220,9 @@ async def post_event(
     """Record a core/v1 Event on ``obj`` (a Pod, Node or VGPUClaim dict). Never raises."""
     meta = obj.get("metadata", {})
     ns = meta.get("namespace") or "default"
-    now = _now()
-    body = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"name": f"{meta.get('name', 'obj')}.{uuid.uuid4().hex[:12]}", "namespace": ns},
-        "involvedObject": {
-            "apiVersion": obj.get("apiVersion", "v1"),
-            "kind": obj.get("kind", "Pod"),
-            "name": meta.get("name"),
-            "namespace": meta.get("namespace"),
-            "uid": meta.get("uid"),
-        },
-        "reason": reason,
-        "message": message[:1024],
-        "type": type_,
-        "source": {"component": component},
-        "reportingComponent": component,
-        "reportingInstance": component,
-        "firstTimestamp": now[:19] + "Z",
-        "lastTimestamp": now[:19] + "Z",
-        "count": 1,
-    }
+    involved = {"apiVersion": obj.get("apiVersion", "v1"), "kind": obj.get("kind", "Pod"),
+                "name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid")}
+    body = event_body(involved, ns, reason=reason, message=message, type_=type_, component=component)
     try:
         resp: Any = await client.CoreV1Api(api).create_namespaced_event(ns, body, _preload_content=False)
         resp.release()

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import datetime
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvgpu.core import keys
+from kvgpu.kube import event_body
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,6 @@ class NodeApi(Protocol):
     async def node_event(self, node: str, reason: str, message: str, type_: str = "Normal") -> None:
         """Record a core/v1 Event about the Node (failures are logged, never raised)."""
         ...
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class KubeApi:
@@ -202,54 +198,17 @@ class KubeApi:
         self, namespace: str, pod: str, uid: str, reason: str, message: str, type_: str = "Warning"
     ) -> None:
         """Record a core/v1 Event about a Pod (best effort: failures are logged)."""
-        now = _now()
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{pod}.kvgpu-", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "name": pod,
-                "namespace": namespace,
-                "uid": uid,
-            },
-            "reason": reason,
-            "message": message[:1024],
-            "type": type_,
-            "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
+        involved = {"apiVersion": "v1", "kind": "Pod", "name": pod, "namespace": namespace, "uid": uid}
+        body = event_body(involved, namespace, reason=reason, message=message, type_=type_, component=COMPONENT)
         try:
             await self.core.create_namespaced_event(namespace, body)  # type: ignore[arg-type]
         except Exception as e:
             log.warning("could not record event %s on pod %s/%s: %s", reason, namespace, pod, e)
 
     async def node_event(self, node: str, reason: str, message: str, type_: str = "Normal") -> None:
-        now = _now()
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{node}.kvgpu-", "namespace": EVENT_NAMESPACE},
-            "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "name": node,
-                "uid": self._node_uid.get(node, node),
-            },
-            "reason": reason,
-            "message": message[:1024],
-            "type": type_,
-            "source": {"component": COMPONENT, "host": node},
-            "reportingComponent": COMPONENT,
-            "reportingInstance": node,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
+        involved = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": self._node_uid.get(node, node)}
+        body = event_body(involved, EVENT_NAMESPACE, reason=reason, message=message, type_=type_,
+                          component=COMPONENT, instance=node, host=node)
         try:
             await self.core.create_namespaced_event(EVENT_NAMESPACE, body)  # type: ignore[arg-type]
         except Exception as e:  # events are best effort
