@@ -345,12 +345,10 @@ class Runtime:
         topo = self._pool_topology()
         claims_per_pool: dict[str, int] = {}
         for alloc in self.state.ledger.reservations().values():
-            inv = self.state.ledger_inventory(alloc.node)
-            by_uuid = {c.uuid: c for c in (inv.cards if inv else ())}
             for ca in alloc.containers:
-                card = by_uuid.get(ca.devices[0].uuid) if ca.devices else None
-                if card is not None and card.slicing is not None:
-                    claims_per_pool[card.slicing.pool] = claims_per_pool.get(card.slicing.pool, 0) + 1
+                pool_name = self.state.pool_of(alloc.node, ca.devices[0].uuid) if ca.devices else ""
+                if pool_name:
+                    claims_per_pool[pool_name] = claims_per_pool.get(pool_name, 0) + 1
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         for name, pool in self.state.pools.items():
             u = usage.get(name)

@@ -252,7 +252,7 @@ class Binder:
         try:
             # --- step 3: claims -------------------------------------------------------------
             for ca in alloc.containers:
-                body = claim_body(pod, alloc, ca.container, self._pool_of(node, ca.devices[0].uuid))
+                body = claim_body(pod, alloc, ca.container, self.state.pool_of(node, ca.devices[0].uuid))
                 try:
                     await kube.create_claim(self.api, ns, body)
                     created.append(body["metadata"]["name"])
@@ -327,11 +327,6 @@ class Binder:
         except (ApiException, OSError):
             return False
         return now is not None and now["metadata"].get("uid") == uid and (now.get("spec") or {}).get("nodeName") == node
-
-    def _pool_of(self, node: str, uuid: str) -> str:
-        inv = self.state.ledger_inventory(node)
-        card = next((c for c in (inv.cards if inv else ()) if c.uuid == uuid), None)
-        return card.slicing.pool if card is not None and card.slicing is not None else ""
 
     def _held(self, ckeys: dict[str, str], uid: str, node: str) -> PodAllocation | None:
         """This pod's existing reservations on ``node`` (a retried bind), merged; else None."""

@@ -55,6 +55,8 @@ class OperatorState:
     pending: dict[str, tuple[str, str]] = field(default_factory=dict)
     # nodes whose allocation annotation must be rewritten
     dirty_nodes: set[str] = field(default_factory=set)
+    # each node's inventory with the slicing of its cards, as given to the ledger
+    sliced: dict[str, NodeInventory] = field(default_factory=dict)
     topology_dirty: bool = True  # nodes' cards or pools changed: pool coverage must be recomputed
     ready: bool = False
 
@@ -109,17 +111,21 @@ class OperatorState:
     def remove_node(self, name: str) -> None:
         self.topology_dirty = True
         self.nodes.pop(name, None)
+        self.sliced.pop(name, None)
         self.ledger.remove_node(name)
 
     def _apply_node(self, rec: NodeRecord) -> None:
         if rec.inventory is None:
+            self.sliced.pop(rec.name, None)
             self.ledger.remove_node(rec.name)
             return
         pools = list(self.pools.values())
         cards = tuple(
             replace(c, slicing=effective_slicing(pools, rec.labels, c)) for c in rec.inventory.cards
         )
-        self.ledger.set_node(replace(rec.inventory, node=rec.name, cards=cards))
+        inv = replace(rec.inventory, node=rec.name, cards=cards)
+        self.sliced[rec.name] = inv
+        self.ledger.set_node(inv)
         self.dirty_nodes.add(rec.name)
         self.topology_dirty = True
 
@@ -134,6 +140,7 @@ class OperatorState:
         """Rebuild everything from listed objects (start-up). Returns problems for the log."""
         problems: list[str] = []
         self.nodes.clear()
+        self.sliced.clear()
         self.pools.clear()
         self.ledger = Ledger()
         for p in pools:
@@ -153,18 +160,19 @@ class OperatorState:
                 reservations[k] = a
             except (KeyError, ValueError, TypeError) as e:
                 problems.append(f"VGPUClaim {c.get('metadata', {}).get('name')}: {e!r}")
-        invs = [self.ledger_inventory(n) for n in self.nodes]
-        self.ledger = Ledger.rebuild([i for i in invs if i is not None], reservations)
+        self.ledger = Ledger.rebuild(list(self.sliced.values()), reservations)
         self.dirty_nodes.update(self.nodes)
         return problems
 
     def ledger_inventory(self, node: str) -> NodeInventory | None:
-        rec = self.nodes.get(node)
-        if rec is None or rec.inventory is None:
-            return None
-        pools = list(self.pools.values())
-        cards = tuple(replace(c, slicing=effective_slicing(pools, rec.labels, c)) for c in rec.inventory.cards)
-        return replace(rec.inventory, node=node, cards=cards)
+        """The node's inventory with each card's slicing, exactly as the ledger has it."""
+        return self.sliced.get(node)
+
+    def pool_of(self, node: str, uuid: str) -> str:
+        """The VGPUPool that slices card ``uuid`` of ``node`` ("" when none does)."""
+        inv = self.sliced.get(node)
+        card = next((c for c in (inv.cards if inv else ()) if c.uuid == uuid), None)
+        return card.slicing.pool if card is not None and card.slicing is not None else ""
 
     def reserve(self, key: str, allocation: PodAllocation, *, force: bool = False) -> None:
         """Reserve in the ledger (raises ``AllocationError`` unless ``force``)."""
