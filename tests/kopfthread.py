@@ -73,7 +73,7 @@ def wait_port(host: str, port: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"nothing listens at {host}:{port} after {timeout:.0f} s")
 
 
-class _Collect(logging.Handler):
+class CollectRecords(logging.Handler):
     def __init__(self, records: list[logging.LogRecord]) -> None:
         super().__init__(logging.DEBUG)
         self.records = records
@@ -155,7 +155,7 @@ def kopf_in_thread(
 
     kopf_logger = logging.getLogger("kopf")
     old_level = kopf_logger.level
-    handler = _Collect(state.records)
+    handler = CollectRecords(state.records)
     kopf_logger.addHandler(handler)
     kopf_logger.setLevel(log_level)
     state.thread = threading.Thread(target=run, name="kopf-operator", daemon=True)

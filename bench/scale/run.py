@@ -170,6 +170,25 @@ class ProcSampler:
         return out
 
 
+def webhook_workers(pid: int) -> list[int]:
+    """The operator's admission worker processes (its children, less multiprocessing's helpers)."""
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    out = []
+    for k in sorted(set(kids)):
+        try:
+            cmd = Path(f"/proc/{k}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmd:
+            out.append(k)
+    return out
+
+
 def load_average() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
@@ -188,6 +207,34 @@ def scrape_histogram(port: int) -> dict[str, dict[float, float]]:
         verb, le = kv["verb"].strip('"'), kv["le"].strip('"')
         out.setdefault(verb, {})[float("inf") if le == "+Inf" else float(le)] = value
     return out
+
+
+async def api_requests(api: client.ApiClient) -> dict[str, float]:
+    """kube-apiserver's own count of the requests it served (``apiserver_request_total``), summed
+    per "VERB resource[/subresource]"; watches and the /metrics scrape itself left out."""
+    resp = await api.call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False)
+    try:
+        text = (await resp.read()).decode()
+    finally:
+        resp.release()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels, value = line[line.index("{") + 1:line.rindex("}")], float(line.rsplit(" ", 1)[1])
+        kv = {k: v.strip('"') for k, v in (p.split("=", 1) for p in labels.split('",') if "=" in p)}
+        verb, res, sub = kv.get("verb", ""), kv.get("resource", ""), kv.get("subresource", "")
+        if verb in ("WATCH", "CONNECT") or not res:
+            continue
+        key = f"{verb} {res}{'/' + sub if sub else ''}"
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def per_pod_requests(before: dict[str, float], after: dict[str, float], pods: int) -> dict[str, float]:
+    """API requests per pod during a burst, by "VERB resource", largest first (≥ 0.01 per pod)."""
+    d = {k: (v - before.get(k, 0.0)) / max(pods, 1) for k, v in after.items()}
+    return {k: round(v, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v >= 0.01}
 
 
 def histogram_quantiles(before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]
@@ -349,9 +396,13 @@ class Bench:
             await kubeio.create_pod(api, ns, b)
 
         hist0 = scrape_histogram(self.ext_port)
+        req0 = await api_requests(api)
         sampler = ProcSampler(self.pids())
         load0 = load_average()
         t_sched_start = None
+        pprof = None
+        if gpu and self.args.apiserver_profile:
+            pprof = asyncio.create_task(self.apiserver_profile(api, f"apiserver-{kind}-{mode}-{size}.pprof"))
         with sampler:
             if mode == "queued":
                 self.cluster.stop_component(sched)
@@ -373,7 +424,10 @@ class Bench:
             await asyncio.gather(*kubelet, return_exceptions=True)
         for w in watches:
             await w.stop()
+        if pprof is not None:
+            await pprof
         hist1 = scrape_histogram(self.ext_port)
+        req1 = await api_requests(api)
 
         bound = sorted(t_bound.values())
         lat_bound = [t_bound[n] - t_sent[n] for n in t_bound if n in t_sent]
@@ -408,18 +462,36 @@ class Bench:
             out["extender"] = histogram_quantiles(hist0, hist1)
         out["operator"] = sampler.summary()
         out["cpu_seconds_by_process"] = sampler.cpu_by_process()
+        out["api_requests_per_pod"] = per_pod_requests(req0, req1, size)
         out["load_average_1m"] = [load0, load_average()]
         out["wall_s"] = round(t_end - t0, 2)
         log(f"{kind:8s} {mode:6s} {size:5d} pods: bound {len(bound)}/{size}"
             f" {out.get('bound_per_s')} pods/s, running {out.get('running_per_s')} pods/s,"
             f" create {out['create_s']} s, errors {len(errors)}, operator {out['operator']}"
-            + (f", extender {out['extender']}" if gpu else "") + f", cpu {out['cpu_seconds_by_process']}")
+            + (f", extender {out['extender']}" if gpu else "") + f", cpu {out['cpu_seconds_by_process']}"
+            + f", API requests per pod {out['api_requests_per_pod']}")
         await self.cleanup_namespace(api, ns, gpu)
         return out
+
+    async def apiserver_profile(self, api: client.ApiClient, name: str) -> None:
+        """A CPU profile of kube-apiserver (Go pprof, ``/debug/pprof/profile``) over the first
+        ``--apiserver-profile`` seconds of the burst, saved in the run directory; read it with
+        ``go tool pprof -top <file>``."""
+        secs = int(self.args.apiserver_profile)
+        resp = await api.call_api("/debug/pprof/profile", "GET", query_params=[("seconds", secs)],
+                                  auth_settings=["BearerToken"], _preload_content=False,
+                                  _request_timeout=secs + 60)
+        try:
+            (self.run_dir / name).write_bytes(await resp.read())
+        finally:
+            resp.release()
+        log(f"kube-apiserver CPU profile: {self.run_dir / name}")
 
     def pids(self) -> dict[str, int]:
         """The processes whose CPU a burst accounts: control plane, operator, this bench."""
         out = {"operator": self.system.operator.pid, "bench": os.getpid()}  # type: ignore[union-attr]
+        for i, child in enumerate(webhook_workers(out["operator"])):
+            out[f"webhook-{i}"] = child
         for name, comp in self.cluster.components.items():
             out[name.replace("kube-scheduler-", "scheduler-")] = comp.pid
         return out
@@ -618,6 +690,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default="")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--apiserver-profile", type=int, default=0, metavar="SECONDS",
+                   help="record kube-apiserver's CPU (Go pprof) for SECONDS at the start of each GPU burst")
     p.add_argument("--profile", action="store_true",
                    help="record the operator with py-spy during the bursts (needs py-spy on PATH)")
     return p.parse_args(argv)

@@ -1,8 +1,10 @@
-"""The operator process: Kopf (reconcilers, admission webhooks) and the extender's HTTP server
-in one asyncio loop, sharing one :class:`OperatorState`.
+"""The operator process: Kopf (VGPUPool reconciler), list-and-watch streams
+of Nodes, kvgpu Pods and VGPUClaims (:mod:`kvgpu.watch`) and the extender's HTTP server in one
+asyncio loop, sharing one :class:`OperatorState`; the admission webhooks in worker processes
+(:mod:`kvgpu.admission.server`) it starts and watches.
 
 Start-up order: list nodes, pools and claims → rebuild the ledger → only then does the extender
-answer filter/bind (before that it tells kube-scheduler to retry) → Kopf watches keep the state
+answer filter/bind (before that it tells kube-scheduler to retry) → the watches keep the state
 live. Background tasks write node allocation annotations and VGPUPool status when they change,
 sweep orphaned claims, and requeue pending pods when capacity frees.
 """
@@ -31,6 +33,7 @@ from kvgpu.extender.server import Extender
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile import handlers
 from kvgpu.reconcile.state import OperatorState, allocation_from_claim, claim_key
+from kvgpu.watch import ListWatch
 
 log = structlog.get_logger("kvgpu.operator")
 
@@ -47,6 +50,7 @@ class OperatorConfig:
     webhook_cert: str | None = None
     webhook_key: str | None = None
     webhook_ca: str | None = None  # PEM bundle the API server uses to trust the webhook
+    webhook_workers: int = 2  # processes serving admission (kvgpu.admission.server)
     dev_webhook_configurations: bool = False  # create the webhook configurations pointing at us
     exclude_namespaces: tuple[str, ...] = ()
     operator_usernames: tuple[str, ...] = ()
@@ -76,6 +80,7 @@ class Runtime:
     extender_port: int = 0
     pools_dirty: bool = True
     _runner: web.AppRunner | None = None
+    _webhook_procs: list[Any] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _nudge: asyncio.Event = field(default_factory=asyncio.Event)
     _written_nodes: dict[str, str] = field(default_factory=dict)
@@ -84,6 +89,7 @@ class Runtime:
     _topology: dict[str, tuple[int, int, frozenset[str]]] | None = None
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     active: bool = True  # False on a standby replica (leader election)
+    watches: dict[str, ListWatch] = field(default_factory=dict)
 
     # ----- start / stop ------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -93,7 +99,7 @@ class Runtime:
         else:
             config.load_incluster_config(client_configuration=cfgobj)
         cfgobj.connection_pool_maxsize = 64
-        self.api = client.ApiClient(configuration=cfgobj)
+        self.api = kube.api_client(cfgobj)
         self.active = not self.cfg.leader_elect
         if self.active:
             await self.rebuild()
@@ -104,13 +110,25 @@ class Runtime:
         await site.start()
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         self.extender_port = int(sock.getsockname()[1])
+        if self.cfg.webhook_port:
+            await self.start_webhooks()
         if self.cfg.dev_webhook_configurations and self.cfg.webhook_port:
             await self.apply_dev_webhooks()
+        claims_path = f"/apis/{keys.GROUP}/{keys.VERSION}/vgpuclaims"
+        self.watches = {
+            "nodes": ListWatch(self.api, "/api/v1/nodes", self.on_node, project=_node_projection),
+            "pods": ListWatch(self.api, "/api/v1/pods", self.on_pod, project=_pod_projection,
+                              label_selector=f"{keys.POD_MANAGED_LABEL}=true"),
+            "vgpuclaims": ListWatch(self.api, claims_path, self.on_claim, project=_claim_projection),
+        }
         self._tasks = [
+            *(asyncio.create_task(w.run(), name=f"kvgpu-watch-{n}") for n, w in self.watches.items()),
             asyncio.create_task(self._loop(self.flush, self.cfg.flush_interval_s), name="kvgpu-flush"),
             asyncio.create_task(self._loop(self.sweep, self.cfg.sweep_interval_s), name="kvgpu-sweep"),
             asyncio.create_task(self._requeue_loop(), name="kvgpu-requeue"),
         ]
+        if self._webhook_procs:
+            self._tasks.append(asyncio.create_task(self._watch_webhooks(), name="kvgpu-webhook-watchdog"))
         if self.active:
             self._became_ready()
         else:
@@ -169,6 +187,10 @@ class Runtime:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if self._webhook_procs:
+            from kvgpu.admission.server import stop_workers
+
+            await asyncio.to_thread(stop_workers, self._webhook_procs)
         if self._runner is not None:
             await self._runner.cleanup()
         if self.api is not None:
@@ -180,10 +202,38 @@ class Runtime:
             kube.list_all(self.api, "nodes"), kube.list_all(self.api, "vgpupools"),
             kube.list_all(self.api, "vgpuclaims"))
         problems = self.state.rebuild(nodes, pools, claims)
+        # Phases as recorded, so a pod seen Running again after a restart costs no write.
+        self._claim_phase = {
+            claim_key(c["metadata"]["namespace"], c["metadata"]["name"]): str(phase)
+            for c in claims if (phase := (c.get("status") or {}).get("phase")) not in (None, "Released", "Failed")
+        }
         for p in problems + self.state.ledger.problems():
             log.warning("rebuild problem", problem=p)
         self.state.ready = True
         self.metrics.ledger_rebuild.set(time.perf_counter() - t0)
+
+    async def start_webhooks(self) -> None:
+        """Start the admission worker processes and a watchdog that stops the operator if one
+        dies (the pod is then restarted: admission must not silently lose capacity)."""
+        from kvgpu.admission.server import start_workers
+
+        if not (self.cfg.webhook_cert and self.cfg.webhook_key):
+            raise ValueError("the webhooks need --webhook-cert and --webhook-key")
+        listen = self.cfg.webhook_host if self.cfg.dev_webhook_configurations else "0.0.0.0"
+        assert self.cfg.webhook_port is not None
+        self._webhook_procs = await asyncio.to_thread(
+            start_workers, max(1, self.cfg.webhook_workers), listen, self.cfg.webhook_port,
+            self.cfg.webhook_cert, self.cfg.webhook_key, self.cfg.operator_usernames)
+        log.info("admission webhooks serving", port=self.cfg.webhook_port, workers=len(self._webhook_procs))
+
+    async def _watch_webhooks(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            dead = [p for p in self._webhook_procs if not p.is_alive()]
+            if dead:
+                log.error("an admission worker died: stopping", worker=dead[0].name, exitcode=dead[0].exitcode)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     async def apply_dev_webhooks(self) -> None:
         from kvgpu.admission.config import webhook_configurations
@@ -209,7 +259,21 @@ class Runtime:
                 body["metadata"]["resourceVersion"] = old.metadata.resource_version
                 await replace_(name, body)
 
-    # ----- pods and claims ---------------------------------------------------------------------
+    # ----- nodes, pods and claims (watch handlers) ----------------------------------------------
+    def on_node(self, etype: str, node: dict[str, Any]) -> None:
+        name = node["metadata"]["name"]
+        if etype == "DELETED":
+            if name in self.state.nodes:
+                self.state.remove_node(name)
+                self.claims_on_lost_node(name)
+            return
+        if self.state.set_node(node):
+            self.nudge_pending("node inventory changed")
+
+    def on_claim(self, etype: str, claim: dict[str, Any]) -> None:
+        if etype == "DELETED":
+            self.on_claim_deleted(claim)
+
     async def on_pod(self, etype: str | None, pod: dict[str, Any]) -> None:
         if not self.active:
             return  # a standby rebuilds from the claims when it takes over
@@ -240,7 +304,7 @@ class Runtime:
         key = claim_key(ns, name)
         if self._claim_phase.get(key) == phase:
             return
-        if await kube.patch_claim_status(self.api, ns, name, {"phase": phase, "message": message}) is not None:
+        if await kube.patch_claim_status(self.api, ns, name, {"phase": phase, "message": message}):
             self._claim_phase[key] = phase
             if phase in ("Released", "Failed"):
                 self._claim_phase.pop(key, None)
@@ -376,14 +440,21 @@ class Runtime:
     async def sweep(self) -> None:
         """Remove orphaned claims (their pod is gone or is another pod now) and release them;
         re-reserve live claims the ledger lacks (drift)."""
-        claims = await kube.list_all(self.api, "vgpuclaims")
-        pods = {p["metadata"]["uid"]: p for p in await kube.list_all(self.api, "pods")}
+        cw, pw = self.watches.get("vgpuclaims"), self.watches.get("pods")
+        if cw is not None and pw is not None and cw.synced.is_set() and pw.synced.is_set():
+            # What the watches know (their last list plus every event since): no list of the
+            # whole cluster every interval.
+            claims = list(cw.known().values())
+            pods: dict[str, Any] = dict(pw.known())
+        else:
+            claims = await kube.list_all(self.api, "vgpuclaims")
+            pods = {p["metadata"]["uid"]: p for p in await kube.list_all(self.api, "pods")}
         now = time.time()
         for c in claims:
             meta, spec = c["metadata"], c.get("spec") or {}
             if (c.get("status") or {}).get("phase") in ("Released", "Failed"):
                 continue
-            pod = pods.get(spec.get("podUID"))
+            pod = pods.get(str(spec.get("podUID", "")))
             if pod is None:
                 created = meta.get("creationTimestamp", "")
                 age = now - _ts(created)
@@ -430,6 +501,33 @@ class Runtime:
                     log.exception("requeue failed", pod=f"{ns}/{name}")
 
 
+def _node_projection(node: dict[str, Any]) -> dict[str, Any]:
+    meta = node.get("metadata") or {}
+    return {"metadata": {"name": meta.get("name"), "uid": meta.get("uid")}}
+
+
+def _pod_projection(pod: dict[str, Any]) -> dict[str, Any]:
+    """What a missed deletion needs (on_pod) and what the sweep reads: identity and claims."""
+    meta = pod.get("metadata") or {}
+    claims = (meta.get("annotations") or {}).get(keys.POD_CLAIMS)
+    out = {k: meta.get(k) for k in ("name", "namespace", "uid")}
+    if claims:
+        out["annotations"] = {keys.POD_CLAIMS: claims}
+    return {"metadata": out}
+
+
+def _claim_projection(claim: dict[str, Any]) -> dict[str, Any]:
+    """A claim less its managedFields and conditions: what release and the sweep read."""
+    meta = claim.get("metadata") or {}
+    phase = (claim.get("status") or {}).get("phase")
+    return {
+        "apiVersion": claim.get("apiVersion"), "kind": claim.get("kind"),
+        "metadata": {k: meta.get(k) for k in ("name", "namespace", "uid", "creationTimestamp")},
+        "spec": claim.get("spec") or {},
+        **({"status": {"phase": phase}} if phase else {}),
+    }
+
+
 def _ts(s: str) -> float:
     import datetime
 
@@ -460,16 +558,6 @@ def build(cfg: OperatorConfig) -> tuple[kopf.OperatorRegistry, kopf.OperatorSett
         return kopf.login_with_service_account(**kw)
 
     handlers.register(registry, rt)
-    if cfg.webhook_port:
-        from kvgpu.admission.handlers import register as register_admission
-
-        register_admission(registry, set(cfg.operator_usernames))
-        settings.admission.server = kopf.WebhookServer(
-            addr=cfg.webhook_host if cfg.dev_webhook_configurations else "0.0.0.0",
-            port=cfg.webhook_port, host=cfg.webhook_host,
-            certfile=cfg.webhook_cert, pkeyfile=cfg.webhook_key)
-        settings.admission.managed = None
-    settings.watching.label_selectors["pods"] = f"{keys.POD_MANAGED_LABEL}=true"
     settings.posting.level = 30  # warnings and errors become Events; decisions post their own
     settings.persistence.finalizer = "kvgpu.io/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvgpu.io")

@@ -1,6 +1,6 @@
 """The admission webhooks against the real kube-apiserver: our configurations (CEL match
-conditions included) are accepted by it, pods are mutated and refused through Kopf's webhook
-server, and pods that mention no GPU never reach the operator."""
+conditions included) are accepted by it, pods are mutated and refused through kvgpu's admission
+server (:mod:`kvgpu.admission.server`), and pods that mention no GPU never reach it."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import kopf
 import pytest
-from kopfthread import KopfThread, free_port, kopf_in_thread, temporarily_applied, wait_port
+from admissionthread import AdmissionThread, admission_in_thread
+from aiohttp import web
+from kopfthread import free_port, temporarily_applied
 from kvgpu.admission import mutate as m
 from kvgpu.admission.config import webhook_configurations
-from kvgpu.admission.handlers import register
 from kvgpu.admission.mutate import MANAGED_LABEL
+from kvgpu.admission.server import response_body
 from kvgpu.admission.validate import validate_pod
 from kvgpu.core import keys
 from kvgpu.devcluster import Cluster
@@ -26,22 +27,11 @@ NO_NODE = {"kvgpu.io/admission-test": "no-such-node"}
 
 
 @pytest.fixture(scope="module")
-def webhooks(cluster: Cluster) -> Iterator[KopfThread]:
-    registry = kopf.OperatorRegistry()
-    register(registry, {OPERATOR_USER})
-    _register_sidecar_injector(registry)
+def webhooks(cluster: Cluster) -> Iterator[AdmissionThread]:
     pki = cluster.run_dir / "pki"
     port = free_port()
-
-    def adjust(settings: kopf.OperatorSettings) -> None:
-        settings.admission.server = kopf.WebhookServer(
-            addr="127.0.0.1", port=port, host="127.0.0.1",
-            certfile=str(pki / "webhook.crt"), pkeyfile=str(pki / "webhook.key"),
-        )
-        settings.admission.managed = None
-
-    with kopf_in_thread(registry, cluster.operator_kubeconfig, adjust=adjust) as op:
-        wait_port("127.0.0.1", port)
+    with admission_in_thread(port, str(pki / "webhook.crt"), str(pki / "webhook.key"), {OPERATOR_USER},
+                             extra=_add_sidecar_injector) as op:
         ca = (pki / "ca.crt").read_bytes()
         configs = webhook_configurations(url_base=f"https://127.0.0.1:{port}", service=None, ca_bundle=ca,
                                          exclude_namespaces=[])
@@ -53,15 +43,17 @@ def webhooks(cluster: Cluster) -> Iterator[KopfThread]:
 SIDECAR_LABEL = "admission-test/sidecar"
 
 
-def _register_sidecar_injector(registry: kopf.OperatorRegistry) -> None:
+def _add_sidecar_injector(app: web.Application) -> None:
     """Another mutating webhook (think: a service mesh) that adds a container after ours ran."""
 
-    @kopf.on.mutate("pods", id="test-add-sidecar", operations=["CREATE"], registry=registry)
-    def add_sidecar(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-        names = [c["name"] for c in body["spec"]["containers"]]
-        if "mesh" not in names:
-            sidecar = {"name": "mesh", "image": "registry.invalid/mesh"}
-            patch.fns.append(lambda raw: raw["spec"]["containers"].append(sidecar))
+    async def add_sidecar(request: web.Request) -> web.Response:
+        req = (await request.json())["request"]
+        names = [c["name"] for c in req["object"]["spec"]["containers"]]
+        ops = [] if "mesh" in names else [
+            {"op": "add", "path": "/spec/containers/-", "value": {"name": "mesh", "image": "registry.invalid/mesh"}}]
+        return web.json_response(response_body(req, True, patch=ops))
+
+    app.router.add_post("/test-add-sidecar", add_sidecar)
 
 
 def _sidecar_configuration(ours: dict[str, Any], port: int) -> dict[str, Any]:
@@ -89,7 +81,7 @@ def _pod(namespace: str, name: str, annotations: dict[str, str] | None = None,
     }
 
 
-def _wait_webhooks_active(cluster: Cluster, op: KopfThread, timeout: float = 30.0) -> None:
+def _wait_webhooks_active(cluster: Cluster, op: AdmissionThread, timeout: float = 30.0) -> None:
     """The API server picks up new webhook configurations asynchronously (and a session-wide
     operator may have had its own under the same names): probe until our thread is called and
     refuses a bad pod (server-side dry run, nothing stored)."""
@@ -111,7 +103,7 @@ def _get(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
     return dict(json.loads(cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json").stdout))
 
 
-def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: KopfThread) -> None:
+def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: AdmissionThread) -> None:
     _create(cluster, _pod(namespace, "sliced", {"kvgpu.io/gpumem": "3000", "kvgpu.io/gpucores": "30"}))
     pod = _get(cluster, namespace, "sliced")
     assert pod["spec"]["schedulerName"] == keys.SCHEDULER_NAME
@@ -140,7 +132,7 @@ def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: Ko
 
 
 def test_reinvoked_after_another_webhook_adds_a_container(
-    cluster: Cluster, namespace: str, webhooks: KopfThread,
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread,
 ) -> None:
     pod = _pod(namespace, "meshed", {"kvgpu.io/gpumem": "3000"})
     pod["metadata"]["labels"] = {SIDECAR_LABEL: "yes"}
@@ -155,7 +147,7 @@ def test_reinvoked_after_another_webhook_adds_a_container(
     assert len(calls) == 2 and calls[1].endswith(": 1 patch ops"), calls
 
 
-def test_hami_limits_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: KopfThread) -> None:
+def test_hami_limits_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: AdmissionThread) -> None:
     pod = _pod(namespace, "hami", limits={"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"})
     init = {"name": "prep", "image": "registry.invalid/cuda:12",
             "resources": {"limits": {"nvidia.com/gpu": "1"}}}
@@ -172,7 +164,7 @@ def test_hami_limits_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: 
 
 
 def test_bad_value_is_refused_with_the_message(
-    cluster: Cluster, namespace: str, webhooks: KopfThread,
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread,
 ) -> None:
     p = _create(cluster, _pod(namespace, "bad", {"kvgpu.io/gpumem": "3Gx", "kvgpu.io/gpucores": "130"}),
                 check=False)
@@ -183,7 +175,7 @@ def test_bad_value_is_refused_with_the_message(
 
 
 def test_forged_allocation_annotation_is_refused(
-    cluster: Cluster, namespace: str, webhooks: KopfThread,
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread,
 ) -> None:
     forged = {"kvgpu.io/gpumem": "3000", "kvgpu.io/claim.main": "v1;GPU-0;m=80000"}
     p = _create(cluster, _pod(namespace, "forged", forged), check=False)
@@ -191,7 +183,7 @@ def test_forged_allocation_annotation_is_refused(
 
 
 def test_foreign_scheduler_and_preset_node_are_refused(
-    cluster: Cluster, namespace: str, webhooks: KopfThread,
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread,
 ) -> None:
     pod = _pod(namespace, "volcano", {"kvgpu.io/gpumem": "3000"})
     pod["spec"]["schedulerName"] = "volcano"
@@ -203,7 +195,7 @@ def test_foreign_scheduler_and_preset_node_are_refused(
     assert p.returncode != 0 and "spec.nodeName" in p.stderr, p.stderr
 
 
-def test_reserved_env_is_refused(cluster: Cluster, namespace: str, webhooks: KopfThread) -> None:
+def test_reserved_env_is_refused(cluster: Cluster, namespace: str, webhooks: AdmissionThread) -> None:
     pod = _pod(namespace, "sneaky", {"kvgpu.io/gpumem": "3000"})
     pod["spec"]["containers"][0]["env"] = [{"name": "CUDA_DISABLE_CONTROL", "value": "true"}]
     pod["spec"]["containers"][1]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
@@ -213,7 +205,7 @@ def test_reserved_env_is_refused(cluster: Cluster, namespace: str, webhooks: Kop
 
 
 def test_allocation_annotations_change_only_by_the_operator(
-    cluster: Cluster, namespace: str, webhooks: KopfThread,
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread,
 ) -> None:
     _create(cluster, _pod(namespace, "bound", {"kvgpu.io/gpumem": "3000"}))
     key = keys.devices_annotation("main")
@@ -236,7 +228,7 @@ def test_allocation_annotations_change_only_by_the_operator(
     cluster.kubectl("annotate", "pod", "bound", "-n", namespace, "note=hello")
 
 
-def test_debug_container_gets_no_cards(cluster: Cluster, namespace: str, webhooks: KopfThread) -> None:
+def test_debug_container_gets_no_cards(cluster: Cluster, namespace: str, webhooks: AdmissionThread) -> None:
     _create(cluster, _pod(namespace, "dbg", {"kvgpu.io/gpumem": "3000"}))
     p = cluster.kubectl("debug", "dbg", "-n", namespace, "--image=registry.invalid/cuda-debug",
                         "--container=evil", "--env=NVIDIA_VISIBLE_DEVICES=all", check=False)
@@ -255,7 +247,7 @@ def _deployment(namespace: str, name: str, annotations: dict[str, str]) -> dict[
 
 
 def test_workloads_are_checked_at_apply_and_their_pods_mutated(
-    cluster: Cluster, namespace: str, webhooks: KopfThread,
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread,
 ) -> None:
     bad = _deployment(namespace, "bad", {"kvgpu.io/gpumem": "3Gx"})
     p = cluster.kubectl("apply", "-f", "-", input=json.dumps(bad), check=False)
@@ -288,7 +280,7 @@ def test_workloads_are_checked_at_apply_and_their_pods_mutated(
 
 
 def test_pod_without_gpu_keys_never_reaches_the_webhook(
-    cluster: Cluster, namespace: str, webhooks: KopfThread,
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread,
 ) -> None:
     _create(cluster, _pod(namespace, "plain", {"team": "web"}))
     cluster.kubectl("label", "pod", "plain", "-n", namespace, "x=y")

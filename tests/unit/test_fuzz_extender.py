@@ -291,19 +291,50 @@ def _bind_args(node: str) -> bytes:
 
 def test_bind_reserves_before_its_first_api_call(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """While bind waits for the API, the cards it will take are already out of filter's view
-    (before: a burst piled onto one node and most of its binds failed)."""
+    (before: a burst piled onto one node and most of its binds failed). After filter, bind does
+    not read the pod at all: its first call creates the claim."""
     pod = _gpu_pod(mem="20000")  # a whole card of n0's two
     harness.post("filter", json.dumps({"pod": pod, "nodenames": ["n0"]}).encode())
     seen: list[str | None] = []
+    reads: list[str] = []
 
-    async def slow_get_pod(api: Any, ns: str, name: str) -> Any:
+    async def create_claim(api: Any, ns: str, body: dict[str, Any]) -> None:
         seen.append(harness.state.ledger.pod_node(UID))
+
+    async def get_pod(api: Any, ns: str, name: str) -> Any:
+        reads.append(name)
         return copy_json(pod)
 
-    monkeypatch.setattr(kube, "get_pod", slow_get_pod)
+    monkeypatch.setattr(kube, "create_claim", create_claim)
+    monkeypatch.setattr(kube, "get_pod", get_pod)
     status, data = harness.post("bind", _bind_args("n0"))
     assert (status, data) == (200, {}), data
-    assert seen == ["n0"], "the reservation was not made before the pod was read"
+    assert seen == ["n0"], "the reservation was not made before the claim was created"
+    assert reads == [], "bind read the pod although filter had just parsed it"
+
+
+def test_bind_after_filter_reads_the_pod_when_its_claim_exists(harness: Harness,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unread path meets an existing claim (the pod was bound by an earlier attempt): it
+    reads the pod, and a pod bound to another node is refused with nothing left reserved."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    pod = _gpu_pod()
+    harness.post("filter", json.dumps({"pod": pod, "nodenames": ["n0"]}).encode())
+    bound = copy_json(pod)
+    bound["spec"]["nodeName"] = "n1"
+
+    async def create_claim(api: Any, ns: str, body: dict[str, Any]) -> None:
+        raise ApiException(status=409, reason="AlreadyExists")
+
+    async def get_pod(api: Any, ns: str, name: str) -> Any:
+        return copy_json(bound)
+
+    monkeypatch.setattr(kube, "create_claim", create_claim)
+    monkeypatch.setattr(kube, "get_pod", get_pod)
+    status, data = harness.post("bind", _bind_args("n0"))
+    assert status == 200 and "already bound to n1" in data.get("error", ""), data
+    assert harness.state.ledger.pod_node(UID) is None
 
 
 def test_bind_replaces_a_stale_claim_of_the_same_pod(harness: Harness,

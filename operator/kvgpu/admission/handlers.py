@@ -1,21 +1,21 @@
-"""Kopf wiring of the admission webhooks (no decisions here: see mutate.py and validate.py).
+"""The admission decisions per webhook, on AdmissionReview requests (pure; no I/O).
 
-:func:`register` adds three handlers to a registry (mutate pods, validate pods, validate
-workload pod templates); their ids are the URL paths the webhook configurations
-(:mod:`kvgpu.admission.config`) point at. Serving is Kopf's webhook server with
-``settings.admission.managed = None``: we write our own configurations, because Kopf's managed
-ones have no namespaceSelector, matchConditions or reinvocationPolicy and a 30 s timeout.
+:func:`review` maps a webhook id (the URL path the configurations in
+:mod:`kvgpu.admission.config` point at) and the review's ``request`` to a :class:`Decision`:
+mutate pods (JSON-patch ops from :mod:`kvgpu.admission.mutate`), validate pods and validate
+workload pod templates (:mod:`kvgpu.admission.validate`). Served by
+:mod:`kvgpu.admission.server` (HTTPS, worker processes). Every call is logged at DEBUG on
+``kvgpu.admission`` ("kvgpu admission: mutate CREATE pod ns/name: 3 patch ops"), refusals at INFO.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
-import kopf
-
-from kvgpu.admission.mutate import apply_ops, mutate_ephemeral, mutate_pod
+from kvgpu.admission.mutate import mutate_ephemeral, mutate_pod
 from kvgpu.admission.validate import EPHEMERAL, validate_pod, validate_workload
 
 MUTATE_ID = "kvgpu-mutate-pods"
@@ -31,7 +31,18 @@ WORKLOADS: frozenset[tuple[str, str]] = frozenset({
 #: HTTP status sent with a refusal; the API server shows the message to the user either way.
 REFUSAL_CODE = 400
 
-Logger = logging.Logger | logging.LoggerAdapter[Any]
+log = logging.getLogger("kvgpu.admission")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``allowed``; for a mutation the JSON-patch ``patch`` ops (RFC 6902, ``add`` only); for a
+    refusal the ``message`` the user sees and the HTTP-style ``code``."""
+
+    allowed: bool = True
+    patch: list[dict[str, Any]] = field(default_factory=list)
+    message: str = ""
+    code: int = REFUSAL_CODE
 
 
 def refusal_message(errors: list[str]) -> str:
@@ -45,72 +56,46 @@ def _who(pod: dict[str, Any]) -> str:
     return f"pod {meta.get('namespace', '')}/{meta.get('name') or meta.get('generateName', '') + '*'}"
 
 
-def register(registry: kopf.OperatorRegistry, operator_usernames: Collection[str]) -> None:
-    """Register the pod webhooks (mutate, validate) and the workload template webhook
-    (validate) on ``registry``.
+def review(webhook: str, request: dict[str, Any], operator_usernames: Collection[str]) -> Decision:
+    """The decision of webhook ``webhook`` (an id above) on an AdmissionReview ``request``.
 
     ``operator_usernames``: the API usernames of the operator (e.g.
     ``system:serviceaccount:kvgpu-system:kvgpu-operator``); only they may change allocation
-    annotations on existing pods.
-    """
-    operators = frozenset(operator_usernames)
-
-    # subresource="*": the configurations route pods (CREATE) and pods/ephemeralcontainers
-    # (UPDATE) here; Kopf would otherwise match the main resource only.
-    @kopf.on.mutate("pods", id=MUTATE_ID, operations=["CREATE", "UPDATE"], subresource="*",
-                    registry=registry)
-    def mutate(
-        body: kopf.Body, patch: kopf.Patch, logger: Logger,
-        operation: str | None = None, subresource: str | None = None, **_: Any,
-    ) -> None:
-        pod = dict(body)
+    annotations on existing pods. Raises ``KeyError`` for an unknown webhook id."""
+    operation = str(request.get("operation") or "")
+    subresource = request.get("subResource") or None
+    obj = request.get("object") or {}
+    old = request.get("oldObject") or None
+    if webhook == MUTATE_ID:
         if subresource == EPHEMERAL and operation == "UPDATE":
-            ops = mutate_ephemeral(pod)
+            ops = mutate_ephemeral(obj)
         elif subresource is None and operation == "CREATE":
-            ops = mutate_pod(pod)
+            ops = mutate_pod(obj)
         else:
             ops = []
-        logger.debug("kvgpu admission: mutate %s %s%s: %d patch ops", operation, _who(pod),
-                     f" ({subresource})" if subresource else "", len(ops))
-        if not ops:
-            return
-        # Kopf diffs the body before and after the patch's functions to build the JSON patch.
-        def apply(raw: Any) -> None:
-            raw.update(apply_ops(raw, ops))
-
-        patch.fns.append(apply)
-
-    @kopf.on.validate("pods", id=VALIDATE_ID, operations=["CREATE", "UPDATE"], subresource="*",
-                      registry=registry)
-    def validate(
-        body: kopf.Body, userinfo: kopf.UserInfo, logger: Logger,
-        old: kopf.Body | None = None, operation: str | None = None, subresource: str | None = None,
-        **_: Any,
-    ) -> None:
-        username = str((userinfo or {}).get("username", ""))
-        logger.debug("kvgpu admission: validate %s %s%s by %s", operation, _who(dict(body)),
-                     f" ({subresource})" if subresource else "", username)
-        errors = validate_pod(
-            operation or "", dict(body), dict(old) if old is not None else None, username, operators,
-            subresource=subresource,
-        )
+        log.debug("kvgpu admission: mutate %s %s%s: %d patch ops", operation, _who(obj),
+                  f" ({subresource})" if subresource else "", len(ops))
+        return Decision(patch=ops)
+    if webhook == VALIDATE_ID:
+        username = str((request.get("userInfo") or {}).get("username", ""))
+        log.debug("kvgpu admission: validate %s %s%s by %s", operation, _who(obj),
+                  f" ({subresource})" if subresource else "", username)
+        errors = validate_pod(operation, obj, old, username, frozenset(operator_usernames), subresource=subresource)
         if errors:
-            logger.info("kvgpu: refused %s by %s: %s", operation, username, "; ".join(errors))
-            raise kopf.AdmissionError(refusal_message(errors), code=REFUSAL_CODE)
-
-    def is_workload(resource: kopf.Resource) -> bool:
-        return (resource.group, resource.plural) in WORKLOADS
-
-    @kopf.on.validate(is_workload, id=VALIDATE_WORKLOADS_ID, operations=["CREATE", "UPDATE"],
-                      registry=registry)
-    def validate_template(
-        body: kopf.Body, resource: kopf.Resource, logger: Logger,
-        old: kopf.Body | None = None, operation: str | None = None, **_: Any,
-    ) -> None:
-        meta = body.get("metadata") or {}
-        logger.debug("kvgpu admission: validate %s %s %s/%s", operation, resource.plural,
-                     meta.get("namespace", ""), meta.get("name", ""))
-        errors = validate_workload(operation or "", dict(body), dict(old) if old is not None else None)
+            log.info("kvgpu: refused %s by %s: %s", operation, username, "; ".join(errors))
+            return Decision(False, message=refusal_message(errors))
+        return Decision()
+    if webhook == VALIDATE_WORKLOADS_ID:
+        res = request.get("resource") or {}
+        plural = str(res.get("resource", ""))
+        meta = obj.get("metadata") or {}
+        log.debug("kvgpu admission: validate %s %s %s/%s", operation, plural, meta.get("namespace", ""),
+                  meta.get("name", ""))
+        if (str(res.get("group", "")), plural) not in WORKLOADS:
+            return Decision()
+        errors = validate_workload(operation, obj, old)
         if errors:
-            logger.info("kvgpu: refused %s of %s: %s", operation, resource.plural, "; ".join(errors))
-            raise kopf.AdmissionError(refusal_message(errors), code=REFUSAL_CODE)
+            log.info("kvgpu: refused %s of %s: %s", operation, plural, "; ".join(errors))
+            return Decision(False, message=refusal_message(errors))
+        return Decision()
+    raise KeyError(webhook)

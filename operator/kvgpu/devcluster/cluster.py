@@ -140,7 +140,7 @@ class Cluster:
                  "--service-cluster-ip-range=10.0.0.0/24", "--authorization-mode=Node,RBAC",
                  "--allow-privileged=true",
                  "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
-                 f"--cert-dir={self.run_dir / 'pki'}", "--profiling=false",
+                 f"--cert-dir={self.run_dir / 'pki'}", "--profiling=true",  # /debug/pprof, for bench/scale
                  "--max-requests-inflight=2000", "--max-mutating-requests-inflight=1000",
                  "--enable-priority-and-fairness=false", "--v=1"],
                 port=self.api_port,

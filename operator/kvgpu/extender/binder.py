@@ -6,8 +6,12 @@ pod run one at a time, a retry of a pod this process already bound elsewhere is 
 0. with the request filter parsed for this pod, ``allocate`` + ``reserve`` on the node before
    any API call, so the next pods' filters see the cards taken (without this, a burst piles
    onto the node prioritize likes best while the first binds wait for the API);
-1. read the pod; refuse if its UID differs (a new pod with the same name) or if it is already
-   bound elsewhere; a pod already bound to this node with its claims present is a success;
+1. without step 0 (no filter hint: a retry, or filter ran in another process), read the pod;
+   refuse if its UID differs (a new pod with the same name) or if it is already bound
+   elsewhere; a pod already bound to this node with its claims present is a success. With step
+   0 the pod is not read (filter had it a moment ago): the Binding's UID precondition and its
+   409 for a bound pod catch what the read would, and a claim that already exists makes the
+   bind read the pod after all;
 2. ``allocate`` + ``reserve`` in the ledger (unless step 0 did, for the same request), one key
    per container claim, with no ``await`` in between (this is what makes concurrent binds on
    one node safe without a node lock); a retry that finds this pod's reservations on the same
@@ -212,24 +216,38 @@ class Binder:
                 self.state.release_pod(args.pod_uid)
             raise
 
-    async def _bind_pod(self, args: BindingArgs, early: PodRequest | None) -> None:
+    async def _read_pod(self, args: BindingArgs) -> tuple[dict[str, Any], str | None]:
+        """The live pod and the node it is bound to; BindError when it is gone, is another pod
+        now, or is bound to another node."""
         ns, name, node = args.pod_namespace, args.pod_name, args.node
         pod = await kube.get_pod(self.api, ns, name)
         if pod is None:
             raise BindError(f"pod {ns}/{name} no longer exists")
-        meta, spec = pod["metadata"], pod.get("spec", {})
-        if meta.get("uid") != args.pod_uid:
-            raise BindError(f"pod {ns}/{name} has UID {meta.get('uid')}, not {args.pod_uid}")
-        bound_to = spec.get("nodeName")
+        if pod["metadata"].get("uid") != args.pod_uid:
+            raise BindError(f"pod {ns}/{name} has UID {pod['metadata'].get('uid')}, not {args.pod_uid}")
+        bound_to = (pod.get("spec") or {}).get("nodeName")
         if bound_to and bound_to != node:
             raise BindError(f"pod {ns}/{name} is already bound to {bound_to}")
-        try:
-            req = parse_pod(pod, self.state.default_pool_spec())
-        except RequestError as e:
-            raise BindError(f"invalid GPU request: {e}") from e
-        if req is None:
-            raise BindError(f"pod {ns}/{name} requests no GPU slices; it should not use {keys.SCHEDULER_NAME}")
-        req = PodRequest(ns, name, args.pod_uid, req.containers, req.node_policy, req.gpu_policy)
+        return pod, bound_to
+
+    async def _bind_pod(self, args: BindingArgs, early: PodRequest | None) -> None:
+        ns, name, node = args.pod_namespace, args.pod_name, args.node
+        bound_to: str | None = None
+        unread = early is not None
+        if early is not None:
+            # Step 0 reserved with the request filter parsed from the pod it was sent: no read.
+            pod: dict[str, Any] = {"metadata": {"name": name, "namespace": ns, "uid": args.pod_uid}}
+            req = early
+        else:
+            pod, bound_to = await self._read_pod(args)
+            try:
+                parsed = parse_pod(pod, self.state.default_pool_spec())
+            except RequestError as e:
+                raise BindError(f"invalid GPU request: {e}") from e
+            if parsed is None:
+                raise BindError(f"pod {ns}/{name} requests no GPU slices; it should not use {keys.SCHEDULER_NAME}")
+            req = PodRequest(ns, name, args.pod_uid, parsed.containers, parsed.node_policy, parsed.gpu_policy)
+        meta = pod["metadata"]
         names = {c.container: claim_name(name, c.container, args.pod_uid) for c in req.containers}
         ckeys = {c: claim_key(ns, n) for c, n in names.items()}
 
@@ -259,6 +277,9 @@ class Binder:
                 except ApiException as e:
                     if e.status != 409:
                         raise
+                    if unread:  # the claim exists: this is not a first bind after all; look
+                        _, bound_to = await self._read_pod(args)
+                        unread = False
                     cname = body["metadata"]["name"]
                     old = await kube.get_claim(self.api, ns, cname)
                     if old is not None and old["spec"].get("podUID") == args.pod_uid and not bound_to \

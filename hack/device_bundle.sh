@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Packs what bench/scale/run.py needs on a remote x86-64 machine that has no internet
+# (Python 3.12 with a fixed set of packages, see REMOTE below) into two git-ignored folders:
+#   .whl/         cp312 manylinux wheels of every runtime dependency the remote lacks
+#   .ktp/ktp.xz   the control-plane binary (etcd, kube-apiserver, ... in one), xz-compressed
+# Carry both to the remote and run bench/scale/device.sh there. Needs the .venv from
+# `make install` (versions are pinned to it, so the remote runs the same code as CI).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+VPY=.venv/bin/python
+LIMIT_MIB=60   # .whl + .ktp; the remote copy (work tree included) is capped at 64 MiB
+[ -x "$VPY" ] || { echo "device_bundle: $root/$VPY missing; run 'make install' first" >&2; exit 1; }
+
+# Installed on the remote image already: neither carried nor followed into their dependencies.
+REMOTE="aiohttp aiosignal frozenlist multidict yarl propcache attrs certifi charset-normalizer idna
+ urllib3 requests six python-dateutil pyyaml psutil prometheus-client grpcio protobuf
+ typing-extensions uvloop click numpy matplotlib hypothesis pytest packaging"
+# Third-party imports of bench/scale beyond the kvgpu package's own dependencies.
+BENCH="kubernetes-asyncio"
+
+# a) The transitive closure of pyproject's [project] dependencies + BENCH, walked through the
+#    metadata of the local venv (markers evaluated for CPython 3.12 on Linux x86-64, extras
+#    skipped), one NAME==VERSION per distribution, pinned to the installed version.
+pins=$("$VPY" - "$REMOTE" "$BENCH" <<'EOF'
+import re, sys, tomllib
+from importlib.metadata import PackageNotFoundError, distribution
+from packaging.requirements import Requirement
+from packaging.markers import default_environment
+
+def canon(n): return re.sub(r"[-_.]+", "-", n).lower()
+provided = {canon(n) for n in sys.argv[1].split()}
+roots = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] + sys.argv[2].split()
+env = default_environment() | {"python_version": "3.12", "python_full_version": "3.12.3",
+       "implementation_name": "cpython", "platform_python_implementation": "CPython",
+       "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+pins, todo = {}, [Requirement(r) for r in roots]
+while todo:
+    req = todo.pop()
+    name = canon(req.name)
+    if name in provided or name in pins or (req.marker and not req.marker.evaluate(env)):
+        continue
+    try:
+        dist = distribution(req.name)
+    except PackageNotFoundError:
+        sys.exit(f"device_bundle: {req} is needed on 3.12 but not installed in .venv")
+    pins[name] = dist.version
+    todo += [Requirement(r) for r in dist.requires or []]
+print(" ".join(f"{n}=={v}" for n, v in sorted(pins.items())))
+EOF
+)
+echo "device_bundle: $(wc -w <<<"$pins") wheels: $pins" >&2
+rm -rf .whl && mkdir .whl   # wiped: exactly one version of each, nothing stale
+# shellcheck disable=SC2086  # $pins is a word list on purpose
+"$VPY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $pins
+n=$(find .whl -type f -name '*.whl' | wc -l)
+[ "$n" -eq "$(wc -w <<<"$pins")" ] || { echo "device_bundle: $n wheels for $(wc -w <<<"$pins") pins" >&2; exit 1; }
+
+# b) The ktp binary (built or taken from its cache); recompressed only when the build changed,
+#    since xz of ~134 MB takes a while. build.sh prints the bin directory on its last line.
+bin=$(hack/ktp/build.sh | tail -n1)
+mkdir -p .ktp
+if [ "$(cat .ktp/source 2>/dev/null)" != "$bin" ] || [ ! -s .ktp/ktp.xz ]; then
+  xz -T2 -6 -c "$bin/ktp" >.ktp/ktp.xz.tmp && mv .ktp/ktp.xz.tmp .ktp/ktp.xz
+  echo "$bin" >.ktp/source
+fi
+
+# c) Sizes: the carried folders must leave room for the work tree under the 64 MiB copy cap.
+du -h .whl/*.whl .ktp/ktp.xz | sort -h >&2
+total=$(du -cb .whl .ktp | tail -n1 | cut -f1)
+tree=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -n1 | cut -f1 || true)
+echo "device_bundle: .whl + .ktp = $((total >> 20)) MiB (limit $LIMIT_MIB); work tree $((tree >> 20)) MiB" >&2
+[ "$total" -le $((LIMIT_MIB << 20)) ] || { echo "device_bundle: bundle above $LIMIT_MIB MiB" >&2; exit 1; }

@@ -1,0 +1,193 @@
+"""The admission webhook server: AdmissionReview v1 over HTTPS, in worker processes.
+
+Three webhooks, each at ``/<id>`` (the ids of :mod:`kvgpu.admission.handlers`, which
+:mod:`kvgpu.admission.config` points the configurations at): mutate pods, validate pods,
+validate workload pod templates. The decisions are :func:`kvgpu.admission.handlers.review`
+(pure); this module is the HTTP and process adapter.
+
+Why worker processes: every GPU pod is admitted twice (mutate, validate), and serving that in
+the operator's single asyncio thread — TLS, HTTP, JSON — cost about a quarter of the operator's
+CPU during bursts, on the same core as the scheduler extender that bind latency depends on.
+The workers need no API access (the review carries the object), so ``--webhook-workers N``
+processes share the port through ``SO_REUSEPORT`` (the kernel spreads connections over them);
+each dies with the operator (``PR_SET_PDEATHSIG``). They serve on every replica, leader or not,
+so admission stays up while a standby takes over the lease.
+
+Errors: a body that is not an AdmissionReview gets HTTP 400; an exception inside a decision
+refuses the object with a message (``failurePolicy: Fail`` semantics: never admit unchecked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ctypes
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import ssl
+import time
+from collections.abc import Collection
+from typing import Any
+
+from aiohttp import web
+
+from kvgpu.admission.handlers import MUTATE_ID, VALIDATE_ID, VALIDATE_WORKLOADS_ID, review
+
+log = logging.getLogger("kvgpu.admission")
+
+
+def response_body(request: dict[str, Any], allowed: bool, *, patch: list[dict[str, Any]] | None = None,
+                  message: str = "", code: int = 400) -> dict[str, Any]:
+    """An AdmissionReview v1 answer to ``request`` (the review's ``request`` field)."""
+    resp: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": allowed}
+    if patch:
+        resp["patchType"] = "JSONPatch"
+        resp["patch"] = base64.b64encode(json.dumps(patch, separators=(",", ":")).encode()).decode()
+    if not allowed:
+        resp["status"] = {"code": code, "message": message}
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": resp}
+
+
+def make_app(operator_usernames: Collection[str]) -> web.Application:
+    """The aiohttp application: ``POST /<webhook id>`` for each webhook (other paths: 404)."""
+    operators = frozenset(operator_usernames)
+
+    async def handle(request: web.Request) -> web.Response:
+        webhook = request.path.strip("/")
+        try:
+            body = json.loads(await request.read())
+            req = body["request"]
+            if not isinstance(req, dict):
+                raise TypeError("request is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            return web.json_response({"error": f"not an AdmissionReview: {e}"}, status=400)
+        try:
+            decision = review(webhook, req, operators)
+        except Exception as e:  # a bug: refuse rather than admit unchecked
+            log.exception("kvgpu admission: %s failed", webhook)
+            return web.json_response(response_body(req, False, message=f"kvgpu admission failed: {e!r}",
+                                                   code=500))
+        return web.json_response(response_body(req, decision.allowed, patch=decision.patch,
+                                               message=decision.message, code=decision.code))
+
+    app = web.Application()
+    for webhook in (MUTATE_ID, VALIDATE_ID, VALIDATE_WORKLOADS_ID):
+        app.router.add_post(f"/{webhook}", handle)
+    return app
+
+
+def ssl_context(certfile: str, keyfile: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(certfile, keyfile)
+    return ctx
+
+
+CERT_CHECK_S = 10.0
+
+
+def _mtimes(*paths: str) -> tuple[float, ...]:
+    out = []
+    for p in paths:
+        try:
+            out.append(os.stat(p).st_mtime)
+        except OSError:
+            out.append(0.0)
+    return tuple(out)
+
+
+async def _reload_certificate(ctx: ssl.SSLContext, certfile: str, keyfile: str) -> None:
+    """Load the certificate again when its files change (cert-manager renews the Secret, the
+    kubelet swaps the mounted files); new connections get the new one."""
+    seen = _mtimes(certfile, keyfile)
+    while True:
+        await asyncio.sleep(CERT_CHECK_S)
+        now = _mtimes(certfile, keyfile)
+        if now == seen:
+            continue
+        try:
+            ctx.load_cert_chain(certfile, keyfile)
+            seen = now
+            log.info("kvgpu admission: serving certificate reloaded from %s", certfile)
+        except (OSError, ssl.SSLError) as e:  # mid-rotation: key and certificate not matching yet
+            log.warning("kvgpu admission: certificate not reloaded yet: %s", e)
+
+
+async def serve(host: str, port: int, certfile: str, keyfile: str, operator_usernames: Collection[str],
+                *, reuse_port: bool = False, stop: asyncio.Event | None = None,
+                app: web.Application | None = None) -> None:
+    """Serve until ``stop`` is set (forever when None)."""
+    runner = web.AppRunner(app or make_app(operator_usernames), access_log=None)
+    await runner.setup()
+    ctx = ssl_context(certfile, keyfile)
+    site = web.TCPSite(runner, host, port, ssl_context=ctx, reuse_port=reuse_port)
+    await site.start()
+    reload = asyncio.create_task(_reload_certificate(ctx, certfile, keyfile))
+    try:
+        await (stop or asyncio.Event()).wait()
+    finally:
+        reload.cancel()
+        await runner.cleanup()
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG(SIGTERM): the kernel ends this worker when the operator ends."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker(host: str, port: int, certfile: str, keyfile: str, operators: list[str]) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the operator's Ctrl-C stops us through it
+    try:
+        import uvloop
+
+        uvloop.run(serve(host, port, certfile, keyfile, operators, reuse_port=True))
+    except ImportError:
+        asyncio.run(serve(host, port, certfile, keyfile, operators, reuse_port=True))
+
+
+def start_workers(workers: int, host: str, port: int, certfile: str, keyfile: str,
+                  operator_usernames: Collection[str], *, ready_timeout_s: float = 30.0
+                  ) -> list[multiprocessing.process.BaseProcess]:
+    """Start ``workers`` server processes on ``host:port`` (a fixed port: they share it) and
+    wait until the port accepts connections. Raises ``TimeoutError`` (workers stopped) if it
+    does not within ``ready_timeout_s``, ``RuntimeError`` if a worker exits first."""
+    if port <= 0:
+        raise ValueError("webhook workers need a fixed port")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(host, port, certfile, keyfile, sorted(operator_usernames)),
+                         name=f"kvgpu-webhook-{i}", daemon=True) for i in range(workers)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            stop_workers(procs)
+            raise RuntimeError(f"webhook worker {dead[0].name} exited with {dead[0].exitcode}")
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return procs
+        except OSError:
+            if time.monotonic() > deadline:
+                stop_workers(procs)
+                raise TimeoutError(
+                    f"no webhook worker listened at {host}:{port} after {ready_timeout_s:.0f} s") from None
+            time.sleep(0.05)
+
+
+def stop_workers(procs: list[multiprocessing.process.BaseProcess], timeout_s: float = 5.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout_s)

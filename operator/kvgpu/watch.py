@@ -1,0 +1,224 @@
+"""List-and-watch streams for the operator's hot paths (Pods, VGPUClaims, Nodes).
+
+Kopf's per-event machinery (causes, diffs, handler bookkeeping, logging) cost 25–35 % of the
+operator's CPU during bursts (py-spy, docs/benchmarks.md), although the handlers act on few of
+those events. These streams hand each event's object, as plain JSON, straight to a handler —
+what a client-go informer does, without its cache of whole objects:
+
+* **list** (paginated, ``limit`` 500) and hand every object over as ``ADDED``; objects known from
+  an earlier list that are gone now are handed over as ``DELETED`` (their last *projection*, see
+  below), so a watch that broke for a while never leaves a deletion unseen;
+* **watch** from the list's ``resourceVersion`` with bookmarks (``allowWatchBookmarks``), server
+  timeout 300 s, resuming from the last resourceVersion seen; ``410 Gone`` (the version was
+  compacted away) → list again; connection errors → retry after a back-off (0.2 s doubling to
+  5 s), from the last resourceVersion.
+* **per-object order**: a handler that is a coroutine function runs as one worker per object
+  (key = UID); events of one object never overlap, and events that arrive while its handler runs
+  are coalesced to the latest (level-based handlers need only the latest state; a ``DELETED``
+  is always the latest). Different objects run concurrently. Plain functions run inline.
+
+``project`` keeps, per object, what a synthesized ``DELETED`` needs (e.g. a claim's spec) and
+what :meth:`ListWatch.known` returns to the orphan sweep instead of listing the cluster again.
+
+The stream is read in chunks and split on newlines itself: aiohttp's ``readline`` refuses lines
+longer than 128 KiB, and a pod may carry 256 KiB of annotations. Wire format: one JSON object per
+line, ``{"type": "ADDED|MODIFIED|DELETED|BOOKMARK|ERROR", "object": {...}}`` (Kubernetes API
+concepts, "Efficient detection of changes").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import structlog
+from kubernetes_asyncio.client.exceptions import ApiException
+
+log = structlog.get_logger("kvgpu.watch")
+
+Handler = Callable[[str, dict[str, Any]], Awaitable[None] | None]
+Projection = Callable[[dict[str, Any]], dict[str, Any]]
+
+PAGE = 500
+SERVER_TIMEOUT_S = 300
+BACKOFF_MIN_S = 0.2
+BACKOFF_MAX_S = 5.0
+
+
+class Gone(Exception):
+    """The watch's resourceVersion is too old (HTTP 410): list again."""
+
+
+def metadata_only(obj: dict[str, Any]) -> dict[str, Any]:
+    """Default projection: name, namespace, UID, labels and annotations."""
+    meta = obj.get("metadata") or {}
+    keep = {k: meta[k] for k in ("name", "namespace", "uid", "labels", "annotations", "creationTimestamp")
+            if k in meta}
+    return {"metadata": keep}
+
+
+class ListWatch:
+    """One resource's list-and-watch loop feeding ``handler(event_type, obj)``.
+
+    ``path``: the collection URL (``/api/v1/pods``, ``/apis/kvgpu.io/v1alpha1/vgpuclaims``);
+    ``label_selector``: as for ``kubectl -l``. :meth:`run` never returns (cancel it); handler
+    exceptions are logged and do not stop the stream.
+    """
+
+    def __init__(self, api: Any, path: str, handler: Handler, *, label_selector: str | None = None,
+                 project: Projection = metadata_only, name: str = "") -> None:
+        self.api = api
+        self.path = path
+        self.handler = handler
+        self.label_selector = label_selector
+        self.project = project
+        self.name = name or path.rsplit("/", 1)[-1]
+        self.synced = asyncio.Event()  # set after the first list was handed over
+        self.events = 0  # objects handed over (list items and watch events)
+        self.relists = 0
+        self._known: dict[str, dict[str, Any]] = {}
+        self._async = inspect.iscoroutinefunction(handler)
+        self._latest: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
+
+    # ----- public ---------------------------------------------------------------------------
+    def known(self) -> dict[str, dict[str, Any]]:
+        """UID → projection of every object the stream currently knows (a live view; copy it
+        before awaiting)."""
+        return self._known
+
+    async def run(self) -> None:
+        delay = BACKOFF_MIN_S
+        rv: str | None = None
+        while True:
+            try:
+                if rv is None:
+                    rv = await self._list()
+                    self.synced.set()
+                rv = await self._watch(rv)
+                delay = BACKOFF_MIN_S
+            except asyncio.CancelledError:
+                raise
+            except Gone:
+                log.info("watch expired: listing again", resource=self.name)
+                self.relists += 1
+                rv = None
+            except (aiohttp.ClientError, OSError, TimeoutError, ApiException, ValueError) as e:
+                log.warning("watch broke: retrying", resource=self.name, error=repr(e)[:200], after_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX_S)
+
+    async def drain(self) -> None:
+        """Wait until every handler started so far has finished (tests, shutdown)."""
+        while self._workers:
+            await asyncio.gather(*list(self._workers.values()), return_exceptions=True)
+
+    # ----- list and watch ---------------------------------------------------------------------
+    async def _get(self, query: list[tuple[str, Any]], request_timeout_s: float) -> Any:
+        if self.label_selector:
+            query = [*query, ("labelSelector", self.label_selector)]
+        return await self.api.call_api(
+            self.path, "GET", query_params=query, header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"], _preload_content=False, _request_timeout=request_timeout_s)
+
+    async def _list(self) -> str:
+        seen: dict[str, dict[str, Any]] = {}
+        items: list[dict[str, Any]] = []
+        cont = ""
+        while True:
+            query: list[tuple[str, Any]] = [("limit", PAGE)]
+            if cont:
+                query.append(("continue", cont))
+            resp = await self._get(query, 120)
+            try:
+                page = json.loads(await resp.read())
+            finally:
+                resp.release()
+            items.extend(page.get("items") or [])
+            meta = page.get("metadata") or {}
+            cont = meta.get("continue") or ""
+            if not cont:
+                rv = str(meta.get("resourceVersion", ""))
+                break
+        for obj in items:
+            uid = (obj.get("metadata") or {}).get("uid", "")
+            seen[uid] = self.project(obj)
+            self._dispatch(uid, "ADDED", obj)
+        gone = [(uid, last) for uid, last in self._known.items() if uid not in seen]
+        self._known = seen
+        for uid, last in gone:
+            self._dispatch(uid, "DELETED", last)
+        return rv
+
+    async def _watch(self, rv: str) -> str:
+        query = [("watch", "true"), ("resourceVersion", rv), ("allowWatchBookmarks", "true"),
+                 ("timeoutSeconds", SERVER_TIMEOUT_S)]
+        try:
+            resp = await self._get(query, SERVER_TIMEOUT_S + 30)
+        except ApiException as e:
+            if e.status == 410:
+                raise Gone(str(e.reason)) from e
+            raise
+        try:
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                if b"\n" not in chunk:
+                    continue
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        rv = self._event(json.loads(line)) or rv
+            if buf.strip():
+                rv = self._event(json.loads(buf)) or rv
+        finally:
+            resp.release()
+        return rv
+
+    def _event(self, ev: dict[str, Any]) -> str | None:
+        etype, obj = ev.get("type", ""), ev.get("object") or {}
+        if etype == "ERROR":
+            if obj.get("code") == 410:
+                raise Gone(obj.get("message", ""))
+            raise ValueError(f"watch error: {obj.get('message', obj)}")
+        meta = obj.get("metadata") or {}
+        rv = meta.get("resourceVersion")
+        if etype == "BOOKMARK":
+            return rv
+        uid = meta.get("uid", "")
+        if etype == "DELETED":
+            self._known.pop(uid, None)
+        else:
+            self._known[uid] = self.project(obj)
+        self._dispatch(uid, etype, obj)
+        return rv
+
+    # ----- handing over -----------------------------------------------------------------------
+    def _dispatch(self, key: str, etype: str, obj: dict[str, Any]) -> None:
+        self.events += 1
+        if not self._async:
+            try:
+                self.handler(etype, obj)
+            except Exception:
+                log.exception("watch handler failed", resource=self.name, event=etype)
+            return
+        self._latest[key] = (etype, obj)
+        if key not in self._workers:
+            self._workers[key] = asyncio.create_task(self._work(key), name=f"kvgpu-{self.name}-{key}")
+
+    async def _work(self, key: str) -> None:
+        try:
+            while key in self._latest:
+                etype, obj = self._latest.pop(key)
+                try:
+                    await self.handler(etype, obj)  # type: ignore[misc]
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("watch handler failed", resource=self.name, event=etype)
+        finally:
+            self._workers.pop(key, None)
