@@ -13,6 +13,7 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from kvgpu.core import keys
+from kvgpu.kube import read_checked
 
 MERGE = "application/merge-patch+json"
 
@@ -33,13 +34,13 @@ async def bounded(items: list[Any], fn: Callable[[Any], Awaitable[Any]], limit: 
 
 async def create_pod(api: client.ApiClient, ns: str, body: dict[str, Any]) -> None:
     resp = await client.CoreV1Api(api).create_namespaced_pod(ns, body, _preload_content=False)
-    resp.release()
+    await read_checked(resp)
 
 
 async def create_node(api: client.ApiClient, body: dict[str, Any]) -> None:
     try:
         resp = await client.CoreV1Api(api).create_node(body, _preload_content=False)
-        resp.release()
+        await read_checked(resp)
     except ApiException as e:
         if e.status != 409:
             raise
@@ -50,14 +51,14 @@ async def mark_running(api: client.ApiClient, ns: str, name: str) -> None:
                        "conditions": [{"type": "Ready", "status": "True"}]}}
     resp = await client.CoreV1Api(api).patch_namespaced_pod_status(
         name, ns, body, _content_type=MERGE, _preload_content=False)
-    resp.release()
+    await read_checked(resp)
 
 
 async def delete_pod(api: client.ApiClient, ns: str, name: str) -> None:
     try:
         resp = await client.CoreV1Api(api).delete_namespaced_pod(
             name, ns, grace_period_seconds=0, _preload_content=False)
-        resp.release()
+        await read_checked(resp)
     except ApiException as e:
         if e.status != 404:
             raise
@@ -79,9 +80,7 @@ async def list_raw(api: client.ApiClient, kind: str, ns: str | None = None) -> d
                                                          _preload_content=False))
     else:
         raise ValueError(kind)
-    data = await resp.read()
-    resp.release()
-    return json.loads(data)
+    return dict(json.loads(await read_checked(resp)))
 
 
 class Watch:

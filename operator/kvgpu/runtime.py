@@ -32,7 +32,7 @@ from kvgpu.core import keys
 from kvgpu.extender.server import Extender
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile import handlers
-from kvgpu.reconcile.state import OperatorState, allocation_from_claim, claim_key
+from kvgpu.reconcile.state import OperatorState, allocation_from_claim
 from kvgpu.watch import ListWatch
 
 log = structlog.get_logger("kvgpu.operator")
@@ -60,6 +60,7 @@ class OperatorConfig:
     sweep_interval_s: float = 15.0
     flush_interval_s: float = 0.5
     orphan_grace_s: float = 30.0
+    bind_events: bool = True  # a GPUSlicesBound Event per pod (posted by the claim-phase worker)
     ready_file: str | None = None  # written with the extender URL once ready
     # Leader election on a Lease: every replica watches (a warm standby), only the leader
     # answers the extender, reports ready and writes. Losing the lease ends the process.
@@ -85,7 +86,7 @@ class Runtime:
     _nudge: asyncio.Event = field(default_factory=asyncio.Event)
     _written_nodes: dict[str, str] = field(default_factory=dict)
     _written_pools: dict[str, dict[str, Any]] = field(default_factory=dict)
-    _claim_phase: dict[str, str] = field(default_factory=dict)
+    _phase_worker: Any = None  # the claim-phase worker process while leading
     _topology: dict[str, tuple[int, int, frozenset[str]]] | None = None
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     active: bool = True  # False on a standby replica (leader election)
@@ -117,8 +118,6 @@ class Runtime:
         claims_path = f"/apis/{keys.GROUP}/{keys.VERSION}/vgpuclaims"
         self.watches = {
             "nodes": ListWatch(self.api, "/api/v1/nodes", self.on_node, project=_node_projection),
-            "pods": ListWatch(self.api, "/api/v1/pods", self.on_pod, project=_pod_projection,
-                              label_selector=f"{keys.POD_MANAGED_LABEL}=true"),
             "vgpuclaims": ListWatch(self.api, claims_path, self.on_claim, project=_claim_projection),
         }
         self._tasks = [
@@ -127,8 +126,7 @@ class Runtime:
             asyncio.create_task(self._loop(self.sweep, self.cfg.sweep_interval_s), name="kvgpu-sweep"),
             asyncio.create_task(self._requeue_loop(), name="kvgpu-requeue"),
         ]
-        if self._webhook_procs:
-            self._tasks.append(asyncio.create_task(self._watch_webhooks(), name="kvgpu-webhook-watchdog"))
+        self._tasks.append(asyncio.create_task(self._watch_children(), name="kvgpu-children-watchdog"))
         if self.active:
             self._became_ready()
         else:
@@ -136,6 +134,11 @@ class Runtime:
             log.info("standby: waiting for the lease", lease=f"{self.cfg.lease_namespace}/{self.cfg.lease_name}")
 
     def _became_ready(self) -> None:
+        from kvgpu.reconcile import phaseworker
+
+        self._phase_worker = phaseworker.start(phaseworker.PhaseWorkerConfig(
+            kubeconfig=self.cfg.kubeconfig, orphan_grace_s=self.cfg.orphan_grace_s,
+            sweep_interval_s=self.cfg.sweep_interval_s, bind_events=self.cfg.bind_events))
         self.ready_event.set()
         if self.cfg.ready_file:
             Path(self.cfg.ready_file).write_text(
@@ -187,10 +190,11 @@ class Runtime:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self._webhook_procs:
-            from kvgpu.admission.server import stop_workers
+        from kvgpu import procs
 
-            await asyncio.to_thread(stop_workers, self._webhook_procs)
+        children = [*self._webhook_procs, *([self._phase_worker] if self._phase_worker is not None else [])]
+        if children:
+            await asyncio.to_thread(procs.stop, children)
         if self._runner is not None:
             await self._runner.cleanup()
         if self.api is not None:
@@ -202,11 +206,6 @@ class Runtime:
             kube.list_all(self.api, "nodes"), kube.list_all(self.api, "vgpupools"),
             kube.list_all(self.api, "vgpuclaims"))
         problems = self.state.rebuild(nodes, pools, claims)
-        # Phases as recorded, so a pod seen Running again after a restart costs no write.
-        self._claim_phase = {
-            claim_key(c["metadata"]["namespace"], c["metadata"]["name"]): str(phase)
-            for c in claims if (phase := (c.get("status") or {}).get("phase")) not in (None, "Released", "Failed")
-        }
         for p in problems + self.state.ledger.problems():
             log.warning("rebuild problem", problem=p)
         self.state.ready = True
@@ -226,12 +225,15 @@ class Runtime:
             self.cfg.webhook_cert, self.cfg.webhook_key, self.cfg.operator_usernames)
         log.info("admission webhooks serving", port=self.cfg.webhook_port, workers=len(self._webhook_procs))
 
-    async def _watch_webhooks(self) -> None:
+    async def _watch_children(self) -> None:
+        """Stop the operator when a child process dies (admission worker, claim-phase worker):
+        the Deployment restarts the whole pod, instead of it running on without them."""
         while True:
             await asyncio.sleep(1.0)
-            dead = [p for p in self._webhook_procs if not p.is_alive()]
+            children = [*self._webhook_procs, *([self._phase_worker] if self._phase_worker is not None else [])]
+            dead = [p for p in children if not p.is_alive()]
             if dead:
-                log.error("an admission worker died: stopping", worker=dead[0].name, exitcode=dead[0].exitcode)
+                log.error("a child process died: stopping", child=dead[0].name, exitcode=dead[0].exitcode)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
@@ -271,56 +273,21 @@ class Runtime:
             self.nudge_pending("node inventory changed")
 
     def on_claim(self, etype: str, claim: dict[str, Any]) -> None:
-        if etype == "DELETED":
-            self.on_claim_deleted(claim)
-
-    async def on_pod(self, etype: str | None, pod: dict[str, Any]) -> None:
+        """A claim deleted, or Released/Failed (its pod ended: the claim-phase worker wrote it),
+        frees its reservation — if the ledger holds exactly what the claim records (a newer
+        claim under the same name, from a later bind, is not freed by an old one's event)."""
         if not self.active:
             return  # a standby rebuilds from the claims when it takes over
-        meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-        uid, ns, name = meta["uid"], meta["namespace"], meta["name"]
-        phase = status.get("phase")
-        if etype == "DELETED" or phase in handlers.TERMINAL:
-            self.state.pending.pop(uid, None)
-            released = self.state.release_pod(uid)
-            claims = [c for c in (meta.get("annotations") or {}).get(keys.POD_CLAIMS, "").split(",") if c]
-            for cname in claims:
-                if etype == "DELETED":
-                    await kube.delete_claim(self.api, ns, cname)
-                else:
-                    await self._set_claim_phase(ns, cname, "Released", f"pod {phase}")
-            if released:
-                self.nudge_pending(f"pod {ns}/{name} released its slices")
-            return
-        if not spec.get("nodeName"):
-            return
-        self.state.pending.pop(uid, None)
-        if phase == "Running":
-            for cname in (meta.get("annotations") or {}).get(keys.POD_CLAIMS, "").split(","):
-                if cname:
-                    await self._set_claim_phase(ns, cname, "Running", f"pod running on {spec['nodeName']}")
-
-    async def _set_claim_phase(self, ns: str, name: str, phase: str, message: str) -> None:
-        key = claim_key(ns, name)
-        if self._claim_phase.get(key) == phase:
-            return
-        if await kube.patch_claim_status(self.api, ns, name, {"phase": phase, "message": message}):
-            self._claim_phase[key] = phase
-            if phase in ("Released", "Failed"):
-                self._claim_phase.pop(key, None)
-
-    def on_claim_deleted(self, claim: dict[str, Any]) -> None:
-        if not self.active:
+        if etype != "DELETED" and (claim.get("status") or {}).get("phase") not in ("Released", "Failed"):
             return
         try:
             key, alloc = allocation_from_claim(claim)
         except (KeyError, ValueError, TypeError):
             return
-        self._claim_phase.pop(key, None)
         held = self.state.ledger.reservation(key)
         if held is not None and held == alloc:
             self.state.release_key(key)
-            self.nudge_pending(f"claim {key} deleted")
+            self.nudge_pending(f"claim {key} {'deleted' if etype == 'DELETED' else 'released'}")
 
     def claims_on_lost_node(self, node: str) -> None:
         """A node disappeared: its pods are gone with it (pod GC); the sweep releases claims."""
@@ -438,40 +405,20 @@ class Runtime:
             self._written_pools[name] = compare
 
     async def sweep(self) -> None:
-        """Remove orphaned claims (their pod is gone or is another pod now) and release them;
-        re-reserve live claims the ledger lacks (drift)."""
-        cw, pw = self.watches.get("vgpuclaims"), self.watches.get("pods")
-        if cw is not None and pw is not None and cw.synced.is_set() and pw.synced.is_set():
-            # What the watches know (their last list plus every event since): no list of the
-            # whole cluster every interval.
-            claims = list(cw.known().values())
-            pods: dict[str, Any] = dict(pw.known())
+        """Re-reserve live claims the ledger lacks (drift: a reservation lost to a bug or a
+        missed event); the claims are the truth. Orphaned claims are the claim-phase worker's."""
+        cw = self.watches.get("vgpuclaims")
+        if cw is not None and cw.synced.is_set():
+            claims = list(cw.known().values())  # the watch's view: no list of the cluster
         else:
             claims = await kube.list_all(self.api, "vgpuclaims")
-            pods = {p["metadata"]["uid"]: p for p in await kube.list_all(self.api, "pods")}
-        now = time.time()
         for c in claims:
-            meta, spec = c["metadata"], c.get("spec") or {}
             if (c.get("status") or {}).get("phase") in ("Released", "Failed"):
                 continue
-            pod = pods.get(str(spec.get("podUID", "")))
-            if pod is None:
-                created = meta.get("creationTimestamp", "")
-                age = now - _ts(created)
-                if age < self.cfg.orphan_grace_s:
-                    continue  # a bind in flight may not have bound the pod yet
-                # Re-check the pod directly (the list is label-filtered).
-                live = await kube.get_pod(self.api, meta["namespace"], spec.get("podName", ""))
-                if live is not None and live["metadata"]["uid"] == spec.get("podUID"):
-                    continue
-                log.info("removing orphaned claim", claim=f"{meta['namespace']}/{meta['name']}")
-                await kube.delete_claim(self.api, meta["namespace"], meta["name"])
-                self.state.release_key(claim_key(meta["namespace"], meta["name"]))
-                await kube.post_event(self.api, c, reason="OrphanRemoved",
-                                      message="the pod this claim belonged to no longer exists")
-                self.nudge_pending("orphaned claim removed")
+            try:
+                key, alloc = allocation_from_claim(c)
+            except (KeyError, ValueError, TypeError):
                 continue
-            key, alloc = allocation_from_claim(c)
             if self.state.ledger.reservation(key) is None:
                 try:
                     self.state.reserve(key, alloc)
@@ -506,16 +453,6 @@ def _node_projection(node: dict[str, Any]) -> dict[str, Any]:
     return {"metadata": {"name": meta.get("name"), "uid": meta.get("uid")}}
 
 
-def _pod_projection(pod: dict[str, Any]) -> dict[str, Any]:
-    """What a missed deletion needs (on_pod) and what the sweep reads: identity and claims."""
-    meta = pod.get("metadata") or {}
-    claims = (meta.get("annotations") or {}).get(keys.POD_CLAIMS)
-    out = {k: meta.get(k) for k in ("name", "namespace", "uid")}
-    if claims:
-        out["annotations"] = {keys.POD_CLAIMS: claims}
-    return {"metadata": out}
-
-
 def _claim_projection(claim: dict[str, Any]) -> dict[str, Any]:
     """A claim less its managedFields and conditions: what release and the sweep read."""
     meta = claim.get("metadata") or {}
@@ -526,15 +463,6 @@ def _claim_projection(claim: dict[str, Any]) -> dict[str, Any]:
         "spec": claim.get("spec") or {},
         **({"status": {"phase": phase}} if phase else {}),
     }
-
-
-def _ts(s: str) -> float:
-    import datetime
-
-    try:
-        return datetime.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
-    except ValueError:
-        return 0.0
 
 
 def build(cfg: OperatorConfig) -> tuple[kopf.OperatorRegistry, kopf.OperatorSettings, Runtime]:

@@ -18,12 +18,12 @@ what a client-go informer does, without its cache of whole objects:
   is always the latest). Different objects run concurrently. Plain functions run inline.
 
 ``project`` keeps, per object, what a synthesized ``DELETED`` needs (e.g. a claim's spec) and
-what :meth:`ListWatch.known` returns to the orphan sweep instead of listing the cluster again.
+what :meth:`ListWatch.known` returns to periodic checks instead of listing the cluster again.
 
-The stream is read in chunks and split on newlines itself: aiohttp's ``readline`` refuses lines
-longer than 128 KiB, and a pod may carry 256 KiB of annotations. Wire format: one JSON object per
-line, ``{"type": "ADDED|MODIFIED|DELETED|BOOKMARK|ERROR", "object": {...}}`` (Kubernetes API
-concepts, "Efficient detection of changes").
+The stream is read in chunks and split on newlines here, so no line length limit of the HTTP
+client's reader applies (a pod may carry 256 KiB of annotations; an object up to etcd's 1.5 MiB).
+Wire format: one JSON object per line, ``{"type": "ADDED|MODIFIED|DELETED|BOOKMARK|ERROR",
+"object": {...}}`` (Kubernetes API concepts, "Efficient detection of changes").
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from typing import Any
 import aiohttp
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from kvgpu.kube import read_checked
 
 log = structlog.get_logger("kvgpu.watch")
 
@@ -121,9 +123,12 @@ class ListWatch:
     async def _get(self, query: list[tuple[str, Any]], request_timeout_s: float) -> Any:
         if self.label_selector:
             query = [*query, ("labelSelector", self.label_selector)]
-        return await self.api.call_api(
+        resp = await self.api.call_api(
             self.path, "GET", query_params=query, header_params={"Accept": "application/json"},
             auth_settings=["BearerToken"], _preload_content=False, _request_timeout=request_timeout_s)
+        if not 200 <= resp.status <= 299:
+            await read_checked(resp)  # raises ApiException with the API server's Status
+        return resp
 
     async def _list(self) -> str:
         seen: dict[str, dict[str, Any]] = {}
@@ -133,11 +138,7 @@ class ListWatch:
             query: list[tuple[str, Any]] = [("limit", PAGE)]
             if cont:
                 query.append(("continue", cont))
-            resp = await self._get(query, 120)
-            try:
-                page = json.loads(await resp.read())
-            finally:
-                resp.release()
+            page = json.loads(await read_checked(await self._get(query, 120)))
             items.extend(page.get("items") or [])
             meta = page.get("metadata") or {}
             cont = meta.get("continue") or ""
@@ -204,7 +205,7 @@ class ListWatch:
             try:
                 self.handler(etype, obj)
             except Exception:
-                log.exception("watch handler failed", resource=self.name, event=etype)
+                log.exception("watch handler failed", resource=self.name, event_type=etype)
             return
         self._latest[key] = (etype, obj)
         if key not in self._workers:
@@ -219,6 +220,6 @@ class ListWatch:
                 except asyncio.CancelledError:
                     raise
                 except Exception:
-                    log.exception("watch handler failed", resource=self.name, event=etype)
+                    log.exception("watch handler failed", resource=self.name, event_type=etype)
         finally:
             self._workers.pop(key, None)

@@ -23,6 +23,7 @@ from kvgpu.admission.validate import validate_pod, validate_workload
 from kvgpu.api import requests as rq
 from kvgpu.api.requests import RequestError, parse_pod
 from kvgpu.api.requests import validate_pod as request_errors
+from kvgpu.core import keys
 
 OPERATOR = "kvgpu-operator"
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -233,13 +234,16 @@ def test_mutating_webhook_never_raises_and_is_idempotent(pod: Any) -> None:
     mutated = apply_ops(pod, ops)
     assert mutate_pod(mutated) == [], "a second mutation would change the pod again"
     # A valid request, once mutated, passes the validating webhook at CREATE, unless the user
-    # set something only refused on purpose (another scheduler, reserved env vars).
+    # set something only refused on purpose (another scheduler, reserved env vars, annotations
+    # only the operator writes).
     try:
         parse_pod(pod)
     except RequestError:
         return
     spec = pod.get("spec") or {}
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
     if spec.get("schedulerName") == "other" or any(
-            c.get("env") for k in ("containers", "initContainers") for c in spec.get(k) or []):
+            c.get("env") for k in ("containers", "initContainers") for c in spec.get(k) or []) or any(
+            keys.is_allocation_annotation(k) for k in annotations):
         return
     assert validate_pod("CREATE", mutated, None, "alice", {OPERATOR}) == []

@@ -21,20 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ctypes
 import json
 import logging
-import multiprocessing
 import os
-import signal
 import socket
 import ssl
 import time
 from collections.abc import Collection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from aiohttp import web
 
+from kvgpu import procs
 from kvgpu.admission.handlers import MUTATE_ID, VALIDATE_ID, VALIDATE_WORKLOADS_ID, review
 
 log = logging.getLogger("kvgpu.admission")
@@ -133,61 +132,42 @@ async def serve(host: str, port: int, certfile: str, keyfile: str, operator_user
         await runner.cleanup()
 
 
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG(SIGTERM): the kernel ends this worker when the operator ends."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _worker(host: str, port: int, certfile: str, keyfile: str, operators: list[str]) -> None:
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the operator's Ctrl-C stops us through it
-    try:
-        import uvloop
-
-        uvloop.run(serve(host, port, certfile, keyfile, operators, reuse_port=True))
-    except ImportError:
-        asyncio.run(serve(host, port, certfile, keyfile, operators, reuse_port=True))
+    procs.die_with_parent("kvgpu-webhook")
+    procs.run_child(serve(host, port, certfile, keyfile, operators, reuse_port=True))
 
 
 def start_workers(workers: int, host: str, port: int, certfile: str, keyfile: str,
                   operator_usernames: Collection[str], *, ready_timeout_s: float = 30.0
-                  ) -> list[multiprocessing.process.BaseProcess]:
+                  ) -> list[BaseProcess]:
     """Start ``workers`` server processes on ``host:port`` (a fixed port: they share it) and
     wait until the port accepts connections. Raises ``TimeoutError`` (workers stopped) if it
     does not within ``ready_timeout_s``, ``RuntimeError`` if a worker exits first."""
     if port <= 0:
         raise ValueError("webhook workers need a fixed port")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(host, port, certfile, keyfile, sorted(operator_usernames)),
-                         name=f"kvgpu-webhook-{i}", daemon=True) for i in range(workers)]
-    for p in procs:
-        p.start()
+    # Someone else on the port (without SO_REUSEPORT) would make every worker fail to bind while
+    # the readiness probe below connects to that someone: find out first.
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        probe.bind((host, port))  # OSError (EADDRINUSE) names the clash
+    started = [procs.spawn(_worker, (host, port, certfile, keyfile, sorted(operator_usernames)),
+                           f"kvgpu-webhook-{i}") for i in range(workers)]
     deadline = time.monotonic() + ready_timeout_s
     while True:
-        dead = [p for p in procs if not p.is_alive()]
+        dead = [p for p in started if not p.is_alive()]
         if dead:
-            stop_workers(procs)
+            stop_workers(started)
             raise RuntimeError(f"webhook worker {dead[0].name} exited with {dead[0].exitcode}")
         try:
             with socket.create_connection((host, port), timeout=1):
-                return procs
+                return started
         except OSError:
             if time.monotonic() > deadline:
-                stop_workers(procs)
+                stop_workers(started)
                 raise TimeoutError(
                     f"no webhook worker listened at {host}:{port} after {ready_timeout_s:.0f} s") from None
             time.sleep(0.05)
 
 
-def stop_workers(procs: list[multiprocessing.process.BaseProcess], timeout_s: float = 5.0) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout_s)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout_s)
+def stop_workers(workers: list[BaseProcess], timeout_s: float = 5.0) -> None:
+    procs.stop(workers, timeout_s)

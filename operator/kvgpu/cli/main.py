@@ -43,6 +43,8 @@ def main() -> None:
               help="CA bundle for the webhook configurations (with --dev-webhooks)")
 @click.option("--webhook-workers", type=click.IntRange(1, 64), default=2, show_default=True,
               help="processes serving the admission webhooks (they share --webhook-port)")
+@click.option("--bind-events/--no-bind-events", default=True, show_default=True,
+              help="post a GPUSlicesBound Event on each pod whose claims become Bound (which cards, how much)")
 @click.option("--dev-webhooks", is_flag=True,
               help="create the webhook configurations pointing at https://<webhook-host>:<port>")
 @click.option("--operator-username", "operator_usernames", multiple=True,
@@ -62,7 +64,7 @@ def main() -> None:
               help="write the extender URL here once the ledger is rebuilt")
 def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: int | None, webhook_host: str,
                  webhook_cert: str | None, webhook_key: str | None, webhook_ca: str | None, webhook_workers: int,
-                 dev_webhooks: bool,
+                 bind_events: bool, dev_webhooks: bool,
                  operator_usernames: tuple[str, ...], exclude_namespaces: tuple[str, ...], leader_elect: bool,
                  lease_namespace: str, lease_name: str, identity: str, peering: bool, priority: int,
                  ready_file: str | None) -> None:
@@ -76,7 +78,8 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: in
     cfg = OperatorConfig(
         kubeconfig=kubeconfig, extender_host=host, extender_port=int(port), webhook_port=webhook_port,
         webhook_host=webhook_host, webhook_cert=webhook_cert, webhook_key=webhook_key, webhook_ca=webhook_ca,
-        webhook_workers=webhook_workers, dev_webhook_configurations=dev_webhooks, operator_usernames=operator_usernames,
+        webhook_workers=webhook_workers, bind_events=bind_events,
+        dev_webhook_configurations=dev_webhooks, operator_usernames=operator_usernames,
         exclude_namespaces=exclude_namespaces, standalone=not peering, priority=priority,
         ready_file=ready_file, leader_elect=leader_elect, lease_namespace=lease_namespace, lease_name=lease_name,
         identity=identity)

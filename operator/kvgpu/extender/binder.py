@@ -21,7 +21,8 @@ pod run one at a time, a retry of a pod this process already bound elsewhere is 
    leftover of a bind cut short and is replaced, one of another pod is an error);
 4. create the Binding carrying the allocation annotations the container's env and claim file
    read (downward API): the API server merges them into the pod in the same write that sets
-   ``spec.nodeName``; answer; then mark the claims Bound and post the Event.
+   ``spec.nodeName``; answer. (The claim-phase worker, :mod:`kvgpu.reconcile.phaseworker`,
+   then marks the claims Bound when it sees the bound pod, and posts the Event.)
 
 Any failure (API errors and unexpected ones too) releases the ledger keys and deletes the
 claims this attempt created, so nothing stays reserved; the error goes back to kube-scheduler,
@@ -47,7 +48,7 @@ from kvgpu.core import keys
 from kvgpu.core.claimstr import ClaimDevice, ClaimString
 from kvgpu.core.requests import PodAllocation, PodRequest
 from kvgpu.extender.protocol import BindingArgs
-from kvgpu.reconcile.state import OperatorState, claim_key
+from kvgpu.reconcile.state import OperatorState, allocation_from_claim, claim_key
 
 log = structlog.get_logger("kvgpu.bind")
 
@@ -128,7 +129,6 @@ class Binder:
         self.metrics = metrics
         # pod UID -> the request filter parsed; bind reserves with it before its first API call
         self._hints: dict[str, PodRequest] = {}
-        self._tail: set[asyncio.Task[None]] = set()
         # pod UID -> [lock, users]: binds of one pod run one at a time (kube-scheduler retries a
         # bind that timed out while the first attempt may still be running here)
         self._locks: dict[str, list[Any]] = {}
@@ -247,7 +247,6 @@ class Binder:
             if parsed is None:
                 raise BindError(f"pod {ns}/{name} requests no GPU slices; it should not use {keys.SCHEDULER_NAME}")
             req = PodRequest(ns, name, args.pod_uid, parsed.containers, parsed.node_policy, parsed.gpu_policy)
-        meta = pod["metadata"]
         names = {c.container: claim_name(name, c.container, args.pod_uid) for c in req.containers}
         ckeys = {c: claim_key(ns, n) for c, n in names.items()}
 
@@ -256,6 +255,7 @@ class Binder:
         if early is not None and early != req:
             reused = None  # the pod's request changed since filter: allocate for the live one
         created: list[str] = []
+        replaced: list[dict[str, Any]] = []  # stale claims this attempt deleted (restored on failure)
         if reused is None:
             self.state.release_pod(args.pod_uid)  # a retry towards another node
             try:
@@ -289,6 +289,7 @@ class Binder:
                         log.info("replacing a stale claim", claim=f"{ns}/{cname}",
                                  old_node=old["spec"].get("node"), node=node)
                         await kube.delete_claim(self.api, ns, cname)
+                        replaced.append(old)
                         await kube.create_claim(self.api, ns, body)
                         created.append(cname)
                     elif old is None or old["spec"].get("podUID") != args.pod_uid or old["spec"].get("node") != node:
@@ -315,6 +316,8 @@ class Binder:
                 except (ApiException, OSError):
                     pass  # the orphan sweep removes it
             self.state.release_pod(args.pod_uid)
+            if replaced:
+                await self._restore(ns, name, args.pod_uid, replaced)
             if isinstance(e, BindError):
                 raise
             reason = getattr(e, "reason", None) or str(e)
@@ -323,24 +326,34 @@ class Binder:
         if len(self._bound_to) >= self.MAX_HINTS:
             self._bound_to.clear()
         self._bound_to[args.pod_uid] = node
-        # The pod is bound: answer kube-scheduler now; the claim phase and the Event follow.
-        task = asyncio.create_task(self._after_bind(ns, meta, node, alloc, list(names.values())))
-        self._tail.add(task)
-        task.add_done_callback(self._tail.discard)
+        # The pod is bound: answer kube-scheduler. The claim-phase worker sees the bound pod
+        # and moves its claims to Bound (and posts the GPUSlicesBound Event).
 
-    async def _after_bind(self, ns: str, meta: dict[str, Any], node: str, alloc: PodAllocation,
-                          claims: list[str]) -> None:
-        for cname in claims:
+    async def _restore(self, ns: str, name: str, uid: str, olds: list[dict[str, Any]]) -> None:
+        """This attempt replaced claims it judged stale (the pod looked unbound) and then failed:
+        if the pod is bound now to the node those claims named — the Binding of an attempt cut
+        short (operator killed) landed after all — they were right: create them again and hold
+        them in the ledger, or the running pod would be unaccounted."""
+        try:
+            pod = await kube.get_pod(self.api, ns, name)
+        except (ApiException, OSError):
+            pod = None
+        bound = (pod or {}).get("spec", {}).get("nodeName") if pod and pod["metadata"].get("uid") == uid else None
+        for old in olds:
+            if not bound or old["spec"].get("node") != bound:
+                continue
+            body = {"apiVersion": old.get("apiVersion"), "kind": old.get("kind"), "spec": old["spec"],
+                    "metadata": {k: v for k, v in old["metadata"].items()
+                                 if k in ("name", "namespace", "labels", "annotations", "ownerReferences")}}
             try:
-                await kube.patch_claim_status(self.api, ns, cname, {"phase": "Bound", "message": f"bound to {node}"})
-            except (ApiException, OSError):
-                pass  # the pod reconciler moves the phase on
-        devs = "; ".join(
-            f"{ca.container}: " + ", ".join(f"GPU {d.index} ({d.memory_mib} MiB, {d.cores}%)" for d in ca.devices)
-            for ca in alloc.containers
-        )
-        await kube.post_event(self.api, {"apiVersion": "v1", "kind": "Pod", "metadata": meta},
-                              reason="GPUSlicesBound", message=f"bound to {node}: {devs}")
+                await kube.create_claim(self.api, ns, body)
+            except ApiException as e:
+                if e.status != 409:
+                    log.warning("could not restore a claim", claim=f"{ns}/{old['metadata']['name']}", error=str(e))
+                    continue
+            key, alloc = allocation_from_claim(old)
+            self.state.reserve(key, alloc, force=True)
+            log.info("restored a claim: the pod was bound by an earlier attempt", claim=key, node=bound)
 
     async def _bound_here(self, ns: str, name: str, uid: str, node: str) -> bool:
         try:

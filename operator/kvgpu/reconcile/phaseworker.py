@@ -1,0 +1,174 @@
+"""The claim-phase worker: a process of the leading operator that makes each kvgpu pod's
+VGPUClaims follow the pod (:mod:`kvgpu.reconcile.phases`) and removes orphaned claims.
+
+Why a process of its own: these are most of the operator's writes (a phase per claim for Bound,
+Running and Released, the GPUSlicesBound Event) and its busiest watch (every kvgpu pod update),
+and none of it needs the ledger. In the operator's asyncio thread they delayed the extender's
+filter and prioritize answers, which sit in kube-scheduler's serial scheduling cycle; here they
+run on another core. The operator learns what it must free from the claims themselves: a claim
+deleted or Released releases its reservation (``Runtime.on_claim``).
+
+Started when the operator leads (never on a standby), ended with it (``PR_SET_PDEATHSIG``); if it
+dies the operator stops, so the Deployment restarts both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from kubernetes_asyncio import client, config
+
+from kvgpu import kube, procs
+from kvgpu.core import keys
+from kvgpu.reconcile.phases import TERMINAL, actions, pod_claims, slices_message
+from kvgpu.watch import ListWatch
+
+log = structlog.get_logger("kvgpu.phases")
+
+#: pods remembered as having had their GPUSlicesBound Event (bounded; cleared when full)
+MAX_EVENTED = 100_000
+
+
+@dataclass(frozen=True)
+class PhaseWorkerConfig:
+    kubeconfig: str | None = None  # None: in-cluster service account
+    orphan_grace_s: float = 30.0  # a claim younger than this may belong to a bind in flight
+    sweep_interval_s: float = 15.0
+    bind_events: bool = True  # a GPUSlicesBound Event per pod when its claims become Bound
+
+
+def pod_projection(pod: dict[str, Any]) -> dict[str, Any]:
+    """What a missed deletion needs and what the orphan sweep reads: identity and claims."""
+    meta = pod.get("metadata") or {}
+    out: dict[str, Any] = {k: meta.get(k) for k in ("name", "namespace", "uid")}
+    claims = (meta.get("annotations") or {}).get(keys.POD_CLAIMS)
+    if claims:
+        out["annotations"] = {keys.POD_CLAIMS: claims}
+    return {"metadata": out}
+
+
+def _ts(s: str) -> float:
+    try:
+        return datetime.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+    except ValueError:
+        return 0.0
+
+
+class PhaseWorker:
+    def __init__(self, cfg: PhaseWorkerConfig, api: Any) -> None:
+        self.cfg = cfg
+        self.api = api
+        self._phase: dict[str, str] = {}  # "ns/claim" -> phase written (or found at start)
+        self._evented: set[str] = set()  # pod UIDs whose GPUSlicesBound Event was posted
+        self.pods = ListWatch(api, "/api/v1/pods", self.on_pod, project=pod_projection,
+                              label_selector=f"{keys.POD_MANAGED_LABEL}=true", name="pods")
+
+    async def run(self) -> None:
+        # Phases as recorded, so the first list of pods costs no write for claims already there.
+        for c in await kube.list_all(self.api, "vgpuclaims"):
+            phase = (c.get("status") or {}).get("phase")
+            if phase:
+                self._phase[f"{c['metadata']['namespace']}/{c['metadata']['name']}"] = str(phase)
+                if phase in ("Bound", "Running"):
+                    self._evented.add(str((c.get("spec") or {}).get("podUID", "")))
+        tasks = [asyncio.create_task(self.pods.run(), name="kvgpu-phases-pods"),
+                 asyncio.create_task(self._sweep_loop(), name="kvgpu-phases-sweep")]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def on_pod(self, etype: str, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        ns = meta["namespace"]
+        wrote_bound = False
+        for a in actions(etype, pod):
+            key = f"{ns}/{a.claim}"
+            if a.delete:
+                await kube.delete_claim(self.api, ns, a.claim)
+                self._phase.pop(key, None)
+                continue
+            if self._phase.get(key) in (a.phase, "Released", "Failed"):
+                continue
+            if await kube.patch_claim_status(self.api, ns, a.claim, {"phase": a.phase, "message": a.message}):
+                self._phase[key] = a.phase
+                wrote_bound = wrote_bound or a.phase in ("Bound", "Running")
+        uid = meta.get("uid", "")
+        if etype == "DELETED" or (pod.get("status") or {}).get("phase") in TERMINAL:
+            self._evented.discard(uid)
+            for c in pod_claims(pod):
+                self._phase.pop(f"{ns}/{c}", None)
+            return
+        if wrote_bound and self.cfg.bind_events and uid not in self._evented:
+            if len(self._evented) >= MAX_EVENTED:
+                self._evented.clear()
+            self._evented.add(uid)
+            await kube.post_event(self.api, {"apiVersion": "v1", "kind": "Pod", "metadata": meta},
+                                  reason="GPUSlicesBound", message=slices_message(pod))
+
+    async def _sweep_loop(self) -> None:
+        await self.pods.synced.wait()
+        while True:
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("orphan sweep failed")
+            await asyncio.sleep(self.cfg.sweep_interval_s)
+
+    async def sweep(self) -> None:
+        """Delete claims whose pod is gone (or is another pod now), after ``orphan_grace_s``; the
+        operator frees them in the ledger when it sees them deleted."""
+        pods = self.pods.known()
+        now = time.time()
+        for c in await kube.list_all(self.api, "vgpuclaims"):
+            meta, spec = c["metadata"], c.get("spec") or {}
+            if (c.get("status") or {}).get("phase") in ("Released", "Failed"):
+                continue
+            if str(spec.get("podUID", "")) in pods:
+                continue
+            if now - _ts(meta.get("creationTimestamp", "")) < self.cfg.orphan_grace_s:
+                continue  # a bind in flight may not have bound the pod yet
+            # Re-check the pod directly (the watch is label-filtered; the pod may be new).
+            live = await kube.get_pod(self.api, meta["namespace"], spec.get("podName", ""))
+            if live is not None and live["metadata"]["uid"] == spec.get("podUID"):
+                continue
+            log.info("removing orphaned claim", claim=f"{meta['namespace']}/{meta['name']}")
+            if await kube.delete_claim(self.api, meta["namespace"], meta["name"]):
+                await kube.post_event(self.api, c, reason="OrphanRemoved",
+                                      message="the pod this claim belonged to no longer exists")
+
+
+async def _main(cfg: PhaseWorkerConfig) -> None:
+    cfgobj = client.Configuration()
+    if cfg.kubeconfig:
+        await config.load_kube_config(config_file=cfg.kubeconfig, client_configuration=cfgobj)
+    else:
+        config.load_incluster_config(client_configuration=cfgobj)
+    cfgobj.connection_pool_maxsize = 64
+    api = kube.api_client(cfgobj)
+    try:
+        await PhaseWorker(cfg, api).run()
+    finally:
+        await api.close()
+
+
+def _process(cfg: PhaseWorkerConfig) -> None:
+    procs.die_with_parent("kvgpu-phases")
+    from kvgpu.logs import configure_logging
+
+    configure_logging()
+    procs.run_child(_main(cfg))
+
+
+def start(cfg: PhaseWorkerConfig) -> Any:
+    """Start the worker process; returns it (``multiprocessing`` process object)."""
+    return procs.spawn(_process, (cfg,), "kvgpu-phases")
+

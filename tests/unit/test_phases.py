@@ -1,0 +1,52 @@
+"""Claim phases from the pod (kvgpu.reconcile.phases): the table in its docstring."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvgpu.core import keys
+from kvgpu.core.claimstr import ClaimDevice, ClaimString
+from kvgpu.reconcile.phases import ClaimAction, actions, pod_claims, slices_message
+
+
+def _pod(claims: str = "p-main-abcde", node: str = "", phase: str = "Pending") -> dict[str, Any]:
+    ann = {keys.POD_CLAIMS: claims} if claims else {}
+    if claims:
+        cs = ClaimString("ns/p-main-abcde", 1, (ClaimDevice("GPU-1", 3000, 30), ClaimDevice("GPU-2", 3000, 30)))
+        ann[keys.claim_annotation("main")] = cs.encode()
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": "u1", "annotations": ann},
+            "spec": {"nodeName": node} if node else {}, "status": {"phase": phase}}
+
+
+@pytest.mark.parametrize(("etype", "node", "phase", "want"), [
+    ("ADDED", "", "Pending", []),
+    ("MODIFIED", "n1", "Pending", [ClaimAction("p-main-abcde", phase="Bound", message="bound to n1")]),
+    ("MODIFIED", "n1", "Running", [ClaimAction("p-main-abcde", phase="Running", message="pod running on n1")]),
+    ("MODIFIED", "n1", "Succeeded", [ClaimAction("p-main-abcde", phase="Released", message="pod Succeeded")]),
+    ("MODIFIED", "", "Failed", [ClaimAction("p-main-abcde", phase="Released", message="pod Failed")]),
+    ("DELETED", "n1", "Running", [ClaimAction("p-main-abcde", delete=True)]),
+    ("DELETED", "", "Pending", [ClaimAction("p-main-abcde", delete=True)]),
+])
+def test_claims_follow_the_pod(etype: str, node: str, phase: str, want: list[ClaimAction]) -> None:
+    assert actions(etype, _pod(node=node, phase=phase)) == want
+
+
+def test_every_listed_claim_gets_the_action_and_a_pod_without_claims_gets_none() -> None:
+    pod = _pod(claims="a,b,,c", node="n1", phase="Running")
+    assert pod_claims(pod) == ["a", "b", "c"]
+    assert [a.claim for a in actions("MODIFIED", pod)] == ["a", "b", "c"]
+    assert actions("DELETED", _pod(claims="")) == []
+    assert actions("MODIFIED", _pod(claims="", node="n1", phase="Running")) == []
+
+
+def test_slices_message_names_node_claim_and_cards() -> None:
+    msg = slices_message(_pod(node="n1"))
+    assert msg.startswith("bound to n1: p-main-abcde: ")
+    assert "GPU-1 (3000 MiB, 30%)" in msg and "GPU-2 (3000 MiB, 30%)" in msg
+
+
+def test_slices_message_skips_an_unreadable_claim_annotation() -> None:
+    pod = _pod(node="n1")
+    pod["metadata"]["annotations"][keys.claim_annotation("side")] = "not-a-claim"
+    assert slices_message(pod).count("GPU-1") == 1
