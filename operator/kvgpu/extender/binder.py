@@ -145,6 +145,10 @@ class Binder:
             self._hints.clear()
         self._hints[uid] = req
 
+    def hint(self, uid: str) -> PodRequest | None:
+        """The request filter parsed for pod ``uid`` (prioritize reuses it), if any."""
+        return self._hints.get(uid)
+
     def _reserve_early(self, args: BindingArgs) -> PodRequest | None:
         """Reserve with filter's request when the pod holds nothing yet; returns the request
         used (None: no hint, or a retry that holds reservations). No room: BindError, at once."""

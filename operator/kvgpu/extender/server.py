@@ -104,7 +104,9 @@ class Extender:
         t0 = time.perf_counter()
         try:
             args = parse_args(await self._json(request))
-            req = parse_pod(args.pod, self.state.default_pool_spec())
+            # filter parsed this pod's request a moment ago (a pod's request cannot change)
+            req = self.binder.hint(str(args.pod["metadata"].get("uid", ""))) or parse_pod(
+                args.pod, self.state.default_pool_spec())
             if req is None or not self.state.ready:
                 return web.json_response([{"host": n, "score": 0} for n in args.node_names])
             return web.json_response(priority_list(self.state.ledger.score(req, args.node_names)))
