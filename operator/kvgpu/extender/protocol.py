@@ -13,6 +13,8 @@ Malformed input raises :class:`ProtocolError` with a message naming the field.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +88,28 @@ def filter_result(
     return res
 
 
+def _ten(s: int) -> int:
+    return max(0, min(MAX_EXTENDER_PRIORITY, round(s / 10)))
+
+
+#: 0..100 → 0..10, precomputed (prioritize answers hundreds of nodes per pod)
+_TEN = tuple(_ten(s) for s in range(101))
+#: characters a node name (a DNS subdomain) never has but that JSON would have to escape
+_NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f-\uffff]')
+
+
 def priority_list(scores: dict[str, int]) -> list[dict[str, Any]]:
-    """0..100 scores → kube-scheduler's 0..10 extender scale."""
-    return [{"host": h, "score": max(0, min(MAX_EXTENDER_PRIORITY, round(s / 10)))} for h, s in scores.items()]
+    """0..100 scores → kube-scheduler's 0..10 extender scale (HostPriorityList)."""
+    return [{"host": h, "score": _TEN[s] if 0 <= s <= 100 else _ten(s)} for h, s in scores.items()]
+
+
+def priority_json(scores: dict[str, int]) -> bytes:
+    """:func:`priority_list` as JSON bytes, written directly: for 500 nodes this takes a tenth
+    of building the dicts and ``json.dumps`` (prioritize sits in kube-scheduler's serial
+    scheduling cycle). Names that would need escaping go through ``json.dumps``."""
+    parts = []
+    for h, s in scores.items():
+        v = _TEN[s] if 0 <= s <= 100 else _ten(s)
+        host = json.dumps(h) if _NEEDS_ESCAPE.search(h) else f'"{h}"'
+        parts.append(f'{{"host":{host},"score":{v}}}')
+    return ("[" + ",".join(parts) + "]").encode()

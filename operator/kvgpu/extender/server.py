@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvgpu import kube
 from kvgpu.api.requests import RequestError, parse_pod
 from kvgpu.extender.binder import Binder
-from kvgpu.extender.protocol import ProtocolError, filter_result, parse_args, parse_binding, priority_list
+from kvgpu.extender.protocol import ProtocolError, filter_result, parse_args, parse_binding, priority_json
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile.state import OperatorState
 
@@ -109,7 +109,8 @@ class Extender:
                 args.pod, self.state.default_pool_spec())
             if req is None or not self.state.ready:
                 return web.json_response([{"host": n, "score": 0} for n in args.node_names])
-            return web.json_response(priority_list(self.state.ledger.score(req, args.node_names)))
+            return web.Response(body=priority_json(self.state.ledger.score(req, args.node_names)),
+                                content_type="application/json")
         except (ProtocolError, RequestError) as e:
             return web.json_response({"error": str(e)}, status=400)
         finally:
