@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import multiprocessing
+import os
 import signal
 from collections.abc import Callable, Coroutine
 from multiprocessing.process import BaseProcess
@@ -18,9 +19,12 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 
 
-def die_with_parent(name: str = "") -> None:
+def die_with_parent(name: str = "", parent: int = 0) -> None:
     """In a child: ask the kernel for SIGTERM when the parent ends, and name the process
-    (``/proc/<pid>/comm``, what ``top`` shows; 15 bytes) — Linux; a no-op elsewhere."""
+    (``/proc/<pid>/comm``, what ``top`` shows; 15 bytes) — Linux; a no-op elsewhere. With
+    ``parent`` (the PID that started us): exit at once if it is already gone, since a parent
+    that died before the request was made sends no signal (seen: an operator stopped while its
+    child was still starting left the child running)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
@@ -28,6 +32,13 @@ def die_with_parent(name: str = "") -> None:
             libc.prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    if parent and os.getppid() != parent:
+        os._exit(0)
+
+
+def _child(target: Callable[..., None], args: tuple[Any, ...], name: str, parent: int) -> None:
+    die_with_parent(name, parent)
+    target(*args)
 
 
 def run_child(coro: Coroutine[Any, Any, None]) -> None:
@@ -44,8 +55,10 @@ def run_child(coro: Coroutine[Any, Any, None]) -> None:
 
 def spawn(target: Callable[..., None], args: tuple[Any, ...], name: str) -> BaseProcess:
     """Start ``target(*args)`` in a new interpreter (``spawn``; daemon, so the operator's exit
-    path also ends it). ``target`` must be a module-level function."""
-    p = multiprocessing.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
+    path also ends it), named ``name`` and ended with this process (:func:`die_with_parent`).
+    ``target`` must be a module-level function."""
+    p = multiprocessing.get_context("spawn").Process(
+        target=_child, args=(target, args, name[:15], os.getpid()), name=name, daemon=True)
     p.start()
     return p
 

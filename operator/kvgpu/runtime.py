@@ -220,8 +220,11 @@ class Runtime:
             raise ValueError("the webhooks need --webhook-cert and --webhook-key")
         listen = self.cfg.webhook_host if self.cfg.dev_webhook_configurations else "0.0.0.0"
         assert self.cfg.webhook_port is not None
-        self._webhook_procs = await asyncio.to_thread(
-            start_workers, max(1, self.cfg.webhook_workers), listen, self.cfg.webhook_port,
+        # Started from this (the main) thread on purpose: the kernel's parent-death signal
+        # follows the thread that started a child, and executor threads may come and go. The
+        # loop waits the second or two the workers take to listen; it serves nothing else yet.
+        self._webhook_procs = start_workers(
+            max(1, self.cfg.webhook_workers), listen, self.cfg.webhook_port,
             self.cfg.webhook_cert, self.cfg.webhook_key, self.cfg.operator_usernames)
         log.info("admission webhooks serving", port=self.cfg.webhook_port, workers=len(self._webhook_procs))
 

@@ -133,7 +133,6 @@ async def serve(host: str, port: int, certfile: str, keyfile: str, operator_user
 
 
 def _worker(host: str, port: int, certfile: str, keyfile: str, operators: list[str]) -> None:
-    procs.die_with_parent("kvgpu-webhook")
     procs.run_child(serve(host, port, certfile, keyfile, operators, reuse_port=True))
 
 
@@ -151,7 +150,7 @@ def start_workers(workers: int, host: str, port: int, certfile: str, keyfile: st
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         probe.bind((host, port))  # OSError (EADDRINUSE) names the clash
     started = [procs.spawn(_worker, (host, port, certfile, keyfile, sorted(operator_usernames)),
-                           f"kvgpu-webhook-{i}") for i in range(workers)]
+                           "kvgpu-webhook") for _ in range(workers)]
     deadline = time.monotonic() + ready_timeout_s
     while True:
         dead = [p for p in started if not p.is_alive()]

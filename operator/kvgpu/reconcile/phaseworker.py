@@ -161,7 +161,6 @@ async def _main(cfg: PhaseWorkerConfig) -> None:
 
 
 def _process(cfg: PhaseWorkerConfig) -> None:
-    procs.die_with_parent("kvgpu-phases")
     from kvgpu.logs import configure_logging
 
     configure_logging()
