@@ -669,9 +669,14 @@ def public_args(argv: list[str]) -> list[str]:
     return out
 
 
+def run_key(nodes: int, cores: int | None) -> str:
+    """Results are kept per node count and machine size: ``"1000n-2c"``, ``"5000n-16c"``."""
+    return f"{nodes}n-{cores or 0}c"
+
+
 def merge_results(path: Path, nodes: int, record: dict[str, Any]) -> None:
     data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    data.setdefault("runs", {})[str(nodes)] = record
+    data.setdefault("runs", {})[run_key(nodes, record.get("machine", {}).get("cores"))] = record
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
 

@@ -12,3 +12,11 @@ def test_every_operator_option_is_documented() -> None:
     text = configdoc.render()
     for p in operator_cmd.params:
         assert f"`{p.opts[0]}`" in text
+
+
+def test_flags_without_a_default_are_documented_off() -> None:
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip()
+            for line in configdoc.render().splitlines() if line.startswith("| `")}
+    assert rows["`--leader-elect`"] == "off"
+    assert rows["`--dev-webhooks`"] == "off"
+    assert rows["`--webhook-workers`"] == "`2`"

@@ -162,6 +162,8 @@ def test_operator_arguments_parse_and_elect_a_leader() -> None:
     ctx = main.commands["operator"].make_context("operator", _strip_paths(args[1:]))
     assert ctx.params["leader_elect"] is True and ctx.params["peering"] is False
     assert ctx.params["lease_namespace"] == "kvgpu-system"
+    # The admission worker count is explicit: the container's CPU and memory are sized for it.
+    assert any(a.startswith("--webhook-workers=") for a in args) and ctx.params["webhook_workers"] == 2
 
 
 def _strip_paths(args: list[str]) -> list[str]:

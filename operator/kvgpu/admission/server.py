@@ -10,8 +10,9 @@ the operator's single asyncio thread — TLS, HTTP, JSON — cost about a quarte
 CPU during bursts, on the same core as the scheduler extender that bind latency depends on.
 The workers need no API access (the review carries the object), so ``--webhook-workers N``
 processes share the port through ``SO_REUSEPORT`` (the kernel spreads connections over them);
-each dies with the operator (``PR_SET_PDEATHSIG``). They serve on every replica, leader or not,
-so admission stays up while a standby takes over the lease.
+each dies with the operator (``PR_SET_PDEATHSIG``). They run on every replica, leader or not;
+with the shipped manifests the webhook Service sends calls to ready replicas only, i.e. the
+leader (docs/operations.md: GPU pods are refused for the seconds a takeover lasts).
 
 Errors: a body that is not an AdmissionReview gets HTTP 400; an exception inside a decision
 refuses the object with a message (``failurePolicy: Fail`` semantics: never admit unchecked).
@@ -133,6 +134,9 @@ async def serve(host: str, port: int, certfile: str, keyfile: str, operator_user
 
 
 def _worker(host: str, port: int, certfile: str, keyfile: str, operators: list[str]) -> None:
+    from kvgpu.logs import configure_logging
+
+    configure_logging()  # refusals and certificate reloads are logged
     procs.run_child(serve(host, port, certfile, keyfile, operators, reuse_port=True))
 
 

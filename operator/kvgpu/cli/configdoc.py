@@ -24,7 +24,9 @@ def _options(cmd: click.Command) -> list[str]:
         names = ", ".join(f"`{o}`" for o in p.opts + p.secondary_opts)
         env = f"`{p.envvar}`" if isinstance(p.envvar, str) else ""
         raw = p.default
-        default = "" if raw in (None, (), False) or "Sentinel" in repr(raw) else f"`{raw}`"
+        if "Sentinel" in repr(raw):  # click >= 8.2: a flag declared without a default is off
+            raw = False if p.is_flag else None
+        default = "" if raw in (None, (), False, "") else f"`{raw}`"
         if p.is_flag:
             if p.secondary_opts:
                 default = f"`{p.opts[0] if raw else p.secondary_opts[0]}`"

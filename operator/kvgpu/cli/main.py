@@ -1,6 +1,6 @@
 """``kvgpu``: run the operator or the node agent, or a local dev cluster.
 
-    kvgpu operator [--dev]                 the operator (extender, webhooks, reconcilers)
+    kvgpu operator [--leader-elect] ...    the operator (extender, webhook workers, reconcilers)
     kvgpu agent --node NAME [--simulated FILE]
     kvgpu dev up [--run-dir DIR] [--nodes N --cards M]
     kvgpu dev down [--run-dir DIR]

@@ -1,20 +1,12 @@
-"""Level-based reactions to Nodes, VGPUPools, kvgpu Pods and VGPUClaims.
+"""The Kopf handler for VGPUPools (few, user-authored): :func:`register`.
 
-VGPUPools (few, user-authored) are watched by Kopf (:func:`register`). Nodes, kvgpu Pods and
-VGPUClaims change at the rate pods are scheduled, so the runtime watches them with plain
-list-and-watch streams (:mod:`kvgpu.watch`) and handles them in ``Runtime.on_node``,
-``Runtime.on_pod`` and ``Runtime.on_claim``: Kopf's per-event machinery cost a quarter to a
-third of the operator's CPU there. Nothing keeps state on the objects: no finalizers or
-progress annotations on Pods or Nodes. Claims follow their pod:
-
-=====================  ==========================================
-pod                     claim phase
-=====================  ==========================================
-bound (by the binder)   Bound
-Running                 Running
-Succeeded / Failed      Released (ledger freed; the claim stays as a record)
-deleted                 deleted (and garbage-collected through its ownerReference)
-=====================  ==========================================
+Nodes and VGPUClaims change at the rate pods are scheduled, so the runtime watches them with
+plain list-and-watch streams (:mod:`kvgpu.watch`) and handles them in ``Runtime.on_node`` and
+``Runtime.on_claim`` (a claim deleted, or Released/Failed, frees its reservation): Kopf's
+per-event machinery cost a quarter to a third of the operator's CPU there. kvgpu Pods are
+watched by the claim-phase worker process (:mod:`kvgpu.reconcile.phaseworker`), which makes the
+claims follow their pod (:mod:`kvgpu.reconcile.phases`). Nothing keeps state on the objects: no
+finalizers or progress annotations on Pods or Nodes.
 
 When capacity frees, every pending kvgpu pod is touched (``kvgpu.io/requeue``) so kube-scheduler
 retries it at once instead of after its back-off.
@@ -31,7 +23,6 @@ from kvgpu.core import keys
 if TYPE_CHECKING:
     from kvgpu.runtime import Runtime
 
-TERMINAL = ("Succeeded", "Failed")
 
 
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:

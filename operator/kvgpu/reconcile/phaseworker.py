@@ -9,7 +9,7 @@ run on another core. The operator learns what it must free from the claims thems
 deleted or Released releases its reservation (``Runtime.on_claim``).
 
 Started when the operator leads (never on a standby), ended with it (``PR_SET_PDEATHSIG``); if it
-dies the operator stops, so the Deployment restarts both.
+dies the operator stops, so the kubelet restarts the container with both.
 """
 
 from __future__ import annotations
