@@ -1,9 +1,8 @@
-"""The operator process. Its asyncio loop runs Kopf (VGPUPool reconciler), the list-and-watch
-streams of Nodes and VGPUClaims (:mod:`kvgpu.watch`), binds, and background tasks, sharing one
-:class:`OperatorState`; the extender's filter and prioritize are served from a thread of their
-own (:class:`kvgpu.extender.server.ExtenderThread`, reading the state under its lock). Child
-processes it starts and watches: the admission webhook workers (:mod:`kvgpu.admission.server`)
-and, while it leads, the claim-phase worker (:mod:`kvgpu.reconcile.phaseworker`).
+"""The operator process. One asyncio loop runs Kopf (VGPUPool reconciler), the list-and-watch
+streams of Nodes and VGPUClaims (:mod:`kvgpu.watch`), the extender's HTTP server and background
+tasks, sharing one :class:`OperatorState`. Child processes it starts and watches: the admission
+webhook workers (:mod:`kvgpu.admission.server`) and, while it leads, the claim-phase worker
+(:mod:`kvgpu.reconcile.phaseworker`).
 
 Start-up order: list nodes, pools and claims → rebuild the ledger → only then does the extender
 answer filter/bind (before that it tells kube-scheduler to retry) → the watches keep the state
@@ -25,12 +24,13 @@ from typing import Any
 
 import kopf
 import structlog
+from aiohttp import web
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvgpu import kube
 from kvgpu.core import keys
-from kvgpu.extender.server import Extender, ExtenderThread
+from kvgpu.extender.server import Extender
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile import handlers
 from kvgpu.reconcile.state import OperatorState, allocation_from_claim
@@ -81,7 +81,7 @@ class Runtime:
     extender: Extender | None = None
     extender_port: int = 0
     pools_dirty: bool = True
-    _extender_thread: ExtenderThread | None = None
+    _runner: web.AppRunner | None = None
     _webhook_procs: list[Any] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _nudge: asyncio.Event = field(default_factory=asyncio.Event)
@@ -105,9 +105,13 @@ class Runtime:
         self.active = not self.cfg.leader_elect
         if self.active:
             await self.rebuild()
-        self.extender = Extender(self.state, self.api, self.metrics, main_loop=asyncio.get_running_loop())
-        self._extender_thread = ExtenderThread(self.extender, self.cfg.extender_host, self.cfg.extender_port)
-        self.extender_port = await asyncio.to_thread(self._extender_thread.start)
+        self.extender = Extender(self.state, self.api, self.metrics)
+        self._runner = web.AppRunner(self.extender.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.extender_host, self.cfg.extender_port)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        self.extender_port = int(sock.getsockname()[1])
         if self.cfg.webhook_port:
             await self.start_webhooks()
         if self.cfg.dev_webhook_configurations and self.cfg.webhook_port:
@@ -192,8 +196,8 @@ class Runtime:
         children = [*self._webhook_procs, *([self._phase_worker] if self._phase_worker is not None else [])]
         if children:
             await asyncio.to_thread(procs.stop, children)
-        if self._extender_thread is not None:
-            await asyncio.to_thread(self._extender_thread.stop)
+        if self._runner is not None:
+            await self._runner.cleanup()
         if self.api is not None:
             await self.api.close()
 

@@ -158,11 +158,10 @@ class Binder:
         ns, name, uid, node = args.pod_namespace, args.pod_name, args.pod_uid, args.node
         req = PodRequest(ns, name, uid, hint.containers, hint.node_policy, hint.gpu_policy)
         try:
-            with self.state.lock:  # filter reads from another thread: decide and record as one
-                alloc = self.state.ledger.allocate(req, node)
-                for ca in alloc.containers:
-                    key = claim_key(ns, claim_name(name, ca.container, uid))
-                    self.state.reserve(key, PodAllocation(uid, node, (ca,)))
+            alloc = self.state.ledger.allocate(req, node)
+            for ca in alloc.containers:
+                key = claim_key(ns, claim_name(name, ca.container, uid))
+                self.state.reserve(key, PodAllocation(uid, node, (ca,)))
         except (AllocationError, ValueError) as e:
             self.state.release_pod(uid)
             raise BindError(str(e)) from e
@@ -264,10 +263,9 @@ class Binder:
         if reused is None:
             self.state.release_pod(args.pod_uid)  # a retry towards another node
             try:
-                with self.state.lock:
-                    alloc = self.state.ledger.allocate(req, node)
-                    for ca in alloc.containers:
-                        self.state.reserve(ckeys[ca.container], PodAllocation(args.pod_uid, node, (ca,)))
+                alloc = self.state.ledger.allocate(req, node)
+                for ca in alloc.containers:
+                    self.state.reserve(ckeys[ca.container], PodAllocation(args.pod_uid, node, (ca,)))
             except (AllocationError, ValueError) as e:
                 self.state.release_pod(args.pod_uid)
                 raise BindError(str(e)) from e

@@ -2,15 +2,12 @@
 
 Sources: Node objects (the agent's ``kvgpu.io/inventory`` annotation and the node's labels),
 VGPUPools (slicing per card, request defaults) and VGPUClaims (the durable reservations).
-Every mutation keeps the ledger consistent with them. The operator's asyncio thread makes every
-change; the extender's filter and prioritize, served in a thread of their own
-(:mod:`kvgpu.extender.server`), read the ledger. ``lock`` (re-entrant) makes the two exclusive:
-every mutator here takes it, and so must any reader in another thread.
+Every mutation keeps the ledger consistent with them; the Kopf handlers and the extender call
+these methods without awaiting in between, so the single asyncio thread serialises them.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,7 +59,6 @@ class OperatorState:
     sliced: dict[str, NodeInventory] = field(default_factory=dict)
     topology_dirty: bool = True  # nodes' cards or pools changed: pool coverage must be recomputed
     ready: bool = False
-    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     # ----- pools -------------------------------------------------------------------------------
     def default_pool_spec(self) -> VGPUPoolSpec | None:
@@ -76,51 +72,47 @@ class OperatorState:
     def set_pool(self, body: dict[str, Any]) -> bool:
         """Add or update a pool; re-slice the cards only when its spec changed (a status write
         must not cost a pass over every node). Returns True when the spec changed."""
-        with self.lock:
-            pool = VGPUPool.model_validate(body)
-            old = self.pools.get(pool.name)
-            self.pools[pool.name] = pool
-            if old is not None and old.spec == pool.spec:
-                return False
-            self.topology_dirty = True
-            self._reslice_all()
-            return True
+        pool = VGPUPool.model_validate(body)
+        old = self.pools.get(pool.name)
+        self.pools[pool.name] = pool
+        if old is not None and old.spec == pool.spec:
+            return False
+        self.topology_dirty = True
+        self._reslice_all()
+        return True
 
     def remove_pool(self, name: str) -> None:
-        with self.lock:
-            self.topology_dirty = True
-            if self.pools.pop(name, None) is not None:
-                self._reslice_all()
+        self.topology_dirty = True
+        if self.pools.pop(name, None) is not None:
+            self._reslice_all()
 
     # ----- nodes -------------------------------------------------------------------------------
     def set_node(self, body: dict[str, Any]) -> bool:
         """Update from a Node dict. Returns True when the node's GPU view changed."""
-        with self.lock:
-            meta = body.get("metadata", {})
-            name = meta["name"]
-            raw = (meta.get("annotations") or {}).get(keys.NODE_INVENTORY, "")
-            labels = dict(meta.get("labels") or {})
-            old = self.nodes.get(name)
-            if old is not None and old.raw_inventory == raw and old.labels == labels:
-                return False
-            if not raw:
-                self.remove_node(name)
-                return old is not None
-            try:
-                inv = NodeInventory.loads(raw)
-                rec = NodeRecord(name, labels, raw, inv)
-            except ValueError as e:
-                rec = NodeRecord(name, labels, raw, None, f"unreadable inventory annotation: {e}")
-            self.nodes[name] = rec
-            self._apply_node(rec)
-            return True
+        meta = body.get("metadata", {})
+        name = meta["name"]
+        raw = (meta.get("annotations") or {}).get(keys.NODE_INVENTORY, "")
+        labels = dict(meta.get("labels") or {})
+        old = self.nodes.get(name)
+        if old is not None and old.raw_inventory == raw and old.labels == labels:
+            return False
+        if not raw:
+            self.remove_node(name)
+            return old is not None
+        try:
+            inv = NodeInventory.loads(raw)
+            rec = NodeRecord(name, labels, raw, inv)
+        except ValueError as e:
+            rec = NodeRecord(name, labels, raw, None, f"unreadable inventory annotation: {e}")
+        self.nodes[name] = rec
+        self._apply_node(rec)
+        return True
 
     def remove_node(self, name: str) -> None:
-        with self.lock:
-            self.topology_dirty = True
-            self.nodes.pop(name, None)
-            self.sliced.pop(name, None)
-            self.ledger.remove_node(name)
+        self.topology_dirty = True
+        self.nodes.pop(name, None)
+        self.sliced.pop(name, None)
+        self.ledger.remove_node(name)
 
     def _apply_node(self, rec: NodeRecord) -> None:
         if rec.inventory is None:
@@ -146,32 +138,31 @@ class OperatorState:
         self, nodes: list[dict[str, Any]], pools: list[dict[str, Any]], claims: list[dict[str, Any]]
     ) -> list[str]:
         """Rebuild everything from listed objects (start-up). Returns problems for the log."""
-        with self.lock:
-            problems: list[str] = []
-            self.nodes.clear()
-            self.sliced.clear()
-            self.pools.clear()
-            self.ledger = Ledger()
-            for p in pools:
-                try:
-                    pool = VGPUPool.model_validate(p)
-                    self.pools[pool.name] = pool
-                except ValueError as e:
-                    problems.append(f"VGPUPool {p.get('metadata', {}).get('name')}: {e}")
-            for n in nodes:
-                self.set_node(n)
-            reservations: dict[str, PodAllocation] = {}
-            for c in claims:
-                if (c.get("status") or {}).get("phase") in ("Released", "Failed"):
-                    continue
-                try:
-                    k, a = allocation_from_claim(c)
-                    reservations[k] = a
-                except (KeyError, ValueError, TypeError) as e:
-                    problems.append(f"VGPUClaim {c.get('metadata', {}).get('name')}: {e!r}")
-            self.ledger = Ledger.rebuild(list(self.sliced.values()), reservations)
-            self.dirty_nodes.update(self.nodes)
-            return problems
+        problems: list[str] = []
+        self.nodes.clear()
+        self.sliced.clear()
+        self.pools.clear()
+        self.ledger = Ledger()
+        for p in pools:
+            try:
+                pool = VGPUPool.model_validate(p)
+                self.pools[pool.name] = pool
+            except ValueError as e:
+                problems.append(f"VGPUPool {p.get('metadata', {}).get('name')}: {e}")
+        for n in nodes:
+            self.set_node(n)
+        reservations: dict[str, PodAllocation] = {}
+        for c in claims:
+            if (c.get("status") or {}).get("phase") in ("Released", "Failed"):
+                continue
+            try:
+                k, a = allocation_from_claim(c)
+                reservations[k] = a
+            except (KeyError, ValueError, TypeError) as e:
+                problems.append(f"VGPUClaim {c.get('metadata', {}).get('name')}: {e!r}")
+        self.ledger = Ledger.rebuild(list(self.sliced.values()), reservations)
+        self.dirty_nodes.update(self.nodes)
+        return problems
 
     def ledger_inventory(self, node: str) -> NodeInventory | None:
         """The node's inventory with each card's slicing, exactly as the ledger has it."""
@@ -185,22 +176,19 @@ class OperatorState:
 
     def reserve(self, key: str, allocation: PodAllocation, *, force: bool = False) -> None:
         """Reserve in the ledger (raises ``AllocationError`` unless ``force``)."""
-        with self.lock:
-            self.ledger.reserve(key, allocation, force=force)
-            self.dirty_nodes.add(allocation.node)
+        self.ledger.reserve(key, allocation, force=force)
+        self.dirty_nodes.add(allocation.node)
 
     def release_pod(self, uid: str) -> list[str]:
         """Release every reservation of a pod (idempotent). Returns the released keys."""
-        with self.lock:
-            node = self.ledger.pod_node(uid)
-            released = self.ledger.release(uid)
-            if node is not None:
-                self.dirty_nodes.add(node)
-            return released
+        node = self.ledger.pod_node(uid)
+        released = self.ledger.release(uid)
+        if node is not None:
+            self.dirty_nodes.add(node)
+        return released
 
     def release_key(self, key: str) -> None:
-        with self.lock:
-            alloc = self.ledger.reservation(key)
-            self.ledger.release(key)
-            if alloc is not None:
-                self.dirty_nodes.add(alloc.node)
+        alloc = self.ledger.reservation(key)
+        self.ledger.release(key)
+        if alloc is not None:
+            self.dirty_nodes.add(alloc.node)
