@@ -314,17 +314,18 @@ class Runtime:
         dirty, self.state.dirty_nodes = self.state.dirty_nodes, set()
         todo = sorted(dirty)
         for i, name in enumerate(todo):
+            if name not in self.state.nodes:
+                self.metrics.forget_node(name)
             if name not in self.state.ledger.nodes():
                 continue
             usage = self.state.ledger.node_usage(name)
             text = json.dumps(usage.to_json(), sort_keys=True, separators=(",", ":"))
-            for c in usage.cards:
-                lbl = {"node": name, "uuid": c.uuid}
-                self.metrics.slots_used.labels(**lbl).set(c.slots_used)
-                self.metrics.slots_total.labels(**lbl).set(c.slots_total)
-                self.metrics.memory_used.labels(**lbl).set(c.memory_used_mib)
-                self.metrics.memory_total.labels(**lbl).set(c.memory_total_mib)
-                self.metrics.cores_used.labels(**lbl).set(c.cores_used)
+            cards = usage.cards
+            self.metrics.slots_used.labels(name).set(sum(c.slots_used for c in cards))
+            self.metrics.slots_total.labels(name).set(sum(c.slots_total for c in cards))
+            self.metrics.memory_used.labels(name).set(sum(c.memory_used_mib for c in cards))
+            self.metrics.memory_total.labels(name).set(sum(c.memory_total_mib for c in cards))
+            self.metrics.cores_used.labels(name).set(sum(c.cores_used for c in cards))
             if self._written_nodes.get(name) == text:
                 continue
             try:

@@ -110,6 +110,7 @@ class OperatorState:
 
     def remove_node(self, name: str) -> None:
         self.topology_dirty = True
+        self.dirty_nodes.add(name)  # so the flush drops its metrics
         self.nodes.pop(name, None)
         self.sliced.pop(name, None)
         self.ledger.remove_node(name)

@@ -1,0 +1,20 @@
+"""The operator's allocation metrics are per node, and a node's series can be dropped."""
+
+from __future__ import annotations
+
+from kvgpu.metrics import OperatorMetrics
+from prometheus_client import generate_latest
+
+
+def test_node_series_are_per_node_and_forgotten_with_the_node() -> None:
+    m = OperatorMetrics()
+    for name in ("n1", "n2"):
+        m.slots_used.labels(name).set(3)
+        m.memory_total.labels(name).set(8 * 81559)
+    text = generate_latest(m.registry).decode()
+    assert 'kvgpu_node_slots_used{node="n1"} 3.0' in text
+    assert "uuid=" not in text, "allocation series must not be per card"
+    m.forget_node("n1")
+    m.forget_node("n-unknown")  # no error for a node without series
+    text = generate_latest(m.registry).decode()
+    assert 'node="n1"' not in text and 'kvgpu_node_slots_used{node="n2"} 3.0' in text
