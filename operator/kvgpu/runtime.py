@@ -284,6 +284,10 @@ class Runtime:
             return  # a standby rebuilds from the claims when it takes over
         if etype != "DELETED" and (claim.get("status") or {}).get("phase") not in ("Released", "Failed"):
             return
+        uid = str((claim.get("metadata") or {}).get("uid", ""))
+        if etype == "DELETED" and uid in self.state.replaced_uids:
+            self.state.replaced_uids.discard(uid)  # deleted and restored by a bind: still held
+            return
         try:
             key, alloc = allocation_from_claim(claim)
         except (KeyError, ValueError, TypeError):

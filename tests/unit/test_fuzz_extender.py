@@ -404,3 +404,55 @@ def test_concurrent_binds_of_one_pod_run_one_at_a_time(harness: Harness,
     assert sum(1 for r in results if not r.get("error")) == 1, results
     assert harness.state.ledger.pod_node(UID) in ("n0", "n1")
     assert len(harness.state.ledger.pod_keys(UID)) == 1
+
+
+def test_bind_restores_a_replaced_claim_when_the_pod_was_bound_after_all(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attempt cut short (operator killed) left a claim towards n1 and its Binding landed
+    late. The retry towards n0 judged the claim stale and replaced it, then its own Binding
+    failed: it puts the n1 claim back and holds it in the ledger, and the old object's DELETED
+    event, still in the claims watch, does not free it."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+    from kvgpu.api.requests import parse_pod
+    from kvgpu.core.requests import PodRequest
+    from kvgpu.extender.binder import claim_body
+    from kvgpu.runtime import OperatorConfig, Runtime
+
+    pod = _gpu_pod()
+    harness.fake.pod = copy_json(pod)
+    parsed = parse_pod(pod)
+    assert parsed is not None
+    req = PodRequest("ns", "p", UID, parsed.containers, parsed.node_policy, parsed.gpu_policy)
+    old = claim_body(pod, harness.state.ledger.allocate(req, "n1"), "main")
+    old["metadata"]["uid"] = "old-claim-uid"
+    created: list[str] = []
+
+    async def create_claim(api: Any, ns: str, body: dict[str, Any]) -> None:
+        created.append(body["spec"]["node"])
+        if len(created) == 1:
+            raise ApiException(status=409, reason="AlreadyExists")
+
+    async def get_claim(api: Any, ns: str, name: str) -> Any:
+        return copy_json(old)
+
+    async def create_binding(api: Any, ns: str, name: str, uid: str, node: str,
+                             annotations: dict[str, str] | None = None) -> None:
+        harness.fake.pod["spec"]["nodeName"] = "n1"  # the earlier attempt's Binding landed
+        raise ApiException(status=409, reason="Conflict")
+
+    monkeypatch.setattr(kube, "create_claim", create_claim)
+    monkeypatch.setattr(kube, "get_claim", get_claim)
+    monkeypatch.setattr(kube, "create_binding", create_binding)
+    status, data = harness.post("bind", _bind_args("n0"))
+    assert status == 200 and data.get("error"), data
+    assert created == ["n0", "n0", "n1"], "replaced towards n0, then the n1 claim created again"
+    assert harness.state.ledger.pod_node(UID) == "n1"
+
+    rt = Runtime(OperatorConfig())
+    rt.state = harness.state
+    rt.on_claim("DELETED", copy_json(old))  # the replaced object's deletion arrives late
+    assert harness.state.ledger.pod_node(UID) == "n1", "a stale DELETED freed the restored claim"
+    again = copy_json(old)
+    again["metadata"]["uid"] = "restored-claim-uid"
+    rt.on_claim("DELETED", again)  # the restored claim's own deletion does free it
+    assert harness.state.ledger.pod_node(UID) is None

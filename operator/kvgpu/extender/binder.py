@@ -356,6 +356,9 @@ class Binder:
                     log.warning("could not restore a claim", claim=f"{ns}/{old['metadata']['name']}", error=str(e))
                     continue
             key, alloc = allocation_from_claim(old)
+            # The deletion of the old object is still on its way through the claims watch; it
+            # names the same allocation as the restored claim and must not free it.
+            self.state.replaced_uids.add(str(old["metadata"].get("uid", "")))
             self.state.reserve(key, alloc, force=True)
             log.info("restored a claim: the pod was bound by an earlier attempt", claim=key, node=bound)
 

@@ -58,6 +58,9 @@ class OperatorState:
     # each node's inventory with the slicing of its cards, as given to the ledger
     sliced: dict[str, NodeInventory] = field(default_factory=dict)
     topology_dirty: bool = True  # nodes' cards or pools changed: pool coverage must be recomputed
+    # UIDs of claim objects a bind deleted and created again (binder._restore): their DELETED
+    # event is stale and must not free the restored reservation
+    replaced_uids: set[str] = field(default_factory=set)
     ready: bool = False
 
     # ----- pools -------------------------------------------------------------------------------
