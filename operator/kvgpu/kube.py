@@ -151,11 +151,12 @@ async def list_all(api: client.ApiClient, kind: str) -> list[dict[str, Any]]:
     raise ValueError(kind)
 
 
-async def create_claim(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> None:
-    """Create a VGPUClaim (the answer is not decoded: the caller has the body it sent)."""
+async def create_claim(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> str:
+    """Create a VGPUClaim; returns the new object's UID."""
     co = client.CustomObjectsApi(api)
-    await _discard(await co.create_namespaced_custom_object(
+    created = await _raw(await co.create_namespaced_custom_object(
         keys.GROUP, keys.VERSION, namespace, "vgpuclaims", body, _preload_content=False))
+    return str((created.get("metadata") or {}).get("uid") or "")
 
 
 async def get_claim(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:

@@ -284,14 +284,14 @@ class Runtime:
             return  # a standby rebuilds from the claims when it takes over
         if etype != "DELETED" and (claim.get("status") or {}).get("phase") not in ("Released", "Failed"):
             return
-        uid = str((claim.get("metadata") or {}).get("uid", ""))
-        if etype == "DELETED" and uid in self.state.replaced_uids:
-            self.state.replaced_uids.discard(uid)  # deleted and restored by a bind: still held
-            return
         try:
             key, alloc = allocation_from_claim(claim)
         except (KeyError, ValueError, TypeError):
             return
+        uid = str((claim.get("metadata") or {}).get("uid") or "")
+        holder = self.state.claim_uids.get(key)
+        if uid and holder and uid != holder:
+            return  # an older object under this name (a bind's failed attempt, a restored claim)
         held = self.state.ledger.reservation(key)
         if held is not None and held == alloc:
             self.state.release_key(key)
@@ -429,6 +429,8 @@ class Runtime:
             except (KeyError, ValueError, TypeError):
                 continue
             if self.state.ledger.reservation(key) is None:
+                if uid := (c.get("metadata") or {}).get("uid"):
+                    self.state.claim_uids[key] = str(uid)
                 try:
                     self.state.reserve(key, alloc)
                 except Exception as e:  # over-committed: force it, the claims are the truth

@@ -9,13 +9,15 @@ what a client-go informer does, without its cache of whole objects:
   an earlier list that are gone now are handed over as ``DELETED`` (their last *projection*, see
   below), so a watch that broke for a while never leaves a deletion unseen;
 * **watch** from the list's ``resourceVersion`` with bookmarks (``allowWatchBookmarks``), server
-  timeout 300 s, resuming from the last resourceVersion seen; ``410 Gone`` (the version was
-  compacted away) → list again; connection errors → retry after a back-off (0.2 s doubling to
-  5 s), from the last resourceVersion.
+  timeout 300 s, resuming from the last resourceVersion handed over (also after a connection
+  broke mid-stream: no event is replayed); ``410 Gone`` (the version was compacted away) → list
+  again; connection errors → retry after a back-off (0.2 s doubling to 5 s).
 * **per-object order**: a handler that is a coroutine function runs as one worker per object
   (key = UID); events of one object never overlap, and events that arrive while its handler runs
   are coalesced to the latest (level-based handlers need only the latest state; a ``DELETED``
-  is always the latest). Different objects run concurrently. Plain functions run inline.
+  is always the latest); a handler that raises is called again for the object's latest state
+  after a back-off (0.2 s doubling to 60 s). Different objects run concurrently. Plain
+  functions run inline.
 
 ``project`` keeps, per object, what a synthesized ``DELETED`` needs (e.g. a claim's spec) and
 what :meth:`ListWatch.known` returns to periodic checks instead of listing the cluster again.
@@ -49,6 +51,7 @@ PAGE = 500
 SERVER_TIMEOUT_S = 300
 BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 5.0
+RETRY_MAX_S = 60.0  # a failing handler is retried for its object at most this far apart
 
 
 class Gone(Exception):
@@ -83,6 +86,7 @@ class ListWatch:
         self.events = 0  # objects handed over (list items and watch events)
         self.relists = 0
         self._known: dict[str, dict[str, Any]] = {}
+        self._rv = ""  # the last resourceVersion handed over (list, event or bookmark)
         self._async = inspect.iscoroutinefunction(handler)
         self._latest: dict[str, tuple[str, dict[str, Any]]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
@@ -110,6 +114,8 @@ class ListWatch:
                 self.relists += 1
                 rv = None
             except (aiohttp.ClientError, OSError, TimeoutError, ApiException, ValueError) as e:
+                if rv is not None and self._rv:
+                    rv = self._rv  # resume after the last event handed over, not replay from the list
                 log.warning("watch broke: retrying", resource=self.name, error=repr(e)[:200], after_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)
@@ -144,6 +150,7 @@ class ListWatch:
             cont = meta.get("continue") or ""
             if not cont:
                 rv = str(meta.get("resourceVersion", ""))
+                self._rv = rv
                 break
         for obj in items:
             uid = (obj.get("metadata") or {}).get("uid", "")
@@ -188,6 +195,8 @@ class ListWatch:
             raise ValueError(f"watch error: {obj.get('message', obj)}")
         meta = obj.get("metadata") or {}
         rv = meta.get("resourceVersion")
+        if rv:
+            self._rv = str(rv)
         if etype == "BOOKMARK":
             return rv
         uid = meta.get("uid", "")
@@ -212,14 +221,24 @@ class ListWatch:
             self._workers[key] = asyncio.create_task(self._work(key), name=f"kvgpu-{self.name}-{key}")
 
     async def _work(self, key: str) -> None:
+        delay = BACKOFF_MIN_S
         try:
             while key in self._latest:
                 etype, obj = self._latest.pop(key)
                 try:
                     await self.handler(etype, obj)  # type: ignore[misc]
+                    delay = BACKOFF_MIN_S
                 except asyncio.CancelledError:
                     raise
                 except Exception:
-                    log.exception("watch handler failed", resource=self.name, event_type=etype)
+                    # Level-based handlers: try the object's state again after a back-off,
+                    # unless a newer event has come meanwhile (a failed write, e.g. a claim's
+                    # Released while the API server restarts, would otherwise wait for an
+                    # event that may never come).
+                    log.exception("watch handler failed: retrying", resource=self.name, event_type=etype,
+                                  after_s=delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RETRY_MAX_S)
+                    self._latest.setdefault(key, (etype, obj))
         finally:
             self._workers.pop(key, None)

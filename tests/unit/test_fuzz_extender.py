@@ -93,9 +93,9 @@ class FakeKube:
         self.calls.append("get_pod")
         return copy_json(self.pod)
 
-    async def create_claim(self, api: Any, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def create_claim(self, api: Any, ns: str, body: dict[str, Any]) -> str:
         self.calls.append("create_claim")
-        return body
+        return f"uid-of-{body['metadata']['name']}"
 
     async def get_claim(self, api: Any, ns: str, name: str) -> None:
         return None
@@ -427,10 +427,11 @@ def test_bind_restores_a_replaced_claim_when_the_pod_was_bound_after_all(
     old["metadata"]["uid"] = "old-claim-uid"
     created: list[str] = []
 
-    async def create_claim(api: Any, ns: str, body: dict[str, Any]) -> None:
+    async def create_claim(api: Any, ns: str, body: dict[str, Any]) -> str:
         created.append(body["spec"]["node"])
         if len(created) == 1:
             raise ApiException(status=409, reason="AlreadyExists")
+        return f"claim-uid-{len(created)}"  # each created object its own UID
 
     async def get_claim(api: Any, ns: str, name: str) -> Any:
         return copy_json(old)
@@ -453,6 +454,6 @@ def test_bind_restores_a_replaced_claim_when_the_pod_was_bound_after_all(
     rt.on_claim("DELETED", copy_json(old))  # the replaced object's deletion arrives late
     assert harness.state.ledger.pod_node(UID) == "n1", "a stale DELETED freed the restored claim"
     again = copy_json(old)
-    again["metadata"]["uid"] = "restored-claim-uid"
+    again["metadata"]["uid"] = "claim-uid-3"  # the restored object
     rt.on_claim("DELETED", again)  # the restored claim's own deletion does free it
     assert harness.state.ledger.pod_node(UID) is None

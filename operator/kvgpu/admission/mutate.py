@@ -151,10 +151,12 @@ def mutate_pod(pod: Mapping[str, Any], *, sliced: Collection[str] | None = None)
         return []
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
+    if not isinstance(meta, Mapping) or not isinstance(spec, Mapping):
+        return []  # not a pod the API server would send; validation refuses it
     ops: list[JSONPatchOp] = []
 
     labels = meta.get("labels")
-    if not labels:
+    if not isinstance(labels, Mapping) or not labels:
         ops.append({"op": "add", "path": "/metadata/labels", "value": {MANAGED_LABEL: "true"}})
     elif labels.get(MANAGED_LABEL) != "true":
         ops.append({"op": "add", "path": f"/metadata/labels/{_escape(MANAGED_LABEL)}", "value": "true"})
@@ -166,6 +168,8 @@ def mutate_pod(pod: Mapping[str, Any], *, sliced: Collection[str] | None = None)
 
     for kind in CONTAINER_KINDS:
         for i, c in enumerate(spec.get(kind) or []):
+            if not isinstance(c, Mapping):
+                continue
             name = c.get("name", "")
             base = f"/spec/{kind}/{i}"
             if name in sliced:

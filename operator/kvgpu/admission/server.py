@@ -38,6 +38,7 @@ from kvgpu import procs
 from kvgpu.admission.handlers import MUTATE_ID, VALIDATE_ID, VALIDATE_WORKLOADS_ID, review
 
 log = logging.getLogger("kvgpu.admission")
+MAX_REVIEW_BYTES = 8 * 1024 * 1024
 
 
 def response_body(request: dict[str, Any], allowed: bool, *, patch: list[dict[str, Any]] | None = None,
@@ -74,7 +75,8 @@ def make_app(operator_usernames: Collection[str]) -> web.Application:
         return web.json_response(response_body(req, decision.allowed, patch=decision.patch,
                                                message=decision.message, code=decision.code))
 
-    app = web.Application()
+    # An UPDATE review carries the object and the old one, each up to etcd's 1.5 MiB.
+    app = web.Application(client_max_size=MAX_REVIEW_BYTES)
     for webhook in (MUTATE_ID, VALIDATE_ID, VALIDATE_WORKLOADS_ID):
         app.router.add_post(f"/{webhook}", handle)
     return app

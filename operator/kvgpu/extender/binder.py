@@ -52,6 +52,10 @@ from kvgpu.reconcile.state import OperatorState, allocation_from_claim, claim_ke
 
 log = structlog.get_logger("kvgpu.bind")
 
+#: What an API call can raise when the API server is away or the connection breaks mid-call
+#: (aiohttp's ServerDisconnectedError and ClientPayloadError are not OSErrors).
+API_ERRORS: tuple[type[BaseException], ...] = (ApiException, OSError, aiohttp.ClientError, TimeoutError)
+
 
 def claim_name(pod_name: str, container: str, pod_uid: str) -> str:
     """Deterministic VGPUClaim name for (pod, container): ``<pod>-<container>-<uid[:5]>``,
@@ -275,29 +279,47 @@ class Binder:
             # --- step 3: claims -------------------------------------------------------------
             for ca in alloc.containers:
                 body = claim_body(pod, alloc, ca.container, self.state.pool_of(node, ca.devices[0].uuid))
+                cname, key = body["metadata"]["name"], ckeys[ca.container]
                 try:
-                    await kube.create_claim(self.api, ns, body)
-                    created.append(body["metadata"]["name"])
+                    self._record_uid(key, await kube.create_claim(self.api, ns, body))
+                    created.append(cname)
+                    continue
                 except ApiException as e:
                     if e.status != 409:
                         raise
-                    if unread:  # the claim exists: this is not a first bind after all; look
-                        _, bound_to = await self._read_pod(args)
-                        unread = False
-                    cname = body["metadata"]["name"]
-                    old = await kube.get_claim(self.api, ns, cname)
-                    if old is not None and old["spec"].get("podUID") == args.pod_uid and not bound_to \
-                            and old["spec"].get("node") != node:
-                        # Left by an attempt towards another node that died half-way (operator
-                        # killed mid-bind); the pod is unbound and no other bind of it runs: replace it.
-                        log.info("replacing a stale claim", claim=f"{ns}/{cname}",
-                                 old_node=old["spec"].get("node"), node=node)
-                        await kube.delete_claim(self.api, ns, cname)
-                        replaced.append(old)
-                        await kube.create_claim(self.api, ns, body)
-                        created.append(cname)
-                    elif old is None or old["spec"].get("podUID") != args.pod_uid or old["spec"].get("node") != node:
-                        raise BindError(f"claim {cname} exists for another pod or node") from e
+                if unread:  # the claim exists: this is not a first bind after all; look
+                    _, bound_to = await self._read_pod(args)
+                    unread = False
+                old = await kube.get_claim(self.api, ns, cname)
+                if old is None or old["spec"].get("podUID") != args.pod_uid:
+                    raise BindError(f"claim {cname} exists for another pod (or was just deleted); retry")
+                mine = PodAllocation(args.pod_uid, node, (ca,))
+                try:
+                    _, theirs = allocation_from_claim(old)
+                except (KeyError, ValueError, TypeError):
+                    theirs = None
+                if theirs == mine:  # a retried bind that got the same slices: keep the claim
+                    self._record_uid(key, old["metadata"].get("uid"))
+                    continue
+                if bound_to:
+                    # The pod is bound here already, and its annotations were made from this
+                    # claim (created before the Binding that landed): the claim is the record.
+                    if theirs is None or theirs.node != node:
+                        raise BindError(f"pod {ns}/{name} is bound to {node} but claim {cname} says otherwise")
+                    self.state.release_key(key)
+                    self.state.reserve(key, theirs, force=True)
+                    self._record_uid(key, old["metadata"].get("uid"))
+                    log.info("pod already bound here: holding what its claim says", claim=f"{ns}/{cname}")
+                    continue
+                # The pod is unbound: the claim was left by an attempt that died or failed
+                # half-way (operator killed, connection lost) with other slices or another node,
+                # and no other bind of this pod runs: replace it with this attempt's.
+                log.info("replacing a stale claim", claim=f"{ns}/{cname}", old_node=old["spec"].get("node"),
+                         node=node)
+                await kube.delete_claim(self.api, ns, cname)
+                replaced.append(old)
+                self._record_uid(key, await kube.create_claim(self.api, ns, body))
+                created.append(cname)
             # --- steps 4 and 5: the Binding, carrying the allocation annotations ---------------
             # The API server merges a Binding's annotations into the pod in the write that sets
             # spec.nodeName: one write instead of two, no validating-webhook round trip, and a pod
@@ -306,19 +328,22 @@ class Binder:
                 try:
                     await kube.create_binding(self.api, ns, name, args.pod_uid, node,
                                               annotations=allocation_annotations(ns, pod, alloc))
-                except (ApiException, OSError):
+                except API_ERRORS:
                     # The Binding may have landed although we saw an error (a timeout under
-                    # load): if this pod is bound here now, this bind succeeded; releasing its
-                    # claims would leave a running pod unaccounted.
+                    # load, a connection cut): if this pod is bound here now, this bind
+                    # succeeded; releasing its claims would leave a running pod unaccounted.
                     if not await self._bound_here(ns, name, args.pod_uid, node):
                         raise
                     log.info("binding reported an error but the pod is bound here", pod=f"{ns}/{name}", node=node)
-        except (ApiException, OSError, BindError) as e:
+        except (BindError, *API_ERRORS) as e:  # type: ignore[misc]
             for cname in created:
                 try:
-                    await kube.delete_claim(self.api, ns, cname)
-                except (ApiException, OSError):
-                    pass  # the orphan sweep removes it
+                    if await kube.delete_claim(self.api, ns, cname):
+                        self.state.claim_uids.pop(claim_key(ns, cname), None)
+                except API_ERRORS:
+                    # Left behind: a retry replaces it (its slices or node differ, the pod is
+                    # unbound) or keeps it (the same); the orphan sweep removes it if the pod goes.
+                    pass
             self.state.release_pod(args.pod_uid)
             if replaced:
                 await self._restore(ns, name, args.pod_uid, replaced)
@@ -340,7 +365,7 @@ class Binder:
         them in the ledger, or the running pod would be unaccounted."""
         try:
             pod = await kube.get_pod(self.api, ns, name)
-        except (ApiException, OSError):
+        except API_ERRORS:
             pod = None
         bound = (pod or {}).get("spec", {}).get("nodeName") if pod and pod["metadata"].get("uid") == uid else None
         for old in olds:
@@ -349,23 +374,28 @@ class Binder:
             body = {"apiVersion": old.get("apiVersion"), "kind": old.get("kind"), "spec": old["spec"],
                     "metadata": {k: v for k, v in old["metadata"].items()
                                  if k in ("name", "namespace", "labels", "annotations", "ownerReferences")}}
+            key, alloc = allocation_from_claim(old)
             try:
-                await kube.create_claim(self.api, ns, body)
+                # The new object's UID: the old object's deletion, still on its way through the
+                # claims watch, names the same slices and must not free the restored claim.
+                self._record_uid(key, await kube.create_claim(self.api, ns, body))
             except ApiException as e:
                 if e.status != 409:
                     log.warning("could not restore a claim", claim=f"{ns}/{old['metadata']['name']}", error=str(e))
                     continue
-            key, alloc = allocation_from_claim(old)
-            # The deletion of the old object is still on its way through the claims watch; it
-            # names the same allocation as the restored claim and must not free it.
-            self.state.replaced_uids.add(str(old["metadata"].get("uid", "")))
             self.state.reserve(key, alloc, force=True)
             log.info("restored a claim: the pod was bound by an earlier attempt", claim=key, node=bound)
+
+    def _record_uid(self, key: str, uid: Any) -> None:
+        """Remember which claim object holds ``key`` (its UID), so that events of an older object
+        under the same name do not free it (Runtime.on_claim)."""
+        if isinstance(uid, str) and uid:
+            self.state.claim_uids[key] = uid
 
     async def _bound_here(self, ns: str, name: str, uid: str, node: str) -> bool:
         try:
             now = await kube.get_pod(self.api, ns, name)
-        except (ApiException, OSError):
+        except API_ERRORS:
             return False
         return now is not None and now["metadata"].get("uid") == uid and (now.get("spec") or {}).get("nodeName") == node
 

@@ -58,9 +58,9 @@ class OperatorState:
     # each node's inventory with the slicing of its cards, as given to the ledger
     sliced: dict[str, NodeInventory] = field(default_factory=dict)
     topology_dirty: bool = True  # nodes' cards or pools changed: pool coverage must be recomputed
-    # UIDs of claim objects a bind deleted and created again (binder._restore): their DELETED
-    # event is stale and must not free the restored reservation
-    replaced_uids: set[str] = field(default_factory=set)
+    # ledger key -> UID of the claim object that holds it (set by bind, the rebuild and the
+    # drift repair): an event about another object under the same name frees nothing
+    claim_uids: dict[str, str] = field(default_factory=dict)
     ready: bool = False
 
     # ----- pools -------------------------------------------------------------------------------
@@ -146,6 +146,7 @@ class OperatorState:
         self.nodes.clear()
         self.sliced.clear()
         self.pools.clear()
+        self.claim_uids.clear()
         self.ledger = Ledger()
         for p in pools:
             try:
@@ -162,6 +163,8 @@ class OperatorState:
             try:
                 k, a = allocation_from_claim(c)
                 reservations[k] = a
+                if uid := (c.get("metadata") or {}).get("uid"):
+                    self.claim_uids[k] = str(uid)
             except (KeyError, ValueError, TypeError) as e:
                 problems.append(f"VGPUClaim {c.get('metadata', {}).get('name')}: {e!r}")
         self.ledger = Ledger.rebuild(list(self.sliced.values()), reservations)
@@ -187,11 +190,14 @@ class OperatorState:
         """Release every reservation of a pod (idempotent). Returns the released keys."""
         node = self.ledger.pod_node(uid)
         released = self.ledger.release(uid)
+        for k in released:
+            self.claim_uids.pop(k, None)
         if node is not None:
             self.dirty_nodes.add(node)
         return released
 
     def release_key(self, key: str) -> None:
+        self.claim_uids.pop(key, None)
         alloc = self.ledger.reservation(key)
         self.ledger.release(key)
         if alloc is not None:
