@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import tenacity
-from kubernetes_asyncio import client
+from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvgpu.core import keys
@@ -57,6 +57,18 @@ def api_client(configuration: client.Configuration) -> client.ApiClient:
         old._connector = None  # handed over; closing the old session must not close it
         old._connector_owner = False
     return api
+
+
+async def connect(kubeconfig: str | None) -> client.ApiClient:
+    """An :func:`api_client` from ``kubeconfig`` (None: the in-cluster service account), with
+    a connection pool of 64 (bursts keep many writes in flight)."""
+    cfg = client.Configuration()
+    if kubeconfig:
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    else:
+        config.load_incluster_config(client_configuration=cfg)
+    cfg.connection_pool_maxsize = 64
+    return api_client(cfg)
 
 
 async def read_checked(resp: Any) -> bytes:

