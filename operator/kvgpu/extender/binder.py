@@ -332,14 +332,13 @@ class Binder:
                     # The Binding may have landed although we saw an error (a timeout under
                     # load, a connection cut): if this pod is bound here now, this bind
                     # succeeded; releasing its claims would leave a running pod unaccounted.
-                    if not await self._bound_here(ns, name, args.pod_uid, node):
+                    if await self._live_node(ns, name, args.pod_uid) != node:
                         raise
                     log.info("binding reported an error but the pod is bound here", pod=f"{ns}/{name}", node=node)
         except (BindError, *API_ERRORS) as e:  # type: ignore[misc]
             for cname in created:
                 try:
-                    if await kube.delete_claim(self.api, ns, cname):
-                        self.state.claim_uids.pop(claim_key(ns, cname), None)
+                    await kube.delete_claim(self.api, ns, cname)  # (release_pod below forgets its UID)
                 except API_ERRORS:
                     # Left behind: a retry replaces it (its slices or node differ, the pod is
                     # unbound) or keeps it (the same); the orphan sweep removes it if the pod goes.
@@ -363,11 +362,7 @@ class Binder:
         if the pod is bound now to the node those claims named — the Binding of an attempt cut
         short (operator killed) landed after all — they were right: create them again and hold
         them in the ledger, or the running pod would be unaccounted."""
-        try:
-            pod = await kube.get_pod(self.api, ns, name)
-        except API_ERRORS:
-            pod = None
-        bound = (pod or {}).get("spec", {}).get("nodeName") if pod and pod["metadata"].get("uid") == uid else None
+        bound = await self._live_node(ns, name, uid)
         for old in olds:
             if not bound or old["spec"].get("node") != bound:
                 continue
@@ -392,12 +387,16 @@ class Binder:
         if isinstance(uid, str) and uid:
             self.state.claim_uids[key] = uid
 
-    async def _bound_here(self, ns: str, name: str, uid: str, node: str) -> bool:
+    async def _live_node(self, ns: str, name: str, uid: str) -> str | None:
+        """The node pod ``ns/name`` with UID ``uid`` is bound to now; None when it is unbound,
+        gone, another pod, or the API server cannot say."""
         try:
             now = await kube.get_pod(self.api, ns, name)
         except API_ERRORS:
-            return False
-        return now is not None and now["metadata"].get("uid") == uid and (now.get("spec") or {}).get("nodeName") == node
+            return None
+        if now is None or now["metadata"].get("uid") != uid:
+            return None
+        return (now.get("spec") or {}).get("nodeName") or None
 
     def _held(self, ckeys: dict[str, str], uid: str, node: str) -> PodAllocation | None:
         """This pod's existing reservations on ``node`` (a retried bind), merged; else None."""
