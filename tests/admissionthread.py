@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from kopfthread import CollectRecords, wait_port
+from clusterkit import CollectRecords, wait_port
 from kvgpu.admission.server import make_app, serve
 
 

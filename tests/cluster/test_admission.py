@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from admissionthread import AdmissionThread, admission_in_thread
 from aiohttp import web
-from kopfthread import free_port, temporarily_applied
+from clusterkit import free_port, temporarily_applied
 from kvgpu.admission import mutate as m
 from kvgpu.admission.config import webhook_configurations
 from kvgpu.admission.mutate import MANAGED_LABEL

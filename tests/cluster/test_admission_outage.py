@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from kopfthread import free_port, temporarily_applied
+from clusterkit import free_port, temporarily_applied
 from kvgpu.admission.config import webhook_configurations
 from kvgpu.devcluster import Cluster
 

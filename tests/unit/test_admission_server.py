@@ -21,9 +21,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvgpu.admission import server as srv
 from kvgpu.admission.handlers import MUTATE_ID, REFUSAL_CODE, VALIDATE_ID, VALIDATE_WORKLOADS_ID, Decision, review
 from kvgpu.admission.mutate import MANAGED_LABEL
-from kvgpu.admission.server import make_app, response_body, start_workers, stop_workers
+from kvgpu.admission.server import make_app, response_body, start_workers
 from kvgpu.core import keys
 from kvgpu.devcluster.pki import make_pki
+from kvgpu.procs import stop as stop_workers
 
 OPERATOR = "system:serviceaccount:kvgpu-system:kvgpu-operator"
 OPS = frozenset({OPERATOR})

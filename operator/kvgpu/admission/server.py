@@ -161,18 +161,15 @@ def start_workers(workers: int, host: str, port: int, certfile: str, keyfile: st
     while True:
         dead = [p for p in started if not p.is_alive()]
         if dead:
-            stop_workers(started)
+            procs.stop(started)
             raise RuntimeError(f"webhook worker {dead[0].name} exited with {dead[0].exitcode}")
         try:
             with socket.create_connection((host, port), timeout=1):
                 return started
         except OSError:
             if time.monotonic() > deadline:
-                stop_workers(started)
+                procs.stop(started)
                 raise TimeoutError(
                     f"no webhook worker listened at {host}:{port} after {ready_timeout_s:.0f} s") from None
             time.sleep(0.05)
 
-
-def stop_workers(workers: list[BaseProcess], timeout_s: float = 5.0) -> None:
-    procs.stop(workers, timeout_s)
