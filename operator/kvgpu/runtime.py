@@ -30,6 +30,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvgpu import kube
 from kvgpu.core import keys
+from kvgpu.extender.choice import NodeChoice
 from kvgpu.extender.server import Extender
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile import handlers
@@ -62,6 +63,7 @@ class OperatorConfig:
     flush_interval_s: float = 0.5
     orphan_grace_s: float = 30.0
     bind_events: bool = True  # a GPUSlicesBound Event per pod (posted by the claim-phase worker)
+    node_choice: NodeChoice = NodeChoice.EXTENDER  # who picks a GPU pod's node (kvgpu.extender.choice)
     ready_file: str | None = None  # written with the extender URL once ready
     # Leader election on a Lease: every replica watches (a warm standby), only the leader
     # answers the extender, reports ready and writes. Losing the lease ends the process.
@@ -99,7 +101,7 @@ class Runtime:
         self.active = not self.cfg.leader_elect
         if self.active:
             await self.rebuild()
-        self.extender = Extender(self.state, self.api, self.metrics)
+        self.extender = Extender(self.state, self.api, self.metrics, self.cfg.node_choice)
         self._runner = web.AppRunner(self.extender.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.extender_host, self.cfg.extender_port)

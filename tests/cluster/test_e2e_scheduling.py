@@ -74,6 +74,24 @@ def test_pending_pod_explains_and_is_placed_when_capacity_frees(gpu: GpuEnv) -> 
     assert names == {"waiting"}
 
 
+def test_binpack_and_a_preferred_node(gpu: GpuEnv) -> None:
+    """The extender's filter answers the best node by the GPU policy (binpack here: the node
+    already in use), unless the pod states a soft preference, which kube-scheduler then weighs
+    against our score (kvgpu.extender.choice)."""
+    names = gpu.nodes(3, cards=2)
+    gpu.create(gpu.pod("first", SEED))
+    used = gpu.wait_bound("first")["spec"]["nodeName"]
+    gpu.create(gpu.pod("second", SEED))
+    assert gpu.wait_bound("second")["spec"]["nodeName"] == used
+    other = next(n for n in names if n != used)
+    picky = gpu.pod("picky", SEED)
+    picky["spec"]["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "preference": {"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [other]}]}}]}}
+    gpu.create(picky)
+    assert gpu.wait_bound("picky")["spec"]["nodeName"] == other
+
+
 def test_deleting_pod_releases_claim(gpu: GpuEnv) -> None:
     gpu.nodes(1, cards=1, memory_mib=10000)
     gpu.create(gpu.pod("a", {"kvgpu.io/gpumem": "10000"}))

@@ -44,6 +44,10 @@ def main() -> None:
               help="processes serving the admission webhooks (they share --webhook-port)")
 @click.option("--bind-events/--no-bind-events", default=True, show_default=True,
               help="post a GPUSlicesBound Event on each pod whose claims become Bound (which cards, how much)")
+@click.option("--node-choice", type=click.Choice(["extender", "scheduler"]), default="extender", show_default=True,
+              help="who picks a GPU pod's node: the extender's filter answers the best node by the GPU policy "
+                   "(one round trip per pod; kube-scheduler's own scores are skipped unless the pod states "
+                   "soft preferences), or kube-scheduler scores every fitting node with prioritize's help")
 @click.option("--dev-webhooks", is_flag=True,
               help="create the webhook configurations pointing at https://<webhook-host>:<port>")
 @click.option("--operator-username", "operator_usernames", multiple=True,
@@ -63,11 +67,12 @@ def main() -> None:
               help="write the extender URL here once the ledger is rebuilt")
 def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: int | None, webhook_host: str,
                  webhook_cert: str | None, webhook_key: str | None, webhook_ca: str | None, webhook_workers: int,
-                 bind_events: bool, dev_webhooks: bool,
+                 bind_events: bool, node_choice: str, dev_webhooks: bool,
                  operator_usernames: tuple[str, ...], exclude_namespaces: tuple[str, ...], leader_elect: bool,
                  lease_namespace: str, lease_name: str, identity: str, peering: bool, priority: int,
                  ready_file: str | None) -> None:
     """Run the operator: scheduler extender, admission webhooks and reconcilers."""
+    from kvgpu.extender.choice import NodeChoice
     from kvgpu.logs import configure_logging
     from kvgpu.procs import run_loop
     from kvgpu.runtime import OperatorConfig, run
@@ -78,7 +83,7 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: in
     cfg = OperatorConfig(
         kubeconfig=kubeconfig, extender_host=host, extender_port=int(port), webhook_port=webhook_port,
         webhook_host=webhook_host, webhook_cert=webhook_cert, webhook_key=webhook_key, webhook_ca=webhook_ca,
-        webhook_workers=webhook_workers, bind_events=bind_events,
+        webhook_workers=webhook_workers, bind_events=bind_events, node_choice=NodeChoice(node_choice),
         dev_webhook_configurations=dev_webhooks, operator_usernames=operator_usernames,
         exclude_namespaces=exclude_namespaces, standalone=not peering, priority=priority,
         ready_file=ready_file, leader_elect=leader_elect, lease_namespace=lease_namespace, lease_name=lease_name,

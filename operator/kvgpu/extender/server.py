@@ -2,8 +2,10 @@
 
 Routes (prefix ``/scheduler``): ``POST filter``, ``POST prioritize``, ``POST bind``;
 ``GET /healthz``; ``GET /readyz`` (200 once the ledger is rebuilt); ``GET /metrics``.
-Until the ledger is rebuilt from the claims, filter answers with an error so kube-scheduler
-retries instead of placing pods against an empty ledger.
+Filter answers only the best node for a GPU pod unless ``--node-choice scheduler`` or the pod
+states soft preferences (:mod:`kvgpu.extender.choice`); kube-scheduler then calls neither its
+score plugins nor prioritize. Until the ledger is rebuilt from the claims, filter answers with
+an error so kube-scheduler retries instead of placing pods against an empty ledger.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvgpu import kube
 from kvgpu.api.requests import RequestError, parse_pod
 from kvgpu.extender.binder import Binder
+from kvgpu.extender.choice import NodeChoice, best_node, scheduler_preferences
 from kvgpu.extender.protocol import ProtocolError, filter_result, parse_args, parse_binding, priority_json
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile.state import OperatorState
@@ -29,8 +32,10 @@ NOT_READY = "kvgpu operator not ready: starting (ledger not rebuilt yet) or a st
 
 
 class Extender:
-    def __init__(self, state: OperatorState, api: Any, metrics: OperatorMetrics) -> None:
+    def __init__(self, state: OperatorState, api: Any, metrics: OperatorMetrics,
+                 node_choice: NodeChoice = NodeChoice.EXTENDER) -> None:
         self.state = state
+        self.node_choice = node_choice
         self.api = api
         self.metrics = metrics
         self.binder = Binder(state, api, metrics)
@@ -76,6 +81,9 @@ class Extender:
             uid = str(meta.get("uid", ""))
             if feasible:
                 self.binder.remember(uid, req)
+                if (len(feasible) > 1 and self.node_choice == NodeChoice.EXTENDER
+                        and not scheduler_preferences(args.pod)):
+                    feasible = [best_node(self.state.ledger.score(req, feasible))]
             else:
                 self.state.pending[uid] = (str(meta.get("namespace")), str(meta.get("name")))
                 self.metrics.pending.set(len(self.state.pending))
