@@ -17,7 +17,7 @@ from kvgpu.extender.protocol import BindingArgs
 from kvgpu.reconcile.state import allocation_from_claim
 from kvgpu.runtime import OperatorConfig, Runtime
 
-from tests.unit.test_fuzz_extender import make_state
+from tests.unit.extender_helpers import make_state
 
 UID = "aaaaaaaa-2222-3333-4444-555555555555"
 

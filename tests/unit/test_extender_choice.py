@@ -5,7 +5,6 @@ operator runs with ``--node-choice scheduler``."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvgpu.extender.choice import NodeChoice, best_node, scheduler_preferences
 
-from tests.unit.test_fuzz_extender import NODES, Harness
+from tests.unit.extender_helpers import NODES, Harness
 
 PREFERRED_NODE = {"preferredDuringSchedulingIgnoredDuringExecution": [
     {"weight": 100, "preference": {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n2"]}]}}]}
@@ -63,15 +62,6 @@ def test_best_node_of_nothing() -> None:
 
 
 # ------------------------------------------------------------------ filter over HTTP
-@pytest.fixture
-def harness(monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
-    h = Harness(monkeypatch)
-    try:
-        yield h
-    finally:
-        h.close()
-
-
 def _pod(uid: str, spec_extra: dict[str, Any] | None = None, policy: str = "binpack") -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": f"p-{uid}", "namespace": "ns", "uid": uid,
