@@ -281,7 +281,7 @@ class Bench:
         self.rng = random.Random(args.seed)
         self.run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvgpu-scale-"))
         self.cluster = Cluster(self.run_dir)
-        self.system = KvgpuSystem(self.cluster)
+        self.system = KvgpuSystem(self.cluster, operator_args=(f"--node-choice={args.node_choice}",))
         self.result: dict[str, Any] = {}
 
     # --- setup -------------------------------------------------------------------------------
@@ -669,14 +669,16 @@ def public_args(argv: list[str]) -> list[str]:
     return out
 
 
-def run_key(nodes: int, cores: int | None) -> str:
-    """Results are kept per node count and machine size: ``"1000n-2c"``, ``"5000n-16c"``."""
-    return f"{nodes}n-{cores or 0}c"
+def run_key(nodes: int, cores: int | None, node_choice: str = "extender") -> str:
+    """Results are kept per node count, machine size and ``--node-choice``: ``"1000n-2c"``,
+    ``"5000n-16c"``, ``"5000n-16c-scheduler"`` (the default choice has no suffix)."""
+    return f"{nodes}n-{cores or 0}c" + ("" if node_choice == "extender" else f"-{node_choice}")
 
 
 def merge_results(path: Path, nodes: int, record: dict[str, Any]) -> None:
     data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    data.setdefault("runs", {})[run_key(nodes, record.get("machine", {}).get("cores"))] = record
+    key = run_key(nodes, record.get("machine", {}).get("cores"), record.get("node_choice", "extender"))
+    data.setdefault("runs", {})[key] = record
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -695,6 +697,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default="")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--node-choice", choices=["extender", "scheduler"], default="extender",
+                   help="the operator's --node-choice: who picks a GPU pod's node (kvgpu.extender.choice)")
     p.add_argument("--apiserver-profile", type=int, default=0, metavar="SECONDS",
                    help="record kube-apiserver's CPU (Go pprof) for SECONDS at the start of each GPU burst")
     p.add_argument("--profile", action="store_true",
@@ -730,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "python bench/scale/run.py " + " ".join(shown),
         "machine": machine(),
+        "node_choice": args.node_choice,
         **result,
     }
     merge_results(Path(args.out), args.nodes, record)

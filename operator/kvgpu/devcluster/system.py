@@ -29,6 +29,7 @@ class KvgpuSystem:
     webhook_port: int = field(default_factory=free_port)
     operator: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    operator_args: tuple[str, ...] = ()  # more `kvgpu operator` options, e.g. ("--node-choice=scheduler",)
 
     def install_crds(self) -> None:
         self.cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_DIR))
@@ -61,7 +62,7 @@ class KvgpuSystem:
             f"--webhook-port={self.webhook_port}", "--webhook-host=127.0.0.1",
             f"--webhook-cert={pki / 'webhook.crt'}", f"--webhook-key={pki / 'webhook.key'}",
             f"--webhook-ca={pki / 'ca.crt'}", "--dev-webhooks", "--operator-username=kvgpu-operator",
-            f"--ready-file={self.ready_file}",
+            f"--ready-file={self.ready_file}", *self.operator_args,
         ]
         log = self.operator_log().open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
