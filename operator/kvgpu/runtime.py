@@ -61,6 +61,7 @@ class OperatorConfig:
     peering_name: str = "kvgpu"
     sweep_interval_s: float = 15.0
     flush_interval_s: float = 0.5
+    pool_status_interval_s: float = 5.0  # allocation totals in VGPUPool status, at most this often
     orphan_grace_s: float = 30.0
     bind_events: bool = True  # a GPUSlicesBound Event per pod (posted by the claim-phase worker)
     node_choice: NodeChoice = NodeChoice.EXTENDER  # who picks a GPU pod's node (kvgpu.extender.choice)
@@ -82,7 +83,9 @@ class Runtime:
     api: Any = None
     extender: Extender | None = None
     extender_port: int = 0
-    pools_dirty: bool = True
+    pools_dirty: bool = True  # a pool or the leadership changed: write pool status at the next flush
+    _pool_usage_dirty: bool = False  # allocations changed: pool status within pool_status_interval_s
+    _pool_status_due: float = 0.0  # time.monotonic() before which allocation-only changes wait
     _runner: web.AppRunner | None = None
     _webhook_procs: list[Any] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -319,7 +322,7 @@ class Runtime:
         for i, name in enumerate(todo):
             if name not in self.state.nodes:
                 self.metrics.forget_node(name)
-            if name not in self.state.ledger.nodes():
+            if name not in self.state.ledger:
                 continue
             usage = self.state.ledger.node_usage(name)
             text = json.dumps(usage.to_json(), sort_keys=True, separators=(",", ":"))
@@ -339,10 +342,17 @@ class Runtime:
                 self.state.dirty_nodes.update(todo[i:])
                 raise
             self._written_nodes[name] = text
-            self.pools_dirty = True
+            self._pool_usage_dirty = True
         self.metrics.pending.set(len(self.state.pending))
-        if self.pools_dirty:
-            self.pools_dirty = False
+        # Pool status sums every node and reservation: written at once when a pool, an
+        # inventory or the leadership changed, at most every pool_status_interval_s for
+        # allocations alone (a burst would otherwise recompute it every flush, in the loop
+        # that answers kube-scheduler).
+        now = time.monotonic()
+        if self.pools_dirty or self.state.topology_dirty or (
+                self._pool_usage_dirty and now >= self._pool_status_due):
+            self.pools_dirty = self._pool_usage_dirty = False
+            self._pool_status_due = now + self.cfg.pool_status_interval_s
             try:
                 await self.write_pool_status()
             except BaseException:

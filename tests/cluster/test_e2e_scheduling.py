@@ -152,5 +152,6 @@ def test_operator_killed_during_burst_loses_nothing(gpu: GpuEnv) -> None:
         assert c["spec"]["node"] == p["spec"]["nodeName"]
         assert p["metadata"]["annotations"]["kvgpu.io/devices.main"] == c["spec"]["devices"][0]["uuid"]
     _check_no_overallocation(gpu, 20000, 10)
-    status = json.loads(gpu.cluster.kubectl("get", "vgpupool", "default", "-o", "json").stdout)["status"]
-    assert status["slotsUsed"] >= n_pods
+    # allocation totals reach the pool's status within pool_status_interval_s (5 s)
+    gpu.wait(lambda: json.loads(gpu.cluster.kubectl("get", "vgpupool", "default", "-o", "json").stdout)
+             ["status"]["slotsUsed"] >= n_pods, timeout=20, what="pool status counts the pods")

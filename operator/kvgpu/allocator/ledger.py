@@ -366,6 +366,10 @@ class Ledger:
         """Forget a node's cards (idempotent). Its reservations stay until released."""
         self._nodes.pop(name, None)
 
+    def __contains__(self, name: object) -> bool:
+        """Whether ``name`` is a known node (O(1); :meth:`nodes` sorts)."""
+        return name in self._nodes
+
     def nodes(self) -> list[str]:
         """Names of the known nodes, sorted."""
         return sorted(self._nodes)
