@@ -9,7 +9,7 @@ re-computation of the rules, not against the ledger's own bookkeeping.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -113,8 +113,20 @@ class Op:
 
 
 @st.composite
-def scenarios(draw) -> tuple[list[NodeInventory], list[Op]]:
-    invs = draw(inventories())
+def twin_inventories(draw) -> list[NodeInventory]:
+    """2-4 nodes with the same cards but their own UUIDs: the filter memo shares verdicts
+    between nodes in the same state, which must never leak a UUID-dependent answer."""
+    base = draw(inventories())[0]
+    return [
+        NodeInventory(f"n{i}", tuple(replace(c, uuid=simulated_uuid(f"n{i}", c.index)) for c in base.cards),
+                      "simulated")
+        for i in range(draw(st.integers(2, 4)))
+    ]
+
+
+@st.composite
+def scenarios(draw, twins: bool = False) -> tuple[list[NodeInventory], list[Op]]:
+    invs = draw(twin_inventories() if twins else inventories())
     ops = []
     for i in range(draw(st.integers(1, 14))):
         if draw(st.integers(0, 3)) == 0:
@@ -296,6 +308,21 @@ def test_rebuilt_ledger_equals_live_one(scenario) -> None:
             split[f"ns/{alloc.pod_uid}-{ca.container}"] = PodAllocation(alloc.pod_uid, alloc.node, (ca,))
     per_container = Ledger.rebuild(invs, split)
     assert per_container.usage() == led.usage()
+
+
+@SETTINGS
+@given(scenarios(twins=True), st.lists(pods("probe"), min_size=1, max_size=4))
+def test_nodes_in_the_same_state_share_verdicts_without_changing_answers(scenario, probes) -> None:
+    invs, ops = scenario
+    a, _, _ = run(invs, ops)
+    b, _, _ = run(invs, ops, led=Ledger(cache=False))
+    for i, same_uid in enumerate(probes):  # several shapes, each decided once per node state
+        probe = replace(same_uid, uid=f"probe-{i}")
+        assert a.filter(probe) == b.filter(probe)
+        feasible = a.filter(probe)[0]
+        if feasible:  # a reservation changes one node's state; the others keep theirs
+            assert a.bind(probe, feasible[0], key=f"probe-{i}") == b.bind(probe, feasible[0], key=f"probe-{i}")
+            assert a.filter(probe) == b.filter(probe)
 
 
 @SETTINGS

@@ -179,6 +179,8 @@ class _Node:
         "cards",
         "have",
         "inventory",
+        "klass",
+        "layout",
         "max_free_cores",
         "max_free_mem",
         "max_free_pct",
@@ -211,6 +213,11 @@ class _Node:
             if c.unusable is not None:
                 counts[c.unusable] = counts.get(c.unusable, 0) + 1
         self.unusable = ", ".join(f"{k} {F.PHRASES[code]}" for code, k in sorted(counts.items()))
+        # Everything a verdict reads except the cards' UUIDs: nodes with the same layout and
+        # the same usage answer every request that names no UUID alike (see Ledger.filter).
+        self.layout = tuple(
+            (c.index, c.model, c.numa, c.pool, c.mode, c.unusable, c.excl_mode, c.slots_total, c.mem_total,
+             c.cores_total) for c in self.cards)
         self.refresh()
 
     def refresh(self) -> None:
@@ -257,6 +264,7 @@ class _Node:
         self.used_pct = min(100, max(0, round(100 * self.util)))
         # Filter verdicts by request shape, valid until the node's usage changes again.
         self.verdicts: dict[int, str | None] = {}
+        self.klass = -1  # Ledger._klass of (layout, usage), looked up when filter needs it
 
     def prefilter(self, n: Need) -> str | None:
         """Necessary conditions from the aggregates, O(1): None, or why the node cannot fit."""
@@ -331,11 +339,14 @@ class Ledger:
 
     ``cache`` (default on): :meth:`filter` remembers, per node, its verdict for each request
     shape (the containers' requests and the GPU policy) until that node's usage or inventory
-    changes, so a burst of identical pods costs one dictionary lookup per unchanged node. The
-    answers are the same with and without it (property-tested).
+    changes, so a burst of identical pods costs one dictionary lookup per unchanged node. A
+    shape not seen before is decided once per distinct node state (the cards' layout and usage,
+    UUIDs aside) unless it names UUIDs: many empty nodes of one kind answer alike. The answers
+    are the same with and without it (property-tested).
     """
 
     _SHAPES_MAX = 4096  # distinct shapes remembered; beyond it the memo starts afresh
+    _CLASSES_MAX = 200_000  # distinct node states numbered; beyond it the memo starts afresh
 
     def __init__(self, *, cache: bool = True) -> None:
         self._nodes: dict[str, _Node] = {}
@@ -343,6 +354,11 @@ class Ledger:
         self._pods: dict[str, _Pod] = {}
         self._cache = cache
         self._shapes: dict[tuple[Any, ...], int] = {}
+        # (layout, usage) of nodes -> class number, and per shape the verdict of each class:
+        # a shape seen for the first time costs one decision per distinct node state, not per
+        # node (a burst of pods of many sizes onto mostly empty nodes).
+        self._classes: dict[tuple[Any, ...], int] = {}
+        self._class_verdicts: dict[int, dict[int, str | None]] = {}
         self._rejected: dict[str, str] = {}  # rebuild: key -> why it could not be recorded
 
     # ------------------------------------------------------------------ nodes
@@ -387,15 +403,17 @@ class Ledger:
         feasible: list[str] = []
         reasons: dict[str, str] = {}
         shape = -1
+        by_class: dict[int, str | None] | None = None
         if self._cache:
             key = (Policy(pod.gpu_policy), pod.containers)
             shape = self._shapes.get(key, -1)
             if shape < 0:
-                if len(self._shapes) >= self._SHAPES_MAX:
-                    self._shapes.clear()
-                    for n in self._nodes.values():
-                        n.verdicts.clear()
+                if len(self._shapes) >= self._SHAPES_MAX or len(self._classes) >= self._CLASSES_MAX:
+                    self._forget_verdicts()
                 shape = self._shapes[key] = len(self._shapes)
+            if not any(n.uuids or n.exclude_uuids for n in needs):
+                by_class = self._class_verdicts.setdefault(shape, {})
+        classes = self._classes
         for name in self.nodes() if nodes is None else nodes:
             node = self._nodes.get(name)
             if node is None:
@@ -405,6 +423,16 @@ class Ledger:
                 verdicts = node.verdicts
                 if shape in verdicts:
                     why = verdicts[shape]
+                elif by_class is not None:
+                    k = node.klass
+                    if k < 0:
+                        state = (node.layout, tuple(c.usage() for c in node.cards))
+                        k = node.klass = classes.setdefault(state, len(classes))
+                    if k in by_class:
+                        why = verdicts[shape] = by_class[k]
+                    else:
+                        got = node.decide(needs, pod, True)
+                        why = verdicts[shape] = by_class[k] = got if isinstance(got, str) else None
                 else:
                     got = node.decide(needs, pod, True)
                     why = verdicts[shape] = got if isinstance(got, str) else None
@@ -416,6 +444,14 @@ class Ledger:
             else:
                 reasons[name] = why
         return feasible, reasons
+
+    def _forget_verdicts(self) -> None:
+        self._shapes.clear()
+        self._classes.clear()
+        self._class_verdicts.clear()
+        for n in self._nodes.values():
+            n.verdicts.clear()
+            n.klass = -1
 
     def score(self, pod: PodRequest, nodes: Iterable[str]) -> dict[str, int]:
         """Node scores 0..100 by the pod's ``node_policy`` from the nodes' current use (mean of
