@@ -236,6 +236,31 @@ def summary(data: dict[str, Any]) -> list[str]:
     return rows
 
 
+def history_table(data: dict[str, Any]) -> list[str]:
+    """Every run on the 16-core host with the default node choice (``history_16c``), so the
+    spread between runs of the same code shows next to the run the sections below detail."""
+    rows = data.get("history_16c") or []
+    if not rows:
+        return []
+    order = [("stream", 500), ("queued", 500), ("stream", 2000), ("queued", 2000)]
+    head = " / ".join(f"{m} {n}" for m, n in order)
+    out = ["### Every run on the 16-core host (default node choice)", "",
+           "Same command each time (`bash bench/scale/device.sh --nodes N --bursts 500,2000 ...`); the host is "
+           "shared, and runs of the same code differ by up to ±20 %, the no-GPU baseline too.", "",
+           f"| date (UTC) | code | change | nodes | GPU pods/s: {head} | no-GPU pods/s: {head} |",
+           "|---|---|---|---:|---|---|"]
+    for r in rows:
+        by = {(b["kind"], b["mode"], b["pods"]): b["bound_per_s"] for b in r["bursts"]}
+
+        def cells(kind: str, by: dict[tuple[str, str, int], float] = by) -> str:
+            return " / ".join(f"{by[(kind, m, n)]:.0f}" if (kind, m, n) in by else "–" for m, n in order)
+
+        change = r["change"] + (f"; {r['note']}" if r.get("note") else "")
+        out.append(f"| {r['date'][:16].replace('T', ' ')} | `{r['code']}` | {change} | {r['nodes']:,} | "
+                   f"{cells('gpu')} | {cells('baseline')} |")
+    return [*out, ""]
+
+
 def section(data: dict[str, Any], with_plot: bool) -> str:
     out = [BEGIN, "## Scale", "",
            "The whole system on the local control plane (`kvgpu.devcluster`: etcd, kube-apiserver, "
@@ -259,6 +284,7 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
     goals = (f"Goals (issue 7): ≥ {GOALS['pods_per_s']} GPU pods/s, extender p99 ≤ {GOALS['extender_p99_ms']} ms, "
              f"operator ≤ {GOALS['operator_rss_mib']} MiB at 5,000 nodes.")
     out += [goals, "", *summary(data), ""]
+    out += history_table(data)
     for _, run in _runs(data):
         m = run.get("machine", {})
         s = run.get("setup", {})
