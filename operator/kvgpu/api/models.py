@@ -302,7 +302,8 @@ def format_mib(mib: int) -> str:
 
 
 class VGPUPoolStatus(_Model):
-    """Aggregate state of the pool (counts only, so its size does not grow with the cluster)."""
+    """Aggregate state of the pool (counts only, so its size does not grow with the cluster). The
+    usage counts follow allocations within 5 s; inventory and pool changes show at once."""
 
     observed_generation: int | None = Field(default=None, ge=0, description="Generation last reconciled.")
     nodes: int = Field(default=0, ge=0, description="Nodes with at least one covered card.")
