@@ -35,6 +35,19 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> Writes:
     return w
 
 
+Started = tuple[Runtime, list[float]]
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> Started:
+    """A runtime on the three-node fake state, with a clock the test moves (seconds)."""
+    clock = [1000.0]
+    monkeypatch.setattr("kvgpu.runtime.time.monotonic", lambda: clock[0])
+    rt = Runtime(OperatorConfig(pool_status_interval_s=5.0))
+    rt.state = make_state()
+    return rt, clock
+
+
 def _reserve(rt: Runtime, uid: str, node: str) -> None:
     pod = {"metadata": {"name": uid, "namespace": "ns", "uid": uid, "annotations": {"kvgpu.io/gpumem": "1000"}},
            "spec": {"containers": [{"name": "main", "image": "x"}]}}
@@ -43,12 +56,8 @@ def _reserve(rt: Runtime, uid: str, node: str) -> None:
     rt.state.reserve(uid, rt.state.ledger.allocate(req, node))
 
 
-def test_pool_status_for_allocations_waits_for_its_interval(writes: Writes,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr("kvgpu.runtime.time.monotonic", lambda: clock[0])
-    rt = Runtime(OperatorConfig(pool_status_interval_s=5.0))
-    rt.state = make_state()
+def test_pool_status_for_allocations_waits_for_its_interval(writes: Writes, started: Started) -> None:
+    rt, clock = started
     asyncio.run(rt.flush())  # start: every node and the pool written
     assert sorted(writes.nodes) == NODES and len(writes.pools) == 1
     assert writes.pools[-1]["slotsUsed"] == 0
@@ -73,12 +82,8 @@ def test_pool_status_for_allocations_waits_for_its_interval(writes: Writes,
     assert len(writes.pools) == 2
 
 
-def test_pool_status_at_once_when_a_pool_or_inventory_changes(writes: Writes,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr("kvgpu.runtime.time.monotonic", lambda: clock[0])
-    rt = Runtime(OperatorConfig(pool_status_interval_s=5.0))
-    rt.state = make_state()
+def test_pool_status_at_once_when_a_pool_or_inventory_changes(writes: Writes, started: Started) -> None:
+    rt, clock = started
     asyncio.run(rt.flush())
     assert len(writes.pools) == 1
     clock[0] += 0.5
