@@ -324,6 +324,9 @@ class Runtime:
                 self.metrics.forget_node(name)
             if name not in self.state.ledger:
                 continue
+            # The pool totals are summed from the live ledger, which may have changed during
+            # the awaits below even where this node's text ends up as already written.
+            self._pool_usage_dirty = True
             usage = self.state.ledger.node_usage(name)
             text = json.dumps(usage.to_json(), sort_keys=True, separators=(",", ":"))
             cards = usage.cards
@@ -336,13 +339,21 @@ class Runtime:
                 continue
             try:
                 await kube.patch_node_annotations(self.api, name, {keys.NODE_ALLOCATION: text})
+            except ApiException as e:
+                if e.status is None or e.status >= 500 or e.status == 429:
+                    self.state.dirty_nodes.update(todo[i:])
+                    raise
+                # Refused for this node alone (gone: 404; 403, 422): the others and the pool
+                # status are still written; the node is tried again when it changes.
+                log.warning("node allocation annotation not written", node=name, status=e.status,
+                            reason=e.reason)
+                continue
             except BaseException:
                 # Not written (API server away): this node and the rest stay dirty for the next
                 # round; dropping them left annotations stale until the node changed again.
                 self.state.dirty_nodes.update(todo[i:])
                 raise
             self._written_nodes[name] = text
-            self._pool_usage_dirty = True
         self.metrics.pending.set(len(self.state.pending))
         # Pool status sums every node and reservation: written at once when a pool, an
         # inventory or the leadership changed, at most every pool_status_interval_s for

@@ -35,6 +35,7 @@ PREFERRED_POD = {"preferredDuringSchedulingIgnoredDuringExecution": [
     ({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"},
                                     {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}]},
      ["topologySpreadConstraints (ScheduleAnyway)"]),
+    ({"resourceClaims": [{"name": "gpu", "resourceClaimName": "c"}]}, ["resourceClaims"]),
     # malformed specs are no preference, not an exception
     ({"affinity": "x", "topologySpreadConstraints": {"a": 1}}, []),
     ({"affinity": {"nodeAffinity": [1]}, "topologySpreadConstraints": [None, 3]}, []),

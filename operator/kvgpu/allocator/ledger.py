@@ -215,9 +215,10 @@ class _Node:
         self.unusable = ", ".join(f"{k} {F.PHRASES[code]}" for code, k in sorted(counts.items()))
         # Everything a verdict reads except the cards' UUIDs: nodes with the same layout and
         # the same usage answer every request that names no UUID alike (see Ledger.filter).
-        self.layout = tuple(
+        # None when UUIDs repeat (a malformed inventory): placement keys cards by UUID there.
+        self.layout: tuple[Any, ...] | None = tuple(
             (c.index, c.model, c.numa, c.pool, c.mode, c.unusable, c.excl_mode, c.slots_total, c.mem_total,
-             c.cores_total) for c in self.cards)
+             c.cores_total) for c in self.cards) if len(self.by_uuid) == len(self.cards) else None
         self.refresh()
 
     def refresh(self) -> None:
@@ -346,7 +347,7 @@ class Ledger:
     """
 
     _SHAPES_MAX = 4096  # distinct shapes remembered; beyond it the memo starts afresh
-    _CLASSES_MAX = 200_000  # distinct node states numbered; beyond it the memo starts afresh
+    _CLASSES_MAX = 20_000  # node states numbered (~1 KB each); beyond it the memo starts afresh
 
     def __init__(self, *, cache: bool = True) -> None:
         self._nodes: dict[str, _Node] = {}
@@ -406,9 +407,11 @@ class Ledger:
         by_class: dict[int, str | None] | None = None
         if self._cache:
             key = (Policy(pod.gpu_policy), pod.containers)
+            if len(self._classes) >= self._CLASSES_MAX:  # grows with usage changes, not shapes
+                self._forget_verdicts()
             shape = self._shapes.get(key, -1)
             if shape < 0:
-                if len(self._shapes) >= self._SHAPES_MAX or len(self._classes) >= self._CLASSES_MAX:
+                if len(self._shapes) >= self._SHAPES_MAX:
                     self._forget_verdicts()
                 shape = self._shapes[key] = len(self._shapes)
             if not any(n.uuids or n.exclude_uuids for n in needs):
@@ -423,7 +426,7 @@ class Ledger:
                 verdicts = node.verdicts
                 if shape in verdicts:
                     why = verdicts[shape]
-                elif by_class is not None:
+                elif by_class is not None and node.layout is not None:
                     k = node.klass
                     if k < 0:
                         state = (node.layout, tuple(c.usage() for c in node.cards))
@@ -462,6 +465,14 @@ class Ledger:
         if Policy(pod.node_policy) == Policy.BINPACK:
             return {name: n.used_pct if (n := get(name)) else 0 for name in nodes}
         return {name: 100 - n.used_pct if (n := get(name)) else 0 for name in nodes}
+
+    def rank(self, pod: PodRequest, nodes: Iterable[str]) -> dict[str, float]:
+        """:meth:`score` unrounded, 0.0..1.0 (higher is better), for picking one node: a small
+        slice moves a node's rank even where it leaves the whole-percent score unchanged."""
+        get = self._nodes.get
+        if Policy(pod.node_policy) == Policy.BINPACK:
+            return {name: n.util if (n := get(name)) else -1.0 for name in nodes}
+        return {name: 1.0 - n.util if (n := get(name)) else -1.0 for name in nodes}
 
     def allocate(self, pod: PodRequest, node: str) -> PodAllocation:
         """Pick the cards for every container of ``pod`` on ``node`` (by the pod's

@@ -6,14 +6,17 @@ its own score plugins and the extender's ``prioritize`` and adds the weighted sc
 just use it"). Both calls sit in its serial scheduling cycle, so each costs every pod of a
 burst an HTTP round trip and the encoding of a few hundred node names.
 
-With :data:`NodeChoice.EXTENDER` (the default) filter answers only the best node by the GPU
-policy (the highest :meth:`kvgpu.allocator.Ledger.score`, 0..100, rather than prioritize's
+With :data:`NodeChoice.EXTENDER` (the default) filter answers only the best node by the node
+policy (the highest :meth:`kvgpu.allocator.Ledger.rank`, unrounded, rather than prioritize's
 0..10), so kube-scheduler skips scoring and prioritize. The pod loses what kube-scheduler's
 scores would have added among the nodes that fit its GPU request: least-allocated cpu and
-memory, image locality, ``PreferNoSchedule`` taints and the cluster's default topology
-spreading. A pod that states a preference of its own (:func:`scheduler_preferences`) still
-gets every fitting node, so its preference counts. With :data:`NodeChoice.SCHEDULER` filter
-always answers every fitting node and prioritize scores them.
+memory, image locality, ``PreferNoSchedule`` taints, the cluster's default topology spread,
+and other pods' affinity terms towards it (none of these is visible in the pod itself), and
+kube-scheduler's random choice among equal scores (here: the first in its order). A pod that
+states a preference of its own (:func:`scheduler_preferences`) still gets every fitting node,
+so its preference counts. With :data:`NodeChoice.SCHEDULER` filter always answers every
+fitting node and prioritize scores them; use it too when another filtering extender follows
+kvgpu's (it would see a single node).
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ class NodeChoice(enum.StrEnum):
 def scheduler_preferences(pod: Mapping[str, Any]) -> list[str]:
     """The soft scheduling preferences in ``pod["spec"]`` that kube-scheduler scores, as
     field paths: ``affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution``,
-    the same for ``podAffinity`` and ``podAntiAffinity``, and ``topologySpreadConstraints``
-    with ``whenUnsatisfiable: ScheduleAnyway``. Empty when there are none; malformed specs
-    (admission lets only valid pods through, but the extender may see anything) count as none."""
+    the same for ``podAffinity`` and ``podAntiAffinity``, ``topologySpreadConstraints``
+    with ``whenUnsatisfiable: ScheduleAnyway``, and ``resourceClaims`` (the DynamicResources
+    plugin scores a claim's ``firstAvailable`` alternatives). Empty when there are none;
+    malformed specs (admission lets only valid pods through, but the extender may see
+    anything) count as none."""
     spec = pod.get("spec")
     if not isinstance(spec, Mapping):
         return []
@@ -49,16 +54,18 @@ def scheduler_preferences(pod: Mapping[str, Any]) -> list[str]:
         isinstance(c, Mapping) and c.get("whenUnsatisfiable") == "ScheduleAnyway" for c in spread
     ):
         found.append("topologySpreadConstraints (ScheduleAnyway)")
+    if spec.get("resourceClaims"):
+        found.append("resourceClaims")
     return found
 
 
-def best_node(scores: Mapping[str, int]) -> str:
+def best_node(scores: Mapping[str, float]) -> str:
     """The node with the highest score; among equal scores the first in ``scores``' order
     (kube-scheduler sends the nodes starting at a different one each cycle, so ties do not
     all land on one node). Raises ``ValueError`` when ``scores`` is empty."""
     if not scores:
         raise ValueError("best_node: no nodes")
-    best, top = "", -1
+    best, top = "", float("-inf")
     for name, s in scores.items():
         if s > top:
             best, top = name, s

@@ -2,7 +2,9 @@
 
 One profile, ``kvgpu-scheduler`` (the mutating webhook points slice-requesting pods at it),
 with our extender for filter/prioritize/bind. Everything else is upstream kube-scheduler:
-its own plugins score and filter cpu, memory, affinity, taints and spread as usual.
+its own plugins filter cpu, memory, affinity, taints and spread as usual; for GPU pods the
+extender's filter answers one node, so they score only pods with soft preferences
+(:mod:`kvgpu.extender.choice`, ``--node-choice``).
 
 - ``nodeCacheCapable: true``: the scheduler sends node names, not Node objects;
 - no ``managedResources``: every pod of this profile goes to the extender (annotation-form

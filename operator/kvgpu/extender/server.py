@@ -84,7 +84,7 @@ class Extender:
                 self.binder.remember(uid, req)
                 if (len(feasible) > 1 and self.node_choice == NodeChoice.EXTENDER
                         and not scheduler_preferences(args.pod)):
-                    feasible = [best_node(self.state.ledger.score(req, feasible))]
+                    feasible = [best_node(self.state.ledger.rank(req, feasible))]
             else:
                 self.state.pending[uid] = (str(meta.get("namespace")), str(meta.get("name")))
                 self.metrics.pending.set(len(self.state.pending))
