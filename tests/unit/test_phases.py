@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from kvgpu.core import keys
 from kvgpu.core.claimstr import ClaimDevice, ClaimString
-from kvgpu.reconcile.phases import ClaimAction, actions, pod_claims, slices_message
+from kvgpu.reconcile.phases import ClaimAction, actions, pod_claims, slices_message, stale_phases
 
 
 def _pod(claims: str = "p-main-abcde", node: str = "", phase: str = "Pending") -> dict[str, Any]:
@@ -50,3 +50,53 @@ def test_slices_message_skips_an_unreadable_claim_annotation() -> None:
     pod = _pod(node="n1")
     pod["metadata"]["annotations"][keys.claim_annotation("side")] = "not-a-claim"
     assert slices_message(pod).count("GPU-1") == 1
+
+
+def _claim(name: str, phase: str | None, uid: str = "u1") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns"}, "spec": {"podUID": uid},
+            **({"status": {"phase": phase}} if phase else {})}
+
+
+def test_stale_phases_are_claims_behind_what_the_worker_wrote() -> None:
+    written = {"ns/a": "Bound", "ns/b": "Running", "ns/c": "Bound", "ns/d": "Running"}
+    claims = [_claim("a", None), _claim("b", "Running"), _claim("c", "Released", "u2"),
+              _claim("d", "Bound", "u3"), _claim("e", None, "u4")]
+    # a: re-created without a phase; d: behind; b: as written; c: terminal; e: never written
+    assert stale_phases(written, claims) == {"u1": ["ns/a"], "u3": ["ns/d"]}
+
+
+def test_the_sweep_rewrites_the_phase_of_a_recreated_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker wrote Bound on claim p-main-abcde; a bind then re-created the claim (same
+    name, no phase). The next sweep notices and writes Bound again, without a second Event."""
+    import asyncio
+
+    from kvgpu import kube
+    from kvgpu.reconcile.phaseworker import PhaseWorker, PhaseWorkerConfig, pod_projection
+
+    writes: list[tuple[str, str]] = []
+    events: list[str] = []
+    listed = [_claim("p-main-abcde", None)]
+
+    async def list_all(api: Any, kind: str) -> list[dict[str, Any]]:
+        return listed
+
+    async def patch_claim_status(api: Any, ns: str, name: str, status: dict[str, Any]) -> bool:
+        writes.append((name, status["phase"]))
+        return True
+
+    async def post_event(api: Any, obj: Any, **kw: Any) -> None:
+        events.append(kw["reason"])
+
+    for name, fn in (("list_all", list_all), ("patch_claim_status", patch_claim_status),
+                     ("post_event", post_event)):
+        monkeypatch.setattr(kube, name, fn)
+    w = PhaseWorker(PhaseWorkerConfig(orphan_grace_s=3600), api=None)
+    pod = _pod(node="n1")
+    asyncio.run(w.on_pod("MODIFIED", pod))
+    assert writes == [("p-main-abcde", "Bound")] and events == ["GPUSlicesBound"]
+    w.pods._known["u1"] = pod_projection(pod)  # what the pod watch keeps
+    asyncio.run(w.sweep())
+    assert writes == [("p-main-abcde", "Bound")] * 2 and events == ["GPUSlicesBound"]
+    listed[0]["status"] = {"phase": "Bound"}
+    asyncio.run(w.sweep())  # in step: nothing written
+    assert len(writes) == 2

@@ -17,6 +17,7 @@ Used by :mod:`kvgpu.reconcile.phaseworker`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,23 @@ def actions(event_type: str, pod: dict[str, Any]) -> list[ClaimAction]:
     if phase == "Running":
         return [ClaimAction(c, phase="Running", message=f"pod running on {node}") for c in claims]
     return [ClaimAction(c, phase="Bound", message=f"bound to {node}") for c in claims]
+
+
+def stale_phases(written: Mapping[str, str], claims: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
+    """Claims whose phase in the API differs from ``written`` (``"ns/name"`` → the phase the
+    worker wrote), by pod UID → their keys: a bind that re-created a claim under the same name
+    (replace, restore) left the new object without the phase the worker thinks it has. Claims
+    the worker has not written, and Released/Failed ones, are not stale."""
+    out: dict[str, list[str]] = {}
+    for c in claims:
+        meta = c.get("metadata") or {}
+        key = f"{meta.get('namespace')}/{meta.get('name')}"
+        have = (c.get("status") or {}).get("phase")
+        want = written.get(key)
+        if want is None or have == want or have in ("Released", "Failed"):
+            continue
+        out.setdefault(str((c.get("spec") or {}).get("podUID", "")), []).append(key)
+    return out
 
 
 def slices_message(pod: dict[str, Any]) -> str:

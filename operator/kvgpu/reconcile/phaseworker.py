@@ -24,7 +24,7 @@ import structlog
 
 from kvgpu import kube, procs
 from kvgpu.core import keys
-from kvgpu.reconcile.phases import TERMINAL, actions, pod_claims, slices_message
+from kvgpu.reconcile.phases import TERMINAL, actions, pod_claims, slices_message, stale_phases
 from kvgpu.watch import ListWatch
 
 log = structlog.get_logger("kvgpu.phases")
@@ -42,13 +42,17 @@ class PhaseWorkerConfig:
 
 
 def pod_projection(pod: dict[str, Any]) -> dict[str, Any]:
-    """What a missed deletion needs and what the orphan sweep reads: identity and claims."""
+    """What a missed deletion needs and what the sweep reads: identity, claims, and the node and
+    phase :func:`~kvgpu.reconcile.phases.actions` derives the claims' phase from."""
     meta = pod.get("metadata") or {}
     out: dict[str, Any] = {k: meta.get(k) for k in ("name", "namespace", "uid")}
     claims = (meta.get("annotations") or {}).get(keys.POD_CLAIMS)
     if claims:
         out["annotations"] = {keys.POD_CLAIMS: claims}
-    return {"metadata": out}
+    node = (pod.get("spec") or {}).get("nodeName")
+    phase = (pod.get("status") or {}).get("phase")
+    return {"metadata": out, **({"spec": {"nodeName": node}} if node else {}),
+            **({"status": {"phase": phase}} if phase else {})}
 
 
 def _ts(s: str) -> float:
@@ -123,11 +127,21 @@ class PhaseWorker:
             await asyncio.sleep(self.cfg.sweep_interval_s)
 
     async def sweep(self) -> None:
-        """Delete claims whose pod is gone (or is another pod now), after ``orphan_grace_s``; the
-        operator frees them in the ledger when it sees them deleted."""
+        """Rewrite the phase of claims that lack the one this worker wrote (a bind re-created the
+        claim under the same name), and delete claims whose pod is gone (or is another pod now)
+        after ``orphan_grace_s``; the operator frees them in the ledger when it sees them deleted."""
         pods = self.pods.known()
         now = time.time()
-        for c in await kube.list_all(self.api, "vgpuclaims"):
+        claims = await kube.list_all(self.api, "vgpuclaims")
+        for uid, stale in stale_phases(self._phase, claims).items():
+            for key in stale:
+                self._phase.pop(key, None)
+            pod = pods.get(uid)
+            if pod is not None:
+                log.info("claim phase behind its pod: rewriting it", claims=stale)
+                self._evented.add(uid)  # its Event went out with the first write
+                await self.on_pod("MODIFIED", dict(pod))
+        for c in claims:
             meta, spec = c["metadata"], c.get("spec") or {}
             if (c.get("status") or {}).get("phase") in ("Released", "Failed"):
                 continue
