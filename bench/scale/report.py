@@ -293,7 +293,8 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
         out += [f"### {_title(run)} × {s.get('cards_per_node', 8)} cards per node", "",
                 f"- Date: {run.get('date')}; machine: {m.get('cores')} cores ({m.get('cpu')}), "
                 f"{m.get('memory_gib')} GiB, Python {m.get('python')}, kernel {m.get('kernel')}; {where}.",
-                f"- Command: `{run.get('via') or run.get('command')}`",
+                f"- Command: `{run.get('via') or run.get('command')}`"
+                + (f" (code `{run['code']}`)" if run.get("code") else ""),
                 f"- Nodes created in {_f(s.get('create_s'))} s ({_f(s.get('create_per_s'))}/s, 64 in flight); the "
                 f"operator had written every node's allocation annotation {_f(s.get('operator_synced_s'))} s after "
                 f"the first create; operator RSS then {_f(s.get('operator_rss_mib_after_sync'))} MiB, at the end "
