@@ -265,7 +265,7 @@ class _Node:
         self.used_pct = min(100, max(0, round(100 * self.util)))
         # Filter verdicts by request shape, valid until the node's usage changes again.
         self.verdicts: dict[int, str | None] = {}
-        self.klass = -1  # Ledger._klass of (layout, usage), looked up when filter needs it
+        self.klass = -1  # number of (layout, usage) in Ledger._classes, looked up when filter needs it
 
     def prefilter(self, n: Need) -> str | None:
         """Necessary conditions from the aggregates, O(1): None, or why the node cannot fit."""
@@ -426,19 +426,22 @@ class Ledger:
                 verdicts = node.verdicts
                 if shape in verdicts:
                     why = verdicts[shape]
-                elif by_class is not None and node.layout is not None:
-                    k = node.klass
-                    if k < 0:
-                        state = (node.layout, tuple(c.usage() for c in node.cards))
-                        k = node.klass = classes.setdefault(state, len(classes))
-                    if k in by_class:
-                        why = verdicts[shape] = by_class[k]
+                else:
+                    shared = by_class if node.layout is not None else None
+                    k = -1
+                    if shared is not None:
+                        k = node.klass
+                        if k < 0:
+                            state = (node.layout, tuple(c.usage() for c in node.cards))
+                            k = node.klass = classes.setdefault(state, len(classes))
+                    if shared is not None and k in shared:
+                        why = shared[k]
                     else:
                         got = node.decide(needs, pod, True)
-                        why = verdicts[shape] = by_class[k] = got if isinstance(got, str) else None
-                else:
-                    got = node.decide(needs, pod, True)
-                    why = verdicts[shape] = got if isinstance(got, str) else None
+                        why = got if isinstance(got, str) else None
+                        if shared is not None:
+                            shared[k] = why
+                    verdicts[shape] = why
             else:
                 got = node.decide(needs, pod, True)
                 why = got if isinstance(got, str) else None
