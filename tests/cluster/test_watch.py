@@ -327,10 +327,16 @@ async def create_event(api: client.ApiClient, ns: str, name: str) -> str:
     return str(made.metadata.resource_version)
 
 
+async def event_then_compaction(cluster: Cluster, api: client.ApiClient, ns: str) -> None:
+    """Event ``e1`` created, then etcd compacted up to it: a watch from an older version is
+    answered 410 Gone."""
+    rv = await create_event(api, ns, "e1")
+    await asyncio.to_thread(compact_etcd, cluster, rv)
+
+
 async def test_watch_from_a_compacted_version_raises_gone(
         cluster: Cluster, namespace: str, api: client.ApiClient) -> None:
-    rv = await create_event(api, namespace, "e1")
-    await asyncio.to_thread(compact_etcd, cluster, rv)
+    await event_then_compaction(cluster, api, namespace)
     rec = Recorder()
     lw = ListWatch(api, f"/api/v1/namespaces/{namespace}/events", rec)
     with pytest.raises(Gone):
@@ -350,8 +356,7 @@ class StaleFirstList(ListWatch):
 
 async def test_gone_makes_run_list_again_and_carry_on(
         cluster: Cluster, namespace: str, api: client.ApiClient) -> None:
-    rv = await create_event(api, namespace, "e1")
-    await asyncio.to_thread(compact_etcd, cluster, rv)
+    await event_then_compaction(cluster, api, namespace)
     rec = Recorder()
     lw = StaleFirstList(api, f"/api/v1/namespaces/{namespace}/events", rec)
     async with running(lw):
