@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the ktp multi-call binary (etcd, kube-apiserver, kube-scheduler,
-# kube-controller-manager, kubectl) from the k8s.io/kubernetes Go modules.
+# kube-controller-manager, kubectl, kubelet) from the k8s.io/kubernetes Go modules.
 # The result is cached outside the work tree, keyed by Kubernetes version, Go version and
 # the go.sum hash:  ${KVGPU_CACHE:-~/.cache/kvgpu}/ktp/<key>/{ktp,etcd,kube-apiserver,...}
 # Prints the bin directory on the last line of stdout.
@@ -42,7 +42,7 @@ if ! go build -v -trimpath -ldflags "$LDF" -o "$OUT/ktp.tmp" . 2> >(tee "$OUT/bu
   exit 1
 fi
 mv "$OUT/ktp.tmp" "$OUT/ktp"
-for c in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl; do ln -sf ktp "$OUT/$c"; done
+for c in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do ln -sf ktp "$OUT/$c"; done
 "$OUT/kube-apiserver" --version >&2
 echo "ktp: built in $(( $(date +%s) - start )) s, $(du -m "$OUT/ktp" | cut -f1) MiB" >&2
 touch "$OUT/.complete"

@@ -3,12 +3,13 @@
 // One component per process; the command is constructed lazily so the process-global
 // feature-gate registries of the components never meet.
 //
-//	ktp etcd|kube-apiserver|kube-scheduler|kube-controller-manager|kubectl [flags]
+//	ktp etcd|kube-apiserver|kube-scheduler|kube-controller-manager|kubectl|kubelet [flags]
 //
 // or invoked through a symlink named after the component.
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -25,13 +26,14 @@ import (
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	kcm "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
+	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
 )
 
 func main() {
 	name, args := filepath.Base(os.Args[0]), os.Args[1:]
 	if name == "ktp" {
 		if len(args) == 0 {
-			fmt.Fprintln(os.Stderr, "usage: ktp etcd|kube-apiserver|kube-scheduler|kube-controller-manager|kubectl [flags]")
+			fmt.Fprintln(os.Stderr, "usage: ktp etcd|kube-apiserver|kube-scheduler|kube-controller-manager|kubectl|kubelet [flags]")
 			os.Exit(2)
 		}
 		name, args = args[0], args[1:]
@@ -47,6 +49,8 @@ func main() {
 		cmd = kcm.NewControllerManagerCommand()
 	case "kube-scheduler":
 		cmd = scheduler.NewSchedulerCommand()
+	case "kubelet":
+		cmd = kubelet.NewKubeletCommand(context.Background())
 	case "kubectl":
 		kc := kubectl.NewDefaultKubectlCommand()
 		kc.SetArgs(args)
