@@ -353,8 +353,16 @@ def test_hami_gpu_zero_alone_is_no_request() -> None:
 
 
 def test_mixing_forms_is_refused() -> None:
-    (msg,) = errors(pod({"kvgpu.io/gpucores": "30"}, {"nvidia.com/gpu": 1}))
+    (msg,) = errors(pod({"kvgpu.io/gpucores": "30"}, {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 1000}))
     assert msg.startswith('kvgpu.io/gpucores: "30" cannot be combined with nvidia.com/* container limits')
+
+
+def test_annotation_form_with_the_card_limit_is_not_mixing() -> None:
+    # The mutating webhook adds nvidia.com/gpu (the card count) to annotation-form containers.
+    c = one(parse_pod(pod({"kvgpu.io/gpucores": "30"}, {"nvidia.com/gpu": 1})))
+    assert (c.cards, c.cores) == (1, 30)
+    (msg,) = errors(pod({"kvgpu.io/gpu": "2"}, {"nvidia.com/gpu": 1}))
+    assert msg.startswith('nvidia.com/gpu of container "cuda": "1" disagrees with kvgpu.io/gpu ("2")')
 
 
 def test_hami_form_takes_kvgpu_selection_annotations() -> None:

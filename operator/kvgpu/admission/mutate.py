@@ -11,11 +11,16 @@ that
   the extender has written them at bind time), read-only mounts of the host's shim directory and
   ``ld.so.preload``, a per-container shared-region directory, and a read-only downward-API file
   with the container's claim,
+* give every container that gets slices from the annotation form (``kvgpu.io/gpu`` ...) the
+  extended-resource limit ``nvidia.com/gpu: <cards>`` (unless it names ``nvidia.com/gpu``
+  already), so that the kubelet calls the device plugin's ``Allocate`` for it as for the HAMi
+  form and kube-scheduler's NodeResourcesFit counts its replicas (one per card),
 * set ``NVIDIA_VISIBLE_DEVICES=none`` in the pod's other containers, so an image default
   (CUDA images set ``all``) cannot expose every card of the node to a container without slices
   (:func:`mutate_ephemeral` does the same for debug containers added later).
 
-Idempotent: entries are matched by name (env, volumes) or mount path, so running it on its own
+Idempotent: entries are matched by name (env, volumes, resources) or mount path (one mount per
+target: the device plugin adds none by default), so running it on its own
 output returns ``[]`` (safe with ``reinvocationPolicy: IfNeeded``). It never overwrites what the
 user wrote; a clash (a user env var ``KVGPU_CLAIM``, a user volume called ``kvgpu-shim``, another
 mount at ``/etc/ld.so.preload``) is left in place for :mod:`kvgpu.admission.validate` to reject
@@ -44,6 +49,8 @@ VOLUME_SCHED = "kvgpu-sched"
 RESERVED_VOLUMES = (VOLUME_SHIM, VOLUME_PRELOAD, VOLUME_REGION, VOLUME_CLAIMS, VOLUME_SCHED)
 PRELOAD_MOUNT = "/etc/ld.so.preload"
 NO_DEVICES = "none"
+#: The device plugin's resource (the agent advertises cards x splitCount replicas of it).
+CARD_RESOURCE = "nvidia.com/gpu"
 
 CONTAINER_KINDS = ("initContainers", "containers")
 
@@ -135,17 +142,44 @@ def _add_entries(
             have.add(w[key])
 
 
-def mutate_pod(pod: Mapping[str, Any], *, sliced: Collection[str] | None = None) -> list[JSONPatchOp]:
+def _add_card_resource(ops: list[JSONPatchOp], base: str, c: Mapping[str, Any], cards: int) -> None:
+    """Add ``limits[nvidia.com/gpu] = cards`` to container ``c`` at ``base`` unless it names
+    ``nvidia.com/gpu`` already (in limits or requests: the user's value stays, and validation
+    refuses it when it disagrees with the annotations). Requests are left absent: the API server
+    defaults an extended resource's request to its limit."""
+    res = c.get("resources")
+    if not isinstance(res, Mapping):
+        ops.append({"op": "add", "path": f"{base}/resources",
+                    "value": {"limits": {CARD_RESOURCE: str(cards)}}})
+        return
+    if any(isinstance(res.get(p), Mapping) and CARD_RESOURCE in res[p] for p in ("limits", "requests")):
+        return
+    limits = res.get("limits")
+    if not isinstance(limits, Mapping):
+        ops.append({"op": "add", "path": f"{base}/resources/limits", "value": {CARD_RESOURCE: str(cards)}})
+    else:
+        ops.append({"op": "add", "path": f"{base}/resources/limits/{_escape(CARD_RESOURCE)}",
+                    "value": str(cards)})
+
+
+def mutate_pod(
+    pod: Mapping[str, Any], *, sliced: Collection[str] | None = None,
+    card_resources: Mapping[str, int] | None = None,
+) -> list[JSONPatchOp]:
     """Return the JSON-patch ops that make ``pod`` a kvgpu pod (``[]`` when nothing to do).
 
-    ``sliced`` names the containers (app or init) that get slices; by default the pod's request
-    is parsed, and a pod that requests nothing or whose request has errors gets no ops.
+    ``sliced`` names the containers (app or init) that get slices and ``card_resources`` the
+    ``nvidia.com/gpu`` limits to add (container → cards); by default the pod's request is
+    parsed, and a pod that requests nothing or whose request has errors gets no ops.
     """
     if sliced is None:
         parsed = parse(pod)
         if not parsed.ok:
             return []
         sliced = parsed.names()
+        if card_resources is None:
+            card_resources = dict(parsed.card_resources)
+    card_resources = card_resources or {}
     sliced = set(sliced)
     if not sliced:
         return []
@@ -173,6 +207,8 @@ def mutate_pod(pod: Mapping[str, Any], *, sliced: Collection[str] | None = None)
             name = c.get("name", "")
             base = f"/spec/{kind}/{i}"
             if name in sliced:
+                if name in card_resources:
+                    _add_card_resource(ops, base, c, card_resources[name])
                 _add_entries(ops, f"{base}/env", c.get("env"), injected_env(name), "name")
                 _add_entries(ops, f"{base}/volumeMounts", c.get("volumeMounts"), injected_mounts(name),
                              "mountPath")

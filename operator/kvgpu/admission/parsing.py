@@ -1,7 +1,8 @@
 """The one place where admission asks "what does this pod request?".
 
 :func:`parse` turns a pod dict into a :class:`Parsed`: whether the pod asks for slices at all,
-which containers get them (name and whether it is an init container), and every request error
+which containers get them (name and whether it is an init container), which of them still lack
+the ``nvidia.com/gpu`` request (annotation form), and every request error
 as a message naming key, value and allowed form. The real work is done by the API's request
 parser (:mod:`kvgpu.api.requests`); this module only adapts its answer to what the webhooks
 need, so that mutate and validate never depend on its exact shape.
@@ -33,6 +34,9 @@ class Parsed:
     requests_slices: bool
     containers: tuple[SlicedContainer, ...] = ()
     errors: tuple[str, ...] = ()
+    #: (container, cards): annotation-form containers with slices that request no
+    #: ``nvidia.com/gpu`` yet (:func:`kvgpu.api.requests.card_resources_to_add`).
+    card_resources: tuple[tuple[str, int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -63,6 +67,7 @@ def parse(pod: Mapping[str, Any]) -> Parsed:
     return Parsed(
         requests_slices=True,
         containers=tuple(SlicedContainer(c.container, c.init) for c in req.containers),
+        card_resources=tuple(api_requests.card_resources_to_add(pod).items()),
     )
 
 

@@ -17,7 +17,9 @@ CREATE, for pods that request slices:
 * reserved env vars (:func:`is_reserved_env`: :data:`kvgpu.core.keys.RESERVED_ENV` and a few
   more shim inputs) set by the user in any container (``envFrom`` and image defaults cannot be
   seen here: the injected explicit env wins over both for the injected names);
-* the injection incomplete or altered (reserved volumes, mounts, the region sub-path).
+* the injection incomplete or altered (reserved volumes, mounts, the region sub-path, the
+  ``nvidia.com/gpu`` limit of an annotation-form container; a limit that disagrees with the
+  annotations is a request error from the parser, naming ``nvidia.com/gpu`` and the container).
 
 CREATE, for every pod reaching the webhook: allocation annotations
 (:func:`kvgpu.core.keys.is_allocation_annotation`) are refused whoever sets them — only the
@@ -157,12 +159,15 @@ def _env_errors(kind: str, c: Mapping[str, Any], sliced: bool) -> list[str]:
     return errors
 
 
-def _injection_errors(pod: Mapping[str, Any], sliced: Collection[str]) -> list[str]:
+def _injection_errors(
+    pod: Mapping[str, Any], sliced: Collection[str], card_resources: Collection[tuple[str, int]] = (),
+) -> list[str]:
     """Clashes with the injection (one message each) and, if anything is missing, one message
-    saying the mutating webhook did not run."""
+    saying the mutating webhook did not run. ``card_resources``: the ``nvidia.com/gpu`` limits
+    the mutation would add (:attr:`kvgpu.admission.parsing.Parsed.card_resources`)."""
     spec = _mapping(pod.get("spec"))
     errors: list[str] = []
-    missing: list[str] = []
+    missing: list[str] = [f"limit {m.CARD_RESOURCE}: {n} in container {c!r}" for c, n in card_resources]
     if (spec.get("schedulerName") or m.DEFAULT_SCHEDULER) == m.DEFAULT_SCHEDULER:
         missing.append(f"spec.schedulerName {keys.SCHEDULER_NAME}")
     volumes = {str(v.get("name")): v for v in _list(spec.get("volumes")) if isinstance(v, Mapping)}
@@ -249,7 +254,7 @@ def _create_errors(pod: Mapping[str, Any], *, injected: bool = True) -> list[str
             errors += _privilege_errors(kind, c)
         errors += _env_errors(kind, c, is_sliced)
     if injected and not parsed.errors:
-        errors += _injection_errors(pod, sliced)
+        errors += _injection_errors(pod, sliced, parsed.card_resources)
     return errors
 
 

@@ -540,6 +540,28 @@ def wants_slices(obj: Mapping[str, Any]) -> bool:
     return any(_hami_slice_keys(c) for c in inits + apps)
 
 
+def card_resources_to_add(obj: Mapping[str, Any]) -> dict[str, int]:
+    """The ``nvidia.com/gpu`` limits a pod in the annotation form still lacks: container name →
+    cards, for every container that gets slices and names no ``nvidia.com/gpu`` (in limits or
+    requests). The kubelet calls the device plugin only for resources a container requests, so
+    the mutating webhook adds these. Empty for the HAMi form (its containers name their own
+    resources), a pod without a request and one whose request has errors. HAMi's defaults
+    apply (no pool is known at admission): without ``kvgpu.io/gpu`` a container gets 1 card.
+    """
+    try:
+        req = _parse(obj, None)
+        _, spec = pod_template(obj)
+    except RequestError:
+        return {}
+    if req is None:
+        return {}
+    inits, apps = _containers(spec, _Errors())
+    by_name = {c.name: c for c in inits + apps}
+    if any(k != HAMI_GPU for c in by_name.values() for k in _hami_slice_keys(c)):
+        return {}  # the HAMi form
+    return {r.container: r.cards for r in req.containers if HAMI_GPU not in by_name[r.container].resources}
+
+
 #: Another name for :func:`wants_slices`.
 requests_slices = wants_slices
 
@@ -614,6 +636,11 @@ def _parse(obj: Mapping[str, Any], pool: VGPUPoolSpec | None) -> PodRequest | No
         if typo is not None:
             errs.add(k, ann[k], "is not a kvgpu request annotation", f"did you mean {typo}?")
     amounts = [k for k in ours if k in AMOUNT_ANNOTATIONS]
+    if amounts and hami and all(ks == [HAMI_GPU] for ks in hami.values()):
+        # The annotation form with the extended resource the mutating webhook adds (or the user
+        # wrote) so that the kubelet calls the device plugin: a card count, checked against the
+        # annotations in _annotation_containers.
+        hami = {}
     if amounts and hami:
         names = ", ".join(hami)
         errs.add(
@@ -810,7 +837,47 @@ def _annotation_containers(
         return []
     order = {c.name: i for i, c in enumerate(inits + apps)}
     targets.sort(key=lambda c: order[c.name])
+    a.cards = _card_resource(ann, a.cards, targets, [c for c in inits + apps if c not in targets], errs)
+    if len(errs.items) > n0:
+        return []
     return [_finish(c.name, c.init, a, pool, shared) for c in targets]
+
+
+def _card_resource(
+    ann: Mapping[str, Any], cards: int | None, targets: list[_Container], others: list[_Container],
+    errs: _Errors,
+) -> int | None:
+    """The annotation form's ``nvidia.com/gpu`` limits (the mutating webhook adds them so that the
+    kubelet calls the device plugin; a user may have written them): on a container with slices
+    it must be the card count, the same as ``kvgpu.io/gpu`` when that is set; elsewhere it may
+    only be 0. Returns the card count (``kvgpu.io/gpu``, else the limits', else ``None``)."""
+    first: tuple[str, int] | None = None
+    for c in targets:
+        if HAMI_GPU not in c.resources:
+            continue
+        raw = c.resources[HAMI_GPU]
+        try:
+            n = _resource_int(HAMI_GPU, raw, 1, MAX_CARDS, FORM_CARDS, c.name)
+        except RequestError as e:
+            errs.items.append(e)
+            continue
+        if cards is not None and n != cards:
+            errs.add(HAMI_GPU, raw, f"disagrees with {GPU} ({show(ann[GPU])})",
+                     "set the limit to the same number of cards or remove it (kvgpu adds it)", c.name)
+        elif first is not None and n != first[1]:
+            errs.add(HAMI_GPU, raw, f'disagrees with the {HAMI_GPU} limit of container "{first[0]}" '
+                     f"({first[1]}); every container named by {CONTAINERS} gets the same cards",
+                     f"set {GPU} and remove the limits (kvgpu adds them)", c.name)
+        elif first is None:
+            first = (c.name, n)
+    for c in others:
+        if HAMI_GPU in c.resources and not _is_zero(c.resources[HAMI_GPU]):
+            errs.add(HAMI_GPU, c.resources[HAMI_GPU],
+                     f"is set on a container that gets no slices from the {K}* request annotations",
+                     f"name the container in {CONTAINERS}, or remove the limit", c.name)
+    if cards is None and first is not None:
+        return first[1]
+    return cards
 
 
 def _names(by_name: Mapping[str, Any]) -> str:
