@@ -5,11 +5,19 @@
 #   .ktp/ktp.xz   the control-plane binary (etcd, kube-apiserver, ... in one), xz-compressed
 # Carry both to the remote and run bench/scale/device.sh there. Needs the .venv from
 # `make install` (versions are pinned to it, so the remote runs the same code as CI).
+#
+# With --realnode (for bench/gpu/realnode.sh: a real kubelet + containerd node with the GPU), the
+# wheels are unpacked into one xz tarball instead (a solid archive of the pure-Python packages is
+# a third of their wheels), and the node's runtime is packed beside it:
+#   .rn/site.tar.xz   the unpacked wheels (a site-packages folder)
+#   .rn/rn.tar.xz     bin/{containerd,containerd-shim-runc-v2,ctr,runc} and cni/{bridge,host-local,loopback}
+# Carry .ktp and .rn (not .whl).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 VPY=.venv/bin/python
-LIMIT_MIB=60   # .whl + .ktp; the remote copy (work tree included) is capped at 64 MiB
+LIMIT_MIB=60   # .whl + .ktp (or .rn + .ktp); the remote copy (work tree included) is capped at 64 MiB
+REALNODE=0; [ "${1:-}" = "--realnode" ] && REALNODE=1
 [ -x "$VPY" ] || { echo "device_bundle: $root/$VPY missing; run 'make install' first" >&2; exit 1; }
 
 # Installed on the remote image already: neither carried nor followed into their dependencies.
@@ -67,9 +75,29 @@ if [ "$(cat .ktp/source 2>/dev/null)" != "$bin" ] || [ ! -s .ktp/ktp.xz ]; then
   echo "$bin" >.ktp/source
 fi
 
-# c) Sizes: the carried folders must leave room for the work tree under the 64 MiB copy cap.
-du -h .whl/*.whl .ktp/ktp.xz | sort -h >&2
-total=$(du -cb .whl .ktp | tail -n1 | cut -f1)
+# c) --realnode: the wheels unpacked into one solid archive, and the node's runtime: containerd
+#    built by hack/realnode/build.sh, runc and the CNI plugins from the distribution's packages.
+carried=".whl .ktp"
+if [ "$REALNODE" = 1 ]; then
+  stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
+  mkdir -p "$stage/site" "$stage/rn/bin" "$stage/rn/cni" .rn
+  for w in .whl/*.whl; do "$VPY" -m zipfile -e "$w" "$stage/site"; done
+  tar -C "$stage/site" -cf - . | xz -T2 -9 >.rn/site.tar.xz
+  ctrd=$(hack/realnode/build.sh | tail -n1)
+  cp "$ctrd"/{containerd,containerd-shim-runc-v2,ctr} "$(command -v runc)" "$stage/rn/bin/"
+  for p in bridge host-local loopback; do cp "/usr/lib/cni/$p" "$stage/rn/cni/"; done
+  if [ "$(cat .rn/source 2>/dev/null)" != "$ctrd" ] || [ ! -s .rn/rn.tar.xz ]; then
+    tar -C "$stage/rn" -cf - . | xz -T2 -9 >.rn/rn.tar.xz
+    echo "$ctrd" >.rn/source
+  fi
+  carried=".rn .ktp"
+fi
+
+# d) Sizes: the carried folders must leave room for the work tree under the 64 MiB copy cap.
+# shellcheck disable=SC2086  # $carried is a word list on purpose
+du -h $carried | sort -h >&2
+# shellcheck disable=SC2086
+total=$(du -cb $carried | tail -n1 | cut -f1)
 tree=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -n1 | cut -f1 || true)
-echo "device_bundle: .whl + .ktp = $((total >> 20)) MiB (limit $LIMIT_MIB); work tree $((tree >> 20)) MiB" >&2
+echo "device_bundle: $carried = $((total >> 20)) MiB (limit $LIMIT_MIB); work tree $((tree >> 20)) MiB" >&2
 [ "$total" -le $((LIMIT_MIB << 20)) ] || { echo "device_bundle: bundle above $LIMIT_MIB MiB" >&2; exit 1; }
