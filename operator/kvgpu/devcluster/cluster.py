@@ -142,7 +142,9 @@ class Cluster:
                  "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
                  f"--cert-dir={self.run_dir / 'pki'}", "--profiling=true",  # /debug/pprof, for bench/scale
                  "--max-requests-inflight=2000", "--max-mutating-requests-inflight=1000",
-                 "--enable-priority-and-fairness=false", "--v=1"],
+                 "--enable-priority-and-fairness=false",
+                 # a real node (realnode.py) is reached at its InternalIP; its name does not resolve
+                 "--kubelet-preferred-address-types=InternalIP,Hostname", "--v=1"],
                 port=self.api_port,
             )
             self._write_kubeconfig(self.kubeconfig, "admin")
