@@ -9,6 +9,11 @@
   ExtenderBindingResult ``{error}``.
 
 Malformed input raises :class:`ProtocolError` with a message naming the field.
+
+Every text sent back (filter's per-node reasons and ``error``, bind's and prioritize's
+``error``) goes through :func:`scheduler_text`: kube-scheduler puts it into the format string
+of its ``FailedScheduling`` event, so a ``%`` would come out as ``%!<(MISSING)``. The
+operator's own Events (``NoGPUCapacity``) keep the ``%``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,28 @@ MAX_EXTENDER_PRIORITY = 10
 
 class ProtocolError(ValueError):
     """An extender request that does not follow kube-scheduler's schema."""
+
+
+_PERCENT = re.compile(r" ?%")
+
+
+def scheduler_text(text: str) -> str:
+    """``text`` without ``%`` (``30 %`` and ``30%`` read ``30 percent``), for kube-scheduler,
+    which formats extender reasons and errors as a Go format string."""
+    return _PERCENT.sub(" percent", text) if "%" in text else text
+
+
+def scheduler_reasons(failed: dict[str, str]) -> dict[str, str]:
+    """Per-node reasons through :func:`scheduler_text`; the dict itself when none has ``%``."""
+    if not any("%" in r for r in failed.values()):
+        return failed
+    memo: dict[str, str] = {}  # nodes often share a reason
+    return {n: memo.get(r) or memo.setdefault(r, scheduler_text(r)) for n, r in failed.items()}
+
+
+def error_result(error: str) -> dict[str, Any]:
+    """``{error}`` (bind, prioritize, or filter before its arguments are known)."""
+    return {"error": scheduler_text(error)}
 
 
 @dataclass(frozen=True)
@@ -78,13 +105,14 @@ def filter_result(
 ) -> dict[str, Any]:
     """Every feasible node passes; every other node gets its reason. Reasons are marked
     unresolvable: preempting pods the scheduler picks would not free GPU slices reliably."""
-    res: dict[str, Any] = {"nodenames": feasible, "failedNodes": {}, "failedAndUnresolvableNodes": failed}
+    res: dict[str, Any] = {"nodenames": feasible, "failedNodes": {},
+                           "failedAndUnresolvableNodes": scheduler_reasons(failed)}
     if args.nodes is not None:
         keep = set(feasible)
         items = [n for n in args.nodes if n["metadata"]["name"] in keep]
         res["nodes"] = {"apiVersion": "v1", "kind": "NodeList", "items": items}
     if error:
-        res["error"] = error
+        res["error"] = scheduler_text(error)
     return res
 
 

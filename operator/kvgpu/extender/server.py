@@ -23,7 +23,14 @@ from kvgpu import kube
 from kvgpu.api.requests import RequestError, parse_pod
 from kvgpu.extender.binder import Binder
 from kvgpu.extender.choice import NodeChoice, best_node, scheduler_preferences
-from kvgpu.extender.protocol import ProtocolError, filter_result, parse_args, parse_binding, priority_json
+from kvgpu.extender.protocol import (
+    ProtocolError,
+    error_result,
+    filter_result,
+    parse_args,
+    parse_binding,
+    priority_json,
+)
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile.state import OperatorState
 
@@ -66,7 +73,7 @@ class Extender:
         try:
             args = parse_args(await self._json(request))
         except ProtocolError as e:
-            return web.json_response({"error": str(e)})
+            return web.json_response(error_result(str(e)))
         try:
             if not self.state.ready:
                 return web.json_response(filter_result(args, [], {}, NOT_READY))
@@ -121,7 +128,7 @@ class Extender:
             return web.Response(body=priority_json(self.state.ledger.score(req, args.node_names)),
                                 content_type="application/json")
         except (ProtocolError, RequestError) as e:
-            return web.json_response({"error": str(e)}, status=400)
+            return web.json_response(error_result(str(e)), status=400)
         finally:
             self.metrics.extender_latency.labels(verb="prioritize").observe(time.perf_counter() - t0)
 
@@ -129,14 +136,14 @@ class Extender:
         try:
             args = parse_binding(await self._json(request))
         except ProtocolError as e:
-            return web.json_response({"error": str(e)})
+            return web.json_response(error_result(str(e)))
         if not self.state.ready:
-            return web.json_response({"error": NOT_READY})
+            return web.json_response(error_result(NOT_READY))
         err = await self.binder.bind(args)
         if not err:
             self.metrics.binds.inc()
             self.last_reasons.pop(args.pod_uid, None)
-        return web.json_response({"error": err} if err else {})
+        return web.json_response(error_result(err) if err else {})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
