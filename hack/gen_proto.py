@@ -1,4 +1,10 @@
-"""Generate the device-plugin gRPC stubs from operator/kvgpu/agent/proto/*.proto (if any)."""
+"""Generate the kubelet gRPC stubs (device plugin v1beta1, PodResources v1) from
+operator/kvgpu/agent/proto/*.proto (if any).
+
+``podresources.proto`` is the upstream file of k8s.io/kubelet (see its header); to refresh it, copy
+``$(go env GOMODCACHE)/k8s.io/kubelet@<version>/pkg/apis/podresources/v1/api.proto`` over it and
+keep the header.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 The harness serves the kubelet's Registration service on ``<dir>/kubelet.sock``; the plugin
 registers there; the harness then dials the plugin's socket exactly like the kubelet does and
 calls GetDevicePluginOptions, ListAndWatch, GetPreferredAllocation, Allocate and
-PreStartContainer.
+PreStartContainer. Which pods the kubelet knows (PodResources) is played by
+:func:`identifier`'s dict; the real kubelet is exercised by tests/realnode.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from kvgpu.agent.deviceplugin import (
     preferred,
     replica_id,
 )
+from kvgpu.agent.podidentity import KubeletPod, PodIdentifier
 from kvgpu.agent.proto import pb2, pb2_grpc
 from kvgpu.core.inventory import Card, NodeInventory, Slicing
+from podhelpers import GPU, ctr, pod
 
 U0 = "GPU-00000000-0000-0000-0000-000000000000"
 U1 = "GPU-11111111-1111-1111-1111-111111111111"
@@ -54,6 +57,16 @@ def inventory(split=3, healthy1=True):
         ),
         "simulated",
     )
+
+
+def identifier(pods, known=None):
+    """A PodIdentifier over ``pods``; the kubelet knows ``known`` (names; default: all)."""
+    names = {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in pods} if known is None else known
+
+    async def lookup(ns, name):
+        return KubeletPod() if (ns, name) in names else None
+
+    return PodIdentifier("gpu-0", GPU, cached=lambda: pods, lookup=lookup)
 
 
 @pytest.fixture
@@ -85,7 +98,13 @@ def config(sock_dir: Path, shim_dir: Path, **kw) -> PluginConfig:
 
 async def test_register_list_allocate(sock_dir, shim_dir):
     async with kubelet(sock_dir) as fk:
-        plugin = DevicePlugin(config(sock_dir, shim_dir, mounts="pinned"), inventory())
+        pods = [
+            pod("a", [ctr("main", 1)], claims={"main": [U0]}, created="2026-12-01T10:00:00Z"),
+            pod("b", [ctr("main", 2)], claims={"main": [U0, U1]}, created="2026-12-01T10:00:01Z"),
+        ]
+        plugin = DevicePlugin(
+            config(sock_dir, shim_dir, mounts="pinned", device_specs=False), inventory(), identifier=identifier(pods)
+        )
         task = asyncio.create_task(plugin.run())
         await asyncio.wait_for(fk.registered.wait(), 5)
         req = fk.requests[0]
@@ -130,7 +149,7 @@ async def test_register_list_allocate(sock_dir, shim_dir):
                 timeout=5,
             )
             got = list(pref.container_responses[0].deviceIDs)
-            assert {card_of(d) for d in got} == {U0, U1}
+            assert {card_of(d) for d in got} == {U0, U1}  # pod b's claim (and the fallback's pick)
 
             resp = await stub.Allocate(
                 pb2.AllocateRequest(
@@ -149,9 +168,10 @@ async def test_register_list_allocate(sock_dir, shim_dir):
                 assert lib.host_path == str(shim_dir / "libvgpu.so.0.1.0") and lib.read_only
                 pre = mounts["/etc/ld.so.preload"]
                 assert pre.read_only and pre.host_path.endswith("ld.so.preload")
-                # Identities come from the claim (downward API), never from the replica IDs.
-                assert "NVIDIA_VISIBLE_DEVICES" not in c.envs
                 assert c.envs["KVGPU_SHIM_FILE"] == "libvgpu.so.0.1.0"
+                assert not c.devices  # device_specs off
+            # Identities come from the claims (pods a then b), never from the replica IDs.
+            assert [c.envs["NVIDIA_VISIBLE_DEVICES"] for c in resp.container_responses] == [U0, f"{U0},{U1}"]
 
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await stub.Allocate(
@@ -191,9 +211,9 @@ async def test_allocate_fails_closed_without_shim(sock_dir, tmp_path):
 
 async def test_visible_devices_opt_in(sock_dir, shim_dir):
     plugin = DevicePlugin(
-        config(sock_dir, shim_dir, visible_devices_from_ids=True, mounts="none"), inventory()
+        config(sock_dir, shim_dir, visible_devices_from_ids=True, mounts="none", device_specs=False), inventory()
     )
-    resp = plugin.allocate(
+    resp = await plugin.allocate(
         pb2.AllocateRequest(
             container_requests=[
                 pb2.ContainerAllocateRequest(devices_ids=[replica_id(U1, 0), replica_id(U1, 2)])
@@ -273,9 +293,10 @@ def test_preferred_policy():
     assert card_of(preferred(few, [], 1, {U0, U1})[0]) == U1
 
 
-def test_dir_mounts_match_the_webhook(sock_dir, shim_dir):
-    plugin = DevicePlugin(config(sock_dir, shim_dir), inventory())  # default mode "dir"
-    resp = plugin.allocate(
+async def test_dir_mounts_match_the_webhook(sock_dir, shim_dir):
+    cfg = config(sock_dir, shim_dir, mounts="dir", visible_devices_from_ids=True, device_specs=False)
+    plugin = DevicePlugin(cfg, inventory())
+    resp = await plugin.allocate(
         pb2.AllocateRequest(
             container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])]
         )
@@ -290,3 +311,122 @@ def test_dir_mounts_match_the_webhook(sock_dir, shim_dir):
     # Same targets as the webhook's volume mounts, and read-only too.
     hook = {m["mountPath"]: m.get("readOnly", False) for m in mutate.injected_mounts("main")}
     assert all(hook[path] for path in mounts)
+
+
+def test_default_mounts_none():
+    assert PluginConfig().mounts == "none"  # the webhook mounts the shim; mounting it twice stacks
+
+
+@pytest.fixture
+def node_files(tmp_path):
+    dev = tmp_path / "dev"
+    (dev / "nvidia-caps").mkdir(parents=True)
+    for n in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps/nvidia-cap1"):
+        (dev / n).write_text("")
+    drv = tmp_path / "nvidia"
+    (drv / "lib64").mkdir(parents=True)
+    (drv / "bin").mkdir()
+    (drv / "lib64" / "libcuda.so.580.159.04").write_bytes(b"x")
+    os.symlink("libcuda.so.580.159.04", drv / "lib64" / "libcuda.so.1")
+    os.symlink("gone", drv / "lib64" / "libdangling.so.1")
+    (drv / "lib64" / "README").write_text("")
+    (drv / "bin" / "nvidia-smi").write_bytes(b"x")
+    return dev, drv
+
+
+async def test_allocate_answers_the_claim_when_the_kubelet_picked_another_card(sock_dir, shim_dir, node_files):
+    dev, drv = node_files
+    inv = inventory()
+    inv = replace(inv, cards=(inv.cards[0], replace(inv.cards[1], minor=7)))  # NVML minor wins over the index
+    pods = [pod("a", [ctr("main", 1)], claims={"main": [U1]})]
+    cfg = config(sock_dir, shim_dir, dev_root=str(dev), driver_root=str(drv))
+    host = await DevicePlugin(replace(cfg, host_dev_root="/dev"), inv, identifier=identifier(pods)).allocate(
+        pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])])
+    )
+    assert host.container_responses[0].devices[0].host_path == "/dev/nvidia7"
+    plugin = DevicePlugin(cfg, inv, identifier=identifier(pods))
+    resp = await plugin.allocate(
+        pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])])
+    )
+    c = resp.container_responses[0]
+    assert [(d.container_path, d.host_path, d.permissions) for d in c.devices] == [
+        ("/dev/nvidia7", str(dev / "nvidia7"), "rw"),  # the claim's card U1, not the kubelet's U0
+        ("/dev/nvidiactl", str(dev / "nvidiactl"), "rw"),
+        ("/dev/nvidia-uvm", str(dev / "nvidia-uvm"), "rw"),
+        ("/dev/nvidia-uvm-tools", str(dev / "nvidia-uvm-tools"), "rw"),
+        ("/dev/nvidia-caps/nvidia-cap1", str(dev / "nvidia-caps/nvidia-cap1"), "rw"),
+    ]
+    assert {m.container_path: (m.host_path, m.read_only) for m in c.mounts} == {
+        "/usr/local/nvidia/lib64/libcuda.so.1": (str(drv / "lib64/libcuda.so.1"), True),
+        "/usr/local/nvidia/lib64/libcuda.so.580.159.04": (str(drv / "lib64/libcuda.so.580.159.04"), True),
+        "/usr/local/nvidia/bin/nvidia-smi": (str(drv / "bin/nvidia-smi"), True),
+    }  # mounts "none": no shim mounts (the webhook's)
+    assert c.envs["NVIDIA_VISIBLE_DEVICES"] == U1
+    assert c.envs["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
+    assert plugin.identifier is not None and ("uid-a", "main") in plugin.identifier.served
+
+
+async def test_allocate_refuses_a_container_without_claim(sock_dir, shim_dir):
+    pods = [pod("raw", [ctr("main", 1)], ns="excluded")]
+    plugin = DevicePlugin(config(sock_dir, shim_dir), inventory(), identifier=identifier(pods))
+    await plugin.start()
+    try:
+        async with aio.insecure_channel(f"unix://{plugin.socket_path}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await pb2_grpc.DevicePluginStub(ch).Allocate(
+                    pb2.AllocateRequest(
+                        container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])]
+                    ),
+                    timeout=5,
+                )
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no kvgpu claim for pod excluded/raw container main" in ei.value.details()
+        assert "must be admitted by kvgpu's webhook" in ei.value.details()
+    finally:
+        await plugin.stop()
+    # Nothing identified at all (no identifier): refused too.
+    with pytest.raises(Exception, match="no kvgpu claim"):
+        await DevicePlugin(config(sock_dir, shim_dir), inventory()).allocate(
+            pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])])
+        )
+
+
+async def test_preferred_allocation_names_the_admitted_claim_in_a_burst(sock_dir, shim_dir):
+    # Three one-card pods pending; the kubelet has added only "second": its card is the answer,
+    # although the fallback policy would pick the least-used card (U1 here).
+    pods = [pod(f"p{i}", [ctr("main", 1)], claims={"main": [u]}) for i, u in enumerate((U1, U0, U1))]
+    plugin = DevicePlugin(config(sock_dir, shim_dir), inventory(), identifier=identifier(pods, {("default", "p1")}))
+    await plugin.start()
+    try:
+        async with aio.insecure_channel(f"unix://{plugin.socket_path}") as ch:
+            avail = [replica_id(U0, 0), replica_id(U1, 0), replica_id(U1, 1)]
+            pref = await pb2_grpc.DevicePluginStub(ch).GetPreferredAllocation(
+                pb2.PreferredAllocationRequest(
+                    container_requests=[
+                        pb2.ContainerPreferredAllocationRequest(available_deviceIDs=avail, allocation_size=1)
+                    ]
+                ),
+                timeout=5,
+            )
+        assert list(pref.container_responses[0].deviceIDs) == [replica_id(U0, 0)]
+    finally:
+        await plugin.stop()
+
+
+async def test_registers_only_once_the_inventory_has_devices(sock_dir, shim_dir):
+    raw = NodeInventory("gpu-0", tuple(replace(c, slicing=None) for c in inventory().cards), "simulated")
+    plugin = DevicePlugin(config(sock_dir, shim_dir), raw)  # discovery's inventory: no pool yet, 0 devices
+    async with kubelet(sock_dir) as fk:
+        task = asyncio.create_task(plugin.run(retry_s=0.05))
+        try:
+            await asyncio.sleep(0.3)
+            assert not fk.registered.is_set() and not plugin.socket_path.exists()
+            await plugin.update(inventory())  # the first published inventory
+            await asyncio.wait_for(fk.registered.wait(), 5)
+            async with aio.insecure_channel(f"unix://{plugin.socket_path}") as ch:
+                first = await asyncio.wait_for(pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty()).read(), 5)
+            assert len(first.devices) == 6
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -180,8 +180,11 @@ def test_agent_daemonset() -> None:
     assert spec["hostPID"] is True and spec["runtimeClassName"] == "nvidia"
     paths = {v["hostPath"]["path"]: v["name"] for v in spec["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    for host in ("/usr/local/kvgpu", "/var/lib/kvgpu", "/var/lib/kubelet/device-plugins"):
+    for host in ("/usr/local/kvgpu", "/var/lib/kvgpu", "/var/lib/kubelet/device-plugins",
+                 "/var/lib/kubelet/pod-resources", "/usr/local/nvidia"):
         assert mounts[paths[host]] == host, "host paths are mounted where they are on the host"
+    ro = {m["name"] for m in c["volumeMounts"] if m.get("readOnly")}
+    assert {paths["/usr/local/nvidia"], paths["/dev"]} <= ro
     for p in (keys.HOST_SHIM_DIR, keys.HOST_PRELOAD_FILE, keys.HOST_REGION_ROOT):
         assert any(p.startswith(h + "/") for h in paths), p
     required = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -194,6 +197,9 @@ def test_agent_daemonset() -> None:
     if agent_cmd is not None:  # the agent CLI may land after the manifests
         ctx = agent_cmd.make_context("agent", _strip_paths(list(c["args"][1:])))
         assert not ctx.params["simulated"] and not ctx.params["no_device_plugin"]
+        # Allocate's device specs name host paths: the agent sees the host's /dev at --dev-root.
+        assert mounts[paths["/dev"]] == ctx.params["dev_root"] and ctx.params["host_dev_root"] == "/dev"
+        assert ctx.params["device_specs"] and ctx.params["mounts"] == "none"
 
 
 def _agent_command() -> click.Command | None:

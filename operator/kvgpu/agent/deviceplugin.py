@@ -5,31 +5,39 @@ mode: one), so node allocatable ``nvidia.com/gpu`` = cards x splitCount. Replica
 ``<card UUID>::<n>``. A replica's health is its card's; its topology is the card's NUMA node.
 
 Identities come from the claim, not from the device IDs: the operator writes the container's
-claim and card UUIDs into pod annotations at bind time, and the webhook turns them into
-``KVGPU_CLAIM`` / ``NVIDIA_VISIBLE_DEVICES`` through the downward API. ``Allocate`` therefore
-needs no pod lookup and no node lock; it answers, for every container, the shim's read-only
-mounts plus informational env vars. Mount modes (:attr:`PluginConfig.mounts`):
+claim and card UUIDs into pod annotations at bind time. The API carries no pod identity, so the
+plugin recovers which (pod, container) the kubelet is admitting (:mod:`kvgpu.agent.podidentity`:
+the kubelet admits one pod at a time, containers in spec order; PodResources tells which pods it
+knows and which containers hold devices) — deterministic, no node lock.
 
-- ``dir`` (default): the host shim directory on the container shim directory and
-  ``ld.so.preload`` on ``/etc/ld.so.preload`` — exactly the mounts the mutating webhook injects
-  (same sources, same targets, read-only), so the two never disagree;
+``GetPreferredAllocation`` answers one replica of each card of the identified container's claim,
+so the kubelet's checkpoint (PodResources, DCGM) names the cards the container really uses. With
+nothing identified it falls back to :func:`preferred`: replicas of distinct, healthy cards, the
+least-used first, or exactly the one pending claim of that size when only one exists.
+
+``Allocate`` identifies the container and answers from **its claim**, whatever replica IDs the
+kubelet picked (a mismatch is logged): ``DeviceSpec``s for the claimed cards' ``/dev/nvidia<minor>``
+and the control nodes, read-only mounts of the driver's files and ``LD_LIBRARY_PATH``
+(:mod:`kvgpu.agent.devicespecs`; off with ``device_specs=False`` on nodes whose NVIDIA container
+toolkit reads ``NVIDIA_VISIBLE_DEVICES``), ``NVIDIA_VISIBLE_DEVICES`` = the claimed cards, and the
+shim mounts of :attr:`PluginConfig.mounts`:
+
+- ``none`` (default): no shim mounts — the mutating webhook already mounts the shim directory and
+  ``ld.so.preload`` (mounting them here too stacks a second mount on each target);
+- ``dir``: the host shim directory on the container shim directory and ``ld.so.preload`` on
+  ``/etc/ld.so.preload`` — the webhook's mounts, for clusters where the webhook does not mount;
 - ``pinned``: the version-named file ``libvgpu.so`` resolves to *now* on the container's
   ``libvgpu.so`` path, plus ``ld.so.preload``: the container keeps that exact library for its
-  life whatever is installed later. Only Allocate can pin (it runs on the node at container
-  creation; the webhook does not know the node). For clusters where the webhook does not mount
-  the shim (two mounts on one target are not portable across runtimes);
-- ``none``: no mounts (the webhook's alone).
+  life whatever is installed later (only Allocate can pin: it runs on the node).
 
-In every mode ``Allocate`` fails while the shim is not installed (fail closed: a container must
-never start unenforced).
+A container without a kvgpu claim (or none identified) is refused with ``FAILED_PRECONDITION`` —
+pods requesting ``nvidia.com/gpu`` must pass kvgpu's webhook — unless ``visible_devices_from_ids``
+(clusters without the webhook: cards from the replica IDs). In every mode ``Allocate`` fails while
+the shim is not installed (fail closed: a container must never start unenforced).
 
-``GetPreferredAllocation`` prefers replicas of distinct, healthy cards (a request of N means N
-cards), the least-used first, and — when a hint provider is configured and exactly one pending
-claim on this node asks for that many cards — exactly that claim's cards, so the kubelet's
-checkpoint (PodResources, DCGM) names the cards the container really uses.
-
-Lifecycle (:meth:`DevicePlugin.run`): serve on ``<socket_dir>/<endpoint>``, register with the
-kubelet on ``<socket_dir>/kubelet.sock``, then watch both sockets; when the kubelet restarts
+Lifecycle (:meth:`DevicePlugin.run`): wait until the device list is non-empty (the first published
+inventory: no 0-device window), serve on ``<socket_dir>/<endpoint>``, register with the kubelet
+on ``<socket_dir>/kubelet.sock``, then watch both sockets; when the kubelet restarts
 (its socket is recreated, plugin sockets are wiped) the plugin restarts its server and
 registers again.
 """
@@ -40,8 +48,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +59,10 @@ from grpc import aio
 from kvgpu.core import keys
 from kvgpu.core.inventory import Card, NodeInventory
 
+from . import devicespecs
+from .podidentity import Admitted, NotIdentified, PodIdentifier
+from .podresources import PodResourcesError
+from .preferred import ID_SEP, HintProvider, card_of, preferred
 from .proto import pb2, pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -59,7 +70,6 @@ log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
-ID_SEP = "::"
 MOUNT_MODES = ("dir", "pinned", "none")
 
 
@@ -75,8 +85,14 @@ class PluginConfig:
     covers get ``uncovered_split_count``, default 0 = not advertised). ``mounts``: ``dir`` |
     ``pinned`` | ``none`` (see the module docstring). ``require_shim``: fail ``Allocate`` while
     the shim is not installed.
-    ``visible_devices_from_ids``: also set ``NVIDIA_VISIBLE_DEVICES`` from the replica IDs — only
-    for clusters without kvgpu's webhook; the claim is the source of truth otherwise.
+    ``visible_devices_from_ids``: containers without a kvgpu claim get the cards of the replica IDs
+    (``NVIDIA_VISIBLE_DEVICES``, device nodes) instead of being refused — only for clusters without
+    kvgpu's webhook; the claim is the source of truth otherwise.
+    ``device_specs``: hand the container its device nodes (under ``dev_root``, which is
+    ``host_dev_root`` on the host; ``None`` = the same path) and the driver's
+    files (from ``driver_root``, already resolved: ``None`` = no driver mounts) — off where the
+    NVIDIA container toolkit does it. ``ld_library_path``: with driver mounts, set
+    ``LD_LIBRARY_PATH=/usr/local/nvidia/lib64``.
     """
 
     resource_name: str = "nvidia.com/gpu"
@@ -85,7 +101,7 @@ class PluginConfig:
     kubelet_socket: str = "kubelet.sock"
     split_count: int | None = None
     uncovered_split_count: int = 0
-    mounts: str = "dir"
+    mounts: str = "none"
     require_shim: bool = True
     host_shim_dir: str = keys.HOST_SHIM_DIR
     host_preload_file: str = keys.HOST_PRELOAD_FILE
@@ -95,17 +111,17 @@ class PluginConfig:
     topology: bool = True
     preferred_allocation: bool = True
     visible_devices_from_ids: bool = False
+    device_specs: bool = True
+    dev_root: str = "/dev"
+    host_dev_root: str | None = None
+    driver_root: str | None = None
+    ld_library_path: bool = True
     watch_interval_s: float = 1.0
 
 
 def replica_id(uuid: str, n: int) -> str:
     """Device ID of replica ``n`` of card ``uuid``."""
     return f"{uuid}{ID_SEP}{n}"
-
-
-def card_of(device_id: str) -> str:
-    """The card UUID of a replica ID (IDs without the separator are taken as a UUID)."""
-    return device_id.split(ID_SEP, 1)[0]
 
 
 def replicas_for(card: Card, cfg: PluginConfig) -> int:
@@ -147,51 +163,6 @@ def resolve_shim(host_shim_dir: str) -> Path | None:
     return target if target.is_file() else None
 
 
-# A hint provider maps a request size to the card-UUID lists of pending claims on this node.
-HintProvider = Callable[[int], Sequence[Sequence[str]]]
-
-
-def preferred(
-    available: Sequence[str],
-    must_include: Sequence[str],
-    size: int,
-    healthy: set[str],
-    hint: Sequence[Sequence[str]] = (),
-) -> list[str]:
-    """Pick ``size`` replica IDs: all of ``must_include``, then one replica per distinct card.
-
-    Cards come from ``hint`` first when exactly one hinted card list has ``size`` cards that are
-    all available; then healthy cards with the most free replicas (least used) first; replicas
-    of an already-picked card only when no other card is left. Returns fewer than ``size`` IDs
-    only if fewer are available.
-    """
-    picked: list[str] = list(dict.fromkeys(must_include))[:size]
-    free: dict[str, list[str]] = {}
-    for d in available:
-        if d not in picked:
-            free.setdefault(card_of(d), []).append(d)
-    used_cards = Counter(card_of(d) for d in picked)
-    candidates = [list(h) for h in hint if len(h) == size and all(u in free or u in used_cards for u in h)]
-    order: list[str] = []
-    if len(candidates) == 1:
-        order = [u for u in candidates[0] if u in free]
-    order += sorted(
-        (u for u in free if u not in order),
-        key=lambda u: (u not in healthy, -len(free[u]), u),
-    )
-    # First pass: one replica per card not yet used; then fill from any card.
-    for u in order:
-        if len(picked) >= size:
-            break
-        if used_cards[u] == 0 and free[u]:
-            picked.append(free[u].pop(0))
-            used_cards[u] += 1
-    for u in order:
-        while len(picked) < size and free[u]:
-            picked.append(free[u].pop(0))
-    return picked
-
-
 class _Servicer(pb2_grpc.DevicePluginServicer):
     def __init__(self, plugin: DevicePlugin) -> None:
         self.p = plugin
@@ -212,7 +183,10 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
         for req in request.container_requests:
             size = int(req.allocation_size)
             hint: Sequence[Sequence[str]] = ()
-            if self.p.hints is not None:
+            admitted = await self.p.identify(size)
+            if admitted is not None and admitted.uuids:
+                hint = [list(admitted.uuids)]
+            elif self.p.hints is not None:
                 try:
                     hint = self.p.hints(size)
                 except Exception:  # a hint is advisory; never fail the kubelet over it
@@ -225,7 +199,7 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
 
     async def Allocate(self, request, context):
         try:
-            return self.p.allocate(request)
+            return await self.p.allocate(request)
         except PluginError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
@@ -238,12 +212,16 @@ class DevicePlugin:
     """One kubelet device plugin serving ``cfg.resource_name`` from an inventory.
 
     Call :meth:`update` with every new inventory (health, pools, cards); ``ListAndWatch``
-    streams re-send the list when it changed. ``hints`` is an optional :data:`HintProvider`.
+    streams re-send the list when it changed. ``identifier`` tells which container the kubelet is
+    admitting (``None``: nothing is ever identified, so ``Allocate`` refuses unless
+    ``visible_devices_from_ids``). ``hints`` is an optional :data:`HintProvider` for
+    ``GetPreferredAllocation`` when nothing is identified.
     """
 
     cfg: PluginConfig
     inventory: NodeInventory
     hints: HintProvider | None = None
+    identifier: PodIdentifier | None = None
     allocations: int = 0
     registrations: int = 0
     _cond: asyncio.Condition = field(default_factory=asyncio.Condition, init=False, repr=False)
@@ -284,9 +262,19 @@ class DevicePlugin:
                 seen = self._generation
             yield self.devices()
 
-    def allocate(self, request: Any) -> Any:
-        """Answer ``Allocate``: per container the shim mounts and env. Raises :class:`PluginError`."""
-        known = {c.uuid: c for c in self.inventory.cards}
+    async def identify(self, size: int) -> Admitted | None:
+        """The container being admitted for ``size`` devices, or ``None`` (logged) if unknown."""
+        if self.identifier is None:
+            return None
+        try:
+            return await self.identifier.identify(size)
+        except NotIdentified as e:
+            log.warning("%s", e)
+        except PodResourcesError as e:
+            log.warning("cannot tell which pod is being admitted: %s", e)
+        return None
+
+    def _shim(self) -> Path | None:
         if self.cfg.mounts not in MOUNT_MODES:
             raise PluginError(f"mounts={self.cfg.mounts!r} is not one of {MOUNT_MODES}")
         shim = resolve_shim(self.cfg.host_shim_dir)
@@ -295,43 +283,93 @@ class DevicePlugin:
                 f"kvgpu shim is not installed on this node ({self.cfg.host_shim_dir}/libvgpu.so missing); "
                 "refusing to start a container without enforcement"
             )
+        return shim
+
+    def _cards(self, admitted: Admitted | None, ids: Sequence[str], known: dict[str, Card]) -> list[Card]:
+        """The container's cards: its claim's; the replica IDs' only in ``visible_devices_from_ids``."""
+        from_ids = list(dict.fromkeys(card_of(d) for d in ids))
+        unknown = [u for u in from_ids if u not in known]
+        if unknown:
+            raise PluginError(f"unknown device IDs {sorted(ids)} (cards {unknown} not on node)")
+        if admitted is not None and admitted.claim is not None:
+            missing = [u for u in admitted.uuids if u not in known]
+            if missing or not admitted.uuids:
+                raise PluginError(f"the kvgpu claim of {admitted} names cards not on this node: {missing}")
+            if set(from_ids) != set(admitted.uuids):
+                log.warning(
+                    "kubelet gave %s replicas of %s, its claim is on %s: serving the claim's cards",
+                    admitted, from_ids, list(admitted.uuids),
+                )
+            return [known[u] for u in admitted.uuids]
+        if self.cfg.visible_devices_from_ids:
+            return [known[u] for u in from_ids]
+        who = str(admitted) if admitted is not None else "the container being admitted (no pod identified)"
+        raise PluginError(
+            f"no kvgpu claim for {who}: pods that request {self.cfg.resource_name} "
+            "must be admitted by kvgpu's webhook"
+        )
+
+    def _shim_mounts(self, shim: Path | None) -> list[Any]:
         out = []
-        for creq in request.container_requests:
-            uuids = list(dict.fromkeys(card_of(d) for d in creq.devices_ids))
-            unknown = [u for u in uuids if u not in known]
-            if unknown:
-                raise PluginError(
-                    f"unknown device IDs {sorted(creq.devices_ids)} (cards {unknown} not on node)"
+        if self.cfg.mounts == "pinned" and shim is not None:
+            out.append(pb2.Mount(container_path=self.cfg.container_shim_lib, host_path=str(shim), read_only=True))
+        elif self.cfg.mounts == "dir":
+            out.append(
+                pb2.Mount(
+                    container_path=self.cfg.container_shim_dir, host_path=self.cfg.host_shim_dir, read_only=True
                 )
-            resp = pb2.ContainerAllocateResponse()
-            resp.envs["KVGPU_DEVICE_PLUGIN"] = self.cfg.resource_name
-            if shim is not None:
-                resp.envs["KVGPU_SHIM_FILE"] = shim.name
-            if self.cfg.mounts == "pinned" and shim is not None:
-                resp.mounts.append(
-                    pb2.Mount(container_path=self.cfg.container_shim_lib, host_path=str(shim), read_only=True)
+            )
+        if self.cfg.mounts != "none":
+            out.append(
+                pb2.Mount(
+                    container_path=self.cfg.container_preload_file,
+                    host_path=self.cfg.host_preload_file,
+                    read_only=True,
                 )
-            elif self.cfg.mounts == "dir":
-                resp.mounts.append(
-                    pb2.Mount(
-                        container_path=self.cfg.container_shim_dir,
-                        host_path=self.cfg.host_shim_dir,
-                        read_only=True,
-                    )
-                )
-            if self.cfg.mounts != "none":
-                resp.mounts.append(
-                    pb2.Mount(
-                        container_path=self.cfg.container_preload_file,
-                        host_path=self.cfg.host_preload_file,
-                        read_only=True,
-                    )
-                )
-            if self.cfg.visible_devices_from_ids:
-                resp.envs[keys.ENV_VISIBLE] = ",".join(uuids)
-            out.append(resp)
+            )
+        return out
+
+    async def allocate(self, request: Any) -> Any:
+        """Answer ``Allocate``: per container, from its claim, the device nodes, driver and shim
+        mounts and env (module docstring). Raises :class:`PluginError` (shim missing, no claim,
+        unknown cards)."""
+        known = {c.uuid: c for c in self.inventory.cards}
+        shim = self._shim()
+        out = []
+        served: list[Admitted] = []  # marked at once: the next request of this call is another container
+        try:
+            for creq in request.container_requests:
+                out.append(await self._allocate_one(list(creq.devices_ids), known, shim, served))
+        except BaseException:
+            if self.identifier is not None:
+                for a in served:
+                    self.identifier.served.pop(a.key, None)
+            raise
         self.allocations += 1
         return pb2.AllocateResponse(container_responses=out)
+
+    async def _allocate_one(
+        self, ids: list[str], known: dict[str, Card], shim: Path | None, served: list[Admitted]
+    ) -> Any:
+        admitted = await self.identify(len(ids))
+        cards = self._cards(admitted, ids, known)
+        resp = pb2.ContainerAllocateResponse()
+        resp.envs["KVGPU_DEVICE_PLUGIN"] = self.cfg.resource_name
+        if shim is not None:
+            resp.envs["KVGPU_SHIM_FILE"] = shim.name
+        resp.envs[keys.ENV_VISIBLE] = ",".join(c.uuid for c in cards)
+        resp.mounts.extend(self._shim_mounts(shim))
+        if self.cfg.device_specs:
+            resp.devices.extend(devicespecs.device_specs(cards, self.cfg.dev_root, self.cfg.host_dev_root))
+            driver = devicespecs.driver_mounts(self.cfg.driver_root)
+            resp.mounts.extend(driver)
+            if driver and self.cfg.ld_library_path:
+                resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
+        if admitted is not None and self.identifier is not None:
+            served.append(admitted)
+            self.identifier.mark_served(admitted)
+            log.info("allocated %s: cards %s", admitted, [c.uuid for c in cards])
+        return resp
 
     # ------------------------------------------------------------------ serving
 
@@ -386,7 +424,10 @@ class DevicePlugin:
         return (st.st_ino, int(st.st_ctime_ns))
 
     async def run(self, retry_s: float = 5.0) -> None:
-        """Serve, register, and re-register after kubelet restarts, until cancelled."""
+        """Wait for a non-empty device list, then serve, register, and re-register after kubelet
+        restarts, until cancelled."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: bool(self.devices()))
         try:
             while True:
                 kubelet_id = self._identity(self.kubelet_socket_path)
@@ -416,3 +457,15 @@ class DevicePlugin:
 def plugin_ids(devices: Iterable[Any]) -> list[str]:
     """IDs of a device list (test helper)."""
     return [d.ID for d in devices]
+
+
+__all__ = [
+    "DevicePlugin",
+    "HintProvider",
+    "PluginConfig",
+    "PluginError",
+    "card_of",
+    "device_list",
+    "preferred",
+    "replica_id",
+]

@@ -284,8 +284,12 @@ class NvmlDiscovery:
                 mig = bool(nv.nvmlDeviceGetMigMode(h)[0])
             except Exception:  # NOT_SUPPORTED on cards without MIG
                 mig = False
+            try:
+                minor: int | None = int(nv.nvmlDeviceGetMinorNumber(h))
+            except Exception:  # NOT_SUPPORTED on some platforms: the device plugin uses the index
+                minor = None
             sms, sm_source = self._sm_count(nv, h, uuid, model)
-            cards.append(Card(uuid, index, model, total // (1 << 20), sms, numa, mig))
+            cards.append(Card(uuid, index, model, total // (1 << 20), sms, numa, mig, minor=minor))
             details.append(NvmlCardDetail(uuid, index, total, sm_source, bus_id))
         self.details = details
         cards.sort(key=lambda c: c.index)

@@ -44,6 +44,9 @@ from .health import (
     SimulatedHealthSource,
 )
 from .kube import KubeApi, NodeApi
+from .podidentity import PodIdentifier
+from .podresources import DEFAULT_SOCKET as POD_RESOURCES_SOCKET
+from .podresources import PodResourcesClient
 from .pods import PodCache
 from .registration import Registrar
 from .shiminstall import install_shim, prune_shims
@@ -61,6 +64,7 @@ class AgentConfig:
     service account. ``simulated_health``: JSON file ``{"<uuid|index>": "<reason>"}`` of faulty
     cards (simulated mode). ``shim_source``: the built ``libvgpu.so`` to install (``None`` = do not
     install). ``device_plugin``: serve the kubelet plugin (``False`` for fake nodes).
+    ``pod_resources_socket``: the kubelet's PodResources socket (which pod the kubelet admits).
     """
 
     node: str = field(default_factory=lambda: os.environ.get("NODE_NAME", ""))
@@ -77,6 +81,7 @@ class AgentConfig:
     #: resource as the kubelet would from ListAndWatch (all replicas / healthy replicas)
     simulated_capacity: bool = True
     plugin: PluginConfig = field(default_factory=PluginConfig)
+    pod_resources_socket: str = POD_RESOURCES_SOCKET
     shim_source: str | None = None
     shim_version: str = __version__
     host_shim_dir: str = keys.HOST_SHIM_DIR
@@ -223,6 +228,20 @@ class Agent:
                 log.info("removed shared-region dir of a pod no longer on this node: %s", p.name)
             await asyncio.sleep(self.cfg.region_gc_s)
 
+    def _identifier(self, plugin_cfg: PluginConfig) -> PodIdentifier | None:
+        """Who the kubelet admits: from the pod cache, fresh lists and PodResources (needs the API)."""
+        api_client = self.api_client
+        if api_client is None:
+            return None
+        prc = PodResourcesClient(plugin_cfg.resource_name, self.cfg.pod_resources_socket)
+        return PodIdentifier(
+            self.cfg.node,
+            plugin_cfg.resource_name,
+            cached=self.pods.all_pods,
+            lookup=prc.lookup,
+            fresh=lambda: self.pods.list_fresh(api_client),
+        )
+
     async def start_checks(self) -> NodeInventory:
         """Discovery once (fail fast) and the shim installation. Raises DiscoveryError/ShimInstallError."""
         inv = await asyncio.to_thread(self.discovery.discover)
@@ -251,7 +270,9 @@ class Agent:
                     host_shim_dir=self.cfg.host_shim_dir,
                     host_preload_file=self.cfg.host_preload_file,
                 )
-                self.plugin = DevicePlugin(plugin_cfg, inv, hints=self.pods.hints)
+                self.plugin = DevicePlugin(
+                    plugin_cfg, inv, hints=self.pods.hints, identifier=self._identifier(plugin_cfg)
+                )
                 tg.create_task(self.plugin.run(), name="device-plugin")
             if isinstance(self.api, KubeApi):
                 tg.create_task(self.api.watch(self.cfg.node, self.registrar.kick), name="node-pool-watch")

@@ -1,7 +1,8 @@
 """The pods bound to this node, kept current by a list+watch (field selector ``spec.nodeName``).
 
-Feeds the exporter (containers with claims, before CUDA starts) and the device plugin's
-preferred-allocation hint (claims whose containers the kubelet has not created yet). The cache is
+Feeds the exporter (containers with claims, before CUDA starts) and the device plugin's pod
+identification (:mod:`kvgpu.agent.podidentity`: the cache, and :meth:`PodCache.list_fresh` while
+the watch lags the kubelet). The cache is
 a dict replaced atomically, so the exporter's scrape thread can read it without locks.
 """
 
@@ -48,6 +49,19 @@ class PodCache:
     def hints(self, size: int) -> list[list[str]]:
         """Card lists of not-yet-created containers asking for ``size`` cards (device plugin hint)."""
         return [s for s in pending_device_sets(self.containers()) if len(s) == size]
+
+    def all_pods(self) -> list[dict[str, Any]]:
+        """The cached pods (API dicts) now."""
+        return list(self.pods.values())
+
+    async def list_fresh(self, api_client: Any) -> list[dict[str, Any]]:
+        """This node's pods straight from the API (API dicts); the cache is left to the watch."""
+        from kubernetes_asyncio import client
+
+        lst = await client.CoreV1Api(api_client).list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={self.node}"
+        )
+        return list(api_client.sanitize_for_serialization(lst).get("items") or [])
 
     async def run(self, api_client: Any, retry_s: float = 5.0) -> None:
         """List, then watch from the list's resourceVersion; relist on errors/expiry. Until cancelled."""

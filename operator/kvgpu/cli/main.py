@@ -106,9 +106,33 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: in
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=9394, show_default=True,
               help="usage exporter port (0 = off)")
 @click.option("--no-device-plugin", is_flag=True, help="do not serve the kubelet device plugin")
+@click.option("--device-specs/--no-device-specs", default=True, show_default=True,
+              help="Allocate hands the container its /dev/nvidia* nodes and the driver's files; turn off on "
+                   "nodes whose NVIDIA container toolkit does it (it reads NVIDIA_VISIBLE_DEVICES)")
+@click.option("--dev-root", default="/dev", show_default=True,
+              help="where the agent sees the host's /dev/nvidia* nodes")
+@click.option("--host-dev-root", default=None,
+              help="the path of --dev-root on the host, written into device specs (default: --dev-root)")
+@click.option("--driver-root", default="auto", show_default=True,
+              help="driver folder with lib64/ and bin/, mounted at /usr/local/nvidia in GPU containers; "
+                   "auto = /usr/local/nvidia if it has lib64, none = no driver mounts")
+@click.option("--ld-library-path/--no-ld-library-path", default=True, show_default=True,
+              help="with driver mounts, set LD_LIBRARY_PATH=/usr/local/nvidia/lib64 in GPU containers")
+@click.option("--mounts", type=click.Choice(["none", "dir", "pinned"]), default="none", show_default=True,
+              help="shim mounts Allocate adds (none: the webhook mounts the shim; dir: the webhook's mounts; "
+                   "pinned: the version-named libvgpu.so)")
+@click.option("--visible-devices-from-ids", is_flag=True,
+              help="containers without a kvgpu claim get the kubelet's cards instead of being refused "
+                   "(clusters without kvgpu's webhook only)")
+@click.option("--pod-resources-socket", default="/var/lib/kubelet/pod-resources/kubelet.sock", show_default=True,
+              help="the kubelet's PodResources socket (tells which pod the kubelet is admitting)")
 def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: bool, interval: float,
-              shim_source: str | None, metrics_port: int, no_device_plugin: bool) -> None:
+              shim_source: str | None, metrics_port: int, no_device_plugin: bool, device_specs: bool,
+              dev_root: str, host_dev_root: str | None, driver_root: str, ld_library_path: bool, mounts: str,
+              visible_devices_from_ids: bool, pod_resources_socket: str) -> None:
     """Run the node agent: discovery, inventory, health, device plugin, shim install, usage metrics."""
+    from kvgpu.agent.deviceplugin import PluginConfig
+    from kvgpu.agent.devicespecs import resolve_driver_root
     from kvgpu.agent.main import AgentConfig, run, run_simulated_fleet
     from kvgpu.logs import configure_logging
 
@@ -120,8 +144,13 @@ def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: b
         return
     if not node:
         raise click.BadParameter("give --node or set NODE_NAME", param_hint="--node")
+    plugin = PluginConfig(device_specs=device_specs, dev_root=dev_root, host_dev_root=host_dev_root,
+                          driver_root=resolve_driver_root(driver_root),
+                          ld_library_path=ld_library_path, mounts=mounts,
+                          visible_devices_from_ids=visible_devices_from_ids)
     cfg = AgentConfig(node=node, simulated=simulated, kubeconfig=kubeconfig, interval_s=interval,
-                      shim_source=shim_source, metrics_port=metrics_port, device_plugin=not no_device_plugin)
+                      shim_source=shim_source, metrics_port=metrics_port, device_plugin=not no_device_plugin,
+                      plugin=plugin, pod_resources_socket=pod_resources_socket)
     asyncio.run(run(cfg))
 
 

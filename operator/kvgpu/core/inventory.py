@@ -6,7 +6,7 @@ JSON form (``version`` 1), camelCase like the rest of the API::
      "driver": "580.159.04", "cuda": "13.0",
      "cards": [{"uuid": "GPU-...", "index": 0, "model": "NVIDIA H200",
                 "memoryMiB": 143771, "smCount": 132, "numa": 0, "migMode": false,
-                "healthy": true, "reason": "",
+                "healthy": true, "reason": "", "minor": 0,
                 "slicing": {"pool": "default", "splitCount": 10, "memoryScaling": 1.0,
                             "coreScaling": 1.0, "mode": "hami-core"}}]}
 
@@ -66,7 +66,11 @@ class Slicing:
 
 @dataclass(frozen=True, slots=True)
 class Card:
-    """One physical card as discovered (NVML or simulated). Memory in MiB."""
+    """One physical card as discovered (NVML or simulated). Memory in MiB.
+
+    ``minor``: the device node's minor number (``/dev/nvidia<minor>``, NVML
+    ``nvmlDeviceGetMinorNumber``); ``None`` when unknown (simulated cards: use the index).
+    """
 
     uuid: str
     index: int
@@ -78,6 +82,7 @@ class Card:
     healthy: bool = True
     reason: str = ""
     slicing: Slicing | None = None
+    minor: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -93,6 +98,8 @@ class Card:
         }
         if self.slicing is not None:
             d["slicing"] = self.slicing.to_json()
+        if self.minor is not None:
+            d["minor"] = self.minor
         return d
 
     @classmethod
@@ -109,6 +116,7 @@ class Card:
             healthy=bool(d.get("healthy", True)),
             reason=str(d.get("reason", "")),
             slicing=Slicing.from_json(sl) if sl else None,
+            minor=None if d.get("minor") is None else int(d["minor"]),
         )
 
 
