@@ -5,7 +5,7 @@
  *
  * Env: STUB_NDEV (1..4, default 1), STUB_MEM_MIB (per card, default 1024), STUB_CTX_MIB
  * (memory a context takes, default 64), STUB_KERNEL_US (GPU time per launch, default 1000),
- * STUB_STATE (state file; default: private to the process), STUB_GPA_INDIRECT=1
+ * STUB_STATE (state file; default: private to the process), STUB_UUIDS (the cards' UUIDs, comma-separated), STUB_GPA_INDIRECT=1
  * (cuGetProcAddress hands out trampolines instead of the exported addresses),
  * STUB_NULL_LAUNCH=1 (launches return at once: for measuring the shim's own cost).
  */
@@ -111,9 +111,32 @@ static inline uint64_t stub_dev_used(int phys)
     return sum;
 }
 
+/* Card phys's UUID: entry phys of STUB_UUIDS ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx,...", as a
+ * simulated node's device plugin sets it, so the stub reports the cards the claim names), else
+ * GPU-5a110000-0000-0000-0000-0000000000<phys>. */
 static inline void stub_uuid_bytes(int phys, unsigned char b[16])
 {
     memset(b, 0, 16);
     b[0] = 0x5a, b[1] = 0x11, b[15] = (unsigned char)phys;
+    const char *v = getenv("STUB_UUIDS");
+    for (int i = 0; v && i < phys; i++) {
+        v = strchr(v, ',');
+        v = v ? v + 1 : NULL;
+    }
+    if (!v || strncmp(v, "GPU-", 4))
+        return;
+    unsigned char t[16];
+    int n = 0;
+    for (const char *c = v + 4; *c && *c != ',' && n < 32; c++) {
+        if (*c == '-')
+            continue;
+        int x = (*c >= '0' && *c <= '9') ? *c - '0' : (*c >= 'a' && *c <= 'f') ? *c - 'a' + 10 : -1;
+        if (x < 0)
+            return;
+        t[n / 2] = (unsigned char)(n % 2 ? (t[n / 2] | x) : x << 4);
+        n++;
+    }
+    if (n == 32)
+        memcpy(b, t, 16);
 }
 #endif
