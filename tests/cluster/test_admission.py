@@ -127,8 +127,34 @@ def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: Ad
     # The other container sees no cards, whatever its image says.
     assert side["env"] == [{"name": keys.ENV_VISIBLE, "value": "none"}]
     assert not any(m["mountPath"] == "/etc/ld.so.preload" for m in side.get("volumeMounts", []))
+    # The device plugin's resource, so that the kubelet calls Allocate: the API server defaults
+    # the request to the limit; the container without slices requests none.
+    assert main["resources"] == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}}
+    assert "nvidia.com/gpu" not in str(side.get("resources", {}))
     # The stored (defaulted) object still passes our own validation.
     assert validate_pod("CREATE", pod, None, "someone", {OPERATOR_USER}) == []
+
+
+def test_annotation_form_requests_the_cards_init_containers_too(
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread,
+) -> None:
+    pod = _pod(namespace, "cards", {"kvgpu.io/gpu": "2", "kvgpu.io/gpumem": "1000",
+                                    "kvgpu.io/containers": "prep,main"})
+    pod["spec"]["initContainers"] = [{"name": "prep", "image": "registry.invalid/cuda:12",
+                                      "resources": {"limits": {"cpu": "100m"}}}]
+    _create(cluster, pod)
+    got = _get(cluster, namespace, "cards")
+    prep, main = got["spec"]["initContainers"][0], got["spec"]["containers"][0]
+    assert prep["resources"]["limits"] == {"cpu": "100m", "nvidia.com/gpu": "2"}
+    assert prep["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert main["resources"]["requests"] == {"nvidia.com/gpu": "2"}
+    assert m.mutate_pod(got) == []
+    assert validate_pod("CREATE", got, None, "someone", {OPERATOR_USER}) == []
+    # A user value that disagrees with the annotation is refused, naming the key.
+    bad = _pod(namespace, "cards-bad", {"kvgpu.io/gpu": "2"}, limits={"nvidia.com/gpu": "1"})
+    p = _create(cluster, bad, check=False)
+    assert p.returncode != 0
+    assert 'nvidia.com/gpu of container "main": "1" disagrees with kvgpu.io/gpu ("2")' in p.stderr, p.stderr
 
 
 def test_reinvoked_after_another_webhook_adds_a_container(

@@ -220,7 +220,11 @@ belong to the operator (allocation records, Kopf's bookkeeping) and are not part
 
 **Defaults** come from the pool: before a node is chosen, the pool named `default`, else the only
 pool, else HAMi's defaults (1 card, whole memory, no core limit, priority 1, binpack nodes, spread
-cards). A request that ends up with the whole card's memory and names no cores gets `gpucores: 100`
+cards). The card count is the exception for the annotation form: the mutating webhook, which knows
+no pool, gives each container with slices the limit `{HAMI_GPU}: <cards>` (so that the kubelet
+calls the device plugin), `{GPU}` or else 1; a `{HAMI_GPU}` limit there is the card count, and must
+equal `{GPU}` when both are set.
+A request that ends up with the whole card's memory and names no cores gets `gpucores: 100`
 (an exclusive card) when the pool's default gpucores is 0, as in HAMi. `gpumem-percentage: 100` is the
 whole card.
 

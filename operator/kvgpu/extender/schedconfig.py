@@ -8,9 +8,10 @@ extender's filter answers one node, so they score only pods with soft preference
 
 - ``nodeCacheCapable: true``: the scheduler sends node names, not Node objects;
 - no ``managedResources``: every pod of this profile goes to the extender (annotation-form
-  pods request no extended resource at all);
+  pods admitted before the webhook added ``nvidia.com/gpu`` to them request none);
 - ``NodeResourcesFit.ignoredResources``: HAMi's per-card amounts (``nvidia.com/gpumem`` …) are
-  not node resources; the extender accounts them. ``nvidia.com/gpu`` stays a counted resource;
+  not node resources; the extender accounts them. ``nvidia.com/gpu`` stays a counted resource
+  (both forms request it, one replica per card; allocatable = cards x splitCount);
 - back-off 1 s: a pod rejected for lack of GPU capacity is retried right after the operator
   nudges it (capacity freed), not minutes later.
 """
