@@ -186,3 +186,20 @@ def test_zero_on_a_container_without_slices_is_fine() -> None:
     out = mutated(p)
     assert limits(out, "main") == {GPU: "1"} and limits(out, "side") == {GPU: "0"}
     assert create_errors(out) == []
+
+
+# --------------------------------------------------------------------------- one mount per target
+
+
+@pytest.mark.parametrize("p", [
+    pod({"kvgpu.io/gpu": "1", "kvgpu.io/containers": "main,side"}),
+    pod(containers=[c("main", limits={GPU: "1"})], init=[c("prep", limits={"nvidia.com/gpumem": "1000"})]),
+], ids=["annotations", "hami"])
+def test_each_injected_target_is_mounted_once(p: dict[str, Any]) -> None:
+    assert len({x["mountPath"] for x in m.injected_mounts("main")}) == len(m.injected_mounts("main"))
+    out = mutated(mutated(p))
+    for x in out["spec"].get("initContainers", []) + out["spec"]["containers"]:
+        paths = [v["mountPath"] for v in x.get("volumeMounts", [])]
+        assert len(paths) == len(set(paths)), (x["name"], paths)
+    names = [v["name"] for v in out["spec"]["volumes"]]
+    assert len(names) == len(set(names))
