@@ -430,3 +430,19 @@ async def test_registers_only_once_the_inventory_has_devices(sock_dir, shim_dir)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def test_simulated_node_tells_the_stub_driver_the_claimed_cards(sock_dir, shim_dir):
+    inv = inventory()
+    pods = [pod("a", [ctr("main", 1)], claims={"main": [U1]})]
+    cfg = replace(config(sock_dir, shim_dir), stub_driver_env=True)
+    resp = await DevicePlugin(cfg, inv, identifier=identifier(pods)).allocate(
+        pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])])
+    )
+    envs = resp.container_responses[0].envs
+    assert (envs["STUB_UUIDS"], envs["STUB_NDEV"]) == (U1, "1")
+    assert envs["STUB_MEM_MIB"] == str(inv.cards[1].memory_mib)
+    plain = await DevicePlugin(config(sock_dir, shim_dir), inv, identifier=identifier(pods)).allocate(
+        pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])])
+    )
+    assert not [k for k in plain.container_responses[0].envs if k.startswith("STUB_")]

@@ -92,7 +92,8 @@ class PluginConfig:
     ``host_dev_root`` on the host; ``None`` = the same path) and the driver's
     files (from ``driver_root``, already resolved: ``None`` = no driver mounts) — off where the
     NVIDIA container toolkit does it. ``ld_library_path``: with driver mounts, set
-    ``LD_LIBRARY_PATH=/usr/local/nvidia/lib64``.
+    ``LD_LIBRARY_PATH=/usr/local/nvidia/lib64``. ``stub_driver_env``: simulated node (the agent's
+    ``--simulated``), whose driver is the stub: tell it the claimed cards (:func:`stub_driver_env`).
     """
 
     resource_name: str = "nvidia.com/gpu"
@@ -116,7 +117,16 @@ class PluginConfig:
     host_dev_root: str | None = None
     driver_root: str | None = None
     ld_library_path: bool = True
+    stub_driver_env: bool = False
     watch_interval_s: float = 1.0
+
+
+def stub_driver_env(cards: Sequence[Card]) -> dict[str, str]:
+    """Env for the stub driver (tests/shim/stub) that plays a simulated node's driver: it reports
+    exactly ``cards`` (their UUIDs and memory), as the real driver reports the cards whose device
+    nodes the container has."""
+    return {"STUB_UUIDS": ",".join(c.uuid for c in cards), "STUB_NDEV": str(len(cards)),
+            "STUB_MEM_MIB": str(max((c.memory_mib for c in cards), default=1024))}
 
 
 def replica_id(uuid: str, n: int) -> str:
@@ -365,6 +375,8 @@ class DevicePlugin:
             resp.mounts.extend(driver)
             if driver and self.cfg.ld_library_path:
                 resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
+        if self.cfg.stub_driver_env:
+            resp.envs.update(stub_driver_env(cards))
         if admitted is not None and self.identifier is not None:
             served.append(admitted)
             self.identifier.mark_served(admitted)

@@ -269,6 +269,7 @@ class Agent:
                     self.cfg.plugin,
                     host_shim_dir=self.cfg.host_shim_dir,
                     host_preload_file=self.cfg.host_preload_file,
+                    stub_driver_env=self.cfg.simulated is not None,
                 )
                 self.plugin = DevicePlugin(
                     plugin_cfg, inv, hints=self.pods.hints, identifier=self._identifier(plugin_cfg)
