@@ -14,7 +14,7 @@ help: ## show this help
 	@awk 'BEGIN{FS=":.*##"} /^##@/{printf "\n%s\n",substr($$0,5)} /^[a-zA-Z_-]+:.*##/{printf "  %-14s %s\n",$$1,$$2}' $(MAKEFILE_LIST)
 
 .PHONY: install
-install: $(STAMP) shim ktp ## venv + Python deps + the shim + the control-plane binary
+install: $(STAMP) shim ktp realnode ## venv + Python deps + the shim + the control-plane binary + the node runtime
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 .PHONY: test
-test: install ## run every test (unit, shim, and the real control plane)
-	$(VPY) -m pytest -q tests
+test: install ## run every test (unit, shim, the real control plane and the real node)
+	KVGPU_REQUIRE_REAL_NODE=$${KVGPU_REQUIRE_REAL_NODE:-1} $(VPY) -m pytest -q tests
 
 .PHONY: demo
 demo: install ## the main job: the local control plane, the operator, fake GPU nodes, the shim
@@ -45,6 +45,24 @@ shim: $(STAMP) ## build shim/libvgpu.so and the cffi test module
 .PHONY: ktp
 ktp: ## build (or reuse from cache) the etcd/kube-apiserver/kube-scheduler/kubectl binary
 	@hack/ktp/build.sh >/dev/null
+
+.PHONY: realnode
+realnode: ## the real node's runtime: containerd (hack/realnode/build.sh) + runc, CNI plugins, busybox (apt)
+	@hack/realnode/build.sh >/dev/null
+	@missing=""; \
+	command -v runc >/dev/null || missing="$$missing runc"; \
+	test -x /usr/lib/cni/bridge || missing="$$missing containernetworking-plugins"; \
+	test -x /bin/busybox || missing="$$missing busybox-static"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "realnode: installing$$missing"; \
+	    apt-get install -y -q --no-install-recommends$$missing >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends$$missing >/dev/null; } || \
+	      { echo "realnode: apt-get install$$missing failed" >&2; exit 1; }; \
+	  else \
+	    echo "realnode: missing$$missing; install them as root (apt-get install$$missing), or the real-node tests skip" >&2; \
+	  fi; \
+	fi
 
 .PHONY: crds
 crds: $(STAMP) ## regenerate crds/, docs/api.md and docs/configuration.md from the code

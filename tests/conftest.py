@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from kvgpu.devcluster import Cluster
+from kvgpu.devcluster.system import KvgpuSystem
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +34,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="session")
+def kvgpu_system(cluster: Cluster) -> Iterator[KvgpuSystem]:
+    """The whole kvgpu system (CRDs, the operator process, the kvgpu kube-scheduler) on the
+    session's control plane; shared by tests/cluster and tests/realnode."""
+    system = KvgpuSystem(cluster).start()
+    try:
+        yield system
+    finally:
+        system.stop()
 
 
 @pytest.fixture
@@ -57,5 +69,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Tests under tests/cluster are cluster tests even if a module forgets the marker.
     for item in items:
-        if "tests/cluster/" in str(item.fspath).replace(os.sep, "/"):
+        path = str(item.fspath).replace(os.sep, "/")
+        if "tests/cluster/" in path:
             item.add_marker(pytest.mark.cluster)
+        if "tests/realnode/" in path:
+            item.add_marker(pytest.mark.cluster)
+            item.add_marker(pytest.mark.realnode)

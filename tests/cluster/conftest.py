@@ -15,14 +15,7 @@ from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.fakenodes import create_nodes
 from kvgpu.devcluster.system import KvgpuSystem
 
-
-@pytest.fixture(scope="session")
-def kvgpu_system(cluster: Cluster) -> Iterator[KvgpuSystem]:
-    system = KvgpuSystem(cluster).start()
-    try:
-        yield system
-    finally:
-        system.stop()
+# The session fixture ``kvgpu_system`` lives in tests/conftest.py (tests/realnode uses it too).
 
 
 class GpuEnv:

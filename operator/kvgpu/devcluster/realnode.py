@@ -640,6 +640,8 @@ disabled_plugins = ['io.containerd.nri.v1.nri']
             clean_host(state)
             _umount_under([self.dir])
             self.cluster.kubectl("delete", "node", self.name, "--ignore-not-found", "--wait=false", check=False)
+            self.cluster.kubectl("delete", "vgpupool", self.pool_name, "--ignore-not-found", "--wait=false",
+                                 check=False)
             left = leftovers(state)
             if left and check:
                 raise RealNodeError("the real node left on the host: " + "; ".join(left))
@@ -690,13 +692,19 @@ disabled_plugins = ['io.containerd.nri.v1.nri']
                             "(the device plugin registers once a VGPUPool covers the node: apply_pool()):\n"
                             f"{_tail(self.agent_log)}")
 
-    def apply_pool(self, name: str = "default", split_count: int = 10) -> None:
-        """A VGPUPool over every kvgpu GPU node (label ``kvgpu.io/gpu-node=true``, which the agent
-        sets), as the cluster tests' ``gpu`` fixture makes it: the agent offers devices only
-        for pooled cards."""
+    @property
+    def pool_name(self) -> str:
+        return f"realnode-{self.name}"
+
+    def apply_pool(self, split_count: int = 10) -> None:
+        """A VGPUPool over this node's cards only (``kvgpu.io/gpu-node=true`` plus its hostname
+        label: more specific than a fleet-wide pool, so it wins without a conflict); the agent
+        offers devices only for pooled cards. :meth:`stop` deletes it."""
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps({
-            "apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": name},
-            "spec": {"nodeSelector": {"matchLabels": {"kvgpu.io/gpu-node": "true"}}, "splitCount": split_count}}))
+            "apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": self.pool_name},
+            "spec": {"nodeSelector": {"matchLabels": {"kvgpu.io/gpu-node": "true",
+                                                      "kubernetes.io/hostname": self.name}},
+                     "splitCount": split_count}}))
 
     def stop_agent(self) -> None:
         if self.agent is not None and self.agent.poll() is None:
