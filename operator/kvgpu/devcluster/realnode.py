@@ -221,8 +221,9 @@ def clean_host(state: dict[str, Any] | None = None) -> None:
             ns.unlink(missing_ok=True)
     for d in FIXED_DIRS:
         shutil.rmtree(d, ignore_errors=True)
-    for f in Path("/var/lib/cni/results").glob(f"{CNI_NETWORK}-*"):
-        f.unlink(missing_ok=True)
+    for pattern in (f"{CNI_NETWORK}-*", "cni-loopback-*"):  # libcni's result cache (pod network, loopback)
+        for f in Path("/var/lib/cni/results").glob(pattern):
+            f.unlink(missing_ok=True)
     for d in (Path("/run/containerd/runc"), Path("/run/containerd/s"), Path("/run/containerd"),
               Path("/var/lib/cni/results"), Path("/var/lib/cni/networks"), Path("/var/lib/cni"), Path("/run/netns")):
         try:
@@ -250,6 +251,7 @@ def leftovers(state: dict[str, Any] | None = None) -> list[str]:
         left += [f"process containerd-shim pid {pid}" for pid in _pids_of(Path(state["shim"]))]
     left += [f"path {d}" for d in FIXED_DIRS if d.exists()]
     left += [f"netns {ns}" for ns in Path("/run/netns").glob("cni-*")]
+    left += [f"cni result {f}" for f in Path("/var/lib/cni/results").glob(f"{CNI_NETWORK}-*")]
     left += [f"bridge {br}" for br in (POD_BRIDGE, NODE_BRIDGE) if _link_exists(br)]
     left += [f"cgroup {c}" for c in _cgroup_dirs()]
     return left
