@@ -29,7 +29,7 @@ def _unavailable(reason: str) -> None:
 
 @pytest.fixture(scope="session")
 def real_node(cluster: Cluster, kvgpu_system: KvgpuSystem) -> Iterator[RealNode]:
-    node = RealNode(cluster)
+    node = RealNode(cluster, cards=4)  # 40 replicas: room for the 30-pod burst
     try:
         node.start()
     except RealNodeUnavailable as e:
@@ -84,5 +84,7 @@ def real_pods(real_node: RealNode) -> Iterator[RealPods]:
     ns = f"rn-{uuid.uuid4().hex[:10]}"
     real_node.cluster.kubectl("create", "namespace", ns)
     yield RealPods(real_node, ns)
-    # A real kubelet finishes these: delete with a short grace, not --force.
+    # A real kubelet finishes these: delete with a short grace, not --force, and wait, so the next
+    # test finds the node's cards as free as this one did.
+    real_node.cluster.kubectl("delete", "pods", "--all", "-n", ns, "--wait=true", "--timeout=120s", check=False)
     real_node.cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -319,6 +319,11 @@ class RealNode:
     def runc_root(self) -> Path:
         return self.dir / "runc"
 
+    def kubelet_checkpoint(self) -> str:
+        """The kubelet's device-manager checkpoint (JSON: ``Data.PodDeviceEntries`` with each
+        container's device IDs): what PodResources, and so DCGM, report per container."""
+        return (KUBELET_ROOT / "device-plugins" / "kubelet_internal_checkpoint").read_text()
+
     def image(self, name: str) -> str:
         """The image reference of a built-in image: ``tenant`` -> ``kvgpu.local/tenant:1``."""
         return name if "/" in name else f"kvgpu.local/{name}" + ("" if ":" in name else ":1")
