@@ -1,17 +1,22 @@
-"""``make demo``: the seed walk-through end to end on a real local control plane.
+"""``make demo``: the seed walk-through end to end on a real local control plane and a real node.
 
-1. build (or reuse) the control-plane binary; start etcd, kube-apiserver, kube-controller-manager
-   and kube-scheduler;
-2. start kvgpu: CRDs, the operator (extender, admission webhooks, reconcilers) as its own
-   process, a second kube-scheduler wired to the extender, and the node agent in simulated mode
-   for 2 fake GPU nodes × 4 H200 cards (it publishes their inventory);
-3. apply a VGPUPool (10 slices per card) and the examples: the seed's pod (1 card, 3000 MiB,
-   30 % cores) in annotation form and in HAMi resource form, a Deployment of 6 replicas;
-4. print ``kubectl get vgpupools``, ``kubectl get vgpuclaims -o wide`` and ``kubectl vgpu nodes``;
-5. run a CUDA process under the shim with the env and claim file exactly as the operator wrote
-   them for the seed pod — against the stub driver on a CPU machine, the real card when
-   ``nvidia-smi`` is present — and show the memory view (``0MiB / 3000MiB``) and the OOM;
-6. stop everything it started, by PID.
+1. build (or reuse) the binaries: etcd, kube-apiserver, kube-scheduler, kube-controller-manager,
+   kubectl and the kubelet (hack/ktp), containerd (hack/realnode);
+2. start the control plane;
+3. start kvgpu (CRDs, the operator, a kube-scheduler wired to its extender) and a real node:
+   containerd + the kubelet (``kvgpu.devcluster.realnode``) with 4 simulated H200 cards, the
+   node agent serving the kubelet's device plugin, a VGPUPool of 10 slices per card;
+4. apply the seed's pod (1 card, 3000 MiB, 30 % of the SMs) in annotation and HAMi form and a
+   Deployment of 6 such replicas, with the local tenant image (no registry here);
+5. once the kubelet reports them Running: ``kubectl get pods/vgpupools/vgpuclaims`` and
+   ``kubectl vgpu nodes``;
+6. ``kubectl exec`` into the seed pod: its claim, its device node, the NVML view
+   (``0MiB / 3000MiB``) and a CUDA program (the node's driver is the stub, mounted by the device
+   plugin) allocating until the out-of-memory error at the limit;
+7. stop everything it started, by PID, and clean the host.
+
+Where a real node cannot run (not root, no runc), steps 4-6 run on fake nodes instead (pods
+bound, not started; the CUDA process runs beside the cluster), and the demo says so.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode
 from kvgpu.devcluster import Cluster, ensure_binaries
 from kvgpu.devcluster.cluster import REPO_ROOT, die_with_parent
 from kvgpu.devcluster.fakenodes import create_nodes
+from kvgpu.devcluster.realnode import RealNode, RealNodeUnavailable
 from kvgpu.devcluster.system import KvgpuSystem
 
 RUN_DIR = Path(os.environ.get("KVGPU_DEMO_DIR") or REPO_ROOT / "run" / "demo")
 STUB_UUID = "GPU-5a110000-0000-0000-0000-000000000000"  # the stub driver's first card
+TENANT_IMAGE = "kvgpu.local/tenant:1"
 T0 = time.monotonic()
 
 
@@ -150,9 +157,103 @@ def run_under_shim(c: Cluster, pod: dict[str, Any]) -> None:
               f"with {verdict}: the 3000 MiB limit holds")
 
 
+def local_examples() -> list[dict[str, Any]]:
+    """The seed's examples as they run on the real node: the local tenant image (no registry
+    here), ``imagePullPolicy: Never`` and a long sleep instead of the one-shot ``nvidia-smi``;
+    everything kvgpu reads (annotations, limits) as written."""
+    import yaml
+
+    docs = []
+    for f in ("pod-annotations.yaml", "pod-hami.yaml", "deployment-seed.yaml"):
+        doc = yaml.safe_load((REPO_ROOT / "examples" / f).read_text())
+        spec = doc["spec"]["template"]["spec"] if doc["kind"] == "Deployment" else doc["spec"]
+        spec["terminationGracePeriodSeconds"] = 1
+        for c in spec["containers"]:
+            c.update(image=TENANT_IMAGE, imagePullPolicy="Never", command=["sleep", "infinity"])
+        docs.append(doc)
+    return docs
+
+
+def exec_in_seed(c: Cluster, title: str, *cmd: str) -> str:
+    p = c.kubectl("exec", "cuda-slice", "-c", "cuda", "--", *cmd, check=False)
+    show(f"kubectl exec cuda-slice -- {title}", p.stdout + p.stderr)
+    return p.stdout
+
+
+def inside_the_seed_pod(c: Cluster) -> None:
+    exec_in_seed(c, "sh -c 'env | grep -E \"KVGPU_CLAIM=|NVIDIA_VISIBLE\"; ls /dev | grep nvidia'",
+                 "sh", "-c", "env | grep -E 'KVGPU_CLAIM=|NVIDIA_VISIBLE' | sort; ls /dev | grep nvidia")
+    exec_in_seed(c, "python3 -c '<pynvml: nvmlDeviceGetMemoryInfo_v2, as nvidia-smi reads it>'",
+                 "python3", "-c", NVML_VIEW)
+    exec_in_seed(c, "cuprog info   # cuMemGetInfo / cuDeviceTotalMem through the shim", "cuprog", "info")
+    out = exec_in_seed(c, "cuprog fill alloc 256MiB   # cuMemAlloc until it fails",
+                       "cuprog", "fill", "alloc", str(256 << 20))
+    first = json.loads(out.splitlines()[0])
+    verdict = "CUDA_ERROR_OUT_OF_MEMORY" if first.get("rc") == 2 else f"rc={first.get('rc')}"
+    print(f"-> {first['n']} blocks of 256 MiB ({first['bytes'] >> 20} MiB) fit, the next one failed "
+          f"with {verdict}: the 3000 MiB limit holds inside the pod")
+
+
+def show_cluster(c: Cluster) -> None:
+    show("kubectl get pods -o wide", c.kubectl("get", "pods", "-o", "wide").stdout)
+    show("kubectl get vgpupools", c.kubectl("get", "vgpupools").stdout)
+    show("kubectl get vgpuclaims -o wide", c.kubectl("get", "vgpuclaims", "-o", "wide").stdout)
+    plugin = shutil.which("kubectl-vgpu") or str(Path(sys.executable).parent / "kubectl-vgpu")
+    res = subprocess.run([plugin, "--kubeconfig", str(c.kubeconfig), "nodes"], capture_output=True, text=True)
+    show("kubectl vgpu nodes", res.stdout + (res.stderr if res.returncode else ""))
+
+
+def claims_running(c: Cluster) -> bool:
+    items = json.loads(c.kubectl("get", "vgpuclaims", "-o", "json").stdout)["items"]
+    return len(items) >= 8 and all((i.get("status") or {}).get("phase") == "Running" for i in items)
+
+
+def real_walkthrough(c: Cluster, node: RealNode, total: int) -> None:
+    """Steps 4-6 on the real node: the pods start as containers, checked from inside."""
+    step(4, total, "applying the seed's pod (annotation and HAMi form) and a Deployment of 6 replicas")
+    print(f"(the examples as written, with the local image {TENANT_IMAGE} and `sleep infinity`)")
+    for doc in local_examples():
+        show(f"kubectl apply  # {doc['kind']} {doc['metadata']['name']}",
+             c.kubectl("apply", "-f", "-", input=json.dumps(doc)).stdout)
+    wait(lambda: len(p := pods(c)) >= 8 and all(x["status"].get("phase") == "Running" for x in p), 180,
+         "8 pods Running on the real node")
+    wait(lambda: claims_running(c), 30, "every claim Running")
+    step(5, total, "what the cluster shows (phases from the real kubelet)")
+    show("kubectl get nodes -o wide", c.kubectl("get", "nodes", "-o", "wide").stdout)
+    show_cluster(c)
+    step(6, total, "inside the seed pod: kubectl exec cuda-slice")
+    inside_the_seed_pod(c)
+
+
+def fake_walkthrough(c: Cluster, total: int) -> subprocess.Popen[bytes]:
+    """Steps 4-6 on fake nodes (no kubelet): pods bound, the shim run beside the cluster."""
+    sims = [SimulatedNode(f"gpu-node-{i}", (SimulatedCardSpec(count=4),)) for i in range(2)]
+
+    async def mk() -> None:
+        async with c.api() as api:
+            await create_nodes(api, sims, with_inventory=False)
+
+    asyncio.run(mk())
+    agent = start_agent(c, fleet_file(RUN_DIR))
+    c.kubectl("apply", "-f", str(REPO_ROOT / "examples" / "pool.yaml"))
+    wait(lambda: all(keys.NODE_INVENTORY in (n["metadata"].get("annotations") or {})
+                     for n in json.loads(c.kubectl("get", "nodes", "-o", "json").stdout)["items"]),
+         60, "the agent's inventory on both nodes")
+    step(4, total, "applying the seed's pod (annotation and HAMi form) and a Deployment of 6 replicas")
+    for f in ("pod-annotations.yaml", "pod-hami.yaml", "deployment-seed.yaml"):
+        show(f"kubectl apply -f examples/{f}", c.kubectl("apply", "-f", str(REPO_ROOT / "examples" / f)).stdout)
+    wait(lambda: len(p := pods(c)) >= 8 and all(x["spec"].get("nodeName") for x in p), 90, "8 pods bound")
+    step(5, total, "what the cluster shows (fake nodes: no kubelet starts these pods)")
+    show_cluster(c)
+    step(6, total, "a CUDA process under the shim with the seed pod's claim")
+    seed = next(p for p in pods(c) if p["metadata"]["name"] == "cuda-slice")
+    run_under_shim(c, seed)
+    return agent
+
+
 def main() -> int:
     total = 7
-    step(1, total, "control-plane binary (etcd, kube-apiserver, kube-scheduler, KCM, kubectl)")
+    step(1, total, "binaries: the control plane and kubelet (hack/ktp), containerd (hack/realnode)")
     bin_dir = ensure_binaries()
     print(f"using {bin_dir}")
     if RUN_DIR.exists():
@@ -164,50 +265,30 @@ def main() -> int:
     step(2, total, "starting the local control plane")
     c = Cluster(run_dir=RUN_DIR, bin_dir=bin_dir)
     system = KvgpuSystem(c)
+    node = RealNode(c, cards=4)
     agent: subprocess.Popen[bytes] | None = None
+    real = False
     try:
         c.start()
         print(f"kube-apiserver {c.server}, logs in {RUN_DIR / 'logs'}")
-        step(3, total, "kvgpu: CRDs, operator (extender + webhooks + reconcilers), kvgpu-scheduler, agent")
+        step(3, total, "kvgpu (CRDs, operator, kvgpu-scheduler) and a real node: kubelet + containerd + agent")
         system.start()
-        sims = [SimulatedNode(f"gpu-node-{i}", (SimulatedCardSpec(count=4),)) for i in range(2)]
-
-        async def mk() -> None:
-            async with c.api() as api:
-                await create_nodes(api, sims, with_inventory=False)
-
-        asyncio.run(mk())
-        agent = start_agent(c, fleet_file(RUN_DIR))
-        c.kubectl("apply", "-f", str(REPO_ROOT / "examples" / "pool.yaml"))
-        wait(lambda: all(keys.NODE_INVENTORY in (n["metadata"].get("annotations") or {})
-                         for n in json.loads(c.kubectl("get", "nodes", "-o", "json").stdout)["items"]),
-             60, "the agent's inventory on both nodes")
-        show("kubectl get nodes -L kvgpu.io/gpu-node,nvidia.com/gpu.product",
-             c.kubectl("get", "nodes", "-L", "kvgpu.io/gpu-node,nvidia.com/gpu.product").stdout)
-        show("kubectl get nodes -o custom-columns=NAME:.metadata.name,VGPUS:.status.allocatable.nvidia\\.com/gpu",
-             c.kubectl("get", "nodes", "-o",
-                       "custom-columns=NAME:.metadata.name,VGPUS:.status.allocatable.nvidia\\.com/gpu").stdout)
-
-        step(4, total, "applying the seed's pod (annotation and HAMi form) and a Deployment of 6 replicas")
-        for f in ("pod-annotations.yaml", "pod-hami.yaml", "deployment-seed.yaml"):
-            show(f"kubectl apply -f examples/{f}", c.kubectl("apply", "-f", str(REPO_ROOT / "examples" / f)).stdout)
-        wait(lambda: len(p := pods(c)) >= 8 and all(x["spec"].get("nodeName") for x in p), 90, "8 pods bound")
-        for p in pods(c):  # play the kubelet: the pods start
-            c.kubectl("patch", "pod", p["metadata"]["name"], "--subresource=status", "--type=merge",
-                      "-p", json.dumps({"status": {"phase": "Running"}}))
-
-        step(5, total, "what the cluster shows")
-        time.sleep(2.0)
-        show("kubectl get pods -o wide", c.kubectl("get", "pods", "-o", "wide").stdout)
-        show("kubectl get vgpupools", c.kubectl("get", "vgpupools").stdout)
-        show("kubectl get vgpuclaims -o wide", c.kubectl("get", "vgpuclaims", "-o", "wide").stdout)
-        plugin = shutil.which("kubectl-vgpu") or str(Path(sys.executable).parent / "kubectl-vgpu")
-        res = subprocess.run([plugin, "--kubeconfig", str(c.kubeconfig), "nodes"], capture_output=True, text=True)
-        show("kubectl vgpu nodes", res.stdout + (res.stderr if res.returncode else ""))
-
-        step(6, total, "a CUDA process under the shim with the seed pod's claim")
-        seed = next(p for p in pods(c) if p["metadata"]["name"] == "cuda-slice")
-        run_under_shim(c, seed)
+        try:
+            node.start()
+            real = True
+        except RealNodeUnavailable as e:
+            print(f"NO REAL NODE: {e}\n-> falling back to fake nodes (no containers start)")
+        if real:
+            node.apply_pool()
+            node.start_agent()
+            print(f"node {node.name}: kubelet {node.kubelet_log}, containerd {node.containerd_log}, "
+                  f"agent {node.agent_log}")
+            show(f"kubectl describe node {node.name} | grep nvidia.com/gpu",
+                 "\n".join(ln for ln in c.kubectl("describe", "node", node.name).stdout.splitlines()
+                           if "nvidia.com/gpu" in ln))
+            real_walkthrough(c, node, total)
+        else:
+            agent = fake_walkthrough(c, total)
         step(7, total, "stopping everything this demo started")
     finally:
         if agent is not None and agent.poll() is None:
@@ -216,6 +297,8 @@ def main() -> int:
                 agent.wait(15)
             except subprocess.TimeoutExpired:
                 agent.kill()
+        if real:
+            node.stop()
         system.stop()
         c.stop()
     print(f"done in {time.monotonic() - T0:.0f} s; nothing left running (logs kept in {RUN_DIR / 'logs'})")

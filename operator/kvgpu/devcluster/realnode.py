@@ -598,7 +598,9 @@ disabled_plugins = ['io.containerd.nri.v1.nri']
         return list(json.loads(p.stdout)["items"]) if p.returncode == 0 else []
 
     def _drain(self, timeout: float = 60.0) -> None:
-        """Delete every pod bound to the node and wait until containerd runs no task."""
+        """Cordon the node (controllers' replacement pods stay Pending), delete every pod bound
+        to it and wait until containerd runs no task."""
+        self.cluster.kubectl("cordon", self.name, check=False)
         kubelet = self._procs.get("kubelet")
         kubelet_up = kubelet is not None and kubelet.poll() is None
         pods = self.pods_on_node()
