@@ -48,6 +48,7 @@ RECIPE_VERSION = "1"  # bump when a recipe changes in a way its inputs do not sh
 PAUSE = "kvgpu.local/pause:1"
 TENANT = "kvgpu.local/tenant:1"
 TENANT_NONROOT = "kvgpu.local/tenant-nonroot:1"
+HOSTROOT = "kvgpu.local/hostroot:1"
 TENANT_UID = 1000
 DRIVER_MOUNT = "/usr/local/nvidia"  # where the node's driver directory appears in a container
 TENANT_ENV = (
@@ -382,6 +383,35 @@ def build_tenant() -> BuiltImage:
 
 def build_all() -> list[BuiltImage]:
     return [build_pause(), build_tenant()]
+
+
+def build_hostroot() -> BuiltImage:
+    """``kvgpu.local/hostroot:1``: an empty merged-/usr root (``bin``, ``lib``… link into ``usr``)
+    with the host's loader cache, for a pod that mounts the host's ``/usr`` read-only on its
+    ``/usr`` — the GPU machine's run, where torch and its CUDA libraries (several GB) are on the
+    host and no registry can be reached. Nothing else of the host is in it."""
+    etc = [Path("/etc/ld.so.cache"), Path("/etc/ld.so.conf")]
+    key = _hash_inputs([*(p for p in etc if p.exists()), "hostroot-1"])
+
+    def build(tmp: Path, archive: Path) -> None:
+        root = tmp / "root"
+        for d in ("usr", "etc", "proc", "sys", "dev", "root", "opt", "work", "var/run", "run"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        for top in ("bin", "sbin", "lib", "lib64"):
+            (root / top).symlink_to(f"usr/{top}")
+        (root / "tmp").mkdir()
+        (root / "tmp").chmod(0o1777)
+        for p in etc:
+            if p.exists():
+                shutil.copy2(p, root / "etc" / p.name)
+        (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
+                                         f"tenant:x:{TENANT_UID}:{TENANT_UID}:tenant:/tmp:/bin/sh\n")
+        (root / "etc/group").write_text(f"root:x:0:\ntenant:x:{TENANT_UID}:\n")
+        env = (f"PATH={DRIVER_MOUNT}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               f"LD_LIBRARY_PATH={DRIVER_MOUNT}/lib64", "HOME=/root")
+        write_docker_archive(archive, layer_from_dir(root), [ImageConfig(HOSTROOT, cmd=["/bin/sh"], env=env)])
+
+    return _cached("hostroot", key, (HOSTROOT,), build)
 
 
 # ----- the simulated node's driver -----------------------------------------------------------

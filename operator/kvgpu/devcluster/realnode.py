@@ -1,6 +1,8 @@
 """One real node for the dev cluster: containerd 2.2 + runc + CNI bridge + a real kubelet (from
 the ktp binary) registered with a :class:`~kvgpu.devcluster.cluster.Cluster`, and kvgpu's node
-agent (device plugin on the real ``kubelet.sock``) against simulated cards.
+agent (device plugin on the real ``kubelet.sock``) against simulated cards — or, with
+``gpu=True`` on a machine with an NVIDIA driver, the host's cards (NVML, ``/dev/nvidia*``, the
+driver folder ``/usr/local/nvidia``), and a node IP already on one of the host's interfaces.
 
 What it touches on the host (one real node per machine, guarded by a machine-wide lock):
 ``/var/lib/kubelet`` (the kubelet's root; the device-plugin socket path is a constant there),
@@ -13,16 +15,19 @@ up what a killed earlier run left (recorded in ``/run/kvgpu-realnode.json``).
 
 Needs root, hack/realnode/build.sh (containerd), runc, the CNI plugins, busybox-static and gcc
 (``make realnode``); otherwise :meth:`start` raises :class:`RealNodeUnavailable` with the reason.
-See docs/development.md, "The real node", and /work/shared/research/real-kubelet.md.
+See docs/development.md, "The real node".
 """
 
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -149,6 +154,35 @@ def _ip(*args: str, check: bool = True) -> None:
         raise RealNodeError(f"ip {' '.join(args)} failed: {p.stderr.strip()}")
 
 
+def _addr_of(ifname: str) -> str | None:
+    """The IPv4 address of interface ``ifname`` (SIOCGIFADDR), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(res[20:24])
+
+
+def host_addresses() -> list[str]:
+    """IPv4 addresses of the host's interfaces (no ``ip`` tool needed), loopback excluded."""
+    out = []
+    for d in sorted(Path("/sys/class/net").iterdir()):
+        a = _addr_of(d.name)
+        if a and not ipaddress.ip_address(a).is_loopback:
+            out.append(a)
+    return out
+
+
+def host_node_ip() -> str:
+    """A node IP for a real node that uses the host's own network (``gpu=True``): the first
+    non-loopback IPv4 address. Raises :class:`RealNodeUnavailable` if there is none."""
+    addrs = host_addresses()
+    if not addrs:
+        raise RealNodeUnavailable("no non-loopback IPv4 address on this host for the kubelet's node IP")
+    return addrs[0]
+
+
 def _cgroup_dirs() -> list[Path]:
     """The kubelet's kubepods cgroups in every mounted hierarchy."""
     out = []
@@ -266,7 +300,8 @@ class RealNode:
     name: str = "kvgpu-real-0"
     node_ip: str = "10.250.0.1"
     pod_cidr: str = "10.244.0.0/24"
-    cards: int = 2  # simulated H200 cards (sim.json, /dev nodes)
+    cards: int = 2  # simulated H200 cards (sim.json, /dev nodes); ignored with gpu
+    gpu: bool = False  # the host's real cards, NVML and driver instead of simulated ones
     runc_debug: bool = False  # wrap runc: keep each bundle's config.json and runc's debug log on failure
     containerd_bin: Path | None = None
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -299,13 +334,15 @@ class RealNode:
 
     @property
     def driver_root(self) -> Path:
-        """The simulated node's driver directory (lib64/libcuda.so.1, lib64/libnvidia-ml.so.1)."""
-        return self.dir / "driver"
+        """The node's driver directory: the host's ``/usr/local/nvidia`` with ``gpu``, else the
+        simulated node's (the stub: lib64/libcuda.so.1, lib64/libnvidia-ml.so.1)."""
+        return Path(images.DRIVER_MOUNT) if self.gpu else self.dir / "driver"
 
     @property
     def dev_root(self) -> Path:
-        """Fake NVIDIA device nodes (nvidia0.., nvidiactl, nvidia-uvm, nvidia-uvm-tools)."""
-        return self.dir / "dev"
+        """The NVIDIA device nodes: the host's ``/dev`` with ``gpu``, else fake ones (nvidia0..,
+        nvidiactl, nvidia-uvm, nvidia-uvm-tools)."""
+        return Path("/dev") if self.gpu else self.dir / "dev"
 
     @property
     def sim_file(self) -> Path:
@@ -343,8 +380,10 @@ class RealNode:
             raise RealNodeUnavailable("the real node needs root (mounts, cgroups, network namespaces)")
         if not (self.cluster.bin_dir / "kubelet").exists():
             raise RealNodeUnavailable(f"{self.cluster.bin_dir} has no kubelet: rebuild hack/ktp (make ktp)")
-        for tool, why in (("runc", "apt-get install runc"), ("ip", "iproute2"), ("gcc", "gcc"),
-                          ("mknod", "coreutils"), ("ldconfig", "libc-bin")):
+        tools = [("runc", "apt-get install runc"), ("gcc", "gcc"), ("ldconfig", "libc-bin")]
+        if not self._ip_on_host():
+            tools.append(("ip", "iproute2"))  # the bridge that holds the node IP
+        for tool, why in tools:
             if not shutil.which(tool):
                 raise RealNodeUnavailable(f"no {tool} on PATH ({why}; `make realnode` installs runc and "
                                           "the CNI plugins)")
@@ -352,7 +391,9 @@ class RealNode:
         if cni is None:
             raise RealNodeUnavailable("no CNI plugins (bridge, host-local, loopback) in /usr/lib/cni or /opt/cni/bin: "
                                       "apt-get install containernetworking-plugins (or `make realnode`)")
-        if not Path("/bin/busybox").exists():
+        if self.gpu and not Path(images.DRIVER_MOUNT, "lib64").is_dir():
+            raise RealNodeUnavailable(f"gpu=True but no NVIDIA driver folder {images.DRIVER_MOUNT}/lib64 here")
+        if not self.gpu and not Path("/bin/busybox").exists():
             raise RealNodeUnavailable("no /bin/busybox: apt-get install busybox-static (or `make realnode`)")
         if not SHIM_SOURCE.exists():
             raise RealNodeUnavailable(f"{SHIM_SOURCE} not built: make shim")
@@ -414,7 +455,7 @@ class RealNode:
             self._network()
             self._start_containerd()
             assert self.containerd_bin is not None
-            for img in images.build_all():
+            for img in ([images.build_pause(), images.build_hostroot()] if self.gpu else images.build_all()):
                 images.import_image([str(self.containerd_bin / "ctr"), f"--address={self.socket}"], img.archive)
             self._start_kubelet()
             self.wait_ready()
@@ -429,6 +470,14 @@ class RealNode:
             shutil.rmtree(self.dir)
         for d in ("containerd", "cni/net.d", "kubelet", "runc-debug", "opt"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
+        if not self.gpu:
+            self._simulated_devices()
+        self._write_containerd_config()
+        self._write_cni()
+        self._write_kubelet_config()
+
+    def _simulated_devices(self) -> None:
+        """The simulated node's driver folder, fake device nodes and NVML stand-in (sim.json)."""
         images.build_driver_root(self.driver_root)
         self.dev_root.mkdir()
         nodes = [(f"nvidia{i}", NVIDIA_MAJOR, i) for i in range(self.cards)]
@@ -440,9 +489,6 @@ class RealNode:
         self.sim_file.write_text(json.dumps({"nodes": [{"name": self.name, "cards": [
             {"model": "NVIDIA H200", "memoryMiB": 143771, "smCount": 132, "numa": 0, "count": self.cards}]}]},
             indent=2))
-        self._write_containerd_config()
-        self._write_cni()
-        self._write_kubelet_config()
 
     def _write_containerd_config(self) -> None:
         assert self.containerd_bin is not None
@@ -512,7 +558,12 @@ disabled_plugins = ['io.containerd.nri.v1.nri']
         }
         (self.dir / "kubelet" / "config.yaml").write_text(json.dumps(cfg, indent=2))
 
+    def _ip_on_host(self) -> bool:
+        return self.node_ip in host_addresses() and not _link_exists(NODE_BRIDGE)
+
     def _network(self) -> None:
+        if self._ip_on_host():
+            return  # the host's own address (gpu machines have no `ip` tool): no bridge needed
         if not _link_exists(NODE_BRIDGE):
             _ip("link", "add", NODE_BRIDGE, "type", "bridge")
         _ip("addr", "replace", f"{self.node_ip}/32", "dev", NODE_BRIDGE)
@@ -664,24 +715,17 @@ disabled_plugins = ['io.containerd.nri.v1.nri']
         self.stop()
 
     # ----- the node agent ------------------------------------------------------------------
-    def agent_help(self) -> str:
-        return subprocess.run([sys.executable, "-m", "kvgpu.cli.main", "agent", "--help"], capture_output=True,
-                              text=True, check=False, cwd=REPO_ROOT).stdout
-
     def start_agent(self, extra_args: Sequence[str] = (), timeout: float = 60) -> subprocess.Popen[bytes]:
-        """``kvgpu agent`` for this node (simulated cards, device plugin on the real kubelet);
-        returns once the kubelet's node shows ``nvidia.com/gpu`` capacity."""
+        """``kvgpu agent`` for this node (simulated cards, or NVML with ``gpu``; device plugin on
+        the real kubelet); returns once the kubelet's node shows ``nvidia.com/gpu`` capacity."""
         if self.agent is not None and self.agent.poll() is None:
             raise RealNodeError("the agent already runs")
         self._agent_args = tuple(extra_args)
         argv = [sys.executable, "-m", "kvgpu.cli.main", "agent", "--node", self.name,
-                "--simulated", str(self.sim_file), "--kubeconfig", str(self.cluster.kubeconfig),
-                "--interval", "5", "--shim-source", str(SHIM_SOURCE), "--metrics-port", "0"]
-        helptext = self.agent_help()
-        if "--driver-root" in helptext and "--driver-root" not in extra_args:
-            argv += ["--driver-root", str(self.driver_root)]
-        if "--dev-root" in helptext and "--dev-root" not in extra_args:
-            argv += ["--dev-root", str(self.dev_root)]
+                "--kubeconfig", str(self.cluster.kubeconfig), "--interval", "5", "--shim-source", str(SHIM_SOURCE),
+                "--metrics-port", "0", "--driver-root", str(self.driver_root), "--dev-root", str(self.dev_root)]
+        if not self.gpu:
+            argv += ["--simulated", str(self.sim_file)]
         argv += list(extra_args)
         self.agent_starts += 1
         with self.agent_log.open("ab") as f:

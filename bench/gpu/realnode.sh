@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The seed walk-through as a real pod on the H200 machine: the local control plane, a real
+# kubelet + containerd node holding the real GPU, the agent with real NVML, the operator; then
+# the seed's pod (1 card, 3000 MiB, 30 %) runs and is checked from inside with kubectl exec.
+#
+# Here (the development machine), once:   hack/device_bundle.sh --realnode
+# Device call (carry [".ktp", ".rn"], from the repository root):
+#   bash bench/gpu/realnode.sh            # output in $OUT (or bench/results/raw)
+# The scenario itself is bench/gpu/realnode_run.py; this script only unpacks what was carried.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-bench/results/raw}; mkdir -p "$OUT"
+B=${KVGPU_RN_HOME:-/root/kvgpu-rn}
+exec > >(tee "$OUT/realnode-h200.log") 2>&1
+hdr() { echo; echo "=== $* ==="; }
+
+hdr "REALNODE $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo tree)"
+nvidia-smi --query-gpu=uuid,index,name,memory.total,driver_version --format=csv
+mkdir -p "$B/ktp" "$B/rn" "$B/site"
+[ -x "$B/ktp/ktp" ] || xz -dc .ktp/ktp.xz >"$B/ktp/ktp" && chmod +x "$B/ktp/ktp"
+for c in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do ln -sf ktp "$B/ktp/$c"; done
+[ -x "$B/rn/bin/containerd" ] || xz -dc .rn/rn.tar.xz | tar -C "$B/rn" -xf -
+[ -d "$B/site/kopf" ] || xz -dc .rn/site.tar.xz | tar -C "$B/site" -xf -
+mkdir -p /opt/cni/bin && cp -n "$B"/rn/cni/* /opt/cni/bin/
+"$B/ktp/kubelet" --version; "$B/rn/bin/containerd" --version; "$B/rn/bin/runc" --version | head -1
+
+hdr BUILD
+python3 shim/build.py --plain-gcc || exit 1
+
+export PATH="$B/rn/bin:$PATH" PYTHONPATH="$B/site:$PWD/operator" KVGPU_KTP_BIN="$B/ktp" \
+       KVGPU_CONTAINERD_BIN="$B/rn/bin" PYTHONUNBUFFERED=1
+timeout -k 10 480 python3 bench/gpu/realnode_run.py --run-dir "$B/run" --out "$OUT"
+echo "realnode_run exit $?"

@@ -1,0 +1,169 @@
+"""The seed walk-through as a real pod on a GPU machine (run by bench/gpu/realnode.sh).
+
+    python3 bench/gpu/realnode_run.py --run-dir DIR --out DIR
+
+Starts the local control plane and kvgpu (operator, kvgpu-scheduler), a real kubelet +
+containerd node (``RealNode(gpu=True)``: the host's /dev/nvidia* and driver folder, the agent
+with real NVML), applies the default pool, then the seed's pod (HAMi form: 1 card, 3000 MiB,
+30 % of the SMs) and checks it from inside the container:
+
+- ``kubectl describe node`` shows ``nvidia.com/gpu: 10`` (1 card x splitCount 10);
+- ``kubectl exec gpu-pod -- nvidia-smi`` shows ``… / 3000MiB``;
+- torch in the pod allocates 256 MiB blocks until ``torch.OutOfMemoryError``;
+- a saturating matmul in the pod runs at about 30 % of the same loop run natively on the host.
+
+The pod's image is ``kvgpu.local/hostroot:1`` (an empty root whose ``/usr`` is the host's,
+mounted read-only, and torch's venv at /opt/torch): no registry can be reached from the
+machine, and torch with its CUDA libraries is several GB. Everything else is what a tenant gets.
+Prints a JSON summary as the last line; exit 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvgpu.devcluster import Cluster
+from kvgpu.devcluster.cluster import REPO_ROOT
+from kvgpu.devcluster.realnode import RealNode, host_node_ip
+from kvgpu.devcluster.system import KvgpuSystem
+
+TORCH_PY = "/opt/torch/.venv/bin/python3"
+T0 = time.monotonic()
+
+
+def say(text: str) -> None:
+    print(f"\n=== {text}  (+{time.monotonic() - T0:.1f} s)", flush=True)
+
+
+def show(c: Cluster, *args: str, timeout: float = 120) -> str:
+    p = c.kubectl(*args, check=False, timeout=timeout)
+    print(f"$ kubectl {' '.join(args)}\n{(p.stdout + p.stderr).rstrip()}", flush=True)
+    return p.stdout
+
+
+def wait(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.5)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def seed_pod(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "cuda", "image": "kvgpu.local/hostroot:1", "imagePullPolicy": "Never",
+                "command": ["/usr/bin/sleep", "infinity"],
+                "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+                "resources": {"limits": {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 3000,
+                                         "nvidia.com/gpucores": 30}},
+                "volumeMounts": [{"name": "usr", "mountPath": "/usr", "readOnly": True},
+                                 {"name": "torch", "mountPath": "/opt/torch", "readOnly": True},
+                                 {"name": "repo", "mountPath": "/work", "readOnly": True}],
+            }],
+            "volumes": [{"name": "usr", "hostPath": {"path": "/usr", "type": "Directory"}},
+                        {"name": "torch", "hostPath": {"path": "/opt/torch", "type": "Directory"}},
+                        {"name": "repo", "hostPath": {"path": str(REPO_ROOT), "type": "Directory"}}],
+        },
+    }
+
+
+def matmul(argv: list[str], timeout: float = 120) -> dict[str, Any]:
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    print((p.stdout + p.stderr).rstrip()[-2000:], flush=True)
+    return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def scenario(c: Cluster, node: RealNode, out: Path) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    say("the node as the kubelet registered it")
+    wait(lambda: (node.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu") == "10",
+         60, "nvidia.com/gpu: 10 on the node")
+    desc = show(c, "describe", "node", node.name)
+    res["describe_node_gpu"] = [ln.strip() for ln in desc.splitlines() if "nvidia.com/gpu" in ln]
+    say("the seed's pod, HAMi form (1 card, 3000 MiB, 30 %)")
+    c.kubectl("apply", "-f", "-", input=json.dumps(seed_pod("gpu-pod")))
+    wait(lambda: json.loads(c.kubectl("get", "pod", "gpu-pod", "-o", "json").stdout)["status"].get("phase")
+         in ("Running", "Failed"), 120, "gpu-pod Running")
+    show(c, "get", "pods", "-o", "wide")
+    show(c, "get", "vgpuclaims", "-o", "wide")
+    say("inside the pod")
+    show(c, "exec", "gpu-pod", "--", "/usr/bin/sh", "-c", "ls -l /dev/nvidia* /usr/local/nvidia/bin; "
+         "cat /proc/self/mounts | grep -E 'kvgpu|nvidia|ld.so' ; env | grep -E 'KVGPU|NVIDIA|LD_' | sort")
+    smi = show(c, "exec", "gpu-pod", "--", "nvidia-smi")
+    res["nvidia_smi_3000"] = "/ 3000MiB" in smi
+    q = show(c, "exec", "gpu-pod", "--", "nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv")
+    res["nvidia_smi_query"] = q.strip().splitlines()[-1] if q.strip() else ""
+    say("torch in the pod: 256 MiB blocks until the limit")
+    mem = show(c, "exec", "gpu-pod", "--", TORCH_PY, "/work/bench/gpu/memtest.py", "256", timeout=180)
+    try:
+        m = json.loads(mem.strip().splitlines()[-1])
+        res["torch_exception"] = m.get("error")
+        res["torch_reachable_mib"] = m.get("reachable_mib")
+        res["torch_mem_get_info_mib"] = m.get("mem_get_info_before_mib")
+    except (ValueError, IndexError):
+        res["torch_exception"] = None
+    say("matmul: native on the host, then in the pod under the 30 % claim")
+    native = matmul([TORCH_PY, str(REPO_ROOT / "bench/gpu/matmul.py"), "10", "native"])
+    pod = matmul([str(c.bin_dir / "kubectl"), f"--kubeconfig={c.kubeconfig}", "exec", "gpu-pod", "--",
+                  TORCH_PY, "/work/bench/gpu/matmul.py", "10", "pod30"])
+    res["matmul_native_its"], res["matmul_pod_its"] = native["its"], pod["its"]
+    res["matmul_percent_of_native"] = round(100 * pod["its"] / native["its"], 1)
+    show(c, "get", "events", "--sort-by=.lastTimestamp")
+    c.kubectl("delete", "pod", "gpu-pod", "--wait=true", "--timeout=60s", check=False)
+    (out / "realnode-h200.json").write_text(json.dumps(res, indent=2))
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    c = Cluster(run_dir=a.run_dir, with_controller_manager=False)
+    system = KvgpuSystem(c)
+    node = RealNode(c, name="h200-node", node_ip=host_node_ip(), gpu=True,
+                    containerd_bin=Path(os.environ["KVGPU_CONTAINERD_BIN"]))
+    res: dict[str, Any] = {}
+    try:
+        say("control plane, kvgpu, the real node")
+        c.start()
+        system.start()
+        node.start()
+        node.apply_pool()  # splitCount 10 over this node's card
+        node.start_agent()
+        res = scenario(c, node, a.out)
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+        for log in (node.kubelet_log, node.agent_log, node.containerd_log, system.operator_log()):
+            print(f"--- tail of {log}")
+            try:
+                print("\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+            except OSError as err:
+                print(err)
+    finally:
+        node.stop(check=False)
+        system.stop()
+        c.stop()
+    ok = (res.get("nvidia_smi_3000") and str(res.get("torch_exception")).endswith("OutOfMemoryError")
+          and abs(res.get("matmul_percent_of_native", 0) - 30) <= 3)
+    res["ok"] = bool(ok)
+    print(json.dumps(res), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
