@@ -11,6 +11,8 @@
 # a third of their wheels), and the node's runtime is packed beside it:
 #   .rn/site.tar.xz   the unpacked wheels (a site-packages folder)
 #   .rn/rn.tar.xz     bin/{containerd,containerd-shim-runc-v2,ctr,runc} and cni/{bridge,host-local,loopback}
+#   .rn/proto/        the agent's generated gRPC stubs (git-ignored here; no grpcio-tools there)
+# protobuf is carried (not taken from the remote) so the stubs meet the runtime they were made for.
 # Carry .ktp and .rn (not .whl).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,7 +24,7 @@ REALNODE=0; [ "${1:-}" = "--realnode" ] && REALNODE=1
 
 # Installed on the remote image already: neither carried nor followed into their dependencies.
 REMOTE="aiohttp aiosignal frozenlist multidict yarl propcache attrs certifi charset-normalizer idna
- urllib3 requests six python-dateutil pyyaml psutil prometheus-client grpcio protobuf
+ urllib3 requests six python-dateutil pyyaml psutil prometheus-client grpcio
  typing-extensions uvloop click numpy matplotlib hypothesis pytest packaging"
 # Third-party imports of bench/scale beyond the kvgpu package's own dependencies.
 BENCH="kubernetes-asyncio"
@@ -90,6 +92,7 @@ if [ "$REALNODE" = 1 ]; then
     tar -C "$stage/rn" -cf - . | xz -T2 -9 >.rn/rn.tar.xz
     echo "$ctrd" >.rn/source
   fi
+  rm -rf .rn/proto && mkdir -p .rn/proto && cp operator/kvgpu/agent/proto/*_pb2*.py .rn/proto/
   carried=".rn .ktp"
 fi
 

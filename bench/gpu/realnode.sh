@@ -20,8 +20,9 @@ mkdir -p "$B/ktp" "$B/rn" "$B/site"
 [ -x "$B/ktp/ktp" ] || xz -dc .ktp/ktp.xz >"$B/ktp/ktp" && chmod +x "$B/ktp/ktp"
 for c in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do ln -sf ktp "$B/ktp/$c"; done
 [ -x "$B/rn/bin/containerd" ] || xz -dc .rn/rn.tar.xz | tar -C "$B/rn" -xf -
-[ -d "$B/site/kopf" ] || xz -dc .rn/site.tar.xz | tar -C "$B/site" -xf -
+rm -rf "$B/site" && mkdir -p "$B/site" && xz -dc .rn/site.tar.xz | tar -C "$B/site" -xf -
 mkdir -p /opt/cni/bin && cp -n "$B"/rn/cni/* /opt/cni/bin/
+cp .rn/proto/*.py operator/kvgpu/agent/proto/   # the generated gRPC stubs (no grpcio-tools here)
 "$B/ktp/kubelet" --version; "$B/rn/bin/containerd" --version; "$B/rn/bin/runc" --version | head -1
 
 hdr BUILD

@@ -63,6 +63,7 @@ def seed_pod(name: str) -> dict[str, Any]:
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "terminationGracePeriodSeconds": 1,
+            "hostNetwork": True,  # the GPU checks need no pod network; the machine has no ip/iptables tools
             "containers": [{
                 "name": "cuda", "image": "kvgpu.local/hostroot:1", "imagePullPolicy": "Never",
                 "command": ["/usr/bin/sleep", "infinity"],
