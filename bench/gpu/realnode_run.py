@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -104,7 +105,7 @@ def scenario(c: Cluster, node: RealNode, out: Path) -> dict[str, Any]:
     show(c, "exec", "gpu-pod", "--", "/usr/bin/sh", "-c", "ls -l /dev/nvidia* /usr/local/nvidia/bin; "
          "cat /proc/self/mounts | grep -E 'kvgpu|nvidia|ld.so' ; env | grep -E 'KVGPU|NVIDIA|LD_' | sort")
     smi = show(c, "exec", "gpu-pod", "--", "nvidia-smi")
-    res["nvidia_smi_3000"] = "/ 3000MiB" in smi
+    res["nvidia_smi_3000"] = re.search(r"\b0MiB\s*/\s*3000MiB", smi) is not None
     q = show(c, "exec", "gpu-pod", "--", "nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv")
     res["nvidia_smi_query"] = q.strip().splitlines()[-1] if q.strip() else ""
     say("torch in the pod: 256 MiB blocks until the limit")

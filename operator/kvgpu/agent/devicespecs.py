@@ -4,8 +4,8 @@
   nodes that exist under the dev root: ``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
   ``nvidia-modeset`` and every ``nvidia-caps/*``. Host path ``<host dev root>/<name>``, container path
   ``/dev/<name>``, permissions ``rw``.
-- Driver user-space files (read-only ``Mount``), GKE's layout: ``<driver root>/lib64/*.so*`` on
-  ``/usr/local/nvidia/lib64/<name>`` and ``<driver root>/bin/*`` on ``/usr/local/nvidia/bin/<name>``
+- Driver user-space files (read-only ``Mount``), GKE's layout: ``<driver root>/lib64`` on
+  ``/usr/local/nvidia/lib64`` and ``<driver root>/bin`` on ``/usr/local/nvidia/bin``
   (CUDA base images already have ``/usr/local/nvidia/lib64`` in ``LD_LIBRARY_PATH``; the plugin
   sets it too unless told not to).
 
@@ -66,17 +66,15 @@ def device_specs(cards: Iterable[Card], dev_root: str, host_dev_root: str | None
 
 
 def driver_mounts(driver_root: str | None) -> list[Any]:
-    """Read-only ``Mount``s of the driver's libraries and tools (none without a driver root)."""
+    """Read-only ``Mount``s of the driver's ``lib64`` and ``bin`` folders, each as one directory on
+    ``/usr/local/nvidia/{lib64,bin}`` (none without a driver root).
+
+    Whole folders, not file by file: a driver folder holds each library under several names
+    (``libcuda.so``, ``.so.1``, ``.so.580.x``: links to one file), and where the image already
+    has those links (an image with the host's ``/usr``), runc resolves a file mount's target
+    through them, so the one real file would be mounted once per name."""
     if not driver_root:
         return []
     root = Path(driver_root)
-    out = []
-    for sub, pattern in (("lib64", "*.so*"), ("bin", "*")):
-        d = root / sub
-        if not d.is_dir():
-            continue
-        for p in sorted(d.glob(pattern)):
-            if p.is_file():  # follows links; skips directories and dangling links
-                target = f"{CONTAINER_DRIVER_ROOT}/{sub}/{p.name}"
-                out.append(pb2.Mount(container_path=target, host_path=str(p), read_only=True))
-    return out
+    return [pb2.Mount(container_path=f"{CONTAINER_DRIVER_ROOT}/{sub}", host_path=str(root / sub), read_only=True)
+            for sub in ("lib64", "bin") if (root / sub).is_dir()]
