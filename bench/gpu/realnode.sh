@@ -10,18 +10,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/raw}; mkdir -p "$OUT"
-B=${KVGPU_RN_HOME:-/root/kvgpu-rn}
+B=${KVGPU_RN_HOME:-$HOME/kvgpu-rn}
 exec > >(tee "$OUT/realnode-h200.log") 2>&1
 hdr() { echo; echo "=== $* ==="; }
 
-hdr "REALNODE $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || echo tree)"
+hdr "REALNODE $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=uuid,index,name,memory.total,driver_version --format=csv
 mkdir -p "$B/ktp" "$B/rn" "$B/site"
 [ -x "$B/ktp/ktp" ] || xz -dc .ktp/ktp.xz >"$B/ktp/ktp" && chmod +x "$B/ktp/ktp"
 for c in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do ln -sf ktp "$B/ktp/$c"; done
 [ -x "$B/rn/bin/containerd" ] || xz -dc .rn/rn.tar.xz | tar -C "$B/rn" -xf -
 rm -rf "$B/site" && mkdir -p "$B/site" && xz -dc .rn/site.tar.xz | tar -C "$B/site" -xf -
-mkdir -p /opt/cni/bin && cp -n "$B"/rn/cni/* /opt/cni/bin/
+mkdir -p /opt/cni/bin && cp "$B"/rn/cni/* /opt/cni/bin/
 cp .rn/proto/*.py operator/kvgpu/agent/proto/   # the generated gRPC stubs (no grpcio-tools here)
 "$B/ktp/kubelet" --version; "$B/rn/bin/containerd" --version; "$B/rn/bin/runc" --version | head -1
 

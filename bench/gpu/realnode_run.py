@@ -73,7 +73,7 @@ def seed_pod(name: str) -> dict[str, Any]:
                                          "nvidia.com/gpucores": 30}},
                 "volumeMounts": [{"name": "usr", "mountPath": "/usr", "readOnly": True},
                                  {"name": "torch", "mountPath": "/opt/torch", "readOnly": True},
-                                 {"name": "repo", "mountPath": "/work", "readOnly": True}],
+                                 {"name": "repo", "mountPath": "/repo", "readOnly": True}],
             }],
             "volumes": [{"name": "usr", "hostPath": {"path": "/usr", "type": "Directory"}},
                         {"name": "torch", "hostPath": {"path": "/opt/torch", "type": "Directory"}},
@@ -109,7 +109,7 @@ def scenario(c: Cluster, node: RealNode, out: Path) -> dict[str, Any]:
     q = show(c, "exec", "gpu-pod", "--", "nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv")
     res["nvidia_smi_query"] = q.strip().splitlines()[-1] if q.strip() else ""
     say("torch in the pod: 256 MiB blocks until the limit")
-    mem = show(c, "exec", "gpu-pod", "--", TORCH_PY, "/work/bench/gpu/memtest.py", "256", timeout=180)
+    mem = show(c, "exec", "gpu-pod", "--", TORCH_PY, "/repo/bench/gpu/memtest.py", "256", timeout=180)
     try:
         m = json.loads(mem.strip().splitlines()[-1])
         res["torch_exception"] = m.get("error")
@@ -120,7 +120,7 @@ def scenario(c: Cluster, node: RealNode, out: Path) -> dict[str, Any]:
     say("matmul: native on the host, then in the pod under the 30 % claim")
     native = matmul([TORCH_PY, str(REPO_ROOT / "bench/gpu/matmul.py"), "10", "native"])
     pod = matmul([str(c.bin_dir / "kubectl"), f"--kubeconfig={c.kubeconfig}", "exec", "gpu-pod", "--",
-                  TORCH_PY, "/work/bench/gpu/matmul.py", "10", "pod30"])
+                  TORCH_PY, "/repo/bench/gpu/matmul.py", "10", "pod30"])
     res["matmul_native_its"], res["matmul_pod_its"] = native["its"], pod["its"]
     res["matmul_percent_of_native"] = round(100 * pod["its"] / native["its"], 1)
     show(c, "get", "events", "--sort-by=.lastTimestamp")

@@ -391,11 +391,11 @@ def build_hostroot() -> BuiltImage:
     ``/usr`` — the GPU machine's run, where torch and its CUDA libraries (several GB) are on the
     host and no registry can be reached. Nothing else of the host is in it."""
     etc = [Path("/etc/ld.so.cache"), Path("/etc/ld.so.conf")]
-    key = _hash_inputs([*(p for p in etc if p.exists()), "hostroot-1"])
+    key = _hash_inputs([*(p for p in etc if p.exists()), "hostroot-2"])
 
     def build(tmp: Path, archive: Path) -> None:
         root = tmp / "root"
-        for d in ("usr", "etc", "proc", "sys", "dev", "root", "opt", "work", "var/run", "run"):
+        for d in ("usr", "etc", "proc", "sys", "dev", "root", "opt", "repo", "var/run", "run"):
             (root / d).mkdir(parents=True, exist_ok=True)
         for top in ("bin", "sbin", "lib", "lib64"):
             (root / top).symlink_to(f"usr/{top}")
