@@ -365,6 +365,17 @@ class RealNode:
         """The image reference of a built-in image: ``tenant`` -> ``kvgpu.local/tenant:1``."""
         return name if "/" in name else f"kvgpu.local/{name}" + ("" if ":" in name else ":1")
 
+    def import_product_images(self) -> tuple[str, ...]:
+        """Build (cached; only on this call, never in :meth:`start`) and import the operator and
+        agent images (:mod:`kvgpu.devcluster.productimages`); returns their references
+        (``kvgpu.local/kvgpu-operator:<version>``, ``kvgpu.local/kvgpu-agent:<version>``)."""
+        from kvgpu.devcluster import productimages
+
+        assert self.containerd_bin is not None, "start() the node first"
+        img = productimages.build_product_images()
+        images.import_image([str(self.containerd_bin / "ctr"), f"--address={self.socket}"], img.archive)
+        return img.refs
+
     def ctr(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """``ctr --address=<socket> -n k8s.io ARGS``."""
         assert self.containerd_bin is not None
