@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 .PHONY: test
-test: install ## run every test (unit, shim, the real control plane and the real node)
+test: install lint ## lint, then every test (unit, shim, the real control plane and the real node)
 	KVGPU_REQUIRE_REAL_NODE=$${KVGPU_REQUIRE_REAL_NODE:-1} $(VPY) -m pytest -q tests
 
 .PHONY: demo
