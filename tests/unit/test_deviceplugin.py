@@ -445,3 +445,14 @@ async def test_simulated_node_tells_the_stub_driver_the_claimed_cards(sock_dir, 
         pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])])
     )
     assert not [k for k in plain.container_responses[0].envs if k.startswith("STUB_")]
+
+
+async def test_allocate_prepares_the_admitted_containers_region_dir(sock_dir, shim_dir, tmp_path):
+    pods = [pod("a", [ctr("main", 1)], claims={"main": [U1]})]
+    root = tmp_path / "regions"
+    cfg = replace(config(sock_dir, shim_dir), region_root=str(root))
+    await DevicePlugin(cfg, inventory(), identifier=identifier(pods)).allocate(
+        pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U1, 0)])])
+    )
+    assert (root / "uid-a" / "main").is_dir()
+    assert (root / "uid-a" / "main").stat().st_mode & 0o777 == 0o777  # no runAsUser: the image's user

@@ -64,6 +64,7 @@ from .podidentity import Admitted, NotIdentified, PodIdentifier
 from .podresources import PodResourcesError
 from .preferred import ID_SEP, HintProvider, card_of, preferred
 from .proto import pb2, pb2_grpc
+from .usage import prepare_region_dir
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class PluginConfig:
     NVIDIA container toolkit does it. ``ld_library_path``: with driver mounts, set
     ``LD_LIBRARY_PATH=/usr/local/nvidia/lib64``. ``stub_driver_env``: simulated node (the agent's
     ``--simulated``), whose driver is the stub: tell it the claimed cards (:func:`stub_driver_env`).
+    ``region_root``: where the containers' region directories are on the host; ``Allocate`` creates
+    the admitted container's, owned by its user (:func:`~kvgpu.agent.usage.prepare_region_dir`).
     """
 
     resource_name: str = "nvidia.com/gpu"
@@ -118,6 +121,7 @@ class PluginConfig:
     driver_root: str | None = None
     ld_library_path: bool = True
     stub_driver_env: bool = False
+    region_root: str | None = None
     watch_interval_s: float = 1.0
 
 
@@ -377,6 +381,11 @@ class DevicePlugin:
                 resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
         if self.cfg.stub_driver_env:
             resp.envs.update(stub_driver_env(cards))
+        if admitted is not None and admitted.claim is not None and self.cfg.region_root:
+            try:
+                prepare_region_dir(self.cfg.region_root, admitted.uid, admitted.container, admitted.run_as)
+            except (OSError, ValueError) as e:
+                raise PluginError(f"cannot prepare the region directory of {admitted}: {e}") from e
         if admitted is not None and self.identifier is not None:
             served.append(admitted)
             self.identifier.mark_served(admitted)

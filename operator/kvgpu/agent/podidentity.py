@@ -49,7 +49,8 @@ class Admitted:
     """The identified container. ``claim``: its ``KVGPU_CLAIM`` annotation text (``None``: the pod
     has no kvgpu claim for it). ``uuids``: its claimed cards (devices annotation, else the claim
     string's cards). ``others``: ``namespace/name`` of pods that were equally possible (the oldest
-    won)."""
+    won). ``run_as``: the container's user and group from its and its pod's securityContext
+    (``runAsUser``, ``runAsGroup``, else ``fsGroup``), ``None`` where the spec leaves it to the image."""
 
     namespace: str
     pod: str
@@ -58,6 +59,7 @@ class Admitted:
     claim: str | None
     uuids: tuple[str, ...]
     others: tuple[str, ...] = ()
+    run_as: tuple[int | None, int | None] = (None, None)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -200,8 +202,23 @@ def identify(
     claim, uuids = claim_of(pod, container)
     others = tuple(f"{_meta(f[2]).get('namespace')}/{f[1]}" for f in found[1:])
     return Admitted(
-        str(m.get("namespace", "")), str(m.get("name", "")), str(m.get("uid", "")), container, claim, uuids, others
+        str(m.get("namespace", "")), str(m.get("name", "")), str(m.get("uid", "")), container, claim, uuids, others,
+        run_as_of(pod, container),
     )
+
+
+def run_as_of(pod: Mapping[str, Any], container: str) -> tuple[int | None, int | None]:
+    """``(uid, gid)`` the container runs as according to its spec (container securityContext over
+    the pod's; the group falls back to ``fsGroup``); ``None`` where the image decides."""
+    spec = pod.get("spec") or {}
+    psc = spec.get("securityContext") or {}
+    csc: Mapping[str, Any] = {}
+    for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        if c.get("name") == container:
+            csc = c.get("securityContext") or {}
+    uid = csc.get("runAsUser", psc.get("runAsUser"))
+    gid = csc.get("runAsGroup", psc.get("runAsGroup", psc.get("fsGroup")))
+    return (None if uid is None else int(uid), None if gid is None else int(gid))
 
 
 # --------------------------------------------------------------------------- feeding it

@@ -213,3 +213,28 @@ def gc_regions(
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
+
+
+def prepare_region_dir(
+    root: str | os.PathLike[str], pod_uid: str, container: str, run_as: tuple[int | None, int | None]
+) -> Path:
+    """Create ``<root>/<pod-uid>/<container>``, the host side of the container's region mount,
+    so that the container's own user can write it (the device plugin calls this from
+    ``Allocate``, before the kubelet sets up the container's sub-path mount; a sub-path the kubelet
+    creates itself is root's, mode 0755, and a non-root tenant's shim could not create its region).
+
+    ``run_as``: ``(uid, gid)`` from the pod spec: the directory is theirs, mode 0770; where the image
+    decides the user (``None``), mode 0777 — only this container mounts it. Raises ``OSError``;
+    refuses (``ValueError``) a pod UID or container name that is not one path component."""
+    for part in (pod_uid, container):
+        if not part or part in (".", "..") or "/" in part or "\0" in part:
+            raise ValueError(f"not a path component: {part!r}")
+    pod_dir = Path(root) / pod_uid
+    pod_dir.mkdir(parents=True, exist_ok=True)
+    d = pod_dir / container
+    d.mkdir(exist_ok=True)
+    uid, gid = run_as
+    if uid is not None or gid is not None:
+        os.chown(d, -1 if uid is None else uid, -1 if gid is None else gid)
+    d.chmod(0o770 if uid is not None else 0o777)
+    return d
