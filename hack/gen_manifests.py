@@ -9,7 +9,8 @@ because these objects already have one source of truth in the package:
 - ``manifests/crds/kvgpu.io_*.yaml``: copies of ``crds/`` (themselves generated from the models);
 - ``manifests/base/scheduler-config.yaml``: the ConfigMap with the kube-scheduler configuration
   from :func:`kvgpu.extender.schedconfig.scheduler_configuration` (extender reached through the
-  operator's Service, leader election on, its Lease in the kvgpu namespace);
+  operator's Service over mutual TLS with the client certificate mounted at
+  ``schedconfig.MANIFEST_CLIENT_DIR``, leader election on, its Lease in the kvgpu namespace);
 - ``manifests/base/webhooks.yaml``: the Mutating/ValidatingWebhookConfiguration objects from
   :func:`kvgpu.admission.config.webhook_configurations`, pointing at the webhook Service, with
   an empty ``caBundle`` (cert-manager's CA injector fills it; see manifests/README.md).
@@ -30,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 
 from kvgpu.admission.config import webhook_configurations  # noqa: E402
-from kvgpu.extender.schedconfig import scheduler_configuration  # noqa: E402
+from kvgpu.extender.schedconfig import MANIFEST_TLS, scheduler_configuration  # noqa: E402
 
 NAMESPACE = "kvgpu-system"
-OPERATOR_SERVICE = "kvgpu-operator"  # extender (8888) and /metrics
+OPERATOR_SERVICE = "kvgpu-operator"  # extender (8888, mutual TLS) and /metrics (9090, plain)
 WEBHOOK_SERVICE = "kvgpu-webhook"  # admission webhooks (443 -> 9443)
 EXTENDER_PORT = 8888
 WEBHOOK_SERVICE_PORT = 443
@@ -66,11 +67,11 @@ def _dump(*docs: dict[str, Any]) -> str:
 
 
 def extender_url() -> str:
-    return f"http://{OPERATOR_SERVICE}.{NAMESPACE}.svc:{EXTENDER_PORT}/scheduler"
+    return f"https://{OPERATOR_SERVICE}.{NAMESPACE}.svc:{EXTENDER_PORT}/scheduler"
 
 
 def scheduler_config_map() -> dict[str, Any]:
-    cfg = scheduler_configuration(extender_url(), leader_elect=True, lease_namespace=NAMESPACE)
+    cfg = scheduler_configuration(extender_url(), tls=MANIFEST_TLS, leader_elect=True, lease_namespace=NAMESPACE)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -54,7 +54,6 @@ from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode  # noqa: E402
 from kvgpu.devcluster import Cluster  # noqa: E402
 from kvgpu.devcluster.fakenodes import node_manifest  # noqa: E402
 from kvgpu.devcluster.system import KvgpuSystem  # noqa: E402
-from kvgpu.extender.schedconfig import scheduler_configuration  # noqa: E402
 
 from bench.scale import kubeio  # noqa: E402
 
@@ -302,7 +301,14 @@ class Bench:
 
     @property
     def ext_port(self) -> int:
+        """The extender (mutual TLS, as in production: the bench calls it with kube-scheduler's
+        client certificate, :meth:`KvgpuSystem.client_ssl`)."""
         return self.system.extender_port
+
+    @property
+    def metrics_port(self) -> int:
+        """The operator's plain /metrics port (the extender port answers only client certificates)."""
+        return self.system.metrics_port
 
     async def make_nodes(self, api: client.ApiClient) -> dict[str, Any]:
         n = self.args.nodes
@@ -395,7 +401,7 @@ class Bench:
             t_sent[b["metadata"]["name"]] = time.monotonic()
             await kubeio.create_pod(api, ns, b)
 
-        hist0 = scrape_histogram(self.ext_port)
+        hist0 = scrape_histogram(self.metrics_port)
         req0 = await api_requests(api)
         sampler = ProcSampler(self.pids())
         load0 = load_average()
@@ -426,7 +432,7 @@ class Bench:
             await w.stop()
         if pprof is not None:
             await pprof
-        hist1 = scrape_histogram(self.ext_port)
+        hist1 = scrape_histogram(self.metrics_port)
         req1 = await api_requests(api)
 
         bound = sorted(t_bound.values())
@@ -498,8 +504,7 @@ class Bench:
 
     def _start_scheduler(self, gpu: bool) -> None:
         if gpu:
-            url = f"http://127.0.0.1:{self.ext_port}/scheduler"
-            self.cluster.start_scheduler("kvgpu-scheduler", scheduler_configuration(url))
+            self.system.start_scheduler()
         else:
             self.cluster.start_scheduler("default-scheduler")
 
@@ -532,14 +537,14 @@ class Bench:
         pod = {"metadata": {"name": "probe", "namespace": "default", "uid": uid,
                             "annotations": {"kvgpu.io/gpumem": "8000", "kvgpu.io/gpucores": "20"}},
                "spec": {"schedulerName": keys.SCHEDULER_NAME, "containers": [{"name": "main", "image": "x"}]}}
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.system.client_ssl())) as s:
             for verb in ("filter", "prioritize"):
                 lat = []
                 for i in range(n_calls):
                     start = (i * 37) % max(1, len(names) - k)
                     body = json.dumps({"pod": pod, "nodenames": names[start:start + k]}).encode()
                     t = time.perf_counter()
-                    async with s.post(f"http://127.0.0.1:{self.ext_port}/scheduler/{verb}", data=body,
+                    async with s.post(f"{self.system.extender_url}/{verb}", data=body,
                                       headers={"Content-Type": "application/json"}) as r:
                         await r.read()
                     lat.append(time.perf_counter() - t)
@@ -581,7 +586,7 @@ class Bench:
             except TimeoutError:
                 return False
 
-        hist0 = scrape_histogram(self.ext_port)
+        hist0 = scrape_histogram(self.metrics_port)
         await kubeio.create_pod(api, ns, body(0))
         if not await wait_bound("r000", 60):
             raise RuntimeError("requeue: the first pod was never bound")
@@ -600,7 +605,7 @@ class Bench:
             else:
                 misses += 1
         await w.stop()
-        extender = histogram_quantiles(hist0, scrape_histogram(self.ext_port))
+        extender = histogram_quantiles(hist0, scrape_histogram(self.metrics_port))
         await self.cleanup_namespace(api, ns, True)
         out = {"extender_one_pod_at_a_time": extender, "trials": trials, "placed": len(samples),
                "missed_30s": misses,

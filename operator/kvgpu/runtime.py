@@ -30,8 +30,10 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvgpu import kube
 from kvgpu.core import keys
+from kvgpu.extender import tls
 from kvgpu.extender.choice import NodeChoice
 from kvgpu.extender.server import Extender
+from kvgpu.extender.tls import DEFAULT_ALLOWED_CLIENTS
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile import handlers
 from kvgpu.reconcile.state import OperatorState, allocation_from_claim
@@ -47,6 +49,17 @@ class OperatorConfig:
     kubeconfig: str | None = None  # None: in-cluster service account
     extender_host: str = "127.0.0.1"
     extender_port: int = 8888
+    # Mutual TLS on the extender port (kvgpu.extender.tls): serving cert/key, the CA that signs
+    # the clients' certificates, and the identities (CN or DNS/URI SAN) answered. All three
+    # files are required unless extender_insecure (plain HTTP, no client check: dev/bench only).
+    extender_cert: str | None = None
+    extender_key: str | None = None
+    extender_client_ca: str | None = None
+    extender_allowed_clients: tuple[str, ...] = DEFAULT_ALLOWED_CLIENTS
+    extender_insecure: bool = False
+    # Plain HTTP port for /healthz, /readyz and /metrics only (kubelet probes, Prometheus).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: not served (0: any free port)
     webhook_port: int | None = None  # None: no admission webhooks served
     webhook_host: str = "127.0.0.1"
     webhook_cert: str | None = None
@@ -83,10 +96,13 @@ class Runtime:
     api: Any = None
     extender: Extender | None = None
     extender_port: int = 0
+    metrics_port: int = 0  # the plain probe/metrics port, once listening (0: none)
     pools_dirty: bool = True  # a pool or the leadership changed: write pool status at the next flush
     _pool_usage_dirty: bool = False  # allocations changed: pool status within pool_status_interval_s
     _pool_status_due: float = 0.0  # time.monotonic() before which allocation-only changes wait
     _runner: web.AppRunner | None = None
+    _probe_runner: web.AppRunner | None = None
+    _tls_reloader: tls.Reloader | None = None
     _webhook_procs: list[Any] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _nudge: asyncio.Event = field(default_factory=asyncio.Event)
@@ -105,12 +121,7 @@ class Runtime:
         if self.active:
             await self.rebuild()
         self.extender = Extender(self.state, self.api, self.metrics, self.cfg.node_choice)
-        self._runner = web.AppRunner(self.extender.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.extender_host, self.cfg.extender_port)
-        await site.start()
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
-        self.extender_port = int(sock.getsockname()[1])
+        await self.start_extender()
         if self.cfg.webhook_port:
             await self.start_webhooks()
         if self.cfg.dev_webhook_configurations and self.cfg.webhook_port:
@@ -126,12 +137,49 @@ class Runtime:
             asyncio.create_task(self._loop(self.sweep, self.cfg.sweep_interval_s), name="kvgpu-sweep"),
             asyncio.create_task(self._requeue_loop(), name="kvgpu-requeue"),
         ]
+        if self._tls_reloader is not None:
+            self._tasks.append(asyncio.create_task(self._tls_reloader.run(), name="kvgpu-extender-tls-reload"))
         self._tasks.append(asyncio.create_task(self._watch_children(), name="kvgpu-children-watchdog"))
         if self.active:
             self._became_ready()
         else:
             self._tasks.append(asyncio.create_task(self._elect(), name="kvgpu-election"))
             log.info("standby: waiting for the lease", lease=f"{self.cfg.lease_namespace}/{self.cfg.lease_name}")
+
+    @property
+    def extender_url(self) -> str:
+        scheme = "http" if self.cfg.extender_insecure else "https"
+        return f"{scheme}://{self.cfg.extender_host}:{self.extender_port}/scheduler"
+
+    async def start_extender(self) -> None:
+        """The extender's server: HTTPS with client certificates (or plain HTTP when
+        ``extender_insecure``), and the plain probe/metrics port when configured."""
+        assert self.extender is not None
+        ssl_ctx = None
+        allowed: tuple[str, ...] | None = None
+        if not self.cfg.extender_insecure:
+            cert, key, ca = self.cfg.extender_cert, self.cfg.extender_key, self.cfg.extender_client_ca
+            if not (cert and key and ca):
+                raise ValueError("the extender needs --extender-cert, --extender-key and --extender-client-ca "
+                                 "(mutual TLS), or --extender-insecure (plain HTTP, dev only)")
+            ssl_ctx = tls.server_context(cert, key, ca)
+            self._tls_reloader = tls.Reloader(ssl_ctx, cert, key, ca)
+            allowed = self.cfg.extender_allowed_clients
+        else:
+            log.warning("extender serves plain HTTP without client authentication (--extender-insecure): "
+                        "any pod that reaches the port can bind GPU pods")
+        self._runner = web.AppRunner(self.extender.app(allowed), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.extender_host, self.cfg.extender_port, ssl_context=ssl_ctx)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        self.extender_port = int(sock.getsockname()[1])
+        if self.cfg.metrics_port is not None:
+            self._probe_runner = web.AppRunner(self.extender.probe_app(), access_log=None)
+            await self._probe_runner.setup()
+            probe = web.TCPSite(self._probe_runner, self.cfg.metrics_host, self.cfg.metrics_port)
+            await probe.start()
+            self.metrics_port = int(probe._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
 
     def _became_ready(self) -> None:
         from kvgpu.reconcile import phaseworker
@@ -141,9 +189,8 @@ class Runtime:
             sweep_interval_s=self.cfg.sweep_interval_s, bind_events=self.cfg.bind_events))
         self.ready_event.set()
         if self.cfg.ready_file:
-            Path(self.cfg.ready_file).write_text(
-                f"http://{self.cfg.extender_host}:{self.extender_port}/scheduler\n")
-        log.info("operator ready", extender=f"http://{self.cfg.extender_host}:{self.extender_port}/scheduler",
+            Path(self.cfg.ready_file).write_text(f"{self.extender_url}\n")
+        log.info("operator ready", extender=self.extender_url, metrics_port=self.metrics_port or None,
                  nodes=len(self.state.nodes), claims=len(self.state.ledger.reservations()))
 
     async def _elect(self) -> None:
@@ -195,8 +242,9 @@ class Runtime:
         children = self._children()
         if children:
             await asyncio.to_thread(procs.stop, children)
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in (self._runner, self._probe_runner):
+            if runner is not None:
+                await runner.cleanup()
         if self.api is not None:
             await self.api.close()
 

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import yaml
 from kvgpu.devcluster import Cluster
-from kvgpu.extender.schedconfig import scheduler_configuration
 
 EXPECTED = {
     "Namespace": 1, "CustomResourceDefinition": 2,
@@ -307,14 +306,17 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
     pki = cluster.run_dir / "pki"
     ready, log = tmp_path / "ready", tmp_path / "operator.log"
     argv = [sys.executable, "-m", "kvgpu.cli.main", "operator", f"--kubeconfig={kubeconfig}",
-            f"--extender-address=127.0.0.1:{system.extender_port}", f"--webhook-port={system.webhook_port}",
+            *system.extender_args(), f"--webhook-port={system.webhook_port}",
             "--webhook-host=127.0.0.1", f"--webhook-cert={pki / 'webhook.crt'}",
             f"--webhook-key={pki / 'webhook.key'}", f"--operator-username={SA}kvgpu-operator",
             "--exclude-namespace=kvgpu-system", "--leader-elect", "--lease-namespace=kvgpu-system",
             f"--ready-file={ready}"]
     sched_cfg = yaml.safe_load(next(d for d in _render(cluster, "manifests/base")
                                     if d["kind"] == "ConfigMap")["data"]["config.yaml"])
-    sched_cfg["extenders"][0]["urlPrefix"] = f"http://127.0.0.1:{system.extender_port}/scheduler"
+    ext = sched_cfg["extenders"][0]
+    assert ext["enableHTTPS"] is True and set(ext["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
+    # the same files as the manifests mount, from the dev PKI
+    ext["urlPrefix"], ext["tlsConfig"] = system.extender_url, system.scheduler_tls().config()  # type: ignore[union-attr]
     sched_cfg["clientConnection"]["kubeconfig"] = str(
         _sa_kubeconfig(cluster, "kvgpu-scheduler", tmp_path / "scheduler.kubeconfig"))
     sched_path = tmp_path / "scheduler.yaml"
@@ -369,8 +371,7 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
         _stop(sched)
         time.sleep(0.5)
         system.start_operator()
-        cluster.start_scheduler("kvgpu-scheduler", scheduler_configuration(
-            f"http://127.0.0.1:{system.extender_port}/scheduler"))
+        system.start_scheduler()
         cluster.kubectl("delete", "lease", "kvgpu-scheduler", "-n", "kvgpu-system", "--ignore-not-found",
                         check=False)
 
@@ -391,7 +392,7 @@ def test_standby_operator_is_not_ready_and_takes_over(kvgpu_system: Any, rbac: A
 
     cluster, system = kvgpu_system.cluster, kvgpu_system
     kubeconfig = _sa_kubeconfig(cluster, "kvgpu-operator", tmp_path / "operator.kubeconfig")
-    ports = {0: free_port(), 1: free_port()}
+    ports = {0: free_port(), 1: free_port()}  # the plain probe ports (--metrics-address)
 
     def readyz(port: int) -> int:
         try:
@@ -417,7 +418,8 @@ def test_standby_operator_is_not_ready_and_takes_over(kvgpu_system: Any, rbac: A
             with (tmp_path / f"op{ordinal}.log").open("wb") as out:
                 procs[ordinal] = subprocess.Popen(
                     [sys.executable, "-m", "kvgpu.cli.main", "operator", f"--kubeconfig={kubeconfig}",
-                     f"--extender-address=127.0.0.1:{port}", "--leader-elect", "--lease-namespace=kvgpu-system",
+                     *system.extender_args(port=0, metrics_port=port), "--leader-elect",
+                     "--lease-namespace=kvgpu-system",
                      f"--identity=kvgpu-operator-{ordinal}"],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         assert wait_for(lambda: sorted(readyz(p) for p in ports.values()) == [200, 503], 60), (

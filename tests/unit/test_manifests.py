@@ -107,7 +107,7 @@ def test_scheduler_lease_is_scoped() -> None:
     [ext] = cfg["extenders"]
     svc = _one(docs, "Service", "kvgpu-operator")
     port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "extender")
-    assert ext["urlPrefix"] == f"http://kvgpu-operator.kvgpu-system.svc:{port}/scheduler"
+    assert ext["urlPrefix"] == f"https://kvgpu-operator.kvgpu-system.svc:{port}/scheduler"
     dep = _one(docs, "Deployment", "kvgpu-scheduler")
     [c] = dep["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "registry.k8s.io/kube-scheduler:v1.36.3"
@@ -168,7 +168,81 @@ def test_operator_arguments_parse_and_elect_a_leader() -> None:
 
 def _strip_paths(args: list[str]) -> list[str]:
     """Drop the file options (their files exist only in the pod), after checking their mounts."""
-    return [a for a in args if not a.startswith(("--webhook-cert=", "--webhook-key=", "--shim-source="))]
+    return [a for a in args if not a.startswith(("--webhook-cert=", "--webhook-key=", "--shim-source=",
+                                                 "--extender-cert=", "--extender-key=", "--extender-client-ca="))]
+
+
+def _mounted_secret(pod_spec: dict[str, Any], container: dict[str, Any], path: str) -> str:
+    """The Secret whose volume ``container`` mounts at the directory of ``path``."""
+    directory = path.rsplit("/", 1)[0]
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    [vol] = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+    return str(vol["secret"]["secretName"])
+
+
+def test_extender_is_mutual_tls_end_to_end() -> None:
+    """Issue 14: the operator serves the extender with cert-manager's serving certificate and
+    trusts clients by the extender CA; kube-scheduler presents the client certificate whose CN
+    the operator allows and trusts the same CA; probes and scrapes use the plain metrics port."""
+    from kvgpu.cli.main import main
+
+    docs, certs = _docs("base"), _docs("components", "cert-manager")
+    sts = _one(docs, "StatefulSet", "kvgpu-operator")
+    op_spec = sts["spec"]["template"]["spec"]
+    [op] = op_spec["containers"]
+    flags = dict(a.split("=", 1) for a in op["args"] if a.startswith("--") and "=" in a)
+    assert "--extender-insecure" not in op["args"]
+    serving = _one(certs, "Certificate", "kvgpu-extender")
+    client = _one(certs, "Certificate", "kvgpu-scheduler-extender-client")
+    for flag in ("--extender-cert", "--extender-key", "--extender-client-ca"):
+        assert _mounted_secret(op_spec, op, flags[flag]) == serving["spec"]["secretName"]
+    assert flags["--extender-client-ca"].endswith("/ca.crt")
+    assert serving["spec"]["issuerRef"] == client["spec"]["issuerRef"] == {"kind": "Issuer",
+                                                                          "name": "kvgpu-extender-ca"}
+    assert "client auth" in client["spec"]["usages"] and "server auth" in serving["spec"]["usages"]
+    assert "kvgpu-operator.kvgpu-system.svc" in serving["spec"]["dnsNames"]
+    ctx = main.commands["operator"].make_context("operator", _strip_paths(op["args"][1:]))
+    assert client["spec"]["commonName"] in ",".join(ctx.params["extender_allowed_clients"]).split(",")
+    # kube-scheduler's side
+    cfg = yaml.safe_load(_one(docs, "ConfigMap", "kvgpu-scheduler-config")["data"]["config.yaml"])
+    [ext] = cfg["extenders"]
+    assert ext["enableHTTPS"] is True and ext["urlPrefix"].startswith("https://")
+    dep = _one(docs, "Deployment", "kvgpu-scheduler")
+    dep_spec = dep["spec"]["template"]["spec"]
+    [sched] = dep_spec["containers"]
+    tls = ext["tlsConfig"]
+    assert not tls.get("insecure")
+    for key in ("certFile", "keyFile", "caFile"):
+        assert _mounted_secret(dep_spec, sched, tls[key]) == client["spec"]["secretName"]
+    assert tls["certFile"].endswith("/tls.crt") and tls["caFile"].endswith("/ca.crt")
+    # probes and Prometheus: the plain port, never the extender's
+    ports = {p["name"]: p["containerPort"] for p in op["ports"]}
+    assert flags["--metrics-address"] == f"0.0.0.0:{ports['metrics']}"
+    assert flags["--extender-address"] == f"0.0.0.0:{ports['extender']}"
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert op[probe]["httpGet"]["port"] == "metrics"
+    assert sts["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+    svc = _one(docs, "Service", "kvgpu-operator")
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"extender": "extender",
+                                                                         "metrics": "metrics"}
+
+
+def test_network_policy_admits_the_extender_only_from_the_scheduler() -> None:
+    docs = _docs("base")
+    pol = _one(docs, "NetworkPolicy", "kvgpu-operator")
+    sts = _one(docs, "StatefulSet", "kvgpu-operator")
+    assert pol["spec"]["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    by_port = {p["port"]: rule for rule in pol["spec"]["ingress"] for p in rule["ports"]}
+    assert set(by_port) == {"extender", "webhooks", "metrics"}
+    dep = _one(docs, "Deployment", "kvgpu-scheduler")
+    assert by_port["extender"]["from"] == [{"podSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]}}]
+    assert "from" not in by_port["webhooks"], "the API server's source address is not predictable"
+    assert by_port["metrics"]["from"] == [{"namespaceSelector": {"matchLabels": {"kvgpu.io/metrics-scraper": "true"}}}]
+    [op] = sts["spec"]["template"]["spec"]["containers"]
+    assert set(by_port) == {p["name"] for p in op["ports"]}, "every container port has its rule"
+    k = yaml.safe_load((MANIFESTS / "base" / "kustomization.yaml").read_text())
+    assert "networkpolicy.yaml" in k["resources"]
 
 
 def test_agent_daemonset() -> None:

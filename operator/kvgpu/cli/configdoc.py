@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from kvgpu.cli.main import agent_cmd, operator_cmd
-from kvgpu.extender.schedconfig import IGNORED_RESOURCES, scheduler_configuration
+from kvgpu.extender.schedconfig import IGNORED_RESOURCES, MANIFEST_TLS, scheduler_configuration
 
 TARGET = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
@@ -66,7 +66,8 @@ def render() -> str:
         "",
         "```json",
         json.dumps(scheduler_configuration("https://kvgpu-operator.kvgpu-system.svc:8888/scheduler",
-                                           leader_elect=True, lease_namespace="kvgpu-system"), indent=2),
+                                           tls=MANIFEST_TLS, leader_elect=True, lease_namespace="kvgpu-system"),
+                   indent=2),
         "```",
         "",
         "## Environment",

@@ -29,7 +29,23 @@ def main() -> None:
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None,
               help="kubeconfig file; default: the in-cluster service account")
 @click.option("--extender-address", default="127.0.0.1:8888", show_default=True,
-              help="host:port of the scheduler extender (port 0 = any free port)")
+              help="host:port of the scheduler extender (port 0 = any free port); HTTPS with client "
+                   "certificates unless --extender-insecure")
+@click.option("--extender-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM serving certificate of the extender (re-read when it changes)")
+@click.option("--extender-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM private key of --extender-cert")
+@click.option("--extender-client-ca", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="PEM CA bundle: the extender answers only clients with a certificate it signed")
+@click.option("--extender-allowed-clients", "extender_allowed_clients", multiple=True,
+              help="client certificate identities (subject CN or DNS/URI SAN) the extender answers; "
+                   "repeatable or comma-separated [default: kvgpu-scheduler]")
+@click.option("--extender-insecure", is_flag=True,
+              help="serve the extender over plain HTTP without client authentication (dev and benchmarks "
+                   "only: any client that reaches the port can bind GPU pods)")
+@click.option("--metrics-address", default="", show_default=False,
+              help="host:port of a plain-HTTP port serving only /healthz, /readyz and /metrics (kubelet "
+                   "probes, Prometheus); default: none")
 @click.option("--webhook-port", type=click.IntRange(0, 65535), default=None,
               help="serve the admission webhooks on this port (HTTPS)")
 @click.option("--webhook-host", default="127.0.0.1", show_default=True,
@@ -65,7 +81,10 @@ def main() -> None:
 @click.option("--priority", type=int, default=0, help="peering priority of this replica (distinct per replica)")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="write the extender URL here once the ledger is rebuilt")
-def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: int | None, webhook_host: str,
+def operator_cmd(kubeconfig: str | None, extender_address: str, extender_cert: str | None,
+                 extender_key: str | None, extender_client_ca: str | None,
+                 extender_allowed_clients: tuple[str, ...], extender_insecure: bool, metrics_address: str,
+                 webhook_port: int | None, webhook_host: str,
                  webhook_cert: str | None, webhook_key: str | None, webhook_ca: str | None, webhook_workers: int,
                  bind_events: bool, node_choice: str, dev_webhooks: bool,
                  operator_usernames: tuple[str, ...], exclude_namespaces: tuple[str, ...], leader_elect: bool,
@@ -73,6 +92,7 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: in
                  ready_file: str | None) -> None:
     """Run the operator: scheduler extender, admission webhooks and reconcilers."""
     from kvgpu.extender.choice import NodeChoice
+    from kvgpu.extender.tls import parse_allowed
     from kvgpu.logs import configure_logging
     from kvgpu.procs import run_loop
     from kvgpu.runtime import OperatorConfig, run
@@ -80,8 +100,20 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, webhook_port: in
     host, _, port = extender_address.rpartition(":")
     if not host or not port.isdigit():
         raise click.BadParameter("use host:port", param_hint="--extender-address")
+    if not extender_insecure and not (extender_cert and extender_key and extender_client_ca):
+        raise click.UsageError("the extender serves mutual TLS: give --extender-cert, --extender-key and "
+                               "--extender-client-ca, or --extender-insecure for plain HTTP (dev only)")
+    metrics_host, metrics_port = "127.0.0.1", None
+    if metrics_address:
+        metrics_host, _, mport = metrics_address.rpartition(":")
+        if not metrics_host or not mport.isdigit():
+            raise click.BadParameter("use host:port", param_hint="--metrics-address")
+        metrics_port = int(mport)
     cfg = OperatorConfig(
-        kubeconfig=kubeconfig, extender_host=host, extender_port=int(port), webhook_port=webhook_port,
+        kubeconfig=kubeconfig, extender_host=host, extender_port=int(port), extender_cert=extender_cert,
+        extender_key=extender_key, extender_client_ca=extender_client_ca,
+        extender_allowed_clients=parse_allowed(extender_allowed_clients), extender_insecure=extender_insecure,
+        metrics_host=metrics_host, metrics_port=metrics_port, webhook_port=webhook_port,
         webhook_host=webhook_host, webhook_cert=webhook_cert, webhook_key=webhook_key, webhook_ca=webhook_ca,
         webhook_workers=webhook_workers, bind_events=bind_events, node_choice=NodeChoice(node_choice),
         dev_webhook_configurations=dev_webhooks, operator_usernames=operator_usernames,

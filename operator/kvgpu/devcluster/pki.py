@@ -5,6 +5,13 @@ SANs for localhost/127.0.0.1 and the in-cluster names), ``admin.crt/key`` (clien
 ``O=system:masters``), ``kvgpu-operator.crt/key`` (the operator, also system:masters),
 ``scheduler.crt/key`` (``system:kube-scheduler``), ``webhook.crt/key`` (the operator's webhook
 server), ``sa.key/sa.pub`` (service-account token signing, RSA 2048). EC P-256 keys, 7-day validity.
+
+The scheduler extender's mutual TLS (issue 14) has its own CA, so no certificate of the cluster
+CA (admin, nodes, the operator) is a valid extender client: ``extender-ca.crt/key``,
+``extender.crt/key`` (the operator's extender serving certificate: localhost, 127.0.0.1 and
+the manifests' ``kvgpu-operator.kvgpu-system.svc``) and ``extender-client.crt/key`` (the kvgpu
+kube-scheduler's client certificate, ``CN=kvgpu-scheduler``). :func:`issue_leaf` signs more
+(tests: a client the extender must refuse).
 """
 
 from __future__ import annotations
@@ -88,6 +95,47 @@ class Pki:
         return (self.dir / name).read_bytes()
 
 
+def _load_ca(d: Path, stem: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    cert = x509.load_pem_x509_certificate((d / f"{stem}.crt").read_bytes())
+    key = serialization.load_pem_private_key((d / f"{stem}.key").read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    return cert, key
+
+
+def make_ca(d: Path, stem: str, cn: str) -> None:
+    """A self-signed CA: ``<stem>.crt`` and ``<stem>.key`` in ``d``."""
+    d.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _cert(_name(cn), _name(cn), key.public_key(), key, ca=True)
+    (d / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / f"{stem}.key").write_bytes(_pem_key(key))
+
+
+def issue_leaf(d: Path, stem: str, ca_stem: str, cn: str, *, org: str | None = None, server: bool = False,
+               dns: tuple[str, ...] = (), ips: tuple[str, ...] = ()) -> None:
+    """``<stem>.crt/key`` signed by the CA ``<ca_stem>.crt/key`` in ``d``: a server (serverAuth,
+    SANs ``dns`` and ``ips``) or client (clientAuth) certificate with subject ``CN=cn``."""
+    ca, ca_key = _load_ca(d, ca_stem)
+    key = ec.generate_private_key(ec.SECP256R1())
+    san: list[x509.GeneralName] = [x509.DNSName(n) for n in dns]
+    san += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    eku = [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+    cert = _cert(_name(cn, org), ca.subject, key.public_key(), ca_key, san=san or None, eku=eku)
+    (d / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / f"{stem}.key").write_bytes(_pem_key(key))
+
+
+EXTENDER_DNS = ("localhost", "kvgpu-operator.kvgpu-system.svc", "kvgpu-operator.kvgpu-system.svc.cluster.local")
+EXTENDER_CLIENT_CN = "kvgpu-scheduler"  # kvgpu.extender.tls.DEFAULT_ALLOWED_CLIENTS
+
+
+def make_extender_pki(d: Path) -> None:
+    """The extender's CA, serving certificate and kube-scheduler's client certificate."""
+    make_ca(d, "extender-ca", "kvgpu-extender-dev-ca")
+    issue_leaf(d, "extender", "extender-ca", "kvgpu-extender", server=True, dns=EXTENDER_DNS, ips=("127.0.0.1",))
+    issue_leaf(d, "extender-client", "extender-ca", EXTENDER_CLIENT_CN)
+
+
 def make_pki(d: Path, extra_sans: tuple[str, ...] = ()) -> Pki:
     """Create the CA and leaf certificates in ``d`` (created if missing). Returns a :class:`Pki`."""
     d.mkdir(parents=True, exist_ok=True)
@@ -115,6 +163,8 @@ def make_pki(d: Path, extra_sans: tuple[str, ...] = ()) -> Pki:
     leaf("kvgpu-operator", _name("kvgpu-operator", "system:masters"), server=False, san=None)
     leaf("scheduler", _name("system:kube-scheduler"), server=False, san=None)
     leaf("controller-manager", _name("system:kube-controller-manager"), server=False, san=None)
+
+    make_extender_pki(d)
 
     sa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     (d / "sa.key").write_bytes(_pem_key(sa))

@@ -2,6 +2,10 @@
 
 Routes (prefix ``/scheduler``): ``POST filter``, ``POST prioritize``, ``POST bind``;
 ``GET /healthz``; ``GET /readyz`` (200 once the ledger is rebuilt); ``GET /metrics``.
+:meth:`Extender.app` serves them all; the runtime serves it over mutual TLS with
+:func:`kvgpu.extender.tls.require_client` (only kube-scheduler's certificate is answered) unless
+``--extender-insecure``. :meth:`Extender.probe_app` serves only the read-only ``/healthz``,
+``/readyz`` and ``/metrics`` (plain HTTP, ``--metrics-address``: kubelet probes, Prometheus).
 Filter answers only the best node for a GPU pod unless ``--node-choice scheduler`` or the pod
 states soft preferences (:mod:`kvgpu.extender.choice`); kube-scheduler then calls neither its
 score plugins nor prioritize. Until the ledger is rebuilt from the claims, filter answers with
@@ -31,6 +35,7 @@ from kvgpu.extender.protocol import (
     parse_binding,
     priority_json,
 )
+from kvgpu.extender.tls import require_client
 from kvgpu.metrics import OperatorMetrics
 from kvgpu.reconcile.state import OperatorState
 
@@ -50,12 +55,25 @@ class Extender:
         # last reasons per pod uid, for Events (posted when they change) and `kubectl vgpu why`
         self.last_reasons: dict[str, str] = {}
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
+    def app(self, allowed_clients: tuple[str, ...] | None = None) -> web.Application:
+        """Every route. ``allowed_clients``: answer only TLS clients whose verified certificate
+        names one of them (CN or DNS/URI SAN); None: no check (plain HTTP, ``--extender-insecure``)."""
+        middlewares = [] if allowed_clients is None else [require_client(allowed_clients)]
+        app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         app.add_routes([
             web.post("/scheduler/filter", self.filter),
             web.post("/scheduler/prioritize", self.prioritize),
             web.post("/scheduler/bind", self.bind),
+            web.get("/healthz", self.healthz),
+            web.get("/readyz", self.readyz),
+            web.get("/metrics", self.metrics_endpoint),
+        ])
+        return app
+
+    def probe_app(self) -> web.Application:
+        """The read-only routes, for the plain probe/metrics port: no scheduler verb."""
+        app = web.Application(client_max_size=1024)
+        app.add_routes([
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.readyz),
             web.get("/metrics", self.metrics_endpoint),

@@ -1,0 +1,217 @@
+"""Issue 14: the extender answers only kube-scheduler. The operator's real server
+(:meth:`kvgpu.runtime.Runtime.start_extender`) on loopback with the dev PKI: no client
+certificate, one from another CA, one of the right CA naming another identity, and plain HTTP
+are refused before any handler runs (no pod read, no claim, no Binding, no Event); the
+scheduler's certificate is answered. The plain metrics port serves no scheduler verb."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from kvgpu import kube
+from kvgpu.devcluster.pki import issue_leaf, make_ca, make_extender_pki
+from kvgpu.extender.schedconfig import ExtenderTLS, extender_entry, scheduler_configuration
+from kvgpu.extender.server import Extender
+from kvgpu.extender.tls import parse_allowed
+from kvgpu.metrics import OperatorMetrics
+from kvgpu.runtime import OperatorConfig, Runtime
+
+from tests.unit.extender_helpers import UID, FakeKube, make_state
+
+GPU_POD = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "p", "namespace": "ns", "uid": UID},
+           "spec": {"schedulerName": "kvgpu-scheduler", "containers": [
+               {"name": "main", "image": "x", "resources": {"limits": {
+                   "nvidia.com/gpu": 1, "nvidia.com/gpumem": "15000"}}}]}}
+BIND = json.dumps({"podName": "p", "podNamespace": "ns", "podUID": UID, "node": "n0"}).encode()
+FILTER = json.dumps({"pod": GPU_POD, "nodenames": ["n0", "n1", "n2"]}).encode()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("extender-pki")
+    make_extender_pki(d)
+    # the scheduler's name, signed by a CA the extender does not trust
+    make_ca(d, "other-ca", "someone-else")
+    issue_leaf(d, "other-client", "other-ca", "kvgpu-scheduler")
+    # signed by the extender's CA, but not an allowed identity
+    issue_leaf(d, "intruder", "extender-ca", "tenant-pod")
+    return d
+
+
+class Served:
+    def __init__(self, pki: Path, monkeypatch: pytest.MonkeyPatch, **cfg: Any) -> None:
+        self.fake = FakeKube()
+        self.fake.pod = GPU_POD
+        for name in ("get_pod", "create_claim", "get_claim", "delete_claim", "patch_pod_metadata",
+                     "create_binding", "patch_claim_status", "post_event"):
+            monkeypatch.setattr(kube, name, getattr(self.fake, name))
+        tls = {} if cfg.get("extender_insecure") else {
+            "extender_cert": str(pki / "extender.crt"), "extender_key": str(pki / "extender.key"),
+            "extender_client_ca": str(pki / "extender-ca.crt")}
+        self.rt = Runtime(OperatorConfig(extender_port=0, metrics_port=0, **tls, **cfg))
+        self.rt.state = make_state()
+        self.rt.extender = Extender(self.rt.state, None, OperatorMetrics())
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self.rt.start_extender())
+        self.pki = pki
+
+    def ctx(self, stem: str | None) -> ssl.SSLContext:
+        c = ssl.create_default_context(cafile=str(self.pki / "extender-ca.crt"))
+        if stem:
+            c.load_cert_chain(str(self.pki / f"{stem}.crt"), str(self.pki / f"{stem}.key"))
+        return c
+
+    def post(self, verb: str, body: bytes, stem: str | None = "extender-client", scheme: str = "https",
+             host: str = "127.0.0.1") -> tuple[int, Any]:
+        async def go() -> tuple[int, Any]:
+            ssl_arg: Any = self.ctx(stem) if scheme == "https" else None
+            async with aiohttp.ClientSession() as s, s.post(
+                    f"{scheme}://{host}:{self.rt.extender_port}/scheduler/{verb}", data=body, ssl=ssl_arg,
+                    headers={"Content-Type": "application/json"}, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                text = await r.text()
+                try:
+                    return r.status, json.loads(text)
+                except ValueError:
+                    return r.status, text
+
+        return self.loop.run_until_complete(go())
+
+    def refused(self, verb: str, body: bytes, **kw: Any) -> str:
+        """The error a refused call gets: a failed TLS handshake, a dropped connection or 401/403."""
+        try:
+            status, data = self.post(verb, body, **kw)
+        except (aiohttp.ClientError, ssl.SSLError, ConnectionError) as e:
+            return f"connection refused: {type(e).__name__}"
+        assert status in (401, 403), (status, data)
+        return f"HTTP {status}"
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.rt.cleanup())
+        self.loop.close()
+
+
+@pytest.fixture
+def served(pki: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    s = Served(pki, monkeypatch)
+    yield s
+    s.close()
+
+
+def test_the_schedulers_certificate_is_answered(served: Served) -> None:
+    status, data = served.post("filter", FILTER)
+    assert status == 200 and data["nodenames"] == ["n0"], data
+    assert served.post("bind", BIND) == (200, {})
+    assert "binding" in served.fake.calls
+    assert served.post("prioritize", FILTER)[0] == 200
+
+
+@pytest.mark.parametrize("verb,body", [("filter", FILTER), ("prioritize", FILTER), ("bind", BIND)])
+def test_no_client_certificate_is_refused(served: Served, verb: str, body: bytes) -> None:
+    served.refused(verb, body, stem=None)
+    assert served.fake.calls == [], "nothing reached the API"
+    assert served.rt.state.ledger.pod_node(UID) is None
+
+
+@pytest.mark.parametrize("verb,body", [("filter", FILTER), ("bind", BIND)])
+def test_a_certificate_of_another_ca_is_refused(served: Served, verb: str, body: bytes) -> None:
+    """Same CN as the scheduler, another CA: the handshake fails."""
+    assert served.refused(verb, body, stem="other-client").startswith("connection refused")
+    assert served.fake.calls == []
+
+
+def test_a_certificate_of_the_ca_with_another_identity_is_refused(served: Served) -> None:
+    assert served.refused("bind", BIND, stem="intruder") == "HTTP 403"
+    assert served.refused("filter", FILTER, stem="intruder") == "HTTP 403"
+    assert served.fake.calls == [] and served.rt.state.ledger.pod_node(UID) is None
+
+
+def test_plain_http_is_refused(served: Served) -> None:
+    served.refused("bind", BIND, scheme="http")
+    assert served.fake.calls == []
+
+
+def test_metrics_port_serves_probes_and_metrics_but_no_verb(served: Served) -> None:
+    base = f"http://127.0.0.1:{served.rt.metrics_port}"
+
+    async def go() -> list[int]:
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for path in ("/healthz", "/readyz", "/metrics"):
+                async with s.get(base + path) as r:
+                    out.append(r.status)
+            async with s.post(base + "/scheduler/bind", data=BIND) as r:
+                out.append(r.status)
+            return out
+
+    *probes, bind = served.loop.run_until_complete(go())
+    assert probes == [200, 200, 200] and bind in (404, 405)
+    assert served.fake.calls == []
+
+
+def test_allowed_clients_are_configurable(pki: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Served(pki, monkeypatch, extender_allowed_clients=("tenant-pod",))
+    try:
+        assert s.post("bind", BIND, stem="intruder") == (200, {})
+        assert s.refused("bind", BIND) == "HTTP 403"  # the default identity is no longer answered
+    finally:
+        s.close()
+
+
+def test_insecure_is_plain_http_only_when_asked(pki: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = Runtime(OperatorConfig(extender_port=0))
+    rt.extender = Extender(make_state(), None, OperatorMetrics())
+    with pytest.raises(ValueError, match="--extender-insecure"):
+        asyncio.run(rt.start_extender())
+    s = Served(pki, monkeypatch, extender_insecure=True)
+    try:
+        assert s.rt.extender_url.startswith("http://")
+        assert s.post("bind", BIND, scheme="http") == (200, {})
+    finally:
+        s.close()
+
+
+def test_cli_requires_certificates_or_insecure(pki: Path) -> None:
+    from click.testing import CliRunner
+    from kvgpu.cli.main import main
+
+    out = CliRunner().invoke(main, ["operator", "--extender-address=127.0.0.1:0"])
+    assert out.exit_code == 2 and "--extender-insecure" in out.output
+    ctx = main.commands["operator"].make_context("operator", [
+        f"--extender-cert={pki / 'extender.crt'}", f"--extender-key={pki / 'extender.key'}",
+        f"--extender-client-ca={pki / 'extender-ca.crt'}", "--extender-allowed-clients=a,b",
+        "--extender-allowed-clients=c", "--metrics-address=0.0.0.0:9090"])
+    assert ctx.params["extender_allowed_clients"] == ("a,b", "c")
+    assert parse_allowed(ctx.params["extender_allowed_clients"]) == ("a", "b", "c")
+    assert parse_allowed(()) == ("kvgpu-scheduler",)
+
+
+def test_renewed_certificates_are_reloaded(served: Served) -> None:
+    import os
+
+    reloader = served.rt._tls_reloader
+    assert reloader is not None and not reloader.check()
+    issue_leaf(served.pki, "extender", "extender-ca", "kvgpu-extender", server=True, dns=("localhost",),
+               ips=("127.0.0.1",))
+    st = (served.pki / "extender.crt").stat()
+    os.utime(served.pki / "extender.crt", (st.st_atime, st.st_mtime + 5))
+    assert reloader.check()
+    assert served.post("filter", FILTER)[0] == 200
+
+
+def test_scheduler_configuration_carries_its_tls() -> None:
+    tls = ExtenderTLS(cert_file="/c/tls.crt", key_file="/c/tls.key", ca_file="/c/ca.crt")
+    [ext] = scheduler_configuration("https://op:8888/scheduler", tls=tls)["extenders"]
+    assert ext["enableHTTPS"] is True
+    assert ext["tlsConfig"] == {"certFile": "/c/tls.crt", "keyFile": "/c/tls.key", "caFile": "/c/ca.crt"}
+    assert "tlsConfig" not in extender_entry("http://op:8888/scheduler")
+    with pytest.raises(ValueError):
+        extender_entry("https://op:8888/scheduler")  # https without a client certificate
+    with pytest.raises(ValueError):
+        extender_entry("http://op:8888/scheduler", tls=tls)
