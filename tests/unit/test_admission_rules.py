@@ -183,6 +183,17 @@ REJECTIONS: list[tuple[str, dict[str, Any], list[str]]] = [
      ["'main'", "privileged"]),
     ("sys-admin", _with(GOOD, lambda p: _c(p).update(
         securityContext={"capabilities": {"add": ["SYS_ADMIN"]}})), ["'main'", "SYS_ADMIN"]),
+    ("sys-ptrace", _with(GOOD, lambda p: _c(p).update(
+        securityContext={"capabilities": {"add": ["SYS_PTRACE"]}})), ["'main'", "SYS_PTRACE"]),
+    ("host-pid", _with(GOOD, lambda p: p["spec"].update(hostPID=True)), ["hostPID"]),
+    ("host-root", _with(GOOD, lambda p: p["spec"]["volumes"].append(
+        {"name": "root", "hostPath": {"path": "/"}})), ["'root'", "'/'"]),
+    ("host-dev", _with(GOOD, lambda p: p["spec"]["volumes"].append(
+        {"name": "dev", "hostPath": {"path": "/dev/nvidia0"}})), ["'dev'", "/dev/nvidia0"]),
+    ("host-var", _with(GOOD, lambda p: p["spec"]["volumes"].append(
+        {"name": "var", "hostPath": {"path": "/var/"}})), ["'var'", "'/var/'"]),
+    ("host-kvgpu-regions", _with(GOOD, lambda p: p["spec"]["volumes"].append(
+        {"name": "r", "hostPath": {"path": "/var/lib/kvgpu"}})), ["'r'", "/var/lib/kvgpu"]),
     ("env-ld-preload", _with(GOOD, lambda p: _c(p)["env"].append({"name": "LD_PRELOAD", "value": ""})),
      ["'main'", "LD_PRELOAD"]),
     ("env-visible-side", _with(GOOD, lambda p: _c(p, 1).update(
@@ -315,7 +326,30 @@ def test_requests_are_fixed_at_create(old: dict[str, Any], change: Any, key: str
 def test_delete_and_other_subresources_are_allowed() -> None:
     assert validate_pod("DELETE", BOUND, BOUND, "alice", OPS) == []
     forged = _with(BOUND, lambda p: p["metadata"]["annotations"].update({keys.POD_NODE: "n2"}))
-    assert validate_pod("UPDATE", forged, BOUND, "alice", OPS, subresource="status") == []
+    assert validate_pod("UPDATE", forged, BOUND, "alice", OPS, subresource="resize") == []
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p["metadata"]["annotations"].update({keys.POD_CLAIMS: "victim-main-abcde"}),
+    lambda p: p["metadata"]["annotations"].update({keys.claim_annotation("main"): "v1;full"}),
+    lambda p: p["metadata"]["labels"].pop(m.MANAGED_LABEL),
+], ids=["claims", "claim-string", "managed-label"])
+def test_status_writes_may_not_change_kvgpu_metadata(change: Any) -> None:
+    forged = _with(BOUND, change)
+    errors = validate_pod("UPDATE", forged, BOUND, "alice", OPS, subresource="status")
+    assert any("only be changed by the kvgpu operator" in e for e in errors), errors
+    assert validate_pod("UPDATE", forged, BOUND, "kvgpu-operator", OPS, subresource="status") == []
+    phase = _with(BOUND, lambda p: p.update(status={"phase": "Running"}))
+    assert validate_pod("UPDATE", phase, BOUND, "kubelet", OPS, subresource="status") == []
+
+
+def test_update_refuses_new_privileges_only() -> None:
+    priv = _with(BOUND, lambda p: _c(p).update(securityContext={"privileged": True}))
+    errors = validate_pod("UPDATE", priv, BOUND, "alice", OPS)
+    assert any("privileged" in e for e in errors), errors
+    # a pod admitted before the rule existed can still be labelled
+    relabelled = _with(priv, lambda p: p["metadata"]["labels"].update(team="web"))
+    assert validate_pod("UPDATE", relabelled, priv, "alice", OPS) == []
 
 
 # --------------------------------------------------------------------------- ephemeral containers
@@ -348,6 +382,40 @@ def test_debug_container_cannot_set_reserved_env(env: list[dict[str, Any]]) -> N
     p = m.apply_ops(_debug(BOUND, env), m.mutate_ephemeral(_debug(BOUND, env)))
     errors = validate_pod("UPDATE", p, BOUND, "kvgpu-operator", OPS, subresource="ephemeralcontainers")
     assert any("ephemeral container 'dbg'" in e and env[0]["name"] in e for e in errors), errors
+
+
+@pytest.mark.parametrize("sc", [{"privileged": True}, {"capabilities": {"add": ["SYS_PTRACE"]}},
+                                {"capabilities": {"add": ["SYS_ADMIN"]}}], ids=["sysadmin", "ptrace", "admin"])
+def test_privileged_debug_container_is_refused(sc: dict[str, Any]) -> None:
+    dbg = _with(_debug(BOUND), lambda q: q["spec"]["ephemeralContainers"][0].update(securityContext=sc))
+    p = m.apply_ops(dbg, m.mutate_ephemeral(dbg))
+    errors = validate_pod("UPDATE", p, BOUND, "alice", OPS, subresource="ephemeralcontainers")
+    assert any("ephemeral container 'dbg'" in e and "--profile=baseline" in e for e in errors), errors
+    # one already there (added before the rule) does not block adding another
+    two = _with(p, lambda q: q["spec"]["ephemeralContainers"].append(
+        {"name": "dbg2", "image": "x", "env": [m.no_devices_env()]}))
+    assert validate_pod("UPDATE", two, p, "alice", OPS, subresource="ephemeralcontainers") == []
+    plain = _debug(pod({"team": "web"}))
+    assert validate_pod("UPDATE", _with(plain, lambda q: q["spec"]["ephemeralContainers"][0].update(
+        securityContext=sc)), pod({"team": "web"}), "alice", OPS, subresource="ephemeralcontainers") == []
+
+
+@pytest.mark.parametrize(("path", "refused"), [
+    ("/", True), ("//", True), ("/dev", True), ("/dev/shm", True), ("/var", True), ("/usr", True),
+    ("/usr/local/kvgpu/lib", True), ("/var/lib/kubelet/pods", True), ("/run/containerd", True),
+    ("/data/models", False), ("/var/log/app", False), ("/mnt/datasets", False), ("/devices", False),
+])
+def test_sensitive_host_paths(path: str, refused: bool) -> None:
+    from kvgpu.admission.validate import sensitive_host_path
+
+    assert sensitive_host_path(path) is refused
+
+
+def test_injected_host_paths_are_allowed_but_not_borrowed() -> None:
+    assert create_errors(GOOD) == []
+    borrowed = _with(GOOD, lambda p: p["spec"]["volumes"].append(
+        {"name": "mine", "hostPath": {"path": keys.HOST_REGION_ROOT, "type": "DirectoryOrCreate"}}))
+    assert any("'mine'" in e for e in create_errors(borrowed))
 
 
 # --------------------------------------------------------------------------- workloads
@@ -442,7 +510,8 @@ def test_configurations_shape() -> None:
     assert [(r["operations"], r["resources"]) for r in mw["rules"]] == [
         (["CREATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"])]
     assert [(r["operations"], r["resources"]) for r in vw["rules"]] == [
-        (["CREATE", "UPDATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"])]
+        (["CREATE", "UPDATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"]),
+        (["UPDATE"], ["pods/status"])]
     for w in (mw, vw, ww):
         assert w["failurePolicy"] == "Fail" and w["sideEffects"] == "None" and w["timeoutSeconds"] == 5
         assert w["admissionReviewVersions"] == ["v1"]

@@ -3,9 +3,12 @@
 Same objects for dev mode (``url_base`` such as ``https://127.0.0.1:9443``, the API server
 calls the operator process directly) and production manifests (``service`` reference).
 
-Scope, from the outside in: pods (CREATE; UPDATE for validation) and pods/ephemeralcontainers
-(UPDATE, ``kubectl debug``); not in ``kube-system`` nor the excluded namespaces (the
-operator's own, so a broken webhook can never block the operator's pod); and, through CEL
+Scope, from the outside in: pods (CREATE; UPDATE for validation), pods/ephemeralcontainers
+(UPDATE, ``kubectl debug``) and, for validation, pods/status (UPDATE: a status write may change
+labels and annotations too; only writes that change a ``kvgpu.io/`` annotation or the managed
+label are sent, so the kubelet's status updates never wait for the webhook); not in
+``kube-system`` nor the excluded namespaces (the operator's own, so a broken webhook can never
+block the operator's pod); and, through CEL
 ``matchConditions`` evaluated by the API server, only pods that mention GPUs at all — a
 ``kvgpu.io/``, ``nvidia.com/`` or ``hami.io/`` annotation, or a container/init container with an
 ``nvidia.com/`` limit or request (for UPDATE also a pod that *had* ``kvgpu.io/`` annotations or
@@ -32,6 +35,7 @@ VALIDATE_WEBHOOK = f"pods.validate.{keys.GROUP}"
 WORKLOADS_WEBHOOK = f"workloads.validate.{keys.GROUP}"
 TIMEOUT_S = 5
 EPHEMERAL_RESOURCE = "pods/ephemeralcontainers"  # kubectl debug: see mutate.mutate_ephemeral
+STATUS_RESOURCE = "pods/status"  # validated only where it changes kvgpu's labels or annotations
 ALWAYS_EXCLUDED_NAMESPACES = ("kube-system",)
 
 _ANNOTATION_PREFIXES = (f"{keys.GROUP}/", "nvidia.com/", "hami.io/")
@@ -74,6 +78,27 @@ def gpu_pod_expression(*, update: bool) -> str:
         parts.append(_any_annotation("oldObject", (f"{keys.GROUP}/",)))
         parts.append(_has_managed_label("oldObject"))
     return " || ".join(parts)
+
+
+def _kvgpu_metadata_changed() -> str:
+    """CEL: the UPDATE changes a ``kvgpu.io/`` annotation or the managed label (``object`` vs
+    ``oldObject``; either may lack annotations or labels)."""
+    def changed(new: str, old: str) -> str:
+        n, o = f"{new}.metadata.annotations", f"{old}.metadata.annotations"
+        return (f"(has({n}) && {n}.exists(k, k.startsWith('{keys.GROUP}/') && "
+                f"(!has({o}) || !(k in {o}) || {o}[k] != {n}[k])))")
+
+    def label(obj: str) -> str:
+        lab = f"{obj}.metadata.labels"
+        return f"(has({lab}) && '{MANAGED_LABEL}' in {lab} ? {lab}['{MANAGED_LABEL}'] : '')"
+
+    return (f"{changed('object', 'oldObject')} || {changed('oldObject', 'object')} || "
+            f"{label('object')} != {label('oldObject')}")
+
+
+def status_expression() -> str:
+    """CEL: not a ``pods/status`` write, or one that changes kvgpu's metadata."""
+    return f"!has(request.subResource) || request.subResource != 'status' || {_kvgpu_metadata_changed()}"
 
 
 #: Where each workload keeps its pod template (CEL, ``object`` being the workload).
@@ -163,8 +188,11 @@ def webhook_configurations(
     mutating = _webhook(MUTATE_WEBHOOK, MUTATE_ID, [_rule(["CREATE"], ["pods"]), ephemeral],
                         expression=gpu_pod_expression(update=False), **common)  # type: ignore[arg-type]
     mutating["reinvocationPolicy"] = "IfNeeded"
-    validating = _webhook(VALIDATE_WEBHOOK, VALIDATE_ID, [_rule(["CREATE", "UPDATE"], ["pods"]), ephemeral],
+    validating = _webhook(VALIDATE_WEBHOOK, VALIDATE_ID,
+                          [_rule(["CREATE", "UPDATE"], ["pods"]), ephemeral, _rule(["UPDATE"], [STATUS_RESOURCE])],
                           expression=gpu_pod_expression(update=True), **common)  # type: ignore[arg-type]
+    validating["matchConditions"].append({"name": "status-changes-kvgpu-metadata",
+                                          "expression": status_expression()})
     by_group: dict[str, list[str]] = {}
     for group, plural in sorted(WORKLOADS):
         by_group.setdefault(group, []).append(plural)

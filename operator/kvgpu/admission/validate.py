@@ -12,8 +12,11 @@ CREATE, for pods that request slices:
 * every request error from the parser (key, value, allowed form);
 * a scheduler other than ``kvgpu-scheduler`` (after mutation only a foreign one can remain);
 * ``spec.nodeName`` preset (it would skip the scheduler, so no card would be allocated);
-* privileged containers, and containers adding ``SYS_ADMIN``/``ALL``, among those with slices
-  (they can unmount or bypass the shim);
+* privileged containers, and containers adding ``SYS_ADMIN``/``SYS_PTRACE``/``ALL``, among those
+  with slices (they can unmount or bypass the shim, or rewrite its memory); ``hostPID``; a
+  ``hostPath`` volume (any container's) that is ``/`` or exposes the node's devices, processes,
+  runtime sockets or kvgpu's host directories (:data:`SENSITIVE_HOST_PATHS`, the path itself, a
+  parent or a child of one) other than the injected ones;
 * reserved env vars (:func:`is_reserved_env`: :data:`kvgpu.core.keys.RESERVED_ENV` and a few
   more shim inputs) set by the user in any container (``envFrom`` and image defaults cannot be
   seen here: the injected explicit env wins over both for the injected names);
@@ -26,17 +29,23 @@ CREATE, for every pod reaching the webhook: allocation annotations
 operator writes them, and only on existing pods; the ``kvgpu.io/managed`` label on a pod that
 requests no slices (the operator would watch it for nothing).
 
-UPDATE, by anyone not in ``operator_usernames``: any change to allocation annotations, to the
+UPDATE of ``pods`` and of ``pods/status`` (whose writes may change labels and annotations
+too), by anyone not in ``operator_usernames``: any change to allocation annotations, to the
 ``kvgpu.io/managed`` label or to the request annotations (the injection was made for the request
-as it was at CREATE). The operator's own updates are not second-guessed.
+as it was at CREATE); for ``pods`` also any privilege above that the old pod did not have. The
+operator's own updates are not second-guessed.
 
 UPDATE of ``pods/ephemeralcontainers`` (``kubectl debug``), by anyone, on a pod with slices: an
 ephemeral container may not set reserved env vars (the mutating webhook gives it
-``NVIDIA_VISIBLE_DEVICES=none`` so a CUDA debug image cannot see every card of the node).
+``NVIDIA_VISIBLE_DEVICES=none`` so a CUDA debug image cannot see every card of the node), and a
+new one may not be privileged nor add ``SYS_ADMIN``/``SYS_PTRACE``/``ALL`` (``kubectl debug
+--profile=sysadmin`` or ``general``; it could reach the sliced processes: use ``--profile=baseline``
+or ``restricted``).
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -47,7 +56,16 @@ from kvgpu.api.requests import pod_template
 from kvgpu.core import keys
 
 EPHEMERAL = "ephemeralcontainers"
-_DANGEROUS_CAPS = frozenset({"SYS_ADMIN", "ALL", "CAP_SYS_ADMIN"})
+STATUS = "status"
+_DANGEROUS_CAPS = frozenset({"SYS_ADMIN", "ALL", "CAP_SYS_ADMIN", "SYS_PTRACE", "CAP_SYS_PTRACE"})
+#: Host paths that give a container in a pod with slices a way around them: the node's devices,
+#: processes and kernel knobs, the runtimes' and kubelet's state and sockets, kvgpu's shim and its
+#: per-container regions and schedules. A hostPath volume at one of them, under one, or above one
+#: (``/``, ``/var``, ``/usr``) is refused; the volumes the mutating webhook injects are not.
+SENSITIVE_HOST_PATHS = (
+    "/dev", "/proc", "/sys", "/run", "/var/run", "/var/lib/kubelet", "/var/lib/containerd",
+    "/var/lib/docker", "/var/lib/kvgpu", "/usr/local/kvgpu", "/etc/ld.so.preload",
+)
 
 #: Besides :data:`kvgpu.core.keys.RESERVED_ENV`, shim inputs that would loosen a slice's limits or
 #: raise its priority: HAMi-core's per-device limits, core policy (``disable``) and task priority,
@@ -207,17 +225,49 @@ def _injection_errors(
     return errors
 
 
-def _privilege_errors(kind: str, c: Mapping[str, Any]) -> list[str]:
+def _privilege_errors(kind: str, c: Mapping[str, Any], what: str = "requests GPU slices") -> list[str]:
     name = c.get("name")
     sc = _mapping(c.get("securityContext"))
     errors = []
     if sc.get("privileged") is True:
-        errors.append(f"{kind} {name!r} is privileged and requests GPU slices; a privileged container "
+        errors.append(f"{kind} {name!r} is privileged and {what}; a privileged container "
                       "can bypass the slice limits: drop privileged or request a whole card without kvgpu")
     caps = {str(x).upper() for x in _list(_mapping(sc.get("capabilities")).get("add"))}
     if caps & _DANGEROUS_CAPS:
         errors.append(f"{kind} {name!r} adds capability {', '.join(sorted(caps & _DANGEROUS_CAPS))} and "
-                      "requests GPU slices; it could unmount the slice limits: drop that capability")
+                      f"{what}; it could unmount or rewrite the slice limits: drop that capability")
+    return errors
+
+
+def sensitive_host_path(path: str) -> bool:
+    """True for a host path that is, contains or lies under one of :data:`SENSITIVE_HOST_PATHS`."""
+    p = posixpath.normpath("/" + path.strip())
+    if p.startswith("//"):
+        p = "/" + p.lstrip("/")
+    if p == "/":
+        return True
+    return any(s == p or s.startswith(p + "/") or p.startswith(s + "/") for s in SENSITIVE_HOST_PATHS)
+
+
+def _pod_privilege_errors(pod: Mapping[str, Any], sliced: Collection[str]) -> list[str]:
+    """Pod-wide ways around the slices: ``hostPID`` and sensitive ``hostPath`` volumes."""
+    spec = _mapping(pod.get("spec"))
+    errors = []
+    if spec.get("hostPID") is True:
+        errors.append("spec.hostPID is set and the pod requests GPU slices; it would see and could "
+                      "trace the node's processes: drop hostPID")
+    injected = {v["name"]: v for v in m.injected_volumes(sliced)}
+    for v in _list(spec.get("volumes")):
+        if not isinstance(v, Mapping) or not isinstance(v.get("hostPath"), Mapping):
+            continue
+        want = injected.get(str(v.get("name")))
+        if want is not None and _same_volume(v, want):
+            continue
+        path = str(_mapping(v.get("hostPath")).get("path", ""))
+        if sensitive_host_path(path):
+            errors.append(f"volume {v.get('name')!r} mounts host path {path!r} and the pod requests GPU "
+                          "slices; it exposes the node's devices, processes or kvgpu's files: use a "
+                          "narrower host path or another volume type")
     return errors
 
 
@@ -248,13 +298,24 @@ def _create_errors(pod: Mapping[str, Any], *, injected: bool = True) -> list[str
         errors.append(f"spec.nodeName is preset to {spec['nodeName']!r}; pods that request GPU slices must "
                       "go through the kvgpu scheduler: use a nodeSelector or node affinity instead")
     sliced = parsed.names()
+    errors += _all_privilege_errors(pod)
     for kind, c in _containers(pod):
-        is_sliced = c.get("name") in sliced
-        if is_sliced:
-            errors += _privilege_errors(kind, c)
-        errors += _env_errors(kind, c, is_sliced)
+        errors += _env_errors(kind, c, c.get("name") in sliced)
     if injected and not parsed.errors:
         errors += _injection_errors(pod, sliced, parsed.card_resources)
+    return errors
+
+
+def _all_privilege_errors(pod: Mapping[str, Any]) -> list[str]:
+    """Every privilege a pod with slices may not have (none for a pod without)."""
+    parsed = parse(pod)
+    if not parsed.requests_slices:
+        return []
+    sliced = parsed.names()
+    errors = _pod_privilege_errors(pod, sliced)
+    for kind, c in _containers(pod):
+        if c.get("name") in sliced:
+            errors += _privilege_errors(kind, c)
     return errors
 
 
@@ -262,19 +323,25 @@ def _request_keys(ann: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in ann.items() if is_request_annotation(k)}
 
 
-def _ephemeral_errors(pod: Mapping[str, Any]) -> list[str]:
+def _ephemeral_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> list[str]:
     """Ephemeral containers (``kubectl debug``) in a pod with slices: no reserved env vars but
-    ``NVIDIA_VISIBLE_DEVICES=none``, which the mutating webhook sets."""
+    ``NVIDIA_VISIBLE_DEVICES=none``, which the mutating webhook sets; new ones (not in ``old``)
+    neither privileged nor with dangerous capabilities."""
     if not parse(pod).requests_slices:
         return []
+    had = {str(c.get("name")) for c in _list(_mapping(_mapping(old).get("spec")).get("ephemeralContainers"))
+           if isinstance(c, Mapping)}
     errors = []
     for c in _list(_mapping(pod.get("spec")).get("ephemeralContainers")):
         if isinstance(c, Mapping):
             errors += _env_errors("ephemeral container", c, sliced=False)
+            if str(c.get("name")) not in had:
+                errors += _privilege_errors("ephemeral container", c, "joins a pod with GPU slices "
+                                            "(use kubectl debug --profile=baseline or restricted)")
     return errors
 
 
-def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None) -> list[str]:
+def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None, *, spec: bool = True) -> list[str]:
     errors: list[str] = []
     new_ann, old_ann = _annotations(pod), _annotations(old)
     changed = sorted(
@@ -294,6 +361,9 @@ def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None) -> lis
         # request would no longer match the pod's containers.
         errors.append(f"annotation {', '.join(changed)} is part of the pod's GPU request, which is fixed "
                       "when the pod is created; create a new pod (or change the Deployment's template)")
+    if spec:
+        before = set(_all_privilege_errors(old)) if old else set()
+        errors += [e for e in _all_privilege_errors(pod) if e not in before]
     return errors
 
 
@@ -335,12 +405,18 @@ def validate_pod(
     malformed input (an unparsable value is a message, not a crash).
 
     ``subresource`` ``"ephemeralcontainers"`` (an UPDATE adding debug containers) checks only
-    the ephemeral containers; other subresources are allowed.
+    the ephemeral containers; ``"status"`` the labels and annotations a status write may change;
+    other subresources are allowed.
     """
     if not isinstance(pod, Mapping):
         return []
+    old = old_pod if isinstance(old_pod, Mapping) else None
     if subresource == EPHEMERAL:
-        return _ephemeral_errors(pod) if operation == "UPDATE" else []
+        return _ephemeral_errors(pod, old) if operation == "UPDATE" else []
+    if subresource == STATUS:
+        if operation != "UPDATE" or username in operator_usernames:
+            return []
+        return _update_errors(pod, old, spec=False)
     if subresource:
         return []
     if operation == "CREATE":
@@ -348,5 +424,5 @@ def validate_pod(
     if operation == "UPDATE":
         if username in operator_usernames:
             return []
-        return _update_errors(pod, old_pod if isinstance(old_pod, Mapping) else None)
+        return _update_errors(pod, old)
     return []
