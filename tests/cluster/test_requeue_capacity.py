@@ -1,0 +1,83 @@
+"""Capacity that is *added* (a node's nvidia.com/gpu grows after a splitCount raise, a card
+healthy again, a node added) places pending GPU pods within 2 s — also pods kube-scheduler
+itself rejected (Insufficient nvidia.com/gpu) without ever asking the extender, which kvgpu's
+release-driven requeue never saw (they waited for kube-scheduler's 5-minute flush)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tests.cluster.conftest import GpuEnv
+
+
+def _set_slots(gpu: GpuEnv, node: str, slots: int) -> None:
+    """What the kubelet does from the device plugin's ListAndWatch (fake nodes have none)."""
+    res = {"nvidia.com/gpu": str(slots)}
+    gpu.cluster.kubectl("patch", "node", node, "--subresource=status", "--type=merge",
+                        "-p", json.dumps({"status": {"capacity": res, "allocatable": res}}))
+
+
+def _unschedulable_for_slots(gpu: GpuEnv, name: str) -> bool:
+    conds = gpu.get("pod", name).get("status", {}).get("conditions") or []
+    return any(c["type"] == "PodScheduled" and c["status"] == "False" and "nvidia.com/gpu" in c.get("message", "")
+               for c in conds)
+
+
+def test_pod_rejected_by_kube_scheduler_for_slots_is_placed_when_slots_are_added(gpu: GpuEnv) -> None:
+    [node] = gpu.nodes(1, cards=1)
+    _set_slots(gpu, node, 1)
+    gpu.create(gpu.pod("first", {"kvgpu.io/gpumem": "1000"}))
+    gpu.wait_bound("first")
+    gpu.create(gpu.pod("second", {"kvgpu.io/gpumem": "1000"}))
+    gpu.wait(lambda: _unschedulable_for_slots(gpu, "second"), 30, "second rejected for nvidia.com/gpu")
+    time.sleep(1.5)  # well past kube-scheduler's 1 s back-off: only a requeue can place it now
+    assert not gpu.get("pod", "second")["spec"].get("nodeName")
+    t0 = time.monotonic()
+    _set_slots(gpu, node, 10)
+    gpu.wait_bound("second", timeout=30)
+    took = time.monotonic() - t0
+    print(f"requeue: placed {took:.2f} s after the node's slots grew")
+    assert took <= 2.0, took
+
+
+def test_pod_waiting_for_a_node_is_placed_when_one_is_added(gpu: GpuEnv) -> None:
+    gpu.create(gpu.pod("early", {"kvgpu.io/gpumem": "1000"}))
+    gpu.wait(lambda: any(c["type"] == "PodScheduled" and c["status"] == "False"
+                         for c in gpu.get("pod", "early").get("status", {}).get("conditions") or []),
+             30, "early unschedulable (no node yet)")
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    gpu.nodes(1, cards=1)
+    gpu.wait_bound("early", timeout=30)
+    took = time.monotonic() - t0
+    print(f"requeue: placed {took:.2f} s after its node was added")
+    assert took <= 2.0, took
+
+
+def _pool(gpu: GpuEnv, split: int) -> None:
+    gpu.cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": "default"},
+        "spec": {"nodeSelector": {"matchLabels": {"kvgpu.io/gpu-node": "true"}}, "splitCount": split}}))
+
+
+def test_pod_waiting_for_a_slot_is_placed_when_the_pool_split_count_grows(gpu: GpuEnv) -> None:
+    _pool(gpu, 2)
+    [node] = gpu.nodes(1, cards=1)
+    _set_slots(gpu, node, 2)
+    gpu.create(*(gpu.pod(f"p{i}", {"kvgpu.io/gpumem": "1000"}) for i in range(2)))
+    for i in range(2):
+        gpu.wait_bound(f"p{i}")
+    gpu.create(gpu.pod("third", {"kvgpu.io/gpumem": "1000"}))
+    gpu.wait(lambda: any(c["type"] == "PodScheduled" and c["status"] == "False"
+                         for c in gpu.get("pod", "third").get("status", {}).get("conditions") or []),
+             30, "third unschedulable")
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    _pool(gpu, 4)
+    time.sleep(0.5)  # the agent re-advertises a moment after the pool changed
+    _set_slots(gpu, node, 4)
+    gpu.wait_bound("third", timeout=60)
+    took = time.monotonic() - t0
+    print(f"requeue: placed {took:.2f} s after splitCount 2 -> 4")
+    assert took <= 2.5, took
