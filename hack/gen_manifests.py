@@ -13,7 +13,10 @@ because these objects already have one source of truth in the package:
   ``schedconfig.MANIFEST_CLIENT_DIR``, leader election on, its Lease in the kvgpu namespace);
 - ``manifests/base/webhooks.yaml``: the Mutating/ValidatingWebhookConfiguration objects from
   :func:`kvgpu.admission.config.webhook_configurations`, pointing at the webhook Service, with
-  an empty ``caBundle`` (cert-manager's CA injector fills it; see manifests/README.md).
+  an empty ``caBundle`` (cert-manager's CA injector fills it; see manifests/README.md);
+- ``manifests/base/claim-policy.yaml``: the ValidatingAdmissionPolicy and its binding from
+  :func:`kvgpu.admission.config.claim_policy` (only the operator's service account writes
+  VGPUClaims).
 
 Everything else in ``manifests/`` is written by hand.
 """
@@ -30,10 +33,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 
-from kvgpu.admission.config import webhook_configurations  # noqa: E402
+from kvgpu.admission.config import claim_policy, webhook_configurations  # noqa: E402
 from kvgpu.extender.schedconfig import MANIFEST_TLS, scheduler_configuration  # noqa: E402
 
 NAMESPACE = "kvgpu-system"
+OPERATOR_USERNAME = "system:serviceaccount:kvgpu-system:kvgpu-operator"  # its --operator-username
 OPERATOR_SERVICE = "kvgpu-operator"  # extender (8888, mutual TLS) and /metrics (9090, plain)
 WEBHOOK_SERVICE = "kvgpu-webhook"  # admission webhooks (443 -> 9443)
 EXTENDER_PORT = 8888
@@ -108,6 +112,11 @@ def outputs() -> dict[Path, str]:
         source="kvgpu.extender.schedconfig.scheduler_configuration") + _dump(scheduler_config_map())
     out[Path("manifests/base/webhooks.yaml")] = HEADER.format(
         source="kvgpu.admission.config.webhook_configurations") + _dump(*webhook_objects())
+    policy, binding = claim_policy([OPERATOR_USERNAME])
+    for obj in (policy, binding):
+        obj["metadata"]["labels"]["app.kubernetes.io/part-of"] = "kvgpu"
+    out[Path("manifests/base/claim-policy.yaml")] = HEADER.format(
+        source="kvgpu.admission.config.claim_policy") + _dump(policy, binding)
     return out
 
 

@@ -292,18 +292,25 @@ class Runtime:
                 return
 
     async def apply_dev_webhooks(self) -> None:
-        from kvgpu.admission.config import webhook_configurations
+        """The webhook configurations pointing at this process, and the VGPUClaim policy
+        (:func:`kvgpu.admission.config.claim_policy`: only the operator writes claims)."""
+        from kvgpu.admission.config import claim_policy, webhook_configurations
 
         ca = Path(self.cfg.webhook_ca or "").read_bytes()  # noqa: ASYNC240 (once, at start-up)
         mutating, validating = webhook_configurations(
             url_base=f"https://{self.cfg.webhook_host}:{self.cfg.webhook_port}", service=None, ca_bundle=ca,
             exclude_namespaces=list(self.cfg.exclude_namespaces))
+        policy, binding = claim_policy(list(self.cfg.operator_usernames))
         adm = client.AdmissionregistrationV1Api(self.api)
         for body, create, replace_, read in (
             (mutating, adm.create_mutating_webhook_configuration, adm.replace_mutating_webhook_configuration,
              adm.read_mutating_webhook_configuration),
             (validating, adm.create_validating_webhook_configuration,
              adm.replace_validating_webhook_configuration, adm.read_validating_webhook_configuration),
+            (policy, adm.create_validating_admission_policy, adm.replace_validating_admission_policy,
+             adm.read_validating_admission_policy),
+            (binding, adm.create_validating_admission_policy_binding,
+             adm.replace_validating_admission_policy_binding, adm.read_validating_admission_policy_binding),
         ):
             name = body["metadata"]["name"]
             try:

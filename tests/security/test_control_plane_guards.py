@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 import pytest
+
 from tests.cluster.conftest import GpuEnv, gpu
 
 __all__ = ["gpu"]
@@ -150,3 +151,28 @@ def test_privileged_debug_container_is_refused(gpu: GpuEnv, profile: str) -> Non
     ok = gpu.cluster.kubectl("debug", "dbg", "-n", gpu.ns, "--image=busybox", "--profile=baseline",
                              "--container=looker", "--", "sleep", "1", check=False)
     assert ok.returncode == 0, ok.stderr
+
+
+# --------------------------------------------------------------------------- claims
+
+
+def test_claims_are_written_by_the_operator_only(gpu: GpuEnv) -> None:
+    """A VGPUClaim set Released or deleted by a user freed a running pod's slice for good (186771
+    MiB promised on a 143771 MiB card)."""
+    _grant_mallory(gpu)
+    gpu.nodes(1, cards=1)
+    _running(gpu, "held")
+    claim = _claim_of(gpu, "held")
+    assert claim is not None
+    name = claim["metadata"]["name"]
+    p = _as(gpu, MALLORY, "patch", "vgpuclaim", name, "-n", gpu.ns, "--subresource=status", "--type=merge",
+            "-p", json.dumps({"status": {"phase": "Released"}}))
+    _refused(p, "written by the kvgpu operator only")
+    _refused(_as(gpu, MALLORY, "delete", "vgpuclaim", name, "-n", gpu.ns, "--wait=false"),
+             "written by the kvgpu operator only")
+    forged = {k: v for k, v in claim.items() if k not in ("status",)}
+    forged["metadata"] = {"name": f"forged-{uuid.uuid4().hex[:6]}", "namespace": gpu.ns}
+    _refused(_as(gpu, MALLORY, "create", "-f", "-", input=json.dumps(forged)), "written by the kvgpu operator only")
+    # Reading them is what tenants may do.
+    assert _as(gpu, MALLORY, "get", "vgpuclaims", "-n", gpu.ns).returncode == 0
+    assert _claim_of(gpu, "held")["status"]["phase"] == "Running"  # type: ignore[index]

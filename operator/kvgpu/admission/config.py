@@ -214,3 +214,54 @@ def webhook_configurations(
         {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
          "metadata": meta(VALIDATE_NAME), "webhooks": [validating, workloads]},
     )
+
+
+#: Besides the operator: who else may write VGPUClaims. The garbage collector deletes a claim
+#: with its pod (ownerReference), the namespace controller with its namespace; ``system:masters``
+#: is the break-glass identity (it bypasses RBAC anyway, and the operator restores a deleted or
+#: Released claim of a pod that still runs).
+CLAIM_WRITERS_SYSTEM = (
+    "system:serviceaccount:kube-system:generic-garbage-collector",
+    "system:serviceaccount:kube-system:namespace-controller",
+)
+CLAIM_WRITER_GROUPS = ("system:masters",)
+CLAIM_POLICY_NAME = f"vgpuclaims.{keys.GROUP}"
+
+
+def _cel_list(items: list[str]) -> str:
+    return "[" + ", ".join("'" + i.replace("\\", "\\\\").replace("'", "\\'") + "'" for i in items) + "]"
+
+
+def claim_policy(operator_usernames: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding)``: only the operator
+    (``operator_usernames``) and the system identities above may create, update or delete
+    VGPUClaims or their status. Evaluated by the API server itself (no webhook call, no
+    dependency on the operator running)."""
+    users = sorted({*operator_usernames, *CLAIM_WRITERS_SYSTEM})
+    expression = (f"request.userInfo.username in {_cel_list(users)} || "
+                  f"(has(request.userInfo.groups) && request.userInfo.groups.exists(g, g in "
+                  f"{_cel_list(list(CLAIM_WRITER_GROUPS))}))")
+    labels = {"app.kubernetes.io/name": "kvgpu", "app.kubernetes.io/component": "admission"}
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": CLAIM_POLICY_NAME, "labels": dict(labels)},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": [keys.GROUP], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE", "DELETE"],
+                "resources": ["vgpuclaims", "vgpuclaims/status"]}]},
+            "validations": [{
+                "expression": expression,
+                "messageExpression": (
+                    "'VGPUClaims are written by the kvgpu operator only (they record the cards a running pod "
+                    "holds); ' + request.userInfo.username + ' may read them: kubectl get vgpuclaims'"),
+                "reason": "Forbidden",
+            }],
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": CLAIM_POLICY_NAME, "labels": dict(labels)},
+        "spec": {"policyName": CLAIM_POLICY_NAME, "validationActions": ["Deny"]},
+    }
+    return policy, binding
