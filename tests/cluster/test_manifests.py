@@ -24,8 +24,10 @@ EXPECTED = {
     "ServiceAccount": 3, "ClusterRole": 3, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
     "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
+    "NetworkPolicy": 1,
 }
-CERT_MANAGER = {"Issuer": 2, "Certificate": 2}
+# the webhook's root/CA/serving certificate; the extender's CA and its serving and client certificates
+CERT_MANAGER = {"Issuer": 3, "Certificate": 5}
 STAND_IN = "cert-manager-stand-in"
 MANIFESTS_DIR = Path(__file__).resolve().parents[2] / "manifests"
 OPEN = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
