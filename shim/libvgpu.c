@@ -13,6 +13,7 @@
  */
 #include "vgpu.h"
 
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,6 +55,12 @@ static const char *env_get(const char *name, void *ctx)
      * container's own processes cannot unset). */
     if (strcmp(name, VGPU_CLAIM_MOUNT_KEY) == 0)
         return access(VGPU_CLAIM_MOUNT, F_OK) == 0 ? VGPU_CLAIM_MOUNT : NULL;
+    if (strcmp(name, VGPU_CONTAINER_CLAIM_KEY) == 0)
+        return access(VGPU_CONTAINER_CLAIM, F_OK) == 0 ? VGPU_CONTAINER_CLAIM : NULL;
+    if (strcmp(name, VGPU_CONTAINER_REGION_KEY) == 0)
+        return VGPU_CONTAINER_REGION_DIR;
+    if (strcmp(name, VGPU_CONTAINER_SCHED_KEY) == 0)
+        return access(VGPU_CONTAINER_SCHED_DIR, F_OK) == 0 ? VGPU_CONTAINER_SCHED_DIR : NULL;
     return getenv(name);
 }
 
@@ -85,13 +92,27 @@ static void do_init(void)
                     "cluster admin; running unlimited is not allowed.", vgpu.cfg.error);
         return;
     }
+    if (vgpu.cfg.env_ignored)
+        vgpu_log(1, "ignoring %s%s%sset in this process: the container's claim file %s is the "
+                    "only claim (claim %s)",
+                 vgpu.cfg.env_ignored & 1 ? "KVGPU_CLAIM " : "",
+                 vgpu.cfg.env_ignored & 2 ? "KVGPU_CLAIM_FILE " : "",
+                 vgpu.cfg.env_ignored & 4 ? "KVGPU_REGION_DIR " : "", VGPU_CONTAINER_CLAIM,
+                 vgpu.cfg.claim);
     if (vgpu.cfg.source == VGPU_SRC_NONE)
         return;
     if (vgpu_region_open(&vgpu.region, vgpu.cfg.region_path, &vgpu.cfg) != 0) {
-        /* Without the shared region each process would get the whole quota: fail closed. */
+        /* Without the shared region each process would get the whole quota: fail closed.
+         * EPERM: the region was created for another claim (its first claim fixes the limits). */
         vgpu.cfg.broken = 1;
-        snprintf(vgpu.cfg.error, sizeof vgpu.cfg.error, "cannot open the shared region %.200s: %m",
-                 vgpu.cfg.region_path);
+        if (errno == EPERM)
+            snprintf(vgpu.cfg.error, sizeof vgpu.cfg.error,
+                     "the shared region %.120s belongs to another claim; this process presents "
+                     "claim '%.40s' with other limits", vgpu.cfg.region_path,
+                     vgpu.cfg.claim[0] ? vgpu.cfg.claim : "(HAMi env)");
+        else
+            snprintf(vgpu.cfg.error, sizeof vgpu.cfg.error, "cannot open the shared region %.200s: %m",
+                     vgpu.cfg.region_path);
         vgpu_log(0, "refusing to initialise CUDA: %s", vgpu.cfg.error);
         return;
     }

@@ -59,6 +59,9 @@ struct vgpu_config {
     char region_path[512];    /* file of the shared region, "" = process-private */
     char sched_dir[512];      /* KVGPU_SCHED_DIR: node-wide compute schedule, "" = none */
     uint64_t period_ns;       /* compute window period (KVGPU_COMPUTE_PERIOD_MS, default 100 ms) */
+    int container;            /* 1: the claim came from the container's claim file (authoritative) */
+    int env_ignored;          /* container mode: a process-set KVGPU_CLAIM (1), KVGPU_CLAIM_FILE (2)
+                               * or region dir (4) differs from the container's and was ignored */
 };
 
 /* Parse a KVGPU_CLAIM v1 string (grammar: operator/kvgpu/core/claimstr.py). 0 on success,
@@ -76,6 +79,18 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx);
  * (not from the environment), the test module from its env block. */
 #define VGPU_CLAIM_MOUNT "/etc/kvgpu"
 #define VGPU_CLAIM_MOUNT_KEY "@kvgpu-claim-mount"
+/* The container's own claim, read-only, one file per container (keys.CONTAINER_CLAIM_FILE).
+ * When it exists it is the only source of the claim: KVGPU_CLAIM, KVGPU_CLAIM_FILE, HAMi's
+ * variables and the region/schedule directory variables are ignored (a process of the
+ * container can set those; it cannot change this file). The getter answers the key with the
+ * path when the file exists (real shim: the file system), NULL otherwise. */
+#define VGPU_CONTAINER_CLAIM VGPU_CLAIM_MOUNT "/claim"
+#define VGPU_CONTAINER_CLAIM_KEY "@kvgpu-container-claim"
+/* In container mode the region and schedule directories are the webhook's fixed mounts. */
+#define VGPU_CONTAINER_REGION_DIR "/var/run/kvgpu"
+#define VGPU_CONTAINER_REGION_KEY "@kvgpu-container-region"
+#define VGPU_CONTAINER_SCHED_DIR "/var/run/kvgpu-sched"
+#define VGPU_CONTAINER_SCHED_KEY "@kvgpu-container-sched" /* the dir if it exists, else NULL */
 
 /* ------------------------------------------------------------------ region (pure) */
 
@@ -126,8 +141,9 @@ struct vgpu_region_handle {
     int private_map;            /* 1: anonymous mapping (no region file) */
 };
 
-/* Open (creating if needed) the region at path ("" = private). Limits come from cfg.
- * 0 on success, -1 with errno. */
+/* Open (creating if needed) the region at path ("" = private). Limits come from cfg: the
+ * first claim that opens a region fixes them; a cfg with another claim (name, priority,
+ * devices, limits) is refused with errno EPERM. 0 on success, -1 with errno. */
 int vgpu_region_open(struct vgpu_region_handle *h, const char *path, const struct vgpu_config *cfg);
 /* Open an existing region read-only-ish for inspection (no slot). */
 int vgpu_region_attach(struct vgpu_region_handle *h, const char *path);

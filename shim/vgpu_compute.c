@@ -202,10 +202,10 @@ int vgpu_sched_update(const char *dir, const char *uuid, const char *key, uint32
     if (fd < 0)
         return -1;
     fchmod(fd, 0666);
-    struct stat st;
     size_t sz = sizeof(struct vgpu_sched);
     flock(fd, LOCK_EX);
-    if (fstat(fd, &st) != 0 || ((size_t)st.st_size < sz && ftruncate(fd, (off_t)sz) != 0)) {
+    off_t fsz = lseek(fd, 0, SEEK_END); /* not fstat: fstat@GLIBC_2.33 (see build.py) */
+    if (fsz < 0 || ((size_t)fsz < sz && ftruncate(fd, (off_t)sz) != 0)) {
         close(fd);
         return -1;
     }

@@ -8,6 +8,9 @@
  *   v1;claim=<ns>/<name>;priority=<0|1>;dev=<UUID>,<memory MiB>,<cores %>[;dev=...]
  *
  * Precedence (first that is present wins; "present" = the variable is set, even empty):
+ *   the container's claim file /etc/kvgpu/claim exists -> the claim from that file only; every
+ *                                 claim, HAMi, disable and region/schedule variable is ignored
+ *                                 (a process of the container can set those, not the file)
  *   the claims volume /etc/kvgpu mounted but no claim variable -> broken (env -u cannot escape)
  *   CUDA_DISABLE_CONTROL=true  -> shim inert, but only when no kvgpu claim is present
  *                                 (KVGPU_CLAIM / KVGPU_CLAIM_FILE): an image's ENV must not lift
@@ -283,6 +286,50 @@ static void load_hami(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
     cfg->priority = (prio && prio[0] == '0' && !prio[1]) ? 0 : 1;
 }
 
+/* Both strings equal after Python's strip(): the env copy of the file's claim. */
+static int same_claim_text(const char *a, const char *b)
+{
+    size_t na = strlen(a), nb = strlen(b);
+    while (na && is_py_space((unsigned char)*a))
+        a++, na--;
+    while (na && is_py_space((unsigned char)a[na - 1]))
+        na--;
+    while (nb && is_py_space((unsigned char)*b))
+        b++, nb--;
+    while (nb && is_py_space((unsigned char)b[nb - 1]))
+        nb--;
+    return na == nb && memcmp(a, b, na) == 0;
+}
+
+/* Container mode: the claim is the container's read-only file, nothing else. */
+static void load_container(struct vgpu_config *cfg, const char *path, vgpu_getenv_fn get, void *ctx)
+{
+    static char buf[8192];
+    const char *v;
+    cfg->container = 1;
+    cfg->source = VGPU_SRC_CLAIM;
+    if (cfg->policy == VGPU_POLICY_DISABLE)
+        cfg->policy = VGPU_POLICY_DEFAULT;
+    const char *rd = get(VGPU_CONTAINER_REGION_KEY, ctx);
+    rd = rd && rd[0] ? rd : VGPU_CONTAINER_REGION_DIR;
+    snprintf(cfg->region_path, sizeof cfg->region_path, "%s/vgpu.region", rd);
+    const char *sd = get(VGPU_CONTAINER_SCHED_KEY, ctx);
+    snprintf(cfg->sched_dir, sizeof cfg->sched_dir, "%s", sd ? sd : "");
+    if ((v = get("KVGPU_REGION_DIR", ctx)) && strcmp(v, rd) != 0)
+        cfg->env_ignored |= 4;
+    if ((v = get("KVGPU_CLAIM_FILE", ctx)) && v[0] && strcmp(v, path) != 0)
+        cfg->env_ignored |= 2;
+    if (read_file(path, buf, sizeof buf) != 0) {
+        cfg->broken = 1;
+        fail(cfg, "the container's claim file %.200s cannot be read or is too large", path);
+        return;
+    }
+    if ((v = get("KVGPU_CLAIM", ctx)) && !same_claim_text(v, buf))
+        cfg->env_ignored |= 1;
+    if (vgpu_claim_parse(buf, cfg) != 0)
+        cfg->broken = 1;
+}
+
 void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
 {
     memset(cfg, 0, sizeof *cfg);
@@ -309,6 +356,11 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
         snprintf(cfg->region_path, sizeof cfg->region_path, "%s/vgpu.region", v);
     else if ((v = get("CUDA_DEVICE_MEMORY_SHARED_CACHE", ctx)) && v[0])
         snprintf(cfg->region_path, sizeof cfg->region_path, "%s", v);
+    const char *own = get(VGPU_CONTAINER_CLAIM_KEY, ctx);
+    if (own && own[0]) {
+        load_container(cfg, own, get, ctx);
+        return;
+    }
     const char *claim_env = get("KVGPU_CLAIM", ctx), *claim_file = get("KVGPU_CLAIM_FILE", ctx);
     int kvgpu_claim = claim_env != NULL || (claim_file && claim_file[0]);
     if (!kvgpu_claim && get(VGPU_CLAIM_MOUNT_KEY, ctx)) {

@@ -169,6 +169,29 @@ static void apply_config_locked(struct vgpu_region *r, const struct vgpu_config 
     }
 }
 
+/* 1 when the region carries no claim yet (fresh or re-initialised). */
+static int unclaimed(const struct vgpu_region *r)
+{
+    return r->ndev == 0 && !r->claim[0];
+}
+
+/* 1 when cfg presents the claim the region was created with: same name, priority, devices
+ * (UUIDs in claim mode; HAMi mode learns them from CUDA later), limits and cores. */
+static int same_claim_locked(const struct vgpu_region *r, const struct vgpu_config *cfg)
+{
+    if (r->ndev != (uint32_t)cfg->ndev || r->priority != (uint32_t)cfg->priority ||
+        strncmp(r->claim, cfg->claim, sizeof r->claim) != 0)
+        return 0;
+    for (int d = 0; d < cfg->ndev && d < VGPU_MAX_DEV; d++) {
+        const struct vgpu_region_dev *rd = &r->dev[d];
+        if (rd->limit != cfg->dev[d].mem_limit || rd->cores != (uint32_t)cfg->dev[d].cores)
+            return 0;
+        if (cfg->dev[d].uuid[0] && strncmp(rd->uuid, cfg->dev[d].uuid, sizeof rd->uuid) != 0)
+            return 0;
+    }
+    return 1;
+}
+
 static int valid(const struct vgpu_region *r)
 {
     return r->magic == VGPU_REGION_MAGIC && r->version == VGPU_REGION_VERSION &&
@@ -209,8 +232,8 @@ int vgpu_region_open(struct vgpu_region_handle *h, const char *path, const struc
         return -1;
     fchmod(fd, 0666); /* every user of the container shares the quota */
     flock(fd, LOCK_EX); /* serialises creation and re-initialisation only */
-    struct stat st;
-    if (fstat(fd, &st) != 0 || ((size_t)st.st_size < sz && ftruncate(fd, (off_t)sz) != 0)) {
+    off_t fsz = lseek(fd, 0, SEEK_END);
+    if (fsz < 0 || ((size_t)fsz < sz && ftruncate(fd, (off_t)sz) != 0)) {
         int e = errno;
         flock(fd, LOCK_UN);
         close(fd);
@@ -228,9 +251,24 @@ int vgpu_region_open(struct vgpu_region_handle *h, const char *path, const struc
     h->r = r;
     h->fd = fd;
     if (cfg) {
+        /* The first claim fixes the region's limits; a process presenting another claim
+         * (a forged env, another container's file) is refused, never obeyed. */
+        int ok = 1;
         vgpu_region_lock(r);
-        apply_config_locked(r, cfg); /* the claim is authoritative: latest process wins */
+        if (unclaimed(r))
+            apply_config_locked(r, cfg);
+        else
+            ok = same_claim_locked(r, cfg);
         vgpu_region_unlock(r);
+        if (!ok) {
+            flock(fd, LOCK_UN);
+            munmap(r, sz);
+            close(fd);
+            memset(h, 0, sizeof *h);
+            h->fd = -1;
+            h->slot = -1;
+            return errno = EPERM, -1;
+        }
     }
     flock(fd, LOCK_UN);
     return 0;
@@ -243,8 +281,8 @@ int vgpu_region_attach(struct vgpu_region_handle *h, const char *path)
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0)
         return -1;
-    struct stat st;
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(struct vgpu_region)) {
+    off_t fsz = lseek(fd, 0, SEEK_END); /* not fstat: fstat@GLIBC_2.33 (see build.py) */
+    if (fsz < 0 || (size_t)fsz < sizeof(struct vgpu_region)) {
         close(fd);
         return errno = EINVAL, -1;
     }

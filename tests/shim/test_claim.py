@@ -197,3 +197,85 @@ def test_named_claim_file_that_is_missing_fails_closed(core) -> None:
     good = "v1;claim=ns/x;priority=1;dev=GPU-1,100,30"
     cfg = load(core, {"KVGPU_CLAIM_FILE": "/nonexistent/claim", "KVGPU_CLAIM": good})
     assert not cfg.broken and cfg.dev[0].cores == 30  # the env copy of the same claim serves
+
+
+# --------------------------------------------------------------------------- issue 14: forgery
+# In a container the webhook mounts the container's own claim, read-only, at /etc/kvgpu/claim
+# (the loader asks the getter for "@kvgpu-container-claim"; the real shim answers from the file
+# system). From then on the process's env carries no authority. Before the fix, each of these
+# forgeries was obeyed.
+
+GRANTED = "v1;claim=team-a/job-main;priority=1;dev=GPU-1,1000,30"
+FORGED = "v1;claim=team-a/job-main;priority=0;dev=GPU-1,100000,0"
+OWN = "@kvgpu-container-claim"
+
+
+def container_env(tmp_path, **env: str) -> dict[str, str]:
+    own = tmp_path / "etc-kvgpu" / "claim"
+    own.parent.mkdir(exist_ok=True)
+    own.write_text(GRANTED)
+    return {OWN: str(own), "@kvgpu-claim-mount": str(own.parent), **env}
+
+
+def assert_granted(core, cfg) -> None:
+    assert not cfg.broken, core.ffi.string(cfg.error)
+    assert cfg.container == 1 and core.ffi.string(cfg.claim) == b"team-a/job-main"
+    assert cfg.ndev == 1 and cfg.dev[0].mem_limit == 1000 * MIB and cfg.dev[0].cores == 30
+    assert cfg.priority == 1
+
+
+def test_forged_env_claim_is_ignored_in_a_container(core, tmp_path) -> None:
+    cfg = load(core, container_env(tmp_path, KVGPU_CLAIM=FORGED))
+    assert_granted(core, cfg)
+    assert cfg.env_ignored & 1  # logged once by the shim, never obeyed
+    same = load(core, container_env(tmp_path, KVGPU_CLAIM=GRANTED + "\n"))
+    assert_granted(core, same)
+    assert same.env_ignored == 0  # the webhook's env copy of the same claim
+
+
+def test_forged_claim_file_is_ignored_in_a_container(core, tmp_path) -> None:
+    forged = tmp_path / "forged"
+    forged.write_text(FORGED)
+    cfg = load(core, container_env(tmp_path, KVGPU_CLAIM_FILE=str(forged), KVGPU_CLAIM=FORGED))
+    assert_granted(core, cfg)
+    assert cfg.env_ignored & 2
+
+
+def test_sibling_containers_claim_file_is_ignored(core, tmp_path) -> None:
+    """The old layout put every sliced container's file in /etc/kvgpu: pointing
+    KVGPU_CLAIM_FILE at a sibling's (bigger) claim took its limits."""
+    env = container_env(tmp_path)
+    sibling = tmp_path / "etc-kvgpu" / "trainer"
+    sibling.write_text("v1;claim=team-a/job-trainer;priority=0;dev=GPU-1,40000,100")
+    cfg = load(core, {**env, "KVGPU_CLAIM_FILE": str(sibling)})
+    assert_granted(core, cfg)
+
+
+def test_container_claim_ignores_hami_disable_and_region_env(core, tmp_path) -> None:
+    env = container_env(tmp_path, CUDA_DISABLE_CONTROL="true", CUDA_DEVICE_MEMORY_LIMIT="100g",
+                        GPU_CORE_UTILIZATION_POLICY="disable", KVGPU_REGION_DIR="/tmp/mine",
+                        CUDA_DEVICE_MEMORY_SHARED_CACHE="/tmp/mine.cache", KVGPU_SCHED_DIR="/tmp/s")
+    cfg = load(core, env)
+    assert_granted(core, cfg)
+    assert cfg.disabled == 0 and cfg.policy != 2 and cfg.source == 1
+    # one quota per container: the region is the webhook's mount, not the process's choice
+    assert core.ffi.string(cfg.region_path) == b"/var/run/kvgpu/vgpu.region"
+    assert core.ffi.string(cfg.sched_dir) == b"" and cfg.env_ignored & 4
+    env["@kvgpu-container-sched"] = "/var/run/kvgpu-sched"
+    assert core.ffi.string(load(core, env).sched_dir) == b"/var/run/kvgpu-sched"
+
+
+def test_container_claim_unreadable_or_invalid_fails_closed(core, tmp_path) -> None:
+    env = container_env(tmp_path, KVGPU_CLAIM=GRANTED)
+    bad = load(core, {**env, OWN: str(tmp_path)})  # a directory: cannot be read
+    assert bad.broken and b"claim file" in core.ffi.string(bad.error)
+    (tmp_path / "etc-kvgpu" / "claim").write_text("v1;claim=team-a/job-main")
+    bad = load(core, env)  # the env's valid copy does not rescue a broken file
+    assert bad.broken and bad.container == 1
+
+
+def test_without_the_container_file_the_env_contract_stays(core, tmp_path) -> None:
+    """A host process (no /etc/kvgpu/claim): KVGPU_CLAIM and HAMi's variables as before."""
+    cfg = load(core, {"KVGPU_CLAIM": GRANTED})
+    assert not cfg.broken and cfg.container == 0 and cfg.dev[0].mem_limit == 1000 * MIB
+    assert load(core, {"CUDA_DEVICE_MEMORY_LIMIT": "1g"}).source == 2

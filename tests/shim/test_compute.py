@@ -93,11 +93,20 @@ def stub2ms(box):
     return box
 
 
+def own_region(box, tag) -> str:
+    """A fresh region directory: another container (a region keeps the claim that created it)."""
+    d = box.dir / f"region-{tag}"
+    d.mkdir(exist_ok=True)
+    return str(d)
+
+
 def test_share_follows_the_limit(stub2ms) -> None:
     box = stub2ms
     native = rate(box, box.env(shim=False))
     for target in (20, 50, 80):
-        got = rate(box, box.env(claim((0, 1000, target)))) / native * 100
+        # one container per claim: a region keeps the claim that created it
+        got = rate(box, box.env(claim((0, 1000, target)), KVGPU_REGION_DIR=own_region(box, target))) \
+            / native * 100
         assert abs(got - target) <= 6, (target, got)
 
 
@@ -147,10 +156,12 @@ def test_no_limit_no_throttle(stub2ms) -> None:
     native = rate(box, box.env(shim=False), secs=1.0)
     assert rate(box, box.env(claim((0, 1000, 0))), secs=1.0) >= 0.9 * native
     # HAMi-core's policy switch lifts HAMi-style limits ...
-    off = box.env(CUDA_DEVICE_SM_LIMIT="30", GPU_CORE_UTILIZATION_POLICY="disable")
+    off = box.env(CUDA_DEVICE_SM_LIMIT="30", GPU_CORE_UTILIZATION_POLICY="disable",
+                  KVGPU_REGION_DIR=own_region(box, "hami"))
     assert rate(box, off, secs=1.0) >= 0.9 * native
     # ... but not a kvgpu claim's (an image ENV must not lift what the operator granted).
-    kept = box.env(claim((0, 1000, 30)), GPU_CORE_UTILIZATION_POLICY="disable")
+    kept = box.env(claim((0, 1000, 30)), GPU_CORE_UTILIZATION_POLICY="disable",
+                   KVGPU_REGION_DIR=own_region(box, "kept"))
     assert rate(box, kept, secs=1.0) <= 0.6 * native
 
 

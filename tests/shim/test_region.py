@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from .conftest import MIB, ROOT
 
@@ -31,6 +34,15 @@ def open_region(core, path, limit_mib: int):
     h = ffi.new("struct vgpu_region_handle *")
     assert lib.vgpu_region_open(h, str(path).encode(), cfg) == 0
     return h
+
+
+def open_claim(core, path, text: str):
+    """The region at path opened with claim text, or None when it is refused."""
+    ffi, lib = core.ffi, core.lib
+    cfg = ffi.new("struct vgpu_config *")
+    assert lib.vgpu_claim_parse(text.encode(), cfg) == 0
+    h = ffi.new("struct vgpu_region_handle *")
+    return h if lib.vgpu_region_open(h, str(path).encode(), cfg) == 0 else None
 
 
 def test_layout_is_stable(core) -> None:
@@ -103,9 +115,32 @@ def test_start_time_of_processes(core) -> None:
     assert lib.vgpu_proc_start_time(p.pid) == 0
 
 
-def test_claim_change_updates_limits(core, tmp_path) -> None:
+def test_first_claim_fixes_the_limits(core, tmp_path) -> None:
+    """Issue 14: a process presenting a bigger claim for the same region (a forged
+    KVGPU_CLAIM) used to lift the limit of every process of the container ("latest claim
+    wins"). The claim that created the region stays; another one is refused (EPERM)."""
     h1 = open_region(core, tmp_path / "r", 100)
-    h2 = open_region(core, tmp_path / "r", 200)
-    assert h1.r.dev[0].limit == 200 * MIB  # same mapping: the latest claim is authoritative
+    with pytest.raises(AssertionError):
+        open_region(core, tmp_path / "r", 200)
+    assert core.ffi.errno == errno.EPERM
+    assert h1.r.dev[0].limit == 100 * MIB
+    h2 = open_region(core, tmp_path / "r", 100)  # the same claim joins
+    assert h2.r.dev[0].limit == 100 * MIB
     core.lib.vgpu_region_close(h1)
     core.lib.vgpu_region_close(h2)
+
+
+@pytest.mark.parametrize("change", ["name", "priority", "uuid", "cores", "ndev"])
+def test_any_other_claim_is_refused(core, tmp_path, change) -> None:
+    base = "v1;claim=team-a/job;priority=1;dev=GPU-aaaa,100,30"
+    other = {
+        "name": "v1;claim=team-b/job;priority=1;dev=GPU-aaaa,100,30",
+        "priority": "v1;claim=team-a/job;priority=0;dev=GPU-aaaa,100,30",
+        "uuid": "v1;claim=team-a/job;priority=1;dev=GPU-bbbb,100,30",
+        "cores": "v1;claim=team-a/job;priority=1;dev=GPU-aaaa,100,0",
+        "ndev": "v1;claim=team-a/job;priority=1;dev=GPU-aaaa,100,30;dev=GPU-bbbb,100,30",
+    }[change]
+    h = open_claim(core, tmp_path / "r", base)
+    assert h is not None
+    assert open_claim(core, tmp_path / "r", other) is None and core.ffi.errno == errno.EPERM
+    assert open_claim(core, tmp_path / "r", base) is not None

@@ -84,3 +84,33 @@ def test_getprocaddress_honours_version_and_flags(box) -> None:
     out = box.run(sys.executable, "-c", GPA, str(box.kit.lib), stub, env=box.env(claim((0, 100, 0))))
     assert json.loads(out.stdout) == {k: True for k in ("v2_is_hook", "v1_is_v1_hook", "ptsz_is_hook",
                                                        "plain_is_hook", "unhooked_is_real", "gpa_is_hook")}
+
+
+def test_loads_with_glibc_2_17() -> None:
+    """Images with glibc < 2.34 (Ubuntu 20.04, UBI 8, CentOS 7, CUDA 11 images) load the
+    shim through /etc/ld.so.preload into every program: one symbol version they lack and no
+    program starts. No such image can be fetched here, so this is a static check of the built
+    library: it requires no GLIBC version newer than 2.17, and keeps libdl.so.2 and
+    libpthread.so.0 as dependencies (before 2.34 dlopen and the robust-mutex calls live there).
+    """
+    import re
+    import shutil
+
+    from .conftest import LIB
+
+    if not shutil.which("readelf"):
+        import pytest
+
+        pytest.skip("readelf (binutils) not installed")
+    needs = subprocess.run(["readelf", "-V", "-W", str(LIB)], capture_output=True, text=True,
+                           check=True).stdout
+    versions = {tuple(int(x) for x in v.split(".")) for v in re.findall(r"Name: GLIBC_([0-9.]+)", needs)}
+    assert all(v <= (2, 17) for v in versions), sorted(versions)
+    syms = subprocess.run(["readelf", "--dyn-syms", "-W", str(LIB)], capture_output=True, text=True,
+                          check=True).stdout
+    newer = [line for line in syms.splitlines() if re.search(r"@GLIBC_(2\.(1[89]|[2-9][0-9])|[3-9])", line)]
+    assert not newer, newer
+    dynamic = subprocess.run(["readelf", "-d", "-W", str(LIB)], capture_output=True, text=True,
+                             check=True).stdout
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
+    assert needed == {"libc.so.6", "libdl.so.2", "libpthread.so.0"}, needed
