@@ -7,7 +7,6 @@ import os
 import stat
 
 import pytest
-
 from kvgpu.agent.podidentity import run_as_of
 from kvgpu.agent.usage import prepare_region_dir
 
