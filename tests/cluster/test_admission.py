@@ -115,7 +115,7 @@ def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: Ad
         "metadata.annotations['kvgpu.io/claim.main']"
     assert env[keys.ENV_VISIBLE]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['kvgpu.io/devices.main']"
-    assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/main"
+    assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/claim"
     mounts = {m["mountPath"]: m for m in main["volumeMounts"]}
     assert mounts["/etc/ld.so.preload"]["readOnly"] is True
     assert mounts[keys.CONTAINER_SHIM_DIR]["readOnly"] is True
@@ -123,7 +123,8 @@ def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: Ad
     assert mounts[keys.CONTAINER_CLAIM_DIR]["readOnly"] is True
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["kvgpu-preload"]["hostPath"] == {"path": keys.HOST_PRELOAD_FILE, "type": "File"}
-    assert volumes["kvgpu-claims"]["downwardAPI"]["items"][0]["path"] == "main"
+    assert [i["path"] for i in volumes["kvgpu-claim-main"]["downwardAPI"]["items"]] == ["claim"]
+    assert mounts[keys.CONTAINER_CLAIM_DIR]["name"] == "kvgpu-claim-main"
     # The other container sees no cards, whatever its image says.
     assert side["env"] == [{"name": keys.ENV_VISIBLE, "value": "none"}]
     assert not any(m["mountPath"] == "/etc/ld.so.preload" for m in side.get("volumeMounts", []))
@@ -184,9 +185,8 @@ def test_hami_limits_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: 
     for c in (got["spec"]["initContainers"][0], got["spec"]["containers"][0]):
         names = {e["name"] for e in c["env"]}
         assert names >= {keys.ENV_CLAIM, keys.ENV_VISIBLE, keys.ENV_POD_UID}, c["name"]
-    items = {i["path"] for i in {v["name"]: v for v in got["spec"]["volumes"]}["kvgpu-claims"]
-             ["downwardAPI"]["items"]}
-    assert items == {"main", "prep"}
+    vols = {v["name"] for v in got["spec"]["volumes"]}
+    assert {"kvgpu-claim-main", "kvgpu-claim-prep"} <= vols
 
 
 def test_bad_value_is_refused_with_the_message(

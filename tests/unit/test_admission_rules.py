@@ -56,12 +56,16 @@ def test_mutation_injects_the_shim_into_the_sliced_container() -> None:
     assert side["env"] == [{"name": keys.ENV_VISIBLE, "value": "none"}]
     assert "volumeMounts" not in side
     vols = {v["name"]: v for v in out["spec"]["volumes"]}
-    assert set(vols) == set(m.RESERVED_VOLUMES)
-    assert all(v.startswith("kvgpu-") for v in vols)
+    assert set(vols) == set(m.RESERVED_VOLUMES) - {m.VOLUME_CLAIMS} | {"kvgpu-claim-main"}
+    assert all(m.is_reserved_volume(v) for v in vols)
     assert vols["kvgpu-region"]["hostPath"] == {"path": keys.HOST_REGION_ROOT, "type": "DirectoryOrCreate"}
-    assert vols["kvgpu-claims"]["downwardAPI"]["items"] == [
-        {"path": "main", "fieldRef": {"apiVersion": "v1",
-                                      "fieldPath": "metadata.annotations['kvgpu.io/claim.main']"}}]
+    # issue 14: the container's own claim, alone, at the fixed path /etc/kvgpu/claim
+    assert vols["kvgpu-claim-main"]["downwardAPI"]["items"] == [
+        {"path": "claim", "fieldRef": {"apiVersion": "v1",
+                                       "fieldPath": "metadata.annotations['kvgpu.io/claim.main']"}}]
+    claim_mount = next(v for v in main["volumeMounts"] if v["mountPath"] == keys.CONTAINER_CLAIM_DIR)
+    assert claim_mount == {"name": "kvgpu-claim-main", "mountPath": "/etc/kvgpu", "readOnly": True}
+    assert {e["name"]: e.get("value") for e in main["env"]}[keys.ENV_CLAIM_FILE] == keys.CONTAINER_CLAIM_FILE
 
 
 def test_injected_env_reads_the_allocation_annotations() -> None:
@@ -70,7 +74,7 @@ def test_injected_env_reads_the_allocation_annotations() -> None:
     assert ref[keys.ENV_POD_UID] == "metadata.uid"
     assert ref[keys.ENV_CLAIM] == f"metadata.annotations['{keys.claim_annotation('main')}']"
     assert ref[keys.ENV_VISIBLE] == f"metadata.annotations['{keys.devices_annotation('main')}']"
-    assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/main"
+    assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/claim"  # the same in every container
     assert env[keys.ENV_REGION_DIR]["value"] == keys.CONTAINER_REGION_DIR
     assert env[keys.ENV_SCHED_DIR]["value"] == keys.CONTAINER_SCHED_DIR
     mounts = {x["mountPath"]: x for x in m.injected_mounts("main")}
@@ -88,7 +92,8 @@ def test_long_container_names_use_the_hashed_key() -> None:
     key = keys.container_key(name)
     assert key.startswith("h-")
     env = {e["name"]: e for e in out["spec"]["containers"][0]["env"]}
-    assert env[keys.ENV_CLAIM_FILE]["value"] == f"/etc/kvgpu/{key}"
+    assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/claim"
+    assert f"kvgpu-claim-{key}" in {v["name"] for v in out["spec"]["volumes"]}  # a DNS label
     assert create_errors(out) == []
 
 
@@ -116,9 +121,10 @@ def test_hami_init_container_is_injected() -> None:
             init=[{"name": "prep", "image": "x", "resources": {"limits": {"nvidia.com/gpumem": "1000"}}}])
     out = mutated(p)
     assert out["spec"]["initContainers"][0]["env"] == m.injected_env("prep")
-    items = {i["path"] for v in out["spec"]["volumes"] if v["name"] == "kvgpu-claims"
-             for i in v["downwardAPI"]["items"]}
-    assert items == {"main", "prep"}
+    claims = {v["name"]: [i["fieldRef"]["fieldPath"] for i in v["downwardAPI"]["items"]]
+              for v in out["spec"]["volumes"] if v["name"].startswith(m.VOLUME_CLAIM_PREFIX)}
+    assert claims == {"kvgpu-claim-main": ["metadata.annotations['kvgpu.io/claim.main']"],
+                      "kvgpu-claim-prep": ["metadata.annotations['kvgpu.io/claim.prep']"]}
 
 
 def test_no_ops_for_pods_without_slices_or_with_errors() -> None:
@@ -604,3 +610,19 @@ def test_any_clean_pod_is_injected_once_and_then_valid(p: dict[str, Any]) -> Non
     for kind in ("initContainers", "containers"):
         for before, after in zip(p["spec"].get(kind, []), out["spec"].get(kind, []), strict=True):
             assert after.get("env", [])[: len(before.get("env", []))] == before.get("env", [])  # user first
+
+
+def test_a_container_cannot_mount_a_siblings_claim_volume() -> None:
+    """Issue 14: each sliced container gets only its own claim; mounting another container's
+    claim volume (to hand the shim a bigger claim) is refused, and so is a user volume that
+    takes a claim volume's name."""
+    annotations = {**SLICED, "kvgpu.io/containers": "main,side"}
+    out = mutated(pod(annotations))
+    assert create_errors(out) == []
+    side = out["spec"]["containers"][1]
+    assert {v["name"] for v in side["volumeMounts"]} >= {"kvgpu-claim-side"}
+    side["volumeMounts"].append({"name": "kvgpu-claim-main", "mountPath": "/mnt/c", "readOnly": True})
+    assert any("kvgpu-claim-main" in e for e in create_errors(out))
+    bad = mutated(pod(SLICED))
+    bad["spec"]["containers"][1]["volumeMounts"] = [{"name": "kvgpu-claim-main", "mountPath": "/etc/kvgpu"}]
+    assert any("kvgpu-claim-main" in e for e in create_errors(bad))

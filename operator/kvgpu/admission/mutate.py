@@ -9,8 +9,10 @@ that
 * inject the shim into every container that gets slices, init containers included: env vars
   whose values the kubelet fills from the pod's allocation annotations at container start (after
   the extender has written them at bind time), read-only mounts of the host's shim directory and
-  ``ld.so.preload``, a per-container shared-region directory, and a read-only downward-API file
-  with the container's claim,
+  ``ld.so.preload``, a per-container shared-region directory, and the container's own claim,
+  read-only, at ``/etc/kvgpu/claim``: one downward-API volume per container with slices
+  (``kvgpu-claim-<key>``, the single item ``claim``), so no container can read or point the shim
+  at a sibling's claim; the shim takes the claim from that file only (issue 14),
 * give every container that gets slices from the annotation form (``kvgpu.io/gpu`` ...) the
   extended-resource limit ``nvidia.com/gpu: <cards>`` (unless it names ``nvidia.com/gpu``
   already), so that the kubelet calls the device plugin's ``Allocate`` for it as for the HAMi
@@ -44,9 +46,11 @@ DEFAULT_SCHEDULER = "default-scheduler"
 VOLUME_SHIM = "kvgpu-shim"
 VOLUME_PRELOAD = "kvgpu-preload"
 VOLUME_REGION = "kvgpu-region"
-VOLUME_CLAIMS = "kvgpu-claims"
+VOLUME_CLAIMS = "kvgpu-claims"  # the old shared claims volume: no longer injected, still reserved
+VOLUME_CLAIM_PREFIX = "kvgpu-claim-"  # + container key: that container's own claim volume
 VOLUME_SCHED = "kvgpu-sched"
 RESERVED_VOLUMES = (VOLUME_SHIM, VOLUME_PRELOAD, VOLUME_REGION, VOLUME_CLAIMS, VOLUME_SCHED)
+CLAIM_ITEM = "claim"  # the one file of a claim volume (keys.CONTAINER_CLAIM_FILE in the container)
 PRELOAD_MOUNT = "/etc/ld.so.preload"
 NO_DEVICES = "none"
 #: The device plugin's resource (the agent advertises cards x splitCount replicas of it).
@@ -67,7 +71,18 @@ def annotation_field_path(annotation: str) -> str:
 
 
 def claim_file(container: str) -> str:
-    return f"{keys.CONTAINER_CLAIM_DIR}/{keys.container_key(container)}"
+    """Where the container finds its claim: the same fixed path in every container."""
+    return keys.CONTAINER_CLAIM_FILE
+
+
+def claim_volume(container: str) -> str:
+    """The name of the container's own claim volume (a DNS label: keys are at most 40 chars)."""
+    return VOLUME_CLAIM_PREFIX + keys.container_key(container)
+
+
+def is_reserved_volume(name: object) -> bool:
+    """True for volume names kvgpu injects (users may not define or mount them otherwise)."""
+    return isinstance(name, str) and (name in RESERVED_VOLUMES or name.startswith(VOLUME_CLAIM_PREFIX))
 
 
 def region_sub_path_expr(container: str) -> str:
@@ -97,25 +112,28 @@ def injected_mounts(container: str) -> list[dict[str, Any]]:
         {"name": VOLUME_PRELOAD, "mountPath": PRELOAD_MOUNT, "readOnly": True},
         {"name": VOLUME_REGION, "mountPath": keys.CONTAINER_REGION_DIR,
          "subPathExpr": region_sub_path_expr(container)},
-        {"name": VOLUME_CLAIMS, "mountPath": keys.CONTAINER_CLAIM_DIR, "readOnly": True},
+        # A directory mount: a root process cannot rename it away (EBUSY) to plant its own file.
+        {"name": claim_volume(container), "mountPath": keys.CONTAINER_CLAIM_DIR, "readOnly": True},
         # Node-wide: co-tenants of a card coordinate their compute windows through it.
         {"name": VOLUME_SCHED, "mountPath": keys.CONTAINER_SCHED_DIR},
     ]
 
 
 def injected_volumes(containers: Iterable[str]) -> list[dict[str, Any]]:
-    """The pod volumes; the claims volume has one file per container with slices."""
-    items = [
-        {"path": keys.container_key(c),
-         "fieldRef": {"apiVersion": "v1", "fieldPath": annotation_field_path(keys.claim_annotation(c))}}
+    """The pod volumes; one claim volume per container with slices, holding only its claim."""
+    claims = [
+        {"name": claim_volume(c), "downwardAPI": {"defaultMode": 0o444, "items": [
+            {"path": CLAIM_ITEM,
+             "fieldRef": {"apiVersion": "v1", "fieldPath": annotation_field_path(keys.claim_annotation(c))}},
+        ]}}
         for c in sorted(set(containers))
     ]
     return [
         {"name": VOLUME_SHIM, "hostPath": {"path": keys.HOST_SHIM_DIR, "type": "Directory"}},
         {"name": VOLUME_PRELOAD, "hostPath": {"path": keys.HOST_PRELOAD_FILE, "type": "File"}},
         {"name": VOLUME_REGION, "hostPath": {"path": keys.HOST_REGION_ROOT, "type": "DirectoryOrCreate"}},
-        {"name": VOLUME_CLAIMS, "downwardAPI": {"defaultMode": 0o444, "items": items}},
         {"name": VOLUME_SCHED, "hostPath": {"path": keys.HOST_SCHED_DIR, "type": "DirectoryOrCreate"}},
+        *claims,
     ]
 
 

@@ -213,7 +213,7 @@ def _injection_errors(
                                   "which kvgpu reserves for the GPU slice; use another path")
         for v in mounts:
             vname = v.get("name")
-            if vname in m.RESERVED_VOLUMES and (name not in sliced or not any(
+            if m.is_reserved_volume(vname) and (name not in sliced or not any(
                 _same_mount(v, w) for w in m.injected_mounts(name)
             )):
                 errors.append(f"{kind} {name!r} mounts kvgpu's volume {vname!r} in a way kvgpu does not; "
