@@ -19,9 +19,11 @@ GPU = "nvidia.com/gpu"
 
 
 class FakeLister(pr_pb2_grpc.PodResourcesListerServicer):
-    def __init__(self, get_disabled: bool = False):
+    def __init__(self, get_disabled: bool = False, refuse_lists: int = 0):
         self.get_disabled = get_disabled
+        self.refuse_lists = refuse_lists  # the kubelet's rate limit: refuse this many List calls first
         self.gets = 0
+        self.lists = 0
         self.pods = [
             pr_pb2.PodResources(
                 name="run",
@@ -52,6 +54,9 @@ class FakeLister(pr_pb2_grpc.PodResourcesListerServicer):
         )
 
     async def List(self, request, context):
+        self.lists += 1
+        if self.lists <= self.refuse_lists:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
         return pr_pb2.ListPodResourcesResponse(pod_resources=self.pods)
 
 
@@ -89,3 +94,32 @@ async def test_unreachable_kubelet_raises(tmp_path):
     with pytest.raises(PodResourcesError):
         await c.lookup("default", "x")
     await c.close()
+
+
+async def test_lookup_many_is_one_list_call():
+    async with lister() as (fake, sock):
+        c = PodResourcesClient(GPU, sock)
+        try:
+            got = await c.lookup_many([("default", "run"), ("default", "new"), ("default", "nope")])
+            assert got == {("default", "run"): KubeletPod(frozenset({"a"})), ("default", "new"): KubeletPod(),
+                           ("default", "nope"): None}
+            assert (fake.lists, fake.gets) == (1, 0)
+        finally:
+            await c.close()
+
+
+async def test_lookup_many_waits_out_the_kubelets_rate_limit():
+    async with lister(refuse_lists=3) as (fake, sock):
+        c = PodResourcesClient(GPU, sock)
+        try:
+            assert (await c.lookup_many([("default", "run")]))[("default", "run")] == KubeletPod(frozenset({"a"}))
+            assert fake.lists == 4
+        finally:
+            await c.close()
+    async with lister(refuse_lists=1000) as (fake, sock):
+        c = PodResourcesClient(GPU, sock, retry_s=0.3)
+        try:
+            with pytest.raises(PodResourcesError, match="RESOURCE_EXHAUSTED"):
+                await c.lookup_many([("default", "run")])
+        finally:
+            await c.close()

@@ -239,6 +239,7 @@ class Agent:
             plugin_cfg.resource_name,
             cached=self.pods.all_pods,
             lookup=prc.lookup,
+            lookup_many=prc.lookup_many,
             fresh=lambda: self.pods.list_fresh(api_client),
         )
 

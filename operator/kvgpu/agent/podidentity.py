@@ -225,6 +225,7 @@ def run_as_of(pod: Mapping[str, Any], container: str) -> tuple[int | None, int |
 
 PodLister = Callable[[], Awaitable[Sequence[Mapping[str, Any]]]]
 KubeletLookup = Callable[[str, str], Awaitable[KubeletPod | None]]
+KubeletLookupMany = Callable[[Sequence[tuple[str, str]]], Awaitable[Mapping[tuple[str, str], KubeletPod | None]]]
 
 
 @dataclass
@@ -234,7 +235,9 @@ class PodIdentifier:
     ``cached()``: the pod cache's pods now; ``fresh``: an API list of this node's pods (used while
     the cache has no candidate: the agent's watch can lag the kubelet's), polled every
     ``poll_interval_s`` for up to ``poll_s``; ``lookup``: the kubelet's answer per pod
-    (:meth:`~kvgpu.agent.podresources.PodResourcesClient.lookup`). ``served`` remembers allocated
+    (:meth:`~kvgpu.agent.podresources.PodResourcesClient.lookup`); ``lookup_many``, where given,
+    answers for every waiting pod in one call instead (the kubelet rate-limits PodResources: one
+    call per waiting pod in a burst is refused). ``served`` remembers allocated
     ``(pod UID, container)`` pairs (:meth:`mark_served`), forgotten after ``forget_s``.
     """
 
@@ -243,6 +246,7 @@ class PodIdentifier:
     cached: Callable[[], Sequence[Mapping[str, Any]]]
     lookup: KubeletLookup
     fresh: PodLister | None = None
+    lookup_many: KubeletLookupMany | None = None
     poll_s: float = 5.0
     poll_interval_s: float = 0.25
     forget_s: float = 3600.0
@@ -257,7 +261,10 @@ class PodIdentifier:
 
     async def _once(self, pods: Sequence[Mapping[str, Any]], size: int) -> Admitted:
         asks = waiting_pods(pods, self.node, self.resource, self.served)
-        answers = dict(zip(asks, await asyncio.gather(*(self.lookup(ns, n) for ns, n in asks)), strict=True))
+        if self.lookup_many is not None:
+            answers = dict(await self.lookup_many(asks))
+        else:
+            answers = dict(zip(asks, await asyncio.gather(*(self.lookup(ns, n) for ns, n in asks)), strict=True))
         return identify(pods, self.node, self.resource, size, self.served, answers)
 
     async def identify(self, size: int) -> Admitted:

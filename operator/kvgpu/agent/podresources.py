@@ -6,6 +6,12 @@ in its pod manager) and which of its containers hold devices of the plugin's res
 another reason than "not found" (the ``KubeletPodResourcesGet`` feature gate off, an old kubelet
 without the method), it falls back to ``List`` from then on.
 
+:meth:`PodResourcesClient.lookup_many` answers for several pods at once with one ``List`` — what a
+burst needs: the kubelet rate-limits the service (10 calls in a burst, then 100 a second), and a
+``Get`` per waiting pod for every ``Allocate`` of a 30-pod burst was refused
+(``RESOURCE_EXHAUSTED``), which failed pods' admission. A refusal by the rate limit is retried
+for up to ``retry_s``.
+
 The kubelet's ``Get`` answers a plain error (gRPC ``UNKNOWN``) ``pod <name> in namespace <ns> not
 found`` for a pod it does not know (k8s v1.36 ``server_v1.go``); that text is what "not found" is
 matched on, besides the ``NOT_FOUND`` code.
@@ -13,7 +19,10 @@ matched on, besides the ``NOT_FOUND`` code.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +61,7 @@ class PodResourcesClient:
     socket: str = DEFAULT_SOCKET
     timeout_s: float = 5.0
     use_list: bool = False
+    retry_s: float = 3.0
     _channel: aio.Channel | None = field(default=None, init=False, repr=False)
 
     def _stub(self) -> Any:
@@ -84,11 +94,23 @@ class PodResourcesClient:
                     raise self._error(e) from e
                 log.warning("PodResources Get refused (%s: %s); using List", e.code().name, e.details())
                 self.use_list = True
-        try:
-            lst = await self._stub().List(pr_pb2.ListPodResourcesRequest(), timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise self._error(e) from e
-        for p in lst.pod_resources:
-            if p.namespace == namespace and p.name == name:
-                return _allocated(p, self.resource)
-        return None
+        return (await self.lookup_many([(namespace, name)]))[(namespace, name)]
+
+    async def lookup_many(self, pods: Sequence[tuple[str, str]]) -> dict[tuple[str, str], KubeletPod | None]:
+        """The kubelet's view of each ``(namespace, name)`` (``None``: not known), from one ``List``.
+
+        Raises :class:`PodResourcesError` if ``List`` does not answer (after ``retry_s`` of
+        retries when the kubelet's rate limit refuses it)."""
+        if not pods:
+            return {}
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                lst = await self._stub().List(pr_pb2.ListPodResourcesRequest(), timeout=self.timeout_s)
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
+                    raise self._error(e) from e
+                await asyncio.sleep(0.05)
+        known = {(p.namespace, p.name): _allocated(p, self.resource) for p in lst.pod_resources}
+        return {k: known.get(k) for k in pods}
