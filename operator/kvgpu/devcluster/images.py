@@ -43,12 +43,17 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 PAUSE_C = REPO_ROOT / "hack" / "realnode" / "pause.c"
 STUB_DIR = REPO_ROOT / "tests" / "shim" / "stub"
 CUPROG_C = REPO_ROOT / "tests" / "shim" / "prog" / "cuprog.c"
-RECIPE_VERSION = "1"  # bump when a recipe changes in a way its inputs do not show
+RECIPE_VERSION = "2"  # bump when a recipe changes in a way its inputs do not show
 
 PAUSE = "kvgpu.local/pause:1"
 TENANT = "kvgpu.local/tenant:1"
 TENANT_NONROOT = "kvgpu.local/tenant-nonroot:1"
 HOSTROOT = "kvgpu.local/hostroot:1"
+# What every glibc distribution's libc package ships besides libc.so.6 (since 2.34 libdl and
+# libpthread are empty compatibility stubs, still there): the shim needs libdl.so.2 and
+# libpthread.so.0 to load in an image of glibc < 2.34 too, so a "real" tenant image has them.
+GLIBC_PACKAGE = tuple(f"/lib/x86_64-linux-gnu/{n}" for n in ("libc.so.6", "libdl.so.2", "libpthread.so.0",
+                                                               "librt.so.1", "libm.so.6"))
 TENANT_UID = 1000
 DRIVER_MOUNT = "/usr/local/nvidia"  # where the node's driver directory appears in a container
 TENANT_ENV = (
@@ -359,7 +364,8 @@ def build_tenant() -> BuiltImage:
              "gcc cuprog.c")
         shutil.copy2("/usr/bin/cat", root / "usr/bin/gcat")  # a dynamic program: ld.so.preload applies
         # glibc and friends: the ldd closure (the stub's deps stand in for the real driver's)
-        for lib in sorted(_ldd([py, root / "usr/bin/cuprog", root / "usr/bin/gcat", stub / "libcuda.so.1", *ext])):
+        closure = _ldd([py, root / "usr/bin/cuprog", root / "usr/bin/gcat", stub / "libcuda.so.1", *ext])
+        for lib in sorted(closure | set(GLIBC_PACKAGE)):
             _copy_host_path(lib, root)
         (root / "etc/ld.so.conf").write_text("/usr/local/lib\n/usr/lib/x86_64-linux-gnu\n/usr/lib64\n")
         ld = subprocess.run(["ldconfig", "-r", str(root)], capture_output=True, text=True, check=False)

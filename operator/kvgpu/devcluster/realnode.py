@@ -51,8 +51,10 @@ POD_BRIDGE = "kvgpu-cni0"  # the CNI bridge of the pod network
 FIXED_DIRS = (  # host paths a real kubelet/containerd/agent use whatever their config says
     Path("/var/lib/kubelet"), Path("/var/log/pods"), Path("/var/log/containers"),
     Path(f"/var/lib/cni/networks/{CNI_NETWORK}"), Path("/run/containerd/runc/k8s.io"),
-    Path("/var/lib/kvgpu"), Path("/usr/local/kvgpu"),
+    Path("/var/lib/kvgpu"), Path("/usr/local/kvgpu"), Path("/run/kvgpu-realnode"),
 )
+SOCKET_DIR = Path("/run/kvgpu-realnode")  # containerd's sockets: a unix socket path has at most 107 bytes,
+#                                           and a run directory under pytest's tmp dir is longer
 KUBE_CHAINS = (("mangle", "KUBE-IPTABLES-HINT"), ("filter", "KUBE-FIREWALL"), ("mangle", "KUBE-KUBELET-CANARY"),
                ("nat", "KUBE-KUBELET-CANARY"), ("filter", "KUBE-KUBELET-CANARY"))
 # Device numbers as on the H200 machines (shared/research/gpu-node-facts.md).
@@ -318,7 +320,7 @@ class RealNode:
 
     @property
     def socket(self) -> Path:
-        return self.dir / "containerd" / "containerd.sock"
+        return SOCKET_DIR / "containerd.sock"
 
     @property
     def kubelet_log(self) -> Path:
@@ -481,6 +483,7 @@ class RealNode:
             shutil.rmtree(self.dir)
         for d in ("containerd", "cni/net.d", "kubelet", "runc-debug", "opt"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
+        SOCKET_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not self.gpu:
             self._simulated_devices()
         self._write_containerd_config()
