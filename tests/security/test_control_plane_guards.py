@@ -176,3 +176,28 @@ def test_claims_are_written_by_the_operator_only(gpu: GpuEnv) -> None:
     # Reading them is what tenants may do.
     assert _as(gpu, MALLORY, "get", "vgpuclaims", "-n", gpu.ns).returncode == 0
     assert _claim_of(gpu, "held")["status"]["phase"] == "Running"  # type: ignore[index]
+
+
+def test_phase_worker_releases_only_claims_of_the_pod(gpu: GpuEnv) -> None:
+    """Even where ``kvgpu.io/claims`` of an ending pod names another pod's claim (written here
+    as the operator's identity, which admission lets through), the claim-phase worker releases
+    only claims whose ``spec.podUID`` is the pod's."""
+    gpu.nodes(1, cards=1, memory_mib=10000)
+    _running(gpu, "victim")
+    victim_claim = _claim_of(gpu, "victim")
+    assert victim_claim is not None
+    gpu.create(gpu.pod("ender", {"kvgpu.io/gpumem": "1000"}))
+    gpu.wait_bound("ender")
+    own = _claim_of(gpu, "ender")
+    assert own is not None
+    names = f"{own['metadata']['name']},{victim_claim['metadata']['name']}"
+    p = _as(gpu, "kvgpu-operator", "--as-group=system:masters", "annotate", "pod", "ender", "-n", gpu.ns,
+            "--overwrite", f"kvgpu.io/claims={names}")
+    assert p.returncode == 0, p.stderr
+    gpu.cluster.kubectl("patch", "pod", "ender", "-n", gpu.ns, "--subresource=status", "--type=merge",
+                        "-p", json.dumps({"status": {"phase": "Succeeded"}}))
+    gpu.wait(lambda: (c := _claim_of(gpu, "ender")) is not None and c.get("status", {}).get("phase") == "Released",
+             what="the ender's own claim Released")
+    time.sleep(2)
+    claim = _claim_of(gpu, "victim")
+    assert claim is not None and claim["status"]["phase"] == "Running", claim

@@ -87,8 +87,11 @@ def test_the_sweep_rewrites_the_phase_of_a_recreated_claim(monkeypatch: pytest.M
     async def post_event(api: Any, obj: Any, **kw: Any) -> None:
         events.append(kw["reason"])
 
+    async def get_claim(api: Any, ns: str, name: str) -> dict[str, Any] | None:
+        return listed[0]
+
     for name, fn in (("list_all", list_all), ("patch_claim_status", patch_claim_status),
-                     ("post_event", post_event)):
+                     ("post_event", post_event), ("get_claim", get_claim)):
         monkeypatch.setattr(kube, name, fn)
     w = PhaseWorker(PhaseWorkerConfig(orphan_grace_s=3600), api=None)
     pod = _pod(node="n1")
@@ -100,3 +103,61 @@ def test_the_sweep_rewrites_the_phase_of_a_recreated_claim(monkeypatch: pytest.M
     listed[0]["status"] = {"phase": "Bound"}
     asyncio.run(w.sweep())  # in step: nothing written
     assert len(writes) == 2
+
+
+def _worker_with(monkeypatch: pytest.MonkeyPatch, claims: dict[str, dict[str, Any]],
+                 live: dict[str, Any] | None) -> tuple[Any, list[tuple[str, str]]]:
+    from kvgpu import kube
+    from kvgpu.reconcile.phaseworker import PhaseWorker, PhaseWorkerConfig
+
+    writes: list[tuple[str, str]] = []
+
+    async def get_claim(api: Any, ns: str, name: str) -> dict[str, Any] | None:
+        return claims.get(name)
+
+    async def get_pod(api: Any, ns: str, name: str) -> dict[str, Any] | None:
+        return live
+
+    async def patch_claim_status(api: Any, ns: str, name: str, status: dict[str, Any]) -> bool:
+        writes.append((name, status["phase"]))
+        return True
+
+    async def delete_claim(api: Any, ns: str, name: str) -> bool:
+        writes.append((name, "deleted"))
+        return True
+
+    async def post_event(api: Any, obj: Any, **kw: Any) -> None:
+        pass
+
+    for name, fn in (("get_claim", get_claim), ("get_pod", get_pod), ("patch_claim_status", patch_claim_status),
+                     ("delete_claim", delete_claim), ("post_event", post_event)):
+        monkeypatch.setattr(kube, name, fn)
+    return PhaseWorker(PhaseWorkerConfig(), api=None), writes
+
+
+def test_a_claim_of_another_pod_is_never_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ended pod whose kvgpu.io/claims names a victim's claim (spec.podUID differs) releases
+    and deletes nothing of the victim's."""
+    import asyncio
+
+    w, writes = _worker_with(monkeypatch, {"victim-main-fffff": _claim("victim-main-fffff", "Running", "victim")},
+                             live=None)
+    asyncio.run(w.on_pod("MODIFIED", _pod(claims="victim-main-fffff", node="n1", phase="Succeeded")))
+    asyncio.run(w.on_pod("DELETED", _pod(claims="victim-main-fffff", node="n1", phase="Succeeded")))
+    assert writes == []
+    w, writes = _worker_with(monkeypatch, {"p-main-abcde": _claim("p-main-abcde", "Running")}, live=None)
+    asyncio.run(w.on_pod("MODIFIED", _pod(node="n1", phase="Succeeded")))
+    assert writes == [("p-main-abcde", "Released")]
+
+
+def test_a_pod_leaving_the_labelled_watch_is_not_deleted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The label removed: the watch says DELETED, the pod still runs; its claim stays."""
+    import asyncio
+
+    running = _pod(node="n1", phase="Running")
+    w, writes = _worker_with(monkeypatch, {"p-main-abcde": _claim("p-main-abcde", "Running")}, live=running)
+    asyncio.run(w.on_pod("DELETED", running))
+    assert ("p-main-abcde", "deleted") not in writes
+    w, writes = _worker_with(monkeypatch, {"p-main-abcde": _claim("p-main-abcde", "Running")}, live=None)
+    asyncio.run(w.on_pod("DELETED", running))
+    assert writes == [("p-main-abcde", "deleted")]

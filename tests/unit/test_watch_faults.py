@@ -96,7 +96,11 @@ def test_a_failed_released_write_is_tried_again(monkeypatch: pytest.MonkeyPatch)
             raise ApiException(status=503, reason="Service Unavailable")
         return True
 
+    async def get_claim(api: Any, ns: str, name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": ns}, "spec": {"podUID": "u1"}}
+
     monkeypatch.setattr(kube, "patch_claim_status", patch_claim_status)
+    monkeypatch.setattr(kube, "get_claim", get_claim)
     w = PhaseWorker(PhaseWorkerConfig(), api=None)
     pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1", "annotations": {keys.POD_CLAIMS: "p-main-u1"}},
            "spec": {"nodeName": "n0"}, "status": {"phase": "Succeeded"}}

@@ -68,6 +68,7 @@ class PhaseWorker:
         self.api = api
         self._phase: dict[str, str] = {}  # "ns/claim" -> phase written (or found at start)
         self._evented: set[str] = set()  # pod UIDs whose GPUSlicesBound Event was posted
+        self._owner: dict[str, str] = {}  # "ns/claim" -> its spec.podUID, once read
         self.pods = ListWatch(api, "/api/v1/pods", self.on_pod, project=pod_projection,
                               label_selector=f"{keys.POD_MANAGED_LABEL}=true", name="pods")
 
@@ -87,26 +88,59 @@ class PhaseWorker:
             for t in tasks:
                 t.cancel()
 
+    async def _owns(self, ns: str, claim: str, uid: str) -> bool:
+        """True when claim ``ns/claim`` exists and records pod ``uid`` (``spec.podUID``): a pod's
+        ``kvgpu.io/claims`` may name another pod's claim (written by someone with rights on
+        ``pods/status`` before admission guarded it); only the claim itself says whose it is."""
+        key = f"{ns}/{claim}"
+        if self._owner.get(key) == uid:
+            return True
+        c = await kube.get_claim(self.api, ns, claim)
+        if c is None:
+            return False
+        if str((c.get("spec") or {}).get("podUID", "")) == uid:
+            if len(self._owner) >= MAX_EVENTED:
+                self._owner.clear()
+            self._owner[key] = uid  # spec is immutable: asked once per claim
+            return True
+        log.warning("pod names a claim of another pod: left alone", claim=f"{ns}/{claim}", pod_uid=uid,
+                    claim_pod_uid=(c.get("spec") or {}).get("podUID"))
+        return False
+
     async def on_pod(self, etype: str, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         ns = meta["namespace"]
+        uid = str(meta.get("uid", ""))
+        if etype == "DELETED":
+            # Leaving the label-filtered watch (the label removed) or missing from a relist is
+            # not being deleted: ask the API server.
+            live = await kube.get_pod(self.api, ns, str(meta.get("name", "")))
+            if live is not None and str((live.get("metadata") or {}).get("uid", "")) == uid:
+                log.warning("pod left the watch but still exists: its claims are kept",
+                            pod=f"{ns}/{meta.get('name')}")
+                etype, pod = "MODIFIED", pod_projection(live)
+                meta = pod["metadata"]
         wrote_bound = False
         for a in actions(etype, pod):
             key = f"{ns}/{a.claim}"
             if a.delete:
-                await kube.delete_claim(self.api, ns, a.claim)
+                if await self._owns(ns, a.claim, uid):
+                    await kube.delete_claim(self.api, ns, a.claim)
                 self._phase.pop(key, None)
+                self._owner.pop(key, None)
                 continue
             if self._phase.get(key) in (a.phase, "Released", "Failed"):
+                continue
+            if not await self._owns(ns, a.claim, uid):
                 continue
             if await kube.patch_claim_status(self.api, ns, a.claim, {"phase": a.phase, "message": a.message}):
                 self._phase[key] = a.phase
                 wrote_bound = wrote_bound or a.phase in ("Bound", "Running")
-        uid = meta.get("uid", "")
         if etype == "DELETED" or (pod.get("status") or {}).get("phase") in TERMINAL:
             self._evented.discard(uid)
             for c in pod_claims(pod):
                 self._phase.pop(f"{ns}/{c}", None)
+                self._owner.pop(f"{ns}/{c}", None)
             return
         if wrote_bound and self.cfg.bind_events and uid not in self._evented:
             if len(self._evented) >= MAX_EVENTED:
