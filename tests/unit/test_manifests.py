@@ -55,7 +55,7 @@ def test_rbac_has_no_wildcards_and_one_account_per_component() -> None:
     docs = _docs("base")
     roles = [d for d in docs if d["kind"] in ("ClusterRole", "Role")]
     assert {r["metadata"]["name"] for r in roles if r["kind"] == "ClusterRole"} == {
-        "kvgpu-operator", "kvgpu-scheduler", "kvgpu-agent"}
+        "kvgpu-operator", "kvgpu-scheduler", "kvgpu-agent", "kvgpu-view", "kvgpu-edit"}
     for r in roles:
         for rule in r["rules"]:
             for field in ("apiGroups", "resources", "verbs", "resourceNames"):
@@ -322,3 +322,14 @@ def test_images_in_kustomization() -> None:
     used = {c["image"].rsplit(":", 1)[0] for d in _docs("base") if d["kind"] in ("StatefulSet", "DaemonSet")
             for c in d["spec"]["template"]["spec"]["containers"]}
     assert used == names
+
+
+@pytest.mark.parametrize(("name", "aggregate"), [("kvgpu-view", "aggregate-to-view"),
+                                                  ("kvgpu-edit", "aggregate-to-edit")])
+def test_tenant_roles_read_claims_and_pools_only(name: str, aggregate: str) -> None:
+    role = _one(_docs("base"), "ClusterRole", name)
+    assert role["metadata"]["labels"][f"rbac.authorization.k8s.io/{aggregate}"] == "true"
+    for resource in ("vgpuclaims", "vgpupools"):
+        assert _verbs(role, "kvgpu.io", resource) == {"get", "list", "watch"}
+    assert {res for r in role["rules"] for res in r["resources"]} == {"vgpuclaims", "vgpupools"}
+    assert "rbac-tenants.yaml" in (MANIFESTS / "base" / "kustomization.yaml").read_text()
