@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.system import KvgpuSystem
+from realnode.fixtures import real_node, real_pods
+
+__all__ = ["real_node", "real_pods"]  # the session's real node, for tests/realnode and tests/security
 
 
 @pytest.fixture(scope="session")

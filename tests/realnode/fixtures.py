@@ -1,6 +1,7 @@
 """Real-node fixtures: one real kubelet + containerd node (kvgpu.devcluster.realnode) joined to
 the session's control plane, with the kvgpu system and the node agent, started once per
-session and torn down (with a leftover check) at the end.
+session and torn down (with a leftover check) at the end. Registered by tests/conftest.py, so
+tests/realnode and tests/security share the one node (a second would not get the machine lock).
 
 Where the node cannot start (not root, containerd/runc/CNI missing, another real node holds the
 machine lock) the tests skip — or fail when ``KVGPU_REQUIRE_REAL_NODE=1`` (``make test``).
