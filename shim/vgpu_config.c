@@ -338,9 +338,9 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
     cfg->period_ns = 100ull * 1000 * 1000;
     const char *v;
     if ((v = get("KVGPU_LOG_LEVEL", ctx)) && isdigit((unsigned char)v[0]))
-        cfg->log_level = atoi(v);
+        cfg->log_level = vgpu_atoi(v);
     else if ((v = get("LIBCUDA_LOG_LEVEL", ctx)) && isdigit((unsigned char)v[0]))
-        cfg->log_level = atoi(v) > 0 ? atoi(v) - 1 : 0; /* HAMi: 2 = default */
+        cfg->log_level = vgpu_atoi(v) > 0 ? vgpu_atoi(v) - 1 : 0; /* HAMi: 2 = default */
     cfg->oom_killer = !(v = get("ACTIVE_OOM_KILLER", ctx)) || env_true(v);
     if ((v = get("GPU_CORE_UTILIZATION_POLICY", ctx))) {
         if (!strcasecmp(v, "force"))
@@ -348,8 +348,8 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
         else if (!strcasecmp(v, "disable"))
             cfg->policy = VGPU_POLICY_DISABLE;
     }
-    if ((v = get("KVGPU_COMPUTE_PERIOD_MS", ctx)) && atoi(v) >= 10 && atoi(v) <= 10000)
-        cfg->period_ns = (uint64_t)atoi(v) * 1000000ull;
+    if ((v = get("KVGPU_COMPUTE_PERIOD_MS", ctx)) && vgpu_atoi(v) >= 10 && vgpu_atoi(v) <= 10000)
+        cfg->period_ns = (uint64_t)vgpu_atoi(v) * 1000000ull;
     if ((v = get("KVGPU_SCHED_DIR", ctx)) && v[0])
         snprintf(cfg->sched_dir, sizeof cfg->sched_dir, "%s", v);
     if ((v = get("KVGPU_REGION_DIR", ctx)) && v[0])

@@ -68,7 +68,7 @@ uint64_t vgpu_proc_start_time(int32_t pid)
         return 0; /* zombie: gone for our purposes */
     for (int field = 2; field < 22 && p; field++)
         p = strchr(p + 1, ' ');
-    return p ? strtoull(p + 1, NULL, 10) : 0;
+    return p ? vgpu_atou(p + 1) : 0;
 }
 
 static void init_mutex(pthread_mutex_t *m)
