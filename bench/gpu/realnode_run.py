@@ -12,8 +12,8 @@ with real NVML), applies the default pool, then the seed's pod (HAMi form: 1 car
 - torch in the pod allocates 256 MiB blocks until ``torch.OutOfMemoryError``;
 - a saturating matmul in the pod runs at about 30 % of the same loop run natively on the host.
 
-The pod's image is ``kvgpu.local/hostroot:1`` (an empty root whose ``/usr`` is the host's,
-mounted read-only, and torch's venv at /opt/torch): no registry can be reached from the
+The pod's image is ``kvgpu.local/hostroot:1`` (an empty root whose ``/usr/{bin,lib,lib64,share}``
+are the host's, mounted read-only, and torch's venv at /opt/torch): no registry can be reached from the
 machine, and torch with its CUDA libraries is several GB. Everything else is what a tenant gets.
 Prints a JSON summary as the last line; exit 1 if a check failed.
 """
@@ -36,6 +36,9 @@ from kvgpu.devcluster.realnode import RealNode, host_node_ip
 from kvgpu.devcluster.system import KvgpuSystem
 
 TORCH_PY = "/opt/torch/.venv/bin/python3"
+# The machine's /usr folders the pod mounts read-only (not /usr itself: admission refuses host
+# paths above kvgpu's own, /usr/local/kvgpu; the driver and the shim come from kvgpu's mounts).
+HOST_USR = ("bin", "lib", "lib64", "share")
 T0 = time.monotonic()
 
 
@@ -59,8 +62,11 @@ def wait(cond: Any, timeout: float, what: str) -> Any:
     raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def seed_pod(name: str) -> dict[str, Any]:
-    return {
+def seed_pod(name: str, mem_mib: int = 3000, cores: int | None = 30, nonroot: bool = False) -> dict[str, Any]:
+    limits: dict[str, Any] = {"nvidia.com/gpu": 1, "nvidia.com/gpumem": mem_mib}
+    if cores is not None:
+        limits["nvidia.com/gpucores"] = cores
+    pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "terminationGracePeriodSeconds": 1,
@@ -69,17 +75,58 @@ def seed_pod(name: str) -> dict[str, Any]:
                 "name": "cuda", "image": "kvgpu.local/hostroot:1", "imagePullPolicy": "Never",
                 "command": ["/usr/bin/sleep", "infinity"],
                 "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
-                "resources": {"limits": {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 3000,
-                                         "nvidia.com/gpucores": 30}},
-                "volumeMounts": [{"name": "usr", "mountPath": "/usr", "readOnly": True},
+                "resources": {"limits": limits},
+                "volumeMounts": [*({"name": f"usr-{d}", "mountPath": f"/usr/{d}", "readOnly": True} for d in HOST_USR),
                                  {"name": "torch", "mountPath": "/opt/torch", "readOnly": True},
                                  {"name": "repo", "mountPath": "/repo", "readOnly": True}],
             }],
-            "volumes": [{"name": "usr", "hostPath": {"path": "/usr", "type": "Directory"}},
+            "volumes": [*({"name": f"usr-{d}", "hostPath": {"path": f"/usr/{d}", "type": "Directory"}}
+                          for d in HOST_USR),
                         {"name": "torch", "hostPath": {"path": "/opt/torch", "type": "Directory"}},
                         {"name": "repo", "hostPath": {"path": str(REPO_ROOT), "type": "Directory"}}],
         },
     }
+    if nonroot:  # as notebook images run: uid 1000, read-only root, a writable /tmp
+        ctr = pod["spec"]["containers"][0]  # type: ignore[index]
+        ctr["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True,
+                                  "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False}
+        ctr["env"].append({"name": "HOME", "value": "/tmp"})
+        ctr["volumeMounts"].append({"name": "tmp", "mountPath": "/tmp"})
+        pod["spec"]["volumes"].append({"name": "tmp", "emptyDir": {}})  # type: ignore[index]
+    return pod
+
+
+def _memtest(c: Cluster, pod: str, prefix: str = "") -> dict[str, Any]:
+    out = show(c, "exec", pod, "--", "/usr/bin/sh", "-c", f"{prefix}{TORCH_PY} /repo/bench/gpu/memtest.py 128",
+               timeout=180)
+    try:
+        return dict(json.loads(out.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return {}
+
+
+def isolation(c: Cluster, res: dict[str, Any]) -> None:
+    """Issue 14 on the GPU: a 1000 MiB slice whose process forges a bigger claim (env and file)
+    gets no more than its grant; a non-root tenant (uid 1000, read-only root) runs under its claim."""
+    say("a 1000 MiB slice that forges a 100000 MiB claim (KVGPU_CLAIM and KVGPU_CLAIM_FILE)")
+    c.kubectl("apply", "-f", "-", input=json.dumps(seed_pod("forger", 1000, None)))
+    c.kubectl("apply", "-f", "-", input=json.dumps(seed_pod("nonroot", 1000, None, nonroot=True)))
+    for name in ("forger", "nonroot"):
+        wait(lambda n=name: json.loads(c.kubectl("get", "pod", n, "-o", "json").stdout)["status"].get("phase")
+             in ("Running", "Failed"), 120, f"{name} Running")
+    claim = json.loads(c.kubectl("get", "pod", "forger", "-o", "json").stdout)["metadata"]["annotations"]
+    real = next(v for k, v in claim.items() if k.startswith("kvgpu.io/claim."))
+    forged = re.sub(r",1000,0$", ",100000,0", real).replace("priority=1", "priority=0")
+    m = _memtest(c, "forger", f"printf '%s' '{forged}' > /tmp/forged; KVGPU_CLAIM='{forged}' "
+                              "KVGPU_CLAIM_FILE=/tmp/forged ")
+    res["forged_reachable_mib"], res["forged_error"] = m.get("reachable_mib"), m.get("error")
+    res["forged_nvml_peak_mib"] = m.get("nvml_process_peak_mib")
+    say("a non-root tenant (uid 1000, runAsNonRoot, readOnlyRootFilesystem) under its 1000 MiB claim")
+    show(c, "exec", "nonroot", "--", "/usr/bin/id")
+    m = _memtest(c, "nonroot")
+    res["nonroot_reachable_mib"], res["nonroot_error"] = m.get("reachable_mib"), m.get("error")
+    res["nonroot_mem_get_info_mib"] = m.get("mem_get_info_before_mib")
+    c.kubectl("delete", "pod", "forger", "nonroot", "--wait=true", "--timeout=60s", check=False)
 
 
 def matmul(argv: list[str], timeout: float = 120) -> dict[str, Any]:
@@ -88,7 +135,7 @@ def matmul(argv: list[str], timeout: float = 120) -> dict[str, Any]:
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
 
 
-def scenario(c: Cluster, node: RealNode, out: Path) -> dict[str, Any]:
+def seed(c: Cluster, node: RealNode) -> dict[str, Any]:
     res: dict[str, Any] = {}
     say("the node as the kubelet registered it")
     wait(lambda: (node.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu") == "10",
@@ -125,7 +172,6 @@ def scenario(c: Cluster, node: RealNode, out: Path) -> dict[str, Any]:
     res["matmul_percent_of_native"] = round(100 * pod["its"] / native["its"], 1)
     show(c, "get", "events", "--sort-by=.lastTimestamp")
     c.kubectl("delete", "pod", "gpu-pod", "--wait=true", "--timeout=60s", check=False)
-    (out / "realnode-h200.json").write_text(json.dumps(res, indent=2))
     return res
 
 
@@ -133,7 +179,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--parts", default="seed,isolation", help="comma-separated: seed, isolation")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     a.out.mkdir(parents=True, exist_ok=True)
     c = Cluster(run_dir=a.run_dir, with_controller_manager=False)
     system = KvgpuSystem(c)
@@ -147,7 +195,12 @@ def main() -> int:
         node.start()
         node.apply_pool()  # splitCount 10 over this node's card
         node.start_agent()
-        res = scenario(c, node, a.out)
+        if "seed" in parts:
+            res.update(seed(c, node))
+        if "isolation" in parts:
+            wait(lambda: (node.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu"),
+                 60, "nvidia.com/gpu on the node")
+            isolation(c, res)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         for log in (node.kubelet_log, node.agent_log, node.containerd_log, system.operator_log()):
@@ -160,9 +213,17 @@ def main() -> int:
         node.stop(check=False)
         system.stop()
         c.stop()
-    ok = (res.get("nvidia_smi_3000") and str(res.get("torch_exception")).endswith("OutOfMemoryError")
-          and abs(res.get("matmul_percent_of_native", 0) - 30) <= 3)
+    oom = "OutOfMemoryError"
+    ok = "error" not in res
+    if "seed" in parts:
+        ok = ok and bool(res.get("nvidia_smi_3000") and str(res.get("torch_exception")).endswith(oom)
+                         and abs(res.get("matmul_percent_of_native", 0) - 30) <= 3)
+    if "isolation" in parts:
+        ok = ok and str(res.get("forged_error")).endswith(oom) and (res.get("forged_reachable_mib") or 1e9) < 1000
+        ok = ok and (res.get("forged_nvml_peak_mib") or 1e9) <= 1000
+        ok = ok and str(res.get("nonroot_error")).endswith(oom) and (res.get("nonroot_reachable_mib") or 1e9) < 1000
     res["ok"] = bool(ok)
+    (a.out / "realnode-h200.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res), flush=True)
     return 0 if ok else 1
 
