@@ -190,7 +190,8 @@ int vgpu_claim_parse(const char *text, struct vgpu_config *cfg);
 int vgpu_parse_mem(const char *text, uint64_t *out);
 void vgpu_py_config_load(struct vgpu_config *cfg, const char *envblock);
 
-struct vgpu_region_dev { char uuid[96]; uint64_t limit; uint32_t cores; uint32_t sm_util; ...; };
+struct vgpu_region_dev { char uuid[96]; uint64_t limit; uint32_t cores; uint32_t sm_util;
+                         uint64_t sched_joined_ns; uint64_t sched_heartbeat_ns; ...; };
 struct vgpu_slot { int32_t pid; int32_t host_pid; uint64_t start_time; uint64_t data[16];
                    uint64_t overhead[16]; ...; };
 struct vgpu_region { uint32_t magic; uint32_t version; uint32_t size; uint32_t ndev;
@@ -222,8 +223,8 @@ void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained);
 uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now);
 void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,
                        int n, int self, uint32_t *offset_pm, uint32_t *len_pm);
-int vgpu_sched_update(const char *dir, const char *uuid, const char *key, uint32_t share_pm,
-                      uint32_t prio, uint32_t *offset_pm, uint32_t *len_pm);
+int vgpu_sched_read(const char *dir, const char *uuid, const char *key, uint32_t *offset_pm,
+                    uint32_t *len_pm);
 uint64_t vgpu_now_ns(void);
 """
 

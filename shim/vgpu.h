@@ -95,7 +95,7 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx);
 /* ------------------------------------------------------------------ region (pure) */
 
 #define VGPU_REGION_MAGIC 0x5247564bu /* "KVGR" little endian */
-#define VGPU_REGION_VERSION 1u
+#define VGPU_REGION_VERSION 2u /* 2: sched_joined_ns, sched_heartbeat_ns */
 #define VGPU_MAX_SLOTS 128
 
 struct vgpu_region_dev {
@@ -107,7 +107,11 @@ struct vgpu_region_dev {
     _Atomic uint64_t used;      /* bytes charged = sum over live slots of data + overhead */
     _Atomic uint64_t win_id;    /* compute: current window number (shared by the container) */
     _Atomic uint64_t win_used;  /* compute: estimated GPU ns launched in that window */
-    uint64_t reserved[4];
+    /* compute activity, the container's only say in the node-wide schedule (read by the agent,
+     * which lays out the windows from the claims; see vgpu_sched_read): */
+    _Atomic uint64_t sched_joined_ns;    /* CLOCK_MONOTONIC when the gate became active (again) */
+    _Atomic uint64_t sched_heartbeat_ns; /* last schedule refresh of the gate (every 250 ms) */
+    uint64_t reserved[2];
 };
 
 struct vgpu_slot {
@@ -168,22 +172,27 @@ uint64_t vgpu_proc_start_time(int32_t pid);
 /* ------------------------------------------------------------------ compute (pure) */
 
 #define VGPU_SCHED_MAX 32
-struct vgpu_sched_entry {
-    char key[VGPU_CLAIM_LEN];   /* container identity: claim name or region path */
-    uint32_t share_pm;          /* wanted share, per mille of the card */
-    uint32_t priority;          /* 0 high, 1 low */
-    uint64_t joined_ns;         /* CLOCK_MONOTONIC at registration (orders equals) */
-    _Atomic uint64_t heartbeat_ns;
-};
-struct vgpu_sched {
+#define VGPU_SCHED_MAGIC 0x4853564bu /* "KVSH" */
+#define VGPU_SCHED_VERSION 2u
+#define VGPU_SCHED_STALE_NS (3ull * 1000000000ull) /* the agent drops an entry silent this long */
+/* The node-wide schedule of one card, <sched dir>/<UUID>.sched: written only by the node agent
+ * (operator/kvgpu/agent/schedule.py, atomically: temp file + rename, mode 0644), read-only to
+ * tenants. A header, then `count` entries. */
+struct vgpu_sched_hdr {
     uint32_t magic, version;
-    union { pthread_mutex_t m; char pad[64]; } lock;
-    struct vgpu_sched_entry e[VGPU_SCHED_MAX];
+    uint32_t entry_size;        /* sizeof(struct vgpu_sched_window) */
+    uint32_t count;             /* <= VGPU_SCHED_MAX */
+};
+struct vgpu_sched_window {
+    char key[VGPU_CLAIM_LEN];   /* claim name "<namespace>/<name>", NUL-padded */
+    uint32_t offset_pm;         /* window start, per mille of the period */
+    uint32_t len_pm;            /* window length, per mille of the period */
 };
 
 /* Given the live entries, compute window offset and length (per mille of the period) for
  * entry `self`. High priority first, then by join time; shares are scaled down for low
- * priority when the sum exceeds 1000. Pure. */
+ * priority when the sum exceeds 1000. Pure. (The agent's layout, operator/kvgpu/agent/
+ * schedule.py, is the one in force; this twin stays for the tests that compare them.) */
 void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,
                        int n, int self, uint32_t *offset_pm, uint32_t *len_pm);
 
@@ -220,10 +229,11 @@ void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained);
 /* Choose the next window (never the one just run; windows paid by debt are skipped) and
  * return the ns to wait from `now` until it opens. Pure arithmetic. */
 uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now);
-/* Node-wide schedule file for one card: register/heartbeat `key` and return the layout.
- * 0 on success (offset/len in per mille of the period), -1 if the file cannot be used. */
-int vgpu_sched_update(const char *dir, const char *uuid, const char *key, uint32_t share_pm,
-                      uint32_t prio, uint32_t *offset_pm, uint32_t *len_pm);
+/* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with
+ * offset/len in per mille of the period; -1 if the file is missing, short, not a schedule of
+ * this version, inconsistent (a window beyond the period), or does not list `key`. */
+int vgpu_sched_read(const char *dir, const char *uuid, const char *key, uint32_t *offset_pm,
+                    uint32_t *len_pm);
 uint64_t vgpu_now_ns(void);
 uint64_t vgpu_coarse_ns(void);      /* CLOCK_MONOTONIC_COARSE */
 uint64_t vgpu_coarse_margin(void);  /* 2 x its resolution, ns */

@@ -4,8 +4,9 @@
  * Model. Time is cut into periods P (default 100 ms) of CLOCK_MONOTONIC, which every
  * container on the node shares. A container with `cores` percent owns one window of length
  * cores% * P at a fixed offset inside each period; the offsets of the containers on one card
- * come from a node-wide schedule file (vgpu_sched_update), so co-tenants' windows do not
- * overlap (time-division, hard cap). Launches pass untouched while
+ * come from a node-wide schedule file that only the node agent writes (vgpu_sched_read; the
+ * container reports its activity in its own region), so co-tenants' windows do not overlap
+ * (time-division, hard cap). Launches pass untouched while
  *   (a) the window is open in time, and
  *   (b) the GPU time already queued in this window, estimated as launches x the measured GPU
  *       ns per launch, is below the window's budget.
@@ -17,7 +18,7 @@
  * So the cost per launch with a limit is one clock read and two relaxed atomic adds; there is
  * no NVML sensor in the loop, no lag, and no dependence on the SM count.
  *
- * Pure: gate arithmetic and schedule layout; the schedule file uses POSIX only.
+ * Pure: gate arithmetic and schedule layout; the schedule file is read with POSIX only.
  */
 #include "vgpu.h"
 
@@ -25,13 +26,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/file.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
-
-#define SCHED_MAGIC 0x4853564bu /* "KVSH" */
-#define SCHED_STALE_NS (3ull * 1000000000ull)
 
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns)
 {
@@ -183,86 +178,53 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
     }
 }
 
-static void sched_init_mutex(pthread_mutex_t *m)
+_Static_assert(sizeof(struct vgpu_sched_hdr) == 16, "schedule header layout");
+_Static_assert(sizeof(struct vgpu_sched_window) == VGPU_CLAIM_LEN + 8, "schedule entry layout");
+
+static int read_full(int fd, void *buf, size_t n, off_t at)
 {
-    pthread_mutexattr_t a;
-    pthread_mutexattr_init(&a);
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    pthread_mutex_init(m, &a);
-    pthread_mutexattr_destroy(&a);
+    char *p = buf;
+    while (n) {
+        ssize_t r = pread(fd, p, n, at);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        p += r, n -= (size_t)r, at += r;
+    }
+    return 0;
 }
 
-int vgpu_sched_update(const char *dir, const char *uuid, const char *key, uint32_t share_pm,
-                      uint32_t prio, uint32_t *offset_pm, uint32_t *len_pm)
+int vgpu_sched_read(const char *dir, const char *uuid, const char *key, uint32_t *offset_pm,
+                    uint32_t *len_pm)
 {
     char path[700];
+    if (!dir || !dir[0] || !uuid || !uuid[0] || strchr(uuid, '/') || !key || !key[0])
+        return -1;
     snprintf(path, sizeof path, "%s/%s.sched", dir, uuid);
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    /* Read-only, no lock: the agent renames a complete file into place, so an open file is
+     * always one whole version. O_NONBLOCK: a FIFO planted here (host mode) cannot hang us. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
     if (fd < 0)
         return -1;
-    fchmod(fd, 0666);
-    size_t sz = sizeof(struct vgpu_sched);
-    flock(fd, LOCK_EX);
-    off_t fsz = lseek(fd, 0, SEEK_END); /* not fstat: fstat@GLIBC_2.33 (see build.py) */
-    if (fsz < 0 || ((size_t)fsz < sz && ftruncate(fd, (off_t)sz) != 0)) {
-        close(fd);
-        return -1;
+    struct vgpu_sched_hdr h;
+    struct vgpu_sched_window w;
+    uint32_t off = 0, len = 0;
+    int found = 0, bad = read_full(fd, &h, sizeof h, 0) != 0 || h.magic != VGPU_SCHED_MAGIC ||
+                         h.version != VGPU_SCHED_VERSION || h.entry_size != sizeof w ||
+                         h.count > VGPU_SCHED_MAX;
+    /* The whole file is checked: a short or garbled one is trusted in none of its entries. */
+    for (uint32_t i = 0; !bad && i < h.count; i++) {
+        bad = read_full(fd, &w, sizeof w, (off_t)(sizeof h + (size_t)i * sizeof w)) != 0 ||
+              memchr(w.key, 0, sizeof w.key) == NULL || w.offset_pm > 1000 || w.len_pm > 1000 ||
+              w.offset_pm + w.len_pm > 1000;
+        if (!bad && !found && strcmp(w.key, key) == 0)
+            found = 1, off = w.offset_pm, len = w.len_pm;
     }
-    struct vgpu_sched *s = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (s == MAP_FAILED) {
-        close(fd);
-        return -1;
-    }
-    if (s->magic != SCHED_MAGIC || s->version != 1) {
-        memset(s, 0, sz);
-        sched_init_mutex(&s->lock.m);
-        s->version = 1;
-        __atomic_store_n(&s->magic, SCHED_MAGIC, __ATOMIC_RELEASE);
-    }
-    flock(fd, LOCK_UN);
-    int rc = pthread_mutex_lock(&s->lock.m);
-    if (rc == EOWNERDEAD)
-        pthread_mutex_consistent(&s->lock.m);
-    uint64_t now = vgpu_now_ns();
-    int me = -1, free_e = -1;
-    for (int i = 0; i < VGPU_SCHED_MAX; i++) {
-        struct vgpu_sched_entry *e = &s->e[i];
-        int live = e->key[0] && now - atomic_load(&e->heartbeat_ns) < SCHED_STALE_NS;
-        if (e->key[0] && strncmp(e->key, key, sizeof e->key) == 0) {
-            me = i;
-            if (!live)
-                e->joined_ns = now; /* came back after going idle: join at the end */
-        } else if (!live && free_e < 0)
-            free_e = i;
-    }
-    if (me < 0 && free_e >= 0) {
-        me = free_e;
-        memset(&s->e[me], 0, sizeof s->e[me]);
-        snprintf(s->e[me].key, sizeof s->e[me].key, "%s", key);
-        s->e[me].joined_ns = now;
-    }
-    if (me >= 0) {
-        s->e[me].share_pm = share_pm;
-        s->e[me].priority = prio;
-        atomic_store(&s->e[me].heartbeat_ns, now);
-    }
-    uint32_t sh[VGPU_SCHED_MAX], pr[VGPU_SCHED_MAX];
-    uint64_t jo[VGPU_SCHED_MAX];
-    int n = 0, self = -1;
-    for (int i = 0; i < VGPU_SCHED_MAX; i++) {
-        struct vgpu_sched_entry *e = &s->e[i];
-        if (!e->key[0] || now - atomic_load(&e->heartbeat_ns) >= SCHED_STALE_NS)
-            continue;
-        if (i == me)
-            self = n;
-        sh[n] = e->share_pm, pr[n] = e->priority, jo[n] = e->joined_ns, n++;
-    }
-    pthread_mutex_unlock(&s->lock.m);
-    munmap(s, sz);
     close(fd);
-    if (self < 0)
+    if (bad || !found)
         return -1;
-    vgpu_sched_layout(sh, pr, jo, n, self, offset_pm, len_pm);
+    *offset_pm = off;
+    *len_pm = len;
     return 0;
 }

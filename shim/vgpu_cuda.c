@@ -747,20 +747,34 @@ void vgpu_compute_setup(int d, CUdevice dev)
     }
 }
 
+/* Every 250 ms on the slow path: stamp the container's activity in its own region (the agent
+ * reads it) and read the window the agent laid out for this card. A missing, short or garbage
+ * schedule, or one that does not list us yet: our own share at offset 0 (capped, as alone). A
+ * window is never longer than our own share. Not listed yet: retried on every slow path. */
 static void refresh_schedule(int d, uint64_t now)
 {
     struct vgpu_gate *g = &vgpu.gate[d];
-    if (!vgpu.cfg.sched_dir[0] || (g->last_sched_ns && now - g->last_sched_ns < 250000000ull))
+    if (g->last_sched_ns && now - g->last_sched_ns < 250000000ull)
         return;
-    g->last_sched_ns = now;
+    struct vgpu_region_dev *rd = &vgpu.region.r->dev[d];
+    uint64_t hb = atomic_load_explicit(&rd->sched_heartbeat_ns, memory_order_relaxed);
+    if (!hb || hb > now || now - hb >= VGPU_SCHED_STALE_NS)
+        atomic_store_explicit(&rd->sched_joined_ns, now, memory_order_relaxed); /* (re)joins at the end */
+    atomic_store_explicit(&rd->sched_heartbeat_ns, now, memory_order_relaxed);
+    uint64_t own = g->period_ns * (rd->cores ? rd->cores : 100) / 100;
     uint32_t off = 0, len = 0;
-    const char *key = vgpu.cfg.claim[0] ? vgpu.cfg.claim : vgpu.cfg.region_path;
-    uint32_t share = (uint32_t)vgpu.region.r->dev[d].cores * 10;
-    if (vgpu_sched_update(vgpu.cfg.sched_dir, vgpu.region.r->dev[d].uuid[0] ? vgpu.region.r->dev[d].uuid : "dev",
-                          key, share, (uint32_t)vgpu.cfg.priority, &off, &len) == 0 && len) {
+    if (vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0] &&
+        vgpu_sched_read(vgpu.cfg.sched_dir, rd->uuid, vgpu.cfg.claim, &off, &len) == 0 && len) {
+        g->last_sched_ns = now;
         g->offset_ns = g->period_ns * off / 1000;
         g->len_ns = g->period_ns * len / 1000;
+        if (g->len_ns > own)
+            g->len_ns = own;
+        return;
     }
+    g->last_sched_ns = vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0] ? 0 : now;
+    g->offset_ns = 0;
+    g->len_ns = own;
 }
 
 static void sleep_until(uint64_t t)

@@ -76,6 +76,8 @@ class DeviceUsage:
     cores: int  # compute limit, percent of SMs (0 = none)
     sm_util: int | None  # last known SM utilisation of the container, percent
     processes: tuple[ProcessUsage, ...] = field(default=())
+    sched_joined_ns: int = 0  # compute gate: CLOCK_MONOTONIC when it became active (0 = never)
+    sched_heartbeat_ns: int = 0  # compute gate: its last schedule refresh (the agent's liveness)
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -136,6 +138,8 @@ def read_region(path: str | Path) -> RegionUsage:
                     cores=rd.cores,
                     sm_util=None if rd.sm_util == 0xFFFFFFFF else rd.sm_util,
                     processes=procs,
+                    sched_joined_ns=rd.sched_joined_ns,
+                    sched_heartbeat_ns=rd.sched_heartbeat_ns,
                 )
             )
         return RegionUsage(

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from .conftest import claim
+from .conftest import claim, uuid
 
 MS = 1_000_000
 
@@ -70,17 +70,69 @@ def test_schedule_layout(core, shares, prios, self_, expect) -> None:
     assert (off[0], ln[0]) == expect
 
 
-def test_schedule_file_gives_disjoint_windows(core, tmp_path) -> None:
+def test_shim_layout_and_agent_layout_agree(core) -> None:
+    from kvgpu.agent.schedule import Tenant, layout
+
+    ffi, lib = core.ffi, core.lib
+    off, ln = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+    for shares, prios in [([300, 700], [1, 1]), ([700, 300], [1, 0]), ([800, 600], [1, 0]),
+                          ([800, 600], [0, 0]), ([100, 250, 900, 400], [1, 0, 1, 0])]:
+        n = len(shares)
+        agent = {w.key: (w.offset_pm, w.len_pm)
+                 for w in layout([Tenant(str(i), prios[i], shares[i], i) for i in range(n)])}
+        for i in range(n):
+            lib.vgpu_sched_layout(ffi.new("uint32_t[]", shares), ffi.new("uint32_t[]", prios),
+                                  ffi.new("uint64_t[]", list(range(n))), n, i, off, ln)
+            assert agent[str(i)] == (off[0], ln[0]), (shares, prios, i)
+
+
+def test_shim_reads_the_agents_schedule_and_refuses_garbage(core, tmp_path) -> None:
+    from kvgpu.agent.schedule import HEADER, MAGIC, Window, encode, write_schedule
+
     ffi, lib = core.ffi, core.lib
     o, n = ffi.new("uint32_t *"), ffi.new("uint32_t *")
-    assert lib.vgpu_sched_update(str(tmp_path).encode(), b"GPU-x", b"a/one", 300, 1, o, n) == 0
-    assert (o[0], n[0]) == (0, 300)
-    assert lib.vgpu_sched_update(str(tmp_path).encode(), b"GPU-x", b"b/two", 700, 1, o, n) == 0
-    assert (o[0], n[0]) == (300, 700)
-    assert lib.vgpu_sched_update(str(tmp_path).encode(), b"GPU-x", b"a/one", 300, 1, o, n) == 0
-    assert (o[0], n[0]) == (0, 300)
-    assert lib.vgpu_sched_update(str(tmp_path).encode(), b"GPU-y", b"b/two", 700, 1, o, n) == 0
-    assert (o[0], n[0]) == (0, 700)  # one file per card
+
+    def read(key: bytes = b"a/one", uuid: bytes = b"GPU-x") -> tuple[int, int] | None:
+        ok = lib.vgpu_sched_read(str(tmp_path).encode(), uuid, key, o, n) == 0
+        return (o[0], n[0]) if ok else None
+
+    assert read() is None  # no file
+    path = write_schedule(tmp_path, "GPU-x", encode([Window("a/one", 0, 300), Window("b/two", 300, 700)]))
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert read() == (0, 300) and read(b"b/two") == (300, 700)
+    assert read(b"c/three") is None and read(uuid=b"GPU-y") is None  # not listed; one file per card
+    good = path.read_bytes()
+    for bad in (good[:10], good[:-1], b"\xff" * len(good), b"",
+                HEADER.pack(MAGIC, 1, 328, 2) + good[16:],  # the old version
+                HEADER.pack(MAGIC, 2, 328, 33) + good[16:],  # more entries than there can be
+                encode([Window("a/one", 900, 300)]),  # beyond the period
+                encode([Window("a/one", 0, 300)])[:16] + b"x" * 320 + good[16 + 320:16 + 328]):  # no NUL
+        path.write_bytes(bad)
+        assert read() is None, bad[:24]
+    path.write_bytes(good)
+    assert read() == (0, 300)
+
+
+def test_a_tenant_cannot_write_the_schedule(box) -> None:
+    """The old design's file was 0666 with a mutex every tenant took; now the agent's file is
+    0644 (root's on a node, read-only mounted in containers), and the shim opens it read-only: a
+    tenant run never changes it, even when it could write the directory."""
+    from kvgpu.agent.schedule import Window, encode, write_schedule
+
+    sched = box.dir / "sched"
+    path = write_schedule(sched, uuid(0), encode([Window("ns/other", 0, 500)]))
+    before = (path.read_bytes(), path.stat().st_mtime_ns, path.stat().st_ino)
+    rd = box.dir / "r-alone"
+    rd.mkdir()
+    env = box.env(claim((0, 1000, 30), name="ns/alone"), KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd)
+    box.run("launch", "kernel", "0.6", "20", env=env)
+    assert (path.read_bytes(), path.stat().st_mtime_ns, path.stat().st_ino) == before
+    assert sorted(p.name for p in sched.iterdir()) == [path.name]
+    # its activity went into its own region instead
+    from kvgpu.shimcore import read_region
+
+    dev = read_region(rd / "vgpu.region").devices[0]
+    assert dev.sched_heartbeat_ns > 0 and 0 < dev.sched_joined_ns <= dev.sched_heartbeat_ns
 
 
 def rate(box, env, mode="kernel", secs=2.0) -> float:
@@ -119,21 +171,35 @@ def test_every_launch_path_is_gated(stub2ms, mode) -> None:
 
 
 def co_tenants(box, a: tuple[int, int], b: tuple[int, int], secs=3.0) -> tuple[float, float]:
+    """Two containers on card 0, with the node agent's schedule writer running (a thread calling
+    the real :class:`~kvgpu.agent.schedule.Scheduler` over their claims and regions)."""
+    import json
+    import threading
+    from pathlib import Path
+
+    from kvgpu.agent.schedule import Scheduler, TenantSource
+
     sched = box.dir / "sched"
-    sched.mkdir(exist_ok=True)
-    outs = []
-    procs = []
+    sources = []
+    envs = []
     for i, (cores, prio) in enumerate((a, b)):
         rd = box.dir / f"r{i}"
         rd.mkdir(exist_ok=True)
-        env = box.env(claim((0, 1000, cores), name=f"ns/t{i}", priority=prio),
-                      KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd)
-        procs.append(subprocess.Popen([str(box.kit.cuprog), "launch", "kernel", str(secs), "20"], env=env,
-                                      stdout=subprocess.PIPE, text=True))
-    import json
-
-    for p in procs:
-        outs.append(json.loads(p.communicate(timeout=60)[0])["rate"])
+        sources.append(TenantSource(f"ns/t{i}", prio, {uuid(0): cores}, Path(rd) / "vgpu.region"))
+        envs.append(box.env(claim((0, 1000, cores), name=f"ns/t{i}", priority=prio),
+                            KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd))
+    writer = Scheduler(sched, lambda: sources, lambda: [uuid(0)])
+    stop = threading.Event()
+    t = threading.Thread(target=writer.serve, args=(stop, 0.1), daemon=True)
+    t.start()
+    try:
+        procs = [subprocess.Popen([str(box.kit.cuprog), "launch", "kernel", str(secs), "20"], env=env,
+                                  stdout=subprocess.PIPE, text=True) for env in envs]
+        outs = [json.loads(p.communicate(timeout=60)[0])["rate"] for p in procs]
+        box.last_layout = writer.tick()
+    finally:
+        stop.set()
+        t.join()
     return outs[0], outs[1]
 
 
@@ -141,6 +207,9 @@ def test_co_tenants_30_70(stub2ms) -> None:
     box = stub2ms
     native = rate(box, box.env(shim=False))
     ra, rb = co_tenants(box, (30, 1), (70, 1))
+    print(f"co-tenants 30+70: {ra / native * 100:.1f} % + {rb / native * 100:.1f} %")
+    assert [(w.key, w.offset_pm, w.len_pm) for w in box.last_layout[uuid(0)]] == [
+        ("ns/t0", 0, 300), ("ns/t1", 300, 700)]
     assert abs(ra / native * 100 - 30) <= 6 and abs(rb / native * 100 - 70) <= 6, (ra, rb, native)
 
 
@@ -148,6 +217,9 @@ def test_priority_wins_when_overcommitted(stub2ms) -> None:
     box = stub2ms
     native = rate(box, box.env(shim=False))
     low, high = co_tenants(box, (70, 1), (70, 0))
+    print(f"priority 70 low + 70 high: {low / native * 100:.1f} % + {high / native * 100:.1f} %")
+    assert [(w.key, w.offset_pm, w.len_pm) for w in box.last_layout[uuid(0)]] == [
+        ("ns/t1", 0, 700), ("ns/t0", 700, 300)]
     assert abs(high / native * 100 - 70) <= 7 and abs(low / native * 100 - 30) <= 7, (low, high, native)
 
 
