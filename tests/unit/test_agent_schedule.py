@@ -124,3 +124,16 @@ def test_scheduler_writes_changes_only_and_empties_cards_that_go_quiet(tmp_path:
     now[0] += STALE_NS
     sch.tick()
     assert decode(f1.read_bytes()) == []
+
+
+def test_sources_come_from_the_claim_annotations(tmp_path: Path) -> None:
+    from kvgpu.agent.schedule import sources_of
+    from kvgpu.agent.usage import containers_of_pod
+    from kvgpu.core import keys
+
+    text = "v1;claim=ns/p-main;priority=0;dev=GPU-1,1000,30"
+    pod = {"metadata": {"namespace": "ns", "name": "p", "uid": "uid-1",
+                        "annotations": {keys.claim_annotation("main"): text}},
+           "spec": {"containers": [{"name": "main"}]}, "status": {"phase": "Running"}}
+    (s,) = sources_of(containers_of_pod(pod), tmp_path)
+    assert s == TenantSource("ns/p-main", 0, {"GPU-1": 30}, tmp_path / "uid-1" / "main" / "vgpu.region")

@@ -4,9 +4,10 @@
 ``asyncio.run(run(cfg))``. Order at start: discovery works (or the agent exits with
 :class:`~kvgpu.agent.discovery.DiscoveryError`) → the shim is installed (when a source is given)
 → then, concurrently: inventory registration, health monitoring, the pod cache, the kubelet
-device plugin, the metrics server and the region GC. A health change re-publishes the inventory
-at once, updates the device plugin's list (the kubelet sees the replicas unhealthy) and records a
-Node Event.
+device plugin, the metrics server, the region GC and the compute schedule writer
+(:mod:`kvgpu.agent.schedule`, with the device plugin only). A health change re-publishes the
+inventory at once, updates the device plugin's list (the kubelet sees the replicas unhealthy) and
+records a Node Event.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from .podresources import DEFAULT_SOCKET as POD_RESOURCES_SOCKET
 from .podresources import PodResourcesClient
 from .pods import PodCache
 from .registration import Registrar
+from .schedule import Scheduler, sources_of
 from .shiminstall import install_shim, prune_shims
 from .usage import REGION_FILE, BoundContainer, default_reader, gc_regions
 
@@ -93,6 +95,10 @@ class AgentConfig:
     region_root: str = keys.HOST_REGION_ROOT
     region_gc_s: float = 300.0
     enforcement_s: float = 5.0  # NVML process check + host-PID filling period; 0 disables (off simulated)
+    #: the node-wide compute schedule (one file per card) this agent alone writes; 0 disables.
+    #: Runs with the device plugin (a real kubelet's containers), not on fake nodes.
+    sched_dir: str = keys.HOST_SCHED_DIR
+    sched_interval_s: float = 0.25
 
 
 @asynccontextmanager
@@ -128,6 +134,7 @@ class Agent:
         self.metrics_server: Any = None
         self.reader = default_reader()
         self.enforcement: EnforcementMonitor | None = None
+        self.scheduler: Scheduler | None = None
         self._capacity: tuple[int, int] | None = None
 
     def inventory(self) -> NodeInventory | None:
@@ -184,6 +191,15 @@ class Agent:
                 "GPUUnenforced",
                 f"container {c.container} runs outside the kvgpu shim on {message}",
             )
+
+    def _make_scheduler(self) -> Scheduler:
+        from pathlib import Path
+
+        return Scheduler(
+            Path(self.cfg.sched_dir),
+            lambda: sources_of(self.pods.containers(), self.cfg.region_root),
+            lambda: [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())],
+        )
 
     def _make_enforcement(self) -> EnforcementMonitor | None:
         if self.cfg.simulated or not self.cfg.enforcement_s or not isinstance(self.discovery, NvmlDiscovery):
@@ -286,6 +302,9 @@ class Agent:
             if self.api_client is not None:
                 tg.create_task(self.pods.run(self.api_client), name="pods")
                 tg.create_task(self._region_gc(), name="region-gc")
+            if self.cfg.device_plugin and self.cfg.sched_interval_s > 0:
+                self.scheduler = self._make_scheduler()
+                tg.create_task(self.scheduler.run(self.cfg.sched_interval_s), name="compute-schedule")
             self.enforcement = self._make_enforcement()
             if self.enforcement is not None:
                 tg.create_task(self.enforcement.run(), name="enforcement")

@@ -30,6 +30,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .usage import BoundContainer
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +166,19 @@ def read_activity(region_file: Path) -> dict[str, Activity]:
     return {d.uuid: Activity(d.sched_joined_ns, d.sched_heartbeat_ns) for d in r.devices if d.uuid}
 
 
+def sources_of(containers: Iterable[BoundContainer], region_root: str | os.PathLike[str]) -> list[TenantSource]:
+    """The tenants of this node from its bound containers (claim annotations from the API) and
+    their region files on the host, ``<region root>/<pod UID>/<container>/vgpu.region``."""
+    from .usage import REGION_FILE
+
+    return [
+        TenantSource(c.claim, c.priority, {d.uuid: d.cores for d in c.devices},
+                     Path(region_root) / c.pod_uid / c.container / REGION_FILE)
+        for c in containers
+        if c.pod_uid and c.container and "/" not in c.pod_uid + c.container
+    ]
+
+
 def limited(cores: int) -> bool:
     """The shim gates (and so heartbeats) only 0 < cores < 100."""
     return 0 < cores < 100
@@ -257,5 +274,6 @@ __all__ = [
     "layout",
     "plan",
     "read_activity",
+    "sources_of",
     "write_schedule",
 ]
