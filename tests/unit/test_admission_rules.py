@@ -79,8 +79,8 @@ def test_injected_env_reads_the_allocation_annotations() -> None:
     assert env[keys.ENV_SCHED_DIR]["value"] == keys.CONTAINER_SCHED_DIR
     mounts = {x["mountPath"]: x for x in m.injected_mounts("main")}
     assert mounts[keys.CONTAINER_REGION_DIR]["subPathExpr"] == "$(KVGPU_POD_UID)/main"
-    # Writable: the container's own region, and the node-wide compute schedule directory.
-    writable = {keys.CONTAINER_REGION_DIR, keys.CONTAINER_SCHED_DIR}
+    # Writable: the container's own region only; the node-wide compute schedule is the agent's.
+    writable = {keys.CONTAINER_REGION_DIR}
     assert all(x.get("readOnly") for p, x in mounts.items() if p not in writable)
     assert not any(x.get("readOnly") for p, x in mounts.items() if p in writable)
 
@@ -626,3 +626,17 @@ def test_a_container_cannot_mount_a_siblings_claim_volume() -> None:
     bad = mutated(pod(SLICED))
     bad["spec"]["containers"][1]["volumeMounts"] = [{"name": "kvgpu-claim-main", "mountPath": "/etc/kvgpu"}]
     assert any("kvgpu-claim-main" in e for e in create_errors(bad))
+
+
+def test_the_compute_schedule_is_mounted_read_only_and_cannot_be_remounted_writable() -> None:
+    """Issue 14 ("Shared compute schedule"): the node agent alone writes the schedule; a pod that
+    mounts the kvgpu-sched volume writable (at the shim's path or elsewhere) is refused."""
+    out = mutated(pod(SLICED))
+    assert create_errors(out) == []
+    mount = next(x for x in out["spec"]["containers"][0]["volumeMounts"] if x["name"] == "kvgpu-sched")
+    assert mount == {"name": "kvgpu-sched", "mountPath": keys.CONTAINER_SCHED_DIR, "readOnly": True}
+    mount.pop("readOnly")
+    assert any(keys.CONTAINER_SCHED_DIR in e for e in create_errors(out))
+    out = mutated(pod(SLICED))
+    out["spec"]["containers"][0]["volumeMounts"].append({"name": "kvgpu-sched", "mountPath": "/mnt/s"})
+    assert any("kvgpu-sched" in e for e in create_errors(out))

@@ -114,8 +114,8 @@ def injected_mounts(container: str) -> list[dict[str, Any]]:
          "subPathExpr": region_sub_path_expr(container)},
         # A directory mount: a root process cannot rename it away (EBUSY) to plant its own file.
         {"name": claim_volume(container), "mountPath": keys.CONTAINER_CLAIM_DIR, "readOnly": True},
-        # Node-wide: co-tenants of a card coordinate their compute windows through it.
-        {"name": VOLUME_SCHED, "mountPath": keys.CONTAINER_SCHED_DIR},
+        # Node-wide, read-only: the agent alone writes each card's compute windows (issue 14).
+        {"name": VOLUME_SCHED, "mountPath": keys.CONTAINER_SCHED_DIR, "readOnly": True},
     ]
 
 
