@@ -65,6 +65,18 @@ CONTAINER_CLAIM_DIR = "/etc/kvgpu"
 CONTAINER_CLAIM_FILE = f"{CONTAINER_CLAIM_DIR}/claim"
 
 
+def label_value(value: str) -> str:
+    """``value`` as a valid label value (at most 63 characters, alphanumeric at both ends): as it
+    is when it already is one, else a prefix of it, cut back to an alphanumeric, plus ``-`` and
+    12 hex digits of its SHA-256 (distinct names stay distinct). For node names, which may be
+    253 characters long with ``-``/``.`` anywhere."""
+    if len(value) <= 63 and (not value or (value[0].isalnum() and value[-1].isalnum())):
+        return value
+    digest = hashlib.sha256(value.encode()).hexdigest()[:12]
+    prefix = value[:50].rstrip("-._")
+    return f"{prefix}-{digest}" if prefix else digest
+
+
 def container_key(container: str) -> str:
     """Return the annotation-safe key for a container name.
 

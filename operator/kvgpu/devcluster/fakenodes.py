@@ -30,7 +30,7 @@ def node_manifest(
     inv = sim.inventory()
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     labels = {
-        "kubernetes.io/hostname": sim.name,
+        "kubernetes.io/hostname": keys.label_value(sim.name),  # a node name may be longer than a label
         "kubernetes.io/os": "linux",
         "kubernetes.io/arch": "amd64",
         keys.NODE_LABEL_GPU: "true",

@@ -76,7 +76,7 @@ def claim_body(pod: dict[str, Any], alloc: PodAllocation, container: str, pool: 
         "metadata": {
             "name": claim_name(meta["name"], container, meta["uid"]),
             "namespace": meta["namespace"],
-            "labels": {"kvgpu.io/pod-uid": meta["uid"], "kvgpu.io/node": alloc.node[:63]},
+            "labels": {"kvgpu.io/pod-uid": meta["uid"], "kvgpu.io/node": keys.label_value(alloc.node)},
             "ownerReferences": [{
                 "apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"],
                 "controller": False, "blockOwnerDeletion": False,
