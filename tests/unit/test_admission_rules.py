@@ -97,6 +97,18 @@ def test_long_container_names_use_the_hashed_key() -> None:
     assert create_errors(out) == []
 
 
+def test_a_container_named_like_a_hashed_key_is_refused() -> None:
+    # Measured: 'h-<16 hex>' next to a long name shared its claim annotation and took its limit.
+    long = "trainer-" + "x" * 40
+    twin = keys.container_key(long)
+    p = pod({"kvgpu.io/gpumem": "1000", "kvgpu.io/containers": f"{long},{twin}"},
+            containers=[{"name": long, "image": "x"}, {"name": twin, "image": "x"}])
+    errs = create_errors(mutated(p))
+    assert any("would share kvgpu's annotation key" in e and twin in e for e in errs), errs
+    other = pod({"kvgpu.io/gpumem": "1000"}, containers=[{"name": "h-0123456789abcdef", "image": "x"}])
+    assert create_errors(mutated(other)) == []  # such a name alone is fine
+
+
 @pytest.mark.parametrize("p", [
     pod(SLICED),
     pod({"kvgpu.io/gpu": "2", "kvgpu.io/containers": "main,side"}),

@@ -298,12 +298,25 @@ def _create_errors(pod: Mapping[str, Any], *, injected: bool = True) -> list[str
         errors.append(f"spec.nodeName is preset to {spec['nodeName']!r}; pods that request GPU slices must "
                       "go through the kvgpu scheduler: use a nodeSelector or node affinity instead")
     sliced = parsed.names()
+    errors += _key_collision_errors(pod)
     errors += _all_privilege_errors(pod)
     for kind, c in _containers(pod):
         errors += _env_errors(kind, c, c.get("name") in sliced)
     if injected and not parsed.errors:
         errors += _injection_errors(pod, sliced, parsed.card_resources)
     return errors
+
+
+def _key_collision_errors(pod: Mapping[str, Any]) -> list[str]:
+    """Two containers whose annotation keys (:func:`keys.container_key`) are equal would share one
+    claim annotation — a name like ``h-<16 hex>`` equals the hashed key of a long name."""
+    by_key: dict[str, list[str]] = {}
+    for _kind, c in _containers(pod):
+        name = str(c.get("name") or "")
+        by_key.setdefault(keys.container_key(name), []).append(name)
+    return [f"containers {' and '.join(repr(n) for n in names)} would share kvgpu's annotation key {key!r} "
+            "(names of the form h-<16 hex digits> stand for container names longer than 40 characters): "
+            "rename one of them" for key, names in by_key.items() if len(names) > 1]
 
 
 def _all_privilege_errors(pod: Mapping[str, Any]) -> list[str]:
