@@ -121,6 +121,9 @@ def test_scheduler_writes_changes_only_and_empties_cards_that_go_quiet(tmp_path:
     now[0] += S
     sch.tick()
     assert f1.stat().st_ino == ino  # unchanged content: not rewritten
+    f1.write_bytes(encode([Window("ns/a", 0, 1000)]))  # a pod with the old writable mount
+    sch.tick()
+    assert decode(f1.read_bytes()) == [Window("ns/a", 0, 300)]  # put back at the next pass
     now[0] += STALE_NS
     sch.tick()
     assert decode(f1.read_bytes()) == []

@@ -215,6 +215,14 @@ def plan(
     return {u: layout(ts) for u, ts in per_card.items()}, seen
 
 
+def _identity(sched_dir: Path, uuid: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.lstat(Path(sched_dir) / (uuid + SUFFIX))
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @dataclass
 class Scheduler:
     """Writes every card's schedule file from the claims and the regions.
@@ -228,7 +236,7 @@ class Scheduler:
     read: ActivityReader = read_activity
     clock: Callable[[], int] = time.monotonic_ns  # CLOCK_MONOTONIC, as the shim's stamps
     _first_seen: dict[tuple[str, str], int] = field(default_factory=dict)
-    _written: dict[str, bytes] = field(default_factory=dict)
+    _written: dict[str, tuple[bytes, tuple[int, int, int]]] = field(default_factory=dict)
     _passes: int = 0
 
     def tick(self) -> dict[str, list[Window]]:
@@ -239,11 +247,14 @@ class Scheduler:
         self._passes += 1
         for uuid in set(self.cards()) | set(layouts) | set(self._written):
             data = encode(layouts.get(uuid, []))
-            if self._written.get(uuid) == data:
+            last = self._written.get(uuid)
+            # Rewritten when the content changes, and when the file is not the one this agent
+            # wrote (a pod created before the read-only mount can still replace it).
+            if last is not None and last[0] == data and _identity(self.sched_dir, uuid) == last[1]:
                 continue
             try:
                 write_schedule(self.sched_dir, uuid, data)
-                self._written[uuid] = data
+                self._written[uuid] = (data, _identity(self.sched_dir, uuid) or (0, 0, 0))
             except (OSError, ValueError) as e:
                 log.warning("cannot write the compute schedule of %s: %s", uuid, e)
         return layouts
