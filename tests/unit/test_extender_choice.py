@@ -65,7 +65,7 @@ def test_best_node_of_nothing() -> None:
 # ------------------------------------------------------------------ filter over HTTP
 def _pod(uid: str, spec_extra: dict[str, Any] | None = None, policy: str = "binpack") -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"p-{uid}", "namespace": "ns", "uid": uid,
+            "metadata": {"name": f"p-{uid}", "namespace": "ns", "uid": uid, "labels": {"kvgpu.io/managed": "true"},
                          "annotations": {"kvgpu.io/gpumem": "3000", "kvgpu.io/node-policy": policy}},
             "spec": {"containers": [{"name": "main", "image": "x"}], **(spec_extra or {})}}
 

@@ -25,7 +25,7 @@ from kvgpu.runtime import OperatorConfig, Runtime
 from tests.unit.extender_helpers import UID, FakeKube, make_state
 
 GPU_POD = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": "p", "namespace": "ns", "uid": UID},
+           "metadata": {"name": "p", "namespace": "ns", "uid": UID, "labels": {"kvgpu.io/managed": "true"}},
            "spec": {"schedulerName": "kvgpu-scheduler", "containers": [
                {"name": "main", "image": "x", "resources": {"limits": {
                    "nvidia.com/gpu": 1, "nvidia.com/gpumem": "15000"}}}]}}

@@ -22,7 +22,8 @@ def _pod(uid: str, ann: dict[str, str], **limits: str) -> dict[str, Any]:
         c["resources"] = {"limits": {k.replace("_", "/", 1).replace("nvidia/", "nvidia.com/"): v
                                      for k, v in limits.items()}}
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"p-{uid[:8]}", "namespace": "ns", "uid": uid, "annotations": ann},
+            "metadata": {"name": f"p-{uid[:8]}", "namespace": "ns", "uid": uid, "annotations": ann,
+                         "labels": {"kvgpu.io/managed": "true"}},
             "spec": {"schedulerName": "kvgpu-scheduler", "containers": [c]}}
 
 
@@ -125,3 +126,13 @@ def test_filter_result_cleans_every_reason_and_the_error() -> None:
     res = filter_result(args, [], {"a": "10 % < 30 %", "b": "fine"}, "boom 5%")
     assert res["failedAndUnresolvableNodes"] == {"a": "10 percent < 30 percent", "b": "fine"}
     assert res["error"] == "boom 5 percent"
+
+
+def test_a_pod_the_webhook_never_saw_gets_no_node(harness: Harness) -> None:
+    """A kube-system pod (the webhooks skip it) naming kvgpu-scheduler: no slice without the shim."""
+    pod = _pod(_uid(99), {"kvgpu.io/gpumem": "1000"})
+    del pod["metadata"]["labels"]
+    _, data = harness.post("filter", json.dumps({"pod": pod, "nodenames": NODES}).encode())
+    failed = data.get("failedAndUnresolvableNodes") or data.get("failedNodes") or {}
+    assert data.get("nodenames") in (None, []) and set(failed) == set(NODES), data
+    assert all("not admitted by kvgpu's webhook" in r for r in failed.values()), data

@@ -242,6 +242,9 @@ def test_mutating_webhook_never_raises_and_is_idempotent(pod: Any) -> None:
         return
     spec = pod.get("spec") or {}
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    names = [c.get("name") for k in ("containers", "initContainers") for c in spec.get(k) or []]
+    if len(names) != len(set(names)):
+        return  # the API server refuses a pod whose init and app containers share a name
     if spec.get("schedulerName") == "other" or any(
             c.get("env") for k in ("containers", "initContainers") for c in spec.get(k) or []) or any(
             keys.is_allocation_annotation(k) for k in annotations):

@@ -178,7 +178,8 @@ def test_http_bind_random_pods(harness: Harness, pod: dict[str, Any], node: str,
 # Found by the scale bench and the chaos tests; pinned here with the same fake API.
 def _gpu_pod(uid: str = UID, mem: str = "3000") -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "p", "namespace": "ns", "uid": uid, "annotations": {"kvgpu.io/gpumem": mem}},
+            "metadata": {"name": "p", "namespace": "ns", "uid": uid, "annotations": {"kvgpu.io/gpumem": mem},
+                         "labels": {"kvgpu.io/managed": "true"}},
             "spec": {"containers": [{"name": "main", "image": "x"}]}}
 
 

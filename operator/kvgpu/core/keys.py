@@ -7,6 +7,8 @@ annotation name part may be 63 too, so :func:`container_key` hashes names that d
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from typing import Any
 
 GROUP = "kvgpu.io"
 VERSION = "v1alpha1"
@@ -26,6 +28,15 @@ POD_NODE = f"{GROUP}/bound-node"
 POD_CLAIMS = f"{GROUP}/claims"  # comma list of VGPUClaim names of the pod
 POD_REQUEUE = f"{GROUP}/requeue"  # touched by the operator to retry a pending pod at once
 POD_MANAGED_LABEL = f"{GROUP}/managed"  # label "true" set by the mutating webhook
+NOT_ADMITTED = (f"the pod asks GPU slices but was not admitted by kvgpu's webhook (no {POD_MANAGED_LABEL} label; "
+                "its namespace is excluded, e.g. kube-system?): it would run without the shim and its env, "
+                "so kvgpu gives it no slice; create it in a namespace the webhook serves")
+
+
+def webhook_admitted(pod: Mapping[str, Any]) -> bool:
+    """Whether kvgpu's mutating webhook prepared ``pod`` (it labels every pod it gives slices)."""
+    labels = ((pod.get("metadata") or {}).get("labels")) or {}
+    return labels.get(POD_MANAGED_LABEL) == "true"
 CLAIM_PREFIX = f"{GROUP}/claim."  # + container key: the KVGPU_CLAIM string
 DEVICES_PREFIX = f"{GROUP}/devices."  # + container key: comma list of card UUIDs
 ALLOCATION_ANNOTATION_PREFIXES = (CLAIM_PREFIX, DEVICES_PREFIX)

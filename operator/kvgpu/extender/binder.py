@@ -254,6 +254,8 @@ class Binder:
                 raise BindError(f"invalid GPU request: {e}") from e
             if parsed is None:
                 raise BindError(f"pod {ns}/{name} requests no GPU slices; it should not use {keys.SCHEDULER_NAME}")
+            if not keys.webhook_admitted(pod):
+                raise BindError(f"pod {ns}/{name}: {keys.NOT_ADMITTED}")
             req = PodRequest(ns, name, args.pod_uid, parsed.containers, parsed.node_policy, parsed.gpu_policy)
         names = {c.container: claim_name(name, c.container, args.pod_uid) for c in req.containers}
         ckeys = {c: claim_key(ns, n) for c, n in names.items()}

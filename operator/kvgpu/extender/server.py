@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgpu import kube
 from kvgpu.api.requests import RequestError, parse_pod
+from kvgpu.core import keys
 from kvgpu.extender.binder import Binder
 from kvgpu.extender.choice import NodeChoice, best_node, scheduler_preferences
 from kvgpu.extender.protocol import (
@@ -102,6 +103,8 @@ class Extender:
                 return web.json_response(filter_result(args, [], failed))
             if req is None:  # not ours: every node passes
                 return web.json_response(filter_result(args, list(args.node_names), {}))
+            if not keys.webhook_admitted(args.pod):
+                return web.json_response(filter_result(args, [], dict.fromkeys(args.node_names, keys.NOT_ADMITTED)))
             feasible, reasons = self.state.ledger.filter(req, args.node_names)
             meta = args.pod["metadata"]
             uid = str(meta.get("uid", ""))
