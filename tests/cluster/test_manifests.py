@@ -21,10 +21,10 @@ from kvgpu.devcluster import Cluster
 
 EXPECTED = {
     "Namespace": 1, "CustomResourceDefinition": 2,
-    "ServiceAccount": 3, "ClusterRole": 3, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
+    "ServiceAccount": 3, "ClusterRole": 5, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
     "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
-    "NetworkPolicy": 1,
+    "NetworkPolicy": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
 }
 # the webhook's root/CA/serving certificate; the extender's CA and its serving and client certificates
 CERT_MANAGER = {"Issuer": 3, "Certificate": 5}
@@ -326,6 +326,10 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
     sched_log = tmp_path / "scheduler.log"
     system.stop_operator()
     cluster.stop_component("kube-scheduler-kvgpu-scheduler")
+    # the manifests' VGPUClaim policy (the operator's ServiceAccount writes claims) in place of
+    # the session's dev policy; the session operator puts its own back when it restarts below
+    policy = [d for d in _render(cluster, "manifests/base") if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(policy))
     proc = sched = None
     try:
         with sched_log.open("wb") as out:
