@@ -105,6 +105,7 @@ class Runtime:
     _tls_reloader: tls.Reloader | None = None
     _webhook_procs: list[Any] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _checks: set[asyncio.Task[None]] = field(default_factory=set)  # releases waiting on a pod read
     _nudge: asyncio.Event = field(default_factory=asyncio.Event)
     _written_nodes: dict[str, str] = field(default_factory=dict)
     _written_pools: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -351,8 +352,64 @@ class Runtime:
             return  # an older object under this name (a bind's failed attempt, a restored claim)
         held = self.state.ledger.reservation(key)
         if held is not None and held == alloc:
+            if self.api is not None:  # the pod may still run: look before freeing its cards
+                task = asyncio.create_task(self._release_unless_pod_runs(etype, key, claim),
+                                           name=f"kvgpu-release-{key}")
+                self._checks.add(task)
+                task.add_done_callback(self._checks.discard)
+                return
             self.state.release_key(key)
             self.nudge_pending(f"claim {key} {'deleted' if etype == 'DELETED' else 'released'}")
+
+    async def _release_unless_pod_runs(self, etype: str, key: str, claim: dict[str, Any]) -> None:
+        """Free a claim's cards only once its pod no longer holds them. A claim deleted or set
+        Released by someone else while its pod still runs on the claim's node (an admin, a
+        controller with wide rights) is put back instead, and its cards stay reserved: a user
+        action must never let kvgpu promise the same memory twice."""
+        meta, spec = claim.get("metadata") or {}, claim.get("spec") or {}
+        ns, pod_name = str(meta.get("namespace") or ""), str(spec.get("podName") or "")
+        try:
+            pod = await kube.get_pod(self.api, ns, pod_name) if pod_name else None
+        except Exception as e:  # cannot tell: free it, as before (the sweep re-reserves a live claim)
+            log.warning("could not read the claim's pod; freeing its cards", claim=key, error=str(e)[:200])
+            pod = None
+        try:
+            _, alloc = allocation_from_claim(claim)
+        except (KeyError, ValueError, TypeError):
+            return
+        if self.state.ledger.reservation(key) != alloc:
+            return  # changed meanwhile (a newer bind, an earlier release)
+        if pod is not None and pod_holds(pod, spec):
+            log.warning("claim of a running pod was removed by someone else; restoring it", claim=key,
+                        change=etype, pod=f"{ns}/{pod_name}")
+            try:
+                await self._restore_claim(etype, key, claim, pod)
+            except Exception as e:
+                log.warning("restoring the claim failed; its cards stay reserved", claim=key, error=str(e)[:200])
+            return
+        self.state.release_key(key)
+        self.nudge_pending(f"claim {key} {'deleted' if etype == 'DELETED' else 'released'}")
+
+    async def _restore_claim(self, etype: str, key: str, claim: dict[str, Any], pod: dict[str, Any]) -> None:
+        """Create the claim again (a Released claim stays Released, so one set Released is deleted
+        first; its own DELETED event is then not taken for a release) and set its phase."""
+        meta, spec, pmeta = claim["metadata"], claim["spec"], pod["metadata"]
+        if etype != "DELETED":
+            self.state.claim_uids[key] = "restoring"  # the old object's DELETED event frees nothing
+            await kube.delete_claim(self.api, meta["namespace"], meta["name"])
+        body = {"apiVersion": f"{keys.GROUP}/{keys.VERSION}", "kind": "VGPUClaim",
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"],
+                             "labels": {"kvgpu.io/pod-uid": pmeta["uid"],
+                                        "kvgpu.io/node": keys.label_value(str(spec["node"]))},
+                             "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": pmeta["name"],
+                                                  "uid": pmeta["uid"], "controller": False,
+                                                  "blockOwnerDeletion": False}]},
+                "spec": spec}
+        uid = await kube.create_claim(self.api, meta["namespace"], body)
+        if uid:
+            self.state.claim_uids[key] = uid
+        phase = "Running" if (pod.get("status") or {}).get("phase") == "Running" else "Bound"
+        await kube.patch_claim_status(self.api, meta["namespace"], meta["name"], {"phase": phase})
 
     def claims_on_lost_node(self, node: str) -> None:
         """A node disappeared: its pods are gone with it (pod GC); the sweep releases claims."""
@@ -532,6 +589,15 @@ class Runtime:
                         self.state.pending.pop(uid, None)
                 except Exception:
                     log.exception("requeue failed", pod=f"{ns}/{name}")
+
+
+def pod_holds(pod: dict[str, Any], claim_spec: dict[str, Any]) -> bool:
+    """Whether ``pod`` still holds the cards of a claim with ``claim_spec``: the claim's pod (same
+    UID), bound to the claim's node, not ended and not being deleted. Pure."""
+    meta, st = pod.get("metadata") or {}, pod.get("status") or {}
+    return (meta.get("uid") == claim_spec.get("podUID") and not meta.get("deletionTimestamp")
+            and (pod.get("spec") or {}).get("nodeName") == claim_spec.get("node")
+            and st.get("phase") not in ("Succeeded", "Failed"))
 
 
 def _node_projection(node: dict[str, Any]) -> dict[str, Any]:
