@@ -351,9 +351,12 @@ def test_node_with_claims_deleted(gpu: GpuEnv) -> None:
     _wait(lambda: _all_bound(gpu, 30), 90, "30 pods bound")
     for p in _live(gpu, "pods") or []:
         gpu.mark_running(p["metadata"]["name"])
-    victim = nodes[0]
+    # binpack fills one node first, but which one depends on kube-scheduler's node order (it
+    # starts each cycle at a rotating index): the victim is the node holding the most pods
+    placed = collections.Counter(p["spec"]["nodeName"] for p in _live(gpu, "pods") or [])
+    victim = placed.most_common(1)[0][0]
     on_victim = {p["metadata"]["name"] for p in _live(gpu, "pods") or [] if p["spec"]["nodeName"] == victim}
-    assert on_victim, "binpack should have put pods on the first node"
+    assert on_victim
     gpu.cluster.kubectl("delete", "node", victim, "--wait=false")
     gpu.node_names.remove(victim)
 
@@ -372,7 +375,7 @@ def test_node_with_claims_deleted(gpu: GpuEnv) -> None:
     gpu.create(*[gpu.pod(f"e{i:02d}", _sized(i)) for i in range(10)])
     _wait(lambda: _bound(_live(gpu, "pods")) == len(_live(gpu, "pods") or [1, 1]), 60, "new pods bound")
     assert not any(p["spec"]["nodeName"] == victim for p in _live(gpu, "pods") or [])
-    check_invariants(gpu, expect_all_bound=True, nodes=nodes[1:])
+    check_invariants(gpu, expect_all_bound=True, nodes=[n for n in nodes if n != victim])
 
 
 def test_pods_deleted_in_the_middle_of_bind(gpu: GpuEnv) -> None:

@@ -47,8 +47,8 @@ def test_pod_waiting_for_a_node_is_placed_when_one_is_added(gpu: GpuEnv) -> None
                          for c in gpu.get("pod", "early").get("status", {}).get("conditions") or []),
              30, "early unschedulable (no node yet)")
     time.sleep(1.5)
-    t0 = time.monotonic()
     gpu.nodes(1, cards=1)
+    t0 = time.monotonic()  # the node (with its inventory) is there: the capacity has appeared
     gpu.wait_bound("early", timeout=30)
     took = time.monotonic() - t0
     print(f"requeue: placed {took:.2f} s after its node was added")

@@ -48,6 +48,9 @@ def test_kubelet_restart_reregisters_the_plugin_and_leaves_pods_running(real_pod
     pod = real_pods.get("before")
     assert pod["status"]["phase"] == "Running"
     assert _container(pod) == before  # the same container, not restarted
+    # the restarted kubelet answers exec once it has synced its pods again ("pod does not exist" before)
+    wait_for(lambda: real_pods.cluster.kubectl("exec", "before", "-n", real_pods.ns, "--", "true",
+                                               check=False).returncode == 0, 30, "exec through the new kubelet")
     info = json.loads(exec_in(real_pods, "before", "main", "cuprog info").splitlines()[0])
     assert info["total"] == 2000 * MIB  # still under its claim
     _new_pod_gets_its_card(real_pods, "after")
