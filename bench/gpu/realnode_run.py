@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvgpu.demo import wait
 from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.cluster import REPO_ROOT
 from kvgpu.devcluster.realnode import RealNode, host_node_ip
@@ -50,16 +51,6 @@ def show(c: Cluster, *args: str, timeout: float = 120) -> str:
     p = c.kubectl(*args, check=False, timeout=timeout)
     print(f"$ kubectl {' '.join(args)}\n{(p.stdout + p.stderr).rstrip()}", flush=True)
     return p.stdout
-
-
-def wait(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.5)
-    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def seed_pod(name: str, mem_mib: int = 3000, cores: int | None = 30, nonroot: bool = False) -> dict[str, Any]:
