@@ -16,7 +16,23 @@ extender's filter answers one node, so they score only pods with soft preference
   (v1 ``ExtenderTLSConfig``: ``certFile``/``keyFile``, kube-scheduler's client certificate the
   extender checks, and ``caFile``, the CA that signed the extender's serving certificate);
 - back-off 1 s: a pod rejected for lack of GPU capacity is retried right after the operator
-  nudges it (capacity freed), not minutes later.
+  nudges it (capacity freed), not minutes later;
+- soft preferences first (issue 22): the score plugins that weigh a soft preference
+  (:data:`PREFERENCE_PLUGINS`: preferred node affinity, preferred pod affinity and anti-affinity,
+  ``ScheduleAnyway`` spread, ``PreferNoSchedule`` taints, DRA ``firstAvailable``) run with
+  kube-scheduler's default weights times :data:`PREFERENCE_SCALE`, so whenever kube-scheduler
+  scores a GPU pod, its preferences decide and kvgpu's prioritize (binpack/spread) decides only
+  among the nodes they leave equal, ahead of the remaining plugins (least-allocated cpu and
+  memory, image locality). The arithmetic (``prioritizeNodes`` in
+  ``pkg/scheduler/schedule_one.go``, v1.36.3): a node's total is the sum of each score plugin's
+  normalised 0..100 score times its weight, plus each extender's 0..10 score times
+  ``MaxNodeScore / MaxExtenderPriority`` (10) times the extender's weight. With the defaults
+  a whole preference (100 x weight 2 = 200 points) lost to binpack's 0..500 (weight 5); now the
+  smallest step of a preference score (1 x 2000) is larger than everything else together
+  (:func:`check_preferences_first`). kube-scheduler's cluster-default topology spreading
+  (``defaultingType: System``: pods of a Service or ReplicaSet spread over hosts and zones) is
+  off in this profile: at this weight it would override the GPU node policy for every replica;
+  a pod that wants spreading states its own ``topologySpreadConstraints``.
 """
 
 from __future__ import annotations
@@ -25,6 +41,49 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgpu.core import keys
+from kvgpu.extender.protocol import MAX_EXTENDER_PRIORITY
+
+#: kube-scheduler's score plugins that weigh soft preferences, with their default weights
+#: (pkg/scheduler/apis/config/v1/default_plugins.go, v1.36.3; DynamicResources with the DRA gate).
+PREFERENCE_PLUGINS = {
+    "TaintToleration": 3,  # PreferNoSchedule taints the pod does not tolerate
+    "NodeAffinity": 2,  # preferredDuringSchedulingIgnoredDuringExecution node affinity
+    "PodTopologySpread": 2,  # whenUnsatisfiable: ScheduleAnyway
+    "InterPodAffinity": 2,  # preferred pod affinity/anti-affinity (the pod's, and other pods' towards it)
+    "DynamicResources": 2,  # a claim's firstAvailable alternatives
+}
+#: The other score plugins kube-scheduler may run, with their default weights (VolumeBinding
+#: scores only with StorageCapacityScoring, PodGroupPodsCount only with its alpha gate).
+OTHER_SCORE_PLUGINS = {
+    "NodeResourcesFit": 1,
+    "NodeResourcesBalancedAllocation": 1,
+    "ImageLocality": 1,
+    "VolumeBinding": 1,
+    "PodGroupPodsCount": 1,
+}
+#: The extender's weight: its 0..10 prioritize answer counts 0..500 points.
+EXTENDER_WEIGHT = 5
+#: Factor on :data:`PREFERENCE_PLUGINS`' weights in the kvgpu profile.
+PREFERENCE_SCALE = 1000
+MAX_NODE_SCORE = 100  # kube-scheduler's fwk.MaxNodeScore
+EXTENDER_SCORE_FACTOR = 10  # MaxNodeScore / extenderv1.MaxExtenderPriority
+
+
+def preference_weights() -> dict[str, int]:
+    """The kvgpu profile's weights of the preference plugins."""
+    return {name: w * PREFERENCE_SCALE for name, w in PREFERENCE_PLUGINS.items()}
+
+
+def check_preferences_first(extender_weight: int = EXTENDER_WEIGHT) -> None:
+    """Raise ``ValueError`` unless one point of any preference plugin's normalised score outweighs
+    the widest spread the extender and every other score plugin can add together (so kvgpu's
+    score only orders nodes the preferences score equal)."""
+    step = min(preference_weights().values())
+    rest = (MAX_NODE_SCORE * sum(OTHER_SCORE_PLUGINS.values())
+            + MAX_EXTENDER_PRIORITY * EXTENDER_SCORE_FACTOR * extender_weight)
+    if step <= rest:
+        raise ValueError(f"a preference step of {step} points does not outweigh the other scores' {rest}")
+
 
 IGNORED_RESOURCES = (
     "nvidia.com/gpumem",
@@ -59,7 +118,7 @@ MANIFEST_TLS = ExtenderTLS(cert_file=f"{MANIFEST_CLIENT_DIR}/tls.crt", key_file=
 
 
 def extender_entry(url_prefix: str, *, tls: ExtenderTLS | None = None, http_timeout_s: int = 30,
-                   weight: int = 5) -> dict[str, Any]:
+                   weight: int = EXTENDER_WEIGHT) -> dict[str, Any]:
     """One extender entry. ``http_timeout_s``: binds run in kube-scheduler's binding goroutines,
     so a long timeout costs no throughput, while a short one makes a burst's queued binds time
     out and be retried towards other nodes although the first attempt still completes (at 10 s,
@@ -67,6 +126,7 @@ def extender_entry(url_prefix: str, *, tls: ExtenderTLS | None = None, http_time
 
     ``tls``: required for an ``https://`` URL (the extender answers only kube-scheduler's
     client certificate); not allowed with ``http://`` (``--extender-insecure``)."""
+    check_preferences_first(weight)
     https = url_prefix.startswith("https:")
     if https != (tls is not None):
         raise ValueError("an https:// extender URL needs tls (client certificate and CA), http:// none")
@@ -89,6 +149,8 @@ def extender_entry(url_prefix: str, *, tls: ExtenderTLS | None = None, http_time
 def profile(scheduler_name: str = keys.SCHEDULER_NAME) -> dict[str, Any]:
     return {
         "schedulerName": scheduler_name,
+        # score.enabled overrides the weight of a default (MultiPoint) plugin
+        "plugins": {"score": {"enabled": [{"name": n, "weight": w} for n, w in preference_weights().items()]}},
         "pluginConfig": [{
             "name": "NodeResourcesFit",
             "args": {
@@ -97,6 +159,13 @@ def profile(scheduler_name: str = keys.SCHEDULER_NAME) -> dict[str, Any]:
                 "ignoredResources": list(IGNORED_RESOURCES),
                 "scoringStrategy": {"type": "LeastAllocated",
                                     "resources": [{"name": "cpu", "weight": 1}, {"name": "memory", "weight": 1}]},
+            },
+        }, {
+            "name": "PodTopologySpread",
+            "args": {
+                "apiVersion": "kubescheduler.config.k8s.io/v1",
+                "kind": "PodTopologySpreadArgs",
+                "defaultingType": "List",  # no defaultConstraints: only the pod's own constraints
             },
         }],
     }
