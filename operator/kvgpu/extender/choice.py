@@ -17,6 +17,16 @@ states a preference of its own (:func:`scheduler_preferences`) still gets every 
 so its preference counts. With :data:`NodeChoice.SCHEDULER` filter always answers every
 fitting node and prioritize scores them; use it too when another filtering extender follows
 kvgpu's (it would see a single node).
+
+When kube-scheduler scores (either mode), a node's total is each score plugin's normalised
+0..100 times its weight plus prioritize's 0..10 times 10 times the extender's weight
+(``prioritizeNodes`` in ``pkg/scheduler/schedule_one.go``, v1.36.3). The kvgpu profile
+(:mod:`kvgpu.extender.schedconfig`) weighs the preference plugins at 1000 x their defaults, so
+the pod's preferences decide and prioritize's GPU score (binpack/spread) orders only the nodes
+they score equal, with least-allocated cpu and memory and image locality below it (weight 1 each
+against the extender's 5). With the
+defaults, a whole preferred-affinity term (200 points) lost to binpack (up to 500) on a busy
+cluster (issue 22).
 """
 
 from __future__ import annotations
