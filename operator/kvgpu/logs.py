@@ -29,7 +29,22 @@ def configure_logging(level: str | None = None) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[
         structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer], foreign_pre_chain=shared))
+    handler.addFilter(quiet_kopf)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(lvl)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def quiet_kopf(record: logging.LogRecord) -> bool:
+    """Kopf's routine lines, tuned down: "Handler '…' succeeded." (one per VGPUPool event,
+    i.e. every status write) only at debug, and its "Request attempt #N failed; will retry"
+    (the API server away, an expected fault it retries itself) as a warning, not an error."""
+    if not record.name.startswith("kopf"):
+        return True
+    msg = record.getMessage()
+    if record.levelno == logging.INFO and msg.startswith("Handler '") and msg.endswith("' succeeded."):
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+    if record.levelno == logging.ERROR and msg.startswith("Request attempt #") and "will retry" in msg:
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True

@@ -40,6 +40,7 @@ import aiohttp
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from kvgpu import faults
 from kvgpu.kube import read_checked
 
 log = structlog.get_logger("kvgpu.watch")
@@ -90,6 +91,7 @@ class ListWatch:
         self._async = inspect.iscoroutinefunction(handler)
         self._latest: dict[str, tuple[str, dict[str, Any]]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
+        self._faults = faults.FaultLog(log)
 
     # ----- public ---------------------------------------------------------------------------
     def known(self) -> dict[str, dict[str, Any]]:
@@ -116,7 +118,8 @@ class ListWatch:
             except (aiohttp.ClientError, OSError, TimeoutError, ApiException, ValueError) as e:
                 if rv is not None and self._rv:
                     rv = self._rv  # resume after the last event handed over, not replay from the list
-                log.warning("watch broke: retrying", resource=self.name, error=repr(e)[:200], after_s=delay)
+                why = faults.expected(e) or repr(e)[:200]
+                self._faults.fault("stream", f"{self.name} watch broke, retrying", why)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)
 
@@ -171,6 +174,7 @@ class ListWatch:
             if e.status == 410:
                 raise Gone(str(e.reason)) from e
             raise
+        self._faults.ok("stream", f"{self.name} watch")
         try:
             buf = b""
             async for chunk in resp.content.iter_any():
@@ -230,13 +234,16 @@ class ListWatch:
                     delay = BACKOFF_MIN_S
                 except asyncio.CancelledError:
                     raise
-                except Exception:
+                except Exception as e:
                     # Level-based handlers: try the object's state again after a back-off,
                     # unless a newer event has come meanwhile (a failed write, e.g. a claim's
                     # Released while the API server restarts, would otherwise wait for an
                     # event that may never come).
-                    log.exception("watch handler failed: retrying", resource=self.name, event_type=etype,
-                                  after_s=delay)
+                    if (why := faults.expected(e)) is None:
+                        log.exception("watch handler failed: retrying", resource=self.name, event_type=etype,
+                                      after_s=delay)
+                    else:
+                        self._faults.fault("handler", f"{self.name} handler failed, retrying", why)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, RETRY_MAX_S)
                     self._latest.setdefault(key, (etype, obj))

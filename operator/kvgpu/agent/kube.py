@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from kvgpu import faults
 from kvgpu.core import keys
 from kvgpu.kube import event_body
 
@@ -55,6 +56,7 @@ class KubeApi:
         self._nodes: dict[str, dict[str, Any]] = {}  # watched node(s), by name
         self._pools: dict[str, dict[str, Any]] | None = None  # None: not synced
         self.api_calls = 0  # GET/LIST fallbacks made (for tests)
+        self.faults = faults.FaultLog(log, every_s=300.0)
 
     async def get_node(self, name: str) -> dict[str, Any]:
         if name in self._nodes:
@@ -116,6 +118,7 @@ class KubeApi:
         while True:
             try:
                 lst = self.api.sanitize_for_serialization(await self.core.list_node(field_selector=sel))
+                self.faults.ok("node-watch", "node watch")
                 for item in lst.get("items") or []:
                     self._store_node(item)
                 rv = (lst.get("metadata") or {}).get("resourceVersion")
@@ -126,6 +129,7 @@ class KubeApi:
                         d = self.api.sanitize_for_serialization(ev["object"])
                         if ev["type"] == "DELETED":
                             self._nodes.pop(node, None)
+                            on_change()  # the refresh finds it gone and says so
                             continue
                         before = self._nodes.get(node)
                         self._store_node(d)
@@ -135,7 +139,8 @@ class KubeApi:
                 raise
             except Exception as e:
                 self._nodes.pop(node, None)
-                log.warning("node watch failed (%s); relisting in %.0fs", e, retry_s)
+                self.faults.fault("node-watch", f"node watch failed; relisting every {retry_s:.0f} s",
+                                  faults.expected(e) or repr(e)[:200])
                 await asyncio.sleep(retry_s)
 
     async def _watch_pools(self, on_change: Callable[[], None], retry_s: float) -> None:
@@ -153,6 +158,7 @@ class KubeApi:
                     self._pools = {}  # CRD not installed (yet): no pools; look again later
                     await asyncio.sleep(retry_s * 6)
                     continue
+                self.faults.ok("pool-watch", "VGPUPool watch")
                 pools = {(p.get("metadata") or {}).get("name", ""): p for p in lst.get("items") or []}
                 if self._pools != pools:
                     self._pools = pools
@@ -177,7 +183,8 @@ class KubeApi:
                 raise
             except Exception as e:
                 self._pools = None
-                log.warning("VGPUPool watch failed (%s); relisting in %.0fs", e, retry_s)
+                self.faults.fault("pool-watch", f"VGPUPool watch failed; relisting every {retry_s:.0f} s",
+                                  faults.expected(e) or repr(e)[:200])
                 await asyncio.sleep(retry_s)
 
     async def list_pools(self) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
+from kvgpu import faults
 from kvgpu.core import keys
 from kvgpu.core.inventory import Card, NodeInventory, Slicing
 
@@ -100,6 +101,7 @@ class Registrar:
         self.refreshes = 0
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
+        self.faults = faults.FaultLog(log, every_s=300.0)
 
     def kick(self) -> None:
         """Ask :meth:`run` to refresh now."""
@@ -174,7 +176,13 @@ class Registrar:
         on_inventory: Callable[[NodeInventory], Awaitable[None]] | None = None,
         retry_s: float = 5.0,
     ) -> None:
-        """Refresh forever (until cancelled); ``on_inventory`` gets every computed inventory."""
+        """Refresh forever (until cancelled); ``on_inventory`` gets every computed inventory.
+
+        An expected fault (the API server away, this node deleted: 404) is one warning line,
+        repeated at most every 5 minutes, and the retries back off from ``retry_s`` to
+        ``interval_s``; a kick (the node watch sees the node again) retries at once. Other
+        errors keep their traceback."""
+        backoff = retry_s
         while True:
             self._kick.clear()
             wait = interval_s
@@ -184,9 +192,21 @@ class Registrar:
                     await on_inventory(inv)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("inventory refresh of %s failed", self.node)
-                wait = min(interval_s, retry_s)
+            except Exception as e:
+                why = faults.expected(e)
+                if why is None:
+                    log.exception("inventory refresh of %s failed", self.node)
+                    wait = min(interval_s, retry_s)
+                else:
+                    if getattr(e, "status", None) == 404:
+                        why = f"node {self.node} or the VGPUPool API is not found (node deleted?): {why}"
+                    self.faults.fault("refresh", f"inventory refresh of {self.node} failed; retrying "
+                                      f"(back-off up to {max(interval_s, retry_s):.0f} s)", why)
+                    wait = min(interval_s, backoff)
+                    backoff = min(backoff * 2, max(interval_s, retry_s))
+            else:
+                backoff = retry_s
+                self.faults.ok("refresh", f"inventory refresh of {self.node}")
             try:
                 await asyncio.wait_for(self._kick.wait(), wait)
             except TimeoutError:

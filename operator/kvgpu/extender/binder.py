@@ -40,7 +40,7 @@ import aiohttp
 import structlog
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from kvgpu import kube
+from kvgpu import faults, kube
 from kvgpu.allocator.ledger import AllocationError
 from kvgpu.api.models import VGPUClaim
 from kvgpu.api.requests import RequestError, parse_pod
@@ -119,6 +119,21 @@ def allocation_annotations(namespace: str, pod: dict[str, Any], alloc: PodAlloca
     return ann
 
 
+def api_error_text(e: BaseException) -> str:
+    """An API call's failure for people (logs, the scheduler's Event on the pod): the API
+    server's Status message and reason, never its raw JSON body."""
+    if isinstance(e, ApiException):
+        return faults.status_message(e)
+    return faults.expected(e) or (str(e) or type(e).__name__)[:300]
+
+
+def bound_cards(alloc: PodAllocation) -> str:
+    """The cards of a bind, for its log line: ``main=0:3000MiB/30%,1:3000MiB/30%``."""
+    return " ".join(
+        f"{ca.container}=" + ",".join(f"{d.index}:{d.memory_mib}MiB/{d.cores}%" for d in ca.devices)
+        for ca in alloc.containers)
+
+
 class BindError(RuntimeError):
     """A bind that failed; the message goes back to kube-scheduler and into a pod Event."""
 
@@ -187,8 +202,9 @@ class Binder:
             self.state.release_pod(args.pod_uid)
             if self.metrics is not None:
                 self.metrics.bind_failures.labels(reason="api").inc()
-            log.info("bind failed: API error", pod=who, node=args.node, error=repr(e)[:300])
-            return f"binding {who} to {args.node} failed: API error {e!r}"[:2000]
+            why = api_error_text(e)
+            log.info("bind failed: API error", pod=who, node=args.node, error=why)
+            return f"binding {who} to {args.node} failed: {why}"[:2000]
         except Exception as e:  # a bug or an answer we did not expect: keep nothing, tell the scheduler
             self.state.release_pod(args.pod_uid)
             if self.metrics is not None:
@@ -350,12 +366,13 @@ class Binder:
                 await self._restore(ns, name, args.pod_uid, replaced)
             if isinstance(e, BindError):
                 raise
-            reason = getattr(e, "reason", None) or str(e)
-            raise BindError(f"binding {ns}/{name} to {node} failed: {reason}") from e
+            raise BindError(f"binding {ns}/{name} to {node} failed: {api_error_text(e)}") from e
         self.state.pending.pop(args.pod_uid, None)
         if len(self._bound_to) >= self.MAX_HINTS:
             self._bound_to.clear()
         self._bound_to[args.pod_uid] = node
+        log.info("bound", pod=f"{ns}/{name}", node=node, claims=",".join(sorted(names.values())),
+                 cards=bound_cards(alloc))
         # The pod is bound: answer kube-scheduler. The claim-phase worker sees the bound pod
         # and moves its claims to Bound (and posts the GPUSlicesBound Event).
 
