@@ -141,7 +141,8 @@ INVALID_ANNOTATIONS: list[tuple[dict[str, str], str]] = [
     ({"kvgpu.io/gpumem": "３０００"}, f'kvgpu.io/gpumem: "３０００" is not a memory quantity; {MEM}'),
     ({"kvgpu.io/gpumem": "3_000"}, f'kvgpu.io/gpumem: "3_000" is not a memory quantity; {MEM}'),
     ({"kvgpu.io/gpumem": "3000m"},
-     f'kvgpu.io/gpumem: "3000m" is a fraction of a unit (milli, micro or nano), far below 1 MiB; {MEM}'),
+     f'kvgpu.io/gpumem: "3000m" uses the suffix m, a fraction of a unit (m is milli, not MiB: 3000m is 3); '
+     f'{MEM}'),
     ({"kvgpu.io/gpumem": "2500Ki"}, f'kvgpu.io/gpumem: "2500Ki" is not a whole number of MiB; {MEM}'),
     ({"kvgpu.io/gpumem": "0.5"}, f'kvgpu.io/gpumem: "0.5" is not a whole number of MiB; {MEM}'),
     (

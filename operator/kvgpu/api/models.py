@@ -20,6 +20,8 @@ from kvgpu.core.keys import API_VERSION
 
 #: Largest memory per card a request, default or claim may name (1 TiB in MiB).
 MAX_CARD_MEMORY_MIB = 1 << 20
+#: Default smallest slice (VGPUPoolSpec.minSliceMemory), MiB: below a CUDA context, catches unit mistakes.
+DEFAULT_MIN_SLICE_MIB = 256
 #: Most physical cards one container may ask for.
 MAX_CARDS = 64
 #: Most slices (concurrent containers) one card may be split into.
@@ -281,6 +283,16 @@ class VGPUPoolSpec(_Model):
     )
     defaults: RequestDefaults = Field(
         default_factory=RequestDefaults, description="Values for the request keys a pod leaves out."
+    )
+    min_slice_memory: int = Field(
+        default=DEFAULT_MIN_SLICE_MIB,
+        ge=0,
+        le=MAX_CARD_MEMORY_MIB,
+        description=(
+            "Smallest memory (MiB per card) a request may name in gpumem; 0 = no minimum. Checked at "
+            "admission against the smallest minimum of all pools. The default catches unit mistakes "
+            "(a limit of 3000m is 3 MiB); a CUDA context alone takes about 300-500 MiB on recent cards."
+        ),
     )
     scheduling: SchedulingPolicy = Field(
         default_factory=SchedulingPolicy, description="Default placement policies."

@@ -22,6 +22,7 @@ from typing import Any
 from kvgpu.api.models import (
     COND_CONFLICT,
     COND_READY,
+    DEFAULT_MIN_SLICE_MIB,
     Condition,
     ConditionStatus,
     DeviceFilter,
@@ -222,3 +223,36 @@ def pool_conditions(
             )
         )
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class SliceMinimum:
+    """The smallest slice admission allows: ``mib`` per card (0 = none), from pool ``pool``
+    (``None``: no pool exists, kvgpu's default)."""
+
+    mib: int = DEFAULT_MIN_SLICE_MIB
+    pool: str | None = None
+
+    @property
+    def source(self) -> str:
+        """Where the minimum comes from, for a refusal message."""
+        if self.pool is None:
+            return "kvgpu's default; no VGPUPool sets spec.minSliceMemory"
+        return f'spec.minSliceMemory of VGPUPool "{self.pool}", the smallest of the pools'
+
+
+def slice_minimum(pools: Iterable[PoolLike]) -> SliceMinimum:
+    """The smallest ``minSliceMemory`` of ``pools`` and the pool with it (the name sorting first
+    on a tie). A pod could land on any pool's cards, so admission refuses only what is below
+    every pool's minimum. Pools that do not validate are skipped; none: kvgpu's default."""
+    found: list[tuple[int, str]] = []
+    for obj in pools:
+        try:
+            p = as_pool(obj)
+        except ValueError:
+            continue
+        found.append((p.spec.min_slice_memory, str(p.metadata.get("name") or "")))
+    if not found:
+        return SliceMinimum()
+    mib, name = min(found)
+    return SliceMinimum(mib, name)

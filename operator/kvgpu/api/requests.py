@@ -40,7 +40,14 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from kvgpu.api.models import MAX_CARD_MEMORY_MIB, MAX_CARDS, UUID_PATTERN, PolicyName, VGPUPoolSpec
+from kvgpu.api.models import (
+    DEFAULT_MIN_SLICE_MIB,
+    MAX_CARD_MEMORY_MIB,
+    MAX_CARDS,
+    UUID_PATTERN,
+    PolicyName,
+    VGPUPoolSpec,
+)
 from kvgpu.core import keys
 from kvgpu.core.requests import ContainerRequest, PodRequest, Policy
 
@@ -198,6 +205,9 @@ _MEMORY_SHAPE = re.compile(r"\A[+-]?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+|Ki|Mi|Gi|T
 _TRUE = frozenset({"1", "t", "T", "true", "TRUE", "True"})
 _FALSE = frozenset({"0", "f", "F", "false", "FALSE", "False"})
 _VALUE_SHOWN = 80
+#: Said wherever a milli-suffixed memory value may be the cause: the annotation form sees
+#: ``3000m`` itself, a container limit reaches admission as the API server's canonical ``3``.
+MILLI_HINT = "m is milli, not MiB: 3000m is 3"
 
 
 #: How requests are read, for docs/api.md (Markdown).
@@ -214,9 +224,11 @@ A pod asks for slices in one of two forms; both give the same per-container requ
 
 The selection and policy annotations (`{GPU_TYPE}` ... or HAMi's spelling) apply to every requesting
 container in both forms. Mixing the amount annotations with `nvidia.com/*` limits is refused; so is
-setting a kvgpu key and its HAMi synonym to different values. A `kvgpu.io/` key that looks like a
-misspelt request key (`kvgpu.io/gpumemory`) is refused with a suggestion; other `kvgpu.io/` keys
-belong to the operator (allocation records, Kopf's bookkeeping) and are not part of the request.
+setting a kvgpu key and its HAMi synonym to different values. A `kvgpu.io/` key (prefix in any case)
+that is a case variant or a misspelling of a request key (`kvgpu.io/GPUMEM`, `kvgpu.io/gpu-count`,
+`kvgpu.io/gpumemory`) is refused naming the right key; so is a HAMi container resource written as a
+pod annotation (`nvidia.com/gpumem`). Other `kvgpu.io/` keys are the operator's (allocation records)
+or unknown: admitted with a warning.
 
 **Defaults** come from the pool: before a node is chosen, the pool named `default`, else the only
 pool, else HAMi's defaults (1 card, whole memory, no core limit, priority 1, binpack nodes, spread
@@ -231,7 +243,10 @@ whole card.
 **Memory values**: a plain number counts MiB (`3000`); so does a number with a decimal suffix, because
 the API server prints resource quantities that way (a limit of `3000` reads back as `3k`); a binary
 suffix means bytes (`3Gi` = 3072 MiB, `3000Mi` = 3000 MiB) and must come to a whole number of MiB.
-At most {MAX_CARD_MEMORY_MIB} MiB (1 TiB) per card. Quantities are parsed by the Kubernetes client
+At most {MAX_CARD_MEMORY_MIB} MiB (1 TiB) per card, and at least the smallest `spec.minSliceMemory`
+of the pools (default {DEFAULT_MIN_SLICE_MIB}; 0 = the whole card always passes). A `m` suffix is
+milli (`3000m` is 3): refused; a container limit of `3000m` reaches admission as `3` and is refused
+by the minimum. Quantities are parsed by the Kubernetes client
 library (`kubernetes.utils.quantity.parse_quantity`).
 
 **Sidecars** (init containers with `restartPolicy: Always`) are counted as app containers.
@@ -309,7 +324,7 @@ def parse_memory_mib(key: str, raw: Any, container: str | None = None) -> int:
     if text is None or text == "" or not _MEMORY_SHAPE.match(text):
         raise RequestError(key, raw, "is not a memory quantity", FORM_MEMORY, container)
     if text[-1] in "munµ":
-        raise RequestError(key, raw, "is a fraction of a unit (milli, micro or nano), far below 1 MiB",
+        raise RequestError(key, raw, f"uses the suffix {text[-1]}, a fraction of a unit ({MILLI_HINT})",
                            FORM_MEMORY, container)
     try:
         q = parse_quantity(text)
@@ -571,23 +586,166 @@ requests_slices = wants_slices
 
 
 def _is_request_annotation(key: str) -> bool:
-    """A kvgpu request key, or a ``kvgpu.io/`` key that looks like a misspelt one.
+    """A kvgpu request key, a ``kvgpu.io/`` key (prefix in any case) that looks like a misspelt
+    one, or a HAMi container resource written as an annotation (:func:`misplaced_resource`).
 
     Other ``kvgpu.io/`` keys belong to the operator (allocation annotations, Kopf's progress and
-    diff-base annotations) and are not part of the request.
+    diff-base annotations) or are unknown (:func:`unknown_annotations`: a warning, not a request).
     """
-    if not key.startswith(K):
-        return False
-    return key in REQUEST_ANNOTATIONS or _misspelt(key) is not None
+    return key in REQUEST_ANNOTATIONS or _misspelt(key) is not None or misplaced_resource(key) is not None
+
+
+#: Public name of :func:`_is_request_annotation` (admission's workload warnings use it).
+is_request_key = _is_request_annotation
+
+
+# Stems of the words people use for the request keys (``gpu-count``, ``gpu_mem``, ``memory``,
+# ``vgpu-cores``, ...), longest first where one contains another, each with its concept; "" = a
+# word that carries no meaning here (units, "use"). "gpu" and "count" both name the card count.
+_STEMS: tuple[tuple[str, str], ...] = tuple(sorted((
+    ("percentage", "pct"), ("percent", "pct"), ("pct", "pct"),
+    ("memory", "mem"), ("vram", "mem"), ("mem", "mem"),
+    ("cores", "core"), ("core", "core"), ("compute", "core"), ("utilization", "core"), ("util", "core"),
+    ("priority", "prio"), ("prio", "prio"),
+    ("containers", "ctr"), ("container", "ctr"),
+    ("types", "type"), ("type", "type"), ("models", "type"), ("model", "type"),
+    ("uuids", "uuid"), ("uuid", "uuid"),
+    ("exclude", "not"), ("excluded", "not"), ("except", "not"), ("nouse", "not"), ("avoid", "not"),
+    ("numa", "numa"), ("bind", "bind"),
+    ("policy", "policy"), ("scheduler", "policy"), ("scheduling", "policy"), ("sched", "policy"),
+    ("strategy", "policy"), ("node", "node"),
+    ("number", "count"), ("count", "count"), ("cards", "count"), ("card", "count"), ("num", "count"),
+    ("gpus", "count"), ("vgpus", "count"), ("vgpu", "gpu"), ("gpu", "gpu"),
+    ("use", ""), ("mib", ""), ("size", ""), ("limit", ""), ("request", ""), ("amount", ""), ("per", ""),
+), key=lambda s: -len(s[0])))
+_CARD_WORDS = frozenset({"gpu", "count"})
+
+# The concept sets each request key answers to (card words and meaningless words left out).
+_KEY_CONCEPTS: tuple[tuple[str, tuple[frozenset[str], ...]], ...] = (
+    (GPU, (frozenset(),)),
+    (GPUMEM, (frozenset({"mem"}),)),
+    (GPUMEM_PERCENTAGE, (frozenset({"mem", "pct"}), frozenset({"pct"}))),
+    (GPUCORES, (frozenset({"core"}), frozenset({"core", "pct"}))),
+    (PRIORITY, (frozenset({"prio"}),)),
+    (CONTAINERS, (frozenset({"ctr"}),)),
+    (GPU_TYPE, (frozenset({"type"}),)),
+    (EXCLUDE_GPU_TYPE, (frozenset({"not", "type"}),)),
+    (GPU_UUID, (frozenset({"uuid"}),)),
+    (EXCLUDE_GPU_UUID, (frozenset({"not", "uuid"}),)),
+    (NUMA_BIND, (frozenset({"numa"}), frozenset({"numa", "bind"}))),
+    (NODE_POLICY, (frozenset({"node", "policy"}),)),
+    (GPU_POLICY, (frozenset({"policy"}),)),
+)
+_NORMALISED = {re.sub(r"[^a-z0-9]", "", k.removeprefix(K)): k for k in REQUEST_ANNOTATIONS}
+
+
+def _concepts(name: str) -> frozenset[str] | None:
+    """The concepts of a key's name part (``gpu-count`` → {gpu, count}), from :data:`_STEMS`;
+    ``None`` when some letters fit no stem (a trailing plural ``s`` aside)."""
+    text = re.sub(r"[^a-z0-9]", "", name.lower())
+    found: set[str] = set()
+    rest = ""
+    i = 0
+    while i < len(text):
+        stem = next((s for s in _STEMS if text.startswith(s[0], i)), None)
+        if stem is None:
+            rest += text[i]
+            i += 1
+            continue
+        found.add(stem[1])
+        i += len(stem[0])
+    if rest not in ("", "s") or not found - {""}:
+        return None
+    return frozenset(found - {""})
+
+
+def suggest_key(name: str) -> str | None:
+    """The request key that an annotation name part (after ``kvgpu.io/``) most likely means.
+
+    In order: the same letters in another case or with other separators (``GPUMEM``,
+    ``gpu_mem``); the same concepts (``gpu-count``, ``gpus``, ``gpu_num`` → ``kvgpu.io/gpu``,
+    ``gpu-memory`` → ``kvgpu.io/gpumem``, ``vgpu-cores`` → ``kvgpu.io/gpucores``); a close
+    spelling of a key's letters (``priorty``, difflib ratio ≥ 0.8). ``None``: no request key.
+    """
+    flat = re.sub(r"[^a-z0-9]", "", name.lower())
+    if flat in _NORMALISED:
+        return _NORMALISED[flat]
+    concepts = _concepts(name)
+    if concepts is not None:
+        meaning = concepts - _CARD_WORDS
+        if meaning or concepts & _CARD_WORDS:
+            for key, sets in _KEY_CONCEPTS:
+                if meaning in sets:
+                    return key
+    close = difflib.get_close_matches(flat, list(_NORMALISED), n=1, cutoff=0.8)
+    return _NORMALISED[close[0]] if close else None
+
+
+def _ours(key: str) -> bool:
+    """A ``kvgpu.io/`` key, the prefix in any case (annotation prefixes are DNS names, and the
+    API server accepts them in upper case too)."""
+    return key.lower().startswith(K)
+
+
+def _operator_key(key: str) -> bool:
+    return key in _OPERATOR_KEYS or keys.is_allocation_annotation(key)
 
 
 @functools.lru_cache(maxsize=4096)
 def _misspelt(key: str) -> str | None:
-    """The request key that ``key`` is probably a typo of, if any."""
-    if key in REQUEST_ANNOTATIONS or key in _OPERATOR_KEYS or keys.is_allocation_annotation(key):
+    """The request key that ``key`` is probably a typo or a case variant of, if any."""
+    if not _ours(key) or key in REQUEST_ANNOTATIONS or _operator_key(key):
         return None
-    close = difflib.get_close_matches(key, REQUEST_ANNOTATIONS, n=1, cutoff=0.8)
-    return close[0] if close else None
+    return suggest_key(key[len(K):])
+
+
+def misplaced_resource(key: str) -> str | None:
+    """The HAMi container resource that annotation ``key`` names (``nvidia.com/gpumem`` in any
+    case), written on the pod instead of as a container limit; else ``None``."""
+    low = key.lower()
+    return low if low in HAMI_RESOURCES else None
+
+
+def unknown_annotations(annotations: Mapping[str, Any]) -> list[str]:
+    """The ``kvgpu.io/`` keys (prefix in any case) of ``annotations`` that kvgpu does not read:
+    neither a request key, nor a probable misspelling of one (those are refused), nor one the
+    operator writes. Sorted. For an admission warning: they give the pod nothing."""
+    return sorted(k for k in annotations if _ours(str(k)) and str(k) not in REQUEST_ANNOTATIONS
+                  and not _operator_key(str(k)) and _misspelt(str(k)) is None)
+
+
+def slice_minimum_errors(obj: Mapping[str, Any], minimum_mib: int, source: str) -> list[RequestError]:
+    """Requests of ``obj`` (a pod or workload) for fewer MiB per card than ``minimum_mib``.
+
+    Only memory named in MiB or a quantity counts (0 = the whole card and percentages pass: the
+    card is not known yet). ``source`` says where the minimum comes from, for the message.
+    Returns one error per offending key (the annotation once, a limit per container); ``[]``
+    also when the request has other errors (reported by :func:`validate_pod`).
+    """
+    if minimum_mib <= 0:
+        return []
+    try:
+        req = _parse(obj, None)
+        meta, spec = pod_template(obj)
+    except RequestError:
+        return []
+    if req is None:
+        return []
+    ann = _annotations(meta, _Errors())
+    inits, apps = _containers(spec, _Errors())
+    by_name = {c.name: c for c in inits + apps}
+    out: dict[tuple[str, str | None], RequestError] = {}
+    for r in req.containers:
+        if r.memory_percent is not None or r.memory_mib == 0 or r.memory_mib >= minimum_mib:
+            continue
+        c = by_name[r.container]
+        limit = HAMI_GPUMEM in c.resources
+        key, raw, where = (HAMI_GPUMEM, c.resources[HAMI_GPUMEM], c.name) if limit else (GPUMEM, ann.get(GPUMEM), None)
+        hint = f"; a limit written 3000m reaches kvgpu as 3: {MILLI_HINT}" if limit else ""
+        out.setdefault((key, where), RequestError(
+            key, raw, f"is {r.memory_mib} MiB, below the minimum slice of {minimum_mib} MiB ({source}{hint})",
+            f"use at least {minimum_mib} MiB, like 3000 or 3Gi, or 0 for the whole card", where))
+    return list(out.values())
 
 
 # --------------------------------------------------------------------------- the parser
@@ -636,9 +794,7 @@ def _parse(obj: Mapping[str, Any], pool: VGPUPoolSpec | None) -> PodRequest | No
         _fail(errs)
 
     for k in ours:
-        typo = _misspelt(k)
-        if typo is not None:
-            errs.add(k, ann[k], "is not a kvgpu request annotation", f"did you mean {typo}?")
+        _key_error(k, ann[k], errs)
     amounts = [k for k in ours if k in AMOUNT_ANNOTATIONS]
     if amounts and hami and all(ks == [HAMI_GPU] for ks in hami.values()):
         # The annotation form with the extended resource the mutating webhook adds (or the user
@@ -676,6 +832,25 @@ def _parse(obj: Mapping[str, Any], pool: VGPUPoolSpec | None) -> PodRequest | No
         node_policy=node_policy,
         gpu_policy=gpu_policy,
     )
+
+
+def _key_error(key: str, value: Any, errs: _Errors) -> None:
+    """A misspelt, case-variant or misplaced request key: the message names the right key."""
+    resource = misplaced_resource(key)
+    if resource is not None:
+        ours = K + resource.removeprefix("nvidia.com/")
+        instead = f" or the annotation {ours}" if ours in REQUEST_ANNOTATIONS else ""
+        errs.add(key, value, "is a container resource, not a pod annotation",
+                 f"set it under the container's resources.limits ({resource}: {show(value)}){instead}")
+        return
+    typo = _misspelt(key)
+    if typo is None:
+        return
+    if key.lower() == typo:
+        errs.add(key, value, "is not a kvgpu request annotation (annotation keys are case-sensitive)",
+                 f"use {typo}")
+    else:
+        errs.add(key, value, "is not a kvgpu request annotation", f"did you mean {typo}?")
 
 
 def _fail(errs: _Errors) -> None:
