@@ -13,7 +13,8 @@ block the operator's pod); and, through CEL
 ``kvgpu.io/``, ``nvidia.com/`` or ``hami.io/`` annotation, or a container/init container with an
 ``nvidia.com/`` limit or request (for UPDATE also a pod that *had* ``kvgpu.io/`` annotations or
 the managed label, so removing them is seen). A third webhook validates the pod templates of
-workloads (Deployment, Job, CronJob, ...) that mention GPUs, so a bad request is refused at
+workloads (Deployment, Job, CronJob, ...) that mention GPUs (or whose own annotations do, to warn
+that those never reach the pods), so a bad request is refused at
 ``kubectl apply`` rather than showing up later as FailedCreate events. Every other object never
 reaches the operator, so ``failurePolicy: Fail`` costs nothing for them and closes the
 "webhook down ⇒ pod runs unlimited" hole HAMi has with ``Ignore``.
@@ -42,7 +43,9 @@ _ANNOTATION_PREFIXES = (f"{keys.GROUP}/", "nvidia.com/", "hami.io/")
 
 
 def _any_annotation(obj: str, prefixes: tuple[str, ...]) -> str:
-    starts = " || ".join(f"k.startsWith('{p}')" for p in prefixes)
+    """CEL: ``obj`` has an annotation under one of ``prefixes``, the prefix in any case (the API
+    server accepts ``Kvgpu.io/gpumem``; such keys are refused with the right spelling)."""
+    starts = " || ".join(f"k.lowerAscii().startsWith('{p}')" for p in prefixes)
     return (f"({obj} != null && has({obj}.metadata) && has({obj}.metadata.annotations) && "
             f"{obj}.metadata.annotations.exists(k, {starts}))")
 
@@ -122,6 +125,8 @@ def gpu_workload_expression() -> str:
     others = " && ".join(f"request.resource.resource != '{p}'" for p in _TEMPLATES)
     branches.append(f"({others} && {parent(_DEFAULT_TEMPLATE)} && "
                     f"({' || '.join(_mentions_gpus(_DEFAULT_TEMPLATE))}))")
+    # GPU annotations on the workload's own metadata never reach its pods: warned about.
+    branches.append(_any_annotation("object", _ANNOTATION_PREFIXES))
     return " || ".join(branches)
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgpu.admission.mutate import mutate_ephemeral, mutate_pod
-from kvgpu.admission.validate import EPHEMERAL, validate_pod, validate_workload
+from kvgpu.admission.validate import EPHEMERAL, pod_warnings, validate_pod, validate_workload, workload_warnings
+from kvgpu.api.pools import SliceMinimum
 
 MUTATE_ID = "kvgpu-mutate-pods"
 VALIDATE_ID = "kvgpu-validate-pods"
@@ -37,12 +38,14 @@ log = logging.getLogger("kvgpu.admission")
 @dataclass(frozen=True)
 class Decision:
     """``allowed``; for a mutation the JSON-patch ``patch`` ops (RFC 6902, ``add`` only); for a
-    refusal the ``message`` the user sees and the HTTP-style ``code``."""
+    refusal the ``message`` the user sees and the HTTP-style ``code``; ``warnings`` for the
+    AdmissionReview's ``response.warnings`` (kubectl prints each as ``Warning: ...``)."""
 
     allowed: bool = True
     patch: list[dict[str, Any]] = field(default_factory=list)
     message: str = ""
     code: int = REFUSAL_CODE
+    warnings: list[str] = field(default_factory=list)
 
 
 def refusal_message(errors: list[str]) -> str:
@@ -56,12 +59,15 @@ def _who(pod: dict[str, Any]) -> str:
     return f"pod {meta.get('namespace', '')}/{meta.get('name') or meta.get('generateName', '') + '*'}"
 
 
-def review(webhook: str, request: dict[str, Any], operator_usernames: Collection[str]) -> Decision:
+def review(webhook: str, request: dict[str, Any], operator_usernames: Collection[str],
+           slice_minimum: SliceMinimum | None = None) -> Decision:
     """The decision of webhook ``webhook`` (an id above) on an AdmissionReview ``request``.
 
     ``operator_usernames``: the API usernames of the operator (e.g.
     ``system:serviceaccount:kvgpu-system:kvgpu-operator``); only they may change allocation
-    annotations on existing pods. Raises ``KeyError`` for an unknown webhook id."""
+    annotations on existing pods. ``slice_minimum``: the smallest ``gpumem`` admitted
+    (:func:`kvgpu.api.pools.slice_minimum` of the cluster's pools; None: kvgpu's default).
+    Raises ``KeyError`` for an unknown webhook id."""
     operation = str(request.get("operation") or "")
     subresource = request.get("subResource") or None
     obj = request.get("object") or {}
@@ -80,11 +86,12 @@ def review(webhook: str, request: dict[str, Any], operator_usernames: Collection
         username = str((request.get("userInfo") or {}).get("username", ""))
         log.debug("kvgpu admission: validate %s %s%s by %s", operation, _who(obj),
                   f" ({subresource})" if subresource else "", username)
-        errors = validate_pod(operation, obj, old, username, frozenset(operator_usernames), subresource=subresource)
+        errors = validate_pod(operation, obj, old, username, frozenset(operator_usernames), subresource=subresource,
+                              min_slice=slice_minimum)
         if errors:
             log.info("kvgpu: refused %s by %s: %s", operation, username, "; ".join(errors))
             return Decision(False, message=refusal_message(errors))
-        return Decision()
+        return Decision(warnings=pod_warnings(operation, obj, subresource))
     if webhook == VALIDATE_WORKLOADS_ID:
         res = request.get("resource") or {}
         plural = str(res.get("resource", ""))
@@ -93,9 +100,9 @@ def review(webhook: str, request: dict[str, Any], operator_usernames: Collection
                   meta.get("name", ""))
         if (str(res.get("group", "")), plural) not in WORKLOADS:
             return Decision()
-        errors = validate_workload(operation, obj, old)
+        errors = validate_workload(operation, obj, old, min_slice=slice_minimum)
         if errors:
             log.info("kvgpu: refused %s of %s: %s", operation, plural, "; ".join(errors))
             return Decision(False, message=refusal_message(errors))
-        return Decision()
+        return Decision(warnings=workload_warnings(operation, obj, old))
     raise KeyError(webhook)

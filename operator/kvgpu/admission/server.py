@@ -8,7 +8,8 @@ validate workload pod templates. The decisions are :func:`kvgpu.admission.handle
 Why worker processes: every GPU pod is admitted twice (mutate, validate), and serving that in
 the operator's single asyncio thread — TLS, HTTP, JSON — cost about a quarter of the operator's
 CPU during bursts, on the same core as the scheduler extender that bind latency depends on.
-The workers need no API access (the review carries the object), so ``--webhook-workers N``
+The workers need no API access for the decisions (the review carries the object; each lists
+the VGPUPools every 5 s only for their minimum slice, :class:`PoolView`), so ``--webhook-workers N``
 processes share the port through ``SO_REUSEPORT`` (the kernel spreads connections over them);
 each dies with the operator (``PR_SET_PDEATHSIG``). They run on every replica, leader or not;
 with the shipped manifests the webhook Service sends calls to ready replicas only, i.e. the
@@ -36,15 +37,20 @@ from aiohttp import web
 
 from kvgpu import procs
 from kvgpu.admission.handlers import MUTATE_ID, VALIDATE_ID, VALIDATE_WORKLOADS_ID, review
+from kvgpu.api.pools import SliceMinimum, slice_minimum
 
 log = logging.getLogger("kvgpu.admission")
 MAX_REVIEW_BYTES = 8 * 1024 * 1024
+#: How often each worker lists the VGPUPools for their minimum slice (a change applies within it).
+POOL_REFRESH_S = 5.0
 
 
 def response_body(request: dict[str, Any], allowed: bool, *, patch: list[dict[str, Any]] | None = None,
-                  message: str = "", code: int = 400) -> dict[str, Any]:
+                  message: str = "", code: int = 400, warnings: list[str] | None = None) -> dict[str, Any]:
     """An AdmissionReview v1 answer to ``request`` (the review's ``request`` field)."""
     resp: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": allowed}
+    if warnings:
+        resp["warnings"] = list(warnings)
     if patch:
         resp["patchType"] = "JSONPatch"
         resp["patch"] = base64.b64encode(json.dumps(patch, separators=(",", ":")).encode()).decode()
@@ -53,8 +59,36 @@ def response_body(request: dict[str, Any], allowed: bool, *, patch: list[dict[st
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": resp}
 
 
-def make_app(operator_usernames: Collection[str]) -> web.Application:
-    """The aiohttp application: ``POST /<webhook id>`` for each webhook (other paths: 404)."""
+class PoolView:
+    """The smallest slice the cluster's VGPUPools allow, as last listed (:meth:`refresh`);
+    kvgpu's default until a list succeeds."""
+
+    def __init__(self) -> None:
+        self.minimum = SliceMinimum()
+
+    async def refresh(self, kubeconfig: str | None, every_s: float = POOL_REFRESH_S) -> None:
+        """List the pools every ``every_s`` seconds forever (``kubeconfig`` None: in-cluster).
+        A failed list keeps the last answer and is logged once until a list succeeds again."""
+        from kvgpu import kube
+
+        api = None
+        failing = False
+        while True:
+            try:
+                api = api or await kube.connect(kubeconfig)
+                self.minimum = slice_minimum(await kube.list_all(api, "vgpupools"))
+                failing = False
+            except Exception as e:  # API down, no RBAC, no CRD yet: keep the last answer
+                if not failing:
+                    log.warning("kvgpu admission: cannot list VGPUPools, minimum slice stays %d MiB: %s",
+                                self.minimum.mib, e)
+                failing = True
+            await asyncio.sleep(every_s)
+
+
+def make_app(operator_usernames: Collection[str], pools: PoolView | None = None) -> web.Application:
+    """The aiohttp application: ``POST /<webhook id>`` for each webhook (other paths: 404).
+    ``pools``: where the minimum slice comes from (None: kvgpu's default)."""
     operators = frozenset(operator_usernames)
 
     async def handle(request: web.Request) -> web.Response:
@@ -67,13 +101,15 @@ def make_app(operator_usernames: Collection[str]) -> web.Application:
         except (ValueError, KeyError, TypeError) as e:
             return web.json_response({"error": f"not an AdmissionReview: {e}"}, status=400)
         try:
-            decision = review(webhook, req, operators)
+            decision = (review(webhook, req, operators, pools.minimum) if pools is not None
+                        else review(webhook, req, operators))
         except Exception as e:  # a bug: refuse rather than admit unchecked
             log.exception("kvgpu admission: %s failed", webhook)
             return web.json_response(response_body(req, False, message=f"kvgpu admission failed: {e!r}",
                                                    code=500))
         return web.json_response(response_body(req, decision.allowed, patch=decision.patch,
-                                               message=decision.message, code=decision.code))
+                                               message=decision.message, code=decision.code,
+                                               warnings=decision.warnings))
 
     # An UPDATE review carries the object and the old one, each up to etcd's 1.5 MiB.
     app = web.Application(client_max_size=MAX_REVIEW_BYTES)
@@ -120,18 +156,23 @@ async def _reload_certificate(ctx: ssl.SSLContext, certfile: str, keyfile: str) 
 
 async def serve(host: str, port: int, certfile: str, keyfile: str, operator_usernames: Collection[str],
                 *, reuse_port: bool = False, stop: asyncio.Event | None = None,
-                app: web.Application | None = None) -> None:
-    """Serve until ``stop`` is set (forever when None)."""
-    runner = web.AppRunner(app or make_app(operator_usernames), access_log=None)
+                app: web.Application | None = None, pools: PoolView | None = None,
+                kubeconfig: str | None = None) -> None:
+    """Serve until ``stop`` is set (forever when None). With ``pools`` (the same view ``app`` was
+    made with, if given) the VGPUPools are listed through ``kubeconfig`` (None: in-cluster)."""
+    runner = web.AppRunner(app or make_app(operator_usernames, pools), access_log=None)
     await runner.setup()
     ctx = ssl_context(certfile, keyfile)
     site = web.TCPSite(runner, host, port, ssl_context=ctx, reuse_port=reuse_port)
     await site.start()
-    reload = asyncio.create_task(_reload_certificate(ctx, certfile, keyfile))
+    tasks = [asyncio.create_task(_reload_certificate(ctx, certfile, keyfile))]
+    if pools is not None:
+        tasks.append(asyncio.create_task(pools.refresh(kubeconfig)))
     try:
         await (stop or asyncio.Event()).wait()
     finally:
-        reload.cancel()
+        for t in tasks:
+            t.cancel()
         await runner.cleanup()
 
 
@@ -139,7 +180,10 @@ def _worker(host: str, port: int, certfile: str, keyfile: str, operators: list[s
     from kvgpu.logs import configure_logging
 
     configure_logging()  # refusals and certificate reloads are logged
-    procs.run_child(serve(host, port, certfile, keyfile, operators, reuse_port=True))
+    # The operator's kubeconfig, if it has one (``kvgpu.runtime.run`` exports it before the
+    # workers start); else the pod's service account, which may list VGPUPools.
+    procs.run_child(serve(host, port, certfile, keyfile, operators, reuse_port=True, pools=PoolView(),
+                          kubeconfig=os.environ.get("KUBECONFIG") or None))
 
 
 def start_workers(workers: int, host: str, port: int, certfile: str, keyfile: str,

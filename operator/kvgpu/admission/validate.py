@@ -52,6 +52,8 @@ from typing import Any
 
 from kvgpu.admission import mutate as m
 from kvgpu.admission.parsing import is_request_annotation, parse
+from kvgpu.api import requests as api_requests
+from kvgpu.api.pools import SliceMinimum
 from kvgpu.api.requests import pod_template
 from kvgpu.core import keys
 
@@ -280,7 +282,8 @@ def _forged_annotation_errors(pod: Mapping[str, Any]) -> list[str]:
             "allocation annotations)"]
 
 
-def _create_errors(pod: Mapping[str, Any], *, injected: bool = True) -> list[str]:
+def _create_errors(pod: Mapping[str, Any], *, injected: bool = True,
+                   min_slice: SliceMinimum | None = None) -> list[str]:
     errors = _forged_annotation_errors(pod)
     parsed = parse(pod)
     if not parsed.requests_slices:
@@ -289,6 +292,8 @@ def _create_errors(pod: Mapping[str, Any], *, injected: bool = True) -> list[str
                           "remove it")
         return errors
     errors += parsed.errors
+    minimum = min_slice or SliceMinimum()
+    errors += [str(e) for e in api_requests.slice_minimum_errors(pod, minimum.mib, minimum.source)]
     spec = _mapping(pod.get("spec"))
     scheduler = spec.get("schedulerName") or m.DEFAULT_SCHEDULER
     if scheduler not in (keys.SCHEDULER_NAME, m.DEFAULT_SCHEDULER):
@@ -382,6 +387,7 @@ def _update_errors(pod: Mapping[str, Any], old: Mapping[str, Any] | None, *, spe
 
 def validate_workload(
     operation: str, obj: Mapping[str, Any], old_obj: Mapping[str, Any] | None,
+    *, min_slice: SliceMinimum | None = None,
 ) -> list[str]:
     """The checks of a pod CREATE, applied to a workload's pod template (Deployment, StatefulSet,
     DaemonSet, ReplicaSet, Job, CronJob, ReplicationController, PodTemplate), so that a bad
@@ -402,7 +408,8 @@ def validate_workload(
             pass
     elif operation != "CREATE":
         return []
-    return [f"pod template: {e}" for e in _create_errors({"metadata": meta, "spec": spec}, injected=False)]
+    return [f"pod template: {e}" for e in _create_errors({"metadata": meta, "spec": spec}, injected=False,
+                                                         min_slice=min_slice)]
 
 
 def validate_pod(
@@ -413,9 +420,11 @@ def validate_pod(
     operator_usernames: Collection[str],
     *,
     subresource: str | None = None,
+    min_slice: SliceMinimum | None = None,
 ) -> list[str]:
     """Every reason to refuse this admission request; ``[]`` means allowed. Never raises on
-    malformed input (an unparsable value is a message, not a crash).
+    malformed input (an unparsable value is a message, not a crash). ``min_slice``: the smallest
+    ``gpumem`` a CREATE may name (:func:`kvgpu.api.pools.slice_minimum`; None: kvgpu's default).
 
     ``subresource`` ``"ephemeralcontainers"`` (an UPDATE adding debug containers) checks only
     the ephemeral containers; ``"status"`` the labels and annotations a status write may change;
@@ -433,9 +442,65 @@ def validate_pod(
     if subresource:
         return []
     if operation == "CREATE":
-        return _create_errors(pod)
+        return _create_errors(pod, min_slice=min_slice)
     if operation == "UPDATE":
         if username in operator_usernames:
             return []
         return _update_errors(pod, old)
     return []
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def _unknown_key_warnings(ann: Mapping[str, Any], where: str = "") -> list[str]:
+    return [f"{where}annotation {k} is not a kvgpu key and gives the pod no GPU; kvgpu reads "
+            f"{api_requests.GPU}, {api_requests.GPUMEM}, {api_requests.GPUCORES}, ... (docs/api.md)"
+            for k in api_requests.unknown_annotations(ann)]
+
+
+def pod_warnings(operation: str, pod: Mapping[str, Any], subresource: str | None = None) -> list[str]:
+    """Admission warnings (kubectl prints them as ``Warning: ...``) for a pod CREATE: ``kvgpu.io/``
+    annotations kvgpu does not read (misspellings of request keys are refused instead)."""
+    if operation != "CREATE" or subresource or not isinstance(pod, Mapping):
+        return []
+    return _unknown_key_warnings(_annotations(pod))
+
+
+#: Where each workload kind keeps its pod template's metadata, for messages.
+_TEMPLATE_PATH = {"CronJob": "spec.jobTemplate.spec.template", "PodTemplate": "template"}
+
+
+def _misplaced(obj: Mapping[str, Any]) -> dict[str, str]:
+    """Request annotations (or misspellings of them) on a workload's own metadata that its pod
+    template does not carry with the same value: key → value."""
+    try:
+        meta, _ = pod_template(obj)
+    except Exception:
+        return {}
+    template = {str(k): str(v) for k, v in _mapping(meta.get("annotations")).items()}
+    return {k: v for k, v in _annotations(obj).items()
+            if (api_requests.is_request_key(k) or api_requests.unknown_annotations({k: v}))
+            and template.get(k) != v}
+
+
+def workload_warnings(operation: str, obj: Mapping[str, Any], old_obj: Mapping[str, Any] | None) -> list[str]:
+    """Admission warnings for a workload: GPU request annotations on the workload's own
+    ``metadata.annotations``, which never reach its pods (new ones only on UPDATE), and unknown
+    ``kvgpu.io/`` keys on its pod template (CREATE, or an UPDATE that changes the template)."""
+    if not isinstance(obj, Mapping) or operation not in ("CREATE", "UPDATE"):
+        return []
+    old = old_obj if operation == "UPDATE" and isinstance(old_obj, Mapping) else None
+    before = _misplaced(old) if old is not None else {}
+    kind = str(obj.get("kind") or "workload")
+    path = _TEMPLATE_PATH.get(kind, "spec.template")
+    out = [f"{kind} metadata.annotations {k} does not reach the pods, which get no GPU from it; "
+           f"put it under {path}.metadata.annotations"
+           for k, v in sorted(_misplaced(obj).items()) if before.get(k) != v]
+    try:
+        meta, spec = pod_template(obj)
+        if old is not None and pod_template(old) == (meta, spec):
+            return out
+    except Exception:
+        return out
+    return out + _unknown_key_warnings(_mapping(meta.get("annotations")), "pod template: ")
