@@ -28,14 +28,14 @@ from aiohttp import web
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from kvgpu import kube
+from kvgpu import faults, kube
 from kvgpu.core import keys
 from kvgpu.extender import tls
 from kvgpu.extender.choice import NodeChoice
 from kvgpu.extender.server import Extender
 from kvgpu.extender.tls import DEFAULT_ALLOWED_CLIENTS
 from kvgpu.metrics import OperatorMetrics
-from kvgpu.reconcile import handlers
+from kvgpu.reconcile import advertise, handlers, poolstatus
 from kvgpu.reconcile.state import OperatorState, allocation_from_claim
 from kvgpu.watch import ListWatch
 
@@ -111,9 +111,11 @@ class Runtime:
     _written_pools: dict[str, dict[str, Any]] = field(default_factory=dict)
     _phase_worker: Any = None  # the claim-phase worker process while leading
     _topology: dict[str, tuple[int, int, frozenset[str]]] | None = None
+    _clash: dict[str, dict[str, set[str]]] = field(default_factory=dict)  # pool -> tied pool -> nodes
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     active: bool = True  # False on a standby replica (leader election)
     watches: dict[str, ListWatch] = field(default_factory=dict)
+    fault_log: faults.FaultLog = field(default_factory=lambda: faults.FaultLog(log))
 
     # ----- start / stop ------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -122,6 +124,7 @@ class Runtime:
         if self.active:
             await self.rebuild()
         self.extender = Extender(self.state, self.api, self.metrics, self.cfg.node_choice)
+        self.extender.preemption.nudge = self.nudge_pending  # a GPU hold ended: retry pending pods
         await self.start_extender()
         if self.cfg.webhook_port:
             await self.start_webhooks()
@@ -235,6 +238,8 @@ class Runtime:
     async def cleanup(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self.extender is not None:
+            self.extender.preemption.stop()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
@@ -333,6 +338,24 @@ class Runtime:
             return
         if self.state.set_node(node):
             self.nudge_pending("node inventory changed")
+        self._advertise(name, node)
+
+    def _advertise(self, name: str, node: dict[str, Any]) -> None:
+        """Give a GPU node HAMi's extended resources (:mod:`kvgpu.reconcile.advertise`) when
+        its status lacks them or shows other amounts (a pool changed, a kubelet reset them)."""
+        if not self.active or self.api is None or name not in self.state.ledger:
+            return
+        patch = advertise.status_patch(node, advertise.advertised(self.state.ledger.node_usage(name)))
+        if patch is not None:
+            task = asyncio.create_task(self._patch_node_status(name, patch), name=f"kvgpu-advertise-{name}")
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+
+    async def _patch_node_status(self, name: str, patch: dict[str, Any]) -> None:
+        try:
+            await kube.patch_node_status(self.api, name, patch)
+        except Exception as e:  # the next node event tries again
+            log.warning("could not advertise the node's GPU resources", node=name, error=str(e)[:200])
 
     def on_claim(self, etype: str, claim: dict[str, Any]) -> None:
         """A claim deleted, or Released/Failed (its pod ended: the claim-phase worker wrote it),
@@ -423,8 +446,13 @@ class Runtime:
                     await fn()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("background task failed", task=fn.__name__)
+            except Exception as e:
+                if (why := faults.expected(e)) is None:
+                    log.exception("background task failed", task=fn.__name__)
+                else:  # the API server away: one line now and then, not a traceback per round
+                    self.fault_log.fault(fn.__name__, f"{fn.__name__} failed, retrying", why)
+            else:
+                self.fault_log.ok(fn.__name__, fn.__name__)
             await asyncio.sleep(interval)
 
     async def flush(self) -> None:
@@ -504,6 +532,10 @@ class Runtime:
             name: (counts.get(name, [0, 0])[0], counts.get(name, [0, 0])[1], clash.get(name, frozenset()))
             for name in self.state.pools
         }
+        self._clash = poolstatus.conflict_nodes(self.state.pools.values(), (
+            (n, r.labels, r.inventory.cards) for n, r in self.state.nodes.items() if r.inventory is not None))
+        where = {n for others in self._clash.values() for ns in others.values() for n in ns}
+        self.state.conflict_notes = {n: poolstatus.conflict_note(n, self._clash) for n in where}
         return self._topology
 
     async def write_pool_status(self) -> None:
@@ -515,6 +547,7 @@ class Runtime:
 
         usage = self.state.ledger.pool_usage()
         topo = self._pool_topology()
+        over = poolstatus.excess(self.state.ledger.usage().values())
         claims_per_pool: dict[str, int] = {}
         for alloc in self.state.ledger.reservations().values():
             for ca in alloc.containers:
@@ -533,8 +566,11 @@ class Runtime:
                 memory_used_mib=u.memory_used_mib if u else 0, memory_total_mib=u.memory_total_mib if u else 0,
                 cores_used=u.cores_used if u else 0, cores_total=u.cores_total if u else 0,
                 claims=claims_per_pool.get(name, 0),
-                conditions=pool_conditions(cards=cards, healthy_cards=healthy, conflicts_with=clash,
-                                           generation=pool.metadata.get("generation"), now=now, previous=prev),
+                conditions=poolstatus.conditions(
+                    name, pool_conditions(cards=cards, healthy_cards=healthy, conflicts_with=clash,
+                                          generation=pool.metadata.get("generation"), now=now, previous=prev),
+                    clash=self._clash.get(name, {}), over=over.get(name, []),
+                    generation=pool.metadata.get("generation"), now=now, previous=prev),
             )
             body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
             compare = {k: v for k, v in body.items() if k != "conditions"}
@@ -544,6 +580,10 @@ class Runtime:
                 continue
             await kube.patch_pool_status(self.api, name, body)
             self._written_pools[name] = compare
+            if (turned := poolstatus.became_overcommitted(prev, status.conditions)) is not None:
+                log.warning("pool shrunk under live claims", pool=name, detail=turned.message)
+                await kube.post_event(self.api, pool.to_body(), reason="Overcommitted", message=turned.message,
+                                      type_="Warning")
 
     async def sweep(self) -> None:
         """Re-reserve live claims the ledger lacks (drift: a reservation lost to a bug or a
@@ -587,8 +627,11 @@ class Runtime:
                 except ApiException as e:
                     if e.status == 404:
                         self.state.pending.pop(uid, None)
-                except Exception:
-                    log.exception("requeue failed", pod=f"{ns}/{name}")
+                except Exception as e:
+                    if (why := faults.expected(e)) is None:
+                        log.exception("requeue failed", pod=f"{ns}/{name}")
+                    else:
+                        self.fault_log.fault("requeue", "requeue of pending pods failed", why)
 
 
 def pod_holds(pod: dict[str, Any], claim_spec: dict[str, Any]) -> bool:

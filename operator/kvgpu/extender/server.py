@@ -106,6 +106,8 @@ class Extender:
             if not keys.webhook_admitted(args.pod):
                 return web.json_response(filter_result(args, [], dict.fromkeys(args.node_names, keys.NOT_ADMITTED)))
             feasible, reasons = self.state.ledger.filter(req, args.node_names)
+            if notes := self.state.conflict_notes:  # pools in conflict: the real cause, on those nodes
+                reasons = {n: r + notes.get(n, "") for n, r in reasons.items()}
             meta = args.pod["metadata"]
             uid = str(meta.get("uid", ""))
             if feasible:

@@ -17,11 +17,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import kopf
+import structlog
 
+from kvgpu import kube
 from kvgpu.core import keys
+from kvgpu.reconcile import poolstatus
 
 if TYPE_CHECKING:
     from kvgpu.runtime import Runtime
+
+log = structlog.get_logger("kvgpu.operator")
 
 
 
@@ -35,7 +40,14 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     async def pool_event(event: dict[str, Any], body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
         name = body["metadata"]["name"]
         if event.get("type") == "DELETED":
+            pods, nodes = poolstatus.in_use(name, rt.state.ledger.usage().values())
             rt.state.remove_pool(name)
+            if pods and rt.active:  # the claims keep their cards: say so, once, where people look
+                msg = poolstatus.deleted_in_use_message(name, pods, nodes)
+                log.warning("pool deleted under live claims", pool=name, detail=msg)
+                await kube.post_event(rt.api, {"apiVersion": f"{keys.GROUP}/{keys.VERSION}", "kind": "VGPUPool",
+                                               "metadata": dict(body["metadata"])},
+                                      reason="PoolDeletedInUse", message=msg, type_="Warning")
         else:
             try:
                 changed = rt.state.set_pool(dict(body))

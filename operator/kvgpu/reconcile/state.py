@@ -62,6 +62,8 @@ class OperatorState:
     # drift repair): an event about another object under the same name frees nothing
     claim_uids: dict[str, str] = field(default_factory=dict)
     ready: bool = False
+    # node -> what its pods' scheduling failures add when equally specific pools conflict there
+    conflict_notes: dict[str, str] = field(default_factory=dict)
 
     # ----- pools -------------------------------------------------------------------------------
     def default_pool_spec(self) -> VGPUPoolSpec | None:
