@@ -282,3 +282,25 @@ async def post_event(
         await _discard(await client.CoreV1Api(api).create_namespaced_event(ns, body, _preload_content=False))
     except (ApiException, OSError):
         pass
+
+
+async def list_node_pods(api: client.ApiClient, node: str) -> list[dict[str, Any]]:
+    """Every pod bound to ``node`` (GPU preemption reads their priorities and labels)."""
+    res = await client.CoreV1Api(api).list_pod_for_all_namespaces(
+        field_selector=f"spec.nodeName={node}", _preload_content=False)
+    return list((await _raw(res)).get("items") or [])
+
+
+async def list_pdbs(api: client.ApiClient, namespace: str) -> list[dict[str, Any]]:
+    """The PodDisruptionBudgets of ``namespace``."""
+    res = await client.PolicyV1Api(api).list_namespaced_pod_disruption_budget(namespace, _preload_content=False)
+    return list((await _raw(res)).get("items") or [])
+
+
+async def evict_pod(api: client.ApiClient, namespace: str, name: str, uid: str) -> None:
+    """Evict a pod through the Eviction API (PodDisruptionBudgets apply: 429 when one forbids
+    it), only the pod with ``uid``."""
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace},
+            "deleteOptions": {"preconditions": {"uid": uid}}}
+    await _discard(await client.CoreV1Api(api).create_namespaced_pod_eviction(
+        name, namespace, body, _preload_content=False))

@@ -116,6 +116,8 @@ ALLOWED = [
     ("kvgpu-operator", v, "", "pods", "", "") for v in ("get", "list", "watch", "patch")
 ] + [
     ("kvgpu-operator", "create", "", "pods", "binding", "team"),
+    ("kvgpu-operator", "create", "", "pods", "eviction", "team"),
+    ("kvgpu-operator", "list", "policy", "poddisruptionbudgets", "", "team"),
     ("kvgpu-operator", "patch", "", "nodes", "", ""),
     ("kvgpu-operator", "watch", "", "nodes", "", ""),
     ("kvgpu-operator", "create", "", "events", "", "team"),
@@ -141,6 +143,7 @@ ALLOWED = [
 ]
 DENIED = [
     ("kvgpu-operator", "delete", "", "pods", "", "team"),
+    ("kvgpu-operator", "delete", "policy", "poddisruptionbudgets", "", "team"),
     ("kvgpu-operator", "get", "", "secrets", "", "kvgpu-system"),
     ("kvgpu-operator", "update", "coordination.k8s.io", "leases", "", "kube-system", "kvgpu-operator"),
     ("kvgpu-operator", "update", "kvgpu.io", "vgpupools", "", ""),

@@ -147,3 +147,19 @@ def test_greedy_beyond_the_check_budget_is_minimal() -> None:
 def test_no_nodes() -> None:
     p = choose(pod(c(memory_mib=1)), 1, {}, [], {})
     assert isinstance(p, NoPlan) and p.reason == "no GPU node to consider"
+
+
+def test_selector_matches_like_a_pdb() -> None:
+    from kvgpu.allocator.preempt import selector_matches
+
+    labels = {"app": "low", "tier": "batch"}
+    assert not selector_matches(None, labels)
+    assert selector_matches({}, labels)
+    assert selector_matches({"matchLabels": {"app": "low"}}, labels)
+    assert not selector_matches({"matchLabels": {"app": "high"}}, labels)
+    assert selector_matches({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["batch"]}]}, labels)
+    assert not selector_matches({"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["batch"]}]},
+                                labels)
+    assert selector_matches({"matchExpressions": [{"key": "x", "operator": "DoesNotExist"}]}, labels)
+    assert not selector_matches({"matchExpressions": [{"key": "x", "operator": "Exists"}]}, labels)
+    assert not selector_matches({"matchExpressions": [{"key": "app", "operator": "Gt", "values": ["1"]}]}, labels)

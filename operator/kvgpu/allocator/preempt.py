@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvgpu.allocator.ledger import AllocationError, Ledger
 from kvgpu.core.inventory import NodeInventory
@@ -147,12 +148,7 @@ def node_plan(
         key=lambda h: (h.priority, h.namespace, h.name, h.uid))
 
     def fits(removed: Iterable[Holder]) -> PodAllocation | None:
-        out = gone | {h.uid for h in removed}
-        keep = {f"{u}#{k}": a for u, allocs in pods.items() if u not in out for k, a in enumerate(allocs)}
-        try:
-            return Ledger.rebuild([inv], keep).allocate(pod, inv.node)
-        except AllocationError:
-            return None
+        return fits_without(pod, inv, pods, gone | {h.uid for h in removed})
 
     if fits(()) is not None:
         return NoPlan("fits once its terminating pods have gone", wait=True)
@@ -182,6 +178,45 @@ def node_plan(
             _, combo, a = min(found, key=lambda f: f[0])
             return Plan(inv.node, combo, a)
     return _blocked(lower, budgets)
+
+
+def fits_without(pod: PodRequest, inv: NodeInventory, pods: Mapping[str, list[PodAllocation]],
+                 removed: Iterable[str]) -> PodAllocation | None:
+    """Where ``pod`` goes on the node of ``inv`` (reservations ``pods``: UID → allocations) once
+    the pods ``removed`` (UIDs) are gone, or None when it still does not fit."""
+    out = set(removed)
+    keep = {f"{u}#{k}": a for u, allocs in pods.items() if u not in out for k, a in enumerate(allocs)}
+    try:
+        return Ledger.rebuild([inv], keep).allocate(pod, inv.node)
+    except AllocationError:
+        return None
+
+
+def selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """A ``metav1.LabelSelector`` (``matchLabels``, ``matchExpressions`` with In, NotIn, Exists,
+    DoesNotExist) against ``labels``. As for a PodDisruptionBudget of ``policy/v1``: None matches
+    nothing, ``{}`` every pod; an unknown operator matches nothing."""
+    if selector is None:
+        return False
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e.get("key"), e.get("operator"), set(e.get("values") or [])
+        have = key in labels
+        if op == "In":
+            ok = have and labels[key] in values
+        elif op == "NotIn":
+            ok = not have or labels[key] not in values
+        elif op == "Exists":
+            ok = have
+        elif op == "DoesNotExist":
+            ok = not have
+        else:
+            ok = False
+        if not ok:
+            return False
+    return True
 
 
 def _greedy(node: str, lower: list[Holder], fits: Callable[[Iterable[Holder]], PodAllocation | None],

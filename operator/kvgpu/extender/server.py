@@ -28,6 +28,7 @@ from kvgpu.api.requests import RequestError, parse_pod
 from kvgpu.core import keys
 from kvgpu.extender.binder import Binder
 from kvgpu.extender.choice import NodeChoice, best_node, scheduler_preferences
+from kvgpu.extender.preemption import Preemption
 from kvgpu.extender.protocol import (
     ProtocolError,
     error_result,
@@ -53,6 +54,7 @@ class Extender:
         self.api = api
         self.metrics = metrics
         self.binder = Binder(state, api, metrics)
+        self.preemption = Preemption(state, api)  # GPU preemption for pods filter rejects
         # last reasons per pod uid, for Events (posted when they change) and `kubectl vgpu why`
         self.last_reasons: dict[str, str] = {}
 
@@ -105,7 +107,7 @@ class Extender:
                 return web.json_response(filter_result(args, list(args.node_names), {}))
             if not keys.webhook_admitted(args.pod):
                 return web.json_response(filter_result(args, [], dict.fromkeys(args.node_names, keys.NOT_ADMITTED)))
-            feasible, reasons = self.state.ledger.filter(req, args.node_names)
+            req, feasible, reasons = self.preemption.filter(args.pod, req, args.node_names)
             if notes := self.state.conflict_notes:  # pools in conflict: the real cause, on those nodes
                 reasons = {n: r + notes.get(n, "") for n, r in reasons.items()}
             meta = args.pod["metadata"]
@@ -118,6 +120,7 @@ class Extender:
             else:
                 self.state.pending[uid] = (str(meta.get("namespace")), str(meta.get("name")))
                 self.metrics.pending.set(len(self.state.pending))
+                self.preemption.rejected(args.pod, req, args.node_names)
                 await self._explain(args.pod, reasons)
             return web.json_response(filter_result(args, feasible, reasons))
         except Exception as e:  # never crash the scheduler's request: report it
