@@ -228,6 +228,17 @@ async def patch_node_annotations(api: client.ApiClient, name: str, annotations: 
             raise
 
 
+async def patch_node_status(api: client.ApiClient, name: str, patch: dict[str, Any]) -> None:
+    """Merge-patch a node's status (the extended resources the operator advertises); a node
+    gone meanwhile is no error."""
+    try:
+        await _discard(await client.CoreV1Api(api).patch_node_status(
+            name, patch, _content_type=MERGE, _preload_content=False))
+    except ApiException as e:
+        if e.status != 404:
+            raise
+
+
 def event_body(
     involved: dict[str, Any],
     namespace: str,
