@@ -38,6 +38,7 @@ LIB_SOURCES = [
     "vgpu_compute.c",
     "vgpu_symbols.c",
     "vgpu_cuda.c",
+    "vgpu_cuda_mem.c",
     "vgpu_nvml.c",
 ]
 CORE_SOURCES = ["vgpu_config.c", "vgpu_region.c", "vgpu_compute.c", "vgpu_pycore.c"]

@@ -6,7 +6,8 @@
  *   vgpu_region.c   shared per-container region: slots, robust lock, quota      [pure + POSIX]
  *   vgpu_compute.c  compute gate: windowed duty cycle, node-wide schedule       [pure + POSIX]
  *   vgpu_symbols.c  real libcuda/libnvidia-ml binding, dlsym, cuGetProcAddress
- *   vgpu_cuda.c     CUDA driver hooks (memory paths, memory info, launches)
+ *   vgpu_cuda.c     CUDA driver hooks: device map, launches, the hook table (vgpu_cuda.h)
+ *   vgpu_cuda_mem.c CUDA memory hooks: allocation paths, memory info, graph memory
  *   vgpu_nvml.c     NVML view (memory info v1/v2) and per-process usage
  *   libvgpu.c       entry unit: init, fail-closed gate, logging, version
  *
