@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvgpu.admission.mutate import apply_ops, mutate_pod
 from kvgpu.admission.validate import validate_pod, validate_workload
+from kvgpu.api.pools import SliceMinimum
 from kvgpu.api import requests as rq
 from kvgpu.api.requests import RequestError, parse_pod
 from kvgpu.api.requests import validate_pod as request_errors
@@ -249,4 +250,5 @@ def test_mutating_webhook_never_raises_and_is_idempotent(pod: Any) -> None:
             c.get("env") for k in ("containers", "initContainers") for c in spec.get(k) or []) or any(
             keys.is_allocation_annotation(k) for k in annotations):
         return
-    assert validate_pod("CREATE", mutated, None, "alice", {OPERATOR}) == []
+    # no minimum slice here: the property is the mutation's, the minimum a pool's policy
+    assert validate_pod("CREATE", mutated, None, "alice", {OPERATOR}, min_slice=SliceMinimum(0)) == []
