@@ -6,10 +6,13 @@ requeue (seconds) from the flush (minutes): timings belong in the benchmarks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import pytest
+from kvgpu.core import keys
+from kvgpu.core.inventory import NodeInventory
 
 from tests.cluster.conftest import GpuEnv
 
@@ -96,4 +99,34 @@ def test_pod_waiting_for_a_slot_is_placed_when_the_pool_split_count_grows(gpu: G
     gpu.wait_bound("third", timeout=60)
     took = time.monotonic() - t0
     print(f"requeue: placed {took:.2f} s after splitCount 2 -> 4")
+    assert took <= REQUEUED_S, took
+
+
+def _set_health(gpu: GpuEnv, node: str, healthy: bool) -> None:
+    """What the agent writes when its health source sees a card fail or recover."""
+    body = json.loads(gpu.cluster.kubectl("get", "node", node, "-o", "json").stdout)
+    inv = NodeInventory.loads(body["metadata"]["annotations"][keys.NODE_INVENTORY])
+    cards = tuple(dataclasses.replace(c, healthy=healthy, reason="" if healthy else "simulated: Xid 79")
+                  for c in inv.cards)
+    gpu.cluster.kubectl("annotate", "node", node, "--overwrite",
+                        f"{keys.NODE_INVENTORY}={dataclasses.replace(inv, cards=cards).dumps()}")
+
+
+@pytest.mark.parametrize("form", ["annotation", "hami"])
+def test_pod_waiting_for_a_card_is_placed_when_it_is_healthy_again(gpu: GpuEnv, form: str) -> None:
+    [node] = gpu.nodes(1, cards=1)
+    _set_slots(gpu, node, 10)
+    _set_health(gpu, node, False)
+    _set_slots(gpu, node, 0)  # the kubelet: the plugin's replicas of the card are unhealthy
+    gpu.create(gpu.pod("patient", *FORMS[form]))
+    gpu.wait(lambda: any(c["type"] == "PodScheduled" and c["status"] == "False"
+                         for c in gpu.get("pod", "patient").get("status", {}).get("conditions") or []),
+             30, "patient unschedulable (its only card is unhealthy)")
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    _set_health(gpu, node, True)
+    _set_slots(gpu, node, 10)
+    gpu.wait_bound("patient", timeout=60)
+    took = time.monotonic() - t0
+    print(f"requeue: placed {took:.2f} s after the card was healthy again")
     assert took <= REQUEUED_S, took
