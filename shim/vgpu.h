@@ -164,7 +164,7 @@ int vgpu_region_reap(struct vgpu_region *r); /* takes the lock */
 /* Charge bytes on device d to own slot if it fits the limit. 0 ok, -1 over the limit. */
 int vgpu_region_reserve(struct vgpu_region_handle *h, int d, uint64_t bytes);
 void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes);
-/* Set own overhead charge on device d (absolute). Returns the bytes actually charged. */
+/* Set own overhead charge on device d (absolute, in full: no cap). Returns the bytes charged. */
 uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes);
 uint64_t vgpu_region_used(struct vgpu_region *r, int d);
 /* Start time of a process from /proc/<pid>/stat (clock ticks), 0 if it does not exist. */

@@ -10,7 +10,7 @@
  * Reconciliation: NVML's usedGpuMemory for this process covers what no hook sees (context,
  * modules, local memory, library internals, pool caches, graph memory, 2 MiB rounding). The
  * difference to this process's counted allocations becomes its overhead charge in the region
- * (capped at half the limit, see vgpu_region_set_overhead). The process is found by PID:
+ * (in full, even past the limit: then every allocation and graph launch is refused). The process is found by PID:
  * the slot's host_pid when the node agent filled it, else getpid() (same PID namespace).
  * Rate: at most every 200 ms on allocation paths, every 10 ms near the limit, and always
  * before an allocation is refused.

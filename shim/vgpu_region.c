@@ -391,10 +391,9 @@ uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t 
     if (d < 0 || d >= VGPU_MAX_DEV || h->slot < 0)
         return 0;
     vgpu_region_lock(r);
-    /* Policy: overhead (context, modules, allocator rounding) is charged, but never more
-     * than half the limit, so a slice smaller than a context still holds data. */
-    if (r->dev[d].limit && bytes > r->dev[d].limit / 2)
-        bytes = r->dev[d].limit / 2;
+    /* Policy: overhead (context, modules, allocator rounding, pool caches: what NVML shows
+     * above the counted allocations) is charged in full, even past the limit: the limit is
+     * hard, so a slice smaller than a context gets every allocation refused (issue 21). */
     struct vgpu_slot *sl = &r->slot[h->slot];
     uint64_t u = atomic_load(&r->dev[d].used) - sl->overhead[d] + bytes;
     sl->overhead[d] = bytes;

@@ -57,13 +57,24 @@ def test_small_limit_300_mib_works(box) -> None:
     assert out["n"] == 14 and out["rc"] == 2  # 236 MiB / 16
 
 
-def test_limit_below_the_context_still_usable(box) -> None:
-    """Context 256 MiB > limit 100 MiB: overhead is charged up to half the limit; no errors."""
+def test_limit_below_the_context_holds_nothing(box) -> None:
+    """Context 256 MiB > limit 100 MiB: the context is charged in full (no cap), so the slice
+    shows 0 free and every allocation is refused; the process itself keeps running."""
     env = box.env(claim((0, 100, 0)), STUB_CTX_MIB=256)
     info = box.json("info", env=env)[0]
-    assert info["rc"] == 0 and info["total"] == 100 * MIB and info["free"] == 50 * MIB
+    assert info["rc"] == 0 and info["total"] == 100 * MIB and info["free"] == 0
     out = box.json("fill", "alloc", str(10 * MIB), env=env)[0]
-    assert out["n"] == 5 and out["rc"] == 2 and out["free"] == 0
+    assert out["n"] == 0 and out["rc"] == 2 and out["free"] == 0
+
+
+def test_overhead_is_charged_in_full(box) -> None:
+    """Memory NVML shows above the counted allocations (here a 600 MiB context, 60 % of the
+    limit) is charged in full: before, the charge was capped at half the limit (500 MiB)."""
+    env = box.env(claim((0, 1000, 0)), STUB_CTX_MIB=600)
+    info = box.json("info", env=env)[0]
+    assert info["free"] == 400 * MIB
+    out = box.json("fill", "alloc", str(CHUNK), env=env)[0]
+    assert out["n"] == 6 and out["rc"] == 2  # 400 / 64, not 500 / 64 = 7
 
 
 def test_limit_above_physical_reports_physical(box) -> None:
@@ -172,17 +183,18 @@ def test_processes_of_a_container_share_one_quota(box) -> None:
 
 
 def test_racing_processes_never_exceed_the_limit(box) -> None:
-    """N processes allocate 1 MiB chunks at the same instant; the total stays within the limit."""
+    """N processes allocate 2 MiB chunks at the same instant; the total stays within the limit.
+    (2 MiB: the stub's page, so no rounding overhead enters the charge.)"""
     limit, n = 200, 6
     env = box.env(claim((0, limit, 0)), STUB_CTX_MIB=0)
     go = box.dir / "go"
-    procs = [subprocess.Popen([str(box.kit.cuprog), "race", str(MIB), str(go)], env=env,
+    procs = [subprocess.Popen([str(box.kit.cuprog), "race", str(2 * MIB), str(go)], env=env,
                               stdout=subprocess.PIPE, text=True) for _ in range(n)]
     time.sleep(0.5)
     go.touch()
     totals = [json.loads(p.communicate(timeout=60)[0])["bytes"] for p in procs]
     assert sum(totals) <= limit * MIB
-    assert sum(totals) == limit * MIB  # and nothing is lost: the last MiB is handed out
+    assert sum(totals) == limit * MIB  # and nothing is lost: the last page is handed out
     assert min(totals) >= 0 and len(totals) == n
 
 

@@ -64,7 +64,9 @@ def test_reserve_is_bounded_and_released(core, tmp_path) -> None:
     lib.vgpu_region_release(h, 0, 60 * MIB)
     lib.vgpu_region_release(h, 0, 1 << 40)  # over-release clamps at what the slot holds
     assert lib.vgpu_region_used(h.r, 0) == 0
-    assert lib.vgpu_region_set_overhead(h, 0, 80 * MIB) == 50 * MIB  # capped at half the limit
+    assert lib.vgpu_region_set_overhead(h, 0, 120 * MIB) == 120 * MIB  # in full, even past the limit
+    assert lib.vgpu_region_used(h.r, 0) == 120 * MIB
+    assert lib.vgpu_region_reserve(h, 0, 1) == -1  # over the limit: nothing more
     lib.vgpu_region_leave(h)
     assert lib.vgpu_region_used(h.r, 0) == 0
     lib.vgpu_region_close(h)
