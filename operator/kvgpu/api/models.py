@@ -343,7 +343,8 @@ class VGPUPoolStatus(_Model):
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=16,
-        description="Ready (covers a healthy card) and Conflict (overlaps another pool).",
+        description=("Ready (covers a healthy card), Conflict (ties with another pool on some cards) and "
+                     "Overcommitted (cards hold more than the pool allows now)."),
         json_schema_extra=_CONDITIONS_EXTRA,
     )
 
