@@ -109,3 +109,7 @@ def gpu(cluster: Cluster, kvgpu_system: KvgpuSystem, namespace: str) -> Iterator
         cluster.kubectl("delete", "pods", "--all", "-n", namespace, "--grace-period=0", "--force", "--wait=false",
                         check=False)
         cluster.kubectl("delete", "node", *env.node_names, "--wait=false", check=False)
+    # The pool covers every kvgpu.io/gpu-node: left behind, it would slice other tests' nodes. Waited
+    # for, so that the next test's apply does not land on an object about to disappear.
+    cluster.kubectl("delete", "vgpupool", "default", "--ignore-not-found", "--wait=true", "--timeout=60s",
+                    check=False)
