@@ -56,7 +56,7 @@ struct vgpu_config {
     int policy;               /* enum vgpu_policy (GPU_CORE_UTILIZATION_POLICY) */
     int log_level;            /* 0 errors, 1 +warnings (default), 2 +info, 3+ debug */
     int disabled;             /* CUDA_DISABLE_CONTROL=true: shim passes everything through */
-    int oom_killer;           /* ACTIVE_OOM_KILLER, accepted, unused */
+    int oom_killer;           /* ACTIVE_OOM_KILLER=true|1|yes: end the process over the limit */
     char region_path[512];    /* file of the shared region, "" = process-private */
     char sched_dir[512];      /* KVGPU_SCHED_DIR: node-wide compute schedule, "" = none */
     uint64_t period_ns;       /* compute window period (KVGPU_COMPUTE_PERIOD_MS, default 100 ms) */
@@ -134,7 +134,11 @@ struct vgpu_region {
     uint64_t generation;        /* bumped on every (re)initialisation */
     char claim[VGPU_CLAIM_LEN];
     union { pthread_mutex_t m; char pad[64]; } lock; /* robust, process-shared */
-    uint64_t reserved[8];
+    _Atomic uint64_t oom_kills; /* processes the shim's ACTIVE_OOM_KILLER ended (read by the agent) */
+    int32_t oom_last_pid;       /* the last one: its container PID, card index and bytes charged */
+    uint32_t oom_last_dev;
+    uint64_t oom_last_bytes;
+    uint64_t reserved[5];
     struct vgpu_region_dev dev[VGPU_MAX_DEV];
     struct vgpu_slot slot[VGPU_MAX_SLOTS];
 };
@@ -167,6 +171,12 @@ void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes);
 /* Set own overhead charge on device d (absolute, in full: no cap). Returns the bytes charged. */
 uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes);
 uint64_t vgpu_region_used(struct vgpu_region *r, int d);
+/* The container is over its limit on d by more than `slack`: 1 with the live slot holding the
+ * most (data + overhead) on d in *pid, *start_time, *bytes; 0 otherwise. Takes the lock. */
+int vgpu_region_oom_victim(struct vgpu_region *r, int d, uint64_t slack, int32_t *pid,
+                           uint64_t *start_time, uint64_t *bytes);
+/* Count a kill by the shim's OOM killer (oom_kills, oom_last_*). Takes the lock. */
+void vgpu_region_oom_record(struct vgpu_region *r, int d, int32_t pid, uint64_t bytes);
 /* Start time of a process from /proc/<pid>/stat (clock ticks), 0 if it does not exist. */
 uint64_t vgpu_proc_start_time(int32_t pid);
 

@@ -341,7 +341,7 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
         cfg->log_level = vgpu_atoi(v);
     else if ((v = get("LIBCUDA_LOG_LEVEL", ctx)) && isdigit((unsigned char)v[0]))
         cfg->log_level = vgpu_atoi(v) > 0 ? vgpu_atoi(v) - 1 : 0; /* HAMi: 2 = default */
-    cfg->oom_killer = !(v = get("ACTIVE_OOM_KILLER", ctx)) || env_true(v);
+    cfg->oom_killer = (v = get("ACTIVE_OOM_KILLER", ctx)) && env_true(v); /* opt-in, see shim.md */
     if ((v = get("GPU_CORE_UTILIZATION_POLICY", ctx))) {
         if (!strcasecmp(v, "force"))
             cfg->policy = VGPU_POLICY_FORCE;

@@ -13,8 +13,39 @@ enum {
     H_POOL, H_POOL_PTSZ, H_FREEASYNC, H_FREEASYNC_PTSZ, H_CREATE, H_RELEASE, H_ARRAY,
     H_ARRAY3D, H_ARRAYDESTROY, H_MIPMAP, H_MIPMAPDESTROY, H_GETINFO, H_TOTALMEM, H_LAUNCH,
     H_LAUNCH_PTSZ, H_LAUNCHEX, H_LAUNCHEX_PTSZ, H_COOP, H_COOP_PTSZ, H_GRAPH, H_GRAPH_PTSZ,
-    H_ALLOC_V1, H_FREE_V1, H_COUNT
+    H_ALLOC_V1, H_FREE_V1,
+    /* memory the allocation paths do not see (vgpu_cuda_mem.c, "hidden consumers") */
+    H_GINST, H_GINST_V2, H_GINST_FLAGS, H_GINST_PARAMS, H_GUPLOAD, H_GUPLOAD_PTSZ, H_GEXEC_DESTROY,
+    H_CTX_CREATE, H_CTX_CREATE_V3, H_CTX_CREATE_V4, H_CTX_DESTROY, H_PRIMARY_RETAIN, H_CTX_SET_LIMIT,
+    H_COUNT
 };
+
+/* Driver types of the graph and context hooks (CUDA driver API reference, cuda.h 12/13). */
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+#define CU_GRAPH_NODE_TYPE_GRAPH 5
+#define CU_GRAPH_NODE_TYPE_MEM_ALLOC 10
+#define CU_STREAM_CAPTURE_STATUS_ACTIVE 1
+#define CU_LIMIT_STACK_SIZE 0
+#define CU_LIMIT_PRINTF_FIFO_SIZE 1
+#define CU_LIMIT_MALLOC_HEAP_SIZE 2
+#define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
+#define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR 39
+typedef struct {
+    int allocType, handleTypes;
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    unsigned char reserved[64];     /* maxSize, usage, reserved in CUDA >= 12.2: same size */
+} CUmemPoolProps;
+typedef struct {
+    CUmemPoolProps poolProps;
+    const void *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps layout");
+_Static_assert(sizeof(CUDA_MEM_ALLOC_NODE_PARAMS) == 120, "CUDA_MEM_ALLOC_NODE_PARAMS layout");
 
 /* mode of this process: decided once after vgpu_init (vgpu_cuda.c) */
 enum { M_UNSET, M_PASS, M_LIMITED, M_BROKEN };
@@ -39,6 +70,10 @@ void vgpu_cuda_mem_after_fork(void);  /* vgpu_cuda_mem.c: reset its locks and ta
 /* The memory side of cuGraphLaunch(_ptsz) in a limited process (after the compute gate). */
 CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
 
+/* ACTIVE_OOM_KILLER: after a reconciliation of device d (vgpu_nvml.c), end the process with the
+ * most memory in the container if the container is over its limit (vgpu_cuda_mem.c). */
+void vgpu_oom_check(int d);
+
 /* The memory hooks (vgpu_cuda_mem.c), for the hook table. */
 CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b);
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev);
@@ -61,5 +96,18 @@ CUresult cuArray3DCreate_v2(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc);
 CUresult cuArrayDestroy(CUarray arr);
 CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc, unsigned levels);
 CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr);
+CUresult cuGraphInstantiate(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log, size_t n);
+CUresult cuGraphInstantiate_v2(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log, size_t n);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags);
+CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, void *params);
+CUresult cuGraphUpload(CUgraphExec e, CUstream s);
+CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream s);
+CUresult cuGraphExecDestroy(CUgraphExec e);
+CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev);
+CUresult cuCtxCreate_v3(CUcontext *pctx, void *params, int n, unsigned flags, CUdevice dev);
+CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, CUdevice dev);
+CUresult cuCtxDestroy_v2(CUcontext c);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
+CUresult cuCtxSetLimit(int limit, size_t value);
 
 #endif

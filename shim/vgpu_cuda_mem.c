@@ -24,13 +24,22 @@
  */
 #include "vgpu_cuda.h"
 
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 /* ------------------------------------------------------------------ allocation table */
 
-enum { K_PTR = 1, K_HANDLE = 2, K_ARRAY = 3, K_MIPMAP = 4, K_GRAPH = 5, K_TOMB = -1 };
+enum {
+    K_PTR = 1, K_HANDLE = 2, K_ARRAY = 3, K_MIPMAP = 4, K_GRAPH = 5, /* K_GRAPH: exec launched once */
+    K_CTX = 6,          /* a context this process created (or a primary one): its charge */
+    K_LIM = 8,          /* + CU_LIMIT_*: bytes charged for a context's limit above its base */
+    K_LIMBASE = 12,     /* + CU_LIMIT_*: the driver's value before our first change */
+    K_GPEND = 32,       /* + region device: graph memory of an exec, known, not yet charged */
+    K_GCHG = 48,        /* + region device: graph memory of an exec, charged */
+    K_TOMB = -1
+};
 struct aent { uint64_t key; uint64_t size; int32_t dev; int32_t kind; };
 static struct aent *tab;
 static size_t tab_cap, tab_used; /* used counts live + tombstones */
@@ -330,11 +339,24 @@ VGPU_API CUresult cuMemFree(unsigned p)
 
 /* ------------------------------------------------------------------ stream-ordered */
 
+/* 1 when s is capturing a graph: an allocation there is not made now but becomes a memory node
+ * of the graph (stream capture), which the graph's launch charges (see "graph memory"). */
+static int capturing(CUstream s)
+{
+    static CUresult (*is_cap)(CUstream, int *);
+    if (!is_cap)
+        is_cap = (CUresult(*)(CUstream, int *))vgpu_cuda_sym("cuStreamIsCapturing");
+    int st = 0;
+    return is_cap && is_cap(s, &st) == CUDA_SUCCESS && st == CU_STREAM_CAPTURE_STATUS_ACTIVE;
+}
+
 static CUresult alloc_async(int idx, CUdeviceptr *dptr, size_t size, CUstream s)
 {
     CUresult (*real)(CUdeviceptr *, size_t, CUstream) = REAL(idx, CUresult(*)(CUdeviceptr *, size_t, CUstream));
     if (mode() != M_LIMITED)
         return real(dptr, size, s);
+    if (capturing(s))
+        return real(dptr, size, s); /* a graph memory node: charged when its graph is launched */
     int d = vgpu_cur_dev();
     if (charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -364,6 +386,8 @@ static CUresult alloc_pool(int idx, CUdeviceptr *dptr, size_t size, CUmemoryPool
         REAL(idx, CUresult(*)(CUdeviceptr *, size_t, CUmemoryPool, CUstream));
     if (mode() != M_LIMITED)
         return real(dptr, size, pool, s);
+    if (capturing(s))
+        return real(dptr, size, pool, s); /* a graph memory node: charged at the graph's launch */
     int d = vgpu_cur_dev(); /* policy: the pool is charged to the current context's device */
     if (charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -580,23 +604,497 @@ VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
 
 /* ------------------------------------------------------------------ graph memory */
 
+/* Graph memory nodes (cuGraphAddMemAllocNode, cudaGraphAddMemAllocNode, or cuMemAllocAsync in a
+ * capturing stream) are not allocations the hooks see: the driver reserves their memory in the
+ * graph pool at the executable graph's first launch (or cuGraphUpload). So at instantiation the
+ * graph is walked (child graphs too) and the bytes of its memory nodes are recorded per card
+ * (K_GPEND); the first launch or upload charges them before the driver is asked and is refused
+ * with CUDA_ERROR_OUT_OF_MEMORY when they do not fit; the charge (K_GCHG) lasts until
+ * cuGraphExecDestroy. Policy: every executable graph is charged its own nodes in full, although
+ * the driver may let graphs share physical pages (safe side: never under the real use). */
+
+static void graph_walk(CUgraph g, uint64_t *per_dev, int depth)
+{
+    static CUresult (*nodes)(CUgraph, CUgraphNode *, size_t *), (*type)(CUgraphNode, int *),
+        (*params)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *), (*child)(CUgraphNode, CUgraph *);
+    if (!nodes) {
+        type = (CUresult(*)(CUgraphNode, int *))vgpu_cuda_sym("cuGraphNodeGetType");
+        params = (CUresult(*)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *))vgpu_cuda_sym("cuGraphMemAllocNodeGetParams");
+        child = (CUresult(*)(CUgraphNode, CUgraph *))vgpu_cuda_sym("cuGraphChildGraphNodeGetGraph");
+        nodes = (CUresult(*)(CUgraph, CUgraphNode *, size_t *))vgpu_cuda_sym("cuGraphGetNodes");
+    }
+    size_t n = 0;
+    if (!nodes || !type || !g || depth > 8 || nodes(g, NULL, &n) != CUDA_SUCCESS || !n)
+        return;
+    CUgraphNode *v = calloc(n, sizeof *v);
+    if (!v || nodes(g, v, &n) != CUDA_SUCCESS) {
+        free(v);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        int t = -1;
+        if (type(v[i], &t) != CUDA_SUCCESS)
+            continue;
+        CUDA_MEM_ALLOC_NODE_PARAMS p;
+        CUgraph sub;
+        if (t == CU_GRAPH_NODE_TYPE_MEM_ALLOC && params) {
+            memset(&p, 0, sizeof p);
+            if (params(v[i], &p) != CUDA_SUCCESS || p.poolProps.location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+                continue;
+            int d = vgpu_map_cuda_device(p.poolProps.location.id);
+            if (d >= 0)
+                per_dev[d] += p.bytesize;
+        } else if (t == CU_GRAPH_NODE_TYPE_GRAPH && child && child(v[i], &sub) == CUDA_SUCCESS) {
+            graph_walk(sub, per_dev, depth + 1);
+        }
+    }
+    free(v);
+}
+
+static void graph_record(CUgraphExec e, CUgraph g)
+{
+    uint64_t per_dev[VGPU_MAX_DEV] = {0};
+    graph_walk(g, per_dev, 0);
+    for (int d = 0; d < VGPU_MAX_DEV; d++)
+        if (per_dev[d]) {
+            tab_put(K_GPEND + d, (uint64_t)(uintptr_t)e, per_dev[d], d);
+            vgpu_log(3, "graph exec %p: %llu MiB of memory nodes on device %d", (void *)e,
+                     (unsigned long long)(per_dev[d] >> 20), d);
+        }
+}
+
+/* Charge the pending graph memory of e (first launch or upload). 0 ok (or nothing pending),
+ * -1 refused: nothing is charged and it stays pending. */
+static int graph_reserve(CUgraphExec e)
+{
+    uint64_t key = (uint64_t)(uintptr_t)e, size[VGPU_MAX_DEV] = {0};
+    int dev, got = 0;
+    for (int d = 0; d < vgpu.cfg.ndev && d < VGPU_MAX_DEV; d++)
+        if (tab_take(K_GPEND + d, key, &size[d], &dev))
+            got = 1;
+    if (!got)
+        return 0;
+    for (int d = 0; d < vgpu.cfg.ndev && d < VGPU_MAX_DEV; d++) {
+        if (!size[d] || charge(d, size[d]) == 0)
+            continue;
+        vgpu_log(1, "device %d: graph launch refused: its memory nodes need %llu MiB, %llu of %llu MiB "
+                    "are charged", d, (unsigned long long)(size[d] >> 20),
+                 (unsigned long long)(vgpu_region_used(vgpu.region.r, d) >> 20),
+                 (unsigned long long)(vgpu.region.r->dev[d].limit >> 20));
+        for (int k = 0; k < d; k++)
+            if (size[k])
+                uncharge(k, size[k]);
+        for (int k = 0; k < vgpu.cfg.ndev && k < VGPU_MAX_DEV; k++)
+            if (size[k])
+                tab_put(K_GPEND + k, key, size[k], k);
+        return -1;
+    }
+    for (int d = 0; d < vgpu.cfg.ndev && d < VGPU_MAX_DEV; d++)
+        if (size[d])
+            tab_put(K_GCHG + d, key, size[d], d);
+    return 0;
+}
+
+/* A launch or upload that failed after graph_reserve: the charge goes back to pending. */
+static void graph_unreserve(CUgraphExec e)
+{
+    uint64_t key = (uint64_t)(uintptr_t)e, size;
+    int dev;
+    for (int d = 0; d < vgpu.cfg.ndev && d < VGPU_MAX_DEV; d++)
+        if (tab_take(K_GCHG + d, key, &size, &dev)) {
+            uncharge(d, size);
+            tab_put(K_GPEND + d, key, size, d);
+        }
+}
+
 CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s)
 {
     CUresult (*real)(CUgraphExec, CUstream) = REAL(idx, CUresult(*)(CUgraphExec, CUstream));
-    /* Graph memory nodes reserve their pool at an executable graph's first launch; NVML
-     * reconciliation charges it right after that launch. A graph launch while the container
-     * is already over its limit is refused. */
+    /* A graph launch while the container is already over its limit is refused; the memory
+     * nodes recorded at instantiation are charged at the first launch (graph_reserve), and
+     * whatever else the launch makes the driver reserve is reconciled right after it. */
     int d = vgpu_cur_dev();
-    if (d < 0 || !vgpu.region.r->dev[d].limit)
-        return real(g, s);
-    vgpu_reconcile(d, 0);
-    if (vgpu_region_used(vgpu.region.r, d) > vgpu.region.r->dev[d].limit)
+    if (d >= 0 && vgpu.region.r->dev[d].limit) {
+        vgpu_reconcile(d, 0);
+        if (vgpu_region_used(vgpu.region.r, d) > vgpu.region.r->dev[d].limit)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (graph_reserve(g))
         return CUDA_ERROR_OUT_OF_MEMORY;
     uint64_t seen_size;
     int seen_dev, first = !tab_take(K_GRAPH, (uint64_t)(uintptr_t)g, &seen_size, &seen_dev);
     tab_put(K_GRAPH, (uint64_t)(uintptr_t)g, 0, d);
     CUresult rc = real(g, s);
-    if (rc == CUDA_SUCCESS && first)
+    if (rc != CUDA_SUCCESS && first) {
+        graph_unreserve(g);
+        tab_take(K_GRAPH, (uint64_t)(uintptr_t)g, &seen_size, &seen_dev);
+    }
+    if (rc == CUDA_SUCCESS && first && d >= 0)
         vgpu_reconcile(d, 1);
     return rc;
+}
+
+typedef CUresult (*inst_fn)(CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t);
+
+VGPU_API CUresult cuGraphInstantiate(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log, size_t n)
+{
+    BROKEN_GUARD();
+    CUresult rc = REAL(H_GINST, inst_fn)(e, g, err, log, n);
+    if (rc == CUDA_SUCCESS && e && mode() == M_LIMITED)
+        graph_record(*e, g);
+    return rc;
+}
+
+VGPU_API CUresult cuGraphInstantiate_v2(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log, size_t n)
+{
+    BROKEN_GUARD();
+    CUresult rc = REAL(H_GINST_V2, inst_fn)(e, g, err, log, n);
+    if (rc == CUDA_SUCCESS && e && mode() == M_LIMITED)
+        graph_record(*e, g);
+    return rc;
+}
+
+VGPU_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags)
+{
+    BROKEN_GUARD();
+    CUresult rc = REAL(H_GINST_FLAGS, CUresult(*)(CUgraphExec *, CUgraph, unsigned long long))(e, g, flags);
+    if (rc == CUDA_SUCCESS && e && mode() == M_LIMITED)
+        graph_record(*e, g);
+    return rc;
+}
+
+VGPU_API CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, void *params)
+{
+    BROKEN_GUARD();
+    CUresult rc = REAL(H_GINST_PARAMS, CUresult(*)(CUgraphExec *, CUgraph, void *))(e, g, params);
+    if (rc == CUDA_SUCCESS && e && mode() == M_LIMITED)
+        graph_record(*e, g);
+    return rc;
+}
+
+static CUresult graph_upload(int idx, CUgraphExec e, CUstream s)
+{
+    CUresult (*real)(CUgraphExec, CUstream) = REAL(idx, CUresult(*)(CUgraphExec, CUstream));
+    if (mode() != M_LIMITED)
+        return real(e, s);
+    if (graph_reserve(e))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(e, s);
+    if (rc != CUDA_SUCCESS)
+        graph_unreserve(e);
+    return rc;
+}
+
+VGPU_API CUresult cuGraphUpload(CUgraphExec e, CUstream s)
+{
+    BROKEN_GUARD();
+    return graph_upload(H_GUPLOAD, e, s);
+}
+
+VGPU_API CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream s)
+{
+    BROKEN_GUARD();
+    return graph_upload(H_GUPLOAD_PTSZ, e, s);
+}
+
+VGPU_API CUresult cuGraphExecDestroy(CUgraphExec e)
+{
+    BROKEN_GUARD();
+    CUresult rc = REAL(H_GEXEC_DESTROY, CUresult(*)(CUgraphExec))(e);
+    if (rc != CUDA_SUCCESS || mode() != M_LIMITED)
+        return rc;
+    uint64_t key = (uint64_t)(uintptr_t)e, size;
+    int dev;
+    for (int d = 0; d < vgpu.cfg.ndev && d < VGPU_MAX_DEV; d++) {
+        if (tab_take(K_GCHG + d, key, &size, &dev))
+            uncharge(d, size); /* a pool the driver keeps cached is reconciled from NVML */
+        tab_take(K_GPEND + d, key, &size, &dev);
+    }
+    tab_take(K_GRAPH, key, &size, &dev);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ contexts */
+
+/* A context costs device memory (a few hundred MiB on a large card: the context itself, local
+ * memory for every resident thread, the printf FIFO, the malloc heap) that no allocation hook
+ * sees. Every context this process creates (cuCtxCreate*, the first cuDevicePrimaryCtxRetain
+ * of a card) is charged: before the driver is asked, the per-context charge learnt from this
+ * process's first context on that card (0 before one was measured), refused when it does not
+ * fit; after it, settled to what NVML shows the creation took (the process's usage after minus
+ * before), refused (the context destroyed again) when that does not fit. The charge is part of
+ * the counted allocations, so reconciliation does not charge the context a second time. */
+static uint64_t ctx_learnt[VGPU_MAX_DEV];
+static int primary_charged[VGPU_MAX_DEV]; /* by CUDA ordinal */
+
+static int ctx_begin(int d, uint64_t *est, uint64_t *before)
+{
+    *est = 0, *before = 0;
+    if (d == -1)
+        return 0;
+    if (d == -2) {
+        vgpu_log(1, "context on a device outside the claim refused");
+        return -1;
+    }
+    int found = 0;
+    vgpu_ensure_slot();
+    *before = vgpu_nvml_process_used(d, &found);
+    *est = __atomic_load_n(&ctx_learnt[d], __ATOMIC_RELAXED);
+    if (charge(d, *est)) {
+        vgpu_log(1, "device %d: context refused: a context takes about %llu MiB, %llu of %llu MiB are "
+                    "charged", d, (unsigned long long)(*est >> 20),
+                 (unsigned long long)(vgpu_region_used(vgpu.region.r, d) >> 20),
+                 (unsigned long long)(vgpu.region.r->dev[d].limit >> 20));
+        return -1;
+    }
+    return 0;
+}
+
+/* After the driver made the context: settle the charge to NVML's figure. 0 ok with the bytes
+ * charged in *charged; -1: it does not fit (nothing is charged any more). */
+static int ctx_end(int d, uint64_t est, uint64_t before, uint64_t *charged)
+{
+    *charged = est;
+    if (d < 0)
+        return 0;
+    int found = 0;
+    uint64_t after = vgpu_nvml_process_used(d, &found);
+    if (!found || after <= before)
+        return 0;
+    uint64_t took = after - before;
+    uint64_t zero = 0;
+    __atomic_compare_exchange_n(&ctx_learnt[d], &zero, took, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    /* reserve, not charge(): a reconciliation now would see the new context in NVML before it
+     * is counted and charge it twice */
+    if (took > est && vgpu_region_reserve(&vgpu.region, d, took - est)) {
+        uncharge(d, est);
+        vgpu_log(1, "device %d: context refused: it took %llu MiB, %llu of %llu MiB are charged", d,
+                 (unsigned long long)(took >> 20), (unsigned long long)(vgpu_region_used(vgpu.region.r, d) >> 20),
+                 (unsigned long long)(vgpu.region.r->dev[d].limit >> 20));
+        return -1;
+    }
+    if (took < est)
+        uncharge(d, est - took);
+    *charged = took;
+    return 0;
+}
+
+static CUresult ctx_destroy_real(CUcontext c)
+{
+    return REAL(H_CTX_DESTROY, CUresult(*)(CUcontext))(c);
+}
+
+/* Charges held for context c (the context itself and its limits) leave with it. */
+static void ctx_forget(CUcontext c)
+{
+    uint64_t key = (uint64_t)(uintptr_t)c, size;
+    int d;
+    if (tab_take(K_CTX, key, &size, &d))
+        uncharge(d, size);
+    for (int l = 0; l < 3; l++) {
+        if (tab_take(K_LIM + l, key, &size, &d))
+            uncharge(d, size);
+        tab_take(K_LIMBASE + l, key, &size, &d);
+    }
+}
+
+#define CTX_CREATE(idx, call, dev)                                                               \
+    do {                                                                                         \
+        if (mode() != M_LIMITED)                                                                 \
+            return call;                                                                         \
+        int d_ = vgpu_map_cuda_device(dev);                                                      \
+        uint64_t est_, before_, got_;                                                            \
+        if (ctx_begin(d_, &est_, &before_))                                                      \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                     \
+        CUresult rc_ = call;                                                                     \
+        if (rc_ != CUDA_SUCCESS || !pctx) {                                                      \
+            uncharge(d_, est_);                                                                  \
+            return rc_;                                                                          \
+        }                                                                                        \
+        if (ctx_end(d_, est_, before_, &got_)) {                                                 \
+            ctx_destroy_real(*pctx);                                                             \
+            *pctx = NULL;                                                                        \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                     \
+        }                                                                                        \
+        if (d_ >= 0)                                                                             \
+            tab_put(K_CTX, (uint64_t)(uintptr_t)*pctx, got_, d_);                                \
+        return rc_;                                                                              \
+    } while (0)
+
+VGPU_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev)
+{
+    BROKEN_GUARD();
+    CTX_CREATE(H_CTX_CREATE, REAL(H_CTX_CREATE, CUresult(*)(CUcontext *, unsigned, CUdevice))(pctx, flags, dev), dev);
+}
+
+VGPU_API CUresult cuCtxCreate_v3(CUcontext *pctx, void *params, int n, unsigned flags, CUdevice dev)
+{
+    BROKEN_GUARD();
+    CTX_CREATE(H_CTX_CREATE_V3,
+               REAL(H_CTX_CREATE_V3, CUresult(*)(CUcontext *, void *, int, unsigned, CUdevice))(pctx, params, n, flags, dev),
+               dev);
+}
+
+VGPU_API CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, CUdevice dev)
+{
+    BROKEN_GUARD();
+    CTX_CREATE(H_CTX_CREATE_V4,
+               REAL(H_CTX_CREATE_V4, CUresult(*)(CUcontext *, void *, unsigned, CUdevice))(pctx, params, flags, dev),
+               dev);
+}
+
+VGPU_API CUresult cuCtxDestroy_v2(CUcontext c)
+{
+    BROKEN_GUARD();
+    CUresult rc = ctx_destroy_real(c);
+    if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
+        ctx_forget(c);
+    return rc;
+}
+
+/* The primary context of a card is charged once per process, at its first retain (policy: it
+ * stays charged until the process exits; a released primary context is cheap to retain again
+ * and the driver may keep it). */
+VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(CUcontext *, CUdevice) = REAL(H_PRIMARY_RETAIN, CUresult(*)(CUcontext *, CUdevice));
+    if (mode() != M_LIMITED || dev < 0 || dev >= VGPU_MAX_DEV ||
+        __atomic_load_n(&primary_charged[dev], __ATOMIC_ACQUIRE))
+        return real(pctx, dev);
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&mu);
+    if (primary_charged[dev]) {
+        pthread_mutex_unlock(&mu);
+        return real(pctx, dev);
+    }
+    int d = vgpu_map_cuda_device(dev);
+    uint64_t est, before, got;
+    if (ctx_begin(d, &est, &before)) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult rc = real(pctx, dev);
+    if (rc != CUDA_SUCCESS || !pctx) {
+        uncharge(d, est);
+    } else if (ctx_end(d, est, before, &got)) {
+        CUresult (*rel)(CUdevice) = (CUresult(*)(CUdevice))vgpu_cuda_sym("cuDevicePrimaryCtxRelease_v2");
+        if (rel)
+            rel(dev);
+        *pctx = NULL;
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+        if (d >= 0)
+            tab_put(K_CTX, (uint64_t)(uintptr_t)*pctx, got, d);
+        __atomic_store_n(&primary_charged[dev], 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* cuCtxSetLimit: the malloc heap (device malloc), the printf FIFO and the per-thread stack are
+ * device memory of the context. Raising one above the driver's value at our first look (its
+ * default, part of the context's measured size) is charged before the driver is asked: the
+ * heap and FIFO by their size, the stack by size x resident threads of the card (SMs x threads
+ * per SM); refused with CUDA_ERROR_OUT_OF_MEMORY when it does not fit. Lowering it returns the
+ * charge. (Policy: charged at the call, although the driver may reserve the heap only at the
+ * first launch of a kernel that uses it.) */
+VGPU_API CUresult cuCtxSetLimit(int limit, size_t value)
+{
+    BROKEN_GUARD();
+    CUresult (*real)(int, size_t) = REAL(H_CTX_SET_LIMIT, CUresult(*)(int, size_t));
+    if (mode() != M_LIMITED || limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE)
+        return real(limit, value);
+    CUresult (*get_limit)(size_t *, int) = (CUresult(*)(size_t *, int))vgpu_cuda_sym("cuCtxGetLimit");
+    CUresult (*get_ctx)(CUcontext *) = (CUresult(*)(CUcontext *))vgpu_cuda_sym("cuCtxGetCurrent");
+    CUresult (*get_dev)(CUdevice *) = (CUresult(*)(CUdevice *))vgpu_cuda_sym("cuCtxGetDevice");
+    CUcontext c = NULL;
+    CUdevice dev = 0;
+    int d = vgpu_cur_dev();
+    if (d < 0 || !get_limit || !get_ctx || get_ctx(&c) != CUDA_SUCCESS || !c || !get_dev ||
+        get_dev(&dev) != CUDA_SUCCESS)
+        return d == -2 ? CUDA_ERROR_OUT_OF_MEMORY : real(limit, value);
+    uint64_t key = (uint64_t)(uintptr_t)c, base, old = 0, per = 1;
+    int bd;
+    if (!tab_take(K_LIMBASE + limit, key, &base, &bd)) {
+        size_t cur = 0;
+        base = get_limit(&cur, limit) == CUDA_SUCCESS ? cur : 0;
+    }
+    tab_put(K_LIMBASE + limit, key, base, d);
+    if (limit == CU_LIMIT_STACK_SIZE) {
+        CUresult (*attr)(int *, int, CUdevice) = (CUresult(*)(int *, int, CUdevice))vgpu_cuda_sym("cuDeviceGetAttribute");
+        int sms = 0, threads = 0;
+        if (attr && attr(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) == CUDA_SUCCESS &&
+            attr(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev) == CUDA_SUCCESS &&
+            sms > 0 && threads > 0)
+            per = (uint64_t)sms * (uint64_t)threads;
+        else
+            per = 2048ull * 256ull; /* unknown card: a large one */
+    }
+    uint64_t want = value > base ? (value - base) * per : 0;
+    int had = tab_take(K_LIM + limit, key, &old, &bd);
+    if (want > old && charge(d, want - old)) {
+        if (had)
+            tab_put(K_LIM + limit, key, old, d);
+        vgpu_log(1, "device %d: cuCtxSetLimit(%d, %zu) refused: %llu MiB more do not fit, %llu of %llu "
+                    "MiB are charged", d, limit, value, (unsigned long long)((want - old) >> 20),
+                 (unsigned long long)(vgpu_region_used(vgpu.region.r, d) >> 20),
+                 (unsigned long long)(vgpu.region.r->dev[d].limit >> 20));
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult rc = real(limit, value);
+    uint64_t keep = rc == CUDA_SUCCESS ? want : old;
+    if (rc == CUDA_SUCCESS && want < old)
+        uncharge(d, old - want);
+    if (rc != CUDA_SUCCESS && want > old)
+        uncharge(d, want - old);
+    if (keep)
+        tab_put(K_LIM + limit, key, keep, d);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ ACTIVE_OOM_KILLER */
+
+/* What the shim cannot refuse (memory NVML shows and no hook saw: device malloc beyond what was
+ * charged, lazily loaded modules, library workspaces, pool caches) can still take the container
+ * over its limit. With ACTIVE_OOM_KILLER=true, a reconciliation that finds the container over its
+ * limit by more than the allocator's rounding between two reconciliations (1 % of the limit,
+ * at least 8 MiB) ends the process with the most memory on that card in the container (itself,
+ * or a sibling: same PID namespace, checked against its start time), with SIGKILL, logged and
+ * counted in the region (the node agent reports it: a pod Event and a metric). */
+void vgpu_oom_check(int d)
+{
+    if (!vgpu.cfg.oom_killer || d < 0 || !vgpu.region.r)
+        return;
+    struct vgpu_region *r = vgpu.region.r;
+    uint64_t lim = r->dev[d].limit;
+    if (!lim || vgpu_region_used(r, d) <= lim)
+        return;
+    uint64_t slack = lim / 100 > 8 * VGPU_MIB ? lim / 100 : 8 * VGPU_MIB, bytes = 0, start = 0;
+    int32_t pid = 0;
+    if (vgpu_region_oom_victim(r, d, slack, &pid, &start, &bytes) != 1)
+        return;
+    uint64_t used = vgpu_region_used(r, d);
+    int self = pid == (int32_t)getpid();
+    vgpu_log(0, "device %d: the container is over its memory limit (%llu of %llu MiB charged, memory "
+                "the shim could not refuse); ACTIVE_OOM_KILLER: killing %sPID %d, which holds %llu MiB",
+             d, (unsigned long long)(used >> 20), (unsigned long long)(lim >> 20), self ? "this process, " : "",
+             (int)pid, (unsigned long long)(bytes >> 20));
+    if (!self && vgpu_proc_start_time(pid) != start)
+        return; /* gone meanwhile: its slot is reaped, the charge returns */
+    vgpu_region_oom_record(r, d, pid, bytes);
+    if (self) {
+        raise(SIGKILL);
+        return;
+    }
+    if (kill(pid, SIGKILL) != 0) {
+        vgpu_log(0, "device %d: could not kill PID %d: %m (the node agent's check is the backstop)", d,
+                 (int)pid);
+        return;
+    }
+    /* The caller is usually an allocation that would otherwise be refused: give the victim up
+     * to 100 ms to go, then return its charge (its slot is reaped once it is gone). */
+    for (int i = 0; i < 50 && vgpu_proc_start_time(pid) == start; i++)
+        usleep(2000);
+    vgpu_region_reap(r);
 }

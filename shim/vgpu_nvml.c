@@ -15,7 +15,7 @@
  * Rate: at most every 200 ms on allocation paths, every 10 ms near the limit, and always
  * before an allocation is refused.
  */
-#include "vgpu.h"
+#include "vgpu_cuda.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -143,6 +143,7 @@ void vgpu_reconcile(int d, int force)
     int s = vgpu.region.slot;
     uint64_t data = s >= 0 ? vgpu.region.r->slot[s].data[d] : 0;
     vgpu_region_set_overhead(&vgpu.region, d, used > data ? used - data : 0);
+    vgpu_oom_check(d); /* ACTIVE_OOM_KILLER: over the limit with memory the shim could not refuse */
 }
 
 /* ------------------------------------------------------------------ hooks */

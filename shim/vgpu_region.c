@@ -406,3 +406,36 @@ uint64_t vgpu_region_used(struct vgpu_region *r, int d)
 {
     return (d >= 0 && d < VGPU_MAX_DEV) ? atomic_load(&r->dev[d].used) : 0;
 }
+
+int vgpu_region_oom_victim(struct vgpu_region *r, int d, uint64_t slack, int32_t *pid,
+                           uint64_t *start_time, uint64_t *bytes)
+{
+    if (d < 0 || d >= VGPU_MAX_DEV || vgpu_region_lock(r) != 0)
+        return 0;
+    vgpu_region_reap_locked(r);
+    uint64_t used = atomic_load(&r->dev[d].used), lim = r->dev[d].limit;
+    int best = -1;
+    uint64_t most = 0;
+    if (lim && used > lim && used - lim > slack)
+        for (int s = 0; s < VGPU_MAX_SLOTS; s++) {
+            const struct vgpu_slot *sl = &r->slot[s];
+            uint64_t b = sl->data[d] + sl->overhead[d];
+            if (sl->pid && (best < 0 || b > most))
+                best = s, most = b;
+        }
+    if (best >= 0)
+        *pid = r->slot[best].pid, *start_time = r->slot[best].start_time, *bytes = most;
+    vgpu_region_unlock(r);
+    return best >= 0;
+}
+
+void vgpu_region_oom_record(struct vgpu_region *r, int d, int32_t pid, uint64_t bytes)
+{
+    if (vgpu_region_lock(r) != 0)
+        return;
+    atomic_fetch_add(&r->oom_kills, 1);
+    r->oom_last_pid = pid;
+    r->oom_last_dev = (uint32_t)d;
+    r->oom_last_bytes = bytes;
+    vgpu_region_unlock(r);
+}

@@ -71,6 +71,8 @@ def shimkit(tmp_path_factory: pytest.TempPathFactory) -> ShimKit:
                     str(STUB / "libnvml_stub.c")], check=True)
     subprocess.run([cc, "-O2", "-o", str(d / "cuprog"), str(PROG / "cuprog.c"), "-ldl",
                     str(d / "libcuda.so.1")], check=True)
+    subprocess.run([cc, "-O2", "-o", str(d / "memprog"), str(PROG / "memprog.c"), "-ldl",
+                    str(d / "libcuda.so.1")], check=True)
     return ShimKit(lib=LIB, stubdir=d, cuprog=d / "cuprog")
 
 

@@ -57,14 +57,13 @@ def test_small_limit_300_mib_works(box) -> None:
     assert out["n"] == 14 and out["rc"] == 2  # 236 MiB / 16
 
 
-def test_limit_below_the_context_holds_nothing(box) -> None:
-    """Context 256 MiB > limit 100 MiB: the context is charged in full (no cap), so the slice
-    shows 0 free and every allocation is refused; the process itself keeps running."""
+def test_limit_below_the_context_refuses_the_context(box) -> None:
+    """Context 256 MiB > limit 100 MiB: the context is charged in full when it is created (NVML
+    shows what it took), so creating it fails with CUDA_ERROR_OUT_OF_MEMORY."""
     env = box.env(claim((0, 100, 0)), STUB_CTX_MIB=256)
-    info = box.json("info", env=env)[0]
-    assert info["rc"] == 0 and info["total"] == 100 * MIB and info["free"] == 0
-    out = box.json("fill", "alloc", str(10 * MIB), env=env)[0]
-    assert out["n"] == 0 and out["rc"] == 2 and out["free"] == 0
+    p = box.run("info", env=env, check=False)
+    assert p.returncode == 3 and json.loads(p.stdout) == {"ctx_rc": 2}
+    assert "context refused: it took 256 MiB" in p.stderr
 
 
 def test_overhead_is_charged_in_full(box) -> None:
@@ -163,9 +162,10 @@ def test_second_visible_device_has_its_own_limit(box) -> None:
 
 
 def test_device_outside_the_claim_is_refused(box) -> None:
+    """Not even a context: it would hold memory on a card the container has no claim on."""
     env = box.env(claim((1, 1500, 0)), STUB_NDEV=2, CUDA_VISIBLE_DEVICES="0")
-    out = box.json("fill", "alloc", str(CHUNK), env=env)[0]
-    assert out["n"] == 0 and out["rc"] == 2
+    p = box.run("fill", "alloc", str(CHUNK), env=env, check=False)
+    assert p.returncode == 3 and json.loads(p.stdout) == {"ctx_rc": 2}
 
 
 def test_processes_of_a_container_share_one_quota(box) -> None:
@@ -222,8 +222,9 @@ def test_region_is_readable_by_the_agent(box, core) -> None:
         d = r.devices[0]
         assert d.uuid == uuid(0) and d.limit_mib == 1000 and d.cores == 25
         assert d.pids == (holder.pid,)
-        assert d.used_mib == 3 * 64 + 64 and d.processes[0].data_mib == 192
-        assert d.processes[0].overhead_mib == 64
+        # the context is counted when it is created (what NVML shows it took), not as overhead
+        assert d.used_mib == 3 * 64 + 64 and d.processes[0].data_mib == 192 + 64
+        assert d.processes[0].overhead_mib == 0
     finally:
         holder.kill()
         holder.wait()

@@ -35,6 +35,7 @@ typedef struct { unsigned gx, gy, gz, bx, by, bz, shm; CUstream hStream; void *a
 #define E_INVALID_CONTEXT 201
 #define E_NOT_FOUND 500
 #define MIB (1024ull * 1024ull)
+#include "stub_hidden.h"
 
 static int inited, nvis, vis[STUB_MAXDEV];
 static __thread int cur_ctx = -1; /* physical index of the current context's card */
@@ -166,8 +167,8 @@ API CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) { return cuDeviceGetUuid(
 API CUresult cuDeviceGetName(char *n, int len, CUdevice d) { if (phys_of(d) < 0) return E_INVALID_DEVICE; snprintf(n, (size_t)len, "Stub GPU"); return OK; }
 API CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { if (!inited) return E_NOT_INIT; if (!b) return E_INVALID_VALUE; if (phys_of(d) < 0) return E_INVALID_DEVICE; *b = mem_total(); return OK; }
 API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { int p = phys_of(d); if (p < 0) return E_INVALID_DEVICE; make_ctx(p); *c = (CUcontext)(uintptr_t)(0x1000 + p); return OK; }
-API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d) { (void)f; int p = phys_of(d); if (!inited) return E_NOT_INIT; if (p < 0) return E_INVALID_DEVICE; make_ctx(p); cur_ctx = p; *c = (CUcontext)(uintptr_t)(0x1000 + p); return OK; }
-API CUresult cuCtxSetCurrent(CUcontext c) { cur_ctx = c ? (int)((uintptr_t)c - 0x1000) : -1; return OK; }
+API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d) { (void)f; return hidden_ctx_create(c, d); }
+API CUresult cuCtxSetCurrent(CUcontext c) { cur_ctx = c ? (int)(((uintptr_t)c - 0x1000) % 16) : -1; return OK; }
 API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_ctx < 0 ? NULL : (CUcontext)(uintptr_t)(0x1000 + cur_ctx); return OK; }
 API CUresult cuCtxGetDevice(CUdevice *d)
 {
@@ -211,11 +212,11 @@ API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t 
     return rc;
 }
 API CUresult cuMemFree_v2(CUdeviceptr p) { if (!inited) return E_NOT_INIT; return phys_free(p, 1); }
-API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { (void)s; return cuMemAlloc_v2(p, n); }
+API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { if (hidden_capturing(s)) return hidden_capture_alloc(s, p, n); return cuMemAlloc_v2(p, n); }
 API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { return cuMemAllocAsync(p, n, s); }
 API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { if (!pool) return E_INVALID_VALUE; return cuMemAllocAsync(p, n, s); }
 API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { return cuMemAllocFromPoolAsync(p, n, pool, s); }
-API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return cuMemFree_v2(p); }
+API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { if (hidden_capturing(s)) return OK; return cuMemFree_v2(p); }
 API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return cuMemFreeAsync(p, s); }
 API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *prop, unsigned long long fl)
 {
@@ -338,6 +339,8 @@ static int graph_mem_done;
  * graph pool, visible only through NVML per-process usage (as on a real driver). */
 API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
 {
+    CUresult hr = hidden_graph_launch(g);
+    if (hr) return hr;
     long mib = stub_env("STUB_GRAPH_MEM_MIB", 0);
     if (mib > 0 && !graph_mem_done && cur_ctx >= 0) {
         graph_mem_done = 1;
@@ -348,7 +351,7 @@ API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
 API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) { return launch(); }
 API CUresult cuStreamSynchronize(CUstream s) { (void)s; return drain(); }
 API CUresult cuCtxSynchronize(void) { return drain(); }
-API CUresult cuStreamIsCapturing(CUstream s, int *st) { (void)s; *st = 0; return OK; }
+API CUresult cuStreamIsCapturing(CUstream s, int *st) { *st = hidden_capturing(s); return OK; }
 
 /* ---- cuGetProcAddress: the driver's own name -> ABI table (subset) */
 static CUresult tramp_alloc(CUdeviceptr *p, size_t n) { return cuMemAlloc_v2(p, n); }
@@ -408,6 +411,8 @@ API unsigned long long stubLaunches(int phys) { struct stub_proc *me = stub_me()
 API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; if (!inited) return E_NOT_INIT; *m = (void *)0x77; return OK; }
 API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name) { (void)m; (void)name; *f = (CUfunction)0x78; return OK; }
 API CUresult cuStreamCreate(CUstream *s, unsigned fl) { (void)fl; *s = (CUstream)0x79; return OK; }
-API CUresult cuGraphCreate(void **g, unsigned fl) { (void)fl; *g = (void *)0x7a; return OK; }
+API CUresult cuGraphCreate(void **g, unsigned fl) { (void)fl; return hidden_graph_create(g); }
 API CUresult cuDeviceGetDefaultMemPool(void **p, CUdevice d) { if (phys_of(d) < 0) return E_INVALID_DEVICE; *p = (void *)(uintptr_t)(0x500 + d); return OK; }
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }
+
+#include "stub_hidden.inc"

@@ -1,0 +1,187 @@
+/*
+ * memprog - memory the allocation hooks do not see, for the shim's tests (stub driver) and the
+ * GPU bench (real driver). Driver API only, no CUDA headers. One JSON object per line.
+ *
+ *   memprog graph MODE MIB CHUNK   a graph with a MIB memory node (MODE add: cuGraphAddMemAllocNode,
+ *       capture: cuMemAllocAsync in a capturing stream, child: inside a child graph), instantiated
+ *       and launched twice, then CHUNK allocations until refused; the exec destroyed, again
+ *   memprog ctx N CHUNK            N extra contexts (cuCtxCreate_v2), then CHUNK allocations until
+ *       refused; the contexts destroyed, again
+ *   memprog limit WHICH VALUE CHUNK  cuCtxSetLimit(WHICH, VALUE), then CHUNK allocations
+ *   memprog hidden N CHUNK MIB HOLD_S  N chunks, then MIB of memory without an allocation call
+ *       (the stub's stubHidden; a device malloc on a GPU), a cuMemGetInfo and one more chunk,
+ *       then hold
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext, *CUstream, *CUgraph, *CUgraphNode, *CUgraphExec;
+typedef struct {
+    struct { int allocType, handleTypes; struct { int type, id; } location; void *w; unsigned char r[64]; } poolProps;
+    const void *accessDescs; size_t accessDescCount; size_t bytesize; CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+CUresult cuInit(unsigned);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
+CUresult cuCtxDestroy_v2(CUcontext);
+CUresult cuCtxSetLimit(int, size_t);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuStreamCreate(CUstream *, unsigned);
+CUresult cuStreamBeginCapture_v2(CUstream, int);
+CUresult cuStreamEndCapture(CUstream, CUgraph *);
+CUresult cuGraphCreate(CUgraph *, unsigned);
+CUresult cuGraphAddMemAllocNode(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, CUDA_MEM_ALLOC_NODE_PARAMS *);
+CUresult cuGraphAddChildGraphNode(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, CUgraph);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
+CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuGraphExecDestroy(CUgraphExec);
+CUresult cuCtxSynchronize(void);
+
+static CUdevice dev;
+static CUcontext primary;
+
+static void setup(void)
+{
+    CUresult rc = cuInit(0);
+    if (!rc) rc = cuDeviceGet(&dev, 0);
+    if (rc) { printf("{\"init_rc\": %d}\n", rc); exit(3); }
+    if ((rc = cuDevicePrimaryCtxRetain(&primary, dev)) || (rc = cuCtxSetCurrent(primary))) {
+        printf("{\"ctx_rc\": %d}\n", rc);
+        exit(3);
+    }
+}
+
+static CUdeviceptr held[1 << 14];
+static long nheld;
+
+static long fill(size_t chunk)
+{
+    long k = 0;
+    while (nheld < (1 << 14) && cuMemAlloc_v2(&held[nheld], chunk) == 0)
+        nheld++, k++;
+    return k;
+}
+
+static void unfill(void)
+{
+    while (nheld > 0)
+        cuMemFree_v2(held[--nheld]);
+}
+
+static CUgraph mem_graph(const char *mode, size_t bytes)
+{
+    CUgraph g = NULL;
+    CUDA_MEM_ALLOC_NODE_PARAMS p;
+    memset(&p, 0, sizeof p);
+    p.poolProps.allocType = 1, p.poolProps.location.type = 1, p.poolProps.location.id = dev;
+    p.bytesize = bytes;
+    CUgraphNode n;
+    if (!strcmp(mode, "capture")) {
+        CUstream s;
+        CUdeviceptr d;
+        cuStreamCreate(&s, 1);
+        cuStreamBeginCapture_v2(s, 0);
+        CUresult rc = cuMemAllocAsync(&d, bytes, s);
+        if (rc) printf("{\"capture_alloc_rc\": %d}\n", rc);
+        cuStreamEndCapture(s, &g);
+    } else if (!strcmp(mode, "child")) {
+        CUgraph child;
+        cuGraphCreate(&child, 0);
+        cuGraphAddMemAllocNode(&n, child, NULL, 0, &p);
+        cuGraphCreate(&g, 0);
+        cuGraphAddChildGraphNode(&n, g, NULL, 0, child);
+    } else {
+        cuGraphCreate(&g, 0);
+        cuGraphAddMemAllocNode(&n, g, NULL, 0, &p);
+    }
+    return g;
+}
+
+int main(int argc, char **argv)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc < 2) { fprintf(stderr, "usage: see the header of memprog.c\n"); return 2; }
+    const char *cmd = argv[1];
+    setup();
+    size_t f = 0, t = 0;
+    if (!strcmp(cmd, "graph") && argc >= 5) {
+        size_t bytes = strtoull(argv[3], NULL, 0) << 20, chunk = strtoull(argv[4], NULL, 0);
+        CUgraph g = mem_graph(argv[2], bytes);
+        CUgraphExec e = NULL;
+        CUresult inst = cuGraphInstantiateWithFlags(&e, g, 0);
+        CUresult l1 = cuGraphLaunch(e, NULL);
+        cuCtxSynchronize();
+        CUresult l2 = cuGraphLaunch(e, NULL);
+        cuCtxSynchronize();
+        long more = fill(chunk);
+        unfill();
+        CUresult des = cuGraphExecDestroy(e);
+        long after = fill(chunk);
+        printf("{\"inst_rc\": %d, \"launch1_rc\": %d, \"launch2_rc\": %d, \"more\": %ld, \"destroy_rc\": %d, "
+               "\"after\": %ld}\n", inst, l1, l2, more, des, after);
+        return 0;
+    }
+    if (!strcmp(cmd, "ctx") && argc >= 4) {
+        int n = atoi(argv[2]);
+        size_t chunk = strtoull(argv[3], NULL, 0);
+        CUcontext c[16];
+        int made = 0;
+        printf("{\"ctx_rc\": [");
+        for (int i = 0; i < n && i < 16; i++) {
+            CUresult rc = cuCtxCreate_v2(&c[made], 0, dev);
+            printf("%s%d", i ? ", " : "", rc);
+            if (!rc) made++;
+        }
+        cuCtxSetCurrent(primary);
+        long more = fill(chunk);
+        unfill();
+        for (int i = 0; i < made; i++)
+            cuCtxDestroy_v2(c[i]);
+        cuCtxSetCurrent(primary);
+        long after = fill(chunk);
+        printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
+        return 0;
+    }
+    if (!strcmp(cmd, "limit") && argc >= 5) {
+        CUresult rc = cuCtxSetLimit(atoi(argv[2]), strtoull(argv[3], NULL, 0));
+        long more = fill(strtoull(argv[4], NULL, 0));
+        cuMemGetInfo_v2(&f, &t);
+        printf("{\"limit_rc\": %d, \"more\": %ld, \"free\": %zu}\n", rc, more, f);
+        return 0;
+    }
+    if (!strcmp(cmd, "hidden") && argc >= 6) {
+        long n = atol(argv[2]), k = 0;
+        size_t chunk = strtoull(argv[3], NULL, 0);
+        while (k < n && nheld < (1 << 14) && cuMemAlloc_v2(&held[nheld], chunk) == 0)
+            nheld++, k++;
+        int (*hidden)(int, long long) = (int (*)(int, long long))dlsym(RTLD_DEFAULT, "stubHidden");
+        if (hidden)
+            hidden(0, atoll(argv[4]));
+        printf("{\"n\": %ld}\n", k);
+        usleep(250000); /* past the reconciliation interval */
+        cuMemGetInfo_v2(&f, &t);
+        CUdeviceptr p;
+        CUresult rc = cuMemAlloc_v2(&p, chunk);
+        printf("{\"alloc_rc\": %d, \"free\": %zu}\n", rc, f);
+        if (atof(argv[5]) > 0)
+            usleep((useconds_t)(atof(argv[5]) * 1e6));
+        return 0;
+    }
+    fprintf(stderr, "bad command\n");
+    return 2;
+}

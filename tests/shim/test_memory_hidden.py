@@ -1,0 +1,115 @@
+"""Memory the allocation hooks do not see (issue 21), on the stub card (4096 MiB, 64 MiB
+contexts, 2 MiB pages): graph memory nodes, extra contexts, context limits (malloc heap, stack),
+and memory that only NVML shows. Each is charged before the driver is asked or refused; what
+the shim cannot refuse ends the process with ACTIVE_OOM_KILLER=true.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import struct
+import subprocess
+
+import pytest
+
+from .conftest import MIB, claim
+
+CHUNK = 64 * MIB
+
+
+def memprog(box, *args: str, env, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return box.run(str(box.kit.stubdir / "memprog"), *args, env=env, check=check)
+
+
+def last(p: subprocess.CompletedProcess[str]) -> dict:
+    return [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")][-1]
+
+
+def oom_kills(box) -> tuple[int, int, int]:
+    """(oom_kills, oom_last_pid, oom_last_bytes) from the region header (offset 416)."""
+    kills, pid, _dev, nbytes = struct.unpack_from("<QiIQ", box.region.read_bytes(), 416)
+    return kills, pid, nbytes
+
+
+@pytest.mark.parametrize("mode", ["add", "capture", "child"])
+def test_graph_memory_nodes_charged_at_the_first_launch(box, mode: str) -> None:
+    """300 MiB of memory nodes, however the graph got them, are charged at the first launch and
+    returned when the executable graph is destroyed."""
+    o = last(memprog(box, "graph", mode, "300", str(CHUNK), env=box.env(claim((0, 1000, 0)))))
+    assert o["inst_rc"] == 0 and o["launch1_rc"] == 0 and o["launch2_rc"] == 0
+    assert o["more"] == 9  # (1000 - 64 context - 300 graph) / 64
+    assert o["destroy_rc"] == 0 and o["after"] == 14
+
+
+@pytest.mark.parametrize("mode", ["add", "capture", "child"])
+def test_graph_launch_over_the_limit_is_refused(box, mode: str) -> None:
+    """The H200 case: a 2 GiB memory node under a 1000 MiB limit. Without the shim the card has
+    room; with it the launch is refused, nothing is charged, allocations still fill the slice."""
+    native = last(memprog(box, "graph", mode, "2048", str(CHUNK), env=box.env(shim=False)))
+    assert native["launch1_rc"] == 0
+    o = last(memprog(box, "graph", mode, "2048", str(CHUNK), env=box.env(claim((0, 1000, 0)))))
+    assert o["inst_rc"] == 0 and o["launch1_rc"] == 2 and o["launch2_rc"] == 2
+    assert o["more"] == 14 and o["after"] == 14
+
+
+def test_extra_contexts_are_charged_and_refused(box) -> None:
+    # 300 MiB: the primary context (64) and 3 more fit, the 5th and 6th do not
+    o = last(memprog(box, "ctx", "5", str(16 * MIB), env=box.env(claim((0, 300, 0)))))
+    assert o["ctx_rc"] == [0, 0, 0, 2, 2]
+    assert o["more"] == 2  # (300 - 4 x 64) / 16
+    assert o["after"] == 14  # destroyed contexts give their memory back: (300 - 64) / 16
+
+
+def test_three_extra_contexts_then_allocations(box) -> None:
+    """The issue's case on the stub: 3 extra contexts, then allocations, stay within the limit."""
+    o = last(memprog(box, "ctx", "3", str(CHUNK), env=box.env(claim((0, 1000, 0)))))
+    assert o["ctx_rc"] == [0, 0, 0] and o["more"] == 11  # (1000 - 4 x 64) / 64
+
+
+def test_malloc_heap_and_stack_limits_are_charged(box) -> None:
+    env = box.env(claim((0, 1000, 0)))
+    o = last(memprog(box, "limit", "2", str(512 * MIB), str(CHUNK), env=env))  # heap 8 -> 512 MiB
+    assert o["limit_rc"] == 0 and o["more"] == 6  # (1000 - 64 - 504) / 64
+    o = last(memprog(box, "limit", "2", str(2048 * MIB), str(CHUNK), env=env))  # does not fit
+    assert o["limit_rc"] == 2 and o["more"] == 14
+    o = last(memprog(box, "limit", "0", "16384", str(CHUNK), env=env))  # stack x 4096 threads: 60 MiB
+    assert o["limit_rc"] == 0 and o["more"] == 13  # (1000 - 64 - 60) / 64
+    native = last(memprog(box, "limit", "2", str(2048 * MIB), str(CHUNK), env=box.env(shim=False)))
+    assert native["limit_rc"] == 0
+
+
+def test_memory_only_nvml_shows_is_charged_in_full(box) -> None:
+    """800 MiB that no hook saw (device malloc, a library's workspace) take the container over
+    its limit: every allocation is then refused; without ACTIVE_OOM_KILLER the process lives."""
+    p = memprog(box, "hidden", "5", str(CHUNK), "800", "0", env=box.env(claim((0, 1000, 0))))
+    o = last(p)
+    assert p.returncode == 0 and o["alloc_rc"] == 2 and o["free"] == 0
+    assert oom_kills(box)[0] == 0
+
+
+def test_oom_killer_ends_the_process_over_the_limit(box) -> None:
+    env = box.env(claim((0, 1000, 0)), ACTIVE_OOM_KILLER="true")
+    p = memprog(box, "hidden", "5", str(CHUNK), "800", "0", env=env, check=False)
+    assert p.returncode == -signal.SIGKILL
+    assert "ACTIVE_OOM_KILLER: killing this process" in p.stderr
+    kills, pid, nbytes = oom_kills(box)
+    assert kills == 1 and pid > 0 and nbytes == (5 * 64 + 64 + 800) * MIB
+
+
+def test_oom_killer_ends_the_sibling_with_the_most_memory(box) -> None:
+    """B's hidden memory takes the container over; A holds the most: A is killed, B goes on."""
+    holder = subprocess.Popen([str(box.kit.stubdir / "memprog"), "hidden", "10", str(CHUNK), "0", "30"],
+                              env=box.env(claim((0, 1000, 0))), stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(holder.stdout.readline())["n"] == 10  # 640 + 64 MiB
+        env = box.env(claim((0, 1000, 0)), ACTIVE_OOM_KILLER="1")
+        p = memprog(box, "hidden", "1", str(CHUNK), "400", "0", env=env)  # 528 MiB: 1232 in all
+        assert holder.wait(timeout=10) == -signal.SIGKILL
+        assert f"killing PID {holder.pid}" in p.stderr
+        assert last(p)["alloc_rc"] == 0  # A's memory came back
+        kills, pid, _ = oom_kills(box)
+        assert kills == 1 and pid == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
