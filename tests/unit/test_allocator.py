@@ -155,7 +155,7 @@ def test_unusable_cards_are_never_used() -> None:
         {"healthy": False},
         {"slicing": None},
         {"mig": True},
-        {"slicing": Slicing("p", mode="mps")},
+        {"slicing": Slicing("p", mode="mig")},
         {},
     )
     led = ledger(inv)

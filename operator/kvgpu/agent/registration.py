@@ -40,7 +40,7 @@ def _fallback_slicing(pool: Mapping[str, Any], labels: Mapping[str, str], card: 
     mode = str(spec.get("mode", "hami-core"))
     return Slicing(
         pool=str((pool.get("metadata") or {}).get("name", "")),
-        split_count=1 if mode == "exclusive" else int(spec.get("splitCount", 10)),
+        split_count=1 if mode == "exclusive" else min(int(spec.get("splitCount", 10)), 48 if mode == "mps" else 100),
         memory_scaling=float(spec.get("memoryScaling", 1.0)),
         core_scaling=float(spec.get("coreScaling", 1.0)),
         mode=mode,

@@ -7,7 +7,9 @@ Units everywhere: memory in MiB of the card's *virtual* memory (physical MiB x t
 The rules, in the order they are checked for one container on one card:
 
 1. the card is usable: healthy, covered by a pool (has ``slicing``), not in MIG mode, and its
-   pool mode is ``hami-core`` or ``exclusive`` (other modes are not implemented yet);
+   pool mode is ``hami-core``, ``mps`` or ``exclusive`` (other modes are not implemented yet);
+   an ``mps`` card takes only one-card requests (a container is the client of one card's MPS
+   server: the agent runs one per card);
 2. ``types`` (any listed substring in the model, case-insensitive) and ``exclude_types``
    (none of them); ``uuids`` (listed exactly) and ``exclude_uuids`` (not listed);
 3. a free slot (an ``exclusive``-mode card has exactly one slot);
@@ -19,6 +21,9 @@ The rules, in the order they are checked for one container on one card:
    its whole memory. Must be ≤ the card's free memory;
 7. cores ≤ the card's free cores (an ``exclusive``-mode card grants 100);
 8. a request with ``cores`` 0 (no compute limit) does not join a card whose cores are all taken.
+
+An ``mps`` card is accounted like a ``hami-core`` one: its cores become the client's MPS active
+thread percentage (0 = 100), and ``cores`` 100 holds it exclusively.
 
 A grant with ``cores`` 100 is exclusive on its card whatever the card's ``coreScaling`` is
 (this matches the ``KVGPU_CLAIM`` contract, where 100 means "exclusive card"; HAMi instead
@@ -32,13 +37,13 @@ from dataclasses import dataclass
 from kvgpu.core.inventory import Card
 from kvgpu.core.requests import ContainerRequest, Policy
 
-SUPPORTED_MODES = ("hami-core", "exclusive")
+SUPPORTED_MODES = ("hami-core", "exclusive", "mps")
 
 # Reason codes of a card that does not fit (index into _PHRASES).
 UNHEALTHY, NO_POOL, MIG, BAD_MODE = 0, 1, 2, 3
 TYPE_NOT_LISTED, TYPE_EXCLUDED, UUID_NOT_LISTED, UUID_EXCLUDED = 4, 5, 6, 7
 NO_SLOT, HELD_EXCLUSIVE, NOT_IDLE, NO_MEMORY, NO_CORES, COMPUTE_FULL = 8, 9, 10, 11, 12, 13
-NUMA_SPLIT, NO_CAPACITY = 14, 15
+NUMA_SPLIT, NO_CAPACITY, MPS_ONE_CARD = 14, 15, 16
 
 PHRASES = (
     "unhealthy",
@@ -57,6 +62,7 @@ PHRASES = (
     "with all cores taken (needed by a request without a core limit)",
     "on another NUMA node",
     "given no slots or no memory by its pool",
+    "in mps mode (one card per container)",
 )
 
 
@@ -176,6 +182,8 @@ def selectable(c: CardState, n: Need) -> int | None:
     """Rules 1-2 (independent of usage): None, or the reason code."""
     if c.unusable is not None:
         return c.unusable
+    if n.cards > 1 and c.mode == "mps":
+        return MPS_ONE_CARD
     if n.types and not any(t in c.model_l for t in n.types):
         return TYPE_NOT_LISTED
     if n.exclude_types and any(t in c.model_l for t in n.exclude_types):

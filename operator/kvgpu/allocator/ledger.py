@@ -782,7 +782,7 @@ def _place(node: _Node, pod: PodRequest, needs: list[Need]) -> PodAllocation | s
             ContainerAllocation(
                 container=n.req.container,
                 devices=tuple(
-                    DeviceGrant(c.uuid, c.index, c.model, mem, cores) for c, mem, cores in grants[i]
+                    DeviceGrant(c.uuid, c.index, c.model, mem, cores, c.mode) for c, mem, cores in grants[i]
                 ),
                 priority=n.req.priority,
                 init=n.req.init,

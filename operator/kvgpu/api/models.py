@@ -49,6 +49,7 @@ class Mode(StrEnum):
 
     HAMI_CORE = "hami-core"  #: slices enforced by the shim (memory and SM limits)
     EXCLUSIVE = "exclusive"  #: one container per card, no shim limits
+    MPS = "mps"  #: shared cards, SMs partitioned by the MPS server; memory limited by the shim
 
 
 class PolicyName(StrEnum):
@@ -279,7 +280,13 @@ class VGPUPoolSpec(_Model):
     )
     mode: Mode = Field(
         default=Mode.HAMI_CORE,
-        description="hami-core: shared cards with shim limits; exclusive: one container per card.",
+        description=(
+            "hami-core: shared cards with shim limits (memory and a time share of the SMs); "
+            "exclusive: one container per card; mps: shared cards whose containers are clients of "
+            "the card's MPS server, which partitions the SMs (gpucores = the client's active thread "
+            "percentage) so co-tenants run at once, the shim still limits memory; one card per "
+            "container; a faulting client can end its co-tenants' work (docs/agent.md, MPS)."
+        ),
     )
     defaults: RequestDefaults = Field(
         default_factory=RequestDefaults, description="Values for the request keys a pod leaves out."

@@ -37,6 +37,8 @@ from kvgpu.core.inventory import Card, Slicing
 #: Name of the pool whose defaults apply to requests before a node is chosen (see
 #: :func:`defaults_pool`).
 DEFAULT_POOL = "default"
+#: Most clients one MPS server takes (Volta and later): an mps card's slots.
+MPS_MAX_CLIENTS = 48
 
 PoolLike = VGPUPool | Mapping[str, Any]
 
@@ -102,9 +104,12 @@ def covering_pool(pools: Iterable[PoolLike], node_labels: Mapping[str, str], car
 
 
 def slicing_of(pool: VGPUPool) -> Slicing:
-    """The :class:`Slicing` a pool gives its cards; exclusive mode means one slice per card."""
+    """The :class:`Slicing` a pool gives its cards; exclusive mode means one slice per card, mps
+    mode at most :data:`MPS_MAX_CLIENTS`."""
     s = pool.spec
     split = 1 if s.mode is Mode.EXCLUSIVE else s.split_count
+    if s.mode is Mode.MPS:
+        split = min(split, MPS_MAX_CLIENTS)  # what one MPS server serves on Volta and later
     return Slicing(
         pool=pool.name,
         split_count=split,

@@ -2,11 +2,17 @@
 
 Format, version 1 (ASCII, ``;``-separated fields, order free except ``v1`` first)::
 
-    v1;claim=<namespace>/<name>;priority=<0|1>;dev=<UUID>,<memory MiB>,<cores percent>[;dev=...]
+    v1;claim=<namespace>/<name>;priority=<0|1>;dev=<UUID>,<memory MiB>,<cores percent>[;dev=...][;mode=mps]
 
 - ``memory MiB`` is an integer >= 1 (the card's slice of memory);
 - ``cores percent`` is an integer 0..100 (0 = no compute limit, 100 = exclusive card);
-- at least one ``dev``; UUIDs are NVML's ``GPU-xxxxxxxx-...`` strings, unique within the claim.
+- at least one ``dev``; UUIDs are NVML's ``GPU-xxxxxxxx-...`` strings, unique within the claim;
+- ``mode`` (optional, at most once): ``mps`` = the container is an MPS client of its card's
+  server: the driver partitions the SMs (``cores`` is the client's active thread percentage),
+  so the shim keeps its compute gate off, and it sets the MPS client env from this claim
+  (pipe directory, thread percentage, pinned memory limit) before CUDA starts; ``hami-core``
+  (the default) = the shim's own compute gate. Written only for ``mps``, so claims of other
+  modes read by older shims are unchanged.
 
 The shim's C parser (shim/vgpu_config.c) implements the same grammar; the property tests
 round-trip both. A string that does not parse makes the shim refuse to initialise CUDA.
@@ -19,6 +25,10 @@ from dataclasses import dataclass
 
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]{1,80}$")
 _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+#: Values of the ``mode`` field.
+MODES = ("hami-core", "mps")
 
 
 class ClaimStringError(ValueError):
@@ -37,10 +47,13 @@ class ClaimString:
     claim: str  # "<namespace>/<name>" of the VGPUClaim
     priority: int
     devices: tuple[ClaimDevice, ...]
+    mode: str = "hami-core"  # or "mps"
 
     def encode(self) -> str:
         parts = ["v1", f"claim={self.claim}", f"priority={self.priority}"]
         parts += [f"dev={d.uuid},{d.memory_mib},{d.cores}" for d in self.devices]
+        if self.mode != "hami-core":
+            parts.append(f"mode={self.mode}")
         out = ";".join(parts)
         decode(out)  # never emit what the shim would refuse
         return out
@@ -51,7 +64,7 @@ def decode(text: str) -> ClaimString:
     fields = text.strip().split(";")
     if not fields or fields[0] != "v1":
         raise ClaimStringError(f"claim string must start with 'v1;', got {text[:20]!r}")
-    claim, priority, devices = "", 1, []
+    claim, priority, devices, mode = "", 1, [], ""
     seen: set[str] = set()
     for f in fields[1:]:
         key, sep, value = f.partition("=")
@@ -78,10 +91,16 @@ def decode(text: str) -> ClaimString:
                 raise ClaimStringError(f"dev {bits[0]} appears twice")
             seen.add(bits[0])
             devices.append(ClaimDevice(bits[0], mem, cores))
+        elif key == "mode":
+            if mode:
+                raise ClaimStringError("mode appears twice")
+            if value not in MODES:
+                raise ClaimStringError(f"mode={value!r} must be one of {', '.join(MODES)}")
+            mode = value
         else:
             raise ClaimStringError(f"unknown field {key!r}")
     if not devices:
         raise ClaimStringError("claim string names no dev=")
     if not claim:
         raise ClaimStringError("claim string has no claim=<namespace>/<name>")
-    return ClaimString(claim, priority, tuple(devices))
+    return ClaimString(claim, priority, tuple(devices), mode or "hami-core")

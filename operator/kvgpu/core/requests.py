@@ -7,7 +7,7 @@ percent of the card's SMs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -55,13 +55,16 @@ class PodRequest:
 
 @dataclass(frozen=True, slots=True)
 class DeviceGrant:
-    """One card's slice given to a container."""
+    """One card's slice given to a container. ``mode``: the card's pool mode at allocation
+    (``"mps"`` makes the claim string say so); not part of equality, since grants rebuilt from a
+    VGPUClaim do not know it."""
 
     uuid: str
     index: int
     model: str
     memory_mib: int
     cores: int
+    mode: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)

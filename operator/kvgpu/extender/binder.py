@@ -112,6 +112,7 @@ def allocation_annotations(namespace: str, pod: dict[str, Any], alloc: PodAlloca
             f"{namespace}/{name}",
             ca.priority,
             tuple(ClaimDevice(d.uuid, d.memory_mib, d.cores) for d in ca.devices),
+            mode="mps" if any(d.mode == "mps" for d in ca.devices) else "hami-core",
         )
         ann[keys.claim_annotation(ca.container)] = cs.encode()
         ann[keys.devices_annotation(ca.container)] = ",".join(d.uuid for d in ca.devices)
