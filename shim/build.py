@@ -39,6 +39,7 @@ LIB_SOURCES = [
     "vgpu_symbols.c",
     "vgpu_cuda.c",
     "vgpu_cuda_mem.c",
+    "vgpu_launch.c",
     "vgpu_nvml.c",
 ]
 CORE_SOURCES = ["vgpu_config.c", "vgpu_region.c", "vgpu_compute.c", "vgpu_pycore.c"]
@@ -186,6 +187,7 @@ struct vgpu_config {
     int source; int broken; char error[256]; char claim[320]; int priority; int ndev;
     struct vgpu_dev_cfg dev[16]; int policy; int log_level; int disabled; int oom_killer;
     char region_path[512]; char sched_dir[512]; uint64_t period_ns; int container; int env_ignored;
+    int mps;
 };
 int vgpu_claim_parse(const char *text, struct vgpu_config *cfg);
 int vgpu_parse_mem(const char *text, uint64_t *out);

@@ -79,6 +79,41 @@ static void after_fork_child(void)
     vgpu_cuda_after_fork();
 }
 
+/* mode=mps: make this process the MPS client its claim says, whatever its environment says
+ * (any process can set its own env; the claim file is the trusted input): the card's pipe
+ * directory (container mode: the device plugin's mount), the SM share as the active thread
+ * percentage, and the claim's memory as the pinned device memory limit (the driver's second
+ * wall behind the shim's). Set before the driver reads them at cuInit (the first hook runs this).
+ * No control daemon behind the pipe would make CUDA run without MPS, i.e. without an SM limit:
+ * fail closed instead. */
+static int mps_client_setup(void)
+{
+    char buf[64 * VGPU_MAX_DEV], *p = buf;
+    const char *dir = vgpu.cfg.container ? VGPU_CONTAINER_MPS_DIR : getenv("CUDA_MPS_PIPE_DIRECTORY");
+    if (!dir || !dir[0])
+        dir = "/tmp/nvidia-mps"; /* the driver's default */
+    if (vgpu.cfg.container)
+        setenv("CUDA_MPS_PIPE_DIRECTORY", dir, 1);
+    char ctl[600];
+    snprintf(ctl, sizeof ctl, "%s/control", dir);
+    if (access(ctl, F_OK) != 0) {
+        snprintf(vgpu.cfg.error, sizeof vgpu.cfg.error,
+                 "the claim is for an MPS card but no MPS control daemon listens in %.150s", dir);
+        return -1;
+    }
+    int cores = vgpu.cfg.dev[0].cores;
+    snprintf(buf, sizeof buf, "%d", cores > 0 && cores < 100 ? cores : 100);
+    setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", buf, 1);
+    buf[0] = 0;
+    for (int d = 0; d < vgpu.cfg.ndev; d++)
+        p += snprintf(p, sizeof buf - (size_t)(p - buf), "%s%d=%lluM", d ? "," : "", d,
+                      (unsigned long long)(vgpu.cfg.dev[d].mem_limit / VGPU_MIB));
+    setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", buf, 1);
+    for (int d = 0; d < vgpu.cfg.ndev; d++)
+        vgpu.cfg.dev[d].cores = 0; /* the driver partitions the SMs: no compute gate (region too) */
+    return 0;
+}
+
 static void do_init(void)
 {
     vgpu_config_load(&vgpu.cfg, env_get, NULL);
@@ -101,6 +136,11 @@ static void do_init(void)
                  vgpu.cfg.claim);
     if (vgpu.cfg.source == VGPU_SRC_NONE)
         return;
+    if (vgpu.cfg.mps && mps_client_setup() != 0) {
+        vgpu.cfg.broken = 1;
+        vgpu_log(0, "refusing to initialise CUDA: %s", vgpu.cfg.error);
+        return;
+    }
     if (vgpu_region_open(&vgpu.region, vgpu.cfg.region_path, &vgpu.cfg) != 0) {
         /* Without the shared region each process would get the whole quota: fail closed.
          * EPERM: the region was created for another claim (its first claim fixes the limits). */
@@ -117,8 +157,11 @@ static void do_init(void)
         return;
     }
     vgpu.limited = 1;
+    /* A gate on some card; an uncapped high-priority tenant of a coordinated node is measured
+     * (vgpu_compute_setup), so that the agent gives low priority what it leaves. */
     for (int d = 0; d < vgpu.cfg.ndev; d++)
-        if (vgpu.cfg.dev[d].cores > 0 && vgpu.cfg.policy != VGPU_POLICY_DISABLE)
+        if (vgpu.cfg.policy != VGPU_POLICY_DISABLE &&
+            (vgpu.cfg.dev[d].cores > 0 || (vgpu.cfg.priority == 0 && vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0])))
             vgpu.compute_limited = 1;
     atexit(at_exit);
     pthread_atfork(NULL, NULL, after_fork_child);

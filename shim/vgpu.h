@@ -63,6 +63,7 @@ struct vgpu_config {
     int container;            /* 1: the claim came from the container's claim file (authoritative) */
     int env_ignored;          /* container mode: a process-set KVGPU_CLAIM (1), KVGPU_CLAIM_FILE (2)
                                * or region dir (4) differs from the container's and was ignored */
+    int mps;                  /* claim mode=mps: an MPS client (the driver partitions the SMs) */
 };
 
 /* Parse a KVGPU_CLAIM v1 string (grammar: operator/kvgpu/core/claimstr.py). 0 on success,
@@ -92,6 +93,8 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx);
 #define VGPU_CONTAINER_REGION_KEY "@kvgpu-container-region"
 #define VGPU_CONTAINER_SCHED_DIR "/var/run/kvgpu-sched"
 #define VGPU_CONTAINER_SCHED_KEY "@kvgpu-container-sched" /* the dir if it exists, else NULL */
+/* mode=mps in container mode: the card's MPS pipe directory (the device plugin's mount). */
+#define VGPU_CONTAINER_MPS_DIR "/var/run/kvgpu-mps"
 
 /* ------------------------------------------------------------------ region (pure) */
 

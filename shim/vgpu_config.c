@@ -5,7 +5,7 @@
  * operator/kvgpu/core/claimstr.py (the property tests in tests/shim/test_claim.py feed the
  * same strings to both and compare):
  *
- *   v1;claim=<ns>/<name>;priority=<0|1>;dev=<UUID>,<memory MiB>,<cores %>[;dev=...]
+ *   v1;claim=<ns>/<name>;priority=<0|1>;dev=<UUID>,<memory MiB>,<cores %>[;dev=...][;mode=mps]
  *
  * Precedence (first that is present wins; "present" = the variable is set, even empty):
  *   the container's claim file /etc/kvgpu/claim exists -> the claim from that file only; every
@@ -147,6 +147,8 @@ int vgpu_claim_parse(const char *text, struct vgpu_config *cfg)
     cfg->ndev = 0;
     cfg->claim[0] = 0;
     cfg->priority = 1;
+    cfg->mps = 0;
+    int mode_seen = 0;
     const char *end = s + n;
     const char *semi = memchr(s, ';', n);
     const char *f_end = semi ? semi : end;
@@ -174,6 +176,13 @@ int vgpu_claim_parse(const char *text, struct vgpu_config *cfg)
         } else if (kl == 3 && memcmp(f, "dev", 3) == 0) {
             if (parse_dev(cfg, v, vl) != 0)
                 return -1;
+        } else if (kl == 4 && memcmp(f, "mode", 4) == 0) {
+            if (mode_seen++)
+                return fail(cfg, "mode appears twice");
+            if (vl == 3 && memcmp(v, "mps", 3) == 0)
+                cfg->mps = 1;
+            else if (!(vl == 9 && memcmp(v, "hami-core", 9) == 0))
+                return fail(cfg, "mode=%.*s must be one of hami-core, mps", (int)vl, v);
         } else {
             return fail(cfg, "unknown field '%.*s'", (int)kl, f);
         }
