@@ -56,10 +56,10 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from kvgpu.core import keys
+from kvgpu.core import claimstr, keys
 from kvgpu.core.inventory import Card, NodeInventory
 
-from . import devicespecs
+from . import devicespecs, mps
 from .podidentity import Admitted, NotIdentified, PodIdentifier
 from .podresources import PodResourcesError
 from .preferred import ID_SEP, HintProvider, card_of, preferred
@@ -97,6 +97,8 @@ class PluginConfig:
     ``--simulated``), whose driver is the stub: tell it the claimed cards (:func:`stub_driver_env`).
     ``region_root``: where the containers' region directories are on the host; ``Allocate`` creates
     the admitted container's, owned by its user (:func:`~kvgpu.agent.usage.prepare_region_dir`).
+    ``mps_root``: the host folder of the cards' MPS daemons (:mod:`kvgpu.agent.mps`); a claim with
+    ``mode=mps`` gets its card's pipe folder and the MPS client env.
     """
 
     resource_name: str = "nvidia.com/gpu"
@@ -122,6 +124,7 @@ class PluginConfig:
     ld_library_path: bool = True
     stub_driver_env: bool = False
     region_root: str | None = None
+    mps_root: str = keys.HOST_MPS_ROOT
     watch_interval_s: float = 1.0
 
 
@@ -147,8 +150,10 @@ def replicas_for(card: Card, cfg: PluginConfig) -> int:
         return cfg.uncovered_split_count
     if card.slicing.mode == "exclusive":
         return 1
+    if card.slicing.mode == "mps":
+        return min(card.slicing.split_count, mps.MAX_CLIENTS)  # clients of one MPS server
     if card.slicing.mode != "hami-core":
-        return 0  # mig/mps are not served by this resource
+        return 0  # mig is not served by this resource
     return card.slicing.split_count
 
 
@@ -343,6 +348,22 @@ class DevicePlugin:
             )
         return out
 
+    def _mps_client(self, admitted: Admitted, resp: Any) -> None:
+        """A claim with ``mode=mps``: its card's MPS pipe folder (read-only) and the client env."""
+        try:
+            cs = claimstr.decode(admitted.claim or "")
+        except claimstr.ClaimStringError:
+            return  # the shim refuses it; nothing to add
+        if cs.mode != "mps":
+            return
+        uuid = cs.devices[0].uuid
+        pipe = mps.pipe_dir(self.cfg.mps_root, uuid)
+        if not (pipe / "control").exists():
+            raise PluginError(f"the MPS control daemon of card {uuid} is not running ({pipe}); "
+                              f"{admitted} is an MPS client of it")
+        resp.envs.update(mps.client_env(cs))
+        resp.mounts.append(pb2.Mount(container_path=keys.CONTAINER_MPS_DIR, host_path=str(pipe), read_only=True))
+
     async def allocate(self, request: Any) -> Any:
         """Answer ``Allocate``: per container, from its claim, the device nodes, driver and shim
         mounts and env (module docstring). Raises :class:`PluginError` (shim missing, no claim,
@@ -381,6 +402,8 @@ class DevicePlugin:
                 resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
         if self.cfg.stub_driver_env:
             resp.envs.update(stub_driver_env(cards))
+        if admitted is not None and admitted.claim is not None:
+            self._mps_client(admitted, resp)
         if admitted is not None and admitted.claim is not None and self.cfg.region_root:
             try:
                 prepare_region_dir(self.cfg.region_root, admitted.uid, admitted.container, admitted.run_as)

@@ -13,6 +13,7 @@ records a Node Event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -45,6 +46,7 @@ from .health import (
     SimulatedHealthSource,
 )
 from .kube import KubeApi, NodeApi
+from .mps import MpsDaemons
 from .podidentity import PodIdentifier
 from .podresources import DEFAULT_SOCKET as POD_RESOURCES_SOCKET
 from .podresources import PodResourcesClient
@@ -99,6 +101,11 @@ class AgentConfig:
     #: Runs with the device plugin (a real kubelet's containers), not on fake nodes.
     sched_dir: str = keys.HOST_SCHED_DIR
     sched_interval_s: float = 0.25
+    #: the MPS backend (with the device plugin): one control daemon per card of an mps pool under
+    #: ``mps_root``, checked every ``mps_interval_s`` and after each inventory; 0 disables.
+    mps_root: str = keys.HOST_MPS_ROOT
+    mps_control: str = "nvidia-cuda-mps-control"
+    mps_interval_s: float = 10.0
 
 
 @asynccontextmanager
@@ -136,6 +143,8 @@ class Agent:
         self.enforcement: EnforcementMonitor | None = None
         self.scheduler: Scheduler | None = None
         self._capacity: tuple[int, int] | None = None
+        self.mps: MpsDaemons | None = None
+        self._mps_kick = asyncio.Event()
 
     def inventory(self) -> NodeInventory | None:
         return self.registrar.inventory
@@ -153,6 +162,7 @@ class Agent:
     async def _on_inventory(self, inv: NodeInventory) -> None:
         if self.plugin is not None:
             await self.plugin.update(inv)
+        self._mps_kick.set()
         if self.cfg.simulated and self.cfg.simulated_capacity and not self.cfg.device_plugin:
             devices = device_list(inv, self.cfg.plugin)
             want = (len(devices), sum(d.health == "Healthy" for d in devices))
@@ -161,6 +171,28 @@ class Agent:
                 if patch is not None:
                     await patch(self.cfg.node, self.cfg.plugin.resource_name, *want)
                     self._capacity = want
+
+    def _make_mps(self) -> MpsDaemons:
+        control = self.cfg.mps_control
+        driver_bin = os.path.join(self.cfg.plugin.driver_root or "/usr/local/nvidia", "bin", control)
+        if os.sep not in control and os.access(driver_bin, os.X_OK):
+            control = driver_bin  # the driver folder is usually not on the agent's PATH
+        return MpsDaemons(self.cfg.mps_root, control)
+
+    async def _mps_loop(self) -> None:
+        """Keep the mps cards' daemons running (after each inventory and every interval). The
+        daemons outlive the agent: they are left running when it stops."""
+        assert self.mps is not None
+        while True:
+            inv = self.registrar.inventory
+            if inv is not None:
+                try:
+                    await asyncio.to_thread(self.mps.sync, list(inv.cards))
+                except Exception:  # a missing control program, a full disk: retried next round
+                    log.exception("MPS daemon check failed")
+            self._mps_kick.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._mps_kick.wait(), self.cfg.mps_interval_s)
 
     def _health_source(self) -> Any:
         if self.cfg.simulated:
@@ -305,6 +337,9 @@ class Agent:
             if self.cfg.device_plugin and self.cfg.sched_interval_s > 0:
                 self.scheduler = self._make_scheduler()
                 tg.create_task(self.scheduler.run(self.cfg.sched_interval_s), name="compute-schedule")
+            if self.cfg.device_plugin and self.cfg.mps_interval_s > 0:
+                self.mps = self._make_mps()
+                tg.create_task(self._mps_loop(), name="mps-daemons")
             self.enforcement = self._make_enforcement()
             if self.enforcement is not None:
                 tg.create_task(self.enforcement.run(), name="enforcement")

@@ -68,10 +68,14 @@ HOST_SHIM_DIR = "/usr/local/kvgpu/lib"
 HOST_PRELOAD_FILE = "/usr/local/kvgpu/ld.so.preload"
 HOST_REGION_ROOT = "/var/lib/kvgpu/containers"
 HOST_SCHED_DIR = "/var/lib/kvgpu/sched"
+#: The MPS backend: per card ``<root>/<UUID>/{pipe,log}`` of its control daemon (agent/mps.py).
+HOST_MPS_ROOT = "/var/run/kvgpu/mps"
 CONTAINER_SHIM_DIR = "/usr/local/kvgpu/lib"
 CONTAINER_SHIM_LIB = f"{CONTAINER_SHIM_DIR}/libvgpu.so"
 CONTAINER_REGION_DIR = "/var/run/kvgpu"
 CONTAINER_SCHED_DIR = "/var/run/kvgpu-sched"
+#: Where an MPS client container sees its card's pipe directory (the shim's VGPU_CONTAINER_MPS_DIR).
+CONTAINER_MPS_DIR = "/var/run/kvgpu-mps"
 CONTAINER_CLAIM_DIR = "/etc/kvgpu"
 CONTAINER_CLAIM_FILE = f"{CONTAINER_CLAIM_DIR}/claim"
 
