@@ -9,6 +9,7 @@
 #
 #   bash bench/gpu/suite_bundle.sh HAMI_CORE_GIT_DIR [COMMIT]
 # HAMI_CORE_GIT_DIR: a clone (or bare mirror) of github.com/Project-HAMi/HAMi-core.
+# KVGPU_REV (default HEAD): the kvgpu commit to measure.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 src=${1:?usage: suite_bundle.sh HAMI_CORE_GIT_DIR [COMMIT]}
@@ -16,8 +17,9 @@ commit=${2:-8f3a89c67b037d8fdfe6c4cd4d8c4f0cd6504811}
 mkdir -p .hami/wheels
 git -C "$src" archive --format=tar "$commit" CMakeLists.txt build.sh src README.md | xz -9 >.hami/hami-core.tar.xz
 git -C "$src" rev-parse "$commit^{commit}" >.hami/hami-core.commit
-git archive --format=tar HEAD shim operator/kvgpu | xz -9 >.hami/kvgpu-tree.tar.xz
-git rev-parse HEAD >.hami/kvgpu-tree.commit
+rev=${KVGPU_REV:-HEAD}
+git archive --format=tar "$rev" shim operator/kvgpu | xz -9 >.hami/kvgpu-tree.tar.xz
+git rev-parse "$rev^{commit}" >.hami/kvgpu-tree.commit
 rm -f .hami/wheels/*.whl
 if ls .whl/cffi-*-cp312-*.whl .whl/pycparser-*.whl >/dev/null 2>&1; then
     cp .whl/cffi-*-cp312-*.whl .whl/pycparser-*.whl .hami/wheels/
