@@ -13,6 +13,11 @@
  *   cuprog launch MODE SECONDS SYNC_EVERY  launch loop; MODE kernel ex coop graph ptsz gpa
  *   cuprog bench N                         ns per launch, alloc+free (2 MiB), cuMemGetInfo
  *   cuprog graphmem N CHUNK                N chunks, two graph launches, then fill to the limit
+ *   cuprog work sat SECS KERNEL_US SYNC_EVERY [STREAMS]   saturating loop over STREAMS streams
+ *   cuprog work req SECS KERNEL_US NKERNELS PERIOD_MS     a request of NKERNELS kernels (then a
+ *       stream sync) every PERIOD_MS; latency from the request's arrival to the sync's return
+ *   (work: the stub driver with STUB_GRID_US=1 runs each kernel for gridDimX us; it prints the
+ *   share of wall time its kernels ran, per second too, from the stub's stubDoneNs)
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -279,6 +284,79 @@ static int cmd_launch(const char *mode, double secs, long sync_every)
     return rc != 0;
 }
 
+CUresult cuStreamCreate(CUstream *, unsigned);
+
+static double done_s(void)
+{
+    static unsigned long long (*done)(int);
+    if (!done)
+        done = (unsigned long long (*)(int))dlsym(RTLD_DEFAULT, "stubDoneNs");
+    return done ? done(0) * 1e-9 : 0;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int cmd_work(int argc, char **argv)
+{
+    const char *mode = argv[2];
+    double secs = atof(argv[3]);
+    unsigned kus = (unsigned)atol(argv[4]);
+    long a = argc > 5 ? atol(argv[5]) : 1, b = argc > 6 ? atol(argv[6]) : 1;
+    setup(0);
+    CUfunction f = kernel();
+    CUstream st[8] = {NULL};
+    int ns = !strcmp(mode, "sat") && b > 1 ? (int)(b > 8 ? 8 : b) : 1;
+    for (int i = 1; i < ns; i++)
+        cuStreamCreate(&st[i], 0);
+    static double lat[100000];
+    long n = 0, nreq = 0;
+    double per[64];
+    int nper = 0;
+    double t0 = now_s(), d0 = done_s(), mark = t0 + 1, dmark = d0, next = t0, t;
+    CUresult rc = 0;
+    while ((t = now_s()) - t0 < secs) {
+        if (t >= mark && nper < 64) {
+            double d = done_s();
+            per[nper++] = d - dmark;
+            dmark = d, mark += 1;
+        }
+        if (!strcmp(mode, "sat")) {
+            rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[n % ns], NULL, NULL);
+            if (++n % (a > 0 ? a : 1) == 0)
+                cuStreamSynchronize(st[n % ns]);
+        } else {
+            if (t < next) {
+                struct timespec ts = {0, (long)((next - t) * 1e9)};
+                nanosleep(&ts, NULL);
+                continue;
+            }
+            for (long i = 0; i < a && !rc; i++, n++)
+                rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            cuStreamSynchronize(NULL);
+            if (nreq < 100000)
+                lat[nreq++] = (now_s() - next) * 1e3;
+            next += b / 1e3;
+        }
+        if (rc)
+            break;
+    }
+    cuCtxSynchronize();
+    t = now_s() - t0;
+    double busy = (done_s() - d0) / t;
+    qsort(lat, (size_t)nreq, sizeof lat[0], cmp_d);
+    double p50 = nreq ? lat[nreq / 2] : 0, p99 = nreq ? lat[(nreq * 99) / 100 < nreq ? (nreq * 99) / 100 : nreq - 1] : 0;
+    printf("{\"mode\": \"%s\", \"launches\": %ld, \"secs\": %.4f, \"busy\": %.4f, \"requests\": %ld, "
+           "\"p50_ms\": %.3f, \"p99_ms\": %.3f, \"rc\": %d, \"per_sec\": [", mode, n, t, busy, nreq, p50, p99, rc);
+    for (int i = 0; i < nper; i++)
+        printf("%s%.4f", i ? ", " : "", per[i]);
+    printf("]}\n");
+    return rc != 0;
+}
+
 static int cmd_bench(long n)
 {
     setup(0);
@@ -359,6 +437,8 @@ int main(int argc, char **argv)
         usleep(1000000);
         return 0;
     }
+    if (!strcmp(cmd, "work") && argc >= 5)
+        return cmd_work(argc, argv);
     if (!strcmp(cmd, "launch") && argc >= 5)
         return cmd_launch(argv[2], atof(argv[3]), atol(argv[4]));
     if (!strcmp(cmd, "graphmem") && argc >= 4) {

@@ -284,27 +284,71 @@ API CUresult cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENT
 }
 API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void)d; (void)attr; *(uint64_t *)v = 0; return OK; }
 
-/* ---- execution: one FIFO queue per card, shared by all processes */
-static __thread uint64_t last_done[STUB_MAXDEV];
+/* ---- execution: one FIFO queue per card, shared by all processes.
+ * A kernel takes STUB_KERNEL_US, or with STUB_GRID_US=1 gridDimX microseconds (so a test
+ * program picks each launch's duration). Streams: the legacy NULL stream (slot 0), the
+ * per-thread stream (1) and created ones (2..); each remembers when its last kernel ends. The
+ * card still runs one kernel at a time in launch order across streams and processes. */
+#define STUB_STREAMS 32
+static _Atomic uint64_t last_done[STUB_MAXDEV][STUB_STREAMS];
+static _Atomic int next_stream = 2;
+static pthread_mutex_t ring_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { uint64_t end, dur; } ring[STUB_MAXDEV][4096]; /* this process's latest kernels */
+static unsigned ring_n[STUB_MAXDEV];
 
-static int null_launch = -1;
+static int null_launch = -1, grid_us = -1;
 
-static CUresult launch(void)
+static int slot_of(CUstream s)
 {
-    if (__builtin_expect(null_launch < 0, 0))
+    uintptr_t v = (uintptr_t)s;
+    if (v == 0 || v == 1)
+        return 0;
+    if (v == 2)
+        return 1;
+    if (v >= 0x100 && v < 0x100 + STUB_STREAMS)
+        return (int)(v - 0x100);
+    return 0;
+}
+
+static uint64_t stream_done(int phys, CUstream s)
+{
+    int k = slot_of(s);
+    if (k != 0)
+        return atomic_load(&last_done[phys][k]);
+    uint64_t t = 0; /* the legacy stream waits for every stream of the context */
+    for (int i = 0; i < STUB_STREAMS; i++)
+        if (atomic_load(&last_done[phys][i]) > t)
+            t = atomic_load(&last_done[phys][i]);
+    return t;
+}
+
+static CUresult launch(CUstream stream, unsigned gx)
+{
+    if (__builtin_expect(null_launch < 0, 0)) {
         null_launch = stub_env("STUB_NULL_LAUNCH", 0) != 0;
+        grid_us = stub_env("STUB_GRID_US", 0) != 0;
+    }
     if (null_launch)
         return OK; /* micro-benchmarks: a launch that costs a function call */
     NEED_CTX();
     struct stub_state *s = stub_state();
     struct stub_proc *me = stub_me();
-    uint64_t dur = (uint64_t)stub_env("STUB_KERNEL_US", 1000) * 1000, now = stub_now();
+    uint64_t dur = grid_us ? (uint64_t)(gx ? gx : 1) * 1000 : (uint64_t)stub_env("STUB_KERNEL_US", 1000) * 1000;
+    uint64_t now = stub_now();
+    int k = slot_of(stream);
+    uint64_t after = stream_done(cur_ctx, stream); /* the legacy stream waits for all streams */
     uint64_t bu = atomic_load(&s->busy_until[cur_ctx]), start, end;
     do {
         start = bu > now ? bu : now;
+        if (start < after)
+            start = after;
         end = start + dur;
     } while (!atomic_compare_exchange_weak(&s->busy_until[cur_ctx], &bu, end));
-    last_done[cur_ctx] = end;
+    atomic_store(&last_done[cur_ctx][k], end);
+    pthread_mutex_lock(&ring_mu);
+    unsigned i = ring_n[cur_ctx]++ % 4096;
+    ring[cur_ctx][i].end = end, ring[cur_ctx][i].dur = dur;
+    pthread_mutex_unlock(&ring_mu);
     atomic_fetch_add(&me->busy_ns[cur_ctx], dur);
     atomic_fetch_add(&me->launches[cur_ctx], 1);
     uint64_t cap = 200000000ull; /* a full launch queue blocks the caller, as on a GPU */
@@ -316,24 +360,28 @@ static CUresult launch(void)
     return OK;
 }
 
-static CUresult drain(void)
+static void sleep_until_ns(uint64_t t)
 {
-    NEED_CTX();
-    uint64_t t = last_done[cur_ctx];
     if (t > stub_now()) {
         struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
             ;
     }
+}
+
+static CUresult drain(CUstream s)
+{
+    NEED_CTX();
+    sleep_until_ns(stream_done(cur_ctx, s));
     return OK;
 }
 
-API CUresult cuLaunchKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { return launch(); }
-API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { return launch(); }
-API CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { if (!cfg) return E_INVALID_VALUE; return launch(); }
+API CUresult cuLaunchKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { return launch(s, a); }
+API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { return launch(s ? s : (CUstream)2, a); }
+API CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { if (!cfg) return E_INVALID_VALUE; return launch(cfg->hStream, cfg->gx); }
 API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { return cuLaunchKernelEx(cfg, f, p, x); }
-API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(); }
-API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(); }
+API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(s, a); }
+API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(s ? s : (CUstream)2, a); }
 static int graph_mem_done;
 /* Graph memory nodes: the first launch of a graph reserves STUB_GRAPH_MEM_MIB in the driver's
  * graph pool, visible only through NVML per-process usage (as on a real driver). */
@@ -346,12 +394,61 @@ API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
         graph_mem_done = 1;
         atomic_fetch_add(&stub_me()->used[cur_ctx], (uint64_t)mib * MIB);
     }
-    return launch();
+    return launch(s, 1);
 }
-API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) { return launch(); }
-API CUresult cuStreamSynchronize(CUstream s) { (void)s; return drain(); }
-API CUresult cuCtxSynchronize(void) { return drain(); }
+API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) { return launch(s ? s : (CUstream)2, 1); }
+API CUresult cuStreamSynchronize(CUstream s) { return drain(s); }
+API CUresult cuCtxSynchronize(void) { return drain(NULL); }
 API CUresult cuStreamIsCapturing(CUstream s, int *st) { *st = hidden_capturing(s); return OK; }
+API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); return stream_done(cur_ctx, s) > stub_now() ? 600 : OK; }
+
+/* Events: recording one notes when the stream's work queued so far ends (the GPU reaches the
+ * event then); query, synchronize and elapsed time follow from that timestamp. */
+struct stub_event { uint64_t t; int recorded; int phys; };
+API CUresult cuEventCreate(void **e, unsigned fl)
+{
+    (void)fl;
+    if (!e) return E_INVALID_VALUE;
+    struct stub_event *ev = calloc(1, sizeof *ev);
+    *e = ev;
+    return ev ? OK : E_OOM;
+}
+API CUresult cuEventDestroy_v2(void *e) { free(e); return OK; }
+API CUresult cuEventDestroy(void *e) { return cuEventDestroy_v2(e); }
+API CUresult cuEventRecord(void *e, CUstream s)
+{
+    NEED_CTX();
+    struct stub_event *ev = e;
+    if (!ev) return E_INVALID_VALUE;
+    uint64_t now = stub_now(), t = stream_done(cur_ctx, s);
+    ev->t = t > now ? t : now, ev->recorded = 1, ev->phys = cur_ctx;
+    return OK;
+}
+API CUresult cuEventRecord_ptsz(void *e, CUstream s) { return cuEventRecord(e, s ? s : (CUstream)2); }
+API CUresult cuEventQuery(void *e)
+{
+    struct stub_event *ev = e;
+    if (!ev) return E_INVALID_VALUE;
+    return !ev->recorded || ev->t <= stub_now() ? OK : 600; /* CUDA_ERROR_NOT_READY */
+}
+API CUresult cuEventSynchronize(void *e)
+{
+    struct stub_event *ev = e;
+    if (!ev) return E_INVALID_VALUE;
+    if (ev->recorded) sleep_until_ns(ev->t);
+    return OK;
+}
+API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
+{
+    struct stub_event *x = a, *y = b;
+    if (!ms || !x || !y) return E_INVALID_VALUE;
+    if (!x->recorded || !y->recorded) return 400; /* CUDA_ERROR_INVALID_HANDLE */
+    uint64_t now = stub_now();
+    if (x->t > now || y->t > now) return 600;
+    *ms = (float)(((double)y->t - (double)x->t) / 1e6);
+    return OK;
+}
+API CUresult cuEventElapsedTime_v2(float *ms, void *a, void *b) { return cuEventElapsedTime(ms, a, b); }
 
 /* ---- cuGetProcAddress: the driver's own name -> ABI table (subset) */
 static CUresult tramp_alloc(CUdeviceptr *p, size_t n) { return cuMemAlloc_v2(p, n); }
@@ -406,11 +503,34 @@ API CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned lon
 /* test-only introspection: GPU ns and launches of this process on card `phys` */
 API unsigned long long stubBusyNs(int phys) { struct stub_proc *me = stub_me(); return me ? me->busy_ns[phys] : 0; }
 API unsigned long long stubLaunches(int phys) { struct stub_proc *me = stub_me(); return me ? me->launches[phys] : 0; }
+/* GPU ns of this process's kernels that ran by now (stubBusyNs counts them when launched). */
+API unsigned long long stubDoneNs(int phys)
+{
+    struct stub_proc *me = stub_me();
+    if (!me) return 0;
+    uint64_t now = stub_now(), pending = 0;
+    pthread_mutex_lock(&ring_mu);
+    unsigned n = ring_n[phys] < 4096 ? ring_n[phys] : 4096;
+    for (unsigned i = 0; i < n; i++)
+        if (ring[phys][i].end > now)
+            pending += ring[phys][i].end - now < ring[phys][i].dur ? ring[phys][i].end - now : ring[phys][i].dur;
+    pthread_mutex_unlock(&ring_mu);
+    uint64_t b = me->busy_ns[phys];
+    return b > pending ? b - pending : 0;
+}
 
 /* modules: enough for the test programs (the empty kernel's PTX is accepted and ignored) */
 API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; if (!inited) return E_NOT_INIT; *m = (void *)0x77; return OK; }
 API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name) { (void)m; (void)name; *f = (CUfunction)0x78; return OK; }
-API CUresult cuStreamCreate(CUstream *s, unsigned fl) { (void)fl; *s = (CUstream)0x79; return OK; }
+API CUresult cuStreamCreate(CUstream *s, unsigned fl)
+{
+    (void)fl;
+    int k = atomic_fetch_add(&next_stream, 1);
+    if (k >= STUB_STREAMS) return E_OOM;
+    *s = (CUstream)(uintptr_t)(0x100 + k);
+    return OK;
+}
+API CUresult cuStreamDestroy_v2(CUstream s) { (void)s; return OK; }
 API CUresult cuGraphCreate(void **g, unsigned fl) { (void)fl; return hidden_graph_create(g); }
 API CUresult cuDeviceGetDefaultMemPool(void **p, CUdevice d) { if (phys_of(d) < 0) return E_INVALID_DEVICE; *p = (void *)(uintptr_t)(0x500 + d); return OK; }
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }

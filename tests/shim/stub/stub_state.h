@@ -7,7 +7,8 @@
  * (memory a context takes, default 64), STUB_KERNEL_US (GPU time per launch, default 1000),
  * STUB_STATE (state file; default: private to the process), STUB_UUIDS (the cards' UUIDs, comma-separated), STUB_GPA_INDIRECT=1
  * (cuGetProcAddress hands out trampolines instead of the exported addresses),
- * STUB_NULL_LAUNCH=1 (launches return at once: for measuring the shim's own cost).
+ * STUB_NULL_LAUNCH=1 (launches return at once: for measuring the shim's own cost),
+ * STUB_GRID_US=1 (a kernel takes gridDimX microseconds instead of STUB_KERNEL_US).
  */
 #ifndef STUB_STATE_H
 #define STUB_STATE_H
