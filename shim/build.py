@@ -194,7 +194,8 @@ int vgpu_parse_mem(const char *text, uint64_t *out);
 void vgpu_py_config_load(struct vgpu_config *cfg, const char *envblock);
 
 struct vgpu_region_dev { char uuid[96]; uint64_t limit; uint32_t cores; uint32_t sm_util;
-                         uint64_t sched_joined_ns; uint64_t sched_heartbeat_ns; ...; };
+                         uint64_t credit_vt; uint64_t sched_joined_ns; uint64_t sched_heartbeat_ns;
+                         uint64_t sched_busy_pm; ...; };
 struct vgpu_slot { int32_t pid; int32_t host_pid; uint64_t start_time; uint64_t data[16];
                    uint64_t overhead[16]; ...; };
 struct vgpu_region { uint32_t magic; uint32_t version; uint32_t size; uint32_t ndev;
@@ -215,19 +216,22 @@ uint64_t vgpu_region_used(struct vgpu_region *r, int d);
 uint64_t vgpu_proc_start_time(int32_t pid);
 size_t vgpu_py_region_size(void);
 
-struct vgpu_gate { int active; uint64_t period_ns; uint64_t offset_ns; uint64_t len_ns;
-                   uint64_t kernel_ns_est; uint64_t debt_ns; uint64_t win_start;
-                   uint64_t win_budget; uint64_t last_ws; uint64_t throttles; ...; };
+struct vgpu_gate { int active; int measure_only; int cotenants; int bursting; uint64_t period_ns;
+                   uint64_t share_ns; uint64_t offset_ns; uint64_t len_ns; uint64_t burst_ns;
+                   uint64_t batch_ns; uint64_t est_ns; uint64_t vt_cost; uint64_t local_vt;
+                   uint64_t open_until; uint64_t batch_n; void *last_stream; uint32_t busy_pm;
+                   uint64_t throttles; ...; };
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
-int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now);
-int vgpu_gate_fast_coarse(struct vgpu_gate *g, uint64_t coarse_now, uint64_t margin);
+void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);
+int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
+uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
+void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
+uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
 uint64_t vgpu_coarse_margin(void);
-void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained);
-uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now);
 void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,
                        int n, int self, uint32_t *offset_pm, uint32_t *len_pm);
 int vgpu_sched_read(const char *dir, const char *uuid, const char *key, uint32_t *offset_pm,
-                    uint32_t *len_pm);
+                    uint32_t *len_pm, uint32_t *count);
 uint64_t vgpu_now_ns(void);
 """
 

@@ -4,7 +4,7 @@
  * Units (all names prefixed vgpu_):
  *   vgpu_config.c   claim string (KVGPU_CLAIM v1) and HAMi-core env parsing      [pure]
  *   vgpu_region.c   shared per-container region: slots, robust lock, quota      [pure + POSIX]
- *   vgpu_compute.c  compute gate: windowed duty cycle, node-wide schedule       [pure + POSIX]
+ *   vgpu_compute.c  compute limiter: credit on measured GPU time, schedule      [pure + POSIX]
  *   vgpu_symbols.c  real libcuda/libnvidia-ml binding, dlsym, cuGetProcAddress
  *   vgpu_cuda.c     CUDA driver hooks: device map, launches, the hook table (vgpu_cuda.h)
  *   vgpu_cuda_mem.c CUDA memory hooks: allocation paths, memory info, graph memory
@@ -109,13 +109,17 @@ struct vgpu_region_dev {
     uint32_t sm_util;           /* SM utilisation of the container, percent (0xffffffff = unknown);
                                  * written by the node agent from NVML samples, never by the shim */
     _Atomic uint64_t used;      /* bytes charged = sum over live slots of data + overhead */
-    _Atomic uint64_t win_id;    /* compute: current window number (shared by the container) */
-    _Atomic uint64_t win_used;  /* compute: estimated GPU ns launched in that window */
+    _Atomic uint64_t credit_vt; /* compute: the container's credit clock V (CLOCK_MONOTONIC ns;
+                                 * credit = now - V, see struct vgpu_gate) */
+    uint64_t reserved_c;
     /* compute activity, the container's only say in the node-wide schedule (read by the agent,
      * which lays out the windows from the claims; see vgpu_sched_read): */
     _Atomic uint64_t sched_joined_ns;    /* CLOCK_MONOTONIC when the gate became active (again) */
     _Atomic uint64_t sched_heartbeat_ns; /* last schedule refresh of the gate (every 250 ms) */
-    uint64_t reserved[2];
+    _Atomic uint64_t sched_busy_pm;      /* GPU time the container's work took, per mille of wall
+                                          * time (measured, smoothed over ~1 s): what an uncapped
+                                          * high-priority tenant leaves is 1000 minus this */
+    uint64_t reserved[1];
 };
 
 struct vgpu_slot {
@@ -210,44 +214,75 @@ struct vgpu_sched_window {
 void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,
                        int n, int self, uint32_t *offset_pm, uint32_t *len_pm);
 
-/* Per-device gate state (process-local). */
+/* The compute limiter of one card in one process: work-conserving credit on the GPU time the
+ * container's work really took. Credit is a clock V (container-wide, in the region): credit =
+ * now - V, at most `burst_ns` (V >= now - burst). A launch passes while V <= now; each launch
+ * advances V provisionally by its estimated cost (est_ns scaled by P / len, i.e. GPU ns at the
+ * share's rate), and when the batch of launches it belonged to has run, V is corrected by the
+ * measured GPU time (CUDA events around the batch). A tenant below its share therefore launches
+ * at once; one above it waits until its credit is back; a long kernel leaves V far ahead of now
+ * (debt) and the tenant waits in proportion. With co-tenants on the card (the agent's schedule
+ * lists others), a tenant that has used up its burst runs only inside its own window of the
+ * period, so saturating co-tenants take turns and do not stretch each other's batches. */
+#define VGPU_BATCH_NS 5000000ull    /* a batch of launches is measured at least this often */
+#define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
+struct vgpu_batch {
+    void *ev_open, *ev_close;   /* CUevent: recorded before its first and after its last launch */
+    uint64_t launches;
+    uint64_t prov_ns;           /* GPU ns charged provisionally (launches x estimate) */
+};
 struct vgpu_gate {
-    int active;                 /* 0 = no limit: launches pass untouched */
+    int active;                 /* 0 = no gate: launches pass untouched */
+    int measure_only;           /* 1 = uncapped high priority: measure and publish, never wait */
+    int cotenants;              /* the schedule lists other tenants of this card */
+    int bursting;               /* co-tenants: spending a full bucket outside the window */
     uint64_t period_ns;
-    uint64_t offset_ns;         /* start of own window inside the period */
-    uint64_t len_ns;            /* own window length (share * period) */
-    uint64_t kernel_ns_est;     /* EMA of GPU ns per launch */
-    uint64_t debt_ns;           /* GPU time used beyond the last windows' budget */
-    uint64_t win_start;         /* start of the window being run (0 = none yet) */
-    uint64_t win_budget;        /* len_ns - debt at window start */
-    _Atomic uint64_t win_launches; /* launches counted in this window (process) */
-    uint64_t last_ws;           /* start of the last window run */
-    uint64_t last_end;          /* time the last window's budget ran out */
-    _Atomic uint64_t *shared_win_id;   /* region counters (container-wide) or local ones */
-    _Atomic uint64_t *shared_win_used;
-    _Atomic uint64_t local_win_id, local_win_used;
+    uint64_t share_ns;          /* own share (the claim's cores) x period */
+    uint64_t offset_ns;         /* own window inside the period (schedule) */
+    uint64_t len_ns;            /* own window length = the credit rate x period; 0 = no time */
+    uint64_t burst_ns;          /* bucket depth (credit clock ns) */
+    uint64_t batch_ns;          /* batch length (>= VGPU_BATCH_NS, >= 2 x coarse clock margin) */
+    uint64_t est_ns;            /* GPU ns per launch (EWMA of measured batches); 0 = unknown */
+    _Atomic uint64_t vt_cost;   /* credit clock ns per launch = est_ns x P / len */
+    _Atomic uint64_t *vt;       /* the credit clock V (region: container-wide) */
+    _Atomic uint64_t local_vt;
+    _Atomic uint64_t open_until; /* the fast path may pass before this time (0 = slow path) */
+    _Atomic uint64_t batch_n;   /* launches in the open batch */
+    void *_Atomic last_stream;  /* stream of the latest launch (the batch closes behind it) */
+    struct vgpu_batch cur;      /* the open batch (cur.ev_open NULL: none) */
+    struct vgpu_batch ring[VGPU_BATCH_RING];
+    unsigned ring_head, ring_len;
+    void *pool[2 * VGPU_BATCH_RING + 2];
+    int npool;
+    void *ev_ctx;               /* CUcontext the events belong to */
+    uint64_t busy_acc_ns, busy_since_ns; /* measured GPU time since busy_since (publication) */
+    uint32_t busy_pm;           /* smoothed per mille of wall time */
     pthread_mutex_t mu;
     uint64_t throttles;         /* statistics */
     uint64_t last_sched_ns;
 };
 
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
-/* Fast check: 1 if a launch at `now` may pass (and is counted), 0 = take the slow path. */
-int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now);
-/* Same decision from a coarse clock that may lag the real one by up to `margin` ns: 1 pass
- * (counted), 0 refuse, -1 undecided (ask vgpu_gate_fast with the precise time). */
-int vgpu_gate_fast_coarse(struct vgpu_gate *g, uint64_t coarse_now, uint64_t margin);
-/* The window ended (time or budget) and was detected at t_det; the launch queue drained at
- * `drained`. Updates the per-launch cost estimate and the debt. Pure arithmetic. */
-void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained);
-/* Choose the next window (never the one just run; windows paid by debt are skipped) and
- * return the ns to wait from `now` until it opens. Pure arithmetic. */
-uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now);
+/* Own window from the schedule (or own share at offset 0) and whether others are listed. */
+void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);
+/* Fast check: 1 if a launch may pass (it is then charged provisionally and counted), 0 = take
+ * the slow path. The real time lies in [now_lo, now_hi] (a coarse clock: lo = coarse, hi =
+ * coarse + margin; the precise one: lo = hi). */
+int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
+/* The slow path's decision at `now`: 0 = pass (the fast path is open until g->open_until),
+ * else the time to wait until before deciding again. Clamps the credit to the burst. Pure. */
+uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
+/* A batch of `launches`, charged `prov_ns` provisionally, took `span_ns` of GPU time: correct
+ * the credit clock and the per-launch estimate (measured = 0: keep the provisional charge, the
+ * span was not measurable). Pure. */
+void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
+/* Busy per mille published for the agent, from the measured GPU time since the last call. */
+uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
 /* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with
- * offset/len in per mille of the period; -1 if the file is missing, short, not a schedule of
+ * offset/len in per mille of the period and its entry count in *count (may be NULL); -1 if the file is missing, short, not a schedule of
  * this version, inconsistent (a window beyond the period), or does not list `key`. */
 int vgpu_sched_read(const char *dir, const char *uuid, const char *key, uint32_t *offset_pm,
-                    uint32_t *len_pm);
+                    uint32_t *len_pm, uint32_t *count);
 uint64_t vgpu_now_ns(void);
 uint64_t vgpu_coarse_ns(void);      /* CLOCK_MONOTONIC_COARSE */
 uint64_t vgpu_coarse_margin(void);  /* 2 x its resolution, ns */
@@ -266,6 +301,7 @@ typedef struct CUarray_st *CUarray;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUevent_st *CUevent;
 typedef struct { char bytes[16]; } CUuuid;
 
 #define CUDA_SUCCESS 0
@@ -355,6 +391,8 @@ void vgpu_format_uuid(const CUuuid *u, char *out, size_t n);
 void vgpu_reconcile(int d, int force);   /* NVML per-process usage -> overhead charge */
 void vgpu_compute_setup(int d, CUdevice dev);
 void vgpu_compute_gate(CUstream stream);
+void vgpu_compute_sync(CUstream stream, int whole_ctx); /* before an app's wait: close the batch */
+void vgpu_compute_synced(void);                         /* after it: settle what completed */
 uint64_t vgpu_nvml_process_used(int d, int *found); /* bytes NVML reports for this process */
 void vgpu_ensure_slot(void);             /* take this process's region slot if not yet */
 

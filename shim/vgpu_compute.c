@@ -1,24 +1,25 @@
 /*
- * vgpu_compute.c - the compute limit: a windowed duty cycle on the launch path.
+ * vgpu_compute.c - the compute limit: work-conserving credit on measured GPU time.
  *
- * Model. Time is cut into periods P (default 100 ms) of CLOCK_MONOTONIC, which every
- * container on the node shares. A container with `cores` percent owns one window of length
- * cores% * P at a fixed offset inside each period; the offsets of the containers on one card
- * come from a node-wide schedule file that only the node agent writes (vgpu_sched_read; the
- * container reports its activity in its own region), so co-tenants' windows do not overlap
- * (time-division, hard cap). Launches pass untouched while
- *   (a) the window is open in time, and
- *   (b) the GPU time already queued in this window, estimated as launches x the measured GPU
- *       ns per launch, is below the window's budget.
- * The first launch that fails either test drains the launching stream (cuStreamSynchronize),
- * measures when the queue really ran dry, turns any overrun into debt that shortens the next
- * windows, and sleeps until the next window opens. The per-launch cost estimate comes from the
- * same drain: (drain time - window start) / launches, when the queue was still busy.
+ * Model (struct vgpu_gate in vgpu.h). A container with `cores` percent earns credit at that
+ * rate of wall time, up to a bucket of one share of the period (burst). Credit is kept as a
+ * clock V, container-wide in the region: credit = now - V, V >= now - burst. A launch passes
+ * while V <= now, and advances V provisionally by its estimated cost at the share's rate
+ * (GPU ns x P / len). Launches are grouped in batches (VGPU_BATCH_NS, or up to the app's own
+ * wait); the launch path records a CUDA event before a batch and after it, and when both have
+ * run, the batch's real GPU time (cuEventElapsedTime) replaces the provisional charge. So:
+ *   - a tenant under its share never waits (its V stays behind now): native latency;
+ *   - a tenant over its share waits until its credit is back: its share of GPU time, evenly;
+ *   - a kernel longer than any window leaves V far ahead (debt): the tenant waits in proportion.
+ * Co-tenants of one card (the node agent's schedule lists more than one) would stretch each
+ * other's batches if they ran at once, so a tenant that has spent its burst runs only inside
+ * its own window of the period (time division, offsets from the agent); a tenant with a full
+ * bucket still starts at once (a burst below its share). Uncapped high-priority tenants are
+ * measured only (never delayed) and publish their busy share, from which the agent gives
+ * low-priority tenants what is left.
  *
- * So the cost per launch with a limit is one clock read and two relaxed atomic adds; there is
- * no NVML sensor in the loop, no lag, and no dependence on the SM count.
- *
- * Pure: gate arithmetic and schedule layout; the schedule file is read with POSIX only.
+ * Pure: the gate arithmetic and the schedule layout; the schedule file is read with POSIX only.
+ * The CUDA side (events, waits, the schedule refresh) is vgpu_launch.c.
  */
 #include "vgpu.h"
 
@@ -34,106 +35,144 @@ void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns)
     pthread_mutex_init(&g->mu, NULL);
     g->period_ns = period_ns ? period_ns : 100000000ull;
     g->active = cores > 0 && cores < 100;
-    g->len_ns = g->period_ns * (uint64_t)(cores > 0 ? cores : 100) / 100;
-    g->shared_win_id = &g->local_win_id;
-    g->shared_win_used = &g->local_win_used;
+    g->share_ns = g->period_ns * (uint64_t)(cores > 0 && cores < 100 ? cores : 100) / 100;
+    g->batch_ns = VGPU_BATCH_NS;
+    g->vt = &g->local_vt;
+    vgpu_gate_set_window(g, 0, g->share_ns, 0);
 }
 
-int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now)
+static uint64_t vt_of(const struct vgpu_gate *g, uint64_t gpu_ns)
 {
-    uint64_t ws = g->win_start;
-    if (!ws || now < ws || now - ws >= g->win_budget)
+    /* GPU ns at the share's rate: len per period earns len of GPU time. */
+    return g->len_ns ? (uint64_t)((unsigned __int128)gpu_ns * g->period_ns / g->len_ns) : gpu_ns * 1000;
+}
+
+void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants)
+{
+    g->offset_ns = offset_ns % g->period_ns;
+    g->len_ns = len_ns > g->period_ns ? g->period_ns : len_ns;
+    g->cotenants = cotenants;
+    /* The bucket holds one window's worth of credit (in clock ns: a whole period). */
+    g->burst_ns = g->len_ns ? g->period_ns : 0;
+    atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
+}
+
+int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
+{
+    uint64_t until = atomic_load_explicit(&g->open_until, memory_order_relaxed);
+    if (hi >= until)
         return 0;
-    uint64_t est = g->kernel_ns_est;
-    if (!est && now - ws >= (g->win_budget / 8 < 5000000 ? g->win_budget / 8 : 5000000))
-        return 0; /* no cost estimate yet: a short probe window (<= 5 ms) measures one */
-    if (est && atomic_fetch_add_explicit(g->shared_win_used, est, memory_order_relaxed) >= g->win_budget)
-        return 0;
-    /* A plain add (no lock prefix): concurrent threads may lose a count, which only makes
-     * the next cost estimate slightly high; the budget itself is the atomic above. */
-    atomic_store_explicit(&g->win_launches, atomic_load_explicit(&g->win_launches, memory_order_relaxed) + 1,
+    if (g->measure_only) {
+        atomic_store_explicit(&g->batch_n, atomic_load_explicit(&g->batch_n, memory_order_relaxed) + 1,
+                              memory_order_relaxed);
+        atomic_store_explicit(&g->last_stream, stream, memory_order_relaxed);
+        return 1;
+    }
+    uint64_t v = atomic_load_explicit(g->vt, memory_order_relaxed);
+    if (v > lo || v + g->burst_ns < hi)
+        return 0; /* out of credit, or credit to clamp: the slow path */
+    atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
+                              memory_order_relaxed);
+    /* A plain add (no lock prefix): concurrent threads may lose a count, which only makes the
+     * next estimate slightly high; the credit itself is the atomic above. */
+    atomic_store_explicit(&g->batch_n, atomic_load_explicit(&g->batch_n, memory_order_relaxed) + 1,
                           memory_order_relaxed);
+    atomic_store_explicit(&g->last_stream, stream, memory_order_relaxed);
     return 1;
 }
 
-int vgpu_gate_fast_coarse(struct vgpu_gate *g, uint64_t coarse_now, uint64_t margin)
+/* Start of the first own window that ends after t (it may have begun before t). */
+static uint64_t window_at(const struct vgpu_gate *g, uint64_t t)
 {
-    uint64_t ws = g->win_start, est = g->kernel_ns_est;
-    /* The real time lies in [coarse, coarse + margin]: decide only if that whole interval is
-     * inside the window (and an estimate exists, so the budget check is by count). */
-    if (!ws || !est || coarse_now < ws || coarse_now + margin >= ws + g->win_budget)
-        return -1;
-    if (atomic_fetch_add_explicit(g->shared_win_used, est, memory_order_relaxed) >= g->win_budget)
-        return 0;
-    atomic_store_explicit(&g->win_launches, atomic_load_explicit(&g->win_launches, memory_order_relaxed) + 1,
-                          memory_order_relaxed);
-    return 1;
+    uint64_t P = g->period_ns, off = g->offset_ns;
+    uint64_t ws = t >= off ? t - (t - off) % P : off;
+    if (t >= off && t >= ws + g->len_ns)
+        ws += P;
+    return ws;
 }
 
-void vgpu_gate_close(struct vgpu_gate *g, uint64_t t_det, uint64_t drained)
+uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
 {
-    uint64_t ws = g->win_start, n = atomic_load(&g->win_launches);
-    if (!ws)
+    uint64_t batch_end = now + g->batch_ns;
+    if (g->measure_only) {
+        atomic_store(&g->open_until, batch_end);
+        return 0;
+    }
+    if (!g->len_ns) { /* the schedule leaves us no time (high priority takes it all) */
+        atomic_store(&g->open_until, 0);
+        return now + 250000000ull;
+    }
+    uint64_t v = atomic_load(g->vt);
+    while (v + g->burst_ns < now && !atomic_compare_exchange_weak(g->vt, &v, now - g->burst_ns))
+        ; /* credit is capped at one burst: idle time does not bank more */
+    if (v + g->burst_ns < now)
+        v = now - g->burst_ns;
+    uint64_t t = v > now ? v : now; /* when there is credit again */
+    if (v > now)
+        g->bursting = 0;
+    if (!g->cotenants) {
+        if (t > now)
+            return t;
+        atomic_store(&g->open_until, batch_end);
+        return 0;
+    }
+    /* Co-tenants: a full bucket may start at once (a tenant under its share is not delayed);
+     * once it is spent, own window only. */
+    uint64_t full = v + g->burst_ns; /* a full bucket: less than the share used for a period */
+    if (t == now && (g->bursting || full <= now)) {
+        g->bursting = 1;
+        atomic_store(&g->open_until, batch_end);
+        return 0;
+    }
+    uint64_t ws = window_at(g, t), we = ws + g->len_ns;
+    if (ws <= t) { /* t is inside a window */
+        if (t > now)
+            return t;
+        atomic_store(&g->open_until, we < batch_end ? we : batch_end);
+        return 0;
+    }
+    return ws < full ? ws : full;
+}
+
+void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured)
+{
+    if (!measured || !launches)
         return;
-    if (drained < t_det)
-        drained = t_det;
-    if (n > 0 && drained > ws) {
-        uint64_t sample = (drained - ws) / n;
-        int busy = drained - t_det > 20000; /* queue still held work: GPU busy since ws */
-        if (!g->kernel_ns_est)
-            g->kernel_ns_est = sample;
-        else if (busy || sample < g->kernel_ns_est)
-            g->kernel_ns_est = (g->kernel_ns_est + sample) / 2;
+    if (measured == 2 && g->est_ns) {
+        /* An upper bound (it includes the idle time before the close): at most the estimate,
+         * which it may only lower. */
+        if (span_ns > launches * g->est_ns)
+            span_ns = launches * g->est_ns;
+        else
+            g->est_ns = (g->est_ns + span_ns / launches) / 2;
+    } else {
+        uint64_t sample = span_ns / launches;
+        g->est_ns = g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample;
     }
-    uint64_t end = ws + g->win_budget;
-    uint64_t ref = t_det > end ? t_det : end;
-    if (drained > ref)
-        g->debt_ns += drained - ref;
-    g->last_ws = ws;
-    g->last_end = end;
-    g->win_start = 0;
+    g->busy_acc_ns += span_ns;
+    if (g->measure_only)
+        return;
+    if (span_ns > prov_ns)
+        atomic_fetch_add(g->vt, vt_of(g, span_ns - prov_ns));
+    else
+        atomic_fetch_sub(g->vt, vt_of(g, prov_ns - span_ns));
+    atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }
 
-uint64_t vgpu_gate_plan(struct vgpu_gate *g, uint64_t now)
+uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now)
 {
-    uint64_t P = g->period_ns, off = g->offset_ns % P, len = g->len_ns ? g->len_ns : 1;
-    if (g->last_end && !g->debt_ns && now + len / 50 < g->last_end) {
-        /* The budget was counted out but the queue drained early (the estimate was high, or
-         * the application paused): use the rest of the same window. */
-        g->win_start = now;
-        g->win_budget = g->last_end - now;
-        g->last_end = 0;
-        atomic_store(&g->win_launches, 0);
-        atomic_store(g->shared_win_used, 0);
-        return 0;
+    if (!g->busy_since_ns || now <= g->busy_since_ns) {
+        g->busy_since_ns = now;
+        return g->busy_pm;
     }
-    g->last_end = 0;
-    if (!g->last_ws && !g->kernel_ns_est) {
-        /* First window of the process: start now, unaligned, so that the probe that
-         * measures the per-launch cost sees only its own launches. */
-        g->win_start = now;
-        g->win_budget = len;
-        atomic_store(&g->win_launches, 0);
-        atomic_store(g->shared_win_used, 0);
-        return 0;
-    }
-    uint64_t ws = now >= off ? now - (now - off) % P : off;
-    if (now >= ws + len)
-        ws += P;
-    while (g->last_ws && ws <= g->last_ws)
-        ws += P;
-    while (g->debt_ns >= len) { /* whole windows paid by debt */
-        g->debt_ns -= len;
-        ws += P;
-    }
-    g->win_budget = len - g->debt_ns;
-    g->debt_ns = 0;
-    g->win_start = ws;
-    atomic_store(&g->win_launches, 0);
-    uint64_t old = atomic_load(g->shared_win_id);
-    if (old != ws && atomic_compare_exchange_strong(g->shared_win_id, &old, ws))
-        atomic_store(g->shared_win_used, 0);
-    return ws > now ? ws - now : 0;
+    uint64_t el = now - g->busy_since_ns, pm = g->busy_acc_ns * 1000 / el;
+    if (pm > 1000)
+        pm = 1000;
+    /* about one second of smoothing at the 250 ms refresh; rises at once */
+    g->busy_pm = pm > g->busy_pm ? (uint32_t)pm : (uint32_t)((g->busy_pm * 3 + pm) / 4);
+    g->busy_acc_ns = 0;
+    g->busy_since_ns = now;
+    return g->busy_pm;
 }
 
 void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,
@@ -196,7 +235,7 @@ static int read_full(int fd, void *buf, size_t n, off_t at)
 }
 
 int vgpu_sched_read(const char *dir, const char *uuid, const char *key, uint32_t *offset_pm,
-                    uint32_t *len_pm)
+                    uint32_t *len_pm, uint32_t *count)
 {
     char path[700];
     if (!dir || !dir[0] || !uuid || !uuid[0] || strchr(uuid, '/') || !key || !key[0])
@@ -226,5 +265,7 @@ int vgpu_sched_read(const char *dir, const char *uuid, const char *key, uint32_t
         return -1;
     *offset_pm = off;
     *len_pm = len;
+    if (count)
+        *count = h.count;
     return 0;
 }

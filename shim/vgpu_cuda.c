@@ -1,10 +1,7 @@
 /*
- * vgpu_cuda.c - CUDA driver API hooks: the device map, cuInit, the compute gate, launches and
- * the hook table. The memory paths and memory info are in vgpu_cuda_mem.c.
- *
- * Launch hooks (cuLaunchKernel(_ptsz), cuLaunchKernelEx(_ptsz), cuLaunchCooperativeKernel
- * (_ptsz), cuGraphLaunch(_ptsz)) pass through vgpu_compute_gate (vgpu_compute.c); a graph
- * launch then goes through vgpu_mem_graph_launch (graph memory).
+ * vgpu_cuda.c - CUDA driver API hooks: the device map, cuInit and the hook table. The memory
+ * paths and memory info are in vgpu_cuda_mem.c, the launch and wait hooks (the compute limit's
+ * CUDA side) in vgpu_launch.c.
  */
 #include "vgpu_cuda.h"
 
@@ -38,7 +35,7 @@ void vgpu_cuda_after_fork(void)
 
 /* ------------------------------------------------------------------ devices */
 
-static int single_gate = -1;
+int vgpu_single_gate = -1;
 
 void vgpu_format_uuid(const CUuuid *u, char *out, size_t n)
 {
@@ -108,7 +105,7 @@ static void map_devices_locked(void)
                 active++, last = d;
         }
     }
-    single_gate = active == 1 ? last : -1;
+    vgpu_single_gate = active == 1 ? last : -1;
     __atomic_store_n(&vgpu.cuda_mapped, 1, __ATOMIC_RELEASE);
 }
 
@@ -151,203 +148,6 @@ VGPU_API CUresult cuInit(unsigned flags)
         map_devices();
     return rc;
 }
-/* ------------------------------------------------------------------ compute gate */
-
-#define CU_STREAM_PER_THREAD ((CUstream)0x2)
-
-void vgpu_compute_setup(int d, CUdevice dev)
-{
-    (void)dev;
-    struct vgpu_gate *g = &vgpu.gate[d];
-    int cores = vgpu.cfg.policy == VGPU_POLICY_DISABLE ? 0 : (int)vgpu.region.r->dev[d].cores;
-    vgpu_gate_init(g, cores, vgpu.cfg.period_ns);
-    if (!vgpu.region.private_map) {
-        g->shared_win_id = &vgpu.region.r->dev[d].win_id;
-        g->shared_win_used = &vgpu.region.r->dev[d].win_used;
-    }
-}
-
-/* Every 250 ms on the slow path: stamp the container's activity in its own region (the agent
- * reads it) and read the window the agent laid out for this card. A missing, short or garbage
- * schedule, or one that does not list us yet: our own share at offset 0 (capped, as alone). A
- * window is never longer than our own share. Not listed yet: retried on every slow path. */
-static void refresh_schedule(int d, uint64_t now)
-{
-    struct vgpu_gate *g = &vgpu.gate[d];
-    if (g->last_sched_ns && now - g->last_sched_ns < 250000000ull)
-        return;
-    struct vgpu_region_dev *rd = &vgpu.region.r->dev[d];
-    uint64_t hb = atomic_load_explicit(&rd->sched_heartbeat_ns, memory_order_relaxed);
-    if (!hb || hb > now || now - hb >= VGPU_SCHED_STALE_NS)
-        atomic_store_explicit(&rd->sched_joined_ns, now, memory_order_relaxed); /* (re)joins at the end */
-    atomic_store_explicit(&rd->sched_heartbeat_ns, now, memory_order_relaxed);
-    uint64_t own = g->period_ns * (rd->cores ? rd->cores : 100) / 100;
-    uint32_t off = 0, len = 0;
-    if (vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0] &&
-        vgpu_sched_read(vgpu.cfg.sched_dir, rd->uuid, vgpu.cfg.claim, &off, &len) == 0 && len) {
-        g->last_sched_ns = now;
-        g->offset_ns = g->period_ns * off / 1000;
-        g->len_ns = g->period_ns * len / 1000;
-        if (g->len_ns > own)
-            g->len_ns = own;
-        return;
-    }
-    g->last_sched_ns = vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0] ? 0 : now;
-    g->offset_ns = 0;
-    g->len_ns = own;
-}
-
-static void sleep_until(uint64_t t)
-{
-    struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
-    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
-        ;
-}
-
-static void gate_slow(int d, CUstream s)
-{
-    static CUresult (*sync)(CUstream), (*capturing)(CUstream, int *);
-    if (!sync) {
-        capturing = (CUresult(*)(CUstream, int *))vgpu_cuda_sym("cuStreamIsCapturing");
-        sync = (CUresult(*)(CUstream))vgpu_cuda_sym("cuStreamSynchronize");
-    }
-    struct vgpu_gate *g = &vgpu.gate[d];
-    pthread_mutex_lock(&g->mu);
-    uint64_t now = vgpu_now_ns();
-    if (g->win_start && now < g->win_start) {
-        sleep_until(g->win_start);
-        now = vgpu_now_ns();
-    }
-    if (g->win_start && vgpu_gate_fast(g, now)) {
-        pthread_mutex_unlock(&g->mu);
-        return;
-    }
-    if (g->win_start) {
-        int st = 0;
-        if (capturing && capturing(s, &st) == CUDA_SUCCESS && st != 0) {
-            pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
-            return;
-        }
-        if (sync)
-            sync(s);
-        uint64_t drained = vgpu_now_ns(), ws = g->win_start, n = atomic_load(&g->win_launches);
-        vgpu_gate_close(g, now, drained);
-        g->throttles++;
-
-        if (vgpu.cfg.log_level >= 3)
-            vgpu_log(3, "gate d%d: window %llu us budget %llu us: %llu launches, detected +%llu us, "
-                        "drained +%llu us, est %llu ns, debt %llu us", d,
-                     (unsigned long long)(ws / 1000), (unsigned long long)(g->win_budget / 1000),
-                     (unsigned long long)n, (unsigned long long)((now - ws) / 1000),
-                     (unsigned long long)((drained - ws) / 1000), (unsigned long long)g->kernel_ns_est,
-                     (unsigned long long)(g->debt_ns / 1000));
-    }
-    now = vgpu_now_ns();
-    refresh_schedule(d, now);
-    if (vgpu_gate_plan(g, now))
-        sleep_until(g->win_start);
-    atomic_fetch_add_explicit(g->shared_win_used, g->kernel_ns_est, memory_order_relaxed);
-    atomic_fetch_add_explicit(&g->win_launches, 1, memory_order_relaxed);
-    pthread_mutex_unlock(&g->mu);
-}
-
-void vgpu_compute_gate(CUstream s)
-{
-    if (__builtin_expect(!vgpu.compute_limited, 1))
-        return;
-    int d = single_gate;
-    if (d < 0) {
-        d = vgpu_cur_dev();
-        if (d < 0 || !vgpu.gate[d].active)
-            return;
-    }
-    /* The coarse clock (a few ns) decides while the window is clearly open; near its edges
-     * the precise clock (tens of ns in a VM) does. */
-    static uint64_t margin;
-    if (__builtin_expect(!margin, 0))
-        margin = vgpu_coarse_margin();
-    int r = vgpu_gate_fast_coarse(&vgpu.gate[d], vgpu_coarse_ns(), margin);
-    if (__builtin_expect(r == 1, 1))
-        return;
-    if (r < 0 && vgpu_gate_fast(&vgpu.gate[d], vgpu_now_ns()))
-        return;
-    gate_slow(d, s);
-}
-
-/* ------------------------------------------------------------------ launches */
-
-typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                              unsigned, CUstream, void **, void **);
-typedef CUresult (*coop_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                            unsigned, CUstream, void **);
-
-VGPU_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                                 unsigned by, unsigned bz, unsigned shm, CUstream s, void **p, void **e)
-{
-    BROKEN_GUARD();
-    vgpu_compute_gate(s);
-    return REAL(H_LAUNCH, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
-}
-
-VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                                      unsigned by, unsigned bz, unsigned shm, CUstream s, void **p, void **e)
-{
-    BROKEN_GUARD();
-    vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
-    return REAL(H_LAUNCH_PTSZ, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
-}
-
-VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
-{
-    BROKEN_GUARD();
-    vgpu_compute_gate(c ? c->hStream : NULL);
-    return REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
-}
-
-VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
-{
-    BROKEN_GUARD();
-    vgpu_compute_gate(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
-    return REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
-}
-
-VGPU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                                            unsigned by, unsigned bz, unsigned shm, CUstream s, void **p)
-{
-    BROKEN_GUARD();
-    vgpu_compute_gate(s);
-    return REAL(H_COOP, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
-}
-
-VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
-                                                 unsigned bx, unsigned by, unsigned bz, unsigned shm,
-                                                 CUstream s, void **p)
-{
-    BROKEN_GUARD();
-    vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
-    return REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
-}
-
-static CUresult graph_launch(int idx, CUgraphExec g, CUstream s)
-{
-    vgpu_compute_gate(s);
-    if (mode() != M_LIMITED)
-        return REAL(idx, CUresult(*)(CUgraphExec, CUstream))(g, s);
-    return vgpu_mem_graph_launch(idx, g, s); /* graph memory: vgpu_cuda_mem.c */
-}
-
-VGPU_API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
-{
-    BROKEN_GUARD();
-    return graph_launch(H_GRAPH, g, s);
-}
-
-VGPU_API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
-{
-    BROKEN_GUARD();
-    return graph_launch(H_GRAPH_PTSZ, g, s ? s : CU_STREAM_PER_THREAD);
-}
-
 /* ------------------------------------------------------------------ the table */
 
 extern CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t);
@@ -387,6 +187,10 @@ struct vgpu_hook vgpu_cuda_hooks[] = {
     [H_GRAPH_PTSZ] = HK(cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, 1),
     [H_ALLOC_V1] = HK(cuMemAlloc, "cuMemAlloc", 2000, 0),
     [H_FREE_V1] = HK(cuMemFree, "cuMemFree", 2000, 0),
+    [H_STREAMSYNC] = HK(cuStreamSynchronize, "cuStreamSynchronize", 2000, 0),
+    [H_STREAMSYNC_PTSZ] = HK(cuStreamSynchronize_ptsz, "cuStreamSynchronize", 7000, 1),
+    [H_CTXSYNC] = HK(cuCtxSynchronize, "cuCtxSynchronize", 2000, 0),
+    [H_EVENTSYNC] = HK(cuEventSynchronize, "cuEventSynchronize", 2000, 0),
     [H_GINST] = HK(cuGraphInstantiate, "cuGraphInstantiate", 10000, 0),
     [H_GINST_V2] = HK(cuGraphInstantiate_v2, "cuGraphInstantiate", 11000, 0),
     [H_GINST_FLAGS] = HK(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags", 11040, 0),

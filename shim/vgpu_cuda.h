@@ -1,7 +1,7 @@
 /*
- * vgpu_cuda.h - what the two CUDA hook units share (vgpu_cuda.c: devices, cuInit, compute
- * gate, launches, the hook table; vgpu_cuda_mem.c: allocation paths, memory info, graph
- * memory). Internal to those two units.
+ * vgpu_cuda.h - what the CUDA hook units share (vgpu_cuda.c: devices, cuInit, the hook table;
+ * vgpu_cuda_mem.c: allocation paths, memory info, graph memory; vgpu_launch.c: launches, waits,
+ * the compute limit's CUDA side). Internal to those units.
  */
 #ifndef VGPU_CUDA_H
 #define VGPU_CUDA_H
@@ -17,6 +17,8 @@ enum {
     /* memory the allocation paths do not see (vgpu_cuda_mem.c, "hidden consumers") */
     H_GINST, H_GINST_V2, H_GINST_FLAGS, H_GINST_PARAMS, H_GUPLOAD, H_GUPLOAD_PTSZ, H_GEXEC_DESTROY,
     H_CTX_CREATE, H_CTX_CREATE_V3, H_CTX_CREATE_V4, H_CTX_DESTROY, H_PRIMARY_RETAIN, H_CTX_SET_LIMIT,
+    /* waits (vgpu_launch.c: the compute limiter measures what the application waits for) */
+    H_STREAMSYNC, H_STREAMSYNC_PTSZ, H_CTXSYNC, H_EVENTSYNC,
     H_COUNT
 };
 
@@ -66,6 +68,7 @@ static inline int mode(void)
     } while (0)
 
 int vgpu_cur_dev(void);               /* region device of the current context, -1/-2 */
+extern int vgpu_single_gate;          /* the only card with a compute gate, or -1 */
 void vgpu_cuda_mem_after_fork(void);  /* vgpu_cuda_mem.c: reset its locks and table */
 /* The memory side of cuGraphLaunch(_ptsz) in a limited process (after the compute gate). */
 CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
@@ -109,5 +112,23 @@ CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, CUdevice 
 CUresult cuCtxDestroy_v2(CUcontext c);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
 CUresult cuCtxSetLimit(int limit, size_t value);
+
+/* The launch and wait hooks (vgpu_launch.c), for the hook table. */
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                        unsigned bz, unsigned shm, CUstream s, void **p, void **e);
+CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                             unsigned bz, unsigned shm, CUstream s, void **p, void **e);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e);
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e);
+CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                   unsigned by, unsigned bz, unsigned shm, CUstream s, void **p);
+CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                        unsigned by, unsigned bz, unsigned shm, CUstream s, void **p);
+CUresult cuGraphLaunch(CUgraphExec g, CUstream s);
+CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s);
+CUresult cuStreamSynchronize(CUstream s);
+CUresult cuStreamSynchronize_ptsz(CUstream s);
+CUresult cuCtxSynchronize(void);
+CUresult cuEventSynchronize(CUevent e);
 
 #endif

@@ -78,6 +78,7 @@ class DeviceUsage:
     processes: tuple[ProcessUsage, ...] = field(default=())
     sched_joined_ns: int = 0  # compute gate: CLOCK_MONOTONIC when it became active (0 = never)
     sched_heartbeat_ns: int = 0  # compute gate: its last schedule refresh (the agent's liveness)
+    sched_busy_pm: int = 0  # compute gate: measured GPU time of its work, per mille of wall time
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -140,6 +141,7 @@ def read_region(path: str | Path) -> RegionUsage:
                     processes=procs,
                     sched_joined_ns=rd.sched_joined_ns,
                     sched_heartbeat_ns=rd.sched_heartbeat_ns,
+                    sched_busy_pm=rd.sched_busy_pm,
                 )
             )
         return RegionUsage(

@@ -1,5 +1,6 @@
-"""The compute gate: pure arithmetic through cffi, then against the stub card's simulated
-queue (kernels of STUB_KERNEL_US on one FIFO shared by all processes)."""
+"""The compute limiter: pure arithmetic through cffi, the schedule file, then against the stub
+card's simulated queue (kernels of STUB_KERNEL_US on one FIFO shared by all processes). The
+workload classes of issue 21 are in test_compute_workloads.py."""
 
 from __future__ import annotations
 
@@ -19,36 +20,67 @@ def gate(core, cores: int, period_ms: int = 100):
 
 
 def test_gate_arithmetic(core) -> None:
+    """Credit on measured GPU time: a full bucket launches at once, provisional charges move the
+    credit clock, a measured batch corrects them, a long kernel leaves debt to wait out."""
     lib = core.lib
     assert gate(core, 0).active == 0 and gate(core, 100).active == 0
     g = gate(core, 30)
-    assert g.active == 1 and g.len_ns == 30 * MS
-    t = 1000 * 100 * MS + 7 * MS  # somewhere inside a period
-    assert lib.vgpu_gate_plan(g, t) == 0 and g.win_start == t  # first window: a probe, now
-    assert lib.vgpu_gate_fast(g, t + 1) == 1
-    assert lib.vgpu_gate_fast(g, t + 30 * MS // 8) == 0  # probe ends without an estimate
-    # 10 launches, queue drained 5 ms after the window start: 0.5 ms per launch
-    for _ in range(9):
-        assert lib.vgpu_gate_fast(g, t + 2) == 1
-    lib.vgpu_gate_close(g, t + 3 * MS, t + 5 * MS)
-    assert g.kernel_ns_est == 500_000 and g.debt_ns == 0
-    # the queue drained early: the rest of the same window is used
-    assert lib.vgpu_gate_plan(g, t + 5 * MS) == 0 and g.win_budget == 25 * MS
-    # budget counted out: 25 ms / 0.5 ms = 50 launches pass, the 51st does not
-    passed = sum(lib.vgpu_gate_fast(g, t + 5 * MS + 10) for _ in range(60))
-    assert passed == 50
-    # that window overran by 4 ms: the debt shortens the next one, aligned to the period
-    ws = g.win_start
-    lib.vgpu_gate_close(g, ws + 100_000, ws + 25 * MS + 4 * MS)
-    assert g.debt_ns == 4 * MS
-    sleep = lib.vgpu_gate_plan(g, ws + 29 * MS)
-    assert g.win_start % (100 * MS) == 0 and g.win_start > ws
-    assert sleep == g.win_start - (ws + 29 * MS) and g.win_budget == 26 * MS
-    # a debt of more than one window skips whole windows
-    ws = g.win_start
-    lib.vgpu_gate_close(g, ws + 26 * MS, ws + 26 * MS + 70 * MS)
-    lib.vgpu_gate_plan(g, ws + 96 * MS)
-    assert g.win_start == ws + 300 * MS and g.win_budget == 20 * MS
+    assert g.active == 1 and g.len_ns == 30 * MS and g.burst_ns == 100 * MS
+    t = 1000 * 100 * MS + 7 * MS
+    assert lib.vgpu_gate_decide(g, t) == 0  # idle: the bucket is full, pass at once
+    assert g.local_vt == t - 100 * MS and g.open_until == t + g.batch_ns
+    assert lib.vgpu_gate_fast(g, t, t, core.ffi.NULL) == 1  # no estimate yet: free
+    # a batch of 10 launches took 5 ms of GPU time: 16.7 ms of credit clock at 30 %
+    lib.vgpu_gate_settle(g, 10, 0, 5 * MS, 1)
+    assert g.est_ns == 500_000 and g.local_vt == t - 100 * MS + 5 * MS * 100 // 30
+    assert g.vt_cost == 500_000 * 100 // 30
+    # each launch now advances the clock provisionally; out of credit -> slow path
+    passed = sum(lib.vgpu_gate_fast(g, t + 2, t + 2, core.ffi.NULL) for _ in range(100))
+    assert passed == 51  # 83.3 ms of credit / 1.667 ms per launch, the last one into debt
+    # the batch really took 2x the estimate: the correction is charged too
+    vt = g.local_vt
+    lib.vgpu_gate_settle(g, 51, 51 * 500_000, 51 * 1_000_000, 1)
+    assert g.local_vt == vt + 51 * 500_000 * 100 // 30
+    wake = lib.vgpu_gate_decide(g, t + 3)
+    assert wake == g.local_vt  # wait until the credit is back
+    # a 100 ms kernel (measured) at 30 %: 333 ms of debt to wait out
+    g2 = gate(core, 30)
+    lib.vgpu_gate_decide(g2, t)
+    lib.vgpu_gate_settle(g2, 1, 0, 100 * MS, 1)
+    assert lib.vgpu_gate_decide(g2, t + 1) == t - 100 * MS + 100 * MS * 100 // 30
+    # an upper bound (stream idle before the close) never charges more than the estimate
+    lib.vgpu_gate_settle(g2, 1, 100 * MS, 900 * MS, 2)
+    assert g2.est_ns == 100 * MS
+
+
+def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
+    lib = core.lib
+    g = gate(core, 30)
+    lib.vgpu_gate_set_window(g, 50 * MS, 30 * MS, 1)  # window at 50..80 ms of each period
+    t = 1000 * 100 * MS + 10 * MS  # outside the window, bucket full (idle): a burst at once
+    assert lib.vgpu_gate_decide(g, t) == 0 and g.bursting == 1
+    lib.vgpu_gate_settle(g, 1, 0, 31 * MS, 1)  # the burst spent the bucket (and a bit more)
+    # out of credit until 13.3 ms, outside the window then: wait for the window at 50 ms
+    assert lib.vgpu_gate_decide(g, t + MS) == 1000 * 100 * MS + 50 * MS and g.bursting == 0
+    # credit back but outside the window: still the window, not another burst
+    wake = lib.vgpu_gate_decide(g, g.local_vt + MS)
+    assert wake == 1000 * 100 * MS + 50 * MS
+    assert lib.vgpu_gate_decide(g, wake) == 0 and g.open_until <= wake + 30 * MS
+    # the schedule leaves no time at all: wait (and re-read it) in 250 ms steps
+    lib.vgpu_gate_set_window(g, 0, 0, 1)
+    assert lib.vgpu_gate_decide(g, wake) == wake + 250 * MS
+
+
+def test_measure_only_gate_never_waits_and_publishes_its_busy_share(core) -> None:
+    lib = core.lib
+    g = gate(core, 0)
+    g.active = g.measure_only = 1
+    t = 500 * 100 * MS
+    assert lib.vgpu_gate_decide(g, t) == 0
+    lib.vgpu_gate_busy(g, t)
+    lib.vgpu_gate_settle(g, 100, 0, 200 * MS, 1)
+    assert lib.vgpu_gate_decide(g, t + 1) == 0 and lib.vgpu_gate_fast(g, t + 2, t + 2, core.ffi.NULL) == 1
+    assert lib.vgpu_gate_busy(g, t + 250 * MS) == 800
 
 
 @pytest.mark.parametrize(
@@ -93,7 +125,7 @@ def test_shim_reads_the_agents_schedule_and_refuses_garbage(core, tmp_path) -> N
     o, n = ffi.new("uint32_t *"), ffi.new("uint32_t *")
 
     def read(key: bytes = b"a/one", uuid: bytes = b"GPU-x") -> tuple[int, int] | None:
-        ok = lib.vgpu_sched_read(str(tmp_path).encode(), uuid, key, o, n) == 0
+        ok = lib.vgpu_sched_read(str(tmp_path).encode(), uuid, key, o, n, ffi.NULL) == 0
         return (o[0], n[0]) if ok else None
 
     assert read() is None  # no file
@@ -235,22 +267,3 @@ def test_no_limit_no_throttle(stub2ms) -> None:
     kept = box.env(claim((0, 1000, 30)), GPU_CORE_UTILIZATION_POLICY="disable",
                    KVGPU_REGION_DIR=own_region(box, "kept"))
     assert rate(box, kept, secs=1.0) <= 0.6 * native
-
-
-
-def test_coarse_clock_decides_only_inside_the_window(core) -> None:
-    lib = core.lib
-    g = gate(core, 30)
-    t = 100 * 100 * MS
-    lib.vgpu_gate_plan(g, t)  # probe window, no estimate yet
-    assert lib.vgpu_gate_fast_coarse(g, t + MS, 4 * MS) == -1
-    assert lib.vgpu_gate_fast(g, t + 1) == 1
-    lib.vgpu_gate_close(g, t + 2 * MS, t + 2 * MS)  # one launch, 2 ms
-    lib.vgpu_gate_plan(g, t + 2 * MS)  # drained early: the rest of the window
-    assert g.kernel_ns_est == 2 * MS and g.win_budget == 28 * MS
-    assert lib.vgpu_gate_fast_coarse(g, t + 3 * MS, 4 * MS) == 1  # clearly inside
-    assert lib.vgpu_gate_fast_coarse(g, t + 27 * MS, 4 * MS) == -1  # near the end: precise clock
-    assert lib.vgpu_gate_fast_coarse(g, t + MS, 4 * MS) == -1  # before the start
-    passed = [lib.vgpu_gate_fast_coarse(g, t + 4 * MS, 4 * MS) for _ in range(15)]
-    assert passed == [1] * 13 + [0, 0]  # 28 ms of budget / 2 ms per launch = 14 in all
-    assert lib.vgpu_coarse_margin() > 0

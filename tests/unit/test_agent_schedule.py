@@ -19,6 +19,7 @@ from kvgpu.agent.schedule import (
     encode,
     layout,
     plan,
+    uncapped_reservation,
     write_schedule,
 )
 
@@ -67,12 +68,12 @@ def src(key: str, prio: int, cores: int, uuid: str = "GPU-1") -> TenantSource:
 
 def test_plan_trusts_the_claim_and_uses_the_region_only_for_liveness() -> None:
     now = 100 * S
-    sources = [src("ns/a", 1, 30), src("ns/b", 1, 70), src("ns/idle", 0, 50), src("ns/nolimit", 0, 0)]
+    sources = [src("ns/a", 1, 30), src("ns/b", 1, 70), src("ns/idle", 0, 50), src("ns/nolimit", 1, 0)]
     act = {
         "ns/a": {"GPU-1": Activity(now - 5 * S, now - S // 4)},
         "ns/b": {"GPU-1": Activity(1, now)},  # claims to have joined first: not believed
         "ns/idle": {"GPU-1": Activity(1, now - STALE_NS)},  # silent 3 s: out
-        "ns/nolimit": {"GPU-1": Activity(1, now)},  # no compute limit: never in the schedule
+        "ns/nolimit": {"GPU-1": Activity(1, now)},  # no limit, low priority: never in the schedule
     }
     first = {("ns/a", "GPU-1"): 50 * S}
     layouts, seen = plan(sources, act, first, now)
@@ -88,6 +89,23 @@ def test_plan_trusts_the_claim_and_uses_the_region_only_for_liveness() -> None:
     layouts, _ = plan([src("ns/a", 1, 70), src("ns/b", 0, 70)],
                       {"ns/a": {"GPU-1": Activity(1, now)}, "ns/b": {"GPU-1": Activity(2, now)}}, {}, now)
     assert [(w.key, w.len_pm) for w in layouts["GPU-1"]] == [("ns/b", 700), ("ns/a", 300)]
+
+
+def test_an_uncapped_high_priority_tenant_leaves_low_priority_the_rest() -> None:
+    """Issue 21: a priority-0 tenant with no limit (cores 0 or 100) is listed with what it
+    measurably uses (plus headroom), so a low-priority tenant gets what it leaves."""
+    now = 100 * S
+    for cores in (0, 100):
+        sources = [src("ns/hi", 0, cores), src("ns/lo", 1, 50)]
+        for busy, lo_len in ((1000, 0), (600, 320), (0, 500)):
+            act = {"ns/hi": {"GPU-1": Activity(1, now, busy)}, "ns/lo": {"GPU-1": Activity(2, now)}}
+            layouts, _ = plan(sources, act, {}, now)
+            w = {x.key: (x.offset_pm, x.len_pm) for x in layouts["GPU-1"]}
+            assert w["ns/hi"] == (0, uncapped_reservation(busy)), (cores, busy)
+            assert w["ns/lo"] == (uncapped_reservation(busy), lo_len), (cores, busy)
+    # a low-priority tenant without a limit is never listed (nothing to leave it)
+    layouts, _ = plan([src("ns/x", 1, 100)], {"ns/x": {"GPU-1": Activity(1, now, 900)}}, {}, now)
+    assert layouts == {}
 
 
 def test_writer_replaces_atomically_mode_0644_and_not_through_links(tmp_path: Path) -> None:

@@ -9,10 +9,13 @@ re-reads it every 250 ms; this module replaces it atomically (temp file, rename)
 Who asks for what comes from the claims (pod annotations from the API: priority and cores);
 each container's own region says only whether it is active: the shim stamps
 ``dev[d].sched_heartbeat_ns`` (CLOCK_MONOTONIC) on its gate's slow path, and an entry silent for
-3 s drops out. The layout rule is the shim's old one: priority 0 first, then by join time (when
-this agent first saw the tenant active; the region's ``sched_joined_ns`` only orders tenants
-found active at the agent's first pass); high-priority shares are granted as asked, scaled only
-if they alone exceed the card; low-priority shares are scaled into what is left.
+3 s drops out. The layout rule: priority 0 first, then by join time (when this agent first saw
+the tenant active; the region's ``sched_joined_ns`` only orders tenants found active at the
+agent's first pass); high-priority shares are granted as asked, scaled only if they alone exceed
+the card; low-priority shares are scaled into what is left. An uncapped high-priority tenant
+(cores 0 or 100, never delayed by its shim) is listed with what it uses: its region's measured
+``sched_busy_pm`` plus headroom (:func:`uncapped_reservation`), so low priority gets what high
+priority leaves.
 
 Layout (little endian): header ``magic u32 = 0x4853564b ("KVSH"), version u32 = 2, entry size
 u32 = 328, count u32`` then ``count`` entries ``key[320] (NUL-padded claim name), offset_pm u32,
@@ -150,6 +153,7 @@ class TenantSource:
 class Activity:
     joined_ns: int
     heartbeat_ns: int
+    busy_pm: int = 0  # measured GPU time of the container's work, per mille of wall time
 
 
 ActivityReader = Callable[[Path], Mapping[str, Activity]]
@@ -163,7 +167,7 @@ def read_activity(region_file: Path) -> dict[str, Activity]:
         r = shimcore.read_region(region_file)
     except (FileNotFoundError, ValueError):
         return {}
-    return {d.uuid: Activity(d.sched_joined_ns, d.sched_heartbeat_ns) for d in r.devices if d.uuid}
+    return {d.uuid: Activity(d.sched_joined_ns, d.sched_heartbeat_ns, d.sched_busy_pm) for d in r.devices if d.uuid}
 
 
 def sources_of(containers: Iterable[BoundContainer], region_root: str | os.PathLike[str]) -> list[TenantSource]:
@@ -180,8 +184,14 @@ def sources_of(containers: Iterable[BoundContainer], region_root: str | os.PathL
 
 
 def limited(cores: int) -> bool:
-    """The shim gates (and so heartbeats) only 0 < cores < 100."""
+    """The shim gates 0 < cores < 100 (and measures, without delaying, uncapped priority 0)."""
     return 0 < cores < 100
+
+
+def uncapped_reservation(busy_pm: int) -> int:
+    """What an uncapped high-priority tenant keeps from low-priority co-tenants: its measured
+    busy share with 10 % + 2 points of headroom (it is never delayed; low priority gets the rest)."""
+    return max(0, min(1000, busy_pm * 11 // 10 + 20))
 
 
 def plan(
@@ -203,7 +213,7 @@ def plan(
         acts = activity.get(s.key) or {}
         for uuid, cores in s.cores.items():
             a = acts.get(uuid)
-            if not limited(cores) or a is None or not a.heartbeat_ns:
+            if not (limited(cores) or s.priority == 0) or a is None or not a.heartbeat_ns:
                 continue
             if a.heartbeat_ns <= now and now - a.heartbeat_ns >= STALE_NS:
                 continue
@@ -211,7 +221,8 @@ def plan(
             if joined is None:
                 joined = min(a.joined_ns or now, now) if fresh_start else now
             seen[(s.key, uuid)] = joined
-            per_card.setdefault(uuid, []).append(Tenant(s.key, s.priority, cores * 10, joined))
+            share = cores * 10 if limited(cores) else uncapped_reservation(a.busy_pm)
+            per_card.setdefault(uuid, []).append(Tenant(s.key, s.priority, share, joined))
     return {u: layout(ts) for u, ts in per_card.items()}, seen
 
 
@@ -286,5 +297,6 @@ __all__ = [
     "plan",
     "read_activity",
     "sources_of",
+    "uncapped_reservation",
     "write_schedule",
 ]

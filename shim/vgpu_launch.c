@@ -1,0 +1,436 @@
+/*
+ * vgpu_launch.c - the launch and wait hooks and the CUDA side of the compute limiter
+ * (arithmetic: vgpu_compute.c).
+ *
+ * Launch hooks (cuLaunchKernel(_ptsz), cuLaunchKernelEx(_ptsz), cuLaunchCooperativeKernel
+ * (_ptsz), cuGraphLaunch(_ptsz)) pass through vgpu_compute_gate; a graph launch then goes
+ * through vgpu_mem_graph_launch (graph memory, vgpu_cuda_mem.c). Wait hooks
+ * (cuStreamSynchronize(_ptsz), cuCtxSynchronize, cuEventSynchronize) close the batch being
+ * measured before the application waits, so the GPU time of work the application waits for is
+ * measured exactly, and settle it after.
+ *
+ * Measuring: the slow path records a CUDA event on the launching stream before a batch's
+ * first launch and another after its last one (at the next slow path, VGPU_BATCH_NS later,
+ * or before an application wait); cuEventElapsedTime of the pair, once both have completed
+ * (cuEventQuery, never waited for except to bound the work queued before the first
+ * measurement), is the batch's GPU time. A batch closed when its stream had already gone idle
+ * (no wait of the application in between) is an upper bound (it includes the idle tail): it is
+ * charged at most at the current per-launch estimate. Events are made in the context that was
+ * current at the first measurement; launches in other contexts keep their provisional charge.
+ */
+#include "vgpu_cuda.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#define CU_STREAM_PER_THREAD ((CUstream)0x2)
+#define CU_NOT_READY 600
+
+
+static struct {
+    int bound;
+    CUresult (*ev_create)(CUevent *, unsigned);
+    CUresult (*ev_destroy)(CUevent);
+    CUresult (*ev_record)(CUevent, CUstream);
+    CUresult (*ev_query)(CUevent);
+    CUresult (*ev_sync)(CUevent);
+    CUresult (*ev_elapsed)(float *, CUevent, CUevent);
+    CUresult (*ctx_current)(CUcontext *);
+    CUresult (*capturing)(CUstream, int *);
+    CUresult (*stream_query)(CUstream);
+} fn;
+
+static void bind_fns(void)
+{
+    if (__atomic_load_n(&fn.bound, __ATOMIC_ACQUIRE))
+        return;
+    fn.ev_create = (CUresult(*)(CUevent *, unsigned))vgpu_cuda_sym("cuEventCreate");
+    fn.ev_destroy = (CUresult(*)(CUevent))vgpu_cuda_sym("cuEventDestroy_v2");
+    fn.ev_record = (CUresult(*)(CUevent, CUstream))vgpu_cuda_sym("cuEventRecord");
+    fn.ev_query = (CUresult(*)(CUevent))vgpu_cuda_sym("cuEventQuery");
+    fn.ev_sync = (CUresult(*)(CUevent))vgpu_real_cuda(H_EVENTSYNC);
+    fn.ev_elapsed = (CUresult(*)(float *, CUevent, CUevent))vgpu_cuda_sym("cuEventElapsedTime");
+    fn.ctx_current = (CUresult(*)(CUcontext *))vgpu_cuda_sym("cuCtxGetCurrent");
+    fn.capturing = (CUresult(*)(CUstream, int *))vgpu_cuda_sym("cuStreamIsCapturing");
+    fn.stream_query = (CUresult(*)(CUstream))vgpu_cuda_sym("cuStreamQuery");
+    __atomic_store_n(&fn.bound, 1, __ATOMIC_RELEASE);
+}
+
+static int can_measure(void)
+{
+    return fn.ev_create && fn.ev_destroy && fn.ev_record && fn.ev_query && fn.ev_elapsed && fn.ctx_current;
+}
+
+/* ------------------------------------------------------------------ setup and schedule */
+
+void vgpu_compute_setup(int d, CUdevice dev)
+{
+    (void)dev;
+    struct vgpu_gate *g = &vgpu.gate[d];
+    int cores = vgpu.cfg.policy == VGPU_POLICY_DISABLE ? 0 : (int)vgpu.region.r->dev[d].cores;
+    vgpu_gate_init(g, cores, vgpu.cfg.period_ns);
+    /* An uncapped high-priority tenant of a coordinated card is measured (never delayed): the
+     * agent gives low-priority co-tenants what it leaves. */
+    if (!g->active && vgpu.cfg.policy != VGPU_POLICY_DISABLE && vgpu.cfg.priority == 0 &&
+        vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0])
+        g->active = g->measure_only = 1;
+    if (!vgpu.region.private_map)
+        g->vt = &vgpu.region.r->dev[d].credit_vt;
+    uint64_t margin = 2 * vgpu_coarse_margin();
+    if (g->batch_ns < margin)
+        g->batch_ns = margin;
+}
+
+/* Every 250 ms on the slow path: stamp the container's activity and busy share in its own
+ * region (the agent reads them) and read the window the agent laid out for this card. A
+ * missing, short or garbage schedule, or one that does not list us yet: our own share at
+ * offset 0, alone (capped, never unlimited); retried on every slow path until listed. A window
+ * is never longer than our own share. */
+static void refresh_schedule(int d, uint64_t now)
+{
+    struct vgpu_gate *g = &vgpu.gate[d];
+    if (g->last_sched_ns && now - g->last_sched_ns < 250000000ull)
+        return;
+    struct vgpu_region_dev *rd = &vgpu.region.r->dev[d];
+    uint64_t hb = atomic_load_explicit(&rd->sched_heartbeat_ns, memory_order_relaxed);
+    if (!hb || hb > now || now - hb >= VGPU_SCHED_STALE_NS)
+        atomic_store_explicit(&rd->sched_joined_ns, now, memory_order_relaxed); /* (re)joins at the end */
+    atomic_store_explicit(&rd->sched_heartbeat_ns, now, memory_order_relaxed);
+    if (!g->last_sched_ns || now - g->last_sched_ns >= 250000000ull)
+        atomic_store_explicit(&rd->sched_busy_pm, vgpu_gate_busy(g, now), memory_order_relaxed);
+    if (g->measure_only) {
+        g->last_sched_ns = now;
+        return;
+    }
+    uint32_t off = 0, len = 0, n = 0;
+    if (vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0] &&
+        vgpu_sched_read(vgpu.cfg.sched_dir, rd->uuid, vgpu.cfg.claim, &off, &len, &n) == 0) {
+        uint64_t l = g->period_ns * len / 1000;
+        g->last_sched_ns = now;
+        vgpu_gate_set_window(g, g->period_ns * off / 1000, l < g->share_ns ? l : g->share_ns, n > 1);
+        return;
+    }
+    g->last_sched_ns = vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0] ? 0 : now;
+    vgpu_gate_set_window(g, 0, g->share_ns, 0);
+}
+
+/* ------------------------------------------------------------------ measuring */
+
+static CUevent ev_get(struct vgpu_gate *g)
+{
+    CUcontext ctx = NULL;
+    if (!can_measure() || fn.ctx_current(&ctx) != CUDA_SUCCESS || !ctx)
+        return NULL;
+    if (!g->ev_ctx)
+        g->ev_ctx = ctx;
+    if (ctx != g->ev_ctx)
+        return NULL;
+    if (g->npool)
+        return g->pool[--g->npool];
+    CUevent e = NULL;
+    return fn.ev_create(&e, 0) == CUDA_SUCCESS ? e : NULL;
+}
+
+static void ev_put(struct vgpu_gate *g, void *e)
+{
+    if (!e)
+        return;
+    if (g->npool < (int)(sizeof g->pool / sizeof g->pool[0]))
+        g->pool[g->npool++] = e;
+    else
+        fn.ev_destroy(e);
+}
+
+/* Settle completed batches, oldest first; `wait`: wait for the oldest one. */
+static void poll_batches(struct vgpu_gate *g, int wait)
+{
+    while (g->ring_len) {
+        struct vgpu_batch *b = &g->ring[g->ring_head];
+        CUresult r = fn.ev_query(b->ev_close);
+        if (r == CU_NOT_READY && wait && fn.ev_sync) {
+            r = fn.ev_sync(b->ev_close);
+            wait = 0;
+        }
+        if (r == CU_NOT_READY)
+            break;
+        float ms = -1;
+        int ok = r == CUDA_SUCCESS && fn.ev_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
+        vgpu_gate_settle(g, b->launches, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
+                         ok ? (b->launches & (1ull << 63) ? 2 : 1) : 0);
+        ev_put(g, b->ev_open);
+        ev_put(g, b->ev_close);
+        g->ring_head = (g->ring_head + 1) % VGPU_BATCH_RING;
+        g->ring_len--;
+    }
+}
+
+/* Close the open batch after the work queued on `s` (at_sync: the application waits for it
+ * next, so the close marks its end exactly). */
+static void batch_close(struct vgpu_gate *g, CUstream s, int at_sync)
+{
+    if (!g->cur.ev_open)
+        return;
+    /* Behind the batch's latest launch: on `s` when that is where it went (one stream), else on
+     * the legacy stream, which follows every blocking stream (several streams: the batch's
+     * last kernel may be on another one than the caller's). */
+    if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != (void *)s)
+        s = NULL;
+    uint64_t n = atomic_exchange(&g->batch_n, 0);
+    struct vgpu_batch b = {g->cur.ev_open, NULL, n, n * g->est_ns};
+    g->cur.ev_open = NULL;
+    if (g->ring_len == VGPU_BATCH_RING)
+        poll_batches(g, 1);
+    int idle = !at_sync && fn.stream_query && fn.stream_query(s) == CUDA_SUCCESS;
+    if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = ev_get(g)) &&
+        fn.ev_record(b.ev_close, s) == CUDA_SUCCESS) {
+        if (idle)
+            b.launches |= 1ull << 63; /* an upper bound: the stream was idle before the close */
+        g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;
+        g->ring_len++;
+        return;
+    }
+    ev_put(g, b.ev_close);
+    ev_put(g, b.ev_open);
+}
+
+static void batch_open(struct vgpu_gate *g, CUstream s)
+{
+    if (g->cur.ev_open)
+        return;
+    CUevent e = ev_get(g);
+    if (e && fn.ev_record(e, s) != CUDA_SUCCESS) {
+        ev_put(g, e);
+        e = NULL;
+    }
+    g->cur.ev_open = e;
+    atomic_store(&g->batch_n, 0);
+}
+
+/* ------------------------------------------------------------------ the gate */
+
+static void sleep_until(uint64_t t)
+{
+    struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+        ;
+}
+
+static void gate_slow(int d, CUstream s)
+{
+    bind_fns();
+    struct vgpu_gate *g = &vgpu.gate[d];
+    pthread_mutex_lock(&g->mu);
+    uint64_t now = vgpu_now_ns();
+    if (vgpu_gate_fast(g, now, now, s)) { /* another thread opened it meanwhile */
+        pthread_mutex_unlock(&g->mu);
+        return;
+    }
+    int st = 0;
+    if (fn.capturing && fn.capturing(s, &st) == CUDA_SUCCESS && st != 0) {
+        pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
+        return;
+    }
+    batch_close(g, s, 0);
+    poll_batches(g, !g->est_ns && g->ring_len); /* no estimate yet: measure before queuing more */
+    for (;;) {
+        now = vgpu_now_ns();
+        refresh_schedule(d, now);
+        uint64_t wake = vgpu_gate_decide(g, now);
+        if (!wake)
+            break;
+        g->throttles++;
+        if (vgpu.cfg.log_level >= 3)
+            vgpu_log(3, "gate d%d: wait %llu us (est %llu ns/launch, window %llu+%llu us of %llu, co-tenants %d)",
+                     d, (unsigned long long)((wake - now) / 1000), (unsigned long long)g->est_ns,
+                     (unsigned long long)(g->offset_ns / 1000), (unsigned long long)(g->len_ns / 1000),
+                     (unsigned long long)(g->period_ns / 1000), g->cotenants);
+        /* Wake at least every 250 ms: the schedule may change, and the agent needs our heartbeat. */
+        sleep_until(wake - now > 250000000ull ? now + 250000000ull : wake);
+        poll_batches(g, 0);
+    }
+    batch_open(g, s);
+    /* This launch: charged and counted like one of the fast path. */
+    if (!g->measure_only)
+        atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
+                                  memory_order_relaxed);
+    atomic_fetch_add_explicit(&g->batch_n, 1, memory_order_relaxed);
+    atomic_store_explicit(&g->last_stream, s, memory_order_relaxed);
+    pthread_mutex_unlock(&g->mu);
+}
+
+static inline int gate_of_current(void)
+{
+    int d = vgpu_single_gate;
+    if (d < 0) {
+        d = vgpu_cur_dev();
+        if (d < 0 || !vgpu.gate[d].active)
+            return -1;
+    }
+    return d;
+}
+
+void vgpu_compute_gate(CUstream s)
+{
+    if (__builtin_expect(!vgpu.compute_limited, 1))
+        return;
+    int d = gate_of_current();
+    if (d < 0)
+        return;
+    /* The coarse clock (a few ns) decides while the batch is clearly open and the credit
+     * clearly there; otherwise the precise clock (tens of ns in a VM) does. */
+    static uint64_t margin;
+    if (__builtin_expect(!margin, 0))
+        margin = vgpu_coarse_margin();
+    uint64_t c = vgpu_coarse_ns();
+    if (__builtin_expect(vgpu_gate_fast(&vgpu.gate[d], c, c + margin, s), 1))
+        return;
+    uint64_t now = vgpu_now_ns();
+    if (vgpu_gate_fast(&vgpu.gate[d], now, now, s))
+        return;
+    gate_slow(d, s);
+}
+
+void vgpu_compute_sync(CUstream s, int whole_ctx)
+{
+    if (__builtin_expect(!vgpu.compute_limited, 1))
+        return;
+    int d = gate_of_current();
+    if (d < 0 || !vgpu.gate[d].cur.ev_open)
+        return;
+    struct vgpu_gate *g = &vgpu.gate[d];
+    bind_fns();
+    pthread_mutex_lock(&g->mu);
+    int st = 0;
+    if (!(fn.capturing && fn.capturing(whole_ctx ? NULL : s, &st) == CUDA_SUCCESS && st != 0)) {
+        batch_close(g, whole_ctx ? NULL : s, 1);
+        atomic_store(&g->open_until, 0); /* the next launch opens a new batch */
+    }
+    pthread_mutex_unlock(&g->mu);
+}
+
+void vgpu_compute_synced(void)
+{
+    if (__builtin_expect(!vgpu.compute_limited, 1))
+        return;
+    int d = gate_of_current();
+    if (d < 0 || !vgpu.gate[d].ring_len)
+        return;
+    struct vgpu_gate *g = &vgpu.gate[d];
+    pthread_mutex_lock(&g->mu);
+    poll_batches(g, 0);
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* ------------------------------------------------------------------ launches */
+
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, CUstream, void **, void **);
+typedef CUresult (*coop_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            unsigned, CUstream, void **);
+
+VGPU_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                 unsigned by, unsigned bz, unsigned shm, CUstream s, void **p, void **e)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(s);
+    return REAL(H_LAUNCH, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+}
+
+VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                      unsigned by, unsigned bz, unsigned shm, CUstream s, void **p, void **e)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
+    return REAL(H_LAUNCH_PTSZ, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+}
+
+VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(c ? c->hStream : NULL);
+    return REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+}
+
+VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
+    return REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+}
+
+VGPU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                            unsigned by, unsigned bz, unsigned shm, CUstream s, void **p)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(s);
+    return REAL(H_COOP, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+}
+
+VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                                 unsigned bx, unsigned by, unsigned bz, unsigned shm,
+                                                 CUstream s, void **p)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
+    return REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+}
+
+static CUresult graph_launch(int idx, CUgraphExec g, CUstream s)
+{
+    vgpu_compute_gate(s);
+    if (mode() != M_LIMITED)
+        return REAL(idx, CUresult(*)(CUgraphExec, CUstream))(g, s);
+    return vgpu_mem_graph_launch(idx, g, s); /* graph memory: vgpu_cuda_mem.c */
+}
+
+VGPU_API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
+{
+    BROKEN_GUARD();
+    return graph_launch(H_GRAPH, g, s);
+}
+
+VGPU_API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
+{
+    BROKEN_GUARD();
+    return graph_launch(H_GRAPH_PTSZ, g, s ? s : CU_STREAM_PER_THREAD);
+}
+
+/* ------------------------------------------------------------------ waits */
+
+VGPU_API CUresult cuStreamSynchronize(CUstream s)
+{
+    BROKEN_GUARD();
+    vgpu_compute_sync(s, 0);
+    CUresult rc = REAL(H_STREAMSYNC, CUresult(*)(CUstream))(s);
+    vgpu_compute_synced();
+    return rc;
+}
+
+VGPU_API CUresult cuStreamSynchronize_ptsz(CUstream s)
+{
+    BROKEN_GUARD();
+    vgpu_compute_sync(s ? s : CU_STREAM_PER_THREAD, 0);
+    CUresult rc = REAL(H_STREAMSYNC_PTSZ, CUresult(*)(CUstream))(s);
+    vgpu_compute_synced();
+    return rc;
+}
+
+VGPU_API CUresult cuCtxSynchronize(void)
+{
+    BROKEN_GUARD();
+    vgpu_compute_sync(NULL, 1);
+    CUresult rc = REAL(H_CTXSYNC, CUresult(*)(void))();
+    vgpu_compute_synced();
+    return rc;
+}
+
+VGPU_API CUresult cuEventSynchronize(CUevent e)
+{
+    BROKEN_GUARD();
+    vgpu_compute_sync(NULL, 1);
+    CUresult rc = REAL(H_EVENTSYNC, CUresult(*)(CUevent))(e);
+    vgpu_compute_synced();
+    return rc;
+}
