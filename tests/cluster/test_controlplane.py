@@ -55,6 +55,18 @@ async def test_crd_applied_with_kubectl_read_back_with_asyncio(cluster: Cluster,
 
 async def test_scheduler_places_pod_on_fake_gpu_node(cluster: Cluster, namespace: str) -> None:
     sim = SimulatedNode(f"gpu-{namespace}", (SimulatedCardSpec(count=2),))
+    # Its own pool: kvgpu's webhook (when the session runs it) sends nvidia.com/gpu pods to the
+    # kvgpu scheduler, whose extender needs a pool over the node's cards.
+    pool = {"apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": f"pool-{namespace}"},
+            "spec": {"nodeSelector": {"matchLabels": {"kubernetes.io/hostname": sim.name}}, "splitCount": 10}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(pool), check=False)  # no CRD: no kvgpu either
+    try:
+        await _place_on(cluster, namespace, sim)
+    finally:
+        cluster.kubectl("delete", "vgpupool", pool["metadata"]["name"], "--ignore-not-found", check=False)
+
+
+async def _place_on(cluster: Cluster, namespace: str, sim: SimulatedNode) -> None:
     async with cluster.api() as api:
         await create_nodes(api, [sim], split_count=10)
         core = client.CoreV1Api(api)
