@@ -217,7 +217,14 @@ class NvmlSampler:
 
     def _poll_proc(self, seen: set[tuple[int, int]]) -> None:
         # nvmlProcessUtilizationSample_t: pid u32, (pad), timeStamp u64, sm, mem, enc, dec u32
-        cap = 64
+        # the first call (NULL buffer) sets the count; the H200 answered a fixed 64 with rc 7
+        n = ctypes.c_uint(0)
+        rc = self.lib.nvmlDeviceGetProcessUtilization(self.h, None, ctypes.byref(n), ctypes.c_ulonglong(0))
+        if rc not in (0, 7) or n.value == 0:
+            if rc not in (0, 6, 7):
+                self._err("nvmlDeviceGetProcessUtilization", rc)
+            return
+        cap = n.value + 8
         buf = (ctypes.c_ubyte * (32 * cap))()
         n = ctypes.c_uint(cap)
         rc = self.lib.nvmlDeviceGetProcessUtilization(self.h, buf, ctypes.byref(n), ctypes.c_ulonglong(0))
@@ -941,15 +948,22 @@ def analyze_startup(rec: dict[str, Any], native: dict[str, Any] | None) -> dict[
 def analyze(runs: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
     """Fill rec["metrics"] of every run (native records from this run, else from the baseline)."""
     nat: dict[tuple[str, str], dict[str, Any]] = {}
+    natc: dict[tuple[str, str, int], dict[str, Any]] = {}
     for src in (baseline.get("runs", []), runs):
         for r in src:
-            if r.get("mode") == "native":
+            if r.get("mode") == "native" and not r.get("skipped"):
                 nat[(r["section"], r["id"])] = r
+                natc[(r["section"], r["id"], r.get("call", 0))] = r
+
+    def native(section: str, ident: str, r: dict[str, Any]) -> dict[str, Any] | None:
+        """The native run of the same call (merged documents), else any."""
+        return natc.get((section, ident, r.get("call", 0))) or nat.get((section, ident))
+
     for r in runs:
         if r.get("skipped"):
             continue
         if r["section"] == "single":
-            n = nat.get(("single", r["id"].split("@")[0]))
+            n = native("single", r["id"].split("@")[0], r)
             if r["mode"] == "native":
                 r["metrics"] = analyze_single(r, None)
             else:
@@ -957,14 +971,14 @@ def analyze(runs: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
                     n["metrics"] = analyze_single(n, None)
                 r["metrics"] = analyze_single(r, n)
         elif r["section"] == "group":
-            n = nat.get(("single", "mm"))
+            n = native("single", "mm", r)
             if n is not None and "metrics" not in n:
                 n["metrics"] = analyze_single(n, None)
             r["metrics"] = analyze_group(r, n)
         elif r["section"] == "memory":
             r["metrics"] = analyze_memory(r)
         elif r["section"] == "startup":
-            n = nat.get(("startup", "startup"))
+            n = native("startup", "startup", r)
             if n is not None and "metrics" not in n:
                 n["metrics"] = analyze_startup(n, None)
             r["metrics"] = analyze_startup(r, n if r["mode"] != "native" else None)
@@ -1094,6 +1108,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.patches
     import matplotlib.pyplot as plt
 
     runs = doc["runs"]
@@ -1157,6 +1172,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             x += 1
     c.set_xticks(range(len(labels)), labels, fontsize=6, rotation=60)
     c.set_ylabel("% of native single-tenant throughput")
+    c.legend(handles=[matplotlib.patches.Patch(color=colors[m], label=m) for m in modes if m in colors])
     c.set_title("co-tenants (black: documented split)")
     # (d) memory peaks
     d = ax[1][1]
@@ -1339,6 +1355,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out")
     ap.add_argument("--report")
+    ap.add_argument("--merge", nargs="+", metavar="RAW_JSON",
+                    help="one report of several calls' raw.json (a later call's run fills a skipped one)")
     ap.add_argument("--selftest", action="store_true")
     ap.add_argument("--fake-wl", nargs="+")
     ap.add_argument("--fake-cu", nargs="+")
@@ -1353,6 +1371,27 @@ def main() -> None:
         fake_cu(a.fake_cu)
         return
     out = Path(a.out or os.environ.get("OUT") or ROOT / "bench/results/raw/suite")
+    if a.merge:
+        docs = [json.loads(Path(p).read_text()) for p in a.merge]
+        merged: list[dict[str, Any]] = []
+        doc = {"env": {**docs[0]["env"], "calls": [d["env"] for d in docs]}, "runs": merged}
+        for i, d in enumerate(docs, 1):
+            for r in d["runs"]:
+                r["call"] = i
+                same = [x for x in merged if (x["section"], x["id"], x.get("mode")) ==
+                        (r["section"], r["id"], r.get("mode"))]
+                if r.get("skipped") and same:
+                    continue
+                for x in same:
+                    if x.get("skipped"):
+                        merged.remove(x)
+                merged.append(r)  # the tables show a call's first run; each call keeps its natives
+        for r in merged:
+            r.pop("metrics", None)
+        out.mkdir(parents=True, exist_ok=True)
+        write_outputs(doc, out)
+        print((out / "summary.md").read_text())
+        return
     if a.report:
         doc = json.loads(Path(a.report).read_text())
         for r in doc["runs"]:

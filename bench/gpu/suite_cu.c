@@ -399,7 +399,8 @@ static int cmd_newcomer(double spawn_t, size_t chunk)
         rc_ctx = CALL(cuCtxSetCurrent, primary);
     CUdeviceptr p = 0;
     double c = mono();
-    CUresult rc_alloc = CALL(cuMemAlloc_v2, &p, chunk);
+    /* a refused context is the first answer then (no allocation is tried: it could only fail) */
+    CUresult rc_alloc = rc_ctx ? -1 : CALL(cuMemAlloc_v2, &p, chunk);
     double d = mono();
     printf("{\"kind\": \"newcomer\", \"spawn_to_main_s\": %.4f, \"init_s\": %.4f, \"ctx_s\": %.4f, "
            "\"init_ctx_s\": %.4f, \"first_alloc_s\": %.4f, \"to_first_answer_s\": %.4f, \"init_rc\": %d, "
