@@ -200,6 +200,8 @@ struct vgpu_slot { int32_t pid; int32_t host_pid; uint64_t start_time; uint64_t 
                    uint64_t overhead[16]; ...; };
 struct vgpu_region { uint32_t magic; uint32_t version; uint32_t size; uint32_t ndev;
                      uint32_t max_slots; uint32_t priority; uint64_t generation; char claim[320];
+                     uint64_t oom_kills; int32_t oom_last_pid; uint32_t oom_last_dev;
+                     uint64_t oom_last_bytes; uint64_t oom_last_used;
                      struct vgpu_region_dev dev[16]; struct vgpu_slot slot[128]; ...; };
 struct vgpu_region_handle { struct vgpu_region *r; int fd; int slot; int private_map; };
 int vgpu_region_open(struct vgpu_region_handle *h, const char *path, const struct vgpu_config *cfg);
@@ -213,6 +215,7 @@ int vgpu_region_reserve(struct vgpu_region_handle *h, int d, uint64_t bytes);
 void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes);
 uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes);
 uint64_t vgpu_region_used(struct vgpu_region *r, int d);
+void vgpu_region_oom_record(struct vgpu_region *r, int d, int32_t pid, uint64_t bytes);
 uint64_t vgpu_proc_start_time(int32_t pid);
 size_t vgpu_py_region_size(void);
 

@@ -145,7 +145,8 @@ struct vgpu_region {
     int32_t oom_last_pid;       /* the last one: its container PID, card index and bytes charged */
     uint32_t oom_last_dev;
     uint64_t oom_last_bytes;
-    uint64_t reserved[5];
+    uint64_t oom_last_used;     /* bytes charged to the container on that card at the kill */
+    uint64_t reserved[4];
     struct vgpu_region_dev dev[VGPU_MAX_DEV];
     struct vgpu_slot slot[VGPU_MAX_SLOTS];
 };

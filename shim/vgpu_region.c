@@ -437,5 +437,6 @@ void vgpu_region_oom_record(struct vgpu_region *r, int d, int32_t pid, uint64_t 
     r->oom_last_pid = pid;
     r->oom_last_dev = (uint32_t)d;
     r->oom_last_bytes = bytes;
+    r->oom_last_used = d >= 0 && d < VGPU_MAX_DEV ? atomic_load(&r->dev[d].used) : 0;
     vgpu_region_unlock(r);
 }

@@ -94,6 +94,11 @@ class RegionUsage:
     priority: int
     generation: int  # bumped whenever the region file is (re)initialised
     devices: tuple[DeviceUsage, ...]
+    oom_kills: int = 0  # processes the shim's ACTIVE_OOM_KILLER ended (0 again after a re-init)
+    oom_last_pid: int = 0  # the last one: its PID inside the container,
+    oom_last_dev: int = 0  # its card (position in the claim),
+    oom_last_mib: float = 0.0  # what it held on that card,
+    oom_last_used_mib: float = 0.0  # and the container's charge there then (0: an older shim)
 
 
 def _s(ffi: Any, arr: Any) -> str:
@@ -150,6 +155,11 @@ def read_region(path: str | Path) -> RegionUsage:
             priority=r.priority,
             generation=r.generation,
             devices=tuple(devices),
+            oom_kills=r.oom_kills,
+            oom_last_pid=r.oom_last_pid,
+            oom_last_dev=r.oom_last_dev,
+            oom_last_mib=r.oom_last_bytes / _MIB,
+            oom_last_used_mib=r.oom_last_used / _MIB,
         )
     finally:
         lib.vgpu_region_close(h)
