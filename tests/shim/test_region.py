@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from .conftest import MIB, ROOT
+from .conftest import MIB, ROOT, claim
 
 HOLDER = r"""
 import os, sys, time
@@ -146,3 +147,19 @@ def test_any_other_claim_is_refused(core, tmp_path, change) -> None:
     assert h is not None
     assert open_claim(core, tmp_path / "r", other) is None and core.ffi.errno == errno.EPERM
     assert open_claim(core, tmp_path / "r", base) is not None
+
+
+def test_agent_reads_the_shims_oom_kill(box) -> None:
+    """The real shim on the stub kills the process whose hidden memory takes the container over
+    1000 MiB (ACTIVE_OOM_KILLER); the agent's reader sees the count, the victim and the charge."""
+    from kvgpu.agent.usage import OomKills, default_reader
+
+    env = box.env(claim((0, 1000, 0)), ACTIVE_OOM_KILLER="true")
+    p = box.run(str(box.kit.stubdir / "memprog"), "hidden", "5", str(64 * MIB), "800", "0", env=env,
+                check=False)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    rows = default_reader()(box.region.parent)
+    assert rows is not None and rows.oom is not None
+    held = 5 * 64 + 64 + 800  # MiB: 5 allocations, the context, the hidden 800 (all one process)
+    assert rows.oom == OomKills(1, rows.oom.generation, rows.oom.last_pid, 0, held, held, 1000.0)
+    assert rows.oom.last_pid > 0 and rows.oom.generation >= 1

@@ -21,6 +21,9 @@ container series; bytes and percent):
 ``kvgpu_container_sm_utilization_percent``  the container's SM use on the card
 ``kvgpu_container_processes``           processes attached to the region
 ``kvgpu_container_region_active``       1 when the shim's region exists and was read
+``kvgpu_container_oom_kills_total``     processes the shim's ``ACTIVE_OOM_KILLER`` ended (the
+                                        region's count; labels ``node, namespace, pod, container,
+                                        claim``; resets when the region is re-initialised)
 ``kvgpu_container_enforced_limit_bytes``  the limit the shim reports (differs from the claim = bug)
 ``kvgpu_card_info`` / ``_healthy`` / ``_memory_bytes`` / ``_slices``  per card of the node
 ``kvgpu_region_read_errors_total``      regions that could not be read
@@ -139,6 +142,11 @@ class UsageCollector(Collector):
             "1 when the shim's shared region of the container exists and was read.",
             labels=["node", "namespace", "pod", "container", "claim"],
         )
+        ooms = CounterMetricFamily(
+            "kvgpu_container_oom_kills",
+            "Processes of the container the shim's ACTIVE_OOM_KILLER ended (from its region).",
+            labels=["node", "namespace", "pod", "container", "claim"],
+        )
         h = {
             "used": GaugeMetricFamily(
                 "hami_vgpu_memory_used_bytes", "HAMi-compatible: container memory used.", labels=_HLABELS
@@ -178,15 +186,19 @@ class UsageCollector(Collector):
         for c in self.containers():
             usage: dict[str, DeviceUsage] = {}
             ok = False
+            kills = 0
             try:
                 rows = self.reader(self.region_dir(c))
                 if rows is not None:
                     usage = {u.uuid: u for u in rows}
                     ok = True
+                    oom = getattr(rows, "oom", None)
+                    kills = oom.count if oom is not None else 0
             except Exception as e:  # a corrupt or racing region must not break the scrape
                 self.read_errors += 1
                 log.warning("region of %s/%s/%s unreadable: %s", c.namespace, c.pod, c.container, e)
             active.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], 1.0 if ok else 0.0)
+            ooms.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], kills)
             for vi, d in enumerate(c.devices):
                 lv = [self.node, c.namespace, c.pod, c.container, c.claim, d.uuid, index.get(d.uuid, "")]
                 u = usage.get(d.uuid)
@@ -212,6 +224,7 @@ class UsageCollector(Collector):
                     h["util"].add_metric(hl, sm)
         yield from g.values()
         yield active
+        yield ooms
         if self.hami_compat:
             yield from h.values()
         info = GaugeMetricFamily("kvgpu_card_info", "A card of the node (value 1).", labels=[*_CARD, "numa"])

@@ -47,6 +47,8 @@ from .health import (
 )
 from .kube import KubeApi, NodeApi
 from .mps import MpsDaemons
+from .oomkill import REASON as OOM_REASON
+from .oomkill import OomReporter
 from .podidentity import PodIdentifier
 from .podresources import DEFAULT_SOCKET as POD_RESOURCES_SOCKET
 from .podresources import PodResourcesClient
@@ -97,6 +99,8 @@ class AgentConfig:
     region_root: str = keys.HOST_REGION_ROOT
     region_gc_s: float = 300.0
     enforcement_s: float = 5.0  # NVML process check + host-PID filling period; 0 disables (off simulated)
+    #: how often the regions' ``oom_kills`` (the shim's ACTIVE_OOM_KILLER) are read for pod Events
+    oom_report_s: float = 5.0
     #: the node-wide compute schedule (one file per card) this agent alone writes; 0 disables.
     #: Runs with the device plugin (a real kubelet's containers), not on fake nodes.
     sched_dir: str = keys.HOST_SCHED_DIR
@@ -142,6 +146,7 @@ class Agent:
         self.reader = default_reader()
         self.enforcement: EnforcementMonitor | None = None
         self.scheduler: Scheduler | None = None
+        self.oom: OomReporter | None = None
         self._capacity: tuple[int, int] | None = None
         self.mps: MpsDaemons | None = None
         self._mps_kick = asyncio.Event()
@@ -223,6 +228,29 @@ class Agent:
                 "GPUUnenforced",
                 f"container {c.container} runs outside the kvgpu shim on {message}",
             )
+
+    async def _oom_event(self, c: BoundContainer, message: str) -> None:
+        pod_event = getattr(self.api, "pod_event", None)
+        if pod_event is not None:
+            await pod_event(c.namespace, c.pod, c.pod_uid, OOM_REASON, message, "Warning")
+
+    def _card_index(self, uuid: str) -> int | None:
+        inv = self.registrar.last_raw
+        return next((c.index for c in (inv.cards if inv else ()) if c.uuid == uuid), None)
+
+    def _make_oom_reporter(self) -> OomReporter:
+        return OomReporter(
+            self.pods.containers,
+            self._read_region,
+            on_kill=self._oom_event,
+            card_index=self._card_index,
+            interval_s=self.cfg.oom_report_s,
+        )
+
+    async def _oom_reports(self) -> None:
+        await self.pods.synced.wait()  # the first round must see every container (restart rule)
+        assert self.oom is not None
+        await self.oom.run()
 
     def _make_scheduler(self) -> Scheduler:
         from pathlib import Path
@@ -334,6 +362,9 @@ class Agent:
             if self.api_client is not None:
                 tg.create_task(self.pods.run(self.api_client), name="pods")
                 tg.create_task(self._region_gc(), name="region-gc")
+                if self.cfg.oom_report_s > 0:
+                    self.oom = self._make_oom_reporter()
+                    tg.create_task(self._oom_reports(), name="oom-reports")
             if self.cfg.device_plugin and self.cfg.sched_interval_s > 0:
                 self.scheduler = self._make_scheduler()
                 tg.create_task(self.scheduler.run(self.cfg.sched_interval_s), name="compute-schedule")

@@ -114,6 +114,26 @@ class DeviceUsage:
     host_pids: tuple[int, ...] = ()  # host PIDs of those processes where known (0s dropped)
 
 
+@dataclass(frozen=True)
+class OomKills:
+    """The region's record of the shim's ``ACTIVE_OOM_KILLER`` (container-wide; memory in MiB)."""
+
+    count: int  # processes ended since the region was (re)initialised
+    generation: int  # the region's generation (a re-initialised region counts from 0 again)
+    last_pid: int = 0  # the last one's PID inside the container
+    last_device: int = 0  # its card: position in the claim
+    last_process_mib: float = 0.0  # what that process held on the card
+    last_used_mib: float = 0.0  # the container's charge on the card at the kill (0: not recorded)
+    last_limit_mib: float = 0.0  # the limit on that card
+
+
+class RegionRows(list[DeviceUsage]):
+    """What :func:`adapt_region` returns: the per-card rows, and the region's OOM-kill record
+    (``None`` where the reader gave none, e.g. a fake that returns plain rows)."""
+
+    oom: OomKills | None = None
+
+
 RegionReader = Callable[[Path], Sequence[DeviceUsage] | None]
 
 
@@ -126,13 +146,14 @@ def _first(obj: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def adapt_region(usage: Any) -> list[DeviceUsage]:
+def adapt_region(usage: Any) -> RegionRows:
     """Normalise what a region reader returned (``RegionUsage`` with ``devices``, or a list of
-    per-device records, objects or dicts) into :class:`DeviceUsage` rows."""
+    per-device records, objects or dicts) into :class:`DeviceUsage` rows; a ``RegionUsage``'s
+    ``oom_kills`` record comes along as the rows' ``oom``."""
+    out = RegionRows()
     if usage is None:
-        return []
+        return out
     devs = _first(usage, "devices", default=usage)
-    out = []
     for d in devs or []:
         if isinstance(d, DeviceUsage):
             out.append(d)
@@ -156,6 +177,17 @@ def adapt_region(usage: Any) -> list[DeviceUsage]:
                 None if sm is None else float(sm),
                 host,
             )
+        )
+    if not isinstance(usage, Sequence) and (kills := _first(usage, "oom_kills")) is not None:
+        dev = int(_first(usage, "oom_last_dev", default=0) or 0)
+        out.oom = OomKills(
+            int(kills),
+            int(_first(usage, "generation", default=0) or 0),
+            int(_first(usage, "oom_last_pid", default=0) or 0),
+            dev,
+            float(_first(usage, "oom_last_mib", default=0) or 0),
+            float(_first(usage, "oom_last_used_mib", default=0) or 0),
+            float(out[dev].limit_mib) if 0 <= dev < len(out) else 0.0,
         )
     return out
 
@@ -182,7 +214,7 @@ def default_reader() -> RegionReader:
 
         return nothing
 
-    def read(path: Path) -> list[DeviceUsage] | None:
+    def read(path: Path) -> RegionRows | None:
         try:
             return adapt_region(shimcore.read_region(path / REGION_FILE))
         except FileNotFoundError:
