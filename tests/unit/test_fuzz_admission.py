@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvgpu.admission.mutate import apply_ops, mutate_pod
 from kvgpu.admission.validate import validate_pod, validate_workload
-from kvgpu.api.pools import SliceMinimum
 from kvgpu.api import requests as rq
+from kvgpu.api.pools import SliceMinimum
 from kvgpu.api.requests import RequestError, parse_pod
 from kvgpu.api.requests import validate_pod as request_errors
 from kvgpu.core import keys
