@@ -584,6 +584,26 @@ class Runtime:
                 log.warning("pool shrunk under live claims", pool=name, detail=turned.message)
                 await kube.post_event(self.api, pool.to_body(), reason="Overcommitted", message=turned.message,
                                       type_="Warning")
+        for name, (meta, why) in list(self.state.invalid_pools.items()):
+            await self._write_invalid_pool_status(name, meta, why, now)
+
+    async def _write_invalid_pool_status(self, name: str, meta: dict[str, Any], why: str, now: str) -> None:
+        """A pool valid for the CRD's schema but refused by the model: zero counts, Ready False
+        with reason InvalidSpec and the model's reason, and a Warning Event when that is new."""
+        from kvgpu.api.models import VGPUPoolStatus
+
+        generation = meta.get("generation")
+        status = VGPUPoolStatus(observed_generation=generation, conditions=poolstatus.invalid_conditions(
+            why, generation=generation, now=now))
+        body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+        compare = {"invalid": why, "generation": generation}
+        if self._written_pools.get(name) == compare:
+            return
+        await kube.patch_pool_status(self.api, name, body)
+        self._written_pools[name] = compare
+        await kube.post_event(self.api, {"apiVersion": f"{keys.GROUP}/{keys.VERSION}", "kind": "VGPUPool",
+                                         "metadata": meta}, reason=poolstatus.INVALID_SPEC,
+                              message=body["conditions"][0]["message"], type_="Warning")
 
     async def sweep(self) -> None:
         """Re-reserve live claims the ledger lacks (drift: a reservation lost to a bug or a

@@ -84,9 +84,10 @@ def test_card_rows_from_operator_summary_and_agent_inventory() -> None:
     assert rows[1].slots == (0, 10) and rows[1].memory_mib == (0, 10000)
     table = views.table(views.CARD_HEADERS, [r.cells() for r in rows])
     lines = table.splitlines()
-    assert lines[0].split() == ["NODE", "GPU", "MODEL", "POOL", "SLOTS", "MEMORY(MiB)", "CORES(%)", "HEALTH"]
+    assert lines[0].split() == ["NODE", "GPU", "MODEL", "POOL", "SLOTS", "MEMORY(MiB)", "PHYSICAL(MiB)",
+                                "CORES(%)", "HEALTH", "STATE"]
     assert lines[1].split() == [
-        "n0", "0", "NVIDIA", "H200", "default", "1/10", "6000/10000", "30/100", "Healthy"]
+        "n0", "0", "NVIDIA", "H200", "default", "1/10", "6000/10000", "10000", "30/100", "Healthy", "-"]
 
 
 def test_card_rows_unhealthy_card_and_missing_summary() -> None:
@@ -99,7 +100,7 @@ def test_card_rows_unhealthy_card_and_missing_summary() -> None:
     nodes[1]["metadata"]["annotations"] = {keys.NODE_INVENTORY: json.dumps(inv)}
     rows = [r for r in views.card_rows(nodes) if r.node == "n1"]
     assert rows[0].slots == (None, 4) and rows[0].memory_mib == (None, 15000) and rows[0].pods is None
-    assert rows[0].cells()[4:7] == ["-/4", "-/15000", "-/100"]
+    assert rows[0].cells()[4:8] == ["-/4", "-/15000", "10000", "-/100"]
     assert rows[1].health == "Unhealthy: XID 79 (fell off the bus)"
     assert rows[1].note == "no VGPUPool covers the card" and rows[1].cells()[4] == "-/-"
     wide = rows[1].cells(wide=True)

@@ -12,7 +12,10 @@ The rules, in the order they are checked for one container on one card:
    server: the agent runs one per card);
 2. ``types`` (any listed substring in the model, case-insensitive) and ``exclude_types``
    (none of them); ``uuids`` (listed exactly) and ``exclude_uuids`` (not listed);
-3. a free slot (an ``exclusive``-mode card has exactly one slot);
+3. the card holds no more than its pool allows now (a pool whose ``splitCount``,
+   ``memoryScaling`` or ``coreScaling`` was lowered under live slices: the pool is
+   ``Overcommitted`` and the card takes nothing new until enough of them end);
+   a free slot (an ``exclusive``-mode card has exactly one slot);
 4. nobody holds the card exclusively;
 5. an exclusive request — ``cores`` 100, or any request on an ``exclusive``-mode card — needs
    a card with no slice at all;
@@ -43,7 +46,7 @@ SUPPORTED_MODES = ("hami-core", "exclusive", "mps")
 UNHEALTHY, NO_POOL, MIG, BAD_MODE = 0, 1, 2, 3
 TYPE_NOT_LISTED, TYPE_EXCLUDED, UUID_NOT_LISTED, UUID_EXCLUDED = 4, 5, 6, 7
 NO_SLOT, HELD_EXCLUSIVE, NOT_IDLE, NO_MEMORY, NO_CORES, COMPUTE_FULL = 8, 9, 10, 11, 12, 13
-NUMA_SPLIT, NO_CAPACITY, MPS_ONE_CARD = 14, 15, 16
+NUMA_SPLIT, NO_CAPACITY, MPS_ONE_CARD, OVERCOMMITTED = 14, 15, 16, 17
 
 PHRASES = (
     "unhealthy",
@@ -63,6 +66,7 @@ PHRASES = (
     "on another NUMA node",
     "given no slots or no memory by its pool",
     "in mps mode (one card per container)",
+    "over its VGPUPool's current shape",
 )
 
 
@@ -121,6 +125,10 @@ class CardState:
 
     def usage(self) -> tuple[int, int, int, int, int]:
         return (self.slots, self.mem, self.cores, self.excl, self.pods)
+
+    def over(self) -> bool:
+        """Holds more than its pool's shape allows now (a pool shrunk under live slices)."""
+        return self.slots > self.slots_total or self.mem > self.mem_total or self.cores > self.cores_total
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +206,8 @@ def selectable(c: CardState, n: Need) -> int | None:
 def fit(c: CardState, n: Need, extra: list[int] | None) -> tuple[int, int] | int:
     """Rules 3-8 on ``c`` with ``extra`` = [slots, MiB, cores, excl, pods] already taken by the
     pod being placed. Returns ``(memory MiB, cores)`` to grant, or a reason code (int)."""
+    if c.slots > c.slots_total or c.mem > c.mem_total or c.cores > c.cores_total:
+        return OVERCOMMITTED
     slots, mem, cores, excl, pods = c.slots, c.mem, c.cores, c.excl, c.pods
     if extra is not None:
         slots += extra[0]

@@ -192,6 +192,7 @@ class _Node:
         "n_open",
         "n_usable",
         "name",
+        "over_note",
         "unusable",
         "used_pct",
         "util",
@@ -224,6 +225,7 @@ class _Node:
     def refresh(self) -> None:
         """Recompute the O(1) pre-filter aggregates (O(cards))."""
         n_open = n_idle = n_full = n_held = 0
+        over: dict[str, int] = {}
         mfm = mfc = -1
         mfp = -1.0
         su = st = mu = mt = cu = ct = 0
@@ -236,6 +238,8 @@ class _Node:
             mt += c.mem_total
             cu += c.cores
             ct += c.cores_total
+            if c.slots > c.slots_total or c.mem > c.mem_total or c.cores > c.cores_total:
+                over[c.pool] = over.get(c.pool, 0) + 1
             if c.excl:
                 n_held += 1
                 continue
@@ -257,6 +261,10 @@ class _Node:
             if fc > mfc:
                 mfc = fc
         self.n_open, self.n_idle, self.n_full_mem, self.n_held = n_open, n_idle, n_full, n_held
+        # A refusal on a node with cards over their pool's shape says so (FailedScheduling).
+        self.over_note = "".join(
+            f"; {k} {'card' if k == 1 else 'cards'} over the current shape of VGPUPool {p} "
+            "(Overcommitted: no new slices there until enough pods end)" for p, k in sorted(over.items()))
         self.max_free_mem, self.max_free_pct, self.max_free_cores = mfm, mfp, mfc
         parts = [su / st if st else 0.0, mu / mt if mt else 0.0]
         if ct:
@@ -289,17 +297,21 @@ class _Node:
             held = f" ({self.n_held} held exclusively)" if self.n_held else ""
             return f"{have}, {self.n_open} with a free slot{held} < {n.cards} needed"
         if n.mem_abs > self.max_free_mem:
-            return f"{have}, most free memory {self.max_free_mem} MiB < {n.mem_abs} MiB"
+            return f"{have}, most free memory {max(0, self.max_free_mem)} MiB < {n.mem_abs} MiB"
         if n.pct and n.pct > self.max_free_pct:
             most = max(0, int(self.max_free_pct) - 1) if self.max_free_pct > 0 else 0
             return f"{have}, most free memory about {most} % < {n.pct} %"
         if n.cores > self.max_free_cores:
-            return f"{have}, most free cores {self.max_free_cores} % < {n.cores} %"
+            return f"{have}, most free cores {max(0, self.max_free_cores)} % < {n.cores} %"
         return None
 
     def decide(self, needs: list[Need], pod: PodRequest, fast: bool) -> PodAllocation | str | None:
         """The pod's placement on this node, or why it does not fit. With ``fast`` a
         single-container pod that fits gives ``None`` (feasible, cards not chosen)."""
+        got = self._decide(needs, pod, fast)
+        return got + self.over_note if isinstance(got, str) else got
+
+    def _decide(self, needs: list[Need], pod: PodRequest, fast: bool) -> PodAllocation | str | None:
         many = len(needs) > 1
         for n in needs:
             why = self.prefilter(n)

@@ -298,12 +298,25 @@ class VGPUPoolSpec(_Model):
         description=(
             "Smallest memory (MiB per card) a request may name in gpumem; 0 = no minimum. Checked at "
             "admission against the smallest minimum of all pools. The default catches unit mistakes "
-            "(a limit of 3000m is 3 MiB); a CUDA context alone takes about 300-500 MiB on recent cards."
+            "(a limit of 3000m is 3 MiB); a CUDA context alone takes about 300-500 MiB on recent cards. "
+            "A non-zero defaults.gpumem below it makes the pool invalid: checked by the operator, not the "
+            "API server, so the pool is stored, slices no cards until fixed (pods holding slices keep "
+            "them) and its Ready condition is False with reason InvalidSpec naming the field."
         ),
     )
     scheduling: SchedulingPolicy = Field(
         default_factory=SchedulingPolicy, description="Default placement policies."
     )
+
+    @model_validator(mode="after")
+    def _defaults_within_minimum(self) -> VGPUPoolSpec:
+        # Not a CEL rule: the operator reports a pool its model refuses on the pool's status
+        # (InvalidSpec), as it must for any such pool (e.g. one stored before a CRD rule existed).
+        if 0 < self.defaults.gpumem < self.min_slice_memory:
+            raise ValueError(f"defaults.gpumem {self.defaults.gpumem} MiB is below minSliceMemory "
+                             f"{self.min_slice_memory} MiB: pods taking the default would get a slice "
+                             "too small to use")
+        return self
 
 
 def format_mib(mib: int) -> str:
@@ -350,7 +363,8 @@ class VGPUPoolStatus(_Model):
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=16,
-        description=("Ready (covers a healthy card), Conflict (ties with another pool on some cards) and "
+        description=("Ready (covers a healthy card; reason InvalidSpec when the spec breaks a rule the "
+                     "operator checks), Conflict (ties with another pool on some cards) and "
                      "Overcommitted (cards hold more than the pool allows now)."),
         json_schema_extra=_CONDITIONS_EXTRA,
     )

@@ -49,10 +49,15 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
                                                "metadata": dict(body["metadata"])},
                                       reason="PoolDeletedInUse", message=msg, type_="Warning")
         else:
+            before = rt.state.invalid_pools.get(name)
             try:
                 changed = rt.state.set_pool(dict(body))
             except ValueError as e:
-                logger.error(f"VGPUPool {name} is invalid: {e}")
+                # Valid for the CRD's schema, not for the model: Ready=False, reason InvalidSpec
+                # on its status (written by the flush), and it slices no cards until fixed.
+                if before is None or before[1] != str(e):
+                    log.warning("VGPUPool is invalid: it slices no cards", pool=name, reason=str(e))
+                    rt.pools_dirty = True
                 return
             if not changed:
                 return

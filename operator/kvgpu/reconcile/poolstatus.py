@@ -5,6 +5,7 @@ allows (a pool shrunk under live claims), and pools in conflict, with the nodes.
   pool gives them now (``splitCount``, ``memoryScaling`` or ``coreScaling`` lowered while pods
   hold slices). The pods keep running (nothing is evicted); new pods wait until enough end.
 * :func:`conflict_nodes` — per pool, the equally specific pools it ties with and on which nodes.
+* :func:`invalid_conditions` — a pool the model refuses: Ready False, reason ``InvalidSpec``.
 * :func:`conditions` — the pool's conditions: those of :func:`kvgpu.api.pools.pool_conditions`
   with the Conflict message naming the other pools and the nodes, Ready saying that a pool
   that lost every card to a conflict lost them (not "no card matches"), and ``Overcommitted``.
@@ -21,6 +22,7 @@ from kvgpu.api.pools import covering_pool
 from kvgpu.core.inventory import Card
 
 COND_OVERCOMMITTED = "Overcommitted"  # VGPUPool: some cards hold more than the pool allows now
+INVALID_SPEC = "InvalidSpec"  # Ready's reason for a pool valid for the CRD's schema, not the model
 SHOWN = 5  # most nodes or cards a message names before "and N more"
 
 
@@ -135,6 +137,18 @@ def conditions(
     out.append(Condition(type=COND_OVERCOMMITTED, status=status, reason=reason, message=message,
                          last_transition_time=since, observed_generation=generation))
     return out
+
+
+def invalid_conditions(why: str, *, generation: int | None, now: str,
+                       previous: Iterable[Condition] = ()) -> list[Condition]:
+    """The conditions of a pool the operator's model refuses: Ready False, reason InvalidSpec."""
+    old = next((c for c in previous if c.type == COND_READY), None)
+    since = (old.last_transition_time if old is not None and old.status == ConditionStatus.FALSE
+             and old.reason == INVALID_SPEC else now)
+    return [Condition(type=COND_READY, status=ConditionStatus.FALSE, reason=INVALID_SPEC,
+                      message=(f"the spec is invalid: {why}. The pool slices no cards until it is fixed; "
+                               "pods holding slices keep them")[:32768],
+                      last_transition_time=since, observed_generation=generation)]
 
 
 def became_overcommitted(previous: Iterable[Condition], now: list[Condition]) -> Condition | None:

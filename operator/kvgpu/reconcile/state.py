@@ -12,11 +12,26 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvgpu.allocator.ledger import Ledger
+from kvgpu.allocator.quota import QuotaBook, pod_usage, request_floor
 from kvgpu.api.models import VGPUPool, VGPUPoolSpec
 from kvgpu.api.pools import effective_slicing
 from kvgpu.core import keys
 from kvgpu.core.inventory import NodeInventory
-from kvgpu.core.requests import ContainerAllocation, DeviceGrant, PodAllocation
+from kvgpu.core.requests import ContainerAllocation, DeviceGrant, PodAllocation, PodRequest
+
+
+def invalid_reason(e: ValueError) -> str:
+    """A model's refusal of an object for people: ``spec.defaults: ...; spec.splitCount: ...``."""
+    from pydantic import ValidationError
+
+    if not isinstance(e, ValidationError):
+        return str(e)
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith("function-"))
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
 
 
 def claim_key(namespace: str, name: str) -> str:
@@ -64,6 +79,11 @@ class OperatorState:
     ready: bool = False
     # node -> what its pods' scheduling failures add when equally specific pools conflict there
     conflict_notes: dict[str, str] = field(default_factory=dict)
+    # namespace quotas and each pod's usage, kept in step with the ledger's reservations
+    quotas: QuotaBook = field(default_factory=QuotaBook)
+    # pools the model refuses (valid for the CRD's schema only): name -> (metadata, why). They
+    # slice no cards; the status writer gives them Ready=False, reason InvalidSpec.
+    invalid_pools: dict[str, tuple[dict[str, Any], str]] = field(default_factory=dict)
 
     # ----- pools -------------------------------------------------------------------------------
     def default_pool_spec(self) -> VGPUPoolSpec | None:
@@ -76,8 +96,22 @@ class OperatorState:
 
     def set_pool(self, body: dict[str, Any]) -> bool:
         """Add or update a pool; re-slice the cards only when its spec changed (a status write
-        must not cost a pass over every node). Returns True when the spec changed."""
-        pool = VGPUPool.model_validate(body)
+        must not cost a pass over every node). Returns True when the spec changed.
+
+        A pool the model refuses raises ``ValueError`` (the reason, field by field) after it is
+        recorded in :attr:`invalid_pools` and taken out of :attr:`pools`: it slices no cards
+        until it is fixed, as after a restart; running claims are not touched."""
+        try:
+            pool = VGPUPool.model_validate(body)
+        except ValueError as e:
+            name = str((body.get("metadata") or {}).get("name", ""))
+            why = invalid_reason(e)
+            self.invalid_pools[name] = (dict(body.get("metadata") or {}), why)
+            if self.pools.pop(name, None) is not None:
+                self.topology_dirty = True
+                self._reslice_all()
+            raise ValueError(why) from e
+        self.invalid_pools.pop(pool.name, None)
         old = self.pools.get(pool.name)
         self.pools[pool.name] = pool
         if old is not None and old.spec == pool.spec:
@@ -87,6 +121,7 @@ class OperatorState:
         return True
 
     def remove_pool(self, name: str) -> None:
+        self.invalid_pools.pop(name, None)
         self.topology_dirty = True
         if self.pools.pop(name, None) is not None:
             self._reslice_all()
@@ -148,6 +183,7 @@ class OperatorState:
         self.nodes.clear()
         self.sliced.clear()
         self.pools.clear()
+        self.invalid_pools.clear()
         self.claim_uids.clear()
         self.ledger = Ledger()
         for p in pools:
@@ -155,7 +191,9 @@ class OperatorState:
                 pool = VGPUPool.model_validate(p)
                 self.pools[pool.name] = pool
             except ValueError as e:
-                problems.append(f"VGPUPool {p.get('metadata', {}).get('name')}: {e}")
+                name = str((p.get("metadata") or {}).get("name", ""))
+                self.invalid_pools[name] = (dict(p.get("metadata") or {}), invalid_reason(e))
+                problems.append(f"VGPUPool {name}: {invalid_reason(e)}")
         for n in nodes:
             self.set_node(n)
         reservations: dict[str, PodAllocation] = {}
@@ -170,6 +208,9 @@ class OperatorState:
             except (KeyError, ValueError, TypeError) as e:
                 problems.append(f"VGPUClaim {c.get('metadata', {}).get('name')}: {e!r}")
         self.ledger = Ledger.rebuild(list(self.sliced.values()), reservations)
+        self.quotas.clear_pods()
+        for key, alloc in sorted(self.ledger.reservations().items()):
+            self._track_quota(alloc.pod_uid, key)
         self.dirty_nodes.update(self.nodes)
         return problems
 
@@ -187,11 +228,13 @@ class OperatorState:
         """Reserve in the ledger (raises ``AllocationError`` unless ``force``)."""
         self.ledger.reserve(key, allocation, force=force)
         self.dirty_nodes.add(allocation.node)
+        self._track_quota(allocation.pod_uid, key)
 
     def release_pod(self, uid: str) -> list[str]:
         """Release every reservation of a pod (idempotent). Returns the released keys."""
         node = self.ledger.pod_node(uid)
         released = self.ledger.release(uid)
+        self.quotas.set_pod(uid, "", None)
         for k in released:
             self.claim_uids.pop(k, None)
         if node is not None:
@@ -204,3 +247,26 @@ class OperatorState:
         self.ledger.release(key)
         if alloc is not None:
             self.dirty_nodes.add(alloc.node)
+            self._track_quota(alloc.pod_uid, key)
+
+    # ----- quotas (kvgpu.allocator.quota) ------------------------------------------------------
+    def _track_quota(self, uid: str, key: str) -> None:
+        """Record pod ``uid``'s usage from what the ledger holds for it now (O(its keys)). The
+        namespace is the reservation key's (``<namespace>/<claim>``)."""
+        held = [self.ledger.reservation(k) for k in self.ledger.pod_keys(uid)]
+        containers = [ca for a in held if a is not None for ca in a.containers]
+        self.quotas.set_pod(uid, key.partition("/")[0], pod_usage(containers) if containers else None)
+
+    def quota_refusal(self, req: PodRequest) -> str | None:
+        """Why ``req`` surely passes a quota of its namespace, from the request alone (a lower
+        bound of what it would get: :func:`kvgpu.allocator.quota.request_floor`), or None."""
+        return self.quotas.check(req.namespace, request_floor(req.containers), req.uid)
+
+    def check_quota(self, namespace: str, allocation: PodAllocation) -> None:
+        """Raise :class:`kvgpu.allocator.quota.QuotaExceeded` when the pod holding
+        ``allocation`` (besides what it holds already) would pass a quota of ``namespace``. Call
+        it between ``ledger.allocate`` and :meth:`reserve` with no ``await`` in between."""
+        uid = allocation.pod_uid
+        held = [self.ledger.reservation(k) for k in self.ledger.pod_keys(uid)]
+        containers = [ca for a in held if a is not None for ca in a.containers]
+        self.quotas.require(namespace, pod_usage([*containers, *allocation.containers]), uid)

@@ -91,10 +91,13 @@ class CardRow:
     pods: int | None
     health: str
     note: str
+    physical_mib: int | None = None  # the card's own memory (MEMORY's total is virtual: x memoryScaling)
+    state: str = ""  # "Overcommitted (slots 5/2)": more in use than the pool's shape allows now
 
     def cells(self, wide: bool = False) -> list[str]:
         c = [self.node, str(self.index), self.model, self.pool or UNKNOWN, used_total(self.slots),
-             used_total(self.memory_mib), used_total(self.cores), self.health]
+             used_total(self.memory_mib), UNKNOWN if self.physical_mib is None else str(self.physical_mib),
+             used_total(self.cores), self.health, self.state or UNKNOWN]
         if wide:
             c[3:3] = [self.uuid]
             c += [UNKNOWN if self.pods is None else str(self.pods), self.note]
@@ -107,7 +110,8 @@ class CardRow:
         return d
 
 
-CARD_HEADERS = ["NODE", "GPU", "MODEL", "POOL", "SLOTS", "MEMORY(MiB)", "CORES(%)", "HEALTH"]
+CARD_HEADERS = ["NODE", "GPU", "MODEL", "POOL", "SLOTS", "MEMORY(MiB)", "PHYSICAL(MiB)", "CORES(%)", "HEALTH",
+                "STATE"]
 CARD_HEADERS_WIDE = [*CARD_HEADERS[:3], "UUID", *CARD_HEADERS[3:], "PODS", "NOTE"]
 
 
@@ -137,10 +141,27 @@ def _totals_from_inventory(card: Mapping[str, Any]) -> tuple[int | None, int | N
     return (slots, mem, cores)
 
 
+def card_state(slots: tuple[int | None, int | None], mem: tuple[int | None, int | None],
+               cores: tuple[int | None, int | None], physical: int | None) -> str:
+    """``Overcommitted (slots 5/2)`` when a card holds more than its pool's shape allows now (the
+    pool was shrunk under live slices: no new slices there until enough end); else
+    ``Oversubscribed (6000/4000 MiB physical)`` when the slices' memory limits sum past the card's
+    physical memory (memoryScaling > 1: a tenant can get CUDA's out-of-memory before its limit);
+    else ``""``."""
+    over = [f"{what} {u}/{t}" for what, (u, t) in (("slots", slots), ("memory", mem), ("cores", cores))
+            if u is not None and t is not None and u > t]
+    if over:
+        return f"Overcommitted ({', '.join(over)})"
+    if physical is not None and mem[0] is not None and mem[0] > physical:
+        return f"Oversubscribed ({mem[0]}/{physical} MiB physical)"
+    return ""
+
+
 def card_rows(nodes: Iterable[Mapping[str, Any]]) -> list[CardRow]:
     """A row per card of every node that has an inventory or an allocation summary, sorted by
     node and card index. Used amounts come from the operator's summary (``-`` without one);
-    health from the agent's inventory; a card the allocator does not slice says why in ``note``."""
+    health and physical memory from the agent's inventory; ``state`` from :func:`card_state`; a
+    card the allocator does not slice says why in ``note``."""
     rows: list[CardRow] = []
     for node in nodes:
         name = str((node.get("metadata") or {}).get("name", ""))
@@ -169,9 +190,11 @@ def card_rows(nodes: Iterable[Mapping[str, Any]]) -> list[CardRow]:
                 pool = str((ic.get("slicing") or {}).get("pool") or "")
                 pods = None
                 note = "no allocation summary yet" if ic.get("slicing") else "no VGPUPool covers the card"
+            phys = int(ic["memoryMiB"]) if ic is not None and isinstance(ic.get("memoryMiB"), int) else None
             rows.append(CardRow(
                 node=name, index=int(base.get("index", -1)), uuid=uuid, model=str(base.get("model", "")),
                 pool=pool, slots=slots, memory_mib=mem, cores=cores, pods=pods, health=_health(ic), note=note,
+                physical_mib=phys, state=card_state(slots, mem, cores, phys),
             ))
     rows.sort(key=lambda r: (r.node, r.index, r.uuid))
     return rows
