@@ -27,6 +27,13 @@
 
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
 #define CU_NOT_READY 600
+/* Kernels at least this long on average are measured one by one (an event before and after
+ * each launch: a few us of CPU against >= 200 us of GPU). The application's own waits cannot be
+ * relied on to end a batch: the CUDA runtime's cudaDeviceSynchronize reaches the driver through
+ * its private export table, not through a hook (measured on the H200), so a batch of a long
+ * kernel the application waited for would otherwise close at the next launch, idle time
+ * included. */
+#define LONG_KERNEL_NS 200000ull
 
 
 static struct {
@@ -251,6 +258,8 @@ static void gate_slow(int d, CUstream s)
         poll_batches(g, 0);
     }
     batch_open(g, s);
+    if (g->est_ns >= LONG_KERNEL_NS)
+        atomic_store(&g->open_until, 0); /* long kernels: one launch per batch */
     /* This launch: charged and counted like one of the fast path. */
     if (!g->measure_only)
         atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
@@ -290,6 +299,24 @@ void vgpu_compute_gate(CUstream s)
     if (vgpu_gate_fast(&vgpu.gate[d], now, now, s))
         return;
     gate_slow(d, s);
+}
+
+/* After a launch: long kernels close their one-launch batch right behind it. */
+static inline void compute_after(CUstream s)
+{
+    if (__builtin_expect(!vgpu.compute_limited, 1))
+        return;
+    int d = gate_of_current();
+    if (d < 0)
+        return;
+    struct vgpu_gate *g = &vgpu.gate[d];
+    if (g->est_ns < LONG_KERNEL_NS || !g->cur.ev_open)
+        return;
+    pthread_mutex_lock(&g->mu);
+    int st = 0;
+    if (!(fn.capturing && fn.capturing(s, &st) == CUDA_SUCCESS && st != 0))
+        batch_close(g, s, 1);
+    pthread_mutex_unlock(&g->mu);
 }
 
 void vgpu_compute_sync(CUstream s, int whole_ctx)
@@ -335,7 +362,9 @@ VGPU_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s);
-    return REAL(H_LAUNCH, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+    CUresult rc = REAL(H_LAUNCH, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+    compute_after(s);
+    return rc;
 }
 
 VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
@@ -343,21 +372,27 @@ VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, un
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
-    return REAL(H_LAUNCH_PTSZ, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+    CUresult rc = REAL(H_LAUNCH_PTSZ, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+    compute_after(s ? s : CU_STREAM_PER_THREAD);
+    return rc;
 }
 
 VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
 {
     BROKEN_GUARD();
     vgpu_compute_gate(c ? c->hStream : NULL);
-    return REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+    CUresult rc = REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+    compute_after(c ? c->hStream : NULL);
+    return rc;
 }
 
 VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
 {
     BROKEN_GUARD();
     vgpu_compute_gate(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
-    return REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+    CUresult rc = REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+    compute_after(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
+    return rc;
 }
 
 VGPU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
@@ -365,7 +400,9 @@ VGPU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned 
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s);
-    return REAL(H_COOP, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+    CUresult rc = REAL(H_COOP, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+    compute_after(s);
+    return rc;
 }
 
 VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
@@ -374,15 +411,18 @@ VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsi
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
-    return REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+    CUresult rc = REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+    compute_after(s ? s : CU_STREAM_PER_THREAD);
+    return rc;
 }
 
 static CUresult graph_launch(int idx, CUgraphExec g, CUstream s)
 {
     vgpu_compute_gate(s);
-    if (mode() != M_LIMITED)
-        return REAL(idx, CUresult(*)(CUgraphExec, CUstream))(g, s);
-    return vgpu_mem_graph_launch(idx, g, s); /* graph memory: vgpu_cuda_mem.c */
+    CUresult rc = mode() != M_LIMITED ? REAL(idx, CUresult(*)(CUgraphExec, CUstream))(g, s)
+                                      : vgpu_mem_graph_launch(idx, g, s); /* graph memory: vgpu_cuda_mem.c */
+    compute_after(s);
+    return rc;
 }
 
 VGPU_API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)

@@ -16,6 +16,7 @@
  *   cuprog work sat SECS KERNEL_US SYNC_EVERY [STREAMS]   saturating loop over STREAMS streams
  *   cuprog work req SECS KERNEL_US NKERNELS PERIOD_MS     a request of NKERNELS kernels (then a
  *       stream sync) every PERIOD_MS; latency from the request's arrival to the sync's return
+ *   (CUPROG_HIDDEN_SYNC=1: the waits go where the shim cannot see them, like cudart's)
  *   (work: the stub driver with STUB_GRID_US=1 runs each kernel for gridDimX us; it prints the
  *   share of wall time its kernels ran, per second too, from the stub's stubDoneNs)
  */
@@ -300,6 +301,21 @@ static int cmp_d(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* CUPROG_HIDDEN_SYNC=1: wait through the stub's stubHiddenSync, a path the shim does not see
+ * (the CUDA runtime's cudaDeviceSynchronize reaches the real driver that way). */
+static CUresult work_sync(CUstream s)
+{
+    static int hidden = -1;
+    static CUresult (*fn)(CUstream);
+    if (hidden < 0) {
+        const char *v = getenv("CUPROG_HIDDEN_SYNC");
+        hidden = v && *v == '1';
+        if (hidden)
+            fn = (CUresult(*)(CUstream))dlsym(RTLD_DEFAULT, "stubHiddenSync");
+    }
+    return hidden && fn ? fn(s) : cuStreamSynchronize(s);
+}
+
 static int cmd_work(int argc, char **argv)
 {
     const char *mode = argv[2];
@@ -327,7 +343,7 @@ static int cmd_work(int argc, char **argv)
         if (!strcmp(mode, "sat")) {
             rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[n % ns], NULL, NULL);
             if (++n % (a > 0 ? a : 1) == 0)
-                cuStreamSynchronize(st[n % ns]);
+                work_sync(st[n % ns]);
         } else {
             if (t < next) {
                 struct timespec ts = {0, (long)((next - t) * 1e9)};
@@ -336,7 +352,7 @@ static int cmd_work(int argc, char **argv)
             }
             for (long i = 0; i < a && !rc; i++, n++)
                 rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
-            cuStreamSynchronize(NULL);
+            work_sync(NULL);
             if (nreq < 100000)
                 lat[nreq++] = (now_s() - next) * 1e3;
             next += b / 1e3;

@@ -398,6 +398,9 @@ API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
 }
 API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) { return launch(s ? s : (CUstream)2, 1); }
 API CUresult cuStreamSynchronize(CUstream s) { return drain(s); }
+/* The same wait under a name the shim does not hook: how the CUDA runtime reaches the real
+ * driver for cudaDeviceSynchronize (its private export table), which no preload sees. */
+API CUresult stubHiddenSync(CUstream s) { return drain(s); }
 API CUresult cuCtxSynchronize(void) { return drain(NULL); }
 API CUresult cuStreamIsCapturing(CUstream s, int *st) { *st = hidden_capturing(s); return OK; }
 API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); return stream_done(cur_ctx, s) > stub_now() ? 600 : OK; }
