@@ -12,10 +12,12 @@ pod run one at a time, a retry of a pod this process already bound elsewhere is 
    0 the pod is not read (filter had it a moment ago): the Binding's UID precondition and its
    409 for a bound pod catch what the read would, and a claim that already exists makes the
    bind read the pod after all;
-2. ``allocate`` + ``reserve`` in the ledger (unless step 0 did, for the same request), one key
-   per container claim, with no ``await`` in between (this is what makes concurrent binds on
-   one node safe without a node lock); a retry that finds this pod's reservations on the same
-   node reuses them;
+2. ``allocate`` + the namespace's quotas (:meth:`OperatorState.check_quota`: the pod's usage
+   from the grants, refused with the quota, used, requested and hard amounts) + ``reserve`` in
+   the ledger (unless step 0 did, for the same request, with the same check), one key per
+   container claim, with no ``await`` in between (this is what makes concurrent binds on one
+   node safe without a node lock, and binds of one namespace unable to pass a quota together);
+   a retry that finds this pod's reservations on the same node reuses them;
 3. create one VGPUClaim per sliced container (deterministic name; an existing claim of the
    same pod UID on this node is accepted, one on another node of the still unbound pod is a
    leftover of a bind cut short and is replaced, one of another pod is an error);
@@ -179,6 +181,7 @@ class Binder:
         req = PodRequest(ns, name, uid, hint.containers, hint.node_policy, hint.gpu_policy)
         try:
             alloc = self.state.ledger.allocate(req, node)
+            self.state.check_quota(ns, alloc)  # QuotaExceeded (an AllocationError): same step
             for ca in alloc.containers:
                 key = claim_key(ns, claim_name(name, ca.container, uid))
                 self.state.reserve(key, PodAllocation(uid, node, (ca,)))
@@ -287,6 +290,7 @@ class Binder:
             self.state.release_pod(args.pod_uid)  # a retry towards another node
             try:
                 alloc = self.state.ledger.allocate(req, node)
+                self.state.check_quota(ns, alloc)  # namespace quotas, in the same synchronous step
                 for ca in alloc.containers:
                     self.state.reserve(ckeys[ca.container], PodAllocation(args.pod_uid, node, (ca,)))
             except (AllocationError, ValueError) as e:

@@ -107,6 +107,8 @@ class Extender:
                 return web.json_response(filter_result(args, list(args.node_names), {}))
             if not keys.webhook_admitted(args.pod):
                 return web.json_response(filter_result(args, [], dict.fromkeys(args.node_names, keys.NOT_ADMITTED)))
+            if (over := self.state.quota_refusal(req)) is not None:  # before preemption: no eviction for it
+                return web.json_response(await self._over_quota(args, over))
             req, feasible, reasons = self.preemption.filter(args.pod, req, args.node_names)
             if notes := self.state.conflict_notes:  # pools in conflict: the real cause, on those nodes
                 reasons = {n: r + notes.get(n, "") for n, r in reasons.items()}
@@ -128,6 +130,21 @@ class Extender:
             return web.json_response(filter_result(args, [], {}, f"kvgpu filter failed: {e!r}"))
         finally:
             self.metrics.extender_latency.labels(verb="filter").observe(time.perf_counter() - t0)
+
+    async def _over_quota(self, args: Any, why: str) -> dict[str, Any]:
+        """Filter's answer for a pod that surely passes a namespace quota: every node fails with
+        the quota's message (kube-scheduler's FailedScheduling event shows it), the pod waits
+        among the pending ones (requeued when usage frees or a quota changes), and one
+        ``GPUQuotaExceeded`` Event per new reason. The bind checks again with the real grants."""
+        meta = args.pod["metadata"]
+        uid = str(meta.get("uid", ""))
+        self.state.pending[uid] = (str(meta.get("namespace")), str(meta.get("name")))
+        self.metrics.pending.set(len(self.state.pending))
+        if self.last_reasons.get(uid) != why:
+            self.last_reasons[uid] = why
+            await kube.post_event(self.api, {"apiVersion": "v1", "kind": "Pod", "metadata": meta},
+                                  reason="GPUQuotaExceeded", message=why, type_="Warning")
+        return filter_result(args, [], dict.fromkeys(args.node_names, why))
 
     async def _explain(self, pod: dict[str, Any], reasons: dict[str, str]) -> None:
         uid = str(pod["metadata"].get("uid", ""))
