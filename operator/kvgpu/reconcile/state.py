@@ -12,11 +12,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvgpu.allocator.ledger import Ledger
+from kvgpu.allocator.quota import QuotaBook, pod_usage, request_floor
 from kvgpu.api.models import VGPUPool, VGPUPoolSpec
 from kvgpu.api.pools import effective_slicing
 from kvgpu.core import keys
 from kvgpu.core.inventory import NodeInventory
-from kvgpu.core.requests import ContainerAllocation, DeviceGrant, PodAllocation
+from kvgpu.core.requests import ContainerAllocation, DeviceGrant, PodAllocation, PodRequest
 
 
 def invalid_reason(e: ValueError) -> str:
@@ -78,6 +79,8 @@ class OperatorState:
     ready: bool = False
     # node -> what its pods' scheduling failures add when equally specific pools conflict there
     conflict_notes: dict[str, str] = field(default_factory=dict)
+    # namespace quotas and each pod's usage, kept in step with the ledger's reservations
+    quotas: QuotaBook = field(default_factory=QuotaBook)
     # pools the model refuses (valid for the CRD's schema only): name -> (metadata, why). They
     # slice no cards; the status writer gives them Ready=False, reason InvalidSpec.
     invalid_pools: dict[str, tuple[dict[str, Any], str]] = field(default_factory=dict)
@@ -205,6 +208,9 @@ class OperatorState:
             except (KeyError, ValueError, TypeError) as e:
                 problems.append(f"VGPUClaim {c.get('metadata', {}).get('name')}: {e!r}")
         self.ledger = Ledger.rebuild(list(self.sliced.values()), reservations)
+        self.quotas.clear_pods()
+        for key, alloc in sorted(self.ledger.reservations().items()):
+            self._track_quota(alloc.pod_uid, key)
         self.dirty_nodes.update(self.nodes)
         return problems
 
@@ -222,11 +228,13 @@ class OperatorState:
         """Reserve in the ledger (raises ``AllocationError`` unless ``force``)."""
         self.ledger.reserve(key, allocation, force=force)
         self.dirty_nodes.add(allocation.node)
+        self._track_quota(allocation.pod_uid, key)
 
     def release_pod(self, uid: str) -> list[str]:
         """Release every reservation of a pod (idempotent). Returns the released keys."""
         node = self.ledger.pod_node(uid)
         released = self.ledger.release(uid)
+        self.quotas.set_pod(uid, "", None)
         for k in released:
             self.claim_uids.pop(k, None)
         if node is not None:
@@ -239,3 +247,26 @@ class OperatorState:
         self.ledger.release(key)
         if alloc is not None:
             self.dirty_nodes.add(alloc.node)
+            self._track_quota(alloc.pod_uid, key)
+
+    # ----- quotas (kvgpu.allocator.quota) ------------------------------------------------------
+    def _track_quota(self, uid: str, key: str) -> None:
+        """Record pod ``uid``'s usage from what the ledger holds for it now (O(its keys)). The
+        namespace is the reservation key's (``<namespace>/<claim>``)."""
+        held = [self.ledger.reservation(k) for k in self.ledger.pod_keys(uid)]
+        containers = [ca for a in held if a is not None for ca in a.containers]
+        self.quotas.set_pod(uid, key.partition("/")[0], pod_usage(containers) if containers else None)
+
+    def quota_refusal(self, req: PodRequest) -> str | None:
+        """Why ``req`` surely passes a quota of its namespace, from the request alone (a lower
+        bound of what it would get: :func:`kvgpu.allocator.quota.request_floor`), or None."""
+        return self.quotas.check(req.namespace, request_floor(req.containers), req.uid)
+
+    def check_quota(self, namespace: str, allocation: PodAllocation) -> None:
+        """Raise :class:`kvgpu.allocator.quota.QuotaExceeded` when the pod holding
+        ``allocation`` (besides what it holds already) would pass a quota of ``namespace``. Call
+        it between ``ledger.allocate`` and :meth:`reserve` with no ``await`` in between."""
+        uid = allocation.pod_uid
+        held = [self.ledger.reservation(k) for k in self.ledger.pod_keys(uid)]
+        containers = [ca for a in held if a is not None for ca in a.containers]
+        self.quotas.require(namespace, pod_usage([*containers, *allocation.containers]), uid)
