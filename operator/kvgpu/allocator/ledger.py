@@ -489,6 +489,24 @@ class Ledger:
             return {name: n.util if (n := get(name)) else -1.0 for name in nodes}
         return {name: 1.0 - n.util if (n := get(name)) else -1.0 for name in nodes}
 
+    def card_codes(self, pod: PodRequest, node: str) -> dict[str, tuple[int | None, ...]]:
+        """Per container of ``pod``, placed alone on ``node`` as it is now: each card's first
+        failing rule (a reason code of :mod:`kvgpu.allocator.fit`, cards in index order) or None
+        where the container fits. For explanations (``kubectl vgpu simulate``), not decisions.
+        Raises ``KeyError`` for an unknown node, ``ValueError`` for an invalid request."""
+        st = self._nodes[node]
+        out: dict[str, tuple[int | None, ...]] = {}
+        for n in _needs(pod):
+            codes: list[int | None] = []
+            for c in st.cards:
+                code = F.selectable(c, n)
+                if code is None:
+                    r = F.fit(c, n, None)
+                    code = r if isinstance(r, int) else None
+                codes.append(code)
+            out[n.req.container] = tuple(codes)
+        return out
+
     def allocate(self, pod: PodRequest, node: str) -> PodAllocation:
         """Pick the cards for every container of ``pod`` on ``node`` (by the pod's
         ``gpu_policy``) without reserving them. Raises :class:`AllocationError` with the

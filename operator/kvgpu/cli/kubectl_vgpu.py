@@ -8,6 +8,9 @@
     kubectl vgpu why POD [-n NS] [-o json]
         why a pod is pending: its request as kvgpu reads it (or what is invalid in it), the
         NoGPUCapacity/FailedScheduling events, and which nodes have room now
+    kubectl vgpu simulate -f FILE [-n NS] [--nodes N --cards K --card-memory MIB --model M] [-o json]
+        would these pods fit now: node and cards per pod, else the binding constraint and what
+        would have to free up (kvgpu.cli.simulate); exit status 1 when some pod does not fit
 
 kubectl's connection flags work before or after the sub-command: ``--kubeconfig``,
 ``--context``, ``-n/--namespace``, ``-A/--all-namespaces``. The namespace defaults to the
@@ -316,6 +319,62 @@ def why_cmd(obj: KubeOptions, pod: str, **kw: Any) -> None:
         _emit_json(ex.to_json())
         return
     click.echo(views.format_explanation(ex))
+
+
+@main.command("simulate")
+@click.option("-f", "--filename", "files", multiple=True, required=True,
+              help="Pods, Deployments, ReplicaSets, StatefulSets, Jobs, CronJobs or a List (YAML/JSON; - = stdin)")
+@click.option("--nodes", "n_nodes", type=click.IntRange(1, 100000), default=None,
+              help="a hypothetical cluster of this many nodes instead of the live one")
+@click.option("--cards", type=click.IntRange(1, 64), default=8, show_default=True, help="cards per hypothetical node")
+@click.option("--card-memory", type=click.IntRange(1, 1 << 20), default=143771, show_default=True,
+              help="MiB per hypothetical card")
+@click.option("--model", default="NVIDIA H200", show_default=True, help="hypothetical card model")
+@click.option("--split-count", type=click.IntRange(1, 100), default=10, show_default=True,
+              help="hypothetical pool's splitCount")
+@click.option("--memory-scaling", type=click.FloatRange(0, 16, min_open=True), default=1.0, show_default=True,
+              help="hypothetical pool's memoryScaling")
+@_kube_options
+@click.pass_obj
+def simulate_cmd(obj: KubeOptions, files: tuple[str, ...], n_nodes: int | None, cards: int, card_memory: int,
+                 model: str, split_count: int, memory_scaling: float, **kw: Any) -> None:
+    """Would these pods fit now? On which nodes and cards; for the others, the binding
+    constraint and what would have to free up. Decided by the operator's own allocator on the
+    cluster's nodes, pools and claims (or on a hypothetical cluster with --nodes)."""
+    from kvgpu.cli import simulate as sim
+    from kvgpu.reconcile.state import OperatorState
+
+    opts = obj.merged(**kw)
+    try:
+        ns = opts.namespace or ("default" if n_nodes is not None else _current_namespace(opts))
+        pods = sim.expand(sim.load(files), ns)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    problems: list[str] = []
+    if n_nodes is not None:
+        nodes, pools = sim.hypothetical(n_nodes, cards, card_memory, model, split_count=split_count,
+                                        memory_scaling=memory_scaling)
+        state, holders = OperatorState(), {}
+        state.rebuild(nodes, pools, [])
+    else:
+        async def run() -> Any:
+            async with connect(opts) as api:
+                try:
+                    return await sim.live_state(api)
+                except Exception as e:
+                    raise _api_error(e, "listing nodes, pools and claims") from e
+
+        state, holders, problems = asyncio.run(run())
+    verdicts = sim.simulate(state, pods, holders=holders, quota=getattr(state, "quota_refusal", None))
+    if opts.output == "json":
+        _emit_json({"pods": [v.to_json() for v in verdicts], "problems": problems})
+    else:
+        click.echo(views.table(sim.HEADERS, sim.rows(verdicts)))
+        for line in sim.details(verdicts):
+            click.echo(line)
+        click.echo(sim.summary(verdicts))
+    if not all(v.fits for v in verdicts):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
