@@ -12,6 +12,9 @@ unlimited), BASELINE (results.json of an earlier run whose native runs serve whe
 native), KVGPU_TREE (the kvgpu tree under test, default this one), KVGPU_LIB, HAMI_LIB, SUITE_CU
 (the built libraries and driver-API program), SUITE_STATIC_SCHEDULE=1 (no agent Scheduler), PY.
 
+MODES may include mps: the kvgpu shim with mode=mps claims, as MPS clients of one MPS control
+daemon this run starts for the card (private pipe and log folders) and quits at the end.
+
 Every run is one or more processes on the card alone. A sampler thread in this process (never
 preloaded) reads NVML: nvmlDeviceGetSamples(GPU_UTILIZATION) — the driver's own record of the
 fraction of each sample period in which a kernel ran, every sample period, so nothing between
@@ -98,6 +101,7 @@ class Config:
     suite_cu: str
     uuid: str = ""
     sched_dir: str = ""
+    mps_dir: str = ""  # mode mps: the card's MPS control daemon (pipe/, log/), as the agent runs it
     fake: bool = False
     baseline: dict[str, Any] = field(default_factory=dict)
 
@@ -364,6 +368,11 @@ def mode_env(cfg: Config, mode: str, t: Tenancy) -> dict[str, str]:
     if mode == "kvgpu":
         return {"LD_PRELOAD": cfg.kvgpu_lib, "KVGPU_REGION_DIR": t.cdir, "KVGPU_SCHED_DIR": cfg.sched_dir,
                 "KVGPU_CLAIM": f"v1;claim=bench/{t.cid};priority={t.prio};dev={cfg.uuid},{t.mem_mib},{t.cores}"}
+    if mode == "mps":  # the kvgpu shim with a mode=mps claim: an MPS client of the card's daemon
+        return {"LD_PRELOAD": cfg.kvgpu_lib, "KVGPU_REGION_DIR": t.cdir,
+                "CUDA_MPS_PIPE_DIRECTORY": os.path.join(cfg.mps_dir, "pipe"),
+                "KVGPU_CLAIM": f"v1;claim=bench/{t.cid};priority={t.prio};dev={cfg.uuid},{t.mem_mib},{t.cores}"
+                               ";mode=mps"}
     if mode == "hami":
         e = {"LD_PRELOAD": cfg.hami_lib, "CUDA_REDIRECT": cfg.hami_lib,
              "CUDA_DEVICE_MEMORY_LIMIT": f"{t.mem_mib}m",
@@ -657,7 +666,7 @@ def fake_group_busy(tenants: list[tuple[int, int]], i: int, mode: str) -> float:
 
 
 def fake_mem(case: str, mode: str, limit: int) -> float:
-    return {"native": 3100.0, "hami": limit * 1.4, "kvgpu": limit * 0.95}[mode]
+    return {"native": 3100.0, "hami": limit * 1.4, "kvgpu": limit * 0.95, "mps": limit * 0.95}[mode]
 
 
 def fake_wl(kind: str, secs: float, calib: str | None, ready: str | None, go: str | None) -> None:
@@ -1113,7 +1122,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     runs = doc["runs"]
     modes = [m for m in doc["env"].get("modes", []) if m != "native"]
-    colors = {"hami": "tab:orange", "kvgpu": "tab:blue", "native": "tab:gray"}
+    colors = {"hami": "tab:orange", "kvgpu": "tab:blue", "mps": "tab:green", "native": "tab:gray"}
     fig, ax = plt.subplots(2, 2, figsize=(16, 10))
     # (a) busy share per single workload
     labels: list[str] = []
@@ -1266,10 +1275,53 @@ def cost(cfg: Config, kind: str, args: Any) -> float:
     return cfg.secs + 7
 
 
+class MpsDaemon:
+    """Mode mps: one MPS control daemon for the card, with its own pipe and log folders (what
+    kvgpu.agent.mps runs per card on a node), quit at the end."""
+
+    def __init__(self, root: Path, uuid: str, fake: bool) -> None:
+        self.root, self.fake = root, fake
+        self.env = {**base_env(), "CUDA_VISIBLE_DEVICES": uuid, "CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
+
+    def start(self) -> str:
+        """'' when the daemon runs, else why not."""
+        for d in ("pipe", "log"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        if self.fake:
+            return ""
+        try:
+            p = subprocess.run(["nvidia-cuda-mps-control", "-d"], env=self.env, capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"nvidia-cuda-mps-control: {e}"
+        return "" if p.returncode == 0 else f"nvidia-cuda-mps-control -d: rc {p.returncode} {p.stderr[-300:]!r}"
+
+    def stop(self) -> None:
+        if not self.fake:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=self.env, timeout=30)
+
+
 def run_suite(cfg: Config, sampler: NvmlSampler) -> dict[str, Any]:
+    mps = None
+    if "mps" in cfg.modes:
+        cfg.mps_dir = tempfile.mkdtemp(prefix="kvgpu-suite-mps-")
+    try:
+        sampler.start()
+        cfg.uuid = cfg.uuid or sampler.uuid
+        if "mps" in cfg.modes:
+            mps = MpsDaemon(Path(cfg.mps_dir), cfg.uuid, cfg.fake)
+            if why := mps.start():
+                print(f"mode mps left out: {why}", file=sys.stderr)
+                cfg.modes = [m for m in cfg.modes if m != "mps"]
+        return _run_suite(cfg, sampler)
+    finally:
+        if mps is not None:
+            mps.stop()
+
+
+def _run_suite(cfg: Config, sampler: NvmlSampler) -> dict[str, Any]:
     cfg.out.mkdir(parents=True, exist_ok=True)
-    sampler.start()
-    cfg.uuid = cfg.uuid or sampler.uuid
     runner = Runner(cfg, sampler)
     cfg.sched_dir = str(runner.tmp / "sched")
     Path(cfg.sched_dir).mkdir()
