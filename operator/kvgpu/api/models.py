@@ -270,7 +270,15 @@ class VGPUPoolSpec(_Model):
         default=1.0,
         gt=0,
         le=16,
-        description="Virtual memory / physical memory per card; above 1 oversubscribes memory.",
+        description=(
+            "Virtual memory / physical memory per card; above 1 oversubscribes memory: the slices' "
+            "limits may sum past the card. Each limit is then a ceiling, not a promise: while the card "
+            "has physical memory left a container allocates up to its limit; once the card is "
+            "physically full its next allocation fails with CUDA's out-of-memory error below its "
+            "limit (the driver's own), it never gets another container's memory, and free memory "
+            "(cuMemGetInfo, NVML, nvidia-smi) shows min(limit left, physical free). No spill to host "
+            "memory (docs/user-guide.md)."
+        ),
     )
     core_scaling: float = Field(
         default=1.0,
