@@ -146,7 +146,8 @@ async def create_binding(
 
 @retry_transient
 async def list_all(api: client.ApiClient, kind: str) -> list[dict[str, Any]]:
-    """List ``nodes``, ``vgpupools``, ``vgpuclaims`` (all namespaces) or kvgpu-managed ``pods``."""
+    """List ``nodes``, ``vgpupools``, ``vgpuclaims``, ``vgpuquotas``, ``resourcequotas`` (all
+    namespaces) or kvgpu-managed ``pods``."""
     if kind == "nodes":
         nodes = await _raw(await client.CoreV1Api(api).list_node(_preload_content=False))
         return list(nodes.get("items") or [])
@@ -160,6 +161,11 @@ async def list_all(api: client.ApiClient, kind: str) -> list[dict[str, Any]]:
         return (await co.list_cluster_custom_object(keys.GROUP, keys.VERSION, "vgpupools"))["items"]
     if kind == "vgpuclaims":
         return (await co.list_cluster_custom_object(keys.GROUP, keys.VERSION, "vgpuclaims"))["items"]
+    if kind == "vgpuquotas":
+        return (await co.list_cluster_custom_object(keys.GROUP, keys.VERSION, "vgpuquotas"))["items"]
+    if kind == "resourcequotas":
+        res = await client.CoreV1Api(api).list_resource_quota_for_all_namespaces(_preload_content=False)
+        return list((await _raw(res)).get("items") or [])
     raise ValueError(kind)
 
 
@@ -201,6 +207,20 @@ async def patch_claim_status(api: client.ApiClient, namespace: str, name: str, s
     try:
         await _discard(await client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
             keys.GROUP, keys.VERSION, namespace, "vgpuclaims", name, {"status": status}, _content_type=MERGE,
+            _preload_content=False))
+        return True
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+
+
+async def patch_vgpuquota_status(api: client.ApiClient, namespace: str, name: str,
+                                 status: dict[str, Any]) -> bool:
+    """Merge ``status`` into a VGPUQuota's status; False when the quota is gone."""
+    try:
+        await _discard(await client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+            keys.GROUP, keys.VERSION, namespace, "vgpuquotas", name, {"status": status}, _content_type=MERGE,
             _preload_content=False))
         return True
     except ApiException as e:

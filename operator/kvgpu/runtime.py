@@ -116,6 +116,7 @@ class Runtime:
     active: bool = True  # False on a standby replica (leader election)
     watches: dict[str, ListWatch] = field(default_factory=dict)
     fault_log: faults.FaultLog = field(default_factory=lambda: faults.FaultLog(log))
+    quota_sync: Any = None  # kvgpu.reconcile.quotas.QuotaSync, made on first use (quotas())
 
     # ----- start / stop ------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -134,6 +135,9 @@ class Runtime:
         self.watches = {
             "nodes": ListWatch(self.api, "/api/v1/nodes", self.on_node, project=_node_projection),
             "vgpuclaims": ListWatch(self.api, claims_path, self.on_claim, project=_claim_projection),
+            "resourcequotas": ListWatch(self.api, "/api/v1/resourcequotas", self.quotas().on_resource_quota),
+            "vgpuquotas": ListWatch(self.api, f"/apis/{keys.GROUP}/{keys.VERSION}/vgpuquotas",
+                                    self.quotas().on_vgpu_quota),
         }
         self._tasks = [
             *(asyncio.create_task(w.run(), name=f"kvgpu-watch-{n}") for n, w in self.watches.items()),
@@ -262,8 +266,17 @@ class Runtime:
         problems = self.state.rebuild(nodes, pools, claims)
         for p in problems + self.state.ledger.problems():
             log.warning("rebuild problem", problem=p)
+        await self.quotas().load(self.api)  # the namespaces' quotas, before any bind is answered
         self.state.ready = True
         self.metrics.ledger_rebuild.set(time.perf_counter() - t0)
+
+    def quotas(self) -> Any:
+        """The namespace-quota adapter (:class:`kvgpu.reconcile.quotas.QuotaSync`)."""
+        if self.quota_sync is None:
+            from kvgpu.reconcile.quotas import QuotaSync
+
+            self.quota_sync = QuotaSync(self.state, self.nudge_pending)
+        return self.quota_sync
 
     async def start_webhooks(self) -> None:
         """Start the admission worker processes and a watchdog that stops the operator if one
@@ -509,6 +522,7 @@ class Runtime:
             except BaseException:
                 self.pools_dirty = True
                 raise
+        await self.quotas().flush(self.api)  # VGPUQuota status of namespaces whose usage changed
 
     def _pool_topology(self) -> dict[str, tuple[int, int, frozenset[str]]]:
         """Per pool: (covered cards, healthy covered cards, pools it conflicts with). Recomputed

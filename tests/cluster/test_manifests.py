@@ -20,7 +20,7 @@ import yaml
 from kvgpu.devcluster import Cluster
 
 EXPECTED = {
-    "Namespace": 1, "CustomResourceDefinition": 2,
+    "Namespace": 1, "CustomResourceDefinition": 3,
     "ServiceAccount": 3, "ClusterRole": 5, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
     "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
@@ -127,6 +127,10 @@ ALLOWED = [
     ("kvgpu-operator", "patch", "kvgpu.io", "vgpuclaims", "status", "team"),
     ("kvgpu-operator", "watch", "kvgpu.io", "vgpupools", "", ""),
     ("kvgpu-operator", "patch", "kvgpu.io", "vgpupools", "status", ""),
+    ("kvgpu-operator", "list", "", "resourcequotas", "", ""),
+    ("kvgpu-operator", "watch", "", "resourcequotas", "", ""),
+    ("kvgpu-operator", "watch", "kvgpu.io", "vgpuquotas", "", ""),
+    ("kvgpu-operator", "patch", "kvgpu.io", "vgpuquotas", "status", "team"),
     ("kvgpu-operator", "create", "coordination.k8s.io", "leases", "", "kvgpu-system"),
     ("kvgpu-operator", "update", "coordination.k8s.io", "leases", "", "kvgpu-system", "kvgpu-operator"),
     ("kvgpu-agent", "patch", "", "nodes", "", ""),
@@ -147,6 +151,10 @@ DENIED = [
     ("kvgpu-operator", "get", "", "secrets", "", "kvgpu-system"),
     ("kvgpu-operator", "update", "coordination.k8s.io", "leases", "", "kube-system", "kvgpu-operator"),
     ("kvgpu-operator", "update", "kvgpu.io", "vgpupools", "", ""),
+    ("kvgpu-operator", "update", "", "resourcequotas", "", "team"),
+    ("kvgpu-operator", "patch", "", "resourcequotas", "status", "team"),
+    ("kvgpu-operator", "patch", "kvgpu.io", "vgpuquotas", "", "team"),
+    ("kvgpu-operator", "create", "kvgpu.io", "vgpuquotas", "", "team"),
     ("kvgpu-operator", "create", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", ""),
     ("kvgpu-agent", "patch", "", "pods", "", "team"),
     ("kvgpu-agent", "list", "kvgpu.io", "vgpuclaims", "", ""),

@@ -83,6 +83,9 @@ def test_operator_role_covers_its_calls() -> None:
     assert {"create", "delete", "list", "watch", "get"} <= _verbs(role, "kvgpu.io", "vgpuclaims")
     assert _verbs(role, "kvgpu.io", "vgpuclaims/status") == {"patch"}
     assert _verbs(role, "kvgpu.io", "vgpupools/status") == {"patch"}
+    assert _verbs(role, "", "resourcequotas") == {"list", "watch"}  # read only: KCM owns their status
+    assert _verbs(role, "kvgpu.io", "vgpuquotas") == {"list", "watch"}
+    assert _verbs(role, "kvgpu.io", "vgpuquotas/status") == {"patch"}
     lease = _one(_docs("base"), "Role", "kvgpu-operator-lease")
     assert any(r.get("resourceNames") == ["kvgpu-operator"] and set(r["verbs"]) == {"get", "update"}
                for r in lease["rules"])
@@ -326,10 +329,10 @@ def test_images_in_kustomization() -> None:
 
 @pytest.mark.parametrize(("name", "aggregate"), [("kvgpu-view", "aggregate-to-view"),
                                                   ("kvgpu-edit", "aggregate-to-edit")])
-def test_tenant_roles_read_claims_and_pools_only(name: str, aggregate: str) -> None:
+def test_tenant_roles_read_claims_pools_and_quotas_only(name: str, aggregate: str) -> None:
     role = _one(_docs("base"), "ClusterRole", name)
     assert role["metadata"]["labels"][f"rbac.authorization.k8s.io/{aggregate}"] == "true"
-    for resource in ("vgpuclaims", "vgpupools"):
+    for resource in ("vgpuclaims", "vgpupools", "vgpuquotas"):
         assert _verbs(role, "kvgpu.io", resource) == {"get", "list", "watch"}
-    assert {res for r in role["rules"] for res in r["resources"]} == {"vgpuclaims", "vgpupools"}
+    assert {res for r in role["rules"] for res in r["resources"]} == {"vgpuclaims", "vgpupools", "vgpuquotas"}
     assert "rbac-tenants.yaml" in (MANIFESTS / "base" / "kustomization.yaml").read_text()

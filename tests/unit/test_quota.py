@@ -220,3 +220,60 @@ def test_filter_refuses_every_node_naming_the_quota(harness: Any) -> None:
     assert all("VGPUQuota ns/team spec.hard.slices: used 1 + requested 1 > hard 1 (slices)" in r
                for r in failed.values()), failed
     assert "uid-p" in h.state.pending
+
+
+# --------------------------------------------------------------------------- the operator's adapter, the plugin
+
+
+def test_quota_sync_feeds_the_book_and_writes_vgpu_quota_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgpu import kube
+    from kvgpu.reconcile.quotas import QuotaSync
+
+    state = make_state()
+    nudged: list[str] = []
+    sync = QuotaSync(state, nudged.append)
+    written: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def patch(api: Any, ns: str, name: str, status: dict[str, Any]) -> bool:
+        written.append((ns, name, status))
+        return True
+
+    monkeypatch.setattr(kube, "patch_vgpuquota_status", patch)
+    sync.on_resource_quota("ADDED", rq({"limits.nvidia.com/gpumem": "4096"}))
+    assert nudged and state.quotas.quotas("ns")[0].ref == "ResourceQuota ns/gpu"
+    sync.on_resource_quota("MODIFIED", rq({"limits.nvidia.com/gpumem": "4096"}))  # KCM's status write
+    assert len(nudged) == 1
+    vq = {"metadata": {"name": "team", "namespace": "ns", "generation": 2}, "spec": {"hard": {"memory": 8000}}}
+    sync.on_vgpu_quota("ADDED", vq)
+    state.quotas.set_pod("u", "ns", Amounts(2048, 30, 1, 1))
+    asyncio.run(sync.flush(None))
+    [(ns, name, st)] = written
+    assert (ns, name) == ("ns", "team") and st["used"]["memory"] == 2048 and st["observedGeneration"] == 2
+    assert st["hard"] == {"memory": 8000, "cores": None, "cards": None, "slices": None}  # merge patch: null drops
+    sync.on_vgpu_quota("MODIFIED", {**vq, "status": api.vgpu_quota_status(state.quotas.quotas("ns")[1],
+                                                                          Amounts(2048, 30, 1, 1), 2)})
+    asyncio.run(sync.flush(None))
+    assert len(written) == 1, "the object shows the status already: no write"
+    sync.on_resource_quota("DELETED", rq({}))
+    sync.on_vgpu_quota("DELETED", vq)
+    assert state.quotas.quotas("ns") == []
+
+
+def test_kubectl_vgpu_quota_rows_count_live_claims_hami_way() -> None:
+    from kvgpu.cli.vgpu.quota import headers, quota_rows
+
+    def claim(name: str, uid: str, mems: list[int], phase: str = "Bound") -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "ns"}, "status": {"phase": phase},
+                "spec": {"podUID": uid, "node": "n0", "container": "main", "podName": name,
+                         "devices": [{"uuid": f"GPU-{i}", "index": i, "model": "m", "memory": m, "cores": 0}
+                                     for i, m in enumerate(mems)]}}
+
+    rows = quota_rows([rq({"limits.nvidia.com/gpumem": "8Gi", "limits.nvidia.com/gpu": "4"}), rq({"pods": "1"}, "x")],
+                      [{"metadata": {"name": "team", "namespace": "ns"}, "spec": {"hard": {"cards": 3}}}],
+                      [claim("a", "u1", [2048, 2048]), claim("b", "u2", [1000], "Released")])
+    assert [(r.quota, r.resource, r.used, r.hard) for r in rows] == [
+        ("ResourceQuota/gpu", "limits.nvidia.com/gpu", 2, 4),
+        ("ResourceQuota/gpu", "limits.nvidia.com/gpumem", 4096, 8192),
+        ("VGPUQuota/team", "spec.hard.cards", 2, 3)]
+    assert rows[1].cells(False) == ["ResourceQuota/gpu", "limits.nvidia.com/gpumem", "4Gi", "8Gi"]
+    assert headers(True)[0] == "NAMESPACE" and rows[0].cells(True)[0] == "ns"

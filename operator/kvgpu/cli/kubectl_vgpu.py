@@ -11,11 +11,15 @@
     kubectl vgpu simulate -f FILE [-n NS] [--nodes N --cards K --card-memory MIB --model M] [-o json]
         would these pods fit now: node and cards per pod, else the binding constraint and what
         would have to free up (kvgpu.cli.simulate); exit status 1 when some pod does not fit
+    kubectl vgpu quota [-n NS | -A] [-o json]
+        per namespace: each GPU quota (ResourceQuota GPU keys, VGPUQuota) with used/hard as
+        kvgpu counts them at bind (kvgpu.cli.vgpu.quota)
 
 kubectl's connection flags work before or after the sub-command: ``--kubeconfig``,
 ``--context``, ``-n/--namespace``, ``-A/--all-namespaces``. The namespace defaults to the
 context's. Permissions needed: list nodes; list VGPUClaims and VGPUPools; get pods and list
-events in the namespace; for usage, list pods and get pods/proxy in the agents' namespace.
+events in the namespace; for usage, list pods and get pods/proxy in the agents' namespace; for
+quota, list ResourceQuotas, VGPUQuotas and VGPUClaims.
 """
 
 from __future__ import annotations
@@ -375,6 +379,42 @@ def simulate_cmd(obj: KubeOptions, files: tuple[str, ...], n_nodes: int | None, 
         click.echo(sim.summary(verdicts))
     if not all(v.fits for v in verdicts):
         sys.exit(1)
+
+
+@main.command("quota")
+@_kube_options
+@click.pass_obj
+def quota_cmd(obj: KubeOptions, **kw: Any) -> None:
+    """Per namespace: each GPU quota's used/hard (memory MiB, cores in percent-of-card units,
+    cards, slices), counted from the live VGPUClaims as the operator counts them at bind."""
+    from kubernetes_asyncio import client
+
+    from kvgpu.cli.vgpu import quota as qv
+
+    opts = obj.merged(**kw)
+    ns = None if opts.all_namespaces else _current_namespace(opts)
+
+    async def run() -> list[qv.QuotaRow]:
+        async with connect(opts) as api:
+            core = client.CoreV1Api(api)
+            try:
+                rqs = (core.list_resource_quota_for_all_namespaces() if ns is None
+                       else core.list_namespaced_resource_quota(ns))
+                res, vqs, claims = await asyncio.gather(
+                    rqs, _list_custom(api, "vgpuquotas", ns), _list_custom(api, "vgpuclaims", ns))
+            except Exception as e:
+                raise _api_error(e, "listing ResourceQuotas, VGPUQuotas and VGPUClaims") from e
+            return qv.quota_rows(_plain(api, res)["items"], vqs, claims)
+
+    rows = asyncio.run(run())
+    if opts.output == "json":
+        _emit_json([r.to_json() for r in rows])
+        return
+    if not rows:
+        where = "any namespace" if ns is None else f"namespace {ns}"
+        click.echo(f"No GPU quota found in {where}.", err=True)
+        return
+    click.echo(views.table(qv.headers(ns is None), [r.cells(ns is None) for r in rows]))
 
 
 if __name__ == "__main__":
