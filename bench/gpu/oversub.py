@@ -32,9 +32,12 @@ if role == "A":
     torch.cuda.synchronize()
     out(event="holding", mib=len(blocks) * 1024)
     open(go, "w").close()
-    while not os.path.exists(done):
+    t0 = time.time()
+    while not os.path.exists(done) and time.time() - t0 < 90:
         time.sleep(0.05)
-    ok = all(int(b[0]) == i and int(b[-1]) == i and int(b.sum()) == i * b.numel() for i, b in enumerate(blocks))
+    # sampled, in 1 Mi-element slices: a whole-block check would need GiB of temporaries on a full card
+    step = 1 << 20
+    ok = all(bool((b[j:j + step] == i).all()) for i, b in enumerate(blocks) for j in range(0, b.numel(), 64 * step))
     out(event="verified", intact=ok)
     del blocks
     torch.cuda.empty_cache()
@@ -54,7 +57,8 @@ else:
     free, total = torch.cuda.mem_get_info()
     out(event="stopped", granted_mib=len(got) * 256, error=err, free_mib=free >> 20, total_mib=total >> 20)
     open(done, "w").close()
-    while not os.path.exists(done + ".freed"):
+    t0 = time.time()
+    while not os.path.exists(done + ".freed") and time.time() - t0 < 30:
         time.sleep(0.05)
     time.sleep(0.5)
     more = 0
@@ -85,7 +89,11 @@ def main() -> None:
         procs[role] = subprocess.Popen([sys.executable, "-c", TENANT, role, str(hold), go, done], env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for role, p in procs.items():
-        text, _ = p.communicate(timeout=300)
+        try:
+            text, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
         for line in text.splitlines():
             print(line if line.startswith("{") else json.dumps({"tenant": role, "log": line[:300]}))
         print(json.dumps({"tenant": role, "rc": p.returncode}))
