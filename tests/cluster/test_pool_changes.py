@@ -160,3 +160,18 @@ def test_simulate_against_the_live_cluster(gpu: GpuEnv, tmp_path: Any) -> None:
     assert "1 of 2 pod(s) would fit now." in text and "binding constraint: memory" in text
     # nothing was created or reserved by simulating
     assert sorted(p["metadata"]["name"] for p in gpu.pods()) == ["held"] and len(gpu.claims()) == 1
+
+
+def test_simulate_names_the_quota_that_refuses_a_pod(gpu: GpuEnv, tmp_path: Any) -> None:
+    gpu.nodes(1, cards=2, memory_mib=10000)
+    gpu.cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpu-quota", "namespace": gpu.ns},
+        "spec": {"hard": {"limits.nvidia.com/gpumem": "4096"}}}))
+    f = tmp_path / "pod.json"
+    f.write_text(json.dumps(gpu.pod("big", {"kvgpu.io/gpu": "2", "kvgpu.io/gpumem": "3000"})))
+    p = subprocess.run([str(PLUGIN), f"--kubeconfig={gpu.cluster.kubeconfig}", "simulate", "-f", str(f), "-o", "json"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    [v] = json.loads(p.stdout)["pods"]
+    assert v["fits"] is False and v["constraint"] == "quota", v
+    assert "gpu-quota" in v["note"] and "4096" in v["note"], v

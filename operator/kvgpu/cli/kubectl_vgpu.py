@@ -194,6 +194,9 @@ def _emit_json(data: Any) -> None:
 @click.pass_context
 def main(ctx: click.Context, **kw: Any) -> None:
     """kvgpu's view of GPU slices: cards, claims, and why a pod is pending."""
+    from kvgpu.logs import configure_logging
+
+    configure_logging("WARNING")  # on stderr: the operator code it reuses logs; stdout is the answer
     ctx.obj = KubeOptions(**kw)
 
 

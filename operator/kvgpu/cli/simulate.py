@@ -304,15 +304,22 @@ def load(paths: Sequence[str], stdin: Any = None) -> list[dict[str, Any]]:
 
 
 async def live_state(api: Any) -> tuple[OperatorState, dict[str, Holder], list[str]]:
-    """The operator's state rebuilt from the cluster's nodes, pools and claims, as at its
-    start-up; the pods holding slices; the rebuild's problems."""
+    """The operator's state rebuilt from the cluster's nodes, pools, claims and quotas, as at its
+    start-up; the pods holding slices; the rebuild's problems (and quotas it could not read)."""
     import asyncio
 
+    from kubernetes_asyncio.client.exceptions import ApiException
+
     from kvgpu import kube
+    from kvgpu.reconcile.quotas import QuotaSync
 
     nodes, pools, claims = await asyncio.gather(
         kube.list_all(api, "nodes"), kube.list_all(api, "vgpupools"), kube.list_all(api, "vgpuclaims"))
     state = OperatorState()
     problems = state.rebuild(nodes, pools, claims)
+    try:  # the namespaces' quotas, as the operator loads them before it answers a bind
+        await QuotaSync(state).load(api)
+    except ApiException as e:  # e.g. no right to list quotas: say so, simulate without them
+        problems.append(f"quotas not read ({e.status} {e.reason}): quota refusals are not simulated")
     live = [c for c in claims if (c.get("status") or {}).get("phase") not in ("Released", "Failed")]
     return state, holders_from_claims(live), problems
