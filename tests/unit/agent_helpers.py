@@ -48,15 +48,18 @@ class FakeApi:
 
 
 class FakeKubelet(pb2_grpc.RegistrationServicer):
-    """The kubelet's side: accepts registrations and remembers them."""
+    """The kubelet's side: accepts registrations and remembers them. With ``refuse``, it refuses
+    the first ``refuse_times`` attempts (every attempt if None) with that message, counting them."""
 
-    def __init__(self, refuse: str = ""):
+    def __init__(self, refuse: str = "", refuse_times: int | None = None):
         self.requests: list[pb2.RegisterRequest] = []
-        self.refuse = refuse
+        self.refuse, self.refuse_times = refuse, refuse_times
+        self.refusals = 0
         self.registered = asyncio.Event()
 
     async def Register(self, request, context):
-        if self.refuse:
+        if self.refuse and (self.refuse_times is None or self.refusals < self.refuse_times):
+            self.refusals += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.refuse)
         self.requests.append(request)
         self.registered.set()
@@ -64,8 +67,8 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
 
 
 @contextlib.asynccontextmanager
-async def kubelet(sock_dir: Path, refuse: str = ""):
-    fk = FakeKubelet(refuse)
+async def kubelet(sock_dir: Path, refuse: str = "", refuse_times: int | None = None):
+    fk = FakeKubelet(refuse, refuse_times)
     server = aio.server()
     pb2_grpc.add_RegistrationServicer_to_server(fk, server)
     server.add_insecure_port(f"unix://{sock_dir / 'kubelet.sock'}")

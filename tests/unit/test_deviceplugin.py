@@ -249,14 +249,43 @@ async def test_reregisters_after_kubelet_restart(sock_dir, shim_dir):
 
 
 async def test_registration_refused_is_retried(sock_dir, shim_dir):
+    # The kubelet refuses twice, then accepts: the plugin must have tried three times and be
+    # registered once, still running. Without the retry the task ends at the first refusal.
     plugin = DevicePlugin(config(sock_dir, shim_dir), inventory())
-    async with kubelet(sock_dir, refuse="resource name taken"):
+    async with kubelet(sock_dir, refuse="resource name taken", refuse_times=2) as fk:
         task = asyncio.create_task(plugin.run(retry_s=0.05))
-        await asyncio.sleep(0.3)
-        assert plugin.registrations == 0
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        try:
+            await asyncio.wait_for(fk.registered.wait(), 5)
+            assert fk.refusals == 2
+            assert len(fk.requests) == 1
+            for _ in range(100):  # the plugin counts after the kubelet answered
+                if plugin.registrations:
+                    break
+                await asyncio.sleep(0.02)
+            assert plugin.registrations == 1
+            assert not task.done()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_registration_refused_forever_keeps_retrying(sock_dir, shim_dir):
+    plugin = DevicePlugin(config(sock_dir, shim_dir), inventory())
+    async with kubelet(sock_dir, refuse="resource name taken") as fk:
+        task = asyncio.create_task(plugin.run(retry_s=0.05))
+        try:
+            for _ in range(100):
+                if fk.refusals >= 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert fk.refusals >= 3, "the plugin did not retry a refused registration"
+            assert plugin.registrations == 0
+            assert not task.done()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def test_split_count_override_and_uncovered():
