@@ -14,9 +14,12 @@
  *   cuprog bench N                         ns per launch, alloc+free (2 MiB), cuMemGetInfo
  *   cuprog graphmem N CHUNK                N chunks, two graph launches, then fill to the limit
  *   cuprog work sat SECS KERNEL_US SYNC_EVERY [STREAMS]   saturating loop over STREAMS streams
+ *   cuprog work gap SECS KERNEL_US GAP_US SYNC_EVERY      launch-bound loop: GAP_US of CPU work
+ *       (a spin) after each launch, like a framework whose launches are slower than its kernels
  *   cuprog work req SECS KERNEL_US NKERNELS PERIOD_MS     a request of NKERNELS kernels (then a
  *       stream sync) every PERIOD_MS; latency from the request's arrival to the sync's return
- *   (CUPROG_HIDDEN_SYNC=1: the waits go where the shim cannot see them, like cudart's)
+ *   (CUPROG_HIDDEN_SYNC=1: the waits go where the shim cannot see them, like cudart's;
+ *   CUPROG_WARMUP_MS=N: a saturating loop for N ms first, not measured)
  *   (work: the stub driver with STUB_GRID_US=1 runs each kernel for gridDimX us; it prints the
  *   share of wall time its kernels ran, per second too, from the stub's stubDoneNs)
  */
@@ -330,6 +333,12 @@ static int cmd_work(int argc, char **argv)
         cuStreamCreate(&st[i], 0);
     static double lat[100000];
     long n = 0, nreq = 0;
+    const char *wu = getenv("CUPROG_WARMUP_MS"); /* a saturating warm-up before measuring */
+    for (double e = now_s() + (wu ? atof(wu) : 0) / 1e3; wu && now_s() < e;) {
+        for (int i = 0; i < 10; i++)
+            cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        work_sync(NULL);
+    }
     double per[64];
     int nper = 0;
     double t0 = now_s(), d0 = done_s(), mark = t0 + 1, dmark = d0, next = t0, t;
@@ -344,6 +353,12 @@ static int cmd_work(int argc, char **argv)
             rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[n % ns], NULL, NULL);
             if (++n % (a > 0 ? a : 1) == 0)
                 work_sync(st[n % ns]);
+        } else if (!strcmp(mode, "gap")) {
+            rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            for (double e = now_s() + a / 1e6; now_s() < e;)
+                ; /* the CPU's share of each step */
+            if (++n % (b > 0 ? b : 1) == 0)
+                work_sync(NULL);
         } else {
             if (t < next) {
                 struct timespec ts = {0, (long)((next - t) * 1e9)};

@@ -288,15 +288,20 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void
  * A kernel takes STUB_KERNEL_US, or with STUB_GRID_US=1 gridDimX microseconds (so a test
  * program picks each launch's duration). Streams: the legacy NULL stream (slot 0), the
  * per-thread stream (1) and created ones (2..); each remembers when its last kernel ends. The
- * card still runs one kernel at a time in launch order across streams and processes. */
+ * card still runs one kernel at a time in launch order across streams and processes.
+ * STUB_TIMESLICE=1: as a real GPU does with contexts of different processes, each process has
+ * its own queue and the card time-slices between the processes that have work: a kernel that
+ * starts while k-1 other processes have work queued takes k times its duration of wall time
+ * (its GPU time, stubBusyNs, stays its duration). So an event pair around a tenant's kernel
+ * measures its co-tenants' time slices too, as cuEventElapsedTime does on the GPU. */
 #define STUB_STREAMS 32
 static _Atomic uint64_t last_done[STUB_MAXDEV][STUB_STREAMS];
 static _Atomic int next_stream = 2;
 static pthread_mutex_t ring_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct { uint64_t end, dur; } ring[STUB_MAXDEV][4096]; /* this process's latest kernels */
+static struct { uint64_t end, dur, k; } ring[STUB_MAXDEV][4096]; /* this process's latest kernels */
 static unsigned ring_n[STUB_MAXDEV];
 
-static int null_launch = -1, grid_us = -1;
+static int null_launch = -1, grid_us = -1, timeslice = -1;
 
 static int slot_of(CUstream s)
 {
@@ -327,6 +332,7 @@ static CUresult launch(CUstream stream, unsigned gx)
     if (__builtin_expect(null_launch < 0, 0)) {
         null_launch = stub_env("STUB_NULL_LAUNCH", 0) != 0;
         grid_us = stub_env("STUB_GRID_US", 0) != 0;
+        timeslice = stub_env("STUB_TIMESLICE", 0) != 0;
     }
     if (null_launch)
         return OK; /* micro-benchmarks: a launch that costs a function call */
@@ -335,19 +341,34 @@ static CUresult launch(CUstream stream, unsigned gx)
     struct stub_proc *me = stub_me();
     uint64_t dur = grid_us ? (uint64_t)(gx ? gx : 1) * 1000 : (uint64_t)stub_env("STUB_KERNEL_US", 1000) * 1000;
     uint64_t now = stub_now();
-    int k = slot_of(stream);
     uint64_t after = stream_done(cur_ctx, stream); /* the legacy stream waits for all streams */
-    uint64_t bu = atomic_load(&s->busy_until[cur_ctx]), start, end;
-    do {
-        start = bu > now ? bu : now;
+    uint64_t start, end, k = 1;
+    if (timeslice) {
+        pthread_mutex_lock(&ring_mu);
+        uint64_t own = atomic_load(&me->busy_until[cur_ctx]);
+        start = own > now ? own : now;
         if (start < after)
             start = after;
-        end = start + dur;
-    } while (!atomic_compare_exchange_weak(&s->busy_until[cur_ctx], &bu, end));
-    atomic_store(&last_done[cur_ctx][k], end);
+        for (int i = 0; i < STUB_MAXPROC; i++) /* the others with work at our start share the card */
+            if (&s->proc[i] != me && atomic_load(&s->proc[i].pid) &&
+                atomic_load(&s->proc[i].busy_until[cur_ctx]) > start)
+                k++;
+        end = start + dur * k;
+        atomic_store(&me->busy_until[cur_ctx], end);
+        pthread_mutex_unlock(&ring_mu);
+    } else {
+        uint64_t bu = atomic_load(&s->busy_until[cur_ctx]);
+        do {
+            start = bu > now ? bu : now;
+            if (start < after)
+                start = after;
+            end = start + dur;
+        } while (!atomic_compare_exchange_weak(&s->busy_until[cur_ctx], &bu, end));
+    }
+    atomic_store(&last_done[cur_ctx][slot_of(stream)], end);
     pthread_mutex_lock(&ring_mu);
     unsigned i = ring_n[cur_ctx]++ % 4096;
-    ring[cur_ctx][i].end = end, ring[cur_ctx][i].dur = dur;
+    ring[cur_ctx][i].end = end, ring[cur_ctx][i].dur = dur, ring[cur_ctx][i].k = k;
     pthread_mutex_unlock(&ring_mu);
     atomic_fetch_add(&me->busy_ns[cur_ctx], dur);
     atomic_fetch_add(&me->launches[cur_ctx], 1);
@@ -515,8 +536,10 @@ API unsigned long long stubDoneNs(int phys)
     pthread_mutex_lock(&ring_mu);
     unsigned n = ring_n[phys] < 4096 ? ring_n[phys] : 4096;
     for (unsigned i = 0; i < n; i++)
-        if (ring[phys][i].end > now)
-            pending += ring[phys][i].end - now < ring[phys][i].dur ? ring[phys][i].end - now : ring[phys][i].dur;
+        if (ring[phys][i].end > now) { /* time-sliced: 1/k of the remaining wall time is its own */
+            uint64_t k = ring[phys][i].k ? ring[phys][i].k : 1, left = (ring[phys][i].end - now) / k;
+            pending += left < ring[phys][i].dur ? left : ring[phys][i].dur;
+        }
     pthread_mutex_unlock(&ring_mu);
     uint64_t b = me->busy_ns[phys];
     return b > pending ? b - pending : 0;

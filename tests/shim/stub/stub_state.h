@@ -8,7 +8,9 @@
  * STUB_STATE (state file; default: private to the process), STUB_UUIDS (the cards' UUIDs, comma-separated), STUB_GPA_INDIRECT=1
  * (cuGetProcAddress hands out trampolines instead of the exported addresses),
  * STUB_NULL_LAUNCH=1 (launches return at once: for measuring the shim's own cost),
- * STUB_GRID_US=1 (a kernel takes gridDimX microseconds instead of STUB_KERNEL_US).
+ * STUB_GRID_US=1 (a kernel takes gridDimX microseconds instead of STUB_KERNEL_US),
+ * STUB_TIMESLICE=1 (contexts of different processes time-slice the card instead of queueing
+ * behind each other: see launch() in libcuda_stub.c).
  */
 #ifndef STUB_STATE_H
 #define STUB_STATE_H
@@ -30,6 +32,7 @@ struct stub_proc {
     _Atomic uint64_t used[STUB_MAXDEV];    /* bytes this process holds (NVML per-process) */
     _Atomic uint64_t busy_ns[STUB_MAXDEV]; /* GPU time of its launches */
     _Atomic uint64_t launches[STUB_MAXDEV];
+    _Atomic uint64_t busy_until[STUB_MAXDEV]; /* STUB_TIMESLICE: end of its own queued work */
 };
 struct stub_state {
     uint32_t magic;
@@ -88,7 +91,7 @@ static inline struct stub_proc *stub_me(void)
         int32_t z = 0;
         if (atomic_compare_exchange_strong(&s->proc[i].pid, &z, pid)) {
             for (int d = 0; d < STUB_MAXDEV; d++)
-                s->proc[i].used[d] = s->proc[i].busy_ns[d] = s->proc[i].launches[d] = 0;
+                s->proc[i].used[d] = s->proc[i].busy_ns[d] = s->proc[i].launches[d] = s->proc[i].busy_until[d] = 0;
             return cached_pid = pid, cached = &s->proc[i];
         }
     }
