@@ -98,7 +98,9 @@ def test_several_streams_share_one_limit(card) -> None:
 
 def tenants(box, specs: list[tuple[int, int]], args: list[str], secs: float = 3.2) -> list[dict[str, Any]]:
     """Containers on card 0 at once, (cores, priority) each, with the node agent's schedule
-    writer running in a thread (the real Scheduler over their claims and regions)."""
+    writer running in a thread (the real Scheduler over their claims and regions). The stub card
+    time-slices between them as a GPU does between processes (STUB_TIMESLICE): a kernel running
+    beside another tenant's takes twice its wall time, and an event pair around it says so."""
     from kvgpu.agent.schedule import Scheduler, TenantSource
 
     sched = box.dir / "sched"
@@ -107,7 +109,7 @@ def tenants(box, specs: list[tuple[int, int]], args: list[str], secs: float = 3.
         rd = region(box, f"t{i}")
         sources.append(TenantSource(f"ns/t{i}", prio, {uuid(0): cores}, rd / "vgpu.region"))
         envs.append(box.env(claim((0, 1000, cores), name=f"ns/t{i}", priority=prio),
-                            KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd))
+                            KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd, STUB_TIMESLICE="1"))
     writer = Scheduler(sched, lambda: sources, lambda: [uuid(0)])
     stop = threading.Event()
     t = threading.Thread(target=writer.serve, args=(stop, 0.1), daemon=True)
@@ -142,3 +144,33 @@ def test_uncapped_high_priority_leaves_low_priority_only_the_rest(card) -> None:
     priority gets what it leaves: nothing while it saturates the card."""
     hi, lo = tenants(card, [(0, 0), (50, 1)], ["2000", "20"])
     assert hi["busy"] >= 0.85 and lo["busy"] <= 0.10, (hi, lo)
+
+
+@pytest.mark.parametrize("cores", [
+    pytest.param(25, marks=pytest.mark.xfail(reason="stub: 40 % busy under 25 %; open", strict=False)),
+    70])
+def test_launch_bound_tenant_is_charged_its_gpu_time_not_its_cpu_gaps(card, cores) -> None:
+    """Issue 21, second suite run: GPT training (CPU-bound launches, ~48 % busy natively) got 17 %
+    busy under 30 % and 30 % under 50 %: a batch was charged start event -> end event, the GPU's
+    idle gaps between slowly launched kernels included. 50 us kernels with 70 us of CPU after
+    each (~42 % busy natively): under 25 % it gets 25 %, under 70 % its native busy share."""
+    args = ["gap", "3.2", "50", "70", "1000"]
+    native = work(card, card.env(shim=False), *args)
+    r = work(card, alone(card, cores, f"gap{cores}"), *args)
+    target = min(cores / 100, native["busy"])
+    print(f"launch-bound at {cores} %: native", native["busy"], "limited", r["busy"], r["per_sec"])
+    assert abs(r["busy"] - target) <= 0.05, (native, r)
+
+
+@pytest.mark.xfail(reason="the bucket is empty right after a saturating burst; open (issue 21)", strict=False)
+def test_request_after_a_burst_is_not_delayed(card) -> None:
+    """Issue 21, second suite run: the inference tenant's first request after its warm-up (at
+    full speed, above its share) waited 20 ms for the warm-up's debt (p99 = max = 26.9 ms against
+    6.4 native). A burst above the share is paid for while it runs, not by the light requests
+    that follow it."""
+    env = alone(card, 30, "warm")
+    env["CUPROG_WARMUP_MS"] = "150"
+    native = work(card, card.env(shim=False), "req", "2", "1000", "6", "50")
+    r = work(card, env, "req", "2", "1000", "6", "50")
+    print("requests after a warm-up: native p99", native["p99_ms"], "limited", r["p50_ms"], r["p99_ms"])
+    assert r["p99_ms"] <= 1.2 * native["p99_ms"] + 2, (native, r)
