@@ -231,6 +231,7 @@ struct vgpu_batch {
     void *ev_open, *ev_close;   /* CUevent: recorded before its first and after its last launch */
     uint64_t launches;
     uint64_t prov_ns;           /* GPU ns charged provisionally (launches x estimate) */
+    void *ev_probe;             /* CUevent right after the first launch: that kernel's own time */
 };
 struct vgpu_gate {
     int active;                 /* 0 = no gate: launches pass untouched */
@@ -253,7 +254,7 @@ struct vgpu_gate {
     struct vgpu_batch cur;      /* the open batch (cur.ev_open NULL: none) */
     struct vgpu_batch ring[VGPU_BATCH_RING];
     unsigned ring_head, ring_len;
-    void *pool[2 * VGPU_BATCH_RING + 2];
+    void *pool[3 * VGPU_BATCH_RING + 3];
     int npool;
     void *ev_ctx;               /* CUcontext the events belong to */
     uint64_t busy_acc_ns, busy_since_ns; /* measured GPU time since busy_since (publication) */
@@ -261,6 +262,10 @@ struct vgpu_gate {
     pthread_mutex_t mu;
     uint64_t throttles;         /* statistics */
     uint64_t last_sched_ns;
+    uint64_t kern_ns;           /* GPU ns of one kernel, from kernels bracketed one by one (the
+                                 * first of each batch, every long one): gaps excluded */
+    uint64_t queued_ns;         /* GPU work queued and not yet measured (set before decide) */
+    int probe_pending;          /* the next launch's end gets an event (ev_probe) */
 };
 
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
@@ -277,6 +282,8 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
  * the credit clock and the per-launch estimate (measured = 0: keep the provisional charge, the
  * span was not measurable). Pure. */
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
+/* One kernel's own GPU time (an event right before and right after it). */
+void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 /* Busy per mille published for the agent, from the measured GPU time since the last call. */
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
 /* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with

@@ -11,9 +11,14 @@
  *   - a tenant under its share never waits (its V stays behind now): native latency;
  *   - a tenant over its share waits until its credit is back: its share of GPU time, evenly;
  *   - a kernel longer than any window leaves V far ahead (debt): the tenant waits in proportion.
+ *   - a batch's span counts the GPU's idle gaps between launches slower than their kernels:
+ *     the first kernel of every batch (and every long one) is bracketed on its own, and a span
+ *     well above its launches at that kernel time is charged that time (vgpu_gate_sample);
  * Co-tenants of one card (the node agent's schedule lists more than one) would stretch each
  * other's batches if they ran at once, so a tenant that has spent its burst runs only inside
- * its own window of the period (time division, offsets from the agent); a tenant with a full
+ * its own window of the period (time division, offsets from the agent), launches only what
+ * ends inside it (queued work + one launch), and is charged at most a quarter above its
+ * bracketed kernel time (the GPU time-slices contexts: event pairs span the others' slices); a tenant with a full
  * bucket still starts at once (a burst below its share). Uncapped high-priority tenants are
  * measured only (never delayed) and publish their busy share, from which the agent gives
  * low-priority tenants what is left.
@@ -125,19 +130,53 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
         return 0;
     }
     uint64_t ws = window_at(g, t), we = ws + g->len_ns;
+    /* The work launched must end inside the window (what is queued, then one more launch):
+     * work spilling into a co-tenant's window time-slices with its work, and both pairs of
+     * events would count both. A launch longer than the window still starts at its beginning. */
+    uint64_t need = g->queued_ns + g->est_ns;
+    if (ws <= t && t + need > we && need < g->len_ns) {
+        ws += g->period_ns;
+        we += g->period_ns;
+    }
     if (ws <= t) { /* t is inside a window */
         if (t > now)
             return t;
-        atomic_store(&g->open_until, we < batch_end ? we : batch_end);
+        uint64_t stop = we > batch_end + g->est_ns ? batch_end : we - (g->est_ns < we - now ? g->est_ns : 0);
+        atomic_store(&g->open_until, stop > now ? stop : now + 1);
         return 0;
     }
     return ws < full ? ws : full;
+}
+
+void vgpu_gate_sample(struct vgpu_gate *g, uint64_t ns)
+{
+    /* Beside co-tenants a kernel's event pair also spans the time slices the GPU gave the other
+     * contexts meanwhile: a sample may raise the estimate by a quarter at most, lower it at once
+     * to half-way. Alone, an EWMA of 1/8. */
+    if (!g->kern_ns) {
+        g->kern_ns = ns;
+        return;
+    }
+    if (g->cotenants && ns > g->kern_ns + g->kern_ns / 4)
+        ns = g->kern_ns + g->kern_ns / 4;
+    g->kern_ns = ns < g->kern_ns && g->cotenants ? (g->kern_ns + ns) / 2 : (g->kern_ns * 7 + ns) / 8;
 }
 
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured)
 {
     if (!measured || !launches)
         return;
+    if (g->kern_ns && measured) {
+        /* The batch's span counts the GPU's idle gaps between launches slower than their kernels
+         * (CPU time) and, beside co-tenants, their time slices. A span well above its launches
+         * at the bracketed kernel time is charged that time; beside co-tenants every batch is
+         * charged at most a quarter above it. A kernel bracketed alone is exact as measured. */
+        uint64_t k = launches * g->kern_ns;
+        if (g->cotenants && span_ns > k + k / 4)
+            span_ns = k + k / 4;
+        else if (!g->cotenants && launches > 1 && span_ns > k + k / 2)
+            span_ns = k;
+    }
     if (measured == 2 && g->est_ns) {
         /* An upper bound (it includes the idle time before the close): at most the estimate,
          * which it may only lower. */

@@ -162,12 +162,19 @@ static void poll_batches(struct vgpu_gate *g, int wait)
         }
         if (r == CU_NOT_READY)
             break;
-        float ms = -1;
+        float ms = -1, pm = -1;
         int ok = r == CUDA_SUCCESS && fn.ev_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
+        /* The first kernel's own time (opened right before it, probed right after it), or a
+         * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
+        if (ok && b->ev_probe && fn.ev_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0)
+            vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
+        else if (ok && !b->ev_probe && b->launches == 1)
+            vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
         vgpu_gate_settle(g, b->launches, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
                          ok ? (b->launches & (1ull << 63) ? 2 : 1) : 0);
         ev_put(g, b->ev_open);
         ev_put(g, b->ev_close);
+        ev_put(g, b->ev_probe);
         g->ring_head = (g->ring_head + 1) % VGPU_BATCH_RING;
         g->ring_len--;
     }
@@ -185,8 +192,9 @@ static void batch_close(struct vgpu_gate *g, CUstream s, int at_sync)
     if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != (void *)s)
         s = NULL;
     uint64_t n = atomic_exchange(&g->batch_n, 0);
-    struct vgpu_batch b = {g->cur.ev_open, NULL, n, n * g->est_ns};
-    g->cur.ev_open = NULL;
+    struct vgpu_batch b = {g->cur.ev_open, NULL, n, n * g->est_ns, g->cur.ev_probe};
+    g->cur.ev_open = g->cur.ev_probe = NULL;
+    g->probe_pending = 0;
     if (g->ring_len == VGPU_BATCH_RING)
         poll_batches(g, 1);
     int idle = !at_sync && fn.stream_query && fn.stream_query(s) == CUDA_SUCCESS;
@@ -200,6 +208,7 @@ static void batch_close(struct vgpu_gate *g, CUstream s, int at_sync)
     }
     ev_put(g, b.ev_close);
     ev_put(g, b.ev_open);
+    ev_put(g, b.ev_probe);
 }
 
 static void batch_open(struct vgpu_gate *g, CUstream s)
@@ -244,6 +253,9 @@ static void gate_slow(int d, CUstream s)
     for (;;) {
         now = vgpu_now_ns();
         refresh_schedule(d, now);
+        g->queued_ns = 0; /* launched, not yet measured: what the co-tenant window must still hold */
+        for (unsigned i = 0; i < g->ring_len; i++)
+            g->queued_ns += g->ring[(g->ring_head + i) % VGPU_BATCH_RING].prov_ns;
         uint64_t wake = vgpu_gate_decide(g, now);
         if (!wake)
             break;
@@ -260,6 +272,8 @@ static void gate_slow(int d, CUstream s)
     batch_open(g, s);
     if (g->est_ns >= LONG_KERNEL_NS)
         atomic_store(&g->open_until, 0); /* long kernels: one launch per batch */
+    else if (g->cur.ev_open)
+        g->probe_pending = 1; /* an event right after this launch: its kernel's own time */
     /* This launch: charged and counted like one of the fast path. */
     if (!g->measure_only)
         atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
@@ -310,11 +324,20 @@ static inline void compute_after(CUstream s)
     if (d < 0)
         return;
     struct vgpu_gate *g = &vgpu.gate[d];
-    if (g->est_ns < LONG_KERNEL_NS || !g->cur.ev_open)
+    if (!g->probe_pending && (g->est_ns < LONG_KERNEL_NS || !g->cur.ev_open))
         return;
     pthread_mutex_lock(&g->mu);
     int st = 0;
-    if (!(fn.capturing && fn.capturing(s, &st) == CUDA_SUCCESS && st != 0))
+    if (g->probe_pending) {
+        g->probe_pending = 0;
+        CUevent e;
+        if (g->cur.ev_open && !g->cur.ev_probe && (e = ev_get(g))) {
+            if (fn.ev_record(e, s) == CUDA_SUCCESS)
+                g->cur.ev_probe = e;
+            else
+                ev_put(g, e);
+        }
+    } else if (!(fn.capturing && fn.capturing(s, &st) == CUDA_SUCCESS && st != 0))
         batch_close(g, s, 1);
     pthread_mutex_unlock(&g->mu);
 }
