@@ -27,6 +27,18 @@ $(STAMP): pyproject.toml
 test: install lint ## lint, then every test (unit, shim, the real control plane and the real node)
 	KVGPU_REQUIRE_REAL_NODE=$${KVGPU_REQUIRE_REAL_NODE:-1} $(VPY) -m pytest -q tests
 
+.PHONY: unit
+unit: $(STAMP) ## unit and shim tests: no control plane, no Go build (< 2 min)
+	$(VPY) -m pytest -q -m "not cluster and not realnode" tests/unit tests/shim
+
+.PHONY: check
+check: lint unit ## lint, then the unit and shim tests: the loop before a commit
+
+.PHONY: test-random
+test-random: install ## unit, shim and cluster tests in a random order (SEED=N to repeat one)
+	$(VPY) -m pytest -q --random-order-bucket=global $(if $(SEED),--random-order-seed=$(SEED)) \
+	  tests/unit tests/shim tests/cluster
+
 .PHONY: demo
 demo: install ## the main job: the local control plane, the operator, fake GPU nodes, the shim
 	$(VPY) -m kvgpu.demo
@@ -68,6 +80,13 @@ realnode: ## the real node's runtime: containerd (hack/realnode/build.sh) + runc
 crds: $(STAMP) ## regenerate crds/, docs/api.md and docs/configuration.md from the code
 	$(VPY) -m kvgpu.api.crdgen
 	$(VPY) -m kvgpu.cli.configdoc
+
+.PHONY: generate
+generate: crds ## run every generator of committed files (manifests, doc sections, plots); tests fail on drift
+	$(VPY) hack/gen_manifests.py
+	$(VPY) hack/gen_proto.py
+	$(VPY) bench/allocator_bench.py --render
+	$(VPY) bench/scale/report.py
 
 .PHONY: bench
 bench: install ## run the CPU benchmarks in bench/
