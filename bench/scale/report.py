@@ -237,27 +237,27 @@ def summary(data: dict[str, Any]) -> list[str]:
 
 
 def history_table(data: dict[str, Any]) -> list[str]:
-    """Every run on the 16-core host with the default node choice (``history_16c``), so the
-    spread between runs of the same code shows next to the run the sections below detail."""
+    """The repeated runs of the current code on the 16-core host with the default node choice
+    (``history_16c``: one row per run), so the spread between runs of the same code shows next
+    to the run the sections below detail."""
     rows = data.get("history_16c") or []
     if not rows:
         return []
     order = [("stream", 500), ("queued", 500), ("stream", 2000), ("queued", 2000)]
     head = " / ".join(f"{m} {n}" for m, n in order)
-    out = ["### Every run on the 16-core host (default node choice)", "",
-           "Same command each time (`bash bench/scale/device.sh --nodes N --bursts 500,2000 ...`); the host is "
-           "shared, and runs of the same code differ by up to ±20 %, the no-GPU baseline too.", "",
-           f"| date (UTC) | code | change | nodes | GPU pods/s: {head} | no-GPU pods/s: {head} |",
-           "|---|---|---|---:|---|---|"]
+    out = ["### Run-to-run spread on the 16-core host (default node choice)", "",
+           f"Each run of the current code (`{rows[-1]['code']}`), same command "
+           "(`bash bench/scale/device.sh --nodes N --bursts 500,2000 ...`). The host is shared: runs of the same "
+           "code differ by up to ±20 %, the no-GPU baseline too, so compare a change against runs around it.", "",
+           f"| nodes | GPU pods/s: {head} | no-GPU pods/s: {head} | note |",
+           "|---:|---|---|---|"]
     for r in rows:
         by = {(b["kind"], b["mode"], b["pods"]): b["bound_per_s"] for b in r["bursts"]}
 
         def cells(kind: str, by: dict[tuple[str, str, int], float] = by) -> str:
             return " / ".join(f"{by[(kind, m, n)]:.0f}" if (kind, m, n) in by else "–" for m, n in order)
 
-        change = r["change"] + (f"; {r['note']}" if r.get("note") else "")
-        out.append(f"| {r['date'][:16].replace('T', ' ')} | `{r['code']}` | {change} | {r['nodes']:,} | "
-                   f"{cells('gpu')} | {cells('baseline')} |")
+        out.append(f"| {r['nodes']:,} | {cells('gpu')} | {cells('baseline')} | {r.get('note') or ''} |")
     return [*out, ""]
 
 
