@@ -44,9 +44,10 @@ demo: install ## the main job: the local control plane, the operator, fake GPU n
 	$(VPY) -m kvgpu.demo
 
 .PHONY: lint
-lint: $(STAMP) ## ruff and mypy
+lint: $(STAMP) ## ruff, mypy and the import contracts (.importlinter)
 	$(VENV)/bin/ruff check operator tests bench shim hack
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 ##@ Builds
 

@@ -14,7 +14,7 @@ retries it at once instead of after its back-off.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import kopf
 import structlog
@@ -22,15 +22,25 @@ import structlog
 from kvgpu import kube
 from kvgpu.core import keys
 from kvgpu.reconcile import poolstatus
-
-if TYPE_CHECKING:
-    from kvgpu.runtime import Runtime
+from kvgpu.reconcile.state import OperatorState
 
 log = structlog.get_logger("kvgpu.operator")
 
 
+class PoolHost(Protocol):
+    """What the pool handler needs of the operator's main process (``kvgpu.runtime.Runtime``
+    satisfies it): named here so that this module never imports the runtime, which imports it."""
 
-def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    state: OperatorState
+    api: Any
+    active: bool  # False on a standby replica
+    pools_dirty: bool  # set: write pool status at the next flush
+
+    def nudge_pending(self, why: str) -> None:
+        """Ask for the pending kvgpu pods to be requeued."""
+
+
+def register(registry: kopf.OperatorRegistry, rt: PoolHost) -> None:
     """Register the Kopf reconcilers (VGPUPools) on ``registry``, bound to the runtime ``rt``.
 
     (The ``type: ignore`` marks: Kopf's ``WatchingFn`` protocol spells out every keyword it
