@@ -1,4 +1,4 @@
-"""List-and-watch streams for the operator's hot paths (Pods, VGPUClaims, Nodes).
+"""List-and-watch streams: every watch of the operator and the agent.
 
 Kopf's per-event machinery (causes, diffs, handler bookkeeping, logging) cost 25–35 % of the
 operator's CPU during bursts (py-spy, docs/benchmarks.md), although the handlers act on few of
@@ -18,6 +18,10 @@ what a client-go informer does, without its cache of whole objects:
   is always the latest); a handler that raises is called again for the object's latest state
   after a back-off (0.2 s doubling to 60 s). Different objects run concurrently. Plain
   functions run inline.
+
+The operator's main process (Nodes, VGPUClaims, quotas), its claim-phase worker (Pods) and the
+node agent (its Node, the VGPUPools, the Pods bound to its node) all watch through this class;
+Kopf watches only the operator's VGPUPools, for their handler.
 
 ``project`` keeps, per object, what a synthesized ``DELETED`` needs (e.g. a claim's spec) and
 what :meth:`ListWatch.known` returns to periodic checks instead of listing the cluster again.
@@ -71,21 +75,30 @@ class ListWatch:
     """One resource's list-and-watch loop feeding ``handler(event_type, obj)``.
 
     ``path``: the collection URL (``/api/v1/pods``, ``/apis/kvgpu.io/v1alpha1/vgpuclaims``);
-    ``label_selector``: as for ``kubectl -l``. :meth:`run` never returns (cancel it); handler
-    exceptions are logged and do not stop the stream.
+    ``label_selector``/``field_selector``: as for ``kubectl -l``/``--field-selector``.
+    ``missing_retry_s``: a resource the API server does not serve (404, a CRD not installed yet)
+    counts as empty (known objects are handed over as ``DELETED``, :attr:`synced` is set) and is
+    listed again after this many seconds; ``None`` (default): a 404 is a fault like any other.
+    :meth:`run` never returns (cancel it); handler exceptions are logged and do not stop the
+    stream.
     """
 
     def __init__(self, api: Any, path: str, handler: Handler, *, label_selector: str | None = None,
-                 project: Projection = metadata_only, name: str = "") -> None:
+                 field_selector: str | None = None, project: Projection = metadata_only, name: str = "",
+                 missing_retry_s: float | None = None) -> None:
         self.api = api
         self.path = path
         self.handler = handler
         self.label_selector = label_selector
+        self.field_selector = field_selector
+        self.missing_retry_s = missing_retry_s
         self.project = project
         self.name = name or path.rsplit("/", 1)[-1]
         self.synced = asyncio.Event()  # set after the first list was handed over
         self.events = 0  # objects handed over (list items and watch events)
         self.relists = 0
+        #: True from a failed list or watch until the next one succeeds: :meth:`known` may lag
+        self.broken = False
         self._known: dict[str, dict[str, Any]] = {}
         self._rv = ""  # the last resourceVersion handed over (list, event or bookmark)
         self._async = inspect.iscoroutinefunction(handler)
@@ -99,6 +112,11 @@ class ListWatch:
         before awaiting)."""
         return self._known
 
+    def current(self) -> bool:
+        """True when :meth:`known` is up to date as far as this stream can tell: listed at
+        least once, and neither list nor watch failing since (callers fall back to a read)."""
+        return self.synced.is_set() and not self.broken
+
     async def run(self) -> None:
         delay = BACKOFF_MIN_S
         rv: str | None = None
@@ -106,22 +124,48 @@ class ListWatch:
             try:
                 if rv is None:
                     rv = await self._list()
+                    self.broken = False
                     self.synced.set()
                 rv = await self._watch(rv)
                 delay = BACKOFF_MIN_S
             except asyncio.CancelledError:
                 raise
+            except ApiException as e:
+                if e.status != 404 or self.missing_retry_s is None:
+                    rv, delay = await self._broke(e, rv, delay)
+                    continue
+                self._missing()
+                rv = None
+                await asyncio.sleep(self.missing_retry_s)
             except Gone:
                 log.info("watch expired: listing again", resource=self.name)
                 self.relists += 1
                 rv = None
-            except (aiohttp.ClientError, OSError, TimeoutError, ApiException, ValueError) as e:
-                if rv is not None and self._rv:
-                    rv = self._rv  # resume after the last event handed over, not replay from the list
-                why = faults.expected(e) or repr(e)[:200]
-                self._faults.fault("stream", f"{self.name} watch broke, retrying", why)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, BACKOFF_MAX_S)
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+                rv, delay = await self._broke(e, rv, delay)
+
+    async def _broke(self, e: BaseException, rv: str | None, delay: float) -> tuple[str | None, float]:
+        """After a failed list or watch: log the fault (rate-limited), wait ``delay``; returns
+        where to go on from (the last event handed over, not a replay from the list) and the
+        next delay."""
+        self.broken = True
+        if rv is not None and self._rv:
+            rv = self._rv
+        why = faults.expected(e) or repr(e)[:200]
+        self._faults.fault("stream", f"{self.name} watch broke, retrying", why)
+        await asyncio.sleep(delay)
+        return rv, min(delay * 2, BACKOFF_MAX_S)
+
+    def _missing(self) -> None:
+        """The resource is not served (404): hand every known object over as ``DELETED``."""
+        if not self.synced.is_set() or self._known:
+            log.info("resource not served: empty until it is", resource=self.name, retry_s=self.missing_retry_s)
+        gone, self._known = self._known, {}
+        self.broken = False
+        self.synced.set()
+        self._faults.ok("stream", f"{self.name} watch")
+        for uid, last in gone.items():
+            self._dispatch(uid, "DELETED", last)
 
     async def drain(self) -> None:
         """Wait until every handler started so far has finished (tests, shutdown)."""
@@ -132,6 +176,8 @@ class ListWatch:
     async def _get(self, query: list[tuple[str, Any]], request_timeout_s: float) -> Any:
         if self.label_selector:
             query = [*query, ("labelSelector", self.label_selector)]
+        if self.field_selector:
+            query = [*query, ("fieldSelector", self.field_selector)]
         resp = await self.api.call_api(
             self.path, "GET", query_params=query, header_params={"Accept": "application/json"},
             auth_settings=["BearerToken"], _preload_content=False, _request_timeout=request_timeout_s)
@@ -174,6 +220,7 @@ class ListWatch:
             if e.status == 410:
                 raise Gone(str(e.reason)) from e
             raise
+        self.broken = False
         self._faults.ok("stream", f"{self.name} watch")
         try:
             buf = b""

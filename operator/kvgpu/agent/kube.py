@@ -1,8 +1,9 @@
 """The agent's few Kubernetes calls, behind a small interface so unit tests can fake them.
 
 :class:`KubeApi` implements :class:`NodeApi` with a kubernetes_asyncio ``ApiClient``. RBAC the
-agent needs: nodes get/patch, events create, vgpupools list, pods list/watch (field selector
-``spec.nodeName``).
+agent needs: nodes get/list/watch/patch (its own node, field selector ``metadata.name``), events
+create, vgpupools list/watch, pods list/watch (field selector ``spec.nodeName``). The watches are
+:class:`kvgpu.watch.ListWatch` streams, as in the operator.
 """
 
 from __future__ import annotations
@@ -11,16 +12,23 @@ import asyncio
 import copy
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
-from kvgpu import faults
 from kvgpu.core import keys
 from kvgpu.kube import event_body
+from kvgpu.watch import ListWatch
 
 log = logging.getLogger(__name__)
 
 COMPONENT = "kvgpu-agent"
 EVENT_NAMESPACE = "default"  # where the kubelet also records Node events
+
+
+def _relevant(node: dict[str, Any]) -> tuple[Any, Any]:
+    """What of a Node the agent acts on: its labels and its inventory annotation."""
+    m = node.get("metadata") or {}
+    return (m.get("labels"), (m.get("annotations") or {}).get(keys.NODE_INVENTORY))
 
 
 class NodeApi(Protocol):
@@ -54,12 +62,13 @@ class KubeApi:
         self.custom = client.CustomObjectsApi(api_client)
         self._node_uid: dict[str, str] = {}
         self._nodes: dict[str, dict[str, Any]] = {}  # watched node(s), by name
-        self._pools: dict[str, dict[str, Any]] | None = None  # None: not synced
+        self._pools: dict[str, dict[str, Any]] = {}  # by name; read while pool_watch is current
+        self.node_watch: ListWatch | None = None  # set by watch()
+        self.pool_watch: ListWatch | None = None
         self.api_calls = 0  # GET/LIST fallbacks made (for tests)
-        self.faults = faults.FaultLog(log, every_s=300.0)
 
     async def get_node(self, name: str) -> dict[str, Any]:
-        if name in self._nodes:
+        if self._node_cached(name):
             return copy.deepcopy(self._nodes[name])
         self.api_calls += 1
         node = await self.core.read_node(name)
@@ -76,7 +85,7 @@ class KubeApi:
         node = await self.core.patch_node(  # type: ignore[call-arg]
             name, {"metadata": meta}, _content_type="application/merge-patch+json"
         )
-        if name in self._nodes:  # the watch will say the same soon; do not compare with stale data
+        if self._node_cached(name):  # the watch will say the same soon; do not compare with stale data
             self._store_node(self.api.sanitize_for_serialization(node))
 
     async def patch_node_resource(self, name: str, resource: str, capacity: int, allocatable: int) -> None:
@@ -101,96 +110,47 @@ class KubeApi:
 
     async def watch(self, node: str, on_change: Callable[[], None], retry_s: float = 5.0) -> None:
         """Keep the node and pool caches current until cancelled; ``on_change()`` after relevant
-        changes. Errors are logged and the watch restarts with a fresh list."""
-        await asyncio.gather(
-            self._watch_node(node, on_change, retry_s), self._watch_pools(on_change, retry_s)
-        )
+        changes. Both are :class:`kvgpu.watch.ListWatch` streams (faults logged and retried
+        there); while one is broken, :meth:`get_node`/:meth:`list_pools` read the API instead.
+        A missing VGPUPool CRD counts as no pools, looked for again every ``6 * retry_s``."""
+        self.node_watch = ListWatch(self.api, "/api/v1/nodes", partial(self.on_node_event, node, on_change),
+                                    field_selector=f"metadata.name={node}", name=f"node {node}")
+        self.pool_watch = ListWatch(self.api, f"/apis/{keys.GROUP}/{keys.VERSION}/vgpupools",
+                                    partial(self.on_pool_event, on_change), name="vgpupools",
+                                    missing_retry_s=retry_s * 6)
+        await asyncio.gather(self.node_watch.run(), self.pool_watch.run())
 
-    async def _watch_node(self, node: str, on_change: Callable[[], None], retry_s: float) -> None:
-        from kubernetes_asyncio import watch
+    def on_node_event(self, node: str, on_change: Callable[[], None], etype: str, d: dict[str, Any]) -> None:
+        """One event of the node watch: keep the cache; kick on deletion, re-creation and on a
+        change of the labels or the inventory annotation (not on the kubelet's heartbeats)."""
+        if etype == "DELETED":
+            self._nodes.pop(node, None)
+            on_change()  # the refresh finds it gone and says so
+            return
+        before = self._nodes.get(node)
+        self._store_node(d)
+        if before is None or _relevant(before) != _relevant(self._nodes[node]):
+            on_change()
 
-        sel = f"metadata.name={node}"
+    def on_pool_event(self, on_change: Callable[[], None], etype: str, obj: dict[str, Any]) -> None:
+        """One event of the pool watch: keep the cache (a new dict, never changed in place) and
+        kick."""
+        name = (obj.get("metadata") or {}).get("name", "")
+        cur = dict(self._pools)
+        if etype == "DELETED":
+            cur.pop(name, None)
+        else:
+            cur[name] = obj
+        self._pools = cur
+        on_change()
 
-        def relevant(d: dict[str, Any]) -> tuple[Any, Any]:
-            m = d.get("metadata") or {}
-            return (m.get("labels"), (m.get("annotations") or {}).get(keys.NODE_INVENTORY))
-
-        while True:
-            try:
-                lst = self.api.sanitize_for_serialization(await self.core.list_node(field_selector=sel))
-                self.faults.ok("node-watch", "node watch")
-                for item in lst.get("items") or []:
-                    self._store_node(item)
-                rv = (lst.get("metadata") or {}).get("resourceVersion")
-                async with watch.Watch().stream(
-                    self.core.list_node, field_selector=sel, resource_version=rv, timeout_seconds=300
-                ) as stream:
-                    async for ev in stream:
-                        d = self.api.sanitize_for_serialization(ev["object"])
-                        if ev["type"] == "DELETED":
-                            self._nodes.pop(node, None)
-                            on_change()  # the refresh finds it gone and says so
-                            continue
-                        before = self._nodes.get(node)
-                        self._store_node(d)
-                        if before is None or relevant(before) != relevant(self._nodes[node]):
-                            on_change()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self._nodes.pop(node, None)
-                self.faults.fault("node-watch", f"node watch failed; relisting every {retry_s:.0f} s",
-                                  faults.expected(e) or repr(e)[:200])
-                await asyncio.sleep(retry_s)
-
-    async def _watch_pools(self, on_change: Callable[[], None], retry_s: float) -> None:
-        from kubernetes_asyncio import watch
-        from kubernetes_asyncio.client.exceptions import ApiException
-
-        args = (keys.GROUP, keys.VERSION, "vgpupools")
-        while True:
-            try:
-                try:
-                    lst = await self.custom.list_cluster_custom_object(*args)
-                except ApiException as e:
-                    if e.status != 404:
-                        raise
-                    self._pools = {}  # CRD not installed (yet): no pools; look again later
-                    await asyncio.sleep(retry_s * 6)
-                    continue
-                self.faults.ok("pool-watch", "VGPUPool watch")
-                pools = {(p.get("metadata") or {}).get("name", ""): p for p in lst.get("items") or []}
-                if self._pools != pools:
-                    self._pools = pools
-                    on_change()
-                rv = (lst.get("metadata") or {}).get("resourceVersion")
-                async with watch.Watch().stream(
-                    self.custom.list_cluster_custom_object, *args, resource_version=rv, timeout_seconds=300
-                ) as stream:
-                    async for ev in stream:
-                        obj = ev["object"]
-                        name = (obj.get("metadata") or {}).get("name", "")
-                        cur = dict(self._pools or {})
-                        if ev["type"] == "DELETED":
-                            cur.pop(name, None)
-                        elif ev["type"] in ("ADDED", "MODIFIED"):
-                            cur[name] = obj
-                        else:
-                            continue
-                        self._pools = cur
-                        on_change()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self._pools = None
-                self.faults.fault("pool-watch", f"VGPUPool watch failed; relisting every {retry_s:.0f} s",
-                                  faults.expected(e) or repr(e)[:200])
-                await asyncio.sleep(retry_s)
+    def _node_cached(self, name: str) -> bool:
+        return name in self._nodes and self.node_watch is not None and self.node_watch.current()
 
     async def list_pools(self) -> list[dict[str, Any]]:
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        if self._pools is not None:
+        if self.pool_watch is not None and self.pool_watch.current():
             return [copy.deepcopy(p) for p in self._pools.values()]
         self.api_calls += 1
         try:

@@ -1,4 +1,5 @@
-"""The pods bound to this node, kept current by a list+watch (field selector ``spec.nodeName``).
+"""The pods bound to this node, kept current by a :class:`kvgpu.watch.ListWatch` (field selector
+``spec.nodeName``).
 
 Feeds the exporter (containers with claims, before CUDA starts) and the device plugin's pod
 identification (:mod:`kvgpu.agent.podidentity`: the cache, and :meth:`PodCache.list_fresh` while
@@ -12,6 +13,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from kvgpu.watch import ListWatch
 
 from .usage import BoundContainer, containers_of_pod, pending_device_sets
 
@@ -63,36 +66,30 @@ class PodCache:
         )
         return list(api_client.sanitize_for_serialization(lst).get("items") or [])
 
-    async def run(self, api_client: Any, retry_s: float = 5.0) -> None:
-        """List, then watch from the list's resourceVersion; relist on errors/expiry. Until cancelled."""
-        from kubernetes_asyncio import client, watch
+    def on_event(self, etype: str, pod: dict[str, Any]) -> None:
+        """One event of the pod watch: keep the cache, then ``on_change()``."""
+        if etype == "DELETED":
+            self.delete_pod(pod)
+        else:
+            self.set_pod(pod)
+        if self.on_change is not None:
+            self.on_change()
 
-        core = client.CoreV1Api(api_client)
-        selector = f"spec.nodeName={self.node}"
-        while True:
-            try:
-                lst = await core.list_pod_for_all_namespaces(field_selector=selector)
-                items = api_client.sanitize_for_serialization(lst)
-                self.pods = {(p.get("metadata") or {}).get("uid", ""): p for p in items.get("items") or []}
-                self.synced.set()
-                rv = (items.get("metadata") or {}).get("resourceVersion")
-                w = watch.Watch()
-                async with w.stream(
-                    core.list_pod_for_all_namespaces,
-                    field_selector=selector,
-                    resource_version=rv,
-                    timeout_seconds=300,
-                ) as stream:
-                    async for ev in stream:
-                        obj = api_client.sanitize_for_serialization(ev["object"])
-                        if ev["type"] == "DELETED":
-                            self.delete_pod(obj)
-                        elif ev["type"] in ("ADDED", "MODIFIED"):
-                            self.set_pod(obj)
-                        if self.on_change is not None:
-                            self.on_change()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("pod watch on %s failed (%s); relisting in %.0fs", self.node, e, retry_s)
-                await asyncio.sleep(retry_s)
+    async def run(self, api_client: Any) -> None:
+        """List, then watch (:class:`kvgpu.watch.ListWatch`: relists on expiry, retries on
+        errors, hands pods gone meanwhile over as deleted); sets :attr:`synced` after the first
+        list. Until cancelled."""
+        lw = ListWatch(api_client, "/api/v1/pods", self.on_event, field_selector=f"spec.nodeName={self.node}",
+                       project=_uid_only, name=f"pods on {self.node}")
+
+        async def mark_synced() -> None:
+            await lw.synced.wait()
+            self.synced.set()
+
+        await asyncio.gather(lw.run(), mark_synced())
+
+
+def _uid_only(pod: dict[str, Any]) -> dict[str, Any]:
+    """What the stream keeps of a pod for a synthesized deletion: the cache holds the rest."""
+    meta = pod.get("metadata") or {}
+    return {"metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta}}
