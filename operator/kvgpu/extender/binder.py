@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -137,6 +138,34 @@ def bound_cards(alloc: PodAllocation) -> str:
         for ca in alloc.containers)
 
 
+def claim_keys(req: PodRequest) -> dict[str, str]:
+    """Container → the ledger key of its claim (``<namespace>/<claim name>``)."""
+    return {c.container: claim_key(req.namespace, claim_name(req.name, c.container, req.uid))
+            for c in req.containers}
+
+
+@dataclass
+class _Attempt:
+    """One bind attempt of a pod: what it read, what it changed (undone on failure)."""
+
+    args: BindingArgs
+    pod: dict[str, Any]  # the live pod, or its name and UID only while ``unread``
+    req: PodRequest
+    bound_to: str | None  # the node the pod is bound to already (a retried bind)
+    unread: bool = False  # the pod was not read (step 0 reserved with filter's request)
+    early: PodRequest | None = None  # the request step 0 reserved with
+    created: list[str] = field(default_factory=list)  # claims this attempt created
+    replaced: list[dict[str, Any]] = field(default_factory=list)  # stale claims it deleted
+    ckeys: dict[str, str] = field(init=False)  # container -> ledger key
+
+    def __post_init__(self) -> None:
+        self.ckeys = claim_keys(self.req)
+
+    @property
+    def who(self) -> str:
+        return f"{self.args.pod_namespace}/{self.args.pod_name}"
+
+
 class BindError(RuntimeError):
     """A bind that failed; the message goes back to kube-scheduler and into a pod Event."""
 
@@ -177,18 +206,27 @@ class Binder:
         hint = self._hints.pop(args.pod_uid, None)
         if hint is None or self.state.ledger.pod_node(args.pod_uid) is not None:
             return None
-        ns, name, uid, node = args.pod_namespace, args.pod_name, args.pod_uid, args.node
-        req = PodRequest(ns, name, uid, hint.containers, hint.node_policy, hint.gpu_policy)
+        req = PodRequest(args.pod_namespace, args.pod_name, args.pod_uid, hint.containers, hint.node_policy,
+                         hint.gpu_policy)
+        self._reserve(req, args.node, claim_keys(req))
+        return req
+
+    def _reserve(self, req: PodRequest, node: str, ckeys: dict[str, str]) -> PodAllocation:
+        """``allocate`` + the namespace's quotas + ``reserve`` of pod ``req`` on ``node``, one
+        ledger key per container claim (``ckeys``: container → key). A plain function on
+        purpose: no ``await`` can come between the allocation and its reservation, which is what
+        makes concurrent binds on one node, and binds of one namespace against its quotas, safe
+        without locks. No room (or over a quota): the pod's reservations are released and
+        BindError raised."""
         try:
             alloc = self.state.ledger.allocate(req, node)
-            self.state.check_quota(ns, alloc)  # QuotaExceeded (an AllocationError): same step
+            self.state.check_quota(req.namespace, alloc)  # QuotaExceeded (an AllocationError): same step
             for ca in alloc.containers:
-                key = claim_key(ns, claim_name(name, ca.container, uid))
-                self.state.reserve(key, PodAllocation(uid, node, (ca,)))
+                self.state.reserve(ckeys[ca.container], PodAllocation(req.uid, node, (ca,)))
         except (AllocationError, ValueError) as e:
-            self.state.release_pod(uid)
+            self.state.release_pod(req.uid)
             raise BindError(str(e)) from e
-        return req
+        return alloc
 
     async def bind(self, args: BindingArgs) -> str:
         """Run the bind; return "" on success or the error message (nothing left reserved)."""
@@ -259,127 +297,146 @@ class Binder:
         return pod, bound_to
 
     async def _bind_pod(self, args: BindingArgs, early: PodRequest | None) -> None:
-        ns, name, node = args.pod_namespace, args.pod_name, args.node
-        bound_to: str | None = None
-        unread = early is not None
-        if early is not None:
-            # Step 0 reserved with the request filter parsed from the pod it was sent: no read.
-            pod: dict[str, Any] = {"metadata": {"name": name, "namespace": ns, "uid": args.pod_uid}}
-            req = early
-        else:
-            pod, bound_to = await self._read_pod(args)
-            try:
-                parsed = parse_pod(pod, self.state.default_pool_spec())
-            except RequestError as e:
-                raise BindError(f"invalid GPU request: {e}") from e
-            if parsed is None:
-                raise BindError(f"pod {ns}/{name} requests no GPU slices; it should not use {keys.SCHEDULER_NAME}")
-            if not keys.webhook_admitted(pod):
-                raise BindError(f"pod {ns}/{name}: {keys.NOT_ADMITTED}")
-            req = PodRequest(ns, name, args.pod_uid, parsed.containers, parsed.node_policy, parsed.gpu_policy)
-        names = {c.container: claim_name(name, c.container, args.pod_uid) for c in req.containers}
-        ckeys = {c: claim_key(ns, n) for c, n in names.items()}
-
-        # --- step 2: the ledger, synchronously ------------------------------------------------
-        reused = self._held(ckeys, args.pod_uid, node)
-        if early is not None and early != req:
-            reused = None  # the pod's request changed since filter: allocate for the live one
-        created: list[str] = []
-        replaced: list[dict[str, Any]] = []  # stale claims this attempt deleted (restored on failure)
-        if reused is None:
-            self.state.release_pod(args.pod_uid)  # a retry towards another node
-            try:
-                alloc = self.state.ledger.allocate(req, node)
-                self.state.check_quota(ns, alloc)  # namespace quotas, in the same synchronous step
-                for ca in alloc.containers:
-                    self.state.reserve(ckeys[ca.container], PodAllocation(args.pod_uid, node, (ca,)))
-            except (AllocationError, ValueError) as e:
-                self.state.release_pod(args.pod_uid)
-                raise BindError(str(e)) from e
-        else:
-            alloc = reused
+        """Steps 1–4 for one attempt (module docstring); on failure nothing stays reserved and
+        the claims this attempt created are deleted again."""
+        at = await self._attempt(args, early)
+        alloc = self._ledger_step(at)  # step 2, synchronously
         try:
-            # --- step 3: claims -------------------------------------------------------------
-            for ca in alloc.containers:
-                body = claim_body(pod, alloc, ca.container, self.state.pool_of(node, ca.devices[0].uuid))
-                cname, key = body["metadata"]["name"], ckeys[ca.container]
-                try:
-                    self._record_uid(key, await kube.create_claim(self.api, ns, body))
-                    created.append(cname)
-                    continue
-                except ApiException as e:
-                    if e.status != 409:
-                        raise
-                if unread:  # the claim exists: this is not a first bind after all; look
-                    _, bound_to = await self._read_pod(args)
-                    unread = False
-                old = await kube.get_claim(self.api, ns, cname)
-                if old is None or old["spec"].get("podUID") != args.pod_uid:
-                    raise BindError(f"claim {cname} exists for another pod (or was just deleted); retry")
-                mine = PodAllocation(args.pod_uid, node, (ca,))
-                try:
-                    _, theirs = allocation_from_claim(old)
-                except (KeyError, ValueError, TypeError):
-                    theirs = None
-                if theirs == mine:  # a retried bind that got the same slices: keep the claim
-                    self._record_uid(key, old["metadata"].get("uid"))
-                    continue
-                if bound_to:
-                    # The pod is bound here already, and its annotations were made from this
-                    # claim (created before the Binding that landed): the claim is the record.
-                    if theirs is None or theirs.node != node:
-                        raise BindError(f"pod {ns}/{name} is bound to {node} but claim {cname} says otherwise")
-                    self.state.release_key(key)
-                    self.state.reserve(key, theirs, force=True)
-                    self._record_uid(key, old["metadata"].get("uid"))
-                    log.info("pod already bound here: holding what its claim says", claim=f"{ns}/{cname}")
-                    continue
-                # The pod is unbound: the claim was left by an attempt that died or failed
-                # half-way (operator killed, connection lost) with other slices or another node,
-                # and no other bind of this pod runs: replace it with this attempt's.
-                log.info("replacing a stale claim", claim=f"{ns}/{cname}", old_node=old["spec"].get("node"),
-                         node=node)
-                await kube.delete_claim(self.api, ns, cname)
-                replaced.append(old)
-                self._record_uid(key, await kube.create_claim(self.api, ns, body))
-                created.append(cname)
-            # --- steps 4 and 5: the Binding, carrying the allocation annotations ---------------
-            # The API server merges a Binding's annotations into the pod in the write that sets
-            # spec.nodeName: one write instead of two, no validating-webhook round trip, and a pod
-            # is never seen annotated but unbound (or bound without its annotations).
-            if not bound_to:
-                try:
-                    await kube.create_binding(self.api, ns, name, args.pod_uid, node,
-                                              annotations=allocation_annotations(ns, pod, alloc))
-                except API_ERRORS:
-                    # The Binding may have landed although we saw an error (a timeout under
-                    # load, a connection cut): if this pod is bound here now, this bind
-                    # succeeded; releasing its claims would leave a running pod unaccounted.
-                    if await self._live_node(ns, name, args.pod_uid) != node:
-                        raise
-                    log.info("binding reported an error but the pod is bound here", pod=f"{ns}/{name}", node=node)
+            for ca in alloc.containers:  # step 3
+                await self._claim(at, alloc, ca.container)
+            if not at.bound_to:  # step 4
+                await self._create_binding(at, alloc)
         except (BindError, *API_ERRORS) as e:  # type: ignore[misc]
-            for cname in created:
-                try:
-                    await kube.delete_claim(self.api, ns, cname)  # (release_pod below forgets its UID)
-                except API_ERRORS:
-                    # Left behind: a retry replaces it (its slices or node differ, the pod is
-                    # unbound) or keeps it (the same); the orphan sweep removes it if the pod goes.
-                    pass
-            self.state.release_pod(args.pod_uid)
-            if replaced:
-                await self._restore(ns, name, args.pod_uid, replaced)
+            await self._undo(at)
             if isinstance(e, BindError):
                 raise
-            raise BindError(f"binding {ns}/{name} to {node} failed: {api_error_text(e)}") from e
-        self.state.pending.pop(args.pod_uid, None)
+            raise BindError(f"binding {at.who} to {args.node} failed: {api_error_text(e)}") from e
+        self._bound(at, alloc)
+
+    async def _attempt(self, args: BindingArgs, early: PodRequest | None) -> _Attempt:
+        """Step 1: the pod and its request — filter's (``early``, step 0 reserved with it: the
+        pod is not read) or parsed from the live pod (BindError when it is not one of ours)."""
+        ns, name = args.pod_namespace, args.pod_name
+        if early is not None:
+            pod: dict[str, Any] = {"metadata": {"name": name, "namespace": ns, "uid": args.pod_uid}}
+            return _Attempt(args, pod, early, None, unread=True, early=early)
+        pod, bound_to = await self._read_pod(args)
+        try:
+            parsed = parse_pod(pod, self.state.default_pool_spec())
+        except RequestError as e:
+            raise BindError(f"invalid GPU request: {e}") from e
+        if parsed is None:
+            raise BindError(f"pod {ns}/{name} requests no GPU slices; it should not use {keys.SCHEDULER_NAME}")
+        if not keys.webhook_admitted(pod):
+            raise BindError(f"pod {ns}/{name}: {keys.NOT_ADMITTED}")
+        req = PodRequest(ns, name, args.pod_uid, parsed.containers, parsed.node_policy, parsed.gpu_policy)
+        return _Attempt(args, pod, req, bound_to)
+
+    def _ledger_step(self, at: _Attempt) -> PodAllocation:
+        """Step 2: what this pod holds on the node already (a retry, or step 0 for the same
+        request), else a fresh reservation (:meth:`_reserve`)."""
+        uid, node = at.args.pod_uid, at.args.node
+        reused = self._held(at.ckeys, uid, node)
+        if at.early is not None and at.early != at.req:
+            reused = None  # the pod's request changed since filter: allocate for the live one
+        if reused is not None:
+            return reused
+        self.state.release_pod(uid)  # a retry towards another node
+        return self._reserve(at.req, node, at.ckeys)
+
+    async def _claim(self, at: _Attempt, alloc: PodAllocation, container: str) -> None:
+        """Step 3 for one container: create its VGPUClaim, or settle with the one that exists."""
+        ns, node = at.args.pod_namespace, at.args.node
+        ca = next(c for c in alloc.containers if c.container == container)
+        body = claim_body(at.pod, alloc, container, self.state.pool_of(node, ca.devices[0].uuid))
+        cname, key = body["metadata"]["name"], at.ckeys[container]
+        try:
+            self._record_uid(key, await kube.create_claim(self.api, ns, body))
+            at.created.append(cname)
+            return
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        if at.unread:  # the claim exists: this is not a first bind after all; look
+            _, at.bound_to = await self._read_pod(at.args)
+            at.unread = False
+        old = await kube.get_claim(self.api, ns, cname)
+        if old is None or old["spec"].get("podUID") != at.args.pod_uid:
+            raise BindError(f"claim {cname} exists for another pod (or was just deleted); retry")
+        mine = PodAllocation(at.args.pod_uid, node, (ca,))
+        try:
+            _, theirs = allocation_from_claim(old)
+        except (KeyError, ValueError, TypeError):
+            theirs = None
+        if theirs == mine:  # a retried bind that got the same slices: keep the claim
+            self._record_uid(key, old["metadata"].get("uid"))
+            return
+        if at.bound_to:
+            self._hold_existing(at, key, cname, old, theirs)
+            return
+        # The pod is unbound: the claim was left by an attempt that died or failed half-way
+        # (operator killed, connection lost) with other slices or another node, and no other
+        # bind of this pod runs: replace it with this attempt's.
+        log.info("replacing a stale claim", claim=f"{ns}/{cname}", old_node=old["spec"].get("node"), node=node)
+        await kube.delete_claim(self.api, ns, cname)
+        at.replaced.append(old)
+        self._record_uid(key, await kube.create_claim(self.api, ns, body))
+        at.created.append(cname)
+
+    def _hold_existing(self, at: _Attempt, key: str, cname: str, old: dict[str, Any],
+                       theirs: PodAllocation | None) -> None:
+        """The pod is bound here already, and its annotations were made from this claim (created
+        before the Binding that landed): the claim is the record; hold what it says."""
+        ns, node = at.args.pod_namespace, at.args.node
+        if theirs is None or theirs.node != node:
+            raise BindError(f"pod {at.who} is bound to {node} but claim {cname} says otherwise")
+        self.state.release_key(key)
+        self.state.reserve(key, theirs, force=True)
+        self._record_uid(key, old["metadata"].get("uid"))
+        log.info("pod already bound here: holding what its claim says", claim=f"{ns}/{cname}")
+
+    async def _create_binding(self, at: _Attempt, alloc: PodAllocation) -> None:
+        """Step 4: the Binding, carrying the allocation annotations. The API server merges a
+        Binding's annotations into the pod in the write that sets spec.nodeName: one write
+        instead of two, no validating-webhook round trip, and a pod is never seen annotated but
+        unbound (or bound without its annotations)."""
+        ns, name, uid, node = at.args.pod_namespace, at.args.pod_name, at.args.pod_uid, at.args.node
+        try:
+            await kube.create_binding(self.api, ns, name, uid, node,
+                                      annotations=allocation_annotations(ns, at.pod, alloc))
+        except API_ERRORS:
+            # The Binding may have landed although we saw an error (a timeout under load, a
+            # connection cut): if this pod is bound here now, this bind succeeded; releasing its
+            # claims would leave a running pod unaccounted.
+            if await self._live_node(ns, name, uid) != node:
+                raise
+            log.info("binding reported an error but the pod is bound here", pod=at.who, node=node)
+
+    async def _undo(self, at: _Attempt) -> None:
+        """A failed attempt: delete the claims it created, release the pod's reservations, and
+        restore stale claims it replaced if they were right after all."""
+        ns = at.args.pod_namespace
+        for cname in at.created:
+            try:
+                await kube.delete_claim(self.api, ns, cname)  # (release_pod below forgets its UID)
+            except API_ERRORS:
+                # Left behind: a retry replaces it (its slices or node differ, the pod is
+                # unbound) or keeps it (the same); the orphan sweep removes it if the pod goes.
+                pass
+        self.state.release_pod(at.args.pod_uid)
+        if at.replaced:
+            await self._restore(ns, at.args.pod_name, at.args.pod_uid, at.replaced)
+
+    def _bound(self, at: _Attempt, alloc: PodAllocation) -> None:
+        """The pod is bound: answer kube-scheduler. The claim-phase worker sees the bound pod and
+        moves its claims to Bound (and posts the GPUSlicesBound Event)."""
+        uid, node = at.args.pod_uid, at.args.node
+        self.state.forget_pending(uid)
         if len(self._bound_to) >= self.MAX_HINTS:
             self._bound_to.clear()
-        self._bound_to[args.pod_uid] = node
-        log.info("bound", pod=f"{ns}/{name}", node=node, claims=",".join(sorted(names.values())),
-                 cards=bound_cards(alloc))
-        # The pod is bound: answer kube-scheduler. The claim-phase worker sees the bound pod
-        # and moves its claims to Bound (and posts the GPUSlicesBound Event).
+        self._bound_to[uid] = node
+        names = sorted(k.partition("/")[2] for k in at.ckeys.values())
+        log.info("bound", pod=at.who, node=node, claims=",".join(names), cards=bound_cards(alloc))
 
     async def _restore(self, ns: str, name: str, uid: str, olds: list[dict[str, Any]]) -> None:
         """This attempt replaced claims it judged stale (the pod looked unbound) and then failed:
@@ -409,7 +466,7 @@ class Binder:
         """Remember which claim object holds ``key`` (its UID), so that events of an older object
         under the same name do not free it (Runtime.on_claim)."""
         if isinstance(uid, str) and uid:
-            self.state.claim_uids[key] = uid
+            self.state.record_claim_uid(key, uid)
 
     async def _live_node(self, ns: str, name: str, uid: str) -> str | None:
         """The node pod ``ns/name`` with UID ``uid`` is bound to now; None when it is unbound,

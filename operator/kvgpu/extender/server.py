@@ -120,7 +120,7 @@ class Extender:
                         and not scheduler_preferences(args.pod)):
                     feasible = [best_node(self.state.ledger.rank(req, feasible))]
             else:
-                self.state.pending[uid] = (str(meta.get("namespace")), str(meta.get("name")))
+                self.state.add_pending(uid, str(meta.get("namespace")), str(meta.get("name")))
                 self.metrics.pending.set(len(self.state.pending))
                 self.preemption.rejected(args.pod, req, args.node_names)
                 await self._explain(args.pod, reasons)
@@ -138,7 +138,7 @@ class Extender:
         ``GPUQuotaExceeded`` Event per new reason. The bind checks again with the real grants."""
         meta = args.pod["metadata"]
         uid = str(meta.get("uid", ""))
-        self.state.pending[uid] = (str(meta.get("namespace")), str(meta.get("name")))
+        self.state.add_pending(uid, str(meta.get("namespace")), str(meta.get("name")))
         self.metrics.pending.set(len(self.state.pending))
         if self.last_reasons.get(uid) != why:
             self.last_reasons[uid] = why

@@ -249,6 +249,20 @@ class OperatorState:
             self.dirty_nodes.add(alloc.node)
             self._track_quota(alloc.pod_uid, key)
 
+    def record_claim_uid(self, key: str, uid: str) -> None:
+        """The claim object holding ledger key ``key`` is the one with ``uid`` now: events of
+        another object under the same name free nothing."""
+        self.claim_uids[key] = uid
+
+    # ----- pending pods ------------------------------------------------------------------------
+    def add_pending(self, uid: str, namespace: str, name: str) -> None:
+        """Pod ``uid`` waits for capacity (requeued when some frees)."""
+        self.pending[uid] = (namespace, name)
+
+    def forget_pending(self, uid: str) -> None:
+        """Pod ``uid`` waits no more (bound, or gone); idempotent."""
+        self.pending.pop(uid, None)
+
     # ----- quotas (kvgpu.allocator.quota) ------------------------------------------------------
     def _track_quota(self, uid: str, key: str) -> None:
         """Record pod ``uid``'s usage from what the ledger holds for it now (O(its keys)). The
