@@ -105,128 +105,70 @@ class UsageCollector(Collector):
     def collect(self) -> Iterator[Any]:
         inv = self.inventory()
         index = {c.uuid: str(c.index) for c in inv.cards} if inv else {}
-        g = {
-            "limit": GaugeMetricFamily(
-                "kvgpu_container_memory_limit_bytes",
-                "Memory limit of the container's slice on the card (from its claim).",
-                labels=_CLABELS,
-            ),
-            "cores": GaugeMetricFamily(
-                "kvgpu_container_core_limit_percent",
-                "Compute limit of the slice, percent of the card's SMs (0 = none).",
-                labels=_CLABELS,
-            ),
-            "used": GaugeMetricFamily(
-                "kvgpu_container_memory_used_bytes",
-                "Device memory charged to the container by the shim.",
-                labels=_CLABELS,
-            ),
-            "sm": GaugeMetricFamily(
-                "kvgpu_container_sm_utilization_percent",
-                "SM utilisation of the container on the card, percent.",
-                labels=_CLABELS,
-            ),
-            "procs": GaugeMetricFamily(
-                "kvgpu_container_processes",
-                "Processes of the container attached to the shim's region.",
-                labels=_CLABELS,
-            ),
-            "enforced": GaugeMetricFamily(
-                "kvgpu_container_enforced_limit_bytes",
-                "Memory limit the shim enforces (should equal the claim's).",
-                labels=_CLABELS,
-            ),
-        }
-        active = GaugeMetricFamily(
-            "kvgpu_container_region_active",
-            "1 when the shim's shared region of the container exists and was read.",
-            labels=["node", "namespace", "pod", "container", "claim"],
-        )
-        ooms = CounterMetricFamily(
-            "kvgpu_container_oom_kills",
-            "Processes of the container the shim's ACTIVE_OOM_KILLER ended (from its region).",
-            labels=["node", "namespace", "pod", "container", "claim"],
-        )
-        h = {
-            "used": GaugeMetricFamily(
-                "hami_vgpu_memory_used_bytes", "HAMi-compatible: container memory used.", labels=_HLABELS
-            ),
-            "limit": GaugeMetricFamily(
-                "hami_vgpu_memory_limit_bytes", "HAMi-compatible: container memory limit.", labels=_HLABELS
-            ),
-            "util": GaugeMetricFamily(
-                "hami_container_device_utilization_ratio",
-                "HAMi-compatible: container SM utilisation (percent).",
-                labels=_HLABELS,
-            ),
-        }
-        views = list(self.processes()) if self.processes is not None else []
+        fams = _ContainerFamilies()
+        tally = _ProcessTally(self.processes() if self.processes is not None else [])
         measured = dict(self.utilization()) if self.utilization is not None else {}
-        unenforced: dict[tuple[str, str, str], int] = {}
-        nvml_mem: dict[tuple[str, str, str], int] = {}
-        foreign: dict[str, list[int]] = {}
-        for v in views:
-            if v.container is None:
-                foreign.setdefault(v.process.uuid, []).append(v.process.used_bytes)
-                continue
-            k = (v.container.pod_uid, v.container.container, v.process.uuid)
-            nvml_mem[k] = nvml_mem.get(k, 0) + v.process.used_bytes
-            if v.state == "unenforced":
-                unenforced[k] = unenforced.get(k, 0) + 1
-        g["unenforced"] = GaugeMetricFamily(
-            "kvgpu_container_unenforced_processes",
-            "GPU processes of the container the shim does not control (escaped isolation).",
-            labels=_CLABELS,
-        )
-        g["nvml"] = GaugeMetricFamily(
-            "kvgpu_container_nvml_memory_bytes",
-            "Device memory of the container's processes on the card as NVML measures it.",
-            labels=_CLABELS,
-        )
         for c in self.containers():
-            usage: dict[str, DeviceUsage] = {}
-            ok = False
-            kills = 0
-            try:
-                rows = self.reader(self.region_dir(c))
-                if rows is not None:
-                    usage = {u.uuid: u for u in rows}
-                    ok = True
-                    oom = getattr(rows, "oom", None)
-                    kills = oom.count if oom is not None else 0
-            except Exception as e:  # a corrupt or racing region must not break the scrape
-                self.read_errors += 1
-                log.warning("region of %s/%s/%s unreadable: %s", c.namespace, c.pod, c.container, e)
-            active.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], 1.0 if ok else 0.0)
-            ooms.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], kills)
-            for vi, d in enumerate(c.devices):
-                lv = [self.node, c.namespace, c.pod, c.container, c.claim, d.uuid, index.get(d.uuid, "")]
-                u = usage.get(d.uuid)
-                used = (u.used_mib * MIB) if u else 0.0
-                sm = u.sm_util if u and u.sm_util is not None else None
-                if sm is None:
-                    sm = measured.get((c.pod_uid, c.container, d.uuid), 0.0)
-                g["limit"].add_metric(lv, d.memory_mib * MIB)
-                g["cores"].add_metric(lv, d.cores)
-                g["used"].add_metric(lv, used)
-                g["sm"].add_metric(lv, sm)
-                g["procs"].add_metric(lv, len(u.pids) if u else 0)
-                if self.processes is not None:
-                    k = (c.pod_uid, c.container, d.uuid)
-                    g["unenforced"].add_metric(lv, unenforced.get(k, 0))
-                    g["nvml"].add_metric(lv, nvml_mem.get(k, 0))
-                if u is not None:
-                    g["enforced"].add_metric(lv, u.limit_mib * MIB)
-                if self.hami_compat:
-                    hl = [c.namespace, c.pod, c.container, str(vi), d.uuid]
-                    h["used"].add_metric(hl, used)
-                    h["limit"].add_metric(hl, d.memory_mib * MIB)
-                    h["util"].add_metric(hl, sm)
-        yield from g.values()
-        yield active
-        yield ooms
+            self._add_container(fams, c, index, measured, tally)
+        yield from fams.g.values()
+        yield fams.active
+        yield fams.ooms
         if self.hami_compat:
-            yield from h.values()
+            yield from fams.h.values()
+        yield from self._card_families(inv, tally.foreign)
+        yield self._agent_info(inv)
+        err = CounterMetricFamily(
+            "kvgpu_region_read_errors", "Shared regions that could not be read.", labels=["node"]
+        )
+        err.add_metric([self.node], self.read_errors)
+        yield err
+
+    def _read(self, c: BoundContainer) -> tuple[dict[str, DeviceUsage], bool, int]:
+        """The container's region: per card usage, whether it was read, the OOM kills it counts."""
+        try:
+            rows = self.reader(self.region_dir(c))
+            if rows is None:
+                return {}, False, 0
+            oom = getattr(rows, "oom", None)
+            return {u.uuid: u for u in rows}, True, oom.count if oom is not None else 0
+        except Exception as e:  # a corrupt or racing region must not break the scrape
+            self.read_errors += 1
+            log.warning("region of %s/%s/%s unreadable: %s", c.namespace, c.pod, c.container, e)
+            return {}, False, 0
+
+    def _add_container(self, fams: _ContainerFamilies, c: BoundContainer, index: dict[str, str],
+                       measured: Mapping[tuple[str, str, str], float], tally: _ProcessTally) -> None:
+        """One container's series: region state, then per card of its claim."""
+        usage, ok, kills = self._read(c)
+        fams.active.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], 1.0 if ok else 0.0)
+        fams.ooms.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], kills)
+        g, h = fams.g, fams.h
+        for vi, d in enumerate(c.devices):
+            lv = [self.node, c.namespace, c.pod, c.container, c.claim, d.uuid, index.get(d.uuid, "")]
+            u = usage.get(d.uuid)
+            used = (u.used_mib * MIB) if u else 0.0
+            sm = u.sm_util if u and u.sm_util is not None else None
+            if sm is None:
+                sm = measured.get((c.pod_uid, c.container, d.uuid), 0.0)
+            g["limit"].add_metric(lv, d.memory_mib * MIB)
+            g["cores"].add_metric(lv, d.cores)
+            g["used"].add_metric(lv, used)
+            g["sm"].add_metric(lv, sm)
+            g["procs"].add_metric(lv, len(u.pids) if u else 0)
+            if self.processes is not None:
+                k = (c.pod_uid, c.container, d.uuid)
+                g["unenforced"].add_metric(lv, tally.unenforced.get(k, 0))
+                g["nvml"].add_metric(lv, tally.nvml_mem.get(k, 0))
+            if u is not None:
+                g["enforced"].add_metric(lv, u.limit_mib * MIB)
+            if self.hami_compat:
+                hl = [c.namespace, c.pod, c.container, str(vi), d.uuid]
+                h["used"].add_metric(hl, used)
+                h["limit"].add_metric(hl, d.memory_mib * MIB)
+                h["util"].add_metric(hl, sm)
+
+    def _card_families(self, inv: NodeInventory | None, foreign: dict[str, list[int]]) -> Iterator[Any]:
+        """Per card of the node: info, health, memory, slices; foreign use with NVML processes."""
         info = GaugeMetricFamily("kvgpu_card_info", "A card of the node (value 1).", labels=[*_CARD, "numa"])
         healthy = GaugeMetricFamily("kvgpu_card_healthy", "1 healthy, 0 unhealthy.", labels=_CARD)
         mem = GaugeMetricFamily("kvgpu_card_memory_bytes", "Physical memory of the card.", labels=_CARD)
@@ -240,43 +182,101 @@ class UsageCollector(Collector):
             mem.add_metric(lv, card.memory_mib * MIB)
             slices.add_metric(lv, card.slicing.split_count if card.slicing else 0)
         yield from (info, healthy, mem, slices)
-        if self.processes is not None:
-            fmem = GaugeMetricFamily(
-                "kvgpu_card_foreign_memory_bytes",
-                "Device memory of processes on the card that no claim accounts for.",
-                labels=_CARD,
-            )
-            fprocs = GaugeMetricFamily(
-                "kvgpu_card_foreign_processes",
-                "Processes on the card that belong to no claimed container.",
-                labels=_CARD,
-            )
-            for card in inv.cards if inv else ():
-                lv = [self.node, card.uuid, str(card.index), card.model]
-                fmem.add_metric(lv, sum(foreign.get(card.uuid, [])))
-                fprocs.add_metric(lv, len(foreign.get(card.uuid, [])))
-            yield from (fmem, fprocs)
+        if self.processes is None:
+            return
+        fmem = GaugeMetricFamily(
+            "kvgpu_card_foreign_memory_bytes",
+            "Device memory of processes on the card that no claim accounts for.",
+            labels=_CARD,
+        )
+        fprocs = GaugeMetricFamily(
+            "kvgpu_card_foreign_processes",
+            "Processes on the card that belong to no claimed container.",
+            labels=_CARD,
+        )
+        for card in inv.cards if inv else ():
+            lv = [self.node, card.uuid, str(card.index), card.model]
+            fmem.add_metric(lv, sum(foreign.get(card.uuid, [])))
+            fprocs.add_metric(lv, len(foreign.get(card.uuid, [])))
+        yield from (fmem, fprocs)
+
+    def _agent_info(self, inv: NodeInventory | None) -> GaugeMetricFamily:
+        from kvgpu import __version__
+
         agent = GaugeMetricFamily(
             "kvgpu_agent_info", "The agent (value 1).", labels=["node", "version", "source", "driver", "cuda"]
         )
-        from kvgpu import __version__
-
         agent.add_metric(
-            [
-                self.node,
-                __version__,
-                inv.source if inv else "",
-                inv.driver if inv else "",
-                inv.cuda if inv else "",
-            ],
+            [self.node, __version__, inv.source if inv else "", inv.driver if inv else "", inv.cuda if inv else ""],
             1,
         )
-        yield agent
-        err = CounterMetricFamily(
-            "kvgpu_region_read_errors", "Shared regions that could not be read.", labels=["node"]
+        return agent
+
+
+class _ContainerFamilies:
+    """The per-container metric families of one scrape (``g``: kvgpu's, ``h``: HAMi's names)."""
+
+    def __init__(self) -> None:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=_CLABELS)
+
+        self.g = {
+            "limit": gauge("kvgpu_container_memory_limit_bytes",
+                           "Memory limit of the container's slice on the card (from its claim)."),
+            "cores": gauge("kvgpu_container_core_limit_percent",
+                           "Compute limit of the slice, percent of the card's SMs (0 = none)."),
+            "used": gauge("kvgpu_container_memory_used_bytes", "Device memory charged to the container by the shim."),
+            "sm": gauge("kvgpu_container_sm_utilization_percent",
+                        "SM utilisation of the container on the card, percent."),
+            "procs": gauge("kvgpu_container_processes", "Processes of the container attached to the shim's region."),
+            "enforced": gauge("kvgpu_container_enforced_limit_bytes",
+                              "Memory limit the shim enforces (should equal the claim's)."),
+            "unenforced": gauge("kvgpu_container_unenforced_processes",
+                                "GPU processes of the container the shim does not control (escaped isolation)."),
+            "nvml": gauge("kvgpu_container_nvml_memory_bytes",
+                          "Device memory of the container's processes on the card as NVML measures it."),
+        }
+        self.active = GaugeMetricFamily(
+            "kvgpu_container_region_active",
+            "1 when the shim's shared region of the container exists and was read.",
+            labels=["node", "namespace", "pod", "container", "claim"],
         )
-        err.add_metric([self.node], self.read_errors)
-        yield err
+        self.ooms = CounterMetricFamily(
+            "kvgpu_container_oom_kills",
+            "Processes of the container the shim's ACTIVE_OOM_KILLER ended (from its region).",
+            labels=["node", "namespace", "pod", "container", "claim"],
+        )
+        self.h = {
+            "used": GaugeMetricFamily(
+                "hami_vgpu_memory_used_bytes", "HAMi-compatible: container memory used.", labels=_HLABELS
+            ),
+            "limit": GaugeMetricFamily(
+                "hami_vgpu_memory_limit_bytes", "HAMi-compatible: container memory limit.", labels=_HLABELS
+            ),
+            "util": GaugeMetricFamily(
+                "hami_container_device_utilization_ratio",
+                "HAMi-compatible: container SM utilisation (percent).",
+                labels=_HLABELS,
+            ),
+        }
+
+
+class _ProcessTally:
+    """NVML's processes (enforcement's view) summed per (pod UID, container, card), and those of
+    no claimed container per card (foreign)."""
+
+    def __init__(self, views: Iterable[Any]) -> None:
+        self.unenforced: dict[tuple[str, str, str], int] = {}
+        self.nvml_mem: dict[tuple[str, str, str], int] = {}
+        self.foreign: dict[str, list[int]] = {}
+        for v in views:
+            if v.container is None:
+                self.foreign.setdefault(v.process.uuid, []).append(v.process.used_bytes)
+                continue
+            k = (v.container.pod_uid, v.container.container, v.process.uuid)
+            self.nvml_mem[k] = self.nvml_mem.get(k, 0) + v.process.used_bytes
+            if v.state == "unenforced":
+                self.unenforced[k] = self.unenforced.get(k, 0) + 1
 
 
 def make_registry(collector: UsageCollector) -> CollectorRegistry:
