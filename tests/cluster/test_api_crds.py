@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from kvgpu.api.models import (
 from kvgpu.api.requests import parse_pod
 from kvgpu.core.keys import GROUP, VERSION
 from kvgpu.devcluster import Cluster
+from kvgpu.devcluster.system import KvgpuSystem
 
 pytestmark = pytest.mark.cluster
 
@@ -45,7 +47,8 @@ def pools(crds: Cluster) -> Iterator[list[str]]:
     names: list[str] = []
     yield names
     for n in names:
-        crds.kubectl("delete", "vgpupool", n, "--ignore-not-found", "--wait=false", check=False)
+        # waited for: examples/pool.yaml is "default", which the gpu fixture of a later test applies
+        crds.kubectl("delete", "vgpupool", n, "--ignore-not-found", "--wait=true", "--timeout=60s", check=False)
 
 
 def _pool_names(cluster: Cluster) -> set[str]:
@@ -125,7 +128,7 @@ def test_invalid_pools_refused(crds: Cluster, path: Path, pools: list[str]) -> N
         assert line in res.stderr, res.stderr
 
 
-def test_pool_columns(crds: Cluster, pools: list[str]) -> None:
+def test_pool_columns(crds: Cluster, pools: list[str], kvgpu_system: KvgpuSystem) -> None:
     name = "api-test-columns"
     pools.append(name)
     crds.kubectl(
@@ -136,6 +139,13 @@ def test_pool_columns(crds: Cluster, pools: list[str]) -> None:
             {"apiVersion": f"{GROUP}/{VERSION}", "kind": "VGPUPool", "metadata": {"name": name}}
         ),
     )
+    # The operator writes a new pool's status once (then only when its own figures change): a
+    # status patched before that write would be overwritten, so the test depends on the operator
+    # being there in any order of the tests, and patches after its write.
+    deadline = time.monotonic() + 30
+    while not crds.kubectl("get", "vgpupool", name, "-o", "jsonpath={.status.observedGeneration}").stdout:
+        assert time.monotonic() < deadline, "the operator wrote no status for the new pool"
+        time.sleep(0.2)
     status = VGPUPoolStatus(
         nodes=10, cards=8, slots_used=3, slots_total=80, memory_used_mib=9000, memory_total_mib=8 * 143771
     )
