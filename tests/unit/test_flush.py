@@ -42,7 +42,7 @@ Started = tuple[Runtime, list[float]]
 def started(monkeypatch: pytest.MonkeyPatch) -> Started:
     """A runtime on the three-node fake state, with a clock the test moves (seconds)."""
     clock = [1000.0]
-    monkeypatch.setattr("kvgpu.runtime.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("kvgpu.runtime.background.time.monotonic", lambda: clock[0])
     rt = Runtime(OperatorConfig(pool_status_interval_s=5.0))
     rt.state = make_state()
     return rt, clock
