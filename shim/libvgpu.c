@@ -70,13 +70,27 @@ static void at_exit(void)
         vgpu_region_leave(&vgpu.region);
 }
 
-static void after_fork_child(void)
+/* fork (PyTorch DataLoader workers, subprocess from a threaded program): no lock of the shim
+ * may be held by another thread at the moment of fork, or the child, which has only the forking
+ * thread, would wait for it forever. So prepare takes them all (vgpu_cuda.c: the lock order),
+ * the parent gives them back, and the child re-initialises them. The child is a new process:
+ * it takes its own slot on first use and owns none of the parent's allocations (CUDA contexts
+ * do not survive fork). The region's process-shared lock is not taken: its holder, if any, is a
+ * thread that goes on running (in the parent) or a process the robust mutex recovers from. */
+static void fork_prepare(void)
 {
-    /* The child is a new process: it takes its own slot on first use and owns none of the
-     * parent's allocations (CUDA contexts do not survive fork). */
+    vgpu_cuda_fork_prepare();
+}
+
+static void fork_parent(void)
+{
+    vgpu_cuda_fork_parent();
+}
+
+static void fork_child(void)
+{
     vgpu.region.slot = -1;
-    extern void vgpu_cuda_after_fork(void);
-    vgpu_cuda_after_fork();
+    vgpu_cuda_fork_child();
 }
 
 /* mode=mps: make this process the MPS client its claim says, whatever its environment says
@@ -164,7 +178,7 @@ static void do_init(void)
             (vgpu.cfg.dev[d].cores > 0 || (vgpu.cfg.priority == 0 && vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0])))
             vgpu.compute_limited = 1;
     atexit(at_exit);
-    pthread_atfork(NULL, NULL, after_fork_child);
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
     vgpu_log(2, "claim %s: %d device(s), region %s", vgpu.cfg.claim[0] ? vgpu.cfg.claim : "(HAMi env)",
              vgpu.cfg.ndev, vgpu.cfg.region_path);
 }

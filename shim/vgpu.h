@@ -33,6 +33,24 @@
 #define VGPU_UUID_LEN 96
 #define VGPU_CLAIM_LEN 320
 #define VGPU_MIB (1024ull * 1024ull)
+#define VGPU_MS (1000000ull)        /* nanoseconds */
+#define VGPU_SEC (1000000000ull)
+
+/* Timing of the shim (ns of CLOCK_MONOTONIC). */
+#define VGPU_DEFAULT_PERIOD_NS (100 * VGPU_MS)  /* compute period without KVGPU_COMPUTE_PERIOD_MS */
+#define VGPU_SCHED_REFRESH_NS (250 * VGPU_MS)   /* schedule read, heartbeat and busy share */
+#define VGPU_GATE_MAX_SLEEP_NS (250 * VGPU_MS)  /* a waiting launch re-decides at least this often */
+#define VGPU_NO_WINDOW_WAIT_NS (250 * VGPU_MS)  /* a schedule leaving no time: wait, then look again */
+#define VGPU_RECONCILE_NS (200 * VGPU_MS)       /* NVML reconciliation on allocation paths */
+#define VGPU_RECONCILE_NEAR_NS (10 * VGPU_MS)   /* ... within 10 % of the limit */
+#define VGPU_REAP_NS (1 * VGPU_SEC)             /* dead processes' slots reaped at most this often */
+#define VGPU_OOM_GRACE_NS (100 * VGPU_MS)       /* ACTIVE_OOM_KILLER: a victim's time to go */
+#define VGPU_OOM_POLL_US 2000                   /* ... polled this often (us) */
+
+/* Fields one thread writes under a lock and others peek at without it (a hint re-checked under
+ * the lock): relaxed atomic accesses, plain loads and stores on x86, clean under TSan. */
+#define VGPU_PEEK(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
+#define VGPU_POKE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELAXED)
 
 /* ------------------------------------------------------------------ config (pure) */
 
@@ -178,6 +196,9 @@ int vgpu_region_reserve(struct vgpu_region_handle *h, int d, uint64_t bytes);
 void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes);
 /* Set own overhead charge on device d (absolute, in full: no cap). Returns the bytes charged. */
 uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes);
+/* Reconciliation: overhead = nvml_used - the slot's counted allocations (>= 0), both read and
+ * set under the lock. Returns the overhead. */
+uint64_t vgpu_region_reconcile(struct vgpu_region_handle *h, int d, uint64_t nvml_used);
 uint64_t vgpu_region_used(struct vgpu_region *r, int d);
 /* The container is over its limit on d by more than `slack`: 1 with the live slot holding the
  * most (data + overhead) on d in *pid, *start_time, *bytes; 0 otherwise. Takes the lock. */
@@ -367,6 +388,42 @@ extern const int vgpu_cuda_nhooks;
 extern struct vgpu_hook vgpu_nvml_hooks[];
 extern const int vgpu_nvml_nhooks;
 
+/* Driver entry points the shim calls but does not hook, resolved once when the driver is bound
+ * (vgpu_symbols_bind / vgpu_nvml_bind: under a pthread_once, before the hook table is
+ * published); NULL where the driver lacks one. Read through vgpu_cuda_drv() / vgpu_nvml_drv(). */
+struct vgpu_drv {
+    CUresult (*device_get_count)(int *);
+    CUresult (*device_get)(CUdevice *, int);
+    CUresult (*device_get_uuid)(CUuuid *, CUdevice);          /* _v2 if the driver has it */
+    CUresult (*device_get_attribute)(int *, int, CUdevice);
+    CUresult (*ctx_get_device)(CUdevice *);
+    CUresult (*ctx_get_current)(CUcontext *);
+    CUresult (*ctx_get_limit)(size_t *, int);
+    CUresult (*primary_ctx_release)(CUdevice);               /* _v2 */
+    CUresult (*stream_is_capturing)(CUstream, int *);
+    CUresult (*stream_query)(CUstream);
+    CUresult (*event_create)(CUevent *, unsigned);
+    CUresult (*event_destroy)(CUevent);                      /* _v2 */
+    CUresult (*event_record)(CUevent, CUstream);
+    CUresult (*event_query)(CUevent);
+    CUresult (*event_elapsed)(float *, CUevent, CUevent);
+    CUresult (*array_mem_req)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, void *, CUdevice);
+    CUresult (*mipmap_mem_req)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, void *, CUdevice);
+    CUresult (*graph_get_nodes)(void *, void **, size_t *);
+    CUresult (*graph_node_type)(void *, int *);
+    CUresult (*graph_mem_alloc_params)(void *, void *);
+    CUresult (*graph_child_graph)(void *, void **);
+    /* NVML */
+    nvmlReturn_t (*nvml_init_v2)(void);
+    nvmlReturn_t (*nvml_device_index)(nvmlDevice_t, unsigned *);
+    nvmlReturn_t (*nvml_device_uuid)(nvmlDevice_t, char *, unsigned);
+    nvmlReturn_t (*nvml_handle_by_uuid)(const char *, nvmlDevice_t *);
+    nvmlReturn_t (*nvml_running_procs)(nvmlDevice_t, unsigned *, nvmlProcessInfo_t *); /* _v3, else _v2 */
+};
+
+/* Process state. Thread safety: fields are set once by vgpu_init (a pthread_once) or by the
+ * device map (under map_mu, published by the release store of cuda_mapped), except where a
+ * comment names the lock or says atomic. Fork: see vgpu_fork_* (libvgpu.c). */
 struct vgpu_state {
     struct vgpu_config cfg;
     struct vgpu_region_handle region;
@@ -378,9 +435,20 @@ struct vgpu_state {
     int cuda_mapped;
     uint64_t cuda_total[VGPU_MAX_DEV]; /* physical bytes per region device (0 = unknown) */
     struct vgpu_gate gate[VGPU_MAX_DEV];
-    /* reconciliation with NVML per-process usage */
+    uint64_t coarse_margin;     /* vgpu_coarse_margin(), set with the device map */
+    struct vgpu_drv drv;        /* optional driver symbols (see struct vgpu_drv) */
+    /* reconciliation with NVML per-process usage (atomic: compare-and-swap of the time) */
     uint64_t last_reconcile_ns[VGPU_MAX_DEV];
-    int nvml_ready;
+    uint64_t last_reap_ns;      /* atomic: dead slots reaped at most every VGPU_REAP_NS */
+    /* under nvml_mu (vgpu_nvml.c) */
+    int nvml_inited;            /* the shim's own nvmlInit_v2 was called; result in nvml_init_rc */
+    nvmlReturn_t nvml_init_rc;
+    nvmlDevice_t nvml_handle[VGPU_MAX_DEV];      /* region device -> NVML handle (by UUID) */
+    struct { nvmlDevice_t h; int d; } nvml_map[VGPU_MAX_DEV]; /* NVML handle -> region device */
+    int nvml_nmap;
+    /* contexts (vgpu_cuda_mem.c; atomic) */
+    uint64_t ctx_learnt[VGPU_MAX_DEV];  /* bytes a context took on a region device (first one) */
+    int primary_charged[VGPU_MAX_DEV];  /* by CUDA ordinal: its primary context is charged */
 };
 extern struct vgpu_state vgpu;
 
@@ -388,8 +456,27 @@ void vgpu_init(void);                /* idempotent; never calls CUDA */
 int vgpu_cuda_ready(void);           /* 0 ok, else CUresult for fail-closed */
 void vgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void *vgpu_real_dlsym(void *handle, const char *name);
-void vgpu_symbols_bind(void);        /* dlopen libcuda/libnvml and fill .real */
+void vgpu_symbols_bind(void);        /* dlopen libcuda, fill .real and vgpu.drv (once) */
+void vgpu_nvml_bind(void);           /* dlopen libnvidia-ml, likewise (once) */
 void *vgpu_real_cuda(int idx);
+void *vgpu_real_nvml(int idx);
+static inline const struct vgpu_drv *vgpu_cuda_drv(void)
+{
+    vgpu_symbols_bind();
+    return &vgpu.drv;
+}
+static inline const struct vgpu_drv *vgpu_nvml_drv(void)
+{
+    vgpu_nvml_bind();
+    return &vgpu.drv;
+}
+/* Fork (pthread_atfork, registered by vgpu_init in a limited process): prepare takes every
+ * process-local lock of the shim in its order, parent releases them, child re-initialises them
+ * and the per-process state (a new process: no slot, no allocations, no contexts). */
+void vgpu_cuda_fork_prepare(void);
+void vgpu_cuda_fork_parent(void);
+void vgpu_cuda_fork_child(void);
+void vgpu_nvml_fork_lock(int op);    /* 0 lock, 1 unlock, 2 re-initialise (vgpu_nvml.c) */
 void *vgpu_cuda_sym(const char *name);   /* real libcuda symbol by name */
 void *vgpu_nvml_sym(const char *name);   /* real libnvidia-ml symbol by name */
 void *vgpu_hook_for(const char *name);   /* our wrapper for an exported name, or NULL */

@@ -38,7 +38,7 @@ void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns)
 {
     memset(g, 0, sizeof *g);
     pthread_mutex_init(&g->mu, NULL);
-    g->period_ns = period_ns ? period_ns : 100000000ull;
+    g->period_ns = period_ns ? period_ns : VGPU_DEFAULT_PERIOD_NS;
     g->active = cores > 0 && cores < 100;
     g->share_ns = g->period_ns * (uint64_t)(cores > 0 && cores < 100 ? cores : 100) / 100;
     g->batch_ns = VGPU_BATCH_NS;
@@ -58,7 +58,7 @@ void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_
     g->len_ns = len_ns > g->period_ns ? g->period_ns : len_ns;
     g->cotenants = cotenants;
     /* The bucket holds one window's worth of credit (in clock ns: a whole period). */
-    g->burst_ns = g->len_ns ? g->period_ns : 0;
+    VGPU_POKE(g->burst_ns, g->len_ns ? g->period_ns : 0); /* the fast path reads it unlocked */
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }
 
@@ -74,7 +74,7 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
         return 1;
     }
     uint64_t v = atomic_load_explicit(g->vt, memory_order_relaxed);
-    if (v > lo || v + g->burst_ns < hi)
+    if (v > lo || v + VGPU_PEEK(g->burst_ns) < hi)
         return 0; /* out of credit, or credit to clamp: the slow path */
     atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
                               memory_order_relaxed);
@@ -105,7 +105,7 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
     }
     if (!g->len_ns) { /* the schedule leaves us no time (high priority takes it all) */
         atomic_store(&g->open_until, 0);
-        return now + 250000000ull;
+        return now + VGPU_NO_WINDOW_WAIT_NS;
     }
     uint64_t v = atomic_load(g->vt);
     while (v + g->burst_ns < now && !atomic_compare_exchange_weak(g->vt, &v, now - g->burst_ns))
@@ -183,10 +183,10 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         if (span_ns > launches * g->est_ns)
             span_ns = launches * g->est_ns;
         else
-            g->est_ns = (g->est_ns + span_ns / launches) / 2;
+            VGPU_POKE(g->est_ns, (g->est_ns + span_ns / launches) / 2); /* peeked unlocked */
     } else {
         uint64_t sample = span_ns / launches;
-        g->est_ns = g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample;
+        VGPU_POKE(g->est_ns, g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample);
     }
     g->busy_acc_ns += span_ns;
     if (g->measure_only)

@@ -313,7 +313,7 @@ static int same_claim_text(const char *a, const char *b)
 /* Container mode: the claim is the container's read-only file, nothing else. */
 static void load_container(struct vgpu_config *cfg, const char *path, vgpu_getenv_fn get, void *ctx)
 {
-    static char buf[8192];
+    static char buf[8192]; /* not on the stack; vgpu_config_load runs once (vgpu_init) */
     const char *v;
     cfg->container = 1;
     cfg->source = VGPU_SRC_CLAIM;
@@ -388,7 +388,7 @@ void vgpu_config_load(struct vgpu_config *cfg, vgpu_getenv_fn get, void *ctx)
     if (kvgpu_claim && cfg->policy == VGPU_POLICY_DISABLE)
         cfg->policy = VGPU_POLICY_DEFAULT; /* a claim's core limit is not the image's to lift */
 
-    static char buf[8192];
+    static char buf[8192]; /* not on the stack; vgpu_config_load runs once (vgpu_init) */
     const char *text = NULL;
     const char *file = get("KVGPU_CLAIM_FILE", ctx);
     if (file && file[0]) {

@@ -14,23 +14,49 @@
 
 const int vgpu_idx_gpa = H_GPA, vgpu_idx_gpa_v2 = H_GPA2;
 
-int vgpu_cuda_mode_v;
+int vgpu_cuda_mode_v; /* atomic (relaxed): every thread computes the same value */
 int vgpu_cuda_mode_slow(void)
 {
     vgpu_init();
-    vgpu_cuda_mode_v = vgpu.cfg.broken ? M_BROKEN : (vgpu.limited && !vgpu.cfg.disabled) ? M_LIMITED : M_PASS;
-    return vgpu_cuda_mode_v;
+    int m = vgpu.cfg.broken ? M_BROKEN : (vgpu.limited && !vgpu.cfg.disabled) ? M_LIMITED : M_PASS;
+    VGPU_POKE(vgpu_cuda_mode_v, m);
+    return m;
 }
 
 static pthread_mutex_t map_mu = PTHREAD_MUTEX_INITIALIZER;
 
-void vgpu_cuda_after_fork(void)
+/* Lock order (every path takes them in this order, never the reverse): primary_mu (context
+ * retain) -> map_mu -> gate[d].mu -> join_mu -> nvml_mu -> tab_mu. The region's lock is
+ * process-shared and robust: it is not taken across fork (its holder may be another process). */
+void vgpu_cuda_fork_prepare(void)
 {
-    /* A thread of the parent may have held any of these at fork time. */
+    vgpu_cuda_mem_fork_lock(0);     /* primary_mu */
+    pthread_mutex_lock(&map_mu);
+    for (int d = 0; d < VGPU_MAX_DEV; d++)
+        pthread_mutex_lock(&vgpu.gate[d].mu);
+    vgpu_cuda_mem_fork_lock(1);     /* join_mu */
+    vgpu_nvml_fork_lock(0);
+    vgpu_cuda_mem_fork_lock(2);     /* tab_mu */
+}
+
+void vgpu_cuda_fork_parent(void)
+{
+    vgpu_cuda_mem_fork_lock(3);
+    vgpu_nvml_fork_lock(1);
+    for (int d = VGPU_MAX_DEV - 1; d >= 0; d--)
+        pthread_mutex_unlock(&vgpu.gate[d].mu);
+    pthread_mutex_unlock(&map_mu);
+}
+
+void vgpu_cuda_fork_child(void)
+{
+    /* The forking thread holds every lock (prepare): nothing is half-updated, and the child,
+     * single-threaded, starts with fresh locks. */
     pthread_mutex_init(&map_mu, NULL);
     for (int d = 0; d < VGPU_MAX_DEV; d++)
         pthread_mutex_init(&vgpu.gate[d].mu, NULL);
-    vgpu_cuda_mem_after_fork();
+    vgpu_nvml_fork_lock(2);
+    vgpu_cuda_mem_fork_lock(4);
 }
 
 /* ------------------------------------------------------------------ devices */
@@ -61,11 +87,10 @@ int vgpu_map_uuid(const char *uuid)
 
 static void map_devices_locked(void)
 {
-    CUresult (*count)(int *) = (CUresult(*)(int *))vgpu_cuda_sym("cuDeviceGetCount");
-    CUresult (*get)(CUdevice *, int) = (CUresult(*)(CUdevice *, int))vgpu_cuda_sym("cuDeviceGet");
-    CUresult (*guuid)(CUuuid *, CUdevice) = (CUresult(*)(CUuuid *, CUdevice))vgpu_cuda_sym("cuDeviceGetUuid_v2");
-    if (!guuid)
-        guuid = (CUresult(*)(CUuuid *, CUdevice))vgpu_cuda_sym("cuDeviceGetUuid");
+    const struct vgpu_drv *drv = vgpu_cuda_drv();
+    CUresult (*count)(int *) = drv->device_get_count;
+    CUresult (*get)(CUdevice *, int) = drv->device_get;
+    CUresult (*guuid)(CUuuid *, CUdevice) = drv->device_get_uuid;
     CUresult (*total)(size_t *, CUdevice) = REAL(H_TOTALMEM, CUresult(*)(size_t *, CUdevice));
     int n = 0;
     if (!count || !get || !guuid || count(&n) != CUDA_SUCCESS)
@@ -105,6 +130,7 @@ static void map_devices_locked(void)
                 active++, last = d;
         }
     }
+    vgpu.coarse_margin = vgpu_coarse_margin();
     vgpu_single_gate = active == 1 ? last : -1;
     __atomic_store_n(&vgpu.cuda_mapped, 1, __ATOMIC_RELEASE);
 }
@@ -129,10 +155,8 @@ int vgpu_map_cuda_device(CUdevice dev)
 
 int vgpu_cur_dev(void)
 {
-    static CUresult (*f)(CUdevice *);
+    CUresult (*f)(CUdevice *) = vgpu_cuda_drv()->ctx_get_device;
     CUdevice dev;
-    if (!f)
-        f = (CUresult(*)(CUdevice *))vgpu_cuda_sym("cuCtxGetDevice");
     if (!f || f(&dev) != CUDA_SUCCESS)
         return -1;
     return vgpu_map_cuda_device(dev);

@@ -55,9 +55,10 @@ extern int vgpu_cuda_mode_v;
 int vgpu_cuda_mode_slow(void);
 static inline int mode(void)
 {
-    if (__builtin_expect(vgpu_cuda_mode_v == M_UNSET, 0))
+    int m = VGPU_PEEK(vgpu_cuda_mode_v);
+    if (__builtin_expect(m == M_UNSET, 0))
         return vgpu_cuda_mode_slow();
-    return vgpu_cuda_mode_v;
+    return m;
 }
 
 #define REAL(i, T) ((T)vgpu_real_cuda(i))
@@ -69,7 +70,9 @@ static inline int mode(void)
 
 int vgpu_cur_dev(void);               /* region device of the current context, -1/-2 */
 extern int vgpu_single_gate;          /* the only card with a compute gate, or -1 */
-void vgpu_cuda_mem_after_fork(void);  /* vgpu_cuda_mem.c: reset its locks and table */
+/* vgpu_cuda_mem.c's locks across fork: 0 lock primary_mu, 1 lock join_mu, 2 lock tab_mu,
+ * 3 unlock all three (parent), 4 re-initialise them and forget the parent's allocations (child). */
+void vgpu_cuda_mem_fork_lock(int op);
 /* The memory side of cuGraphLaunch(_ptsz) in a limited process (after the compute gate). */
 CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
 

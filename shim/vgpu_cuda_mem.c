@@ -107,26 +107,40 @@ static int tab_take(int kind, uint64_t key, uint64_t *size, int *dev)
 }
 
 static pthread_mutex_t join_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t primary_mu = PTHREAD_MUTEX_INITIALIZER; /* first primary-context retain */
 
-void vgpu_cuda_mem_after_fork(void)
+void vgpu_cuda_mem_fork_lock(int op)
 {
-    /* A thread of the parent may have held any of these at fork time. */
-    pthread_mutex_init(&join_mu, NULL);
-    pthread_mutex_init(&tab_mu, NULL);
-    free(tab);
-    tab = NULL, tab_cap = tab_used = 0;
+    switch (op) {
+    case 0: pthread_mutex_lock(&primary_mu); break;
+    case 1: pthread_mutex_lock(&join_mu); break;
+    case 2: pthread_mutex_lock(&tab_mu); break;
+    case 3:
+        pthread_mutex_unlock(&tab_mu);
+        pthread_mutex_unlock(&join_mu);
+        pthread_mutex_unlock(&primary_mu);
+        break;
+    case 4:
+        pthread_mutex_init(&primary_mu, NULL);
+        pthread_mutex_init(&join_mu, NULL);
+        pthread_mutex_init(&tab_mu, NULL);
+        free(tab);
+        tab = NULL, tab_cap = tab_used = 0;
+        memset(vgpu.primary_charged, 0, sizeof vgpu.primary_charged);
+        break;
+    }
 }
 
 /* ------------------------------------------------------------------ charging */
 
 void vgpu_ensure_slot(void)
 {
-    if (vgpu.region.slot >= 0)
+    if (__atomic_load_n(&vgpu.region.slot, __ATOMIC_ACQUIRE) >= 0)
         return;
     pthread_mutex_lock(&join_mu);
     if (vgpu.region.slot < 0) {
         int32_t pid = (int32_t)getpid();
-        static int told;
+        static int told; /* under join_mu */
         if (vgpu_region_join(&vgpu.region, pid, vgpu_proc_start_time(pid)) < 0 && !told++)
             vgpu_log(0, "shared region has no free slot (%d processes): allocations are refused",
                      VGPU_MAX_SLOTS);
@@ -343,9 +357,7 @@ VGPU_API CUresult cuMemFree(unsigned p)
  * of the graph (stream capture), which the graph's launch charges (see "graph memory"). */
 static int capturing(CUstream s)
 {
-    static CUresult (*is_cap)(CUstream, int *);
-    if (!is_cap)
-        is_cap = (CUresult(*)(CUstream, int *))vgpu_cuda_sym("cuStreamIsCapturing");
+    CUresult (*is_cap)(CUstream, int *) = vgpu_cuda_drv()->stream_is_capturing;
     int st = 0;
     return is_cap && is_cap(s, &st) == CUDA_SUCCESS && st == CU_STREAM_CAPTURE_STATUS_ACTIVE;
 }
@@ -486,9 +498,9 @@ static uint64_t array_est(size_t w, size_t h, size_t dpt, int fmt, unsigned ch)
 static int settle_array(int d, uint64_t est, uint64_t *actual, void *arr, int mip, CUdevice dev)
 {
     CUDA_ARRAY_MEMORY_REQUIREMENTS req;
+    const struct vgpu_drv *drv = vgpu_cuda_drv();
     CUresult (*q)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, void *, CUdevice) =
-        (CUresult(*)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, void *, CUdevice))vgpu_cuda_sym(
-            mip ? "cuMipmappedArrayGetMemoryRequirements" : "cuArrayGetMemoryRequirements");
+        mip ? drv->mipmap_mem_req : drv->array_mem_req;
     *actual = est;
     if (!q || q(&req, arr, dev) != CUDA_SUCCESS || !req.size)
         return 0;
@@ -523,7 +535,7 @@ static CUresult array_common(CUarray *arr, const void *desc, int three_d)
         return rc;
     }
     CUdevice dev = 0;
-    CUresult (*gd)(CUdevice *) = (CUresult(*)(CUdevice *))vgpu_cuda_sym("cuCtxGetDevice");
+    CUresult (*gd)(CUdevice *) = vgpu_cuda_drv()->ctx_get_device;
     if (gd)
         gd(&dev);
     uint64_t actual;
@@ -578,7 +590,7 @@ VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY
         return rc;
     }
     CUdevice dev = 0;
-    CUresult (*gd)(CUdevice *) = (CUresult(*)(CUdevice *))vgpu_cuda_sym("cuCtxGetDevice");
+    CUresult (*gd)(CUdevice *) = vgpu_cuda_drv()->ctx_get_device;
     if (gd)
         gd(&dev);
     uint64_t actual;
@@ -615,14 +627,12 @@ VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
 
 static void graph_walk(CUgraph g, uint64_t *per_dev, int depth)
 {
-    static CUresult (*nodes)(CUgraph, CUgraphNode *, size_t *), (*type)(CUgraphNode, int *),
-        (*params)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *), (*child)(CUgraphNode, CUgraph *);
-    if (!nodes) {
-        type = (CUresult(*)(CUgraphNode, int *))vgpu_cuda_sym("cuGraphNodeGetType");
-        params = (CUresult(*)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *))vgpu_cuda_sym("cuGraphMemAllocNodeGetParams");
-        child = (CUresult(*)(CUgraphNode, CUgraph *))vgpu_cuda_sym("cuGraphChildGraphNodeGetGraph");
-        nodes = (CUresult(*)(CUgraph, CUgraphNode *, size_t *))vgpu_cuda_sym("cuGraphGetNodes");
-    }
+    const struct vgpu_drv *drv = vgpu_cuda_drv();
+    CUresult (*nodes)(CUgraph, CUgraphNode *, size_t *) = (CUresult(*)(CUgraph, CUgraphNode *, size_t *))drv->graph_get_nodes;
+    CUresult (*type)(CUgraphNode, int *) = (CUresult(*)(CUgraphNode, int *))drv->graph_node_type;
+    CUresult (*params)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *) =
+        (CUresult(*)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *))drv->graph_mem_alloc_params;
+    CUresult (*child)(CUgraphNode, CUgraph *) = (CUresult(*)(CUgraphNode, CUgraph *))drv->graph_child_graph;
     size_t n = 0;
     if (!nodes || !type || !g || depth > 8 || nodes(g, NULL, &n) != CUDA_SUCCESS || !n)
         return;
@@ -824,8 +834,6 @@ VGPU_API CUresult cuGraphExecDestroy(CUgraphExec e)
  * fit; after it, settled to what NVML shows the creation took (the process's usage after minus
  * before), refused (the context destroyed again) when that does not fit. The charge is part of
  * the counted allocations, so reconciliation does not charge the context a second time. */
-static uint64_t ctx_learnt[VGPU_MAX_DEV];
-static int primary_charged[VGPU_MAX_DEV]; /* by CUDA ordinal */
 
 static int ctx_begin(int d, uint64_t *est, uint64_t *before)
 {
@@ -839,7 +847,7 @@ static int ctx_begin(int d, uint64_t *est, uint64_t *before)
     int found = 0;
     vgpu_ensure_slot();
     *before = vgpu_nvml_process_used(d, &found);
-    *est = __atomic_load_n(&ctx_learnt[d], __ATOMIC_RELAXED);
+    *est = __atomic_load_n(&vgpu.ctx_learnt[d], __ATOMIC_RELAXED);
     if (charge(d, *est)) {
         vgpu_log(1, "device %d: context refused: a context takes about %llu MiB, %llu of %llu MiB are "
                     "charged", d, (unsigned long long)(*est >> 20),
@@ -863,7 +871,7 @@ static int ctx_end(int d, uint64_t est, uint64_t before, uint64_t *charged)
         return 0;
     uint64_t took = after - before;
     uint64_t zero = 0;
-    __atomic_compare_exchange_n(&ctx_learnt[d], &zero, took, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    __atomic_compare_exchange_n(&vgpu.ctx_learnt[d], &zero, took, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     /* reserve, not charge(): a reconciliation now would see the new context in NVML before it
      * is counted and charge it twice */
     if (took > est && vgpu_region_reserve(&vgpu.region, d, took - est)) {
@@ -960,25 +968,24 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     BROKEN_GUARD();
     CUresult (*real)(CUcontext *, CUdevice) = REAL(H_PRIMARY_RETAIN, CUresult(*)(CUcontext *, CUdevice));
     if (mode() != M_LIMITED || dev < 0 || dev >= VGPU_MAX_DEV ||
-        __atomic_load_n(&primary_charged[dev], __ATOMIC_ACQUIRE))
+        __atomic_load_n(&vgpu.primary_charged[dev], __ATOMIC_ACQUIRE))
         return real(pctx, dev);
-    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-    pthread_mutex_lock(&mu);
-    if (primary_charged[dev]) {
-        pthread_mutex_unlock(&mu);
+    pthread_mutex_lock(&primary_mu);
+    if (vgpu.primary_charged[dev]) {
+        pthread_mutex_unlock(&primary_mu);
         return real(pctx, dev);
     }
     int d = vgpu_map_cuda_device(dev);
     uint64_t est, before, got;
     if (ctx_begin(d, &est, &before)) {
-        pthread_mutex_unlock(&mu);
+        pthread_mutex_unlock(&primary_mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUresult rc = real(pctx, dev);
     if (rc != CUDA_SUCCESS || !pctx) {
         uncharge(d, est);
     } else if (ctx_end(d, est, before, &got)) {
-        CUresult (*rel)(CUdevice) = (CUresult(*)(CUdevice))vgpu_cuda_sym("cuDevicePrimaryCtxRelease_v2");
+        CUresult (*rel)(CUdevice) = vgpu_cuda_drv()->primary_ctx_release;
         if (rel)
             rel(dev);
         *pctx = NULL;
@@ -986,9 +993,9 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     } else {
         if (d >= 0)
             tab_put(K_CTX, (uint64_t)(uintptr_t)*pctx, got, d);
-        __atomic_store_n(&primary_charged[dev], 1, __ATOMIC_RELEASE);
+        __atomic_store_n(&vgpu.primary_charged[dev], 1, __ATOMIC_RELEASE);
     }
-    pthread_mutex_unlock(&mu);
+    pthread_mutex_unlock(&primary_mu);
     return rc;
 }
 
@@ -1005,9 +1012,10 @@ VGPU_API CUresult cuCtxSetLimit(int limit, size_t value)
     CUresult (*real)(int, size_t) = REAL(H_CTX_SET_LIMIT, CUresult(*)(int, size_t));
     if (mode() != M_LIMITED || limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE)
         return real(limit, value);
-    CUresult (*get_limit)(size_t *, int) = (CUresult(*)(size_t *, int))vgpu_cuda_sym("cuCtxGetLimit");
-    CUresult (*get_ctx)(CUcontext *) = (CUresult(*)(CUcontext *))vgpu_cuda_sym("cuCtxGetCurrent");
-    CUresult (*get_dev)(CUdevice *) = (CUresult(*)(CUdevice *))vgpu_cuda_sym("cuCtxGetDevice");
+    const struct vgpu_drv *drv = vgpu_cuda_drv();
+    CUresult (*get_limit)(size_t *, int) = drv->ctx_get_limit;
+    CUresult (*get_ctx)(CUcontext *) = drv->ctx_get_current;
+    CUresult (*get_dev)(CUdevice *) = drv->ctx_get_device;
     CUcontext c = NULL;
     CUdevice dev = 0;
     int d = vgpu_cur_dev();
@@ -1022,7 +1030,7 @@ VGPU_API CUresult cuCtxSetLimit(int limit, size_t value)
     }
     tab_put(K_LIMBASE + limit, key, base, d);
     if (limit == CU_LIMIT_STACK_SIZE) {
-        CUresult (*attr)(int *, int, CUdevice) = (CUresult(*)(int *, int, CUdevice))vgpu_cuda_sym("cuDeviceGetAttribute");
+        CUresult (*attr)(int *, int, CUdevice) = drv->device_get_attribute;
         int sms = 0, threads = 0;
         if (attr && attr(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) == CUDA_SUCCESS &&
             attr(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev) == CUDA_SUCCESS &&
@@ -1094,7 +1102,8 @@ void vgpu_oom_check(int d)
     }
     /* The caller is usually an allocation that would otherwise be refused: give the victim up
      * to 100 ms to go, then return its charge (its slot is reaped once it is gone). */
-    for (int i = 0; i < 50 && vgpu_proc_start_time(pid) == start; i++)
-        usleep(2000);
+    for (uint64_t t = 0; t < VGPU_OOM_GRACE_NS && vgpu_proc_start_time(pid) == start;
+         t += VGPU_OOM_POLL_US * 1000ull)
+        usleep(VGPU_OOM_POLL_US);
     vgpu_region_reap(r);
 }

@@ -36,38 +36,15 @@
 #define LONG_KERNEL_NS 200000ull
 
 
-static struct {
-    int bound;
-    CUresult (*ev_create)(CUevent *, unsigned);
-    CUresult (*ev_destroy)(CUevent);
-    CUresult (*ev_record)(CUevent, CUstream);
-    CUresult (*ev_query)(CUevent);
-    CUresult (*ev_sync)(CUevent);
-    CUresult (*ev_elapsed)(float *, CUevent, CUevent);
-    CUresult (*ctx_current)(CUcontext *);
-    CUresult (*capturing)(CUstream, int *);
-    CUresult (*stream_query)(CUstream);
-} fn;
-
-static void bind_fns(void)
-{
-    if (__atomic_load_n(&fn.bound, __ATOMIC_ACQUIRE))
-        return;
-    fn.ev_create = (CUresult(*)(CUevent *, unsigned))vgpu_cuda_sym("cuEventCreate");
-    fn.ev_destroy = (CUresult(*)(CUevent))vgpu_cuda_sym("cuEventDestroy_v2");
-    fn.ev_record = (CUresult(*)(CUevent, CUstream))vgpu_cuda_sym("cuEventRecord");
-    fn.ev_query = (CUresult(*)(CUevent))vgpu_cuda_sym("cuEventQuery");
-    fn.ev_sync = (CUresult(*)(CUevent))vgpu_real_cuda(H_EVENTSYNC);
-    fn.ev_elapsed = (CUresult(*)(float *, CUevent, CUevent))vgpu_cuda_sym("cuEventElapsedTime");
-    fn.ctx_current = (CUresult(*)(CUcontext *))vgpu_cuda_sym("cuCtxGetCurrent");
-    fn.capturing = (CUresult(*)(CUstream, int *))vgpu_cuda_sym("cuStreamIsCapturing");
-    fn.stream_query = (CUresult(*)(CUstream))vgpu_cuda_sym("cuStreamQuery");
-    __atomic_store_n(&fn.bound, 1, __ATOMIC_RELEASE);
-}
+/* The driver's event, stream and context functions (vgpu.drv, resolved at bind time) and the
+ * real cuEventSynchronize (the hook table's). */
+#define DRV (&vgpu.drv)
 
 static int can_measure(void)
 {
-    return fn.ev_create && fn.ev_destroy && fn.ev_record && fn.ev_query && fn.ev_elapsed && fn.ctx_current;
+    const struct vgpu_drv *f = DRV;
+    return f->event_create && f->event_destroy && f->event_record && f->event_query &&
+           f->event_elapsed && f->ctx_get_current;
 }
 
 /* ------------------------------------------------------------------ setup and schedule */
@@ -98,14 +75,14 @@ void vgpu_compute_setup(int d, CUdevice dev)
 static void refresh_schedule(int d, uint64_t now)
 {
     struct vgpu_gate *g = &vgpu.gate[d];
-    if (g->last_sched_ns && now - g->last_sched_ns < 250000000ull)
+    if (g->last_sched_ns && now - g->last_sched_ns < VGPU_SCHED_REFRESH_NS)
         return;
     struct vgpu_region_dev *rd = &vgpu.region.r->dev[d];
     uint64_t hb = atomic_load_explicit(&rd->sched_heartbeat_ns, memory_order_relaxed);
     if (!hb || hb > now || now - hb >= VGPU_SCHED_STALE_NS)
         atomic_store_explicit(&rd->sched_joined_ns, now, memory_order_relaxed); /* (re)joins at the end */
     atomic_store_explicit(&rd->sched_heartbeat_ns, now, memory_order_relaxed);
-    if (!g->last_sched_ns || now - g->last_sched_ns >= 250000000ull)
+    if (!g->last_sched_ns || now - g->last_sched_ns >= VGPU_SCHED_REFRESH_NS)
         atomic_store_explicit(&rd->sched_busy_pm, vgpu_gate_busy(g, now), memory_order_relaxed);
     if (g->measure_only) {
         g->last_sched_ns = now;
@@ -128,7 +105,7 @@ static void refresh_schedule(int d, uint64_t now)
 static CUevent ev_get(struct vgpu_gate *g)
 {
     CUcontext ctx = NULL;
-    if (!can_measure() || fn.ctx_current(&ctx) != CUDA_SUCCESS || !ctx)
+    if (!can_measure() || DRV->ctx_get_current(&ctx) != CUDA_SUCCESS || !ctx)
         return NULL;
     if (!g->ev_ctx)
         g->ev_ctx = ctx;
@@ -137,7 +114,7 @@ static CUevent ev_get(struct vgpu_gate *g)
     if (g->npool)
         return g->pool[--g->npool];
     CUevent e = NULL;
-    return fn.ev_create(&e, 0) == CUDA_SUCCESS ? e : NULL;
+    return DRV->event_create(&e, 0) == CUDA_SUCCESS ? e : NULL;
 }
 
 static void ev_put(struct vgpu_gate *g, void *e)
@@ -147,7 +124,7 @@ static void ev_put(struct vgpu_gate *g, void *e)
     if (g->npool < (int)(sizeof g->pool / sizeof g->pool[0]))
         g->pool[g->npool++] = e;
     else
-        fn.ev_destroy(e);
+        DRV->event_destroy(e);
 }
 
 /* Settle completed batches, oldest first; `wait`: wait for the oldest one. */
@@ -155,18 +132,19 @@ static void poll_batches(struct vgpu_gate *g, int wait)
 {
     while (g->ring_len) {
         struct vgpu_batch *b = &g->ring[g->ring_head];
-        CUresult r = fn.ev_query(b->ev_close);
-        if (r == CU_NOT_READY && wait && fn.ev_sync) {
-            r = fn.ev_sync(b->ev_close);
+        CUresult r = DRV->event_query(b->ev_close);
+        CUresult (*ev_sync)(CUevent) = REAL(H_EVENTSYNC, CUresult(*)(CUevent));
+        if (r == CU_NOT_READY && wait && ev_sync) {
+            r = ev_sync(b->ev_close);
             wait = 0;
         }
         if (r == CU_NOT_READY)
             break;
         float ms = -1, pm = -1;
-        int ok = r == CUDA_SUCCESS && fn.ev_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
+        int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
         /* The first kernel's own time (opened right before it, probed right after it), or a
          * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
-        if (ok && b->ev_probe && fn.ev_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0)
+        if (ok && b->ev_probe && DRV->event_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0)
             vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
         else if (ok && !b->ev_probe && b->launches == 1)
             vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
@@ -176,7 +154,7 @@ static void poll_batches(struct vgpu_gate *g, int wait)
         ev_put(g, b->ev_close);
         ev_put(g, b->ev_probe);
         g->ring_head = (g->ring_head + 1) % VGPU_BATCH_RING;
-        g->ring_len--;
+        VGPU_POKE(g->ring_len, g->ring_len - 1);
     }
 }
 
@@ -193,17 +171,18 @@ static void batch_close(struct vgpu_gate *g, CUstream s, int at_sync)
         s = NULL;
     uint64_t n = atomic_exchange(&g->batch_n, 0);
     struct vgpu_batch b = {g->cur.ev_open, NULL, n, n * g->est_ns, g->cur.ev_probe};
-    g->cur.ev_open = g->cur.ev_probe = NULL;
-    g->probe_pending = 0;
+    VGPU_POKE(g->cur.ev_open, NULL);
+    g->cur.ev_probe = NULL;
+    VGPU_POKE(g->probe_pending, 0);
     if (g->ring_len == VGPU_BATCH_RING)
         poll_batches(g, 1);
-    int idle = !at_sync && fn.stream_query && fn.stream_query(s) == CUDA_SUCCESS;
+    int idle = !at_sync && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = ev_get(g)) &&
-        fn.ev_record(b.ev_close, s) == CUDA_SUCCESS) {
+        DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
         if (idle)
             b.launches |= 1ull << 63; /* an upper bound: the stream was idle before the close */
         g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;
-        g->ring_len++;
+        VGPU_POKE(g->ring_len, g->ring_len + 1);
         return;
     }
     ev_put(g, b.ev_close);
@@ -216,11 +195,11 @@ static void batch_open(struct vgpu_gate *g, CUstream s)
     if (g->cur.ev_open)
         return;
     CUevent e = ev_get(g);
-    if (e && fn.ev_record(e, s) != CUDA_SUCCESS) {
+    if (e && DRV->event_record(e, s) != CUDA_SUCCESS) {
         ev_put(g, e);
         e = NULL;
     }
-    g->cur.ev_open = e;
+    VGPU_POKE(g->cur.ev_open, e);
     atomic_store(&g->batch_n, 0);
 }
 
@@ -228,14 +207,14 @@ static void batch_open(struct vgpu_gate *g, CUstream s)
 
 static void sleep_until(uint64_t t)
 {
-    struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
+    struct timespec ts = {(time_t)(t / VGPU_SEC), (long)(t % VGPU_SEC)};
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
         ;
 }
 
 static void gate_slow(int d, CUstream s)
 {
-    bind_fns();
+    vgpu_symbols_bind();
     struct vgpu_gate *g = &vgpu.gate[d];
     pthread_mutex_lock(&g->mu);
     uint64_t now = vgpu_now_ns();
@@ -244,7 +223,7 @@ static void gate_slow(int d, CUstream s)
         return;
     }
     int st = 0;
-    if (fn.capturing && fn.capturing(s, &st) == CUDA_SUCCESS && st != 0) {
+    if (DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0) {
         pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
         return;
     }
@@ -266,14 +245,14 @@ static void gate_slow(int d, CUstream s)
                      (unsigned long long)(g->offset_ns / 1000), (unsigned long long)(g->len_ns / 1000),
                      (unsigned long long)(g->period_ns / 1000), g->cotenants);
         /* Wake at least every 250 ms: the schedule may change, and the agent needs our heartbeat. */
-        sleep_until(wake - now > 250000000ull ? now + 250000000ull : wake);
+        sleep_until(wake - now > VGPU_GATE_MAX_SLEEP_NS ? now + VGPU_GATE_MAX_SLEEP_NS : wake);
         poll_batches(g, 0);
     }
     batch_open(g, s);
     if (g->est_ns >= LONG_KERNEL_NS)
         atomic_store(&g->open_until, 0); /* long kernels: one launch per batch */
     else if (g->cur.ev_open)
-        g->probe_pending = 1; /* an event right after this launch: its kernel's own time */
+        VGPU_POKE(g->probe_pending, 1); /* an event right after this launch: its kernel's own time */
     /* This launch: charged and counted like one of the fast path. */
     if (!g->measure_only)
         atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
@@ -303,9 +282,7 @@ void vgpu_compute_gate(CUstream s)
         return;
     /* The coarse clock (a few ns) decides while the batch is clearly open and the credit
      * clearly there; otherwise the precise clock (tens of ns in a VM) does. */
-    static uint64_t margin;
-    if (__builtin_expect(!margin, 0))
-        margin = vgpu_coarse_margin();
+    uint64_t margin = vgpu.coarse_margin; /* set with the device map, before any gate is active */
     uint64_t c = vgpu_coarse_ns();
     if (__builtin_expect(vgpu_gate_fast(&vgpu.gate[d], c, c + margin, s), 1))
         return;
@@ -324,20 +301,22 @@ static inline void compute_after(CUstream s)
     if (d < 0)
         return;
     struct vgpu_gate *g = &vgpu.gate[d];
-    if (!g->probe_pending && (g->est_ns < LONG_KERNEL_NS || !g->cur.ev_open))
+    /* unlocked peeks: the common case (nothing to do) costs no lock; re-checked under it */
+    if (!VGPU_PEEK(g->probe_pending) &&
+        (VGPU_PEEK(g->est_ns) < LONG_KERNEL_NS || !VGPU_PEEK(g->cur.ev_open)))
         return;
     pthread_mutex_lock(&g->mu);
     int st = 0;
     if (g->probe_pending) {
-        g->probe_pending = 0;
+        VGPU_POKE(g->probe_pending, 0);
         CUevent e;
         if (g->cur.ev_open && !g->cur.ev_probe && (e = ev_get(g))) {
-            if (fn.ev_record(e, s) == CUDA_SUCCESS)
+            if (DRV->event_record(e, s) == CUDA_SUCCESS)
                 g->cur.ev_probe = e;
             else
                 ev_put(g, e);
         }
-    } else if (!(fn.capturing && fn.capturing(s, &st) == CUDA_SUCCESS && st != 0))
+    } else if (!(DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0))
         batch_close(g, s, 1);
     pthread_mutex_unlock(&g->mu);
 }
@@ -347,13 +326,13 @@ void vgpu_compute_sync(CUstream s, int whole_ctx)
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
     int d = gate_of_current();
-    if (d < 0 || !vgpu.gate[d].cur.ev_open)
+    if (d < 0 || !VGPU_PEEK(vgpu.gate[d].cur.ev_open)) /* a hint, re-checked under the lock */
         return;
     struct vgpu_gate *g = &vgpu.gate[d];
-    bind_fns();
+    vgpu_symbols_bind();
     pthread_mutex_lock(&g->mu);
     int st = 0;
-    if (!(fn.capturing && fn.capturing(whole_ctx ? NULL : s, &st) == CUDA_SUCCESS && st != 0)) {
+    if (!(DRV->stream_is_capturing && DRV->stream_is_capturing(whole_ctx ? NULL : s, &st) == CUDA_SUCCESS && st != 0)) {
         batch_close(g, whole_ctx ? NULL : s, 1);
         atomic_store(&g->open_until, 0); /* the next launch opens a new batch */
     }
@@ -365,7 +344,7 @@ void vgpu_compute_synced(void)
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
     int d = gate_of_current();
-    if (d < 0 || !vgpu.gate[d].ring_len)
+    if (d < 0 || !VGPU_PEEK(vgpu.gate[d].ring_len)) /* a hint */
         return;
     struct vgpu_gate *g = &vgpu.gate[d];
     pthread_mutex_lock(&g->mu);

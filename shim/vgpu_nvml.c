@@ -30,66 +30,74 @@ static int nvml_broken(void)
     return vgpu.cfg.broken;
 }
 
-static nvmlReturn_t own_nvml_init(void)
+static pthread_mutex_t nvml_mu = PTHREAD_MUTEX_INITIALIZER; /* vgpu.nvml_* */
+
+void vgpu_nvml_fork_lock(int op)
 {
-    static int done;
-    static nvmlReturn_t rc = NVML_ERROR_UNINITIALIZED;
-    if (!done) {
-        nvmlReturn_t (*init)(void) = (nvmlReturn_t(*)(void))vgpu_nvml_sym("nvmlInit_v2");
-        rc = init ? init() : NVML_ERROR_UNINITIALIZED;
-        done = 1;
+    if (op == 0)
+        pthread_mutex_lock(&nvml_mu);
+    else if (op == 1)
+        pthread_mutex_unlock(&nvml_mu);
+    else
+        pthread_mutex_init(&nvml_mu, NULL);
+}
+
+/* The shim's own nvmlInit_v2 (once; the result is kept). Under nvml_mu. */
+static nvmlReturn_t own_nvml_init_locked(void)
+{
+    if (!vgpu.nvml_inited) {
+        nvmlReturn_t (*init)(void) = vgpu_nvml_drv()->nvml_init_v2;
+        vgpu.nvml_init_rc = init ? init() : NVML_ERROR_UNINITIALIZED;
+        vgpu.nvml_inited = 1;
     }
-    return rc;
+    return vgpu.nvml_init_rc;
 }
 
 /* Region device index of an NVML handle, -1 if none. Small cache: handles are stable. */
 static int nvml_map(nvmlDevice_t h)
 {
-    static struct { nvmlDevice_t h; int d; } cache[VGPU_MAX_DEV];
-    static int n;
-    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-    pthread_mutex_lock(&mu);
-    for (int i = 0; i < n; i++)
-        if (cache[i].h == h) {
-            int d = cache[i].d;
-            pthread_mutex_unlock(&mu);
+    pthread_mutex_lock(&nvml_mu);
+    for (int i = 0; i < vgpu.nvml_nmap; i++)
+        if (vgpu.nvml_map[i].h == h) {
+            int d = vgpu.nvml_map[i].d;
+            pthread_mutex_unlock(&nvml_mu);
             return d;
         }
-    pthread_mutex_unlock(&mu);
+    pthread_mutex_unlock(&nvml_mu);
     int d = -1;
+    const struct vgpu_drv *drv = vgpu_nvml_drv();
     if (vgpu.cfg.source == VGPU_SRC_HAMI) {
-        nvmlReturn_t (*idx)(nvmlDevice_t, unsigned *) =
-            (nvmlReturn_t(*)(nvmlDevice_t, unsigned *))vgpu_nvml_sym("nvmlDeviceGetIndex");
         unsigned i;
-        if (idx && idx(h, &i) == NVML_SUCCESS && (int)i < vgpu.cfg.ndev)
+        if (drv->nvml_device_index && drv->nvml_device_index(h, &i) == NVML_SUCCESS && (int)i < vgpu.cfg.ndev)
             d = (int)i;
     } else {
-        nvmlReturn_t (*uuid)(nvmlDevice_t, char *, unsigned) =
-            (nvmlReturn_t(*)(nvmlDevice_t, char *, unsigned))vgpu_nvml_sym("nvmlDeviceGetUUID");
         char s[VGPU_UUID_LEN];
-        if (uuid && uuid(h, s, sizeof s) == NVML_SUCCESS)
+        if (drv->nvml_device_uuid && drv->nvml_device_uuid(h, s, sizeof s) == NVML_SUCCESS)
             d = vgpu_map_uuid(s);
     }
-    pthread_mutex_lock(&mu);
-    if (n < VGPU_MAX_DEV)
-        cache[n].h = h, cache[n].d = d, n++;
-    pthread_mutex_unlock(&mu);
+    pthread_mutex_lock(&nvml_mu);
+    if (vgpu.nvml_nmap < VGPU_MAX_DEV) {
+        vgpu.nvml_map[vgpu.nvml_nmap].h = h, vgpu.nvml_map[vgpu.nvml_nmap].d = d;
+        vgpu.nvml_nmap++;
+    }
+    pthread_mutex_unlock(&nvml_mu);
     return d;
 }
 
 static nvmlDevice_t handle_of(int d)
 {
-    static nvmlDevice_t handles[VGPU_MAX_DEV];
-    if (handles[d])
-        return handles[d];
-    if (own_nvml_init() != NVML_SUCCESS)
-        return NULL;
-    const char *uuid = vgpu.region.r->dev[d].uuid;
-    nvmlReturn_t (*by_uuid)(const char *, nvmlDevice_t *) =
-        (nvmlReturn_t(*)(const char *, nvmlDevice_t *))vgpu_nvml_sym("nvmlDeviceGetHandleByUUID");
-    if (uuid[0] && by_uuid)
-        by_uuid(uuid, &handles[d]);
-    return handles[d];
+    pthread_mutex_lock(&nvml_mu);
+    nvmlDevice_t h = vgpu.nvml_handle[d];
+    if (!h && own_nvml_init_locked() == NVML_SUCCESS) {
+        const char *uuid = vgpu.region.r->dev[d].uuid;
+        nvmlReturn_t (*by_uuid)(const char *, nvmlDevice_t *) = vgpu_nvml_drv()->nvml_handle_by_uuid;
+        if (uuid[0] && by_uuid && by_uuid(uuid, &h) == NVML_SUCCESS)
+            vgpu.nvml_handle[d] = h;
+        else
+            h = NULL;
+    }
+    pthread_mutex_unlock(&nvml_mu);
+    return h;
 }
 
 uint64_t vgpu_nvml_process_used(int d, int *found)
@@ -98,12 +106,7 @@ uint64_t vgpu_nvml_process_used(int d, int *found)
     nvmlDevice_t h = handle_of(d);
     if (!h)
         return 0;
-    nvmlReturn_t (*procs)(nvmlDevice_t, unsigned *, nvmlProcessInfo_t *) =
-        (nvmlReturn_t(*)(nvmlDevice_t, unsigned *, nvmlProcessInfo_t *))vgpu_nvml_sym(
-            "nvmlDeviceGetComputeRunningProcesses_v3");
-    if (!procs)
-        procs = (nvmlReturn_t(*)(nvmlDevice_t, unsigned *, nvmlProcessInfo_t *))vgpu_nvml_sym(
-            "nvmlDeviceGetComputeRunningProcesses_v2");
+    nvmlReturn_t (*procs)(nvmlDevice_t, unsigned *, nvmlProcessInfo_t *) = vgpu_nvml_drv()->nvml_running_procs;
     if (!procs)
         return 0;
     nvmlProcessInfo_t info[128];
@@ -121,34 +124,44 @@ uint64_t vgpu_nvml_process_used(int d, int *found)
     return 0;
 }
 
+/* 1 when this thread may act on a rate-limited timer `*last` (now - last >= gap, or never set):
+ * it moved the time forward; racing threads: one wins. */
+static int take_turn(uint64_t *last, uint64_t now, uint64_t gap)
+{
+    uint64_t l = __atomic_load_n(last, __ATOMIC_RELAXED);
+    if (l && now - l < gap)
+        return 0;
+    return __atomic_compare_exchange_n(last, &l, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+}
+
+/* Dead processes leave the view: their slots are reaped at most every VGPU_REAP_NS. */
+static void reap_rate_limited(uint64_t now)
+{
+    if (take_turn(&vgpu.last_reap_ns, now, VGPU_REAP_NS))
+        vgpu_region_reap(vgpu.region.r);
+}
+
 void vgpu_reconcile(int d, int force)
 {
     if (d < 0 || !vgpu.region.r)
         return;
-    uint64_t now = vgpu_now_ns(), last = vgpu.last_reconcile_ns[d];
-    uint64_t min_gap = force == 1 ? 0 : force == 2 ? 10000000ull : 200000000ull;
-    if (last && now - last < min_gap)
+    uint64_t now = vgpu_now_ns();
+    uint64_t min_gap = force == 1 ? 0 : force == 2 ? VGPU_RECONCILE_NEAR_NS : VGPU_RECONCILE_NS;
+    if (!take_turn(&vgpu.last_reconcile_ns[d], now, min_gap) && force != 1)
         return;
-    vgpu.last_reconcile_ns[d] = now;
-    static uint64_t last_reap;
-    if (!last_reap || now - last_reap > 1000000000ull) { /* dead processes leave the view */
-        last_reap = now;
-        vgpu_region_reap(vgpu.region.r);
-    }
+    reap_rate_limited(now);
     vgpu_ensure_slot();
     int found;
     uint64_t used = vgpu_nvml_process_used(d, &found);
     if (!found)
         return;
-    int s = vgpu.region.slot;
-    uint64_t data = s >= 0 ? vgpu.region.r->slot[s].data[d] : 0;
-    vgpu_region_set_overhead(&vgpu.region, d, used > data ? used - data : 0);
+    vgpu_region_reconcile(&vgpu.region, d, used);
     vgpu_oom_check(d); /* ACTIVE_OOM_KILLER: over the limit with memory the shim could not refuse */
 }
 
 /* ------------------------------------------------------------------ hooks */
 
-#define NREAL(i, T) ((T)(vgpu_nvml_hooks[i].real ? vgpu_nvml_hooks[i].real : vgpu_nvml_sym(vgpu_nvml_hooks[i].name)))
+#define NREAL(i, T) ((T)vgpu_real_nvml(i))
 
 VGPU_API nvmlReturn_t nvmlInit_v2(void)
 {
@@ -181,12 +194,7 @@ static int slice(nvmlDevice_t h, unsigned long long *total, unsigned long long *
     uint64_t lim = d >= 0 ? vgpu.region.r->dev[d].limit : 0;
     if (!lim)
         return 0;
-    static uint64_t last_reap;
-    uint64_t now = vgpu_now_ns();
-    if (!last_reap || now - last_reap > 1000000000ull) { /* nvidia-smi: no stale usage */
-        last_reap = now;
-        vgpu_region_reap(vgpu.region.r);
-    }
+    reap_rate_limited(vgpu_now_ns()); /* nvidia-smi: no stale usage */
     uint64_t T = *total < lim ? *total : lim;
     uint64_t U = vgpu_region_used(vgpu.region.r, d);
     if (U > T)

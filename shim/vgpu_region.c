@@ -335,7 +335,8 @@ int vgpu_region_join(struct vgpu_region_handle *h, int32_t pid, uint64_t start_t
         r->slot[mine].start_time = start_time;
     }
     vgpu_region_unlock(r);
-    return h->slot = mine;
+    __atomic_store_n(&h->slot, mine, __ATOMIC_RELEASE); /* the shim peeks at it unlocked */
+    return mine;
 }
 
 void vgpu_region_leave(struct vgpu_region_handle *h)
@@ -395,6 +396,23 @@ uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t 
      * above the counted allocations) is charged in full, even past the limit: the limit is
      * hard, so a slice smaller than a context gets every allocation refused (issue 21). */
     struct vgpu_slot *sl = &r->slot[h->slot];
+    uint64_t u = atomic_load(&r->dev[d].used) - sl->overhead[d] + bytes;
+    sl->overhead[d] = bytes;
+    atomic_store(&r->dev[d].used, u);
+    vgpu_region_unlock(r);
+    return bytes;
+}
+
+uint64_t vgpu_region_reconcile(struct vgpu_region_handle *h, int d, uint64_t nvml_used)
+{
+    struct vgpu_region *r = h->r;
+    if (d < 0 || d >= VGPU_MAX_DEV || h->slot < 0)
+        return 0;
+    vgpu_region_lock(r);
+    /* The slot's counted allocations are read in the same critical section that sets the
+     * overhead: an allocation of another thread is either in both or in neither. */
+    struct vgpu_slot *sl = &r->slot[h->slot];
+    uint64_t data = sl->data[d], bytes = nvml_used > data ? nvml_used - data : 0;
     uint64_t u = atomic_load(&r->dev[d].used) - sl->overhead[d] + bytes;
     sl->overhead[d] = bytes;
     atomic_store(&r->dev[d].used, u);

@@ -25,22 +25,26 @@
 #include <string.h>
 
 typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn real_dlsym_fn;
+static dlsym_fn real_dlsym_fn;       /* atomic: found once, idempotent */
 static pthread_once_t cuda_once = PTHREAD_ONCE_INIT, nvml_once = PTHREAD_ONCE_INIT;
-static int gpa_returns_exports = 1;
+static int gpa_returns_exports = 1;  /* set in bind_cuda before the table is published */
 
-static void find_real_dlsym(void)
+static dlsym_fn find_real_dlsym(void)
 {
     static const char *const vers[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
-    for (size_t i = 0; i < sizeof vers / sizeof vers[0] && !real_dlsym_fn; i++)
-        real_dlsym_fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", vers[i]);
+    dlsym_fn f = NULL;
+    for (size_t i = 0; i < sizeof vers / sizeof vers[0] && !f; i++)
+        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", vers[i]);
+    __atomic_store_n(&real_dlsym_fn, f, __ATOMIC_RELAXED);
+    return f;
 }
 
 void *vgpu_real_dlsym(void *handle, const char *name)
 {
-    if (!real_dlsym_fn)
-        find_real_dlsym();
-    return real_dlsym_fn ? real_dlsym_fn(handle, name) : NULL;
+    dlsym_fn f = __atomic_load_n(&real_dlsym_fn, __ATOMIC_RELAXED);
+    if (!f)
+        f = find_real_dlsym();
+    return f ? f(handle, name) : NULL;
 }
 
 /* RTLD_NEXT on behalf of `caller`: the first object after the caller's in load order that
@@ -95,33 +99,68 @@ VGPU_API void *dlsym(void *handle, const char *symbol)
     return vgpu_real_dlsym(handle, symbol);
 }
 
+#define SYM(lib, field, name) (*(void **)&vgpu.drv.field = vgpu_real_dlsym(lib, name))
+
 static void bind_cuda(void)
 {
-    vgpu.libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (!vgpu.libcuda) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!lib) {
         vgpu_log(0, "cannot load libcuda.so.1: %s", dlerror());
         return;
     }
-    for (int i = 0; i < vgpu_cuda_nhooks; i++)
-        vgpu_cuda_hooks[i].real = vgpu_real_dlsym(vgpu.libcuda, vgpu_cuda_hooks[i].name);
+    SYM(lib, device_get_count, "cuDeviceGetCount");
+    SYM(lib, device_get, "cuDeviceGet");
+    if (!SYM(lib, device_get_uuid, "cuDeviceGetUuid_v2"))
+        SYM(lib, device_get_uuid, "cuDeviceGetUuid");
+    SYM(lib, device_get_attribute, "cuDeviceGetAttribute");
+    SYM(lib, ctx_get_device, "cuCtxGetDevice");
+    SYM(lib, ctx_get_current, "cuCtxGetCurrent");
+    SYM(lib, ctx_get_limit, "cuCtxGetLimit");
+    SYM(lib, primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
+    SYM(lib, stream_is_capturing, "cuStreamIsCapturing");
+    SYM(lib, stream_query, "cuStreamQuery");
+    SYM(lib, event_create, "cuEventCreate");
+    SYM(lib, event_destroy, "cuEventDestroy_v2");
+    SYM(lib, event_record, "cuEventRecord");
+    SYM(lib, event_query, "cuEventQuery");
+    SYM(lib, event_elapsed, "cuEventElapsedTime");
+    SYM(lib, array_mem_req, "cuArrayGetMemoryRequirements");
+    SYM(lib, mipmap_mem_req, "cuMipmappedArrayGetMemoryRequirements");
+    SYM(lib, graph_get_nodes, "cuGraphGetNodes");
+    SYM(lib, graph_node_type, "cuGraphNodeGetType");
+    SYM(lib, graph_mem_alloc_params, "cuGraphMemAllocNodeGetParams");
+    SYM(lib, graph_child_graph, "cuGraphChildGraphNodeGetGraph");
     /* Does the driver's cuGetProcAddress hand out its exported addresses? */
     CUresult (*gpa)(const char *, void **, int, cuuint64_t) =
-        (CUresult(*)(const char *, void **, int, cuuint64_t))vgpu_real_dlsym(vgpu.libcuda, "cuGetProcAddress");
-    void *probe = NULL, *exported = vgpu_real_dlsym(vgpu.libcuda, "cuMemAlloc_v2");
+        (CUresult(*)(const char *, void **, int, cuuint64_t))vgpu_real_dlsym(lib, "cuGetProcAddress");
+    void *probe = NULL, *exported = vgpu_real_dlsym(lib, "cuMemAlloc_v2");
     if (gpa && exported && gpa("cuMemAlloc", &probe, 12000, 0) == CUDA_SUCCESS && probe)
         gpa_returns_exports = probe == exported;
+    vgpu.libcuda = lib;
+    /* Published last (release): a thread that sees a .real sees everything above. */
+    for (int i = 0; i < vgpu_cuda_nhooks; i++)
+        __atomic_store_n(&vgpu_cuda_hooks[i].real, vgpu_real_dlsym(lib, vgpu_cuda_hooks[i].name),
+                         __ATOMIC_RELEASE);
     vgpu_log(3, "libcuda bound; cuGetProcAddress returns exported addresses: %d", gpa_returns_exports);
 }
 
 static void bind_nvml(void)
 {
-    vgpu.libnvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (!vgpu.libnvml) {
+    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!lib) {
         vgpu_log(2, "cannot load libnvidia-ml.so.1: %s", dlerror());
         return;
     }
+    SYM(lib, nvml_init_v2, "nvmlInit_v2");
+    SYM(lib, nvml_device_index, "nvmlDeviceGetIndex");
+    SYM(lib, nvml_device_uuid, "nvmlDeviceGetUUID");
+    SYM(lib, nvml_handle_by_uuid, "nvmlDeviceGetHandleByUUID");
+    if (!SYM(lib, nvml_running_procs, "nvmlDeviceGetComputeRunningProcesses_v3"))
+        SYM(lib, nvml_running_procs, "nvmlDeviceGetComputeRunningProcesses_v2");
+    vgpu.libnvml = lib;
     for (int i = 0; i < vgpu_nvml_nhooks; i++)
-        vgpu_nvml_hooks[i].real = vgpu_real_dlsym(vgpu.libnvml, vgpu_nvml_hooks[i].name);
+        __atomic_store_n(&vgpu_nvml_hooks[i].real, vgpu_real_dlsym(lib, vgpu_nvml_hooks[i].name),
+                         __ATOMIC_RELEASE);
 }
 
 void vgpu_symbols_bind(void)
@@ -129,11 +168,27 @@ void vgpu_symbols_bind(void)
     pthread_once(&cuda_once, bind_cuda);
 }
 
+void vgpu_nvml_bind(void)
+{
+    pthread_once(&nvml_once, bind_nvml);
+}
+
 void *vgpu_real_cuda(int idx)
 {
-    if (!vgpu_cuda_hooks[idx].real)
-        pthread_once(&cuda_once, bind_cuda);
+    void *p = __atomic_load_n(&vgpu_cuda_hooks[idx].real, __ATOMIC_ACQUIRE);
+    if (__builtin_expect(p != NULL, 1))
+        return p;
+    pthread_once(&cuda_once, bind_cuda);
     return vgpu_cuda_hooks[idx].real;
+}
+
+void *vgpu_real_nvml(int idx)
+{
+    void *p = __atomic_load_n(&vgpu_nvml_hooks[idx].real, __ATOMIC_ACQUIRE);
+    if (__builtin_expect(p != NULL, 1))
+        return p;
+    pthread_once(&nvml_once, bind_nvml);
+    return vgpu_nvml_hooks[idx].real;
 }
 
 void *vgpu_cuda_sym(const char *name)
@@ -153,6 +208,7 @@ static void *translate(const char *symbol, void *p, int ver, cuuint64_t flags)
 {
     if (!p || !symbol)
         return p;
+    vgpu_symbols_bind(); /* the caller got p from the bound driver: orders the reads below */
     for (int i = 0; i < vgpu_cuda_nhooks; i++)
         if (vgpu_cuda_hooks[i].real == p)
             return vgpu_cuda_hooks[i].hook;
