@@ -69,7 +69,7 @@ def shimkit(tmp_path_factory: pytest.TempPathFactory) -> ShimKit:
                     str(STUB / "libcuda_stub.c")], check=True)
     subprocess.run([*common, "-Wl,-soname,libnvidia-ml.so.1", "-o", str(d / "libnvidia-ml.so.1"),
                     str(STUB / "libnvml_stub.c")], check=True)
-    subprocess.run([cc, "-O2", "-o", str(d / "cuprog"), str(PROG / "cuprog.c"), "-ldl",
+    subprocess.run([cc, "-O2", "-pthread", "-o", str(d / "cuprog"), str(PROG / "cuprog.c"), "-ldl",
                     str(d / "libcuda.so.1")], check=True)
     subprocess.run([cc, "-O2", "-o", str(d / "memprog"), str(PROG / "memprog.c"), "-ldl",
                     str(d / "libcuda.so.1")], check=True)

@@ -12,6 +12,13 @@
  *   cuprog race CHUNK GO_FILE              wait for GO_FILE, fill with cuMemAlloc, hold 1 s
  *   cuprog launch MODE SECONDS SYNC_EVERY  launch loop; MODE kernel ex coop graph ptsz gpa
  *   cuprog bench N                         ns per launch, alloc+free (2 MiB), cuMemGetInfo
+ *   cuprog threads T N CHUNK               T threads at once, each N x (alloc CHUNK, launch,
+ *       cuMemGetInfo), holding every chunk; charged bytes while held and after all are freed
+ *   cuprog fork KIND N [BUSY]              a parent with a CUDA context forks N children while
+ *       BUSY threads (default 4) allocate, launch and read NVML; KIND idle: the children do
+ *       not touch CUDA (DataLoader workers) and exit; cuda: they call the hooks; exec: they
+ *       exec `cuprog fill alloc CHUNK 4` (CHUNK from CUPROG_EXEC_CHUNK). A child stuck for
+ *       10 s (a lock held at fork) dies of SIGALRM and is counted as "stuck".
  *   cuprog graphmem N CHUNK                N chunks, two graph launches, then fill to the limit
  *   cuprog work sat SECS KERNEL_US SYNC_EVERY [STREAMS]   saturating loop over STREAMS streams
  *   cuprog work gap SECS KERNEL_US GAP_US SYNC_EVERY      launch-bound loop: GAP_US of CPU work
@@ -25,6 +32,9 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,6 +58,7 @@ CUresult cuDeviceGetUuid(CUuuid *, CUdevice);
 CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
 CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuCtxGetCurrent(CUcontext *);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
@@ -419,6 +430,177 @@ static int cmd_bench(long n)
     return 0;
 }
 
+/* ------------------------------------------------------------------ threads and fork */
+
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+
+static CUcontext g_ctx;
+static CUfunction g_fn;
+static volatile int g_stop;
+static pthread_barrier_t g_bar;
+static long g_n;
+static size_t g_chunk;
+
+static long used_bytes(void)
+{
+    size_t f = 0, t = 0;
+    cuMemGetInfo_v2(&f, &t);
+    return (long)(t - f);
+}
+
+static void *thread_body(void *arg)
+{
+    CUdeviceptr *held = arg;
+    cuCtxSetCurrent(g_ctx);
+    pthread_barrier_wait(&g_bar);
+    size_t f, t;
+    for (long i = 0; i < g_n; i++) {
+        if (cuMemAlloc_v2(&held[i], g_chunk))
+            held[i] = 0;
+        cuLaunchKernel(g_fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        cuMemGetInfo_v2(&f, &t);
+    }
+    pthread_barrier_wait(&g_bar); /* all hold */
+    pthread_barrier_wait(&g_bar); /* main has measured */
+    for (long i = 0; i < g_n; i++)
+        if (held[i])
+            cuMemFree_v2(held[i]);
+    cuStreamSynchronize(NULL);
+    return NULL;
+}
+
+static int cmd_threads(int nt, long n, size_t chunk)
+{
+    CUdevice d = setup(0);
+    (void)d;
+    cuCtxGetCurrent(&g_ctx);
+    g_fn = kernel();
+    g_n = n, g_chunk = chunk;
+    if (nt > 64)
+        nt = 64;
+    pthread_t th[64];
+    CUdeviceptr *held = calloc((size_t)nt * (size_t)n, sizeof *held);
+    usleep(300000); /* reconciliation settles before the baseline (one every 200 ms) */
+    long base = used_bytes();
+    pthread_barrier_init(&g_bar, NULL, (unsigned)nt + 1);
+    for (int i = 0; i < nt; i++)
+        pthread_create(&th[i], NULL, thread_body, held + (size_t)i * (size_t)n);
+    pthread_barrier_wait(&g_bar); /* go */
+    pthread_barrier_wait(&g_bar); /* all hold */
+    long ok = 0;
+    for (long i = 0; i < (long)nt * n; i++)
+        ok += held[i] != 0;
+    usleep(300000);
+    long hold = used_bytes();
+    pthread_barrier_wait(&g_bar);
+    for (int i = 0; i < nt; i++)
+        pthread_join(th[i], NULL);
+    usleep(300000);
+    long after = used_bytes();
+    printf("{\"threads\": %d, \"allocated\": %ld, \"base\": %ld, \"held\": %ld, \"after\": %ld}\n",
+           nt, ok, base, hold - base, after - base);
+    return 0;
+}
+
+static void *busy_body(void *arg)
+{
+    (void)arg;
+    cuCtxSetCurrent(g_ctx);
+    void *nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    int (*ninit)(void) = nvml ? (int (*)(void))dlsym(nvml, "nvmlInit_v2") : NULL;
+    int (*nget)(unsigned, void **) = nvml ? (int (*)(unsigned, void **))dlsym(nvml, "nvmlDeviceGetHandleByIndex_v2") : NULL;
+    int (*nmem)(void *, nvmlMemory_t *) = nvml ? (int (*)(void *, nvmlMemory_t *))dlsym(nvml, "nvmlDeviceGetMemoryInfo") : NULL;
+    void *h = NULL;
+    if (ninit && ninit() == 0 && nget)
+        nget(0, &h);
+    size_t f, t;
+    while (!g_stop) {
+        CUdeviceptr p;
+        if (!cuMemAlloc_v2(&p, 2 << 20))
+            cuMemFree_v2(p);
+        cuLaunchKernel(g_fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        cuMemGetInfo_v2(&f, &t);
+        nvmlMemory_t m;
+        if (h && nmem)
+            nmem(h, &m);
+    }
+    return NULL;
+}
+
+static int child_cuda(void)
+{
+    /* A child that uses the hooks (with the stub driver CUDA "survives" fork). */
+    CUdevice d;
+    CUcontext c;
+    CUdeviceptr p;
+    size_t f, t;
+    cuInit(0);
+    cuDeviceGet(&d, 0);
+    cuDevicePrimaryCtxRetain(&c, d);
+    cuCtxSetCurrent(c);
+    for (int i = 0; i < 20; i++) {
+        if (!cuMemAlloc_v2(&p, 1 << 20))
+            cuMemFree_v2(p);
+        cuLaunchKernel(g_fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        cuMemGetInfo_v2(&f, &t);
+    }
+    cuStreamSynchronize(NULL);
+    return 0;
+}
+
+static int cmd_fork(const char *kind, int n, int busy, const char *self)
+{
+    setup(0);
+    cuCtxGetCurrent(&g_ctx);
+    g_fn = kernel();
+    CUdeviceptr keep;
+    CUresult krc = cuMemAlloc_v2(&keep, 8 << 20); /* the parent holds memory across the forks */
+    pthread_t th[16];
+    if (busy > 16)
+        busy = 16;
+    for (int i = 0; i < busy; i++)
+        pthread_create(&th[i], NULL, busy_body, NULL);
+    usleep(20000);
+    int ok = 0, stuck = 0, failed = 0;
+    for (int i = 0; i < n; i++) {
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0) {
+            alarm(10);
+            if (!strcmp(kind, "exec")) {
+                const char *chunk = getenv("CUPROG_EXEC_CHUNK");
+                execl(self, self, "fill", "alloc", chunk ? chunk : "1048576", "4", (char *)NULL);
+                _exit(127);
+            }
+            if (!strcmp(kind, "cuda"))
+                child_cuda();
+            exit(0); /* atexit handlers and destructors run, as in a worker that returns */
+        }
+        int st = 0;
+        if (pid < 0 || waitpid(pid, &st, 0) < 0)
+            failed++;
+        else if (WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM)
+            stuck++;
+        else if (WIFEXITED(st) && WEXITSTATUS(st) == 0)
+            ok++;
+        else {
+            failed++;
+            fprintf(stderr, "child %d: status 0x%x\n", (int)pid, st);
+        }
+    }
+    g_stop = 1;
+    for (int i = 0; i < busy; i++)
+        pthread_join(th[i], NULL);
+    if (!krc)
+        cuMemFree_v2(keep);
+    usleep(300000); /* the next cuMemGetInfo reconciles with NVML at rest (every 200 ms at most) */
+    size_t f = 0, t = 0;
+    cuMemGetInfo_v2(&f, &t);
+    printf("{\"kind\": \"%s\", \"children\": %d, \"ok\": %d, \"stuck\": %d, \"failed\": %d, \"keep_rc\": %d, "
+           "\"free\": %zu, \"total\": %zu}\n", kind, n, ok, stuck, failed, krc, f, t);
+    return stuck || failed;
+}
+
 int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -490,6 +672,10 @@ int main(int argc, char **argv)
     }
     if (!strcmp(cmd, "bench") && argc >= 3)
         return cmd_bench(atol(argv[2]));
+    if (!strcmp(cmd, "threads") && argc >= 5)
+        return cmd_threads(atoi(argv[2]), atol(argv[3]), strtoull(argv[4], NULL, 0));
+    if (!strcmp(cmd, "fork") && argc >= 4)
+        return cmd_fork(argv[2], atoi(argv[3]), argc > 4 ? atoi(argv[4]) : 4, "/proc/self/exe");
     fprintf(stderr, "bad command\n");
     return 2;
 }

@@ -301,6 +301,15 @@ static pthread_mutex_t ring_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct { uint64_t end, dur, k; } ring[STUB_MAXDEV][4096]; /* this process's latest kernels */
 static unsigned ring_n[STUB_MAXDEV];
 
+/* fork (cuprog fork cuda): the stub's locks are not held across it, as a driver's are not. */
+static void stub_fork_prepare(void) { pthread_mutex_lock(&mu); pthread_mutex_lock(&ring_mu); }
+static void stub_fork_parent(void) { pthread_mutex_unlock(&ring_mu); pthread_mutex_unlock(&mu); }
+static void stub_fork_child(void) { pthread_mutex_init(&ring_mu, NULL); pthread_mutex_init(&mu, NULL); }
+__attribute__((constructor)) static void stub_atfork(void)
+{
+    pthread_atfork(stub_fork_prepare, stub_fork_parent, stub_fork_child);
+}
+
 static int null_launch = -1, grid_us = -1, timeslice = -1;
 
 static int slot_of(CUstream s)

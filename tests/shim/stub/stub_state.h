@@ -14,6 +14,7 @@
  */
 #ifndef STUB_STATE_H
 #define STUB_STATE_H
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -88,7 +89,9 @@ static inline struct stub_proc *stub_me(void)
         if (atomic_load(&s->proc[i].pid) == pid)
             return cached_pid = pid, cached = &s->proc[i];
     for (int i = 0; i < STUB_MAXPROC; i++) {
-        int32_t z = 0;
+        int32_t z = atomic_load(&s->proc[i].pid);
+        if (z && (kill(z, 0) == 0 || errno != ESRCH))
+            continue; /* a live process's row (a dead one's is reused: fork tests make many) */
         if (atomic_compare_exchange_strong(&s->proc[i].pid, &z, pid)) {
             for (int d = 0; d < STUB_MAXDEV; d++)
                 s->proc[i].used[d] = s->proc[i].busy_ns[d] = s->proc[i].launches[d] = s->proc[i].busy_until[d] = 0;
