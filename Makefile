@@ -34,6 +34,10 @@ unit: $(STAMP) ## unit and shim tests: no control plane, no Go build (< 2 min)
 .PHONY: check
 check: lint unit ## lint, then the unit and shim tests: the loop before a commit
 
+.PHONY: check-sanitize
+check-sanitize: $(STAMP) ## the shim's preload tests against ASan and TSan builds of libvgpu.so
+	tests/shim/sanitize.sh address thread
+
 .PHONY: test-random
 test-random: install ## unit, shim and cluster tests in a random order (SEED=N to repeat one)
 	$(VPY) -m pytest -q --random-order-bucket=global $(if $(SEED),--random-order-seed=$(SEED)) \

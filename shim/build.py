@@ -17,6 +17,8 @@ Usage::
     python shim/build.py             # both
     python shim/build.py --plain-gcc # libvgpu.so only, no cffi needed (GPU machines)
     python shim/build.py --print-cmd # the compiler command for libvgpu.so
+    python shim/build.py --sanitize address   # shim/_build/asan/libvgpu.so (make check-sanitize)
+    python shim/build.py --sanitize thread    # shim/_build/tsan/libvgpu.so
 """
 
 from __future__ import annotations
@@ -259,11 +261,34 @@ def build_core() -> Path:
     return Path(ffi.compile(tmpdir=str(OUT), verbose=False))
 
 
+SANITIZERS = {"address": "asan", "thread": "tsan"}
+
+
+def sanitize_command(kind: str, out: Path) -> list[str]:
+    """A test build with -fsanitize=<kind>: the normal link against the sanitizer runtime (not
+    the unversioned-glibc release link, which the runtime cannot go with). Never shipped."""
+    cmd = [c for c in lib_command(out) if c not in ("-O2", "-Wl,--as-needed")]
+    return [cmd[0], f"-fsanitize={kind}", "-fno-omit-frame-pointer", "-g", "-O1", *cmd[1:]]
+
+
+def build_sanitized(kind: str) -> Path:
+    d = OUT / SANITIZERS[kind]
+    d.mkdir(parents=True, exist_ok=True)
+    out = d / "libvgpu.so"
+    subprocess.run(sanitize_command(kind, out), check=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plain-gcc", action="store_true", help="build libvgpu.so only (no cffi)")
     ap.add_argument("--print-cmd", action="store_true", help="print the libvgpu.so command")
+    ap.add_argument("--sanitize", choices=sorted(SANITIZERS),
+                    help="build only a sanitizer test build of libvgpu.so in shim/_build/<asan|tsan>/")
     args = ap.parse_args(argv)
+    if args.sanitize:
+        print(f"built {build_sanitized(args.sanitize)}")
+        return 0
     if args.print_cmd:
         print(shlex.join(lib_command(OUT / "libvgpu.plain.so")), "# which glibc symbols")
         print(shlex.join(final_command(OUT / "libvgpu.so", OUT / "glibc-stubs")), "# the release link")

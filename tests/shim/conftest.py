@@ -7,6 +7,11 @@ temporary directory with gcc.
 
 ``box`` (per test): a fresh region directory and stub state file, and helpers to run
 ``cuprog`` (or any command) with or without the shim under a given claim.
+
+Sanitizer runs (``make check-sanitize``): ``KVGPU_TEST_SHIM`` names another build of the
+library (``shim/_build/asan/libvgpu.so``) and ``KVGPU_TEST_PRELOAD`` what must be preloaded
+before it (the sanitizer runtime, which has to come first); the sanitizer's options
+(``ASAN_OPTIONS``/``TSAN_OPTIONS``, with a ``log_path``) pass through to every program.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class ShimKit:
 def shimkit(tmp_path_factory: pytest.TempPathFactory) -> ShimKit:
     if _stale():
         subprocess.run([sys.executable, str(SHIM / "build.py")], check=True, capture_output=True)
+    lib = Path(os.environ.get("KVGPU_TEST_SHIM") or LIB)
     d = tmp_path_factory.mktemp("stubdrv")
     cc = os.environ.get("CC", "gcc")
     common = [cc, "-O2", "-fPIC", "-shared", "-Wl,-Bsymbolic", "-pthread", f"-I{STUB}"]
@@ -73,7 +79,7 @@ def shimkit(tmp_path_factory: pytest.TempPathFactory) -> ShimKit:
                     str(d / "libcuda.so.1")], check=True)
     subprocess.run([cc, "-O2", "-o", str(d / "memprog"), str(PROG / "memprog.c"), "-ldl",
                     str(d / "libcuda.so.1")], check=True)
-    return ShimKit(lib=LIB, stubdir=d, cuprog=d / "cuprog")
+    return ShimKit(lib=lib, stubdir=d, cuprog=d / "cuprog")
 
 
 @dataclass
@@ -91,7 +97,8 @@ class Box:
         env.pop("LD_PRELOAD", None)
         env.update(self.base_env)
         if shim:
-            env["LD_PRELOAD"] = str(self.kit.lib)
+            first = os.environ.get("KVGPU_TEST_PRELOAD")
+            env["LD_PRELOAD"] = f"{first}:{self.kit.lib}" if first else str(self.kit.lib)
         if claim_str is not None:
             env["KVGPU_CLAIM"] = claim_str
         env.update({k: str(v) for k, v in extra.items()})
