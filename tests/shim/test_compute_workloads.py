@@ -55,6 +55,14 @@ def test_long_kernels_with_a_sync_each_are_charged_their_duration(card) -> None:
     assert all(x <= 0.25 for x in r["per_sec"]), r  # evenly: about one kernel a second
 
 
+def not_delayed(native: dict[str, Any], limited: dict[str, Any]) -> bool:
+    """A tenant under its share waits for no window: its requests take what they take natively.
+    The margins are wide for a loaded 2-core CI machine (scheduling jitter of a few ms at the tail)
+    and still far below a window's wait (the period is 100 ms; the old limiter's p50 was 50 ms)."""
+    return (limited["p50_ms"] <= native["p50_ms"] + 3
+            and limited["p99_ms"] <= 1.5 * native["p99_ms"] + 10)
+
+
 @pytest.mark.parametrize("hidden", ["0", "1"])
 def test_waits_the_shim_does_not_see(card, hidden) -> None:
     """On the H200 the CUDA runtime's cudaDeviceSynchronize never reached the hooked
@@ -71,7 +79,7 @@ def test_waits_the_shim_does_not_see(card, hidden) -> None:
     env["CUPROG_HIDDEN_SYNC"] = hidden
     q = work(card, env, "req", "3", "3000", "2", "50")
     print("requests of 2 x 3 ms, native p99", native["p99_ms"], "limited", q["p50_ms"], q["p99_ms"])
-    assert q["p99_ms"] <= 1.2 * native["p99_ms"] + 2, (native, q)
+    assert not_delayed(native, q), (native, q)
 
 
 def test_long_kernels_without_the_apps_sync_are_charged_too(card) -> None:
@@ -86,7 +94,7 @@ def test_a_tenant_under_its_share_is_not_delayed(card) -> None:
     native = work(card, card.env(shim=False), "req", "2", "1000", "6", "50")
     r = work(card, alone(card, 30, "req"), "req", "3", "1000", "6", "50")
     print("requests native p50/p99", native["p50_ms"], native["p99_ms"], "limited", r["p50_ms"], r["p99_ms"])
-    assert r["p99_ms"] <= 1.2 * native["p99_ms"] + 2, (native, r)
+    assert not_delayed(native, r), (native, r)
     assert abs(r["busy"] - native["busy"]) <= 0.02, (native, r)
 
 
