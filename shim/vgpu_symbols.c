@@ -34,6 +34,18 @@ static dlsym_fn real_dlsym_fn;       /* atomic: found once, idempotent */
 static pthread_once_t cuda_once = PTHREAD_ONCE_INIT, nvml_once = PTHREAD_ONCE_INIT;
 static int gpa_returns_exports = 1;  /* set in bind_cuda before the table is published */
 
+/* bind_cuda runs inside pthread_once and calls the driver (its cuGetProcAddress probe). A driver
+ * that reaches its own exports through the PLT (e.g. a stub built without -Bsymbolic) re-enters
+ * our wrappers on the same thread: they then use the driver directly instead of waiting for the
+ * once they are inside, which would never finish. */
+static void *binding_lib;     /* the libcuda handle while bind_cuda runs, else NULL */
+static pthread_t binding_thread;
+
+static int in_bind(void)
+{
+    return __atomic_load_n(&binding_lib, __ATOMIC_ACQUIRE) != NULL && pthread_equal(binding_thread, pthread_self());
+}
+
 NO_SANITIZE static dlsym_fn find_real_dlsym(void)
 {
     static const char *const vers[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
@@ -119,6 +131,8 @@ static void bind_cuda(void)
         vgpu_log(0, "cannot load libcuda.so.1: %s", dlerror());
         return;
     }
+    binding_thread = pthread_self();
+    __atomic_store_n(&binding_lib, lib, __ATOMIC_RELEASE);
     SYM(lib, device_get_count, "cuDeviceGetCount");
     SYM(lib, device_get, "cuDeviceGet");
     if (!SYM(lib, device_get_uuid, "cuDeviceGetUuid_v2"))
@@ -152,6 +166,7 @@ static void bind_cuda(void)
     for (int i = 0; i < vgpu_cuda_nhooks; i++)
         __atomic_store_n(&vgpu_cuda_hooks[i].real, vgpu_real_dlsym(lib, vgpu_cuda_hooks[i].name),
                          __ATOMIC_RELEASE);
+    __atomic_store_n(&binding_lib, NULL, __ATOMIC_RELEASE);
     vgpu_log(3, "libcuda bound; cuGetProcAddress returns exported addresses: %d", gpa_returns_exports);
 }
 
@@ -189,6 +204,8 @@ void *vgpu_real_cuda(int idx)
     void *p = __atomic_load_n(&vgpu_cuda_hooks[idx].real, __ATOMIC_ACQUIRE);
     if (__builtin_expect(p != NULL, 1))
         return p;
+    if (in_bind())
+        return vgpu_real_dlsym(binding_lib, vgpu_cuda_hooks[idx].name);
     pthread_once(&cuda_once, bind_cuda);
     return vgpu_cuda_hooks[idx].real;
 }
@@ -204,6 +221,8 @@ void *vgpu_real_nvml(int idx)
 
 void *vgpu_cuda_sym(const char *name)
 {
+    if (in_bind())
+        return vgpu_real_dlsym(binding_lib, name);
     pthread_once(&cuda_once, bind_cuda);
     return vgpu.libcuda ? vgpu_real_dlsym(vgpu.libcuda, name) : NULL;
 }
@@ -217,7 +236,7 @@ void *vgpu_nvml_sym(const char *name)
 /* Replace a driver pointer returned by cuGetProcAddress with our wrapper of the same ABI. */
 static void *translate(const char *symbol, void *p, int ver, cuuint64_t flags)
 {
-    if (!p || !symbol)
+    if (!p || !symbol || in_bind())
         return p;
     vgpu_symbols_bind(); /* the caller got p from the bound driver: orders the reads below */
     for (int i = 0; i < vgpu_cuda_nhooks; i++)

@@ -114,3 +114,21 @@ def test_loads_with_glibc_2_17() -> None:
                              check=True).stdout
     needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
     assert needed == {"libc.so.6", "libdl.so.2", "libpthread.so.0"}, needed
+
+
+def test_a_driver_calling_its_own_exports_does_not_hang_the_binding(box, tmp_path) -> None:
+    """The real node's stub driver was built without -Bsymbolic: its cuGetProcAddress reaches its
+    own cuGetProcAddress_v2 through the PLT, i.e. our wrapper, while the shim binds the driver
+    inside pthread_once. The wrapper waited for that once: `cuprog info` hung in every container
+    (the demo's `kubectl exec cuda-slice -- cuprog info` timed out)."""
+    from .conftest import STUB
+
+    lib = tmp_path / "plt"
+    lib.mkdir()
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-pthread", f"-I{STUB}", "-o", str(lib / "libcuda.so.1"),
+                    str(STUB / "libcuda_stub.c")], check=True)
+    env = box.env(claim((0, 3000, 30)))
+    env["LD_LIBRARY_PATH"] = f"{lib}:{env['LD_LIBRARY_PATH']}"
+    p = box.run("info", env=env, timeout=20)
+    out = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    assert out and '"rc": 0' in out[0] and '"total": 3145728000' in out[0], (p.stdout, p.stderr)
