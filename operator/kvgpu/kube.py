@@ -201,32 +201,30 @@ async def delete_claim(api: client.ApiClient, namespace: str, name: str) -> bool
         raise
 
 
-async def patch_claim_status(api: client.ApiClient, namespace: str, name: str, status: dict[str, Any]) -> bool:
-    """Merge ``status`` into a claim's status; False when the claim is gone (the answer is not
-    decoded)."""
+async def _patch_namespaced_status(api: client.ApiClient, plural: str, namespace: str, name: str,
+                                   status: dict[str, Any]) -> bool:
+    """Merge ``status`` into the status of one of our namespaced objects (``plural``); False when
+    it is gone (the answer is not decoded)."""
     try:
         await _discard(await client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-            keys.GROUP, keys.VERSION, namespace, "vgpuclaims", name, {"status": status}, _content_type=MERGE,
+            keys.GROUP, keys.VERSION, namespace, plural, name, {"status": status}, _content_type=MERGE,
             _preload_content=False))
         return True
     except ApiException as e:
         if e.status == 404:
             return False
         raise
+
+
+async def patch_claim_status(api: client.ApiClient, namespace: str, name: str, status: dict[str, Any]) -> bool:
+    """Merge ``status`` into a claim's status; False when the claim is gone."""
+    return await _patch_namespaced_status(api, "vgpuclaims", namespace, name, status)
 
 
 async def patch_vgpuquota_status(api: client.ApiClient, namespace: str, name: str,
                                  status: dict[str, Any]) -> bool:
     """Merge ``status`` into a VGPUQuota's status; False when the quota is gone."""
-    try:
-        await _discard(await client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
-            keys.GROUP, keys.VERSION, namespace, "vgpuquotas", name, {"status": status}, _content_type=MERGE,
-            _preload_content=False))
-        return True
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise
+    return await _patch_namespaced_status(api, "vgpuquotas", namespace, name, status)
 
 
 async def patch_pool_status(api: client.ApiClient, name: str, status: dict[str, Any]) -> None:
