@@ -98,6 +98,19 @@ class GpuEnv:
         return [f"{e['reason']}: {e['message']}" for e in ev["items"]]
 
 
+def pool_body(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A VGPUPool object named ``name`` with ``spec``."""
+    return {"apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": name}, "spec": spec}
+
+
+def pool_conditions(gpu: GpuEnv, pool: str) -> dict[str, dict[str, Any]]:
+    """A pool's status conditions by type ({} when the pool is gone)."""
+    p = gpu.cluster.kubectl("get", "vgpupool", pool, "-o", "json", check=False)
+    if p.returncode != 0:
+        return {}
+    return {c["type"]: c for c in (json.loads(p.stdout).get("status") or {}).get("conditions") or []}
+
+
 @pytest.fixture
 def gpu(cluster: Cluster, kvgpu_system: KvgpuSystem, namespace: str) -> Iterator[GpuEnv]:
     env = GpuEnv(cluster, kvgpu_system, namespace)

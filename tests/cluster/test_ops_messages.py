@@ -23,20 +23,9 @@ from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode
 from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.fakenodes import create_nodes
 
-from tests.cluster.conftest import GpuEnv
+from tests.cluster.conftest import GpuEnv, pool_body, pool_conditions
 
 pytestmark = pytest.mark.cluster
-
-
-def _pool(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": name}, "spec": spec}
-
-
-def _conditions(gpu: GpuEnv, pool: str) -> dict[str, dict[str, Any]]:
-    p = gpu.cluster.kubectl("get", "vgpupool", pool, "-o", "json", check=False)
-    if p.returncode != 0:
-        return {}
-    return {c["type"]: c for c in (json.loads(p.stdout).get("status") or {}).get("conditions") or []}
 
 
 def _events_of(gpu: GpuEnv, name: str, namespace: str = "default") -> list[dict[str, Any]]:
@@ -53,14 +42,14 @@ def test_pool_shrunk_and_deleted_under_live_claims(gpu: GpuEnv) -> None:
     (node,) = gpu.nodes(1, cards=1, memory_mib=20000)
     name = f"shrink-{gpu.ns}"
     sel = {"matchLabels": {"kvgpu.io/test": gpu.ns, keys.NODE_LABEL_GPU: "true"}}  # beats "default"
-    gpu.apply(_pool(name, {"nodeSelector": sel, "splitCount": 5}))
+    gpu.apply(pool_body(name, {"nodeSelector": sel, "splitCount": 5}))
     try:
-        gpu.wait(lambda: _conditions(gpu, name).get("Ready", {}).get("status") == "True", 30, "pool ready")
+        gpu.wait(lambda: pool_conditions(gpu, name).get("Ready", {}).get("status") == "True", 30, "pool ready")
         gpu.create(*[gpu.pod(f"s{i}", {"kvgpu.io/gpumem": "1000"}) for i in range(5)])
         for i in range(5):
             gpu.wait_bound(f"s{i}")
-        gpu.apply(_pool(name, {"nodeSelector": sel, "splitCount": 2}))
-        over = gpu.wait(lambda: (c := _conditions(gpu, name).get("Overcommitted")) and c["status"] == "True" and c,
+        gpu.apply(pool_body(name, {"nodeSelector": sel, "splitCount": 2}))
+        over = gpu.wait(lambda: (c := pool_conditions(gpu, name).get("Overcommitted")) and c["status"] == "True" and c,
                         30, "Overcommitted=True")
         assert "slots 5/2" in over["message"] and node in over["message"], over
         assert "5 pod(s) keep running" in over["message"], over
@@ -86,15 +75,15 @@ def test_equally_specific_pools_name_each_other_and_the_nodes(gpu: GpuEnv) -> No
     (node,) = gpu.nodes(1, cards=1, memory_mib=20000)
     a, b = f"a-{gpu.ns}", f"b-{gpu.ns}"  # a sorts first: it wins
     gpu.apply(
-        _pool(a, {"splitCount": 1, "nodeSelector": {"matchLabels": {"kvgpu.io/test": gpu.ns,
+        pool_body(a, {"splitCount": 1, "nodeSelector": {"matchLabels": {"kvgpu.io/test": gpu.ns,
                                                                     keys.NODE_LABEL_GPU: "true"}}}),
-        _pool(b, {"splitCount": 10, "nodeSelector": {
+        pool_body(b, {"splitCount": 10, "nodeSelector": {
             "matchLabels": {"kvgpu.io/test": gpu.ns},
             "matchExpressions": [{"key": keys.NODE_LABEL_GPU, "operator": "Exists", "values": []}]}}))
     try:
-        ca = gpu.wait(lambda: (c := _conditions(gpu, a)).get("Conflict", {}).get("status") == "True" and c, 30,
+        ca = gpu.wait(lambda: (c := pool_conditions(gpu, a)).get("Conflict", {}).get("status") == "True" and c, 30,
                       f"Conflict on {a}")
-        cb = gpu.wait(lambda: (c := _conditions(gpu, b)).get("Conflict", {}).get("status") == "True" and c, 30,
+        cb = gpu.wait(lambda: (c := pool_conditions(gpu, b)).get("Conflict", {}).get("status") == "True" and c, 30,
                       f"Conflict on {b}")
         assert b in ca["Conflict"]["message"] and node in ca["Conflict"]["message"], ca
         assert a in cb["Conflict"]["message"] and node in cb["Conflict"]["message"], cb

@@ -14,21 +14,10 @@ from typing import Any
 import pytest
 from kvgpu.core import keys
 
-from tests.cluster.conftest import GpuEnv
+from tests.cluster.conftest import GpuEnv, pool_body, pool_conditions
 from tests.cluster.test_kubectl_vgpu import PLUGIN, vgpu_json
 
 pytestmark = pytest.mark.cluster
-
-
-def _pool(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": name}, "spec": spec}
-
-
-def _conditions(gpu: GpuEnv, pool: str) -> dict[str, dict[str, Any]]:
-    p = gpu.cluster.kubectl("get", "vgpupool", pool, "-o", "json", check=False)
-    if p.returncode != 0:
-        return {}
-    return {c["type"]: c for c in (json.loads(p.stdout).get("status") or {}).get("conditions") or []}
 
 
 def _live_claims(gpu: GpuEnv) -> dict[str, Any]:
@@ -46,17 +35,17 @@ def test_shrunk_pool_keeps_claims_refuses_new_pods_by_name_until_it_clears(gpu: 
     (node,) = gpu.nodes(1, cards=1, memory_mib=20000)
     name = f"shape-{gpu.ns}"
     sel = {"matchLabels": {"kvgpu.io/test": gpu.ns, keys.NODE_LABEL_GPU: "true"}}  # beats "default"
-    gpu.apply(_pool(name, {"nodeSelector": sel, "splitCount": 4}))
+    gpu.apply(pool_body(name, {"nodeSelector": sel, "splitCount": 4}))
     try:
-        gpu.wait(lambda: _conditions(gpu, name).get("Ready", {}).get("status") == "True", 30, "pool ready")
+        gpu.wait(lambda: pool_conditions(gpu, name).get("Ready", {}).get("status") == "True", 30, "pool ready")
         gpu.create(*[gpu.pod(f"s{i}", {"kvgpu.io/gpumem": "3000", "kvgpu.io/gpucores": "20"}) for i in range(3)])
         for i in range(3):
             gpu.wait_bound(f"s{i}")
         claims, annotations = _live_claims(gpu), _alloc_annotations(gpu)
         assert len(claims) == 3
 
-        gpu.apply(_pool(name, {"nodeSelector": sel, "splitCount": 2, "memoryScaling": 0.4}))
-        over = gpu.wait(lambda: (c := _conditions(gpu, name).get("Overcommitted")) and c["status"] == "True" and c,
+        gpu.apply(pool_body(name, {"nodeSelector": sel, "splitCount": 2, "memoryScaling": 0.4}))
+        over = gpu.wait(lambda: (c := pool_conditions(gpu, name).get("Overcommitted")) and c["status"] == "True" and c,
                         30, "Overcommitted=True")
         assert "slots 3/2" in over["message"] and "memory 9000/8000 MiB" in over["message"], over
         # running claims keep their cards and limits; the pods their allocation; nothing is evicted
@@ -79,7 +68,7 @@ def test_shrunk_pool_keeps_claims_refuses_new_pods_by_name_until_it_clears(gpu: 
         gpu.delete_pod("s0")
         gpu.delete_pod("s1")
         assert gpu.wait_bound("late", timeout=60)["spec"]["nodeName"] == node
-        gpu.wait(lambda: _conditions(gpu, name).get("Overcommitted", {}).get("status") == "False", 30,
+        gpu.wait(lambda: pool_conditions(gpu, name).get("Overcommitted", {}).get("status") == "False", 30,
                  "Overcommitted=False")
     finally:
         gpu.cluster.kubectl("delete", "vgpupool", name, "--wait=false", check=False)
@@ -88,10 +77,10 @@ def test_shrunk_pool_keeps_claims_refuses_new_pods_by_name_until_it_clears(gpu: 
 def test_selector_change_applies_to_new_pods_only(gpu: GpuEnv) -> None:
     (node,) = gpu.nodes(1, cards=1, memory_mib=20000)
     name = f"sel-{gpu.ns}"
-    gpu.apply(_pool(name, {"nodeSelector": {"matchLabels": {"kvgpu.io/test": gpu.ns, keys.NODE_LABEL_GPU: "true"}},
+    gpu.apply(pool_body(name, {"nodeSelector": {"matchLabels": {"kvgpu.io/test": gpu.ns, keys.NODE_LABEL_GPU: "true"}},
                            "splitCount": 1}))
     try:
-        gpu.wait(lambda: _conditions(gpu, name).get("Ready", {}).get("status") == "True", 30, "pool ready")
+        gpu.wait(lambda: pool_conditions(gpu, name).get("Ready", {}).get("status") == "True", 30, "pool ready")
         gpu.create(gpu.pod("a", {"kvgpu.io/gpumem": "3000"}))
         gpu.wait_bound("a")
         claims = _live_claims(gpu)
@@ -99,7 +88,7 @@ def test_selector_change_applies_to_new_pods_only(gpu: GpuEnv) -> None:
         gpu.create(gpu.pod("b", {"kvgpu.io/gpumem": "3000"}))
         gpu.wait(lambda: any(e.startswith("FailedScheduling") for e in gpu.events("b")), 30, "b waits (1 slot)")
         # the pool moves away: the card falls to the "default" pool (splitCount 10); a's claim stays
-        gpu.apply(_pool(name, {"nodeSelector": {"matchLabels": {"kvgpu.io/test": "elsewhere"}}, "splitCount": 1}))
+        gpu.apply(pool_body(name, {"nodeSelector": {"matchLabels": {"kvgpu.io/test": "elsewhere"}}, "splitCount": 1}))
         assert gpu.wait_bound("b", timeout=60)["spec"]["nodeName"] == node
         now = _live_claims(gpu)
         assert {k: v for k, v in now.items() if k in claims} == claims
@@ -113,9 +102,9 @@ def test_pool_refused_by_the_model_gets_invalid_spec(gpu: GpuEnv) -> None:
     (node,) = gpu.nodes(1, cards=1, memory_mib=20000)
     name = f"bad-{gpu.ns}"
     sel = {"matchLabels": {"kvgpu.io/test": gpu.ns, keys.NODE_LABEL_GPU: "true"}}
-    gpu.apply(_pool(name, {"nodeSelector": sel, "defaults": {"gpumem": 100}}))  # the API server stores it
+    gpu.apply(pool_body(name, {"nodeSelector": sel, "defaults": {"gpumem": 100}}))  # the API server stores it
     try:
-        ready = gpu.wait(lambda: (c := _conditions(gpu, name).get("Ready")) and c.get("reason") == "InvalidSpec"
+        ready = gpu.wait(lambda: (c := pool_conditions(gpu, name).get("Ready")) and c.get("reason") == "InvalidSpec"
                          and c, 30, "Ready=False, reason InvalidSpec")
         assert ready["status"] == "False"
         assert "defaults.gpumem 100 MiB is below minSliceMemory 256 MiB" in ready["message"], ready
@@ -127,8 +116,8 @@ def test_pool_refused_by_the_model_gets_invalid_spec(gpu: GpuEnv) -> None:
                         "the card under the default pool")
         assert rows[0]["slots"][1] == 10
         # fixed: valid again
-        gpu.apply(_pool(name, {"nodeSelector": sel, "defaults": {"gpumem": 300}}))
-        gpu.wait(lambda: _conditions(gpu, name).get("Ready", {}).get("status") == "True", 30, "Ready=True")
+        gpu.apply(pool_body(name, {"nodeSelector": sel, "defaults": {"gpumem": 300}}))
+        gpu.wait(lambda: pool_conditions(gpu, name).get("Ready", {}).get("status") == "True", 30, "Ready=True")
     finally:
         gpu.cluster.kubectl("delete", "vgpupool", name, "--wait=false", check=False)
 
