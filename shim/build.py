@@ -231,6 +231,7 @@ void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
+void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
 uint64_t vgpu_coarse_margin(void);

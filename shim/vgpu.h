@@ -253,12 +253,18 @@ struct vgpu_batch {
     uint64_t launches;
     uint64_t prov_ns;           /* GPU ns charged provisionally (launches x estimate) */
     void *ev_probe;             /* CUevent right after the first launch: that kernel's own time */
+    void *ev_seg;               /* gap-tracked: start of the batch's last busy segment (or NULL:
+                                 * ev_open); the span from it to ev_close has no idle gap */
+    uint64_t seg_busy_ns;       /* gap-tracked: GPU ns of the batch's earlier busy segments */
+    int tracked;                /* measured gap by gap (vgpu_launch.c): its GPU time is exact */
 };
+#define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
 struct vgpu_gate {
     int active;                 /* 0 = no gate: launches pass untouched */
     int measure_only;           /* 1 = uncapped high priority: measure and publish, never wait */
     int cotenants;              /* the schedule lists other tenants of this card */
     int bursting;               /* co-tenants: spending a full bucket outside the window */
+    uint64_t waited_ns;         /* co-tenants: when a launch last had to wait (no burst for 2 P) */
     uint64_t period_ns;
     uint64_t share_ns;          /* own share (the claim's cores) x period */
     uint64_t offset_ns;         /* own window inside the period (schedule) */
@@ -275,7 +281,7 @@ struct vgpu_gate {
     struct vgpu_batch cur;      /* the open batch (cur.ev_open NULL: none) */
     struct vgpu_batch ring[VGPU_BATCH_RING];
     unsigned ring_head, ring_len;
-    void *pool[3 * VGPU_BATCH_RING + 3];
+    void *pool[4 * VGPU_BATCH_RING + 4];
     int npool;
     void *ev_ctx;               /* CUcontext the events belong to */
     uint64_t busy_acc_ns, busy_since_ns; /* measured GPU time since busy_since (publication) */
@@ -287,6 +293,15 @@ struct vgpu_gate {
                                  * first of each batch, every long one): gaps excluded */
     uint64_t queued_ns;         /* GPU work queued and not yet measured (set before decide) */
     int probe_pending;          /* the next launch's end gets an event (ev_probe) */
+    /* Gap tracking of the open batch (alone on the card): before each launch the event behind
+     * the previous one (tail) is queried; complete means the GPU went idle, so the busy segment
+     * ended there and a new one starts before this launch. */
+    int tracking;               /* the open batch is gap-tracked (peeked unlocked by the launch path) */
+    int tail_set;               /* tail recorded since the segment began */
+    void *tail;                 /* CUevent re-recorded behind every launch of a tracked batch */
+    void *track_stream;         /* the one stream a tracked batch launches on */
+    uint32_t track_rng;         /* which batches are tracked (xorshift) */
+    uint32_t gap_pm;            /* busy / span of tracked batches, per mille (EWMA); 0 = unknown */
 };
 
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
@@ -300,9 +315,12 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *
  * else the time to wait until before deciding again. Clamps the credit to the burst. Pure. */
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
 /* A batch of `launches`, charged `prov_ns` provisionally, took `span_ns` of GPU time: correct
- * the credit clock and the per-launch estimate (measured = 0: keep the provisional charge, the
- * span was not measurable). Pure. */
+ * the credit clock and the per-launch estimate. measured: 0 = keep the provisional charge (the
+ * span was not measurable), 1 = the span between its events (idle gaps included), 2 = an upper
+ * bound (idle tail included), 3 = exact (gap-tracked: the sum of its busy segments). Pure. */
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
+/* One gap-tracked batch: busy_ns of GPU time in a span of span_ns; the ratio charges the others. */
+void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);
 /* One kernel's own GPU time (an event right before and right after it). */
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 /* Busy per mille published for the agent, from the measured GPU time since the last call. */

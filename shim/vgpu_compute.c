@@ -122,9 +122,12 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
         return 0;
     }
     /* Co-tenants: a full bucket may start at once (a tenant under its share is not delayed);
-     * once it is spent, own window only. */
+     * once it is spent, own window only. A tenant that had to wait within the last two periods
+     * is not under its share: it keeps to its window even with a full bucket (a burst beside a
+     * co-tenant's window time-slices with it and both tenants' event pairs over-measure). */
     uint64_t full = v + g->burst_ns; /* a full bucket: less than the share used for a period */
-    if (t == now && (g->bursting || full <= now)) {
+    int waited = g->waited_ns && now - g->waited_ns < 2 * g->period_ns;
+    if (t == now && (g->bursting || (full <= now && !waited))) {
         g->bursting = 1;
         atomic_store(&g->open_until, batch_end);
         return 0;
@@ -140,12 +143,26 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
     }
     if (ws <= t) { /* t is inside a window */
         if (t > now)
-            return t;
+            return g->waited_ns = now, t;
         uint64_t stop = we > batch_end + g->est_ns ? batch_end : we - (g->est_ns < we - now ? g->est_ns : 0);
         atomic_store(&g->open_until, stop > now ? stop : now + 1);
         return 0;
     }
-    return ws < full ? ws : full;
+    g->waited_ns = now;
+    return ws;
+}
+
+void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns)
+{
+    /* busy / span of one gap-tracked batch into the EWMA (1/4) the other batches are charged by */
+    if (!span_ns || busy_ns > span_ns)
+        busy_ns = span_ns;
+    if (!span_ns)
+        return;
+    uint32_t pm = (uint32_t)(busy_ns * 1000 / span_ns);
+    if (pm < 1)
+        pm = 1;
+    g->gap_pm = g->gap_pm ? (g->gap_pm * 3 + pm) / 4 : pm;
 }
 
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t ns)
@@ -166,7 +183,13 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
 {
     if (!measured || !launches)
         return;
-    if (g->kern_ns && measured) {
+    if (measured == 3) {
+        /* Gap-tracked: the busy segments' own time, exact (span_ns is already their sum). */
+    } else if (!g->cotenants && g->gap_pm && measured == 1) {
+        /* Alone: a batch's span counts the GPU's idle gaps between launches slower than their
+         * kernels; the gap-tracked batches say what share of a span is busy. */
+        span_ns = span_ns * g->gap_pm / 1000;
+    } else if (g->kern_ns) {
         /* The batch's span counts the GPU's idle gaps between launches slower than their kernels
          * (CPU time) and, beside co-tenants, their time slices. A span well above its launches
          * at the bracketed kernel time is charged that time; beside co-tenants every batch is

@@ -127,6 +127,17 @@ static void ev_put(struct vgpu_gate *g, void *e)
         DRV->event_destroy(e);
 }
 
+/* The oldest batch of the ring is settled: its events back to the pool. */
+static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b)
+{
+    ev_put(g, b->ev_open);
+    ev_put(g, b->ev_close);
+    ev_put(g, b->ev_probe);
+    ev_put(g, b->ev_seg);
+    g->ring_head = (g->ring_head + 1) % VGPU_BATCH_RING;
+    VGPU_POKE(g->ring_len, g->ring_len - 1);
+}
+
 /* Settle completed batches, oldest first; `wait`: wait for the oldest one. */
 static void poll_batches(struct vgpu_gate *g, int wait)
 {
@@ -140,8 +151,17 @@ static void poll_batches(struct vgpu_gate *g, int wait)
         }
         if (r == CU_NOT_READY)
             break;
-        float ms = -1, pm = -1;
+        float ms = -1, pm = -1, seg = -1;
         int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
+        if (ok && b->tracked &&
+            DRV->event_elapsed(&seg, b->ev_seg ? b->ev_seg : b->ev_open, b->ev_close) == CUDA_SUCCESS && seg >= 0) {
+            /* gap-tracked: the busy segments' own time, exact */
+            uint64_t busy = b->seg_busy_ns + (uint64_t)((double)seg * 1e6);
+            vgpu_gate_tracked(g, busy, (uint64_t)((double)ms * 1e6));
+            vgpu_gate_settle(g, b->launches, b->prov_ns, busy, 3);
+            batch_release(g, b);
+            continue;
+        }
         /* The first kernel's own time (opened right before it, probed right after it), or a
          * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
         if (ok && b->ev_probe && DRV->event_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0)
@@ -150,12 +170,71 @@ static void poll_batches(struct vgpu_gate *g, int wait)
             vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
         vgpu_gate_settle(g, b->launches, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
                          ok ? (b->launches & (1ull << 63) ? 2 : 1) : 0);
-        ev_put(g, b->ev_open);
-        ev_put(g, b->ev_close);
-        ev_put(g, b->ev_probe);
-        g->ring_head = (g->ring_head + 1) % VGPU_BATCH_RING;
-        VGPU_POKE(g->ring_len, g->ring_len - 1);
+        batch_release(g, b);
     }
+}
+
+/* ------------------------------------------------------------------ gap tracking
+ *
+ * Alone on the card, a batch's span counts the GPU's idle time between launches that come
+ * slower than their kernels (launch-bound training: the H200 was 48 % busy natively). In a
+ * tracked batch (one in VGPU_TRACK_EVERY, at random, on one stream) an event, `tail`, is
+ * re-recorded behind every launch, and queried before the next: complete means the GPU has run
+ * everything and is idle, so the busy segment ended at `tail` (its time, from the segment's
+ * start event, is added up) and a new segment starts with an event before this launch. The
+ * batch's GPU time is then the sum of its segments, exact to the launch latency; the other
+ * batches are charged their span times the busy share the tracked ones found (gap_pm). */
+
+static void track_stop(struct vgpu_gate *g)
+{
+    ev_put(g, g->tail);
+    ev_put(g, g->cur.ev_seg);
+    g->tail = g->cur.ev_seg = NULL;
+    g->cur.seg_busy_ns = 0;
+    g->tail_set = 0;
+    VGPU_POKE(g->tracking, 0);
+}
+
+static void track_start(struct vgpu_gate *g, CUstream s)
+{
+    uint32_t x = g->track_rng ? g->track_rng : (uint32_t)vgpu_now_ns() | 1u;
+    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+    g->track_rng = x;
+    if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % VGPU_TRACK_EVERY)
+        return;
+    if (!(g->tail = ev_get(g)))
+        return;
+    g->track_stream = s;
+    g->tail_set = 0;
+    g->cur.seg_busy_ns = 0;
+    VGPU_POKE(g->tracking, 1);
+}
+
+/* Before a launch of a tracked batch (under the gate's lock). */
+static void track_before(struct vgpu_gate *g, CUstream s)
+{
+    if (!g->tracking || (s == g->track_stream && (!g->tail_set || DRV->event_query(g->tail) != CUDA_SUCCESS)))
+        return; /* the GPU is still busy with what came before: no gap */
+    float ms = -1;
+    void *start = g->cur.ev_seg ? g->cur.ev_seg : g->cur.ev_open;
+    if (s != g->track_stream || DRV->event_elapsed(&ms, start, g->tail) != CUDA_SUCCESS || ms < 0 ||
+        (!g->cur.ev_seg && !(g->cur.ev_seg = ev_get(g))) || DRV->event_record(g->cur.ev_seg, s) != CUDA_SUCCESS) {
+        track_stop(g); /* several streams, or an event failed: a plain batch */
+        return;
+    }
+    g->cur.seg_busy_ns += (uint64_t)((double)ms * 1e6);
+    g->tail_set = 0;
+}
+
+/* After a launch of a tracked batch (under the gate's lock). */
+static void track_after(struct vgpu_gate *g, CUstream s)
+{
+    if (!g->tracking)
+        return;
+    if (s != g->track_stream || DRV->event_record(g->tail, s) != CUDA_SUCCESS)
+        track_stop(g);
+    else
+        g->tail_set = 1;
 }
 
 /* Close the open batch after the work queued on `s` (at_sync: the application waits for it
@@ -170,12 +249,27 @@ static void batch_close(struct vgpu_gate *g, CUstream s, int at_sync)
     if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != (void *)s)
         s = NULL;
     uint64_t n = atomic_exchange(&g->batch_n, 0);
-    struct vgpu_batch b = {g->cur.ev_open, NULL, n, n * g->est_ns, g->cur.ev_probe};
+    struct vgpu_batch b = {.ev_open = g->cur.ev_open, .launches = n, .prov_ns = n * g->est_ns,
+                           .ev_probe = g->cur.ev_probe};
     VGPU_POKE(g->cur.ev_open, NULL);
     g->cur.ev_probe = NULL;
     VGPU_POKE(g->probe_pending, 0);
+    if (g->tracking && g->tail_set) { /* exact: closed right behind its last launch */
+        b.ev_close = g->tail, b.ev_seg = g->cur.ev_seg, b.seg_busy_ns = g->cur.seg_busy_ns, b.tracked = 1;
+        g->tail = g->cur.ev_seg = NULL;
+    }
+    track_stop(g);
     if (g->ring_len == VGPU_BATCH_RING)
         poll_batches(g, 1);
+    if (b.tracked) {
+        if (n) {
+            g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;
+            VGPU_POKE(g->ring_len, g->ring_len + 1);
+            return;
+        }
+        ev_put(g, b.ev_seg);
+        b.ev_seg = NULL;
+    }
     int idle = !at_sync && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = ev_get(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
@@ -201,6 +295,7 @@ static void batch_open(struct vgpu_gate *g, CUstream s)
     }
     VGPU_POKE(g->cur.ev_open, e);
     atomic_store(&g->batch_n, 0);
+    track_start(g, s);
 }
 
 /* ------------------------------------------------------------------ the gate */
@@ -283,13 +378,18 @@ void vgpu_compute_gate(CUstream s)
     /* The coarse clock (a few ns) decides while the batch is clearly open and the credit
      * clearly there; otherwise the precise clock (tens of ns in a VM) does. */
     uint64_t margin = vgpu.coarse_margin; /* set with the device map, before any gate is active */
+    struct vgpu_gate *g = &vgpu.gate[d];
     uint64_t c = vgpu_coarse_ns();
-    if (__builtin_expect(vgpu_gate_fast(&vgpu.gate[d], c, c + margin, s), 1))
-        return;
-    uint64_t now = vgpu_now_ns();
-    if (vgpu_gate_fast(&vgpu.gate[d], now, now, s))
-        return;
-    gate_slow(d, s);
+    if (__builtin_expect(!vgpu_gate_fast(g, c, c + margin, s), 0)) {
+        uint64_t now = vgpu_now_ns();
+        if (!vgpu_gate_fast(g, now, now, s))
+            gate_slow(d, s);
+    }
+    if (VGPU_PEEK(g->tracking)) { /* a hint, re-checked under the lock */
+        pthread_mutex_lock(&g->mu);
+        track_before(g, s);
+        pthread_mutex_unlock(&g->mu);
+    }
 }
 
 /* After a launch: long kernels close their one-launch batch right behind it. */
@@ -302,11 +402,12 @@ static inline void compute_after(CUstream s)
         return;
     struct vgpu_gate *g = &vgpu.gate[d];
     /* unlocked peeks: the common case (nothing to do) costs no lock; re-checked under it */
-    if (!VGPU_PEEK(g->probe_pending) &&
+    if (!VGPU_PEEK(g->probe_pending) && !VGPU_PEEK(g->tracking) &&
         (VGPU_PEEK(g->est_ns) < LONG_KERNEL_NS || !VGPU_PEEK(g->cur.ev_open)))
         return;
     pthread_mutex_lock(&g->mu);
     int st = 0;
+    track_after(g, s);
     if (g->probe_pending) {
         VGPU_POKE(g->probe_pending, 0);
         CUevent e;
@@ -316,7 +417,8 @@ static inline void compute_after(CUstream s)
             else
                 ev_put(g, e);
         }
-    } else if (!(DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0))
+    } else if (g->est_ns >= LONG_KERNEL_NS && g->cur.ev_open &&
+               !(DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0))
         batch_close(g, s, 1);
     pthread_mutex_unlock(&g->mu);
 }

@@ -153,3 +153,17 @@ def test_uncapped_high_priority_leaves_low_priority_only_the_rest(card) -> None:
     hi, lo = tenants(card, [(0, 0), (50, 1)], ["2000", "20"])
     assert hi["busy"] >= 0.85 and lo["busy"] <= 0.10, (hi, lo)
 
+
+
+@pytest.mark.parametrize("kus, gap_us, mix", [(100, 150, "0"), (300, 100, "0"), (80, 120, "1"), (40, 100, "1")])
+def test_launch_bound_work_is_charged_its_gpu_time(card, kus, gap_us, mix) -> None:
+    """A framework whose launches are slower than its kernels (GPT training on the H200: the card
+    48 % busy natively) leaves the GPU idle between them; the limit is a share of GPU time, so
+    the idle gaps must not be charged. Before, the batch's event span counted them: 17 % busy
+    under a 30 % limit."""
+    card.base_env["CUPROG_MIX"] = mix  # kernels of one length, or mixed as in a training step
+    native = work(card, card.env(shim=False), "gap", "2", str(kus), str(gap_us), "50")
+    r = work(card, alone(card, 30, f"gap{kus}"), "gap", "3.2", str(kus), str(gap_us), "50")
+    target = min(30.0, native["busy"] * 100)
+    print(f"launch-bound {kus}/{gap_us} us: native {native['busy']:.3f}, at 30 %: {r['busy']:.3f}", r["per_sec"])
+    assert abs(r["busy"] * 100 - target) <= 5, (native, r)

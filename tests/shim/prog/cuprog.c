@@ -23,6 +23,7 @@
  *   cuprog work sat SECS KERNEL_US SYNC_EVERY [STREAMS]   saturating loop over STREAMS streams
  *   cuprog work gap SECS KERNEL_US GAP_US SYNC_EVERY      launch-bound loop: GAP_US of CPU work
  *       (a spin) after each launch, like a framework whose launches are slower than its kernels
+ *       (CUPROG_MIX=1: kernel lengths cycle through 4, 0.25, 0.5, 0.25, 2, 0.25, 1, 1.75 x KERNEL_US)
  *   cuprog work req SECS KERNEL_US NKERNELS PERIOD_MS     a request of NKERNELS kernels (then a
  *       stream sync) every PERIOD_MS; latency from the request's arrival to the sync's return
  *   (CUPROG_HIDDEN_SYNC=1: the waits go where the shim cannot see them, like cudart's;
@@ -365,7 +366,13 @@ static int cmd_work(int argc, char **argv)
             if (++n % (a > 0 ? a : 1) == 0)
                 work_sync(st[n % ns]);
         } else if (!strcmp(mode, "gap")) {
-            rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            /* CUPROG_MIX=1: kernels of mixed lengths, as in a training step (mean 1.25 x KERNEL_US) */
+            static const unsigned mix[8] = {16, 1, 2, 1, 8, 1, 4, 7};
+            static int mixed = -1;
+            if (mixed < 0)
+                mixed = getenv("CUPROG_MIX") && *getenv("CUPROG_MIX") == '1';
+            unsigned k = mixed ? (kus * mix[n % 8] + 2) / 4 : kus;
+            rc = cuLaunchKernel(f, k ? k : 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
             for (double e = now_s() + a / 1e6; now_s() < e;)
                 ; /* the CPU's share of each step */
             if (++n % (b > 0 ? b : 1) == 0)
