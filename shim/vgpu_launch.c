@@ -210,9 +210,21 @@ static void track_start(struct vgpu_gate *g, CUstream s)
     VGPU_POKE(g->tracking, 1);
 }
 
+/* A stream being captured (torch.cuda.graph warms up on its side stream, then captures on
+ * it): querying its work would invalidate the capture, and what is captured does not run now. */
+static int capturing(CUstream s)
+{
+    int st = 0;
+    return DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0;
+}
+
 /* Before a launch of a tracked batch (under the gate's lock). */
 static void track_before(struct vgpu_gate *g, CUstream s)
 {
+    if (g->tracking && capturing(s)) {
+        track_stop(g);
+        return;
+    }
     if (!g->tracking || (s == g->track_stream && (!g->tail_set || DRV->event_query(g->tail) != CUDA_SUCCESS)))
         return; /* the GPU is still busy with what came before: no gap */
     float ms = -1;

@@ -167,3 +167,11 @@ def test_launch_bound_work_is_charged_its_gpu_time(card, kus, gap_us, mix) -> No
     target = min(30.0, native["busy"] * 100)
     print(f"launch-bound {kus}/{gap_us} us: native {native['busy']:.3f}, at 30 %: {r['busy']:.3f}", r["per_sec"])
     assert abs(r["busy"] * 100 - target) <= 5, (native, r)
+
+
+def test_a_capture_after_launches_on_its_stream_stays_valid(card) -> None:
+    """torch.cuda.graph warms up on a side stream, then captures on it: on the H200 the gap
+    tracker queried its event behind the warm-up's launches during the capture, which CUDA
+    refuses (cudaErrorStreamCaptureInvalidated). A capturing stream is never tracked."""
+    r = work(card, alone(card, 30, "cap"), "capture", "1.5", "50")
+    assert r["rc"] == 0 and r["launches"] > 100, r

@@ -24,6 +24,8 @@
  *   cuprog work gap SECS KERNEL_US GAP_US SYNC_EVERY      launch-bound loop: GAP_US of CPU work
  *       (a spin) after each launch, like a framework whose launches are slower than its kernels
  *       (CUPROG_MIX=1: kernel lengths cycle through 4, 0.25, 0.5, 0.25, 2, 0.25, 1, 1.75 x KERNEL_US)
+ *   cuprog work capture SECS KERNEL_US               20 launches on a stream, then a capture of 5
+ *       more on it, repeated (rc: the first error, e.g. a capture the shim invalidated)
  *   cuprog work req SECS KERNEL_US NKERNELS PERIOD_MS     a request of NKERNELS kernels (then a
  *       stream sync) every PERIOD_MS; latency from the request's arrival to the sync's return
  *   (CUPROG_HIDDEN_SYNC=1: the waits go where the shim cannot see them, like cudart's;
@@ -301,6 +303,8 @@ static int cmd_launch(const char *mode, double secs, long sync_every)
 }
 
 CUresult cuStreamCreate(CUstream *, unsigned);
+CUresult cuStreamBeginCapture_v2(CUstream, int);
+CUresult cuStreamEndCapture(CUstream, void **);
 
 static double done_s(void)
 {
@@ -365,6 +369,24 @@ static int cmd_work(int argc, char **argv)
             rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[n % ns], NULL, NULL);
             if (++n % (a > 0 ? a : 1) == 0)
                 work_sync(st[n % ns]);
+        } else if (!strcmp(mode, "capture")) {
+            /* launches on a stream, then a capture of a few more on it (torch.cuda.graph warms up
+             * and captures on one side stream): the capture must end cleanly */
+            static CUstream cs;
+            if (!cs)
+                cuStreamCreate(&cs, 1);
+            for (int i = 0; i < 20 && !rc; i++, n++)
+                rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, cs, NULL, NULL);
+            void *gr = NULL;
+            static int ncap; /* the stub holds 64 graphs */
+            if (!rc && ncap++ < 40 && !(rc = cuStreamBeginCapture_v2(cs, 0))) {
+                for (int i = 0; i < 5 && !rc; i++)
+                    rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, cs, NULL, NULL);
+                CUresult end = cuStreamEndCapture(cs, &gr);
+                rc = rc ? rc : end;
+            }
+            if (!rc)
+                rc = work_sync(cs);
         } else if (!strcmp(mode, "gap")) {
             /* CUPROG_MIX=1: kernels of mixed lengths, as in a training step (mean 1.25 x KERNEL_US) */
             static const unsigned mix[8] = {16, 1, 2, 1, 8, 1, 4, 7};

@@ -433,11 +433,11 @@ API CUresult cuStreamSynchronize(CUstream s) { return drain(s); }
 API CUresult stubHiddenSync(CUstream s) { return drain(s); }
 API CUresult cuCtxSynchronize(void) { return drain(NULL); }
 API CUresult cuStreamIsCapturing(CUstream s, int *st) { *st = hidden_capturing(s); return OK; }
-API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); return stream_done(cur_ctx, s) > stub_now() ? 600 : OK; }
+API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); if (hidden_capture_unsafe(s)) return 900; return stream_done(cur_ctx, s) > stub_now() ? 600 : OK; }
 
 /* Events: recording one notes when the stream's work queued so far ends (the GPU reaches the
  * event then); query, synchronize and elapsed time follow from that timestamp. */
-struct stub_event { uint64_t t; int recorded; int phys; };
+struct stub_event { uint64_t t; int recorded; int phys; CUstream s; };
 API CUresult cuEventCreate(void **e, unsigned fl)
 {
     (void)fl;
@@ -454,7 +454,7 @@ API CUresult cuEventRecord(void *e, CUstream s)
     struct stub_event *ev = e;
     if (!ev) return E_INVALID_VALUE;
     uint64_t now = stub_now(), t = stream_done(cur_ctx, s);
-    ev->t = t > now ? t : now, ev->recorded = 1, ev->phys = cur_ctx;
+    ev->t = t > now ? t : now, ev->recorded = 1, ev->phys = cur_ctx, ev->s = s;
     return OK;
 }
 API CUresult cuEventRecord_ptsz(void *e, CUstream s) { return cuEventRecord(e, s ? s : (CUstream)2); }
@@ -462,6 +462,7 @@ API CUresult cuEventQuery(void *e)
 {
     struct stub_event *ev = e;
     if (!ev) return E_INVALID_VALUE;
+    if (ev->recorded && hidden_capture_unsafe(ev->s)) return 900; /* an event of a capturing stream */
     return !ev->recorded || ev->t <= stub_now() ? OK : 600; /* CUDA_ERROR_NOT_READY */
 }
 API CUresult cuEventSynchronize(void *e)
