@@ -17,6 +17,9 @@
  *   suite_cu racer CHUNK CAP SECS GO_FILE   after GO_FILE exists: allocate CHUNK until refused or
  *                                           CAP bytes, free all, repeat for SECS
  *   suite_cu newcomer SPAWN_T CHUNK         times cuInit, the context, the first cuMemAlloc
+ *   suite_cu evlat ITERS N                  one-block kernels of ITERS FMAs: their time back to
+ *                                           back and bracketed one by one by an event pair on an
+ *                                           idle stream, an empty pair, a record's and a query's CPU cost
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -409,6 +412,67 @@ static int cmd_newcomer(double spawn_t, size_t chunk)
     return 0;
 }
 
+/* ------------------------------------------------------------------ event latency (gap tracking) */
+
+static int cmp_f(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* What an event pair around one kernel on an idle stream adds to the kernel's own time (the
+ * shim's gap tracker pays it once per busy segment), and the CPU cost of a record and a query:
+ * `evlat ITERS N` with spin kernels of ITERS loop steps on one block. */
+static int cmd_evlat(unsigned long long iters, int n)
+{
+    setup();
+    CUfunction f = function("spin");
+    CUdeviceptr out = 0;
+    CALL(cuMemAlloc_v2, &out, 4096);
+    CUevent a, b;
+    CALL(cuEventCreate, &a, 0);
+    CALL(cuEventCreate, &b, 0);
+    static float br[4096], pair[4096];
+    if (n > 4096)
+        n = 4096;
+    for (int i = 0; i < 20; i++)
+        spin_launch(f, 1, iters, out);
+    CALL(cuCtxSynchronize);
+    float back = 0;
+    CALL(cuEventRecord, a, NULL);
+    for (int i = 0; i < n; i++)
+        spin_launch(f, 1, iters, out);
+    CALL(cuEventRecord, b, NULL);
+    CALL(cuEventSynchronize, b);
+    CALL(cuEventElapsedTime, &back, a, b);
+    for (int i = 0; i < n; i++) {
+        CALL(cuEventRecord, a, NULL);
+        spin_launch(f, 1, iters, out);
+        CALL(cuEventRecord, b, NULL);
+        CALL(cuEventSynchronize, b);
+        CALL(cuEventElapsedTime, &br[i], a, b);
+        CALL(cuEventRecord, a, NULL);
+        CALL(cuEventRecord, b, NULL);
+        CALL(cuEventSynchronize, b);
+        CALL(cuEventElapsedTime, &pair[i], a, b);
+    }
+    qsort(br, (size_t)n, sizeof br[0], cmp_f);
+    qsort(pair, (size_t)n, sizeof pair[0], cmp_f);
+    double t0 = mono();
+    for (int i = 0; i < 10000; i++)
+        CALL(cuEventRecord, a, NULL);
+    double rec = (mono() - t0) / 10000;
+    CALL(cuCtxSynchronize);
+    t0 = mono();
+    for (int i = 0; i < 10000; i++)
+        CALL(cuEventQuery, a);
+    double qry = (mono() - t0) / 10000;
+    printf("{\"iters\": %llu, \"kernel_us\": %.3f, \"bracketed_p50_us\": %.3f, \"bracketed_p10_us\": %.3f, "
+           "\"pair_p50_us\": %.3f, \"record_cpu_us\": %.3f, \"query_cpu_us\": %.3f}\n",
+           iters, back * 1e3 / n, br[n / 2] * 1e3, br[n / 10] * 1e3, pair[n / 2] * 1e3, rec * 1e6, qry * 1e6);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOFBF, 1 << 20);
@@ -416,6 +480,8 @@ int main(int argc, char **argv)
     const char *cmd = argv[1];
     if (!strcmp(cmd, "spin") && argc >= 5)
         return cmd_spin(strtoull(argv[2], NULL, 0), atof(argv[3]), atol(argv[4]) > 0 ? atol(argv[4]) : 1);
+    if (!strcmp(cmd, "evlat") && argc >= 4)
+        return cmd_evlat(strtoull(argv[2], NULL, 0), atoi(argv[3]));
     if (!strcmp(cmd, "graphmem") && argc >= 6)
         return cmd_graphmem(strtoull(argv[2], NULL, 0), strtoull(argv[3], NULL, 0), atol(argv[4]), atof(argv[5]));
     if (!strcmp(cmd, "heap") && argc >= 8)
