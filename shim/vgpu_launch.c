@@ -34,6 +34,9 @@
  * kernel the application waited for would otherwise close at the next launch, idle time
  * included. */
 #define LONG_KERNEL_NS 200000ull
+/* A batch's launch count with this bit set: closed when its stream had gone idle, its span an
+ * upper bound. */
+#define UPPER_BOUND (1ull << 63)
 
 
 /* The driver's event, stream and context functions (vgpu.drv, resolved at bind time) and the
@@ -168,8 +171,9 @@ static void poll_batches(struct vgpu_gate *g, int wait)
             vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
         else if (ok && !b->ev_probe && b->launches == 1)
             vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
-        vgpu_gate_settle(g, b->launches, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
-                         ok ? (b->launches & (1ull << 63) ? 2 : 1) : 0);
+        /* bit 63 of `launches` flags an upper bound; the count is the rest */
+        vgpu_gate_settle(g, b->launches & ~UPPER_BOUND, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
+                         ok ? (b->launches & UPPER_BOUND ? 2 : 1) : 0);
         batch_release(g, b);
     }
 }
@@ -286,7 +290,7 @@ static void batch_close(struct vgpu_gate *g, CUstream s, int at_sync)
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = ev_get(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
         if (idle)
-            b.launches |= 1ull << 63; /* an upper bound: the stream was idle before the close */
+            b.launches |= UPPER_BOUND; /* the stream was idle before the close */
         g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;
         VGPU_POKE(g->ring_len, g->ring_len + 1);
         return;
@@ -347,8 +351,9 @@ static void gate_slow(int d, CUstream s)
             break;
         g->throttles++;
         if (vgpu.cfg.log_level >= 3)
-            vgpu_log(3, "gate d%d: wait %llu us (est %llu ns/launch, window %llu+%llu us of %llu, co-tenants %d)",
-                     d, (unsigned long long)((wake - now) / 1000), (unsigned long long)g->est_ns,
+            vgpu_log(3, "gate d%d: wait %llu us (credit %lld us, gaps %u pm, est %llu ns/launch, window %llu+%llu us of %llu, co-tenants %d)",
+                     d, (unsigned long long)((wake - now) / 1000),
+                     ((long long)now - (long long)atomic_load(g->vt)) / 1000, g->gap_pm, (unsigned long long)g->est_ns,
                      (unsigned long long)(g->offset_ns / 1000), (unsigned long long)(g->len_ns / 1000),
                      (unsigned long long)(g->period_ns / 1000), g->cotenants);
         /* Wake at least every 250 ms: the schedule may change, and the agent needs our heartbeat. */
