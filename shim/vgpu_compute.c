@@ -185,7 +185,7 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         return;
     if (measured == 3) {
         /* Gap-tracked: the busy segments' own time, exact (span_ns is already their sum). */
-    } else if (!g->cotenants && g->gap_pm && measured == 1) {
+    } else if (!g->cotenants && !g->measure_only && g->gap_pm && measured == 1) {
         /* Alone: a batch's span counts the GPU's idle gaps between launches slower than their
          * kernels; the gap-tracked batches say what share of a span is busy. */
         span_ns = span_ns * g->gap_pm / 1000;

@@ -174,7 +174,10 @@ static void poll_batches(struct vgpu_gate *g, int wait)
             /* gap-tracked: the busy segments' own time, exact */
             uint64_t busy = b->seg_busy_ns + segment_ns(seg);
             vgpu_gate_tracked(g, busy, (uint64_t)((double)ms * 1e6));
-            vgpu_gate_settle(g, b->launches, b->prov_ns, busy, 3);
+            /* Uncapped high priority publishes its demand (work queued or running: the span),
+             * not its GPU time alone: time-sliced beside low priority its kernels wait, and
+             * its GPU time would hand that wait to the low-priority tenant. */
+            vgpu_gate_settle(g, b->launches, b->prov_ns, g->measure_only ? (uint64_t)((double)ms * 1e6) : busy, 3);
             batch_release(g, b);
             continue;
         }
