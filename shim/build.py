@@ -205,7 +205,7 @@ struct vgpu_region { uint32_t magic; uint32_t version; uint32_t size; uint32_t n
                      uint64_t oom_kills; int32_t oom_last_pid; uint32_t oom_last_dev;
                      uint64_t oom_last_bytes; uint64_t oom_last_used;
                      struct vgpu_region_dev dev[16]; struct vgpu_slot slot[128]; ...; };
-struct vgpu_region_handle { struct vgpu_region *r; int fd; int slot; int private_map; };
+struct vgpu_region_handle { struct vgpu_region *r; int fd; int slot; int private_map; uint64_t reaped_ns; };
 int vgpu_region_open(struct vgpu_region_handle *h, const char *path, const struct vgpu_config *cfg);
 int vgpu_region_attach(struct vgpu_region_handle *h, const char *path);
 void vgpu_region_close(struct vgpu_region_handle *h);

@@ -43,6 +43,9 @@
 #define VGPU_NO_WINDOW_WAIT_NS (250 * VGPU_MS)  /* a schedule leaving no time: wait, then look again */
 #define VGPU_RECONCILE_NS (200 * VGPU_MS)       /* NVML reconciliation on allocation paths */
 #define VGPU_RECONCILE_NEAR_NS (10 * VGPU_MS)   /* ... within 10 % of the limit */
+#define VGPU_RECONCILE_REFUSE_NS (2 * VGPU_MS)  /* ... before a refusal (a container racing its
+                                                 * limit must not hold its newcomers in a convoy) */
+#define VGPU_REAP_REFUSE_NS (50 * VGPU_MS)      /* dead processes' quota looked for before a refusal */
 #define VGPU_REAP_NS (1 * VGPU_SEC)             /* dead processes' slots reaped at most this often */
 #define VGPU_OOM_GRACE_NS (100 * VGPU_MS)       /* ACTIVE_OOM_KILLER: a victim's time to go */
 #define VGPU_OOM_POLL_US 2000                   /* ... polled this often (us) */
@@ -174,6 +177,7 @@ struct vgpu_region_handle {
     int fd;
     int slot;                   /* own slot index or -1 */
     int private_map;            /* 1: anonymous mapping (no region file) */
+    uint64_t reaped_ns;         /* last reap before a refusal (CLOCK_MONOTONIC; under the lock) */
 };
 
 /* Open (creating if needed) the region at path ("" = private). Limits come from cfg: the
@@ -501,7 +505,9 @@ void *vgpu_hook_for(const char *name);   /* our wrapper for an exported name, or
 int vgpu_map_cuda_device(CUdevice dev);  /* region device index for an ordinal, -1 none */
 int vgpu_map_uuid(const char *uuid);     /* region device index for a UUID string, -1 none */
 void vgpu_format_uuid(const CUuuid *u, char *out, size_t n);
-void vgpu_reconcile(int d, int force);   /* NVML per-process usage -> overhead charge */
+/* NVML per-process usage -> overhead charge. force: 0 at most every VGPU_RECONCILE_NS, 2 near
+ * the limit (VGPU_RECONCILE_NEAR_NS), 1 before a refusal (VGPU_RECONCILE_REFUSE_NS), 3 now. */
+void vgpu_reconcile(int d, int force);
 void vgpu_compute_setup(int d, CUdevice dev);
 void vgpu_compute_gate(CUstream stream);
 void vgpu_compute_sync(CUstream stream, int whole_ctx); /* before an app's wait: close the batch */

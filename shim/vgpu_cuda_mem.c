@@ -740,7 +740,7 @@ CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s)
         tab_take(K_GRAPH, (uint64_t)(uintptr_t)g, &seen_size, &seen_dev);
     }
     if (rc == CUDA_SUCCESS && first && d >= 0)
-        vgpu_reconcile(d, 1);
+        vgpu_reconcile(d, 3);
     return rc;
 }
 

@@ -146,8 +146,8 @@ void vgpu_reconcile(int d, int force)
     if (d < 0 || !vgpu.region.r)
         return;
     uint64_t now = vgpu_now_ns();
-    uint64_t min_gap = force == 1 ? 0 : force == 2 ? VGPU_RECONCILE_NEAR_NS : VGPU_RECONCILE_NS;
-    if (!take_turn(&vgpu.last_reconcile_ns[d], now, min_gap) && force != 1)
+    uint64_t min_gap = force == 1 ? VGPU_RECONCILE_REFUSE_NS : force == 2 ? VGPU_RECONCILE_NEAR_NS : VGPU_RECONCILE_NS;
+    if (!take_turn(&vgpu.last_reconcile_ns[d], now, min_gap) && force != 3)
         return;
     reap_rate_limited(now);
     vgpu_ensure_slot();

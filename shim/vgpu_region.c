@@ -357,8 +357,14 @@ int vgpu_region_reserve(struct vgpu_region_handle *h, int d, uint64_t bytes)
     vgpu_region_lock(r);
     uint64_t used = atomic_load(&r->dev[d].used), limit = r->dev[d].limit;
     if (limit && (used + bytes > limit || used + bytes < used)) {
-        /* Before refusing, return the quota of processes that died without cleaning up. */
-        if (vgpu_region_reap_locked(r) > 0)
+        /* Before refusing, return the quota of processes that died without cleaning up (at
+         * most every VGPU_REAP_REFUSE_NS per process: each reap reads every slot's /proc entry
+         * under the lock, and processes racing the limit refuse in a loop). */
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+        if ((!h->reaped_ns || now - h->reaped_ns >= VGPU_REAP_REFUSE_NS) && (h->reaped_ns = now) &&
+            vgpu_region_reap_locked(r) > 0)
             used = atomic_load(&r->dev[d].used);
         if (used + bytes > limit || used + bytes < used) {
             vgpu_region_unlock(r);
