@@ -132,7 +132,8 @@ struct vgpu_region_dev {
     _Atomic uint64_t used;      /* bytes charged = sum over live slots of data + overhead */
     _Atomic uint64_t credit_vt; /* compute: the container's credit clock V (CLOCK_MONOTONIC ns;
                                  * credit = now - V, see struct vgpu_gate) */
-    uint64_t reserved_c;
+    _Atomic uint64_t ctx_bytes; /* what a context took on this card, learnt by the container's
+                                 * first process: later ones charge it up front */
     /* compute activity, the container's only say in the node-wide schedule (read by the agent,
      * which lays out the windows from the claims; see vgpu_sched_read): */
     _Atomic uint64_t sched_joined_ns;    /* CLOCK_MONOTONIC when the gate became active (again) */

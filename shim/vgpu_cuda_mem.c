@@ -833,7 +833,10 @@ VGPU_API CUresult cuGraphExecDestroy(CUgraphExec e)
  * process's first context on that card (0 before one was measured), refused when it does not
  * fit; after it, settled to what NVML shows the creation took (the process's usage after minus
  * before), refused (the context destroyed again) when that does not fit. The charge is part of
- * the counted allocations, so reconciliation does not charge the context a second time. */
+ * the counted allocations, so reconciliation does not charge the context a second time. The
+ * first size measured is kept in the region, so the container's later processes charge it up
+ * front too: a newcomer of a container at its limit is refused before the driver makes (and
+ * then destroys) its context, 0.5 s on the H200 against 0.05 s. */
 
 static int ctx_begin(int d, uint64_t *est, uint64_t *before)
 {
@@ -848,6 +851,8 @@ static int ctx_begin(int d, uint64_t *est, uint64_t *before)
     vgpu_ensure_slot();
     *before = vgpu_nvml_process_used(d, &found);
     *est = __atomic_load_n(&vgpu.ctx_learnt[d], __ATOMIC_RELAXED);
+    if (!*est)
+        *est = atomic_load_explicit(&vgpu.region.r->dev[d].ctx_bytes, memory_order_relaxed);
     if (charge(d, *est)) {
         vgpu_log(1, "device %d: context refused: a context takes about %llu MiB, %llu of %llu MiB are "
                     "charged", d, (unsigned long long)(*est >> 20),
@@ -872,6 +877,9 @@ static int ctx_end(int d, uint64_t est, uint64_t before, uint64_t *charged)
     uint64_t took = after - before;
     uint64_t zero = 0;
     __atomic_compare_exchange_n(&vgpu.ctx_learnt[d], &zero, took, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    zero = 0;
+    atomic_compare_exchange_strong_explicit(&vgpu.region.r->dev[d].ctx_bytes, &zero, took, memory_order_relaxed,
+                                            memory_order_relaxed);
     /* reserve, not charge(): a reconciliation now would see the new context in NVML before it
      * is counted and charge it twice */
     if (took > est && vgpu_region_reserve(&vgpu.region, d, took - est)) {

@@ -79,6 +79,7 @@ class DeviceUsage:
     sched_joined_ns: int = 0  # compute gate: CLOCK_MONOTONIC when it became active (0 = never)
     sched_heartbeat_ns: int = 0  # compute gate: its last schedule refresh (the agent's liveness)
     sched_busy_pm: int = 0  # compute gate: measured GPU time of its work, per mille of wall time
+    context_mib: float = 0  # what a context took on this card (learnt by the first process)
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -147,6 +148,7 @@ def read_region(path: str | Path) -> RegionUsage:
                     sched_joined_ns=rd.sched_joined_ns,
                     sched_heartbeat_ns=rd.sched_heartbeat_ns,
                     sched_busy_pm=rd.sched_busy_pm,
+                    context_mib=rd.ctx_bytes / _MIB,
                 )
             )
         return RegionUsage(

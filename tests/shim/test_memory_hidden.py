@@ -113,3 +113,20 @@ def test_oom_killer_ends_the_sibling_with_the_most_memory(box) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_containers_later_processes_charge_the_learnt_context_size(box) -> None:
+    """The first process of a container measures what its context took (NVML before and after)
+    and keeps it in the region; later processes charge that before the driver makes theirs, so a
+    newcomer of a container at its limit is refused without a context made and destroyed. A later
+    context that takes more than learnt is still held to the limit (settled from NVML after)."""
+    from kvgpu.shimcore import read_region
+
+    env = box.env(claim((0, 1000, 0)))
+    assert last(memprog(box, "ctx", "0", str(CHUNK), env=env))["more"] == 14  # (1000 - 64) / 64
+    assert read_region(box.region).devices[0].context_mib == 64
+    assert last(memprog(box, "ctx", "0", str(CHUNK), env=env))["more"] == 14
+    bigger = last(memprog(box, "ctx", "0", str(CHUNK), env={**env, "STUB_CTX_MIB": "192"}))
+    assert bigger["more"] == 12  # (1000 - 192) / 64: the 128 MiB beyond the learnt size counted
+    smaller = last(memprog(box, "ctx", "0", str(CHUNK), env={**env, "STUB_CTX_MIB": "16"}))
+    assert smaller["more"] == 15  # (1000 - 16) / 64: the charge settles down to what it took
