@@ -144,6 +144,13 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
     if (ws <= t) { /* t is inside a window */
         if (t > now)
             return g->waited_ns = now, t;
+        /* Credit for no more than what still fits in the window: the fast path then stops
+         * queueing (an application that queues ten kernels before it waits) when the window is
+         * full, instead of spilling into the next tenant's. */
+        uint64_t room = we > now + g->queued_ns ? we - now - g->queued_ns : 0, floor = now - vt_of(g, room);
+        if (vt_of(g, room) < now)
+            while (v < floor && !atomic_compare_exchange_weak(g->vt, &v, floor))
+                ;
         uint64_t stop = we > batch_end + g->est_ns ? batch_end : we - (g->est_ns < we - now ? g->est_ns : 0);
         atomic_store(&g->open_until, stop > now ? stop : now + 1);
         return 0;
