@@ -99,10 +99,15 @@ def test_an_uncapped_high_priority_tenant_leaves_low_priority_the_rest() -> None
         sources = [src("ns/hi", 0, cores), src("ns/lo", 1, 50)]
         for busy, lo_len in ((1000, 0), (600, 320), (0, 500)):
             act = {"ns/hi": {"GPU-1": Activity(1, now, busy)}, "ns/lo": {"GPU-1": Activity(2, now)}}
-            layouts, _ = plan(sources, act, {}, now)
+            seen = {("ns/hi", "GPU-1"): now - 2 * S, ("ns/lo", "GPU-1"): now - 2 * S}
+            layouts, _ = plan(sources, act, seen, now)
             w = {x.key: (x.offset_pm, x.len_pm) for x in layouts["GPU-1"]}
             assert w["ns/hi"] == (0, uncapped_reservation(busy)), (cores, busy)
             assert w["ns/lo"] == (uncapped_reservation(busy), lo_len), (cores, busy)
+            # in its first second (as the agent saw it) it keeps the card: its shim has not
+            # measured what it uses yet, and low priority would take the card meanwhile
+            layouts, _ = plan(sources, act, {**seen, ("ns/hi", "GPU-1"): now - S // 2}, now)
+            assert [(x.key, x.len_pm) for x in layouts["GPU-1"]] == [("ns/hi", 1000), ("ns/lo", 0)]
     # a low-priority tenant without a limit is never listed (nothing to leave it)
     layouts, _ = plan([src("ns/x", 1, 100)], {"ns/x": {"GPU-1": Activity(1, now, 900)}}, {}, now)
     assert layouts == {}

@@ -15,7 +15,8 @@ agent's first pass); high-priority shares are granted as asked, scaled only if t
 the card; low-priority shares are scaled into what is left. An uncapped high-priority tenant
 (cores 0 or 100, never delayed by its shim) is listed with what it uses: its region's measured
 ``sched_busy_pm`` plus headroom (:func:`uncapped_reservation`), so low priority gets what high
-priority leaves.
+priority leaves; in its first second (before its shim has measured much) it is listed with the
+whole card.
 
 Layout (little endian): header ``magic u32 = 0x4853564b ("KVSH"), version u32 = 2, entry size
 u32 = 328, count u32`` then ``count`` entries ``key[320] (NUL-padded claim name), offset_pm u32,
@@ -47,6 +48,7 @@ MAX_ENTRIES = 32  # VGPU_SCHED_MAX
 HEADER = struct.Struct("<IIII")  # magic, version, entry size, count
 ENTRY = struct.Struct(f"<{KEY_LEN}sII")  # key, offset_pm, len_pm
 STALE_NS = 3_000_000_000  # an entry silent this long drops out
+UNCAPPED_WARMUP_NS = 1_000_000_000  # an uncapped high-priority tenant this new keeps the card
 SUFFIX = ".sched"
 
 
@@ -221,7 +223,10 @@ def plan(
             if joined is None:
                 joined = min(a.joined_ns or now, now) if fresh_start else now
             seen[(s.key, uuid)] = joined
-            share = cores * 10 if limited(cores) else uncapped_reservation(a.busy_pm)
+            # An uncapped high-priority tenant is listed with what it uses; until its shim has
+            # measured that for a while (its first second, as this agent saw it), with the card.
+            warm = now - joined >= UNCAPPED_WARMUP_NS
+            share = cores * 10 if limited(cores) else uncapped_reservation(a.busy_pm) if warm else 1000
             per_card.setdefault(uuid, []).append(Tenant(s.key, s.priority, share, joined))
     return {u: layout(ts) for u, ts in per_card.items()}, seen
 
