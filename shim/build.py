@@ -42,6 +42,7 @@ LIB_SOURCES = [
     "vgpu_cuda.c",
     "vgpu_cuda_mem.c",
     "vgpu_launch.c",
+    "vgpu_measure.c",
     "vgpu_nvml.c",
 ]
 CORE_SOURCES = ["vgpu_config.c", "vgpu_region.c", "vgpu_compute.c", "vgpu_pycore.c"]

@@ -76,6 +76,28 @@ void vgpu_cuda_mem_fork_lock(int op);
 /* The memory side of cuGraphLaunch(_ptsz) in a limited process (after the compute gate). */
 CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
 
+/* The compute limiter's GPU time (vgpu_measure.c), for its gate (vgpu_launch.c); every
+ * function taking a gate runs under its mutex. */
+#define CU_NOT_READY 600
+/* Kernels at least this long on average are measured one by one (an event before and after
+ * each launch: a few us of CPU against >= 200 us of GPU). The application's own waits cannot be
+ * relied on to end a batch: the CUDA runtime's cudaDeviceSynchronize reaches the driver through
+ * its private export table, not through a hook (measured on the H200), so a batch of a long
+ * kernel the application waited for would otherwise close at the next launch, idle time
+ * included. */
+#define LONG_KERNEL_NS 200000ull
+/* A batch's launch count with this bit set: closed when its stream had gone idle, its span an
+ * upper bound. */
+#define UPPER_BOUND (1ull << 63)
+CUevent vgpu_measure_event(struct vgpu_gate *g);          /* from the pool, or new; NULL: none */
+void vgpu_measure_put(struct vgpu_gate *g, void *event);  /* back to the pool */
+void vgpu_measure_open(struct vgpu_gate *g, CUstream s);  /* a batch starts before this launch */
+void vgpu_measure_close(struct vgpu_gate *g, CUstream s, int at_sync); /* ... ends behind the last */
+void vgpu_measure_poll(struct vgpu_gate *g, int wait);    /* settle completed batches */
+void vgpu_track_before(struct vgpu_gate *g, CUstream s);  /* gap tracking around a launch */
+void vgpu_track_after(struct vgpu_gate *g, CUstream s);
+int vgpu_stream_capturing(CUstream s);                    /* 1: s is capturing a graph */
+
 /* ACTIVE_OOM_KILLER: after a reconciliation of device d (vgpu_nvml.c), end the process with the
  * most memory in the container if the container is over its limit (vgpu_cuda_mem.c). */
 void vgpu_oom_check(int d);

@@ -1,6 +1,6 @@
 /*
- * vgpu_launch.c - the launch and wait hooks and the CUDA side of the compute limiter
- * (arithmetic: vgpu_compute.c).
+ * vgpu_launch.c - the launch and wait hooks and the gate of the compute limiter (arithmetic:
+ * vgpu_compute.c; measuring the GPU time: vgpu_measure.c).
  *
  * Launch hooks (cuLaunchKernel(_ptsz), cuLaunchKernelEx(_ptsz), cuLaunchCooperativeKernel
  * (_ptsz), cuGraphLaunch(_ptsz)) pass through vgpu_compute_gate; a graph launch then goes
@@ -8,15 +8,6 @@
  * (cuStreamSynchronize(_ptsz), cuCtxSynchronize, cuEventSynchronize) close the batch being
  * measured before the application waits, so the GPU time of work the application waits for is
  * measured exactly, and settle it after.
- *
- * Measuring: the slow path records a CUDA event on the launching stream before a batch's
- * first launch and another after its last one (at the next slow path, VGPU_BATCH_NS later,
- * or before an application wait); cuEventElapsedTime of the pair, once both have completed
- * (cuEventQuery, never waited for except to bound the work queued before the first
- * measurement), is the batch's GPU time. A batch closed when its stream had already gone idle
- * (no wait of the application in between) is an upper bound (it includes the idle tail): it is
- * charged at most at the current per-launch estimate. Events are made in the context that was
- * current at the first measurement; launches in other contexts keep their provisional charge.
  */
 #include "vgpu_cuda.h"
 
@@ -26,29 +17,9 @@
 #include <time.h>
 
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
-#define CU_NOT_READY 600
-/* Kernels at least this long on average are measured one by one (an event before and after
- * each launch: a few us of CPU against >= 200 us of GPU). The application's own waits cannot be
- * relied on to end a batch: the CUDA runtime's cudaDeviceSynchronize reaches the driver through
- * its private export table, not through a hook (measured on the H200), so a batch of a long
- * kernel the application waited for would otherwise close at the next launch, idle time
- * included. */
-#define LONG_KERNEL_NS 200000ull
-/* A batch's launch count with this bit set: closed when its stream had gone idle, its span an
- * upper bound. */
-#define UPPER_BOUND (1ull << 63)
-
-
 /* The driver's event, stream and context functions (vgpu.drv, resolved at bind time) and the
  * real cuEventSynchronize (the hook table's). */
 #define DRV (&vgpu.drv)
-
-static int can_measure(void)
-{
-    const struct vgpu_drv *f = DRV;
-    return f->event_create && f->event_destroy && f->event_record && f->event_query &&
-           f->event_elapsed && f->ctx_get_current;
-}
 
 /* ------------------------------------------------------------------ setup and schedule */
 
@@ -103,233 +74,6 @@ static void refresh_schedule(int d, uint64_t now)
     vgpu_gate_set_window(g, 0, g->share_ns, 0);
 }
 
-/* ------------------------------------------------------------------ measuring */
-
-static CUevent ev_get(struct vgpu_gate *g)
-{
-    CUcontext ctx = NULL;
-    if (!can_measure() || DRV->ctx_get_current(&ctx) != CUDA_SUCCESS || !ctx)
-        return NULL;
-    if (!g->ev_ctx)
-        g->ev_ctx = ctx;
-    if (ctx != g->ev_ctx)
-        return NULL;
-    if (g->npool)
-        return g->pool[--g->npool];
-    CUevent e = NULL;
-    return DRV->event_create(&e, 0) == CUDA_SUCCESS ? e : NULL;
-}
-
-static void ev_put(struct vgpu_gate *g, void *e)
-{
-    if (!e)
-        return;
-    if (g->npool < (int)(sizeof g->pool / sizeof g->pool[0]))
-        g->pool[g->npool++] = e;
-    else
-        DRV->event_destroy(e);
-}
-
-/* An event pair around a busy segment on an idle stream adds the GPU's time from the event to
- * its first kernel and after its last one: 4.9-5.3 us over the kernels' back-to-back time on the
- * H200 with driver 580 (bench/gpu/suite_cu.c evlat: 10.0 us kernels bracketed 14.9 us, 43.3 ->
- * 48.1, 209.9 -> 215.2), an empty pair 1.3 us. Launch-bound training has a segment per kernel
- * or two, so this is taken off each segment (never more than half of it). */
-#define SEG_OVERHEAD_NS 4500ull
-
-static uint64_t segment_ns(float ms)
-{
-    uint64_t ns = (uint64_t)((double)ms * 1e6);
-    return ns > 2 * SEG_OVERHEAD_NS ? ns - SEG_OVERHEAD_NS : ns / 2;
-}
-
-/* The oldest batch of the ring is settled: its events back to the pool. */
-static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b)
-{
-    ev_put(g, b->ev_open);
-    ev_put(g, b->ev_close);
-    ev_put(g, b->ev_probe);
-    ev_put(g, b->ev_seg);
-    g->ring_head = (g->ring_head + 1) % VGPU_BATCH_RING;
-    VGPU_POKE(g->ring_len, g->ring_len - 1);
-}
-
-/* Settle completed batches, oldest first; `wait`: wait for the oldest one. */
-static void poll_batches(struct vgpu_gate *g, int wait)
-{
-    while (g->ring_len) {
-        struct vgpu_batch *b = &g->ring[g->ring_head];
-        CUresult r = DRV->event_query(b->ev_close);
-        CUresult (*ev_sync)(CUevent) = REAL(H_EVENTSYNC, CUresult(*)(CUevent));
-        if (r == CU_NOT_READY && wait && ev_sync) {
-            r = ev_sync(b->ev_close);
-            wait = 0;
-        }
-        if (r == CU_NOT_READY)
-            break;
-        float ms = -1, pm = -1, seg = -1;
-        int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
-        if (ok && b->tracked &&
-            DRV->event_elapsed(&seg, b->ev_seg ? b->ev_seg : b->ev_open, b->ev_close) == CUDA_SUCCESS && seg >= 0) {
-            /* gap-tracked: the busy segments' own time, exact */
-            uint64_t busy = b->seg_busy_ns + segment_ns(seg);
-            vgpu_gate_tracked(g, busy, (uint64_t)((double)ms * 1e6));
-            /* Uncapped high priority publishes its demand (work queued or running: the span),
-             * not its GPU time alone: time-sliced beside low priority its kernels wait, and
-             * its GPU time would hand that wait to the low-priority tenant. */
-            vgpu_gate_settle(g, b->launches, b->prov_ns, g->measure_only ? (uint64_t)((double)ms * 1e6) : busy, 3);
-            batch_release(g, b);
-            continue;
-        }
-        /* The first kernel's own time (opened right before it, probed right after it), or a
-         * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
-        if (ok && b->ev_probe && DRV->event_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0)
-            vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
-        else if (ok && !b->ev_probe && b->launches == 1)
-            vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
-        /* bit 63 of `launches` flags an upper bound; the count is the rest */
-        vgpu_gate_settle(g, b->launches & ~UPPER_BOUND, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
-                         ok ? (b->launches & UPPER_BOUND ? 2 : 1) : 0);
-        batch_release(g, b);
-    }
-}
-
-/* ------------------------------------------------------------------ gap tracking
- *
- * Alone on the card, a batch's span counts the GPU's idle time between launches that come
- * slower than their kernels (launch-bound training: the H200 was 48 % busy natively). In a
- * tracked batch (one in VGPU_TRACK_EVERY, at random, on one stream) an event, `tail`, is
- * re-recorded behind every launch, and queried before the next: complete means the GPU has run
- * everything and is idle, so the busy segment ended at `tail` (its time, from the segment's
- * start event, is added up) and a new segment starts with an event before this launch. The
- * batch's GPU time is then the sum of its segments, exact to the launch latency; the other
- * batches are charged their span times the busy share the tracked ones found (gap_pm). */
-
-static void track_stop(struct vgpu_gate *g)
-{
-    ev_put(g, g->tail);
-    ev_put(g, g->cur.ev_seg);
-    g->tail = g->cur.ev_seg = NULL;
-    g->cur.seg_busy_ns = 0;
-    g->tail_set = 0;
-    VGPU_POKE(g->tracking, 0);
-}
-
-static void track_start(struct vgpu_gate *g, CUstream s)
-{
-    uint32_t x = g->track_rng ? g->track_rng : (uint32_t)vgpu_now_ns() | 1u;
-    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
-    g->track_rng = x;
-    if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % VGPU_TRACK_EVERY)
-        return;
-    if (!(g->tail = ev_get(g)))
-        return;
-    g->track_stream = s;
-    g->tail_set = 0;
-    g->cur.seg_busy_ns = 0;
-    VGPU_POKE(g->tracking, 1);
-}
-
-/* A stream being captured (torch.cuda.graph warms up on its side stream, then captures on
- * it): querying its work would invalidate the capture, and what is captured does not run now. */
-static int capturing(CUstream s)
-{
-    int st = 0;
-    return DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0;
-}
-
-/* Before a launch of a tracked batch (under the gate's lock). */
-static void track_before(struct vgpu_gate *g, CUstream s)
-{
-    if (g->tracking && capturing(s)) {
-        track_stop(g);
-        return;
-    }
-    if (!g->tracking || (s == g->track_stream && (!g->tail_set || DRV->event_query(g->tail) != CUDA_SUCCESS)))
-        return; /* the GPU is still busy with what came before: no gap */
-    float ms = -1;
-    void *start = g->cur.ev_seg ? g->cur.ev_seg : g->cur.ev_open;
-    if (s != g->track_stream || DRV->event_elapsed(&ms, start, g->tail) != CUDA_SUCCESS || ms < 0 ||
-        (!g->cur.ev_seg && !(g->cur.ev_seg = ev_get(g))) || DRV->event_record(g->cur.ev_seg, s) != CUDA_SUCCESS) {
-        track_stop(g); /* several streams, or an event failed: a plain batch */
-        return;
-    }
-    g->cur.seg_busy_ns += segment_ns(ms);
-    g->tail_set = 0;
-}
-
-/* After a launch of a tracked batch (under the gate's lock). */
-static void track_after(struct vgpu_gate *g, CUstream s)
-{
-    if (!g->tracking)
-        return;
-    if (s != g->track_stream || DRV->event_record(g->tail, s) != CUDA_SUCCESS)
-        track_stop(g);
-    else
-        g->tail_set = 1;
-}
-
-/* Close the open batch after the work queued on `s` (at_sync: the application waits for it
- * next, so the close marks its end exactly). */
-static void batch_close(struct vgpu_gate *g, CUstream s, int at_sync)
-{
-    if (!g->cur.ev_open)
-        return;
-    /* Behind the batch's latest launch: on `s` when that is where it went (one stream), else on
-     * the legacy stream, which follows every blocking stream (several streams: the batch's
-     * last kernel may be on another one than the caller's). */
-    if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != (void *)s)
-        s = NULL;
-    uint64_t n = atomic_exchange(&g->batch_n, 0);
-    struct vgpu_batch b = {.ev_open = g->cur.ev_open, .launches = n, .prov_ns = n * g->est_ns,
-                           .ev_probe = g->cur.ev_probe};
-    VGPU_POKE(g->cur.ev_open, NULL);
-    g->cur.ev_probe = NULL;
-    VGPU_POKE(g->probe_pending, 0);
-    if (g->tracking && g->tail_set) { /* exact: closed right behind its last launch */
-        b.ev_close = g->tail, b.ev_seg = g->cur.ev_seg, b.seg_busy_ns = g->cur.seg_busy_ns, b.tracked = 1;
-        g->tail = g->cur.ev_seg = NULL;
-    }
-    track_stop(g);
-    if (g->ring_len == VGPU_BATCH_RING)
-        poll_batches(g, 1);
-    if (b.tracked) {
-        if (n) {
-            g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;
-            VGPU_POKE(g->ring_len, g->ring_len + 1);
-            return;
-        }
-        ev_put(g, b.ev_seg);
-        b.ev_seg = NULL;
-    }
-    int idle = !at_sync && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
-    if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = ev_get(g)) &&
-        DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
-        if (idle)
-            b.launches |= UPPER_BOUND; /* the stream was idle before the close */
-        g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;
-        VGPU_POKE(g->ring_len, g->ring_len + 1);
-        return;
-    }
-    ev_put(g, b.ev_close);
-    ev_put(g, b.ev_open);
-    ev_put(g, b.ev_probe);
-}
-
-static void batch_open(struct vgpu_gate *g, CUstream s)
-{
-    if (g->cur.ev_open)
-        return;
-    CUevent e = ev_get(g);
-    if (e && DRV->event_record(e, s) != CUDA_SUCCESS) {
-        ev_put(g, e);
-        e = NULL;
-    }
-    VGPU_POKE(g->cur.ev_open, e);
-    atomic_store(&g->batch_n, 0);
-    track_start(g, s);
-}
-
 /* ------------------------------------------------------------------ the gate */
 
 static void sleep_until(uint64_t t)
@@ -349,13 +93,12 @@ static void gate_slow(int d, CUstream s)
         pthread_mutex_unlock(&g->mu);
         return;
     }
-    int st = 0;
-    if (DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0) {
+    if (vgpu_stream_capturing(s)) {
         pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
         return;
     }
-    batch_close(g, s, 0);
-    poll_batches(g, !g->est_ns && g->ring_len); /* no estimate yet: measure before queuing more */
+    vgpu_measure_close(g, s, 0);
+    vgpu_measure_poll(g, !g->est_ns && g->ring_len); /* no estimate yet: measure before queuing more */
     for (;;) {
         now = vgpu_now_ns();
         refresh_schedule(d, now);
@@ -374,9 +117,9 @@ static void gate_slow(int d, CUstream s)
                      (unsigned long long)(g->period_ns / 1000), g->cotenants);
         /* Wake at least every 250 ms: the schedule may change, and the agent needs our heartbeat. */
         sleep_until(wake - now > VGPU_GATE_MAX_SLEEP_NS ? now + VGPU_GATE_MAX_SLEEP_NS : wake);
-        poll_batches(g, 0);
+        vgpu_measure_poll(g, 0);
     }
-    batch_open(g, s);
+    vgpu_measure_open(g, s);
     if (g->est_ns >= LONG_KERNEL_NS)
         atomic_store(&g->open_until, 0); /* long kernels: one launch per batch */
     else if (g->cur.ev_open)
@@ -420,7 +163,7 @@ void vgpu_compute_gate(CUstream s)
     }
     if (VGPU_PEEK(g->tracking)) { /* a hint, re-checked under the lock */
         pthread_mutex_lock(&g->mu);
-        track_before(g, s);
+        vgpu_track_before(g, s);
         pthread_mutex_unlock(&g->mu);
     }
 }
@@ -439,20 +182,18 @@ static inline void compute_after(CUstream s)
         (VGPU_PEEK(g->est_ns) < LONG_KERNEL_NS || !VGPU_PEEK(g->cur.ev_open)))
         return;
     pthread_mutex_lock(&g->mu);
-    int st = 0;
-    track_after(g, s);
+    vgpu_track_after(g, s);
     if (g->probe_pending) {
         VGPU_POKE(g->probe_pending, 0);
         CUevent e;
-        if (g->cur.ev_open && !g->cur.ev_probe && (e = ev_get(g))) {
+        if (g->cur.ev_open && !g->cur.ev_probe && (e = vgpu_measure_event(g))) {
             if (DRV->event_record(e, s) == CUDA_SUCCESS)
                 g->cur.ev_probe = e;
             else
-                ev_put(g, e);
+                vgpu_measure_put(g, e);
         }
-    } else if (g->est_ns >= LONG_KERNEL_NS && g->cur.ev_open &&
-               !(DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0))
-        batch_close(g, s, 1);
+    } else if (g->est_ns >= LONG_KERNEL_NS && g->cur.ev_open && !vgpu_stream_capturing(s))
+        vgpu_measure_close(g, s, 1);
     pthread_mutex_unlock(&g->mu);
 }
 
@@ -466,9 +207,8 @@ void vgpu_compute_sync(CUstream s, int whole_ctx)
     struct vgpu_gate *g = &vgpu.gate[d];
     vgpu_symbols_bind();
     pthread_mutex_lock(&g->mu);
-    int st = 0;
-    if (!(DRV->stream_is_capturing && DRV->stream_is_capturing(whole_ctx ? NULL : s, &st) == CUDA_SUCCESS && st != 0)) {
-        batch_close(g, whole_ctx ? NULL : s, 1);
+    if (!vgpu_stream_capturing(whole_ctx ? NULL : s)) {
+        vgpu_measure_close(g, whole_ctx ? NULL : s, 1);
         atomic_store(&g->open_until, 0); /* the next launch opens a new batch */
     }
     pthread_mutex_unlock(&g->mu);
@@ -483,7 +223,7 @@ void vgpu_compute_synced(void)
         return;
     struct vgpu_gate *g = &vgpu.gate[d];
     pthread_mutex_lock(&g->mu);
-    poll_batches(g, 0);
+    vgpu_measure_poll(g, 0);
     pthread_mutex_unlock(&g->mu);
 }
 
