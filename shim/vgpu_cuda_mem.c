@@ -198,6 +198,32 @@ static CUresult release_end(CUresult rc, int kind, uint64_t key, uint64_t size, 
         tab_put(kind, key, size, d);
     return rc;
 }
+
+/* Every create path charges before the driver call (charge()); after it, alloc_end commits the
+ * object to the table when the driver made it (rc success, an object to record: `made`, `key`)
+ * on a device of the claim, and otherwise returns the charge. */
+static CUresult alloc_end(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d)
+{
+    if (rc == CUDA_SUCCESS && d >= 0 && made)
+        tab_put(kind, key, size, d);
+    else
+        uncharge(d, size);
+    return rc;
+}
+
+/* Paths that charge an estimate first (pitch, arrays): once the object exists, settle the charge
+ * to the driver's figure `actual`. 0: `actual` is charged; -1: the difference does not fit and
+ * nothing is charged any more (the caller destroys the object and refuses). */
+static int settle(int d, uint64_t est, uint64_t actual)
+{
+    if (actual > est && charge(d, actual - est)) {
+        uncharge(d, est);
+        return -1;
+    }
+    if (actual < est)
+        uncharge(d, est - actual);
+    return 0;
+}
 /* ------------------------------------------------------------------ memory info */
 
 VGPU_API CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
@@ -253,11 +279,7 @@ VGPU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
     if (charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size);
-    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
-        tab_put(K_PTR, *dptr, size, d);
-    else
-        uncharge(d, size);
-    return rc;
+    return alloc_end(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
 }
 
 VGPU_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned flags)
@@ -270,11 +292,7 @@ VGPU_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned fla
     if (charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size, flags);
-    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
-        tab_put(K_PTR, *dptr, size, d);
-    else
-        uncharge(d, size);
-    return rc;
+    return alloc_end(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
 }
 
 VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
@@ -295,13 +313,10 @@ VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
         return rc;
     }
     uint64_t actual = (uint64_t)*pitch * height;
-    if (actual > est && charge(d, actual - est)) {
+    if (settle(d, est, actual)) {
         REAL(H_FREE, CUresult(*)(CUdeviceptr))(*dptr);
-        uncharge(d, est);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    if (actual < est)
-        uncharge(d, est - actual);
     tab_put(K_PTR, *dptr, actual, d);
     return rc;
 }
@@ -331,11 +346,7 @@ VGPU_API CUresult cuMemAlloc(unsigned *dptr, unsigned size)
     if (charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size);
-    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
-        tab_put(K_PTR, *dptr, size, d);
-    else
-        uncharge(d, size);
-    return rc;
+    return alloc_end(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
 }
 
 VGPU_API CUresult cuMemFree(unsigned p)
@@ -373,11 +384,7 @@ static CUresult alloc_async(int idx, CUdeviceptr *dptr, size_t size, CUstream s)
     if (charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size, s);
-    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
-        tab_put(K_PTR, *dptr, size, d);
-    else
-        uncharge(d, size);
-    return rc;
+    return alloc_end(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
 }
 
 VGPU_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s)
@@ -404,11 +411,7 @@ static CUresult alloc_pool(int idx, CUdeviceptr *dptr, size_t size, CUmemoryPool
     if (charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size, pool, s);
-    if (rc == CUDA_SUCCESS && d >= 0 && dptr)
-        tab_put(K_PTR, *dptr, size, d);
-    else
-        uncharge(d, size);
-    return rc;
+    return alloc_end(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
 }
 
 VGPU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s)
@@ -460,11 +463,7 @@ VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, cons
     if (charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(h, size, prop, flags);
-    if (rc == CUDA_SUCCESS && d >= 0 && h)
-        tab_put(K_HANDLE, *h, size, d);
-    else
-        uncharge(d, size);
-    return rc;
+    return alloc_end(rc, h != NULL, K_HANDLE, rc == CUDA_SUCCESS && h ? *h : 0, size, d);
 }
 
 VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
@@ -494,22 +493,36 @@ static uint64_t array_est(size_t w, size_t h, size_t dpt, int fmt, unsigned ch)
     return (uint64_t)w * (h ? h : 1) * (dpt ? dpt : 1) * elem_bytes(fmt) * (ch ? ch : 1);
 }
 
-/* Charge the driver's own figure once the array exists (estimate already reserved). */
-static int settle_array(int d, uint64_t est, uint64_t *actual, void *arr, int mip, CUdevice dev)
+/* After the driver call of an array path that charged the estimate `est`: on success (`arr` the
+ * array made, NULL when the caller passed no out-pointer), settle the charge to the driver's own
+ * figure (cu*GetMemoryRequirements on the current context's device; the estimate when it has
+ * none) and record the array; when that does not fit, the array is destroyed again and the call
+ * refused. On failure, the charge returns. */
+static CUresult array_end(CUresult rc, int kind, void *arr, int made, uint64_t est, int d)
 {
-    CUDA_ARRAY_MEMORY_REQUIREMENTS req;
+    if (rc != CUDA_SUCCESS || d < 0 || !made) {
+        uncharge(d, est);
+        return rc;
+    }
     const struct vgpu_drv *drv = vgpu_cuda_drv();
     CUresult (*q)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, void *, CUdevice) =
-        mip ? drv->mipmap_mem_req : drv->array_mem_req;
-    *actual = est;
-    if (!q || q(&req, arr, dev) != CUDA_SUCCESS || !req.size)
-        return 0;
-    if (req.size > est && charge(d, req.size - est))
-        return -1;
-    if (req.size < est)
-        uncharge(d, est - req.size);
-    *actual = req.size;
-    return 0;
+        kind == K_MIPMAP ? drv->mipmap_mem_req : drv->array_mem_req;
+    CUdevice dev = 0;
+    if (drv->ctx_get_device)
+        drv->ctx_get_device(&dev);
+    CUDA_ARRAY_MEMORY_REQUIREMENTS req;
+    uint64_t actual = est;
+    if (q && q(&req, arr, dev) == CUDA_SUCCESS && req.size)
+        actual = req.size;
+    if (settle(d, est, actual)) {
+        if (kind == K_MIPMAP)
+            REAL(H_MIPMAPDESTROY, CUresult(*)(CUmipmappedArray))(arr);
+        else
+            REAL(H_ARRAYDESTROY, CUresult(*)(CUarray))(arr);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    tab_put(kind, (uint64_t)(uintptr_t)arr, actual, d);
+    return rc;
 }
 
 static CUresult array_common(CUarray *arr, const void *desc, int three_d)
@@ -530,22 +543,7 @@ static CUresult array_common(CUarray *arr, const void *desc, int three_d)
     if (charge(d, est))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(arr, desc);
-    if (rc != CUDA_SUCCESS || d < 0 || !arr) {
-        uncharge(d, est);
-        return rc;
-    }
-    CUdevice dev = 0;
-    CUresult (*gd)(CUdevice *) = vgpu_cuda_drv()->ctx_get_device;
-    if (gd)
-        gd(&dev);
-    uint64_t actual;
-    if (settle_array(d, est, &actual, *arr, 0, dev)) {
-        REAL(H_ARRAYDESTROY, CUresult(*)(CUarray))(*arr);
-        uncharge(d, est);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    tab_put(K_ARRAY, (uint64_t)(uintptr_t)*arr, actual, d);
-    return rc;
+    return array_end(rc, K_ARRAY, rc == CUDA_SUCCESS && arr ? (void *)*arr : NULL, arr != NULL, est, d);
 }
 
 VGPU_API CUresult cuArrayCreate_v2(CUarray *arr, const CUDA_ARRAY_DESCRIPTOR *desc)
@@ -585,22 +583,7 @@ VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY
     if (charge(d, est))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(arr, desc, levels);
-    if (rc != CUDA_SUCCESS || d < 0 || !arr) {
-        uncharge(d, est);
-        return rc;
-    }
-    CUdevice dev = 0;
-    CUresult (*gd)(CUdevice *) = vgpu_cuda_drv()->ctx_get_device;
-    if (gd)
-        gd(&dev);
-    uint64_t actual;
-    if (settle_array(d, est, &actual, *arr, 1, dev)) {
-        REAL(H_MIPMAPDESTROY, CUresult(*)(CUmipmappedArray))(*arr);
-        uncharge(d, est);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    tab_put(K_MIPMAP, (uint64_t)(uintptr_t)*arr, actual, d);
-    return rc;
+    return array_end(rc, K_MIPMAP, rc == CUDA_SUCCESS && arr ? (void *)*arr : NULL, arr != NULL, est, d);
 }
 
 VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
@@ -746,40 +729,40 @@ CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s)
 
 typedef CUresult (*inst_fn)(CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t);
 
+/* After every instantiation: the new exec's memory nodes become pending charges. */
+static CUresult graph_instantiated(CUresult rc, CUgraphExec *e, CUgraph g)
+{
+    if (rc == CUDA_SUCCESS && e && mode() == M_LIMITED)
+        graph_record(*e, g);
+    return rc;
+}
+
 VGPU_API CUresult cuGraphInstantiate(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log, size_t n)
 {
     BROKEN_GUARD();
     CUresult rc = REAL(H_GINST, inst_fn)(e, g, err, log, n);
-    if (rc == CUDA_SUCCESS && e && mode() == M_LIMITED)
-        graph_record(*e, g);
-    return rc;
+    return graph_instantiated(rc, e, g);
 }
 
 VGPU_API CUresult cuGraphInstantiate_v2(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log, size_t n)
 {
     BROKEN_GUARD();
     CUresult rc = REAL(H_GINST_V2, inst_fn)(e, g, err, log, n);
-    if (rc == CUDA_SUCCESS && e && mode() == M_LIMITED)
-        graph_record(*e, g);
-    return rc;
+    return graph_instantiated(rc, e, g);
 }
 
 VGPU_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags)
 {
     BROKEN_GUARD();
     CUresult rc = REAL(H_GINST_FLAGS, CUresult(*)(CUgraphExec *, CUgraph, unsigned long long))(e, g, flags);
-    if (rc == CUDA_SUCCESS && e && mode() == M_LIMITED)
-        graph_record(*e, g);
-    return rc;
+    return graph_instantiated(rc, e, g);
 }
 
 VGPU_API CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, void *params)
 {
     BROKEN_GUARD();
     CUresult rc = REAL(H_GINST_PARAMS, CUresult(*)(CUgraphExec *, CUgraph, void *))(e, g, params);
-    if (rc == CUDA_SUCCESS && e && mode() == M_LIMITED)
-        graph_record(*e, g);
-    return rc;
+    return graph_instantiated(rc, e, g);
 }
 
 static CUresult graph_upload(int idx, CUgraphExec e, CUstream s)
@@ -906,49 +889,71 @@ static void ctx_forget(CUcontext c)
     }
 }
 
-#define CTX_CREATE(idx, call, dev)                                                               \
-    do {                                                                                         \
-        if (mode() != M_LIMITED)                                                                 \
-            return call;                                                                         \
-        int d_ = vgpu_map_cuda_device(dev);                                                      \
-        uint64_t est_, before_, got_;                                                            \
-        if (ctx_begin(d_, &est_, &before_))                                                      \
-            return CUDA_ERROR_OUT_OF_MEMORY;                                                     \
-        CUresult rc_ = call;                                                                     \
-        if (rc_ != CUDA_SUCCESS || !pctx) {                                                      \
-            uncharge(d_, est_);                                                                  \
-            return rc_;                                                                          \
-        }                                                                                        \
-        if (ctx_end(d_, est_, before_, &got_)) {                                                 \
-            ctx_destroy_real(*pctx);                                                             \
-            *pctx = NULL;                                                                        \
-            return CUDA_ERROR_OUT_OF_MEMORY;                                                     \
-        }                                                                                        \
-        if (d_ >= 0)                                                                             \
-            tab_put(K_CTX, (uint64_t)(uintptr_t)*pctx, got_, d_);                                \
-        return rc_;                                                                              \
-    } while (0)
+/* After the driver call that makes a context (charged `est` by ctx_begin): on success, settle the
+ * charge to NVML's figure (ctx_end) and record it; when that does not fit, the context is undone
+ * (destroyed, or for a primary one released) and the call refused. On failure, the charge
+ * returns. */
+static CUresult ctx_commit(CUresult rc, CUcontext *pctx, int d, uint64_t est, uint64_t before, CUdevice dev,
+                           int primary)
+{
+    if (rc != CUDA_SUCCESS || !pctx) {
+        uncharge(d, est);
+        return rc;
+    }
+    uint64_t got;
+    if (ctx_end(d, est, before, &got)) {
+        CUresult (*rel)(CUdevice) = vgpu_cuda_drv()->primary_ctx_release;
+        if (!primary)
+            ctx_destroy_real(*pctx);
+        else if (rel)
+            rel(dev);
+        *pctx = NULL;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (d >= 0)
+        tab_put(K_CTX, (uint64_t)(uintptr_t)*pctx, got, d);
+    return rc;
+}
 
 VGPU_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev)
 {
     BROKEN_GUARD();
-    CTX_CREATE(H_CTX_CREATE, REAL(H_CTX_CREATE, CUresult(*)(CUcontext *, unsigned, CUdevice))(pctx, flags, dev), dev);
+    CUresult (*real)(CUcontext *, unsigned, CUdevice) = REAL(H_CTX_CREATE, CUresult(*)(CUcontext *, unsigned, CUdevice));
+    if (mode() != M_LIMITED)
+        return real(pctx, flags, dev);
+    int d = vgpu_map_cuda_device(dev);
+    uint64_t est, before;
+    if (ctx_begin(d, &est, &before))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    return ctx_commit(real(pctx, flags, dev), pctx, d, est, before, dev, 0);
 }
 
 VGPU_API CUresult cuCtxCreate_v3(CUcontext *pctx, void *params, int n, unsigned flags, CUdevice dev)
 {
     BROKEN_GUARD();
-    CTX_CREATE(H_CTX_CREATE_V3,
-               REAL(H_CTX_CREATE_V3, CUresult(*)(CUcontext *, void *, int, unsigned, CUdevice))(pctx, params, n, flags, dev),
-               dev);
+    CUresult (*real)(CUcontext *, void *, int, unsigned, CUdevice) =
+        REAL(H_CTX_CREATE_V3, CUresult(*)(CUcontext *, void *, int, unsigned, CUdevice));
+    if (mode() != M_LIMITED)
+        return real(pctx, params, n, flags, dev);
+    int d = vgpu_map_cuda_device(dev);
+    uint64_t est, before;
+    if (ctx_begin(d, &est, &before))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    return ctx_commit(real(pctx, params, n, flags, dev), pctx, d, est, before, dev, 0);
 }
 
 VGPU_API CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, CUdevice dev)
 {
     BROKEN_GUARD();
-    CTX_CREATE(H_CTX_CREATE_V4,
-               REAL(H_CTX_CREATE_V4, CUresult(*)(CUcontext *, void *, unsigned, CUdevice))(pctx, params, flags, dev),
-               dev);
+    CUresult (*real)(CUcontext *, void *, unsigned, CUdevice) =
+        REAL(H_CTX_CREATE_V4, CUresult(*)(CUcontext *, void *, unsigned, CUdevice));
+    if (mode() != M_LIMITED)
+        return real(pctx, params, flags, dev);
+    int d = vgpu_map_cuda_device(dev);
+    uint64_t est, before;
+    if (ctx_begin(d, &est, &before))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    return ctx_commit(real(pctx, params, flags, dev), pctx, d, est, before, dev, 0);
 }
 
 VGPU_API CUresult cuCtxDestroy_v2(CUcontext c)
@@ -976,25 +981,14 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         return real(pctx, dev);
     }
     int d = vgpu_map_cuda_device(dev);
-    uint64_t est, before, got;
+    uint64_t est, before;
     if (ctx_begin(d, &est, &before)) {
         pthread_mutex_unlock(&primary_mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    CUresult rc = real(pctx, dev);
-    if (rc != CUDA_SUCCESS || !pctx) {
-        uncharge(d, est);
-    } else if (ctx_end(d, est, before, &got)) {
-        CUresult (*rel)(CUdevice) = vgpu_cuda_drv()->primary_ctx_release;
-        if (rel)
-            rel(dev);
-        *pctx = NULL;
-        rc = CUDA_ERROR_OUT_OF_MEMORY;
-    } else {
-        if (d >= 0)
-            tab_put(K_CTX, (uint64_t)(uintptr_t)*pctx, got, d);
+    CUresult rc = ctx_commit(real(pctx, dev), pctx, d, est, before, dev, 1);
+    if (rc == CUDA_SUCCESS && pctx)
         __atomic_store_n(&vgpu.primary_charged[dev], 1, __ATOMIC_RELEASE);
-    }
     pthread_mutex_unlock(&primary_mu);
     return rc;
 }
