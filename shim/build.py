@@ -41,6 +41,10 @@ LIB_SOURCES = [
     "vgpu_symbols.c",
     "vgpu_cuda.c",
     "vgpu_cuda_mem.c",
+    "vgpu_mem_table.c",
+    "vgpu_mem_array.c",
+    "vgpu_mem_graph.c",
+    "vgpu_mem_ctx.c",
     "vgpu_launch.c",
     "vgpu_nvml.c",
 ]

@@ -7,7 +7,8 @@
  *   vgpu_compute.c  compute limiter: credit on measured GPU time, schedule      [pure + POSIX]
  *   vgpu_symbols.c  real libcuda/libnvidia-ml binding, dlsym, cuGetProcAddress
  *   vgpu_cuda.c     CUDA driver hooks: device map, launches, the hook table (vgpu_cuda.h)
- *   vgpu_cuda_mem.c CUDA memory hooks: allocation paths, memory info, graph memory
+ *   vgpu_cuda_mem.c CUDA memory hooks: memory info, linear/async/VMM allocations (vgpu_mem.h)
+ *   vgpu_mem_*.c    the other memory units: arrays, graph memory, contexts, the allocation table
  *   vgpu_nvml.c     NVML view (memory info v1/v2) and per-process usage
  *   libvgpu.c       entry unit: init, fail-closed gate, logging, version
  *
@@ -446,7 +447,7 @@ struct vgpu_state {
     nvmlDevice_t nvml_handle[VGPU_MAX_DEV];      /* region device -> NVML handle (by UUID) */
     struct { nvmlDevice_t h; int d; } nvml_map[VGPU_MAX_DEV]; /* NVML handle -> region device */
     int nvml_nmap;
-    /* contexts (vgpu_cuda_mem.c; atomic) */
+    /* contexts (vgpu_mem_ctx.c; atomic) */
     uint64_t ctx_learnt[VGPU_MAX_DEV];  /* bytes a context took on a region device (first one) */
     int primary_charged[VGPU_MAX_DEV];  /* by CUDA ordinal: its primary context is charged */
 };

@@ -1,6 +1,6 @@
 /*
  * vgpu_cuda.c - CUDA driver API hooks: the device map, cuInit and the hook table. The memory
- * paths and memory info are in vgpu_cuda_mem.c, the launch and wait hooks (the compute limit's
+ * hooks are in vgpu_cuda_mem.c and vgpu_mem_*.c (vgpu_mem.h), the launch and wait hooks (the compute limit's
  * CUDA side) in vgpu_launch.c.
  */
 #include "vgpu_cuda.h"

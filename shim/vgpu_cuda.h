@@ -1,7 +1,7 @@
 /*
  * vgpu_cuda.h - what the CUDA hook units share (vgpu_cuda.c: devices, cuInit, the hook table;
- * vgpu_cuda_mem.c: allocation paths, memory info, graph memory; vgpu_launch.c: launches, waits,
- * the compute limit's CUDA side). Internal to those units.
+ * vgpu_cuda_mem.c and vgpu_mem_*.c: the memory hooks, see vgpu_mem.h; vgpu_launch.c: launches,
+ * waits, the compute limit's CUDA side). Internal to those units.
  */
 #ifndef VGPU_CUDA_H
 #define VGPU_CUDA_H
@@ -14,7 +14,7 @@ enum {
     H_ARRAY3D, H_ARRAYDESTROY, H_MIPMAP, H_MIPMAPDESTROY, H_GETINFO, H_TOTALMEM, H_LAUNCH,
     H_LAUNCH_PTSZ, H_LAUNCHEX, H_LAUNCHEX_PTSZ, H_COOP, H_COOP_PTSZ, H_GRAPH, H_GRAPH_PTSZ,
     H_ALLOC_V1, H_FREE_V1,
-    /* memory the allocation paths do not see (vgpu_cuda_mem.c, "hidden consumers") */
+    /* memory the allocation paths do not see (vgpu_mem_graph.c, vgpu_mem_ctx.c: "hidden consumers") */
     H_GINST, H_GINST_V2, H_GINST_FLAGS, H_GINST_PARAMS, H_GUPLOAD, H_GUPLOAD_PTSZ, H_GEXEC_DESTROY,
     H_CTX_CREATE, H_CTX_CREATE_V3, H_CTX_CREATE_V4, H_CTX_DESTROY, H_PRIMARY_RETAIN, H_CTX_SET_LIMIT,
     /* waits (vgpu_launch.c: the compute limiter measures what the application waits for) */
@@ -70,17 +70,18 @@ static inline int mode(void)
 
 int vgpu_cur_dev(void);               /* region device of the current context, -1/-2 */
 extern int vgpu_single_gate;          /* the only card with a compute gate, or -1 */
-/* vgpu_cuda_mem.c's locks across fork: 0 lock primary_mu, 1 lock join_mu, 2 lock tab_mu,
- * 3 unlock all three (parent), 4 re-initialise them and forget the parent's allocations (child). */
+/* The memory units' locks across fork (vgpu_mem_table.c): 0 lock primary_mu, 1 lock join_mu,
+ * 2 lock tab_mu, 3 unlock all three (parent), 4 re-initialise them and forget the parent's
+ * allocations (child). */
 void vgpu_cuda_mem_fork_lock(int op);
 /* The memory side of cuGraphLaunch(_ptsz) in a limited process (after the compute gate). */
 CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
 
 /* ACTIVE_OOM_KILLER: after a reconciliation of device d (vgpu_nvml.c), end the process with the
- * most memory in the container if the container is over its limit (vgpu_cuda_mem.c). */
+ * most memory in the container if the container is over its limit (vgpu_mem_table.c). */
 void vgpu_oom_check(int d);
 
-/* The memory hooks (vgpu_cuda_mem.c), for the hook table. */
+/* The memory hooks (vgpu_cuda_mem.c, vgpu_mem_*.c), for the hook table. */
 CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b);
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev);
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size);
