@@ -6,7 +6,8 @@
  *   vgpu_region.c   shared per-container region: slots, robust lock, quota      [pure + POSIX]
  *   vgpu_compute.c  compute limiter: credit on measured GPU time, schedule      [pure + POSIX]
  *   vgpu_symbols.c  real libcuda/libnvidia-ml binding, dlsym, cuGetProcAddress
- *   vgpu_cuda.c     CUDA driver hooks: device map, launches, the hook table (vgpu_cuda.h)
+ *   vgpu_cuda.c     CUDA driver hooks: device map, cuInit, the CUDA hook table (vgpu_cuda.h)
+ *   vgpu_hooks.h    the hook list (X-macros): indices, prototypes, accessors, the tables' entries
  *   vgpu_cuda_mem.c CUDA memory hooks: memory info, linear/async/VMM allocations (vgpu_mem.h)
  *   vgpu_mem_*.c    the other memory units: arrays, graph memory, contexts, the allocation table
  *   vgpu_nvml.c     NVML view (memory info v1/v2) and per-process usage
@@ -375,19 +376,7 @@ typedef struct { unsigned pid; unsigned long long usedGpuMemory; unsigned gpuIns
 
 /* ------------------------------------------------------------------ shim runtime */
 
-/* Hook table: one entry per exported, intercepted driver symbol. */
-struct vgpu_hook {
-    const char *name;           /* exported name in libcuda.so.1, e.g. "cuMemAlloc_v2" */
-    const char *base;           /* name as asked through cuGetProcAddress, e.g. "cuMemAlloc" */
-    int min_version;            /* CUDA version from which `base` means this ABI */
-    int ptds;                   /* 1: per-thread default stream variant */
-    void *hook;                 /* our wrapper */
-    void *real;                 /* the driver's function (set by vgpu_symbols_bind) */
-};
-extern struct vgpu_hook vgpu_cuda_hooks[];
-extern const int vgpu_cuda_nhooks;
-extern struct vgpu_hook vgpu_nvml_hooks[];
-extern const int vgpu_nvml_nhooks;
+/* The hook list and tables: vgpu_hooks.h. */
 
 /* Driver entry points the shim calls but does not hook, resolved once when the driver is bound
  * (vgpu_symbols_bind / vgpu_nvml_bind: under a pthread_once, before the hook table is

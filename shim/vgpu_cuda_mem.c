@@ -32,7 +32,7 @@ VGPU_API CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
 {
     BROKEN_GUARD();
     size_t f = 0, t = 0;
-    CUresult rc = REAL(H_GETINFO, CUresult(*)(size_t *, size_t *))(free_b ? &f : NULL, total_b ? &t : NULL);
+    CUresult rc = REAL_FN(cuMemGetInfo_v2)(free_b ? &f : NULL, total_b ? &t : NULL);
     if (rc != CUDA_SUCCESS || mode() != M_LIMITED) {
         if (rc == CUDA_SUCCESS) {
             if (free_b) *free_b = f;
@@ -60,7 +60,7 @@ VGPU_API CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
 VGPU_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
     BROKEN_GUARD();
-    CUresult rc = REAL(H_TOTALMEM, CUresult(*)(size_t *, CUdevice))(bytes, dev);
+    CUresult rc = REAL_FN(cuDeviceTotalMem_v2)(bytes, dev);
     if (rc == CUDA_SUCCESS && bytes && mode() == M_LIMITED) {
         int d = vgpu_map_cuda_device(dev);
         uint64_t lim = d >= 0 ? vgpu.region.r->dev[d].limit : 0;
@@ -75,7 +75,7 @@ VGPU_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 VGPU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUdeviceptr *, size_t) = REAL(H_ALLOC, CUresult(*)(CUdeviceptr *, size_t));
+    vgpu_fn_cuMemAlloc_v2 real = REAL_FN(cuMemAlloc_v2);
     if (mode() != M_LIMITED)
         return real(dptr, size);
     int d = vgpu_cur_dev();
@@ -88,7 +88,7 @@ VGPU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
 VGPU_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned flags)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUdeviceptr *, size_t, unsigned) = REAL(H_MANAGED, CUresult(*)(CUdeviceptr *, size_t, unsigned));
+    vgpu_fn_cuMemAllocManaged real = REAL_FN(cuMemAllocManaged);
     if (mode() != M_LIMITED)
         return real(dptr, size, flags);
     int d = vgpu_cur_dev();
@@ -102,8 +102,7 @@ VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
                                      unsigned elem)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUdeviceptr *, size_t *, size_t, size_t, unsigned) =
-        REAL(H_PITCH, CUresult(*)(CUdeviceptr *, size_t *, size_t, size_t, unsigned));
+    vgpu_fn_cuMemAllocPitch_v2 real = REAL_FN(cuMemAllocPitch_v2);
     if (mode() != M_LIMITED)
         return real(dptr, pitch, width, height, elem);
     int d = vgpu_cur_dev();
@@ -117,7 +116,7 @@ VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
     }
     uint64_t actual = (uint64_t)*pitch * height;
     if (vgpu_settle(d, est, actual)) {
-        REAL(H_FREE, CUresult(*)(CUdeviceptr))(*dptr);
+        REAL_FN(cuMemFree_v2)(*dptr);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     vgpu_tab_put(K_PTR, *dptr, actual, d);
@@ -127,7 +126,7 @@ VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
 VGPU_API CUresult cuMemFree_v2(CUdeviceptr p)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUdeviceptr) = REAL(H_FREE, CUresult(*)(CUdeviceptr));
+    vgpu_fn_cuMemFree_v2 real = REAL_FN(cuMemFree_v2);
     uint64_t size;
     int d;
     if (!vgpu_release_begin(K_PTR, p, &size, &d))
@@ -140,7 +139,7 @@ VGPU_API CUresult cuMemFree_v2(CUdeviceptr p)
 VGPU_API CUresult cuMemAlloc(unsigned *dptr, unsigned size)
 {
     BROKEN_GUARD();
-    CUresult (*real)(unsigned *, unsigned) = REAL(H_ALLOC_V1, CUresult(*)(unsigned *, unsigned));
+    vgpu_fn_cuMemAlloc real = REAL_FN(cuMemAlloc);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     if (mode() != M_LIMITED)
@@ -155,7 +154,7 @@ VGPU_API CUresult cuMemAlloc(unsigned *dptr, unsigned size)
 VGPU_API CUresult cuMemFree(unsigned p)
 {
     BROKEN_GUARD();
-    CUresult (*real)(unsigned) = REAL(H_FREE_V1, CUresult(*)(unsigned));
+    vgpu_fn_cuMemFree real = REAL_FN(cuMemFree);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     uint64_t size;
@@ -178,7 +177,7 @@ static int capturing(CUstream s)
 
 static CUresult alloc_async(int idx, CUdeviceptr *dptr, size_t size, CUstream s)
 {
-    CUresult (*real)(CUdeviceptr *, size_t, CUstream) = REAL(idx, CUresult(*)(CUdeviceptr *, size_t, CUstream));
+    vgpu_fn_cuMemAllocAsync real = REAL(idx, vgpu_fn_cuMemAllocAsync);
     if (mode() != M_LIMITED)
         return real(dptr, size, s);
     if (capturing(s))
@@ -204,8 +203,7 @@ VGPU_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream 
 
 static CUresult alloc_pool(int idx, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s)
 {
-    CUresult (*real)(CUdeviceptr *, size_t, CUmemoryPool, CUstream) =
-        REAL(idx, CUresult(*)(CUdeviceptr *, size_t, CUmemoryPool, CUstream));
+    vgpu_fn_cuMemAllocFromPoolAsync real = REAL(idx, vgpu_fn_cuMemAllocFromPoolAsync);
     if (mode() != M_LIMITED)
         return real(dptr, size, pool, s);
     if (capturing(s))
@@ -231,7 +229,7 @@ VGPU_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size, C
 
 static CUresult free_async(int idx, CUdeviceptr p, CUstream s)
 {
-    CUresult (*real)(CUdeviceptr, CUstream) = REAL(idx, CUresult(*)(CUdeviceptr, CUstream));
+    vgpu_fn_cuMemFreeAsync real = REAL(idx, vgpu_fn_cuMemFreeAsync);
     uint64_t size;
     int d;
     if (!vgpu_release_begin(K_PTR, p, &size, &d))
@@ -258,8 +256,7 @@ VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, cons
                               unsigned long long flags)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long) =
-        REAL(H_CREATE, CUresult(*)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long));
+    vgpu_fn_cuMemCreate real = REAL_FN(cuMemCreate);
     if (mode() != M_LIMITED || !prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return real(h, size, prop, flags);
     int d = vgpu_map_cuda_device(prop->location.id);
@@ -272,7 +269,7 @@ VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, cons
 VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUmemGenericAllocationHandle) = REAL(H_RELEASE, CUresult(*)(CUmemGenericAllocationHandle));
+    vgpu_fn_cuMemRelease real = REAL_FN(cuMemRelease);
     uint64_t size;
     int d;
     if (!vgpu_release_begin(K_HANDLE, h, &size, &d))

@@ -45,9 +45,9 @@ static CUresult array_end(CUresult rc, int kind, void *arr, int made, uint64_t e
         actual = req.size;
     if (vgpu_settle(d, est, actual)) {
         if (kind == K_MIPMAP)
-            REAL(H_MIPMAPDESTROY, CUresult(*)(CUmipmappedArray))(arr);
+            REAL_FN(cuMipmappedArrayDestroy)(arr);
         else
-            REAL(H_ARRAYDESTROY, CUresult(*)(CUarray))(arr);
+            REAL_FN(cuArrayDestroy)(arr);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     vgpu_tab_put(kind, (uint64_t)(uintptr_t)arr, actual, d);
@@ -90,7 +90,7 @@ VGPU_API CUresult cuArray3DCreate_v2(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR
 VGPU_API CUresult cuArrayDestroy(CUarray arr)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUarray) = REAL(H_ARRAYDESTROY, CUresult(*)(CUarray));
+    vgpu_fn_cuArrayDestroy real = REAL_FN(cuArrayDestroy);
     uint64_t size;
     int d;
     if (!vgpu_release_begin(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d))
@@ -102,8 +102,7 @@ VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY
                                          unsigned levels)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned) =
-        REAL(H_MIPMAP, CUresult(*)(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned));
+    vgpu_fn_cuMipmappedArrayCreate real = REAL_FN(cuMipmappedArrayCreate);
     if (mode() != M_LIMITED || !desc)
         return real(arr, desc, levels);
     uint64_t base = array_est(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels);
@@ -118,7 +117,7 @@ VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY
 VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUmipmappedArray) = REAL(H_MIPMAPDESTROY, CUresult(*)(CUmipmappedArray));
+    vgpu_fn_cuMipmappedArrayDestroy real = REAL_FN(cuMipmappedArrayDestroy);
     uint64_t size;
     int d;
     if (!vgpu_release_begin(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d))

@@ -69,7 +69,7 @@ static int ctx_end(int d, uint64_t est, uint64_t before, uint64_t *charged)
 
 static CUresult ctx_destroy_real(CUcontext c)
 {
-    return REAL(H_CTX_DESTROY, CUresult(*)(CUcontext))(c);
+    return REAL_FN(cuCtxDestroy_v2)(c);
 }
 
 /* Charges held for context c (the context itself and its limits) leave with it. */
@@ -115,7 +115,7 @@ static CUresult ctx_commit(CUresult rc, CUcontext *pctx, int d, uint64_t est, ui
 VGPU_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUcontext *, unsigned, CUdevice) = REAL(H_CTX_CREATE, CUresult(*)(CUcontext *, unsigned, CUdevice));
+    vgpu_fn_cuCtxCreate_v2 real = REAL_FN(cuCtxCreate_v2);
     if (mode() != M_LIMITED)
         return real(pctx, flags, dev);
     int d = vgpu_map_cuda_device(dev);
@@ -128,8 +128,7 @@ VGPU_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev)
 VGPU_API CUresult cuCtxCreate_v3(CUcontext *pctx, void *params, int n, unsigned flags, CUdevice dev)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUcontext *, void *, int, unsigned, CUdevice) =
-        REAL(H_CTX_CREATE_V3, CUresult(*)(CUcontext *, void *, int, unsigned, CUdevice));
+    vgpu_fn_cuCtxCreate_v3 real = REAL_FN(cuCtxCreate_v3);
     if (mode() != M_LIMITED)
         return real(pctx, params, n, flags, dev);
     int d = vgpu_map_cuda_device(dev);
@@ -142,8 +141,7 @@ VGPU_API CUresult cuCtxCreate_v3(CUcontext *pctx, void *params, int n, unsigned 
 VGPU_API CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, CUdevice dev)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUcontext *, void *, unsigned, CUdevice) =
-        REAL(H_CTX_CREATE_V4, CUresult(*)(CUcontext *, void *, unsigned, CUdevice));
+    vgpu_fn_cuCtxCreate_v4 real = REAL_FN(cuCtxCreate_v4);
     if (mode() != M_LIMITED)
         return real(pctx, params, flags, dev);
     int d = vgpu_map_cuda_device(dev);
@@ -168,7 +166,7 @@ VGPU_API CUresult cuCtxDestroy_v2(CUcontext c)
 VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     BROKEN_GUARD();
-    CUresult (*real)(CUcontext *, CUdevice) = REAL(H_PRIMARY_RETAIN, CUresult(*)(CUcontext *, CUdevice));
+    vgpu_fn_cuDevicePrimaryCtxRetain real = REAL_FN(cuDevicePrimaryCtxRetain);
     if (mode() != M_LIMITED || dev < 0 || dev >= VGPU_MAX_DEV ||
         __atomic_load_n(&vgpu.primary_charged[dev], __ATOMIC_ACQUIRE))
         return real(pctx, dev);
@@ -200,7 +198,7 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 VGPU_API CUresult cuCtxSetLimit(int limit, size_t value)
 {
     BROKEN_GUARD();
-    CUresult (*real)(int, size_t) = REAL(H_CTX_SET_LIMIT, CUresult(*)(int, size_t));
+    vgpu_fn_cuCtxSetLimit real = REAL_FN(cuCtxSetLimit);
     if (mode() != M_LIMITED || limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE)
         return real(limit, value);
     const struct vgpu_drv *drv = vgpu_cuda_drv();

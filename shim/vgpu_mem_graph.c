@@ -113,7 +113,7 @@ static void graph_unreserve(CUgraphExec e)
 
 CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s)
 {
-    CUresult (*real)(CUgraphExec, CUstream) = REAL(idx, CUresult(*)(CUgraphExec, CUstream));
+    vgpu_fn_cuGraphLaunch real = REAL(idx, vgpu_fn_cuGraphLaunch);
     /* A graph launch while the container is already over its limit is refused; the memory
      * nodes recorded at instantiation are charged at the first launch (graph_reserve), and
      * whatever else the launch makes the driver reserve is reconciled right after it. */
@@ -138,8 +138,6 @@ CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s)
     return rc;
 }
 
-typedef CUresult (*inst_fn)(CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t);
-
 /* After every instantiation: the new exec's memory nodes become pending charges. */
 static CUresult graph_instantiated(CUresult rc, CUgraphExec *e, CUgraph g)
 {
@@ -151,34 +149,34 @@ static CUresult graph_instantiated(CUresult rc, CUgraphExec *e, CUgraph g)
 VGPU_API CUresult cuGraphInstantiate(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log, size_t n)
 {
     BROKEN_GUARD();
-    CUresult rc = REAL(H_GINST, inst_fn)(e, g, err, log, n);
+    CUresult rc = REAL_FN(cuGraphInstantiate)(e, g, err, log, n);
     return graph_instantiated(rc, e, g);
 }
 
 VGPU_API CUresult cuGraphInstantiate_v2(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log, size_t n)
 {
     BROKEN_GUARD();
-    CUresult rc = REAL(H_GINST_V2, inst_fn)(e, g, err, log, n);
+    CUresult rc = REAL_FN(cuGraphInstantiate_v2)(e, g, err, log, n);
     return graph_instantiated(rc, e, g);
 }
 
 VGPU_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags)
 {
     BROKEN_GUARD();
-    CUresult rc = REAL(H_GINST_FLAGS, CUresult(*)(CUgraphExec *, CUgraph, unsigned long long))(e, g, flags);
+    CUresult rc = REAL_FN(cuGraphInstantiateWithFlags)(e, g, flags);
     return graph_instantiated(rc, e, g);
 }
 
 VGPU_API CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, void *params)
 {
     BROKEN_GUARD();
-    CUresult rc = REAL(H_GINST_PARAMS, CUresult(*)(CUgraphExec *, CUgraph, void *))(e, g, params);
+    CUresult rc = REAL_FN(cuGraphInstantiateWithParams)(e, g, params);
     return graph_instantiated(rc, e, g);
 }
 
 static CUresult graph_upload(int idx, CUgraphExec e, CUstream s)
 {
-    CUresult (*real)(CUgraphExec, CUstream) = REAL(idx, CUresult(*)(CUgraphExec, CUstream));
+    vgpu_fn_cuGraphUpload real = REAL(idx, vgpu_fn_cuGraphUpload);
     if (mode() != M_LIMITED)
         return real(e, s);
     if (graph_reserve(e))
@@ -204,7 +202,7 @@ VGPU_API CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream s)
 VGPU_API CUresult cuGraphExecDestroy(CUgraphExec e)
 {
     BROKEN_GUARD();
-    CUresult rc = REAL(H_GEXEC_DESTROY, CUresult(*)(CUgraphExec))(e);
+    CUresult rc = REAL_FN(cuGraphExecDestroy)(e);
     if (rc != CUDA_SUCCESS || mode() != M_LIMITED)
         return rc;
     uint64_t key = (uint64_t)(uintptr_t)e, size;
