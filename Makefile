@@ -89,6 +89,7 @@ crds: $(STAMP) ## regenerate crds/, docs/api.md and docs/configuration.md from t
 .PHONY: generate
 generate: crds ## run every generator of committed files (manifests, doc sections, plots); tests fail on drift
 	$(VPY) hack/gen_manifests.py
+	$(VPY) hack/gen_importgraph.py
 	$(VPY) hack/gen_proto.py
 	$(VPY) bench/allocator_bench.py --render
 	$(VPY) bench/scale/report.py
