@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 .PHONY: test
-test: install lint ## lint, then every test (unit, shim, the real control plane and the real node)
+test: install lint check-sanitize ## lint, the shim under the sanitizers, then every test (unit, shim, the real control plane and the real node)
 	KVGPU_REQUIRE_REAL_NODE=$${KVGPU_REQUIRE_REAL_NODE:-1} $(VPY) -m pytest -q tests
 
 .PHONY: unit
@@ -32,7 +32,7 @@ unit: $(STAMP) ## unit and shim tests: no control plane, no Go build (< 2 min)
 	$(VPY) -m pytest -q -m "not cluster and not realnode" tests/unit tests/shim
 
 .PHONY: check
-check: lint unit ## lint, then the unit and shim tests: the loop before a commit
+check: lint unit check-sanitize ## lint, the unit and shim tests, the shim under ASan and TSan: the loop before a commit
 
 .PHONY: check-sanitize
 check-sanitize: $(STAMP) ## the shim's preload tests against ASan and TSan builds of libvgpu.so
@@ -89,6 +89,7 @@ crds: $(STAMP) ## regenerate crds/, docs/api.md and docs/configuration.md from t
 .PHONY: generate
 generate: crds ## run every generator of committed files (manifests, doc sections, plots); tests fail on drift
 	$(VPY) hack/gen_manifests.py
+	$(VPY) hack/gen_importgraph.py
 	$(VPY) hack/gen_proto.py
 	$(VPY) bench/allocator_bench.py --render
 	$(VPY) bench/scale/report.py

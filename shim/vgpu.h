@@ -6,15 +6,17 @@
  *   vgpu_region.c   shared per-container region: slots, robust lock, quota      [pure + POSIX]
  *   vgpu_compute.c  compute limiter: credit on measured GPU time, schedule      [pure + POSIX]
  *   vgpu_symbols.c  real libcuda/libnvidia-ml binding, dlsym, cuGetProcAddress
- *   vgpu_cuda.c     CUDA driver hooks: device map, launches, the hook table (vgpu_cuda.h)
- *   vgpu_cuda_mem.c CUDA memory hooks: allocation paths, memory info, graph memory
+ *   vgpu_cuda.c     CUDA driver hooks: device map, cuInit, the CUDA hook table (vgpu_cuda.h)
+ *   vgpu_hooks.h    the hook list (X-macros): indices, prototypes, accessors, the tables' entries
+ *   vgpu_cuda_mem.c CUDA memory hooks: memory info, linear/async/VMM allocations (vgpu_mem.h)
+ *   vgpu_mem_*.c    the other memory units: arrays, graph memory, contexts, the allocation table
  *   vgpu_nvml.c     NVML view (memory info v1/v2) and per-process usage
  *   libvgpu.c       entry unit: init, fail-closed gate, logging, version
  *
  * Units marked [pure] are also compiled into the cffi test module (shim/_build/_vgpucore*.so);
  * they never call CUDA or NVML. No CUDA or NVML header is needed: the few types used are
- * declared below with the layouts of the CUDA driver API reference (cuda.h, CUDA 12/13) and
- * nvml.h.
+ * declared in vgpu_types.h with the layouts of the CUDA driver API reference (cuda.h, CUDA
+ * 12/13) and nvml.h.
  *
  * Units: memory in bytes inside the shim (MiB only at the claim/env boundary), compute in
  * percent of the card's SMs, time in nanoseconds of CLOCK_MONOTONIC.
@@ -341,75 +343,11 @@ uint64_t vgpu_coarse_margin(void);  /* 2 x its resolution, ns */
 
 /* ------------------------------------------------------------------ CUDA / NVML types */
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef unsigned long long CUmemGenericAllocationHandle;
-typedef unsigned long long cuuint64_t;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUstream_st *CUstream;
-typedef struct CUfunc_st *CUfunction;
-typedef struct CUarray_st *CUarray;
-typedef struct CUmipmappedArray_st *CUmipmappedArray;
-typedef struct CUmemPoolHandle_st *CUmemoryPool;
-typedef struct CUgraphExec_st *CUgraphExec;
-typedef struct CUevent_st *CUevent;
-typedef struct { char bytes[16]; } CUuuid;
-
-#define CUDA_SUCCESS 0
-#define CUDA_ERROR_INVALID_VALUE 1
-#define CUDA_ERROR_OUT_OF_MEMORY 2
-#define CUDA_ERROR_NOT_INITIALIZED 3
-#define CUDA_ERROR_NOT_FOUND 500
-#define CUDA_ERROR_NOT_SUPPORTED 801
-
-#define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 0x2
-#define CU_MEM_LOCATION_TYPE_DEVICE 1
-#define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
-
-typedef struct { int type; int id; } CUmemLocation;
-typedef struct {
-    int type;
-    int requestedHandleTypes;
-    CUmemLocation location;
-    void *win32HandleMetaData;
-    unsigned char allocFlags[8];
-} CUmemAllocationProp;
-typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR;
-typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR;
-typedef struct { size_t size, alignment; unsigned reserved[4]; } CUDA_ARRAY_MEMORY_REQUIREMENTS;
-typedef struct {
-    unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
-    CUstream hStream;
-    void *attrs;
-    unsigned numAttrs;
-} CUlaunchConfig;
-
-typedef int nvmlReturn_t;
-typedef struct nvmlDevice_st *nvmlDevice_t;
-typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
-typedef struct { unsigned version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
-typedef struct { unsigned pid; unsigned long long usedGpuMemory; unsigned gpuInstanceId, computeInstanceId; } nvmlProcessInfo_t;
-#define NVML_SUCCESS 0
-#define NVML_ERROR_UNINITIALIZED 1
-#define NVML_ERROR_INVALID_ARGUMENT 2
-#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#include "vgpu_types.h"
 
 /* ------------------------------------------------------------------ shim runtime */
 
-/* Hook table: one entry per exported, intercepted driver symbol. */
-struct vgpu_hook {
-    const char *name;           /* exported name in libcuda.so.1, e.g. "cuMemAlloc_v2" */
-    const char *base;           /* name as asked through cuGetProcAddress, e.g. "cuMemAlloc" */
-    int min_version;            /* CUDA version from which `base` means this ABI */
-    int ptds;                   /* 1: per-thread default stream variant */
-    void *hook;                 /* our wrapper */
-    void *real;                 /* the driver's function (set by vgpu_symbols_bind) */
-};
-extern struct vgpu_hook vgpu_cuda_hooks[];
-extern const int vgpu_cuda_nhooks;
-extern struct vgpu_hook vgpu_nvml_hooks[];
-extern const int vgpu_nvml_nhooks;
+/* The hook list and tables: vgpu_hooks.h. */
 
 /* Driver entry points the shim calls but does not hook, resolved once when the driver is bound
  * (vgpu_symbols_bind / vgpu_nvml_bind: under a pthread_once, before the hook table is
@@ -469,7 +407,7 @@ struct vgpu_state {
     nvmlDevice_t nvml_handle[VGPU_MAX_DEV];      /* region device -> NVML handle (by UUID) */
     struct { nvmlDevice_t h; int d; } nvml_map[VGPU_MAX_DEV]; /* NVML handle -> region device */
     int nvml_nmap;
-    /* contexts (vgpu_cuda_mem.c; atomic) */
+    /* contexts (vgpu_mem_ctx.c; atomic) */
     uint64_t ctx_learnt[VGPU_MAX_DEV];  /* bytes a context took on a region device (first one) */
     int primary_charged[VGPU_MAX_DEV];  /* by CUDA ordinal: its primary context is charged */
 };

@@ -1,6 +1,6 @@
 /*
  * vgpu_cuda.c - CUDA driver API hooks: the device map, cuInit and the hook table. The memory
- * paths and memory info are in vgpu_cuda_mem.c, the launch and wait hooks (the compute limit's
+ * hooks are in vgpu_cuda_mem.c and vgpu_mem_*.c (vgpu_mem.h), the launch and wait hooks (the compute limit's
  * CUDA side) in vgpu_launch.c.
  */
 #include "vgpu_cuda.h"
@@ -12,7 +12,6 @@
 #include <time.h>
 #include <unistd.h>
 
-const int vgpu_idx_gpa = H_GPA, vgpu_idx_gpa_v2 = H_GPA2;
 
 int vgpu_cuda_mode_v; /* atomic (relaxed): every thread computes the same value */
 int vgpu_cuda_mode_slow(void)
@@ -91,7 +90,7 @@ static void map_devices_locked(void)
     CUresult (*count)(int *) = drv->device_get_count;
     CUresult (*get)(CUdevice *, int) = drv->device_get;
     CUresult (*guuid)(CUuuid *, CUdevice) = drv->device_get_uuid;
-    CUresult (*total)(size_t *, CUdevice) = REAL(H_TOTALMEM, CUresult(*)(size_t *, CUdevice));
+    vgpu_fn_cuDeviceTotalMem_v2 total = REAL_FN(cuDeviceTotalMem_v2);
     int n = 0;
     if (!count || !get || !guuid || count(&n) != CUDA_SUCCESS)
         return;
@@ -167,66 +166,12 @@ VGPU_API CUresult cuInit(unsigned flags)
 {
     if (mode() == M_BROKEN)
         return CUDA_ERROR_NOT_INITIALIZED;
-    CUresult rc = REAL(H_INIT, CUresult(*)(unsigned))(flags);
+    CUresult rc = REAL_FN(cuInit)(flags);
     if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
         map_devices();
     return rc;
 }
 /* ------------------------------------------------------------------ the table */
 
-extern CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t);
-extern CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, int *);
-
-#define HK(name, base, ver, ptds) {#name, base, ver, ptds, (void *)name, NULL}
-struct vgpu_hook vgpu_cuda_hooks[] = {
-    [H_GPA] = HK(cuGetProcAddress, "cuGetProcAddress", 11030, 0),
-    [H_GPA2] = HK(cuGetProcAddress_v2, "cuGetProcAddress", 12000, 0),
-    [H_INIT] = HK(cuInit, "cuInit", 2000, 0),
-    [H_ALLOC] = HK(cuMemAlloc_v2, "cuMemAlloc", 3020, 0),
-    [H_PITCH] = HK(cuMemAllocPitch_v2, "cuMemAllocPitch", 3020, 0),
-    [H_MANAGED] = HK(cuMemAllocManaged, "cuMemAllocManaged", 6000, 0),
-    [H_FREE] = HK(cuMemFree_v2, "cuMemFree", 3020, 0),
-    [H_ASYNC] = HK(cuMemAllocAsync, "cuMemAllocAsync", 11020, 0),
-    [H_ASYNC_PTSZ] = HK(cuMemAllocAsync_ptsz, "cuMemAllocAsync", 11020, 1),
-    [H_POOL] = HK(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 11020, 0),
-    [H_POOL_PTSZ] = HK(cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, 1),
-    [H_FREEASYNC] = HK(cuMemFreeAsync, "cuMemFreeAsync", 11020, 0),
-    [H_FREEASYNC_PTSZ] = HK(cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, 1),
-    [H_CREATE] = HK(cuMemCreate, "cuMemCreate", 10020, 0),
-    [H_RELEASE] = HK(cuMemRelease, "cuMemRelease", 10020, 0),
-    [H_ARRAY] = HK(cuArrayCreate_v2, "cuArrayCreate", 3020, 0),
-    [H_ARRAY3D] = HK(cuArray3DCreate_v2, "cuArray3DCreate", 3020, 0),
-    [H_ARRAYDESTROY] = HK(cuArrayDestroy, "cuArrayDestroy", 2000, 0),
-    [H_MIPMAP] = HK(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 5000, 0),
-    [H_MIPMAPDESTROY] = HK(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 5000, 0),
-    [H_GETINFO] = HK(cuMemGetInfo_v2, "cuMemGetInfo", 3020, 0),
-    [H_TOTALMEM] = HK(cuDeviceTotalMem_v2, "cuDeviceTotalMem", 3020, 0),
-    [H_LAUNCH] = HK(cuLaunchKernel, "cuLaunchKernel", 4000, 0),
-    [H_LAUNCH_PTSZ] = HK(cuLaunchKernel_ptsz, "cuLaunchKernel", 4000, 1),
-    [H_LAUNCHEX] = HK(cuLaunchKernelEx, "cuLaunchKernelEx", 11060, 0),
-    [H_LAUNCHEX_PTSZ] = HK(cuLaunchKernelEx_ptsz, "cuLaunchKernelEx", 11060, 1),
-    [H_COOP] = HK(cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", 9000, 0),
-    [H_COOP_PTSZ] = HK(cuLaunchCooperativeKernel_ptsz, "cuLaunchCooperativeKernel", 9000, 1),
-    [H_GRAPH] = HK(cuGraphLaunch, "cuGraphLaunch", 10000, 0),
-    [H_GRAPH_PTSZ] = HK(cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, 1),
-    [H_ALLOC_V1] = HK(cuMemAlloc, "cuMemAlloc", 2000, 0),
-    [H_FREE_V1] = HK(cuMemFree, "cuMemFree", 2000, 0),
-    [H_STREAMSYNC] = HK(cuStreamSynchronize, "cuStreamSynchronize", 2000, 0),
-    [H_STREAMSYNC_PTSZ] = HK(cuStreamSynchronize_ptsz, "cuStreamSynchronize", 7000, 1),
-    [H_CTXSYNC] = HK(cuCtxSynchronize, "cuCtxSynchronize", 2000, 0),
-    [H_EVENTSYNC] = HK(cuEventSynchronize, "cuEventSynchronize", 2000, 0),
-    [H_GINST] = HK(cuGraphInstantiate, "cuGraphInstantiate", 10000, 0),
-    [H_GINST_V2] = HK(cuGraphInstantiate_v2, "cuGraphInstantiate", 11000, 0),
-    [H_GINST_FLAGS] = HK(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags", 11040, 0),
-    [H_GINST_PARAMS] = HK(cuGraphInstantiateWithParams, "cuGraphInstantiateWithParams", 12000, 0),
-    [H_GUPLOAD] = HK(cuGraphUpload, "cuGraphUpload", 11010, 0),
-    [H_GUPLOAD_PTSZ] = HK(cuGraphUpload_ptsz, "cuGraphUpload", 11010, 1),
-    [H_GEXEC_DESTROY] = HK(cuGraphExecDestroy, "cuGraphExecDestroy", 10000, 0),
-    [H_CTX_CREATE] = HK(cuCtxCreate_v2, "cuCtxCreate", 3020, 0),
-    [H_CTX_CREATE_V3] = HK(cuCtxCreate_v3, "cuCtxCreate", 11040, 0),
-    [H_CTX_CREATE_V4] = HK(cuCtxCreate_v4, "cuCtxCreate", 12050, 0),
-    [H_CTX_DESTROY] = HK(cuCtxDestroy_v2, "cuCtxDestroy", 4000, 0),
-    [H_PRIMARY_RETAIN] = HK(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 7000, 0),
-    [H_CTX_SET_LIMIT] = HK(cuCtxSetLimit, "cuCtxSetLimit", 3010, 0),
-};
-const int vgpu_cuda_nhooks = H_COUNT;
+/* One entry per hook of VGPU_CUDA_HOOKS (vgpu_hooks.h), at its index. */
+struct vgpu_hook vgpu_cuda_hooks[H_COUNT] = {VGPU_CUDA_HOOKS(VGPU_HOOK_ENTRY)};

@@ -4,7 +4,7 @@
  *
  * Launch hooks (cuLaunchKernel(_ptsz), cuLaunchKernelEx(_ptsz), cuLaunchCooperativeKernel
  * (_ptsz), cuGraphLaunch(_ptsz)) pass through vgpu_compute_gate; a graph launch then goes
- * through vgpu_mem_graph_launch (graph memory, vgpu_cuda_mem.c). Wait hooks
+ * through vgpu_mem_graph_launch (graph memory, vgpu_mem_graph.c). Wait hooks
  * (cuStreamSynchronize(_ptsz), cuCtxSynchronize, cuEventSynchronize) close the batch being
  * measured before the application waits, so the GPU time of work the application waits for is
  * measured exactly, and settle it after.
@@ -297,7 +297,7 @@ static CUresult graph_launch(int idx, CUgraphExec g, CUstream s)
 {
     vgpu_compute_gate(s);
     CUresult rc = mode() != M_LIMITED ? REAL(idx, CUresult(*)(CUgraphExec, CUstream))(g, s)
-                                      : vgpu_mem_graph_launch(idx, g, s); /* graph memory: vgpu_cuda_mem.c */
+                                      : vgpu_mem_graph_launch(idx, g, s); /* graph memory: vgpu_mem_graph.c */
     compute_after(s);
     return rc;
 }

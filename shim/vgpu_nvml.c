@@ -22,8 +22,6 @@
 #include <strings.h>
 #include <unistd.h>
 
-enum { N_INIT, N_INIT_V2, N_INIT_FLAGS, N_MEM, N_MEM_V2, N_COUNT };
-
 static int nvml_broken(void)
 {
     vgpu_init();
@@ -161,27 +159,25 @@ void vgpu_reconcile(int d, int force)
 
 /* ------------------------------------------------------------------ hooks */
 
-#define NREAL(i, T) ((T)vgpu_real_nvml(i))
-
 VGPU_API nvmlReturn_t nvmlInit_v2(void)
 {
     if (nvml_broken())
         return NVML_ERROR_UNINITIALIZED;
-    return NREAL(N_INIT_V2, nvmlReturn_t(*)(void))();
+    return NREAL_FN(nvmlInit_v2)();
 }
 
 VGPU_API nvmlReturn_t nvmlInit(void)
 {
     if (nvml_broken())
         return NVML_ERROR_UNINITIALIZED;
-    return NREAL(N_INIT, nvmlReturn_t(*)(void))();
+    return NREAL_FN(nvmlInit)();
 }
 
 VGPU_API nvmlReturn_t nvmlInitWithFlags(unsigned flags)
 {
     if (nvml_broken())
         return NVML_ERROR_UNINITIALIZED;
-    return NREAL(N_INIT_FLAGS, nvmlReturn_t(*)(unsigned))(flags);
+    return NREAL_FN(nvmlInitWithFlags)(flags);
 }
 
 /* Apply the slice to (total, used, free); returns 1 if the device is limited. */
@@ -208,7 +204,7 @@ static int slice(nvmlDevice_t h, unsigned long long *total, unsigned long long *
 
 VGPU_API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *m)
 {
-    nvmlReturn_t rc = NREAL(N_MEM, nvmlReturn_t(*)(nvmlDevice_t, nvmlMemory_t *))(h, m);
+    nvmlReturn_t rc = NREAL_FN(nvmlDeviceGetMemoryInfo)(h, m);
     if (rc == NVML_SUCCESS && m)
         slice(h, &m->total, &m->used, &m->free);
     return rc;
@@ -216,18 +212,11 @@ VGPU_API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *m)
 
 VGPU_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *m)
 {
-    nvmlReturn_t rc = NREAL(N_MEM_V2, nvmlReturn_t(*)(nvmlDevice_t, nvmlMemory_v2_t *))(h, m);
+    nvmlReturn_t rc = NREAL_FN(nvmlDeviceGetMemoryInfo_v2)(h, m);
     if (rc == NVML_SUCCESS && m && slice(h, &m->total, &m->used, &m->free))
         m->reserved = 0;
     return rc;
 }
 
-#define NK(name) {#name, #name, 0, 0, (void *)name, NULL}
-struct vgpu_hook vgpu_nvml_hooks[] = {
-    [N_INIT] = NK(nvmlInit),
-    [N_INIT_V2] = NK(nvmlInit_v2),
-    [N_INIT_FLAGS] = NK(nvmlInitWithFlags),
-    [N_MEM] = NK(nvmlDeviceGetMemoryInfo),
-    [N_MEM_V2] = NK(nvmlDeviceGetMemoryInfo_v2),
-};
-const int vgpu_nvml_nhooks = N_COUNT;
+/* One entry per hook of VGPU_NVML_HOOKS (vgpu_hooks.h), at its index. */
+struct vgpu_hook vgpu_nvml_hooks[N_COUNT] = {VGPU_NVML_HOOKS(VGPU_HOOK_ENTRY)};

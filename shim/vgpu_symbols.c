@@ -18,7 +18,7 @@
  * real dlsym (dlvsym(RTLD_NEXT, "dlsym", GLIBC_*)), never through the global scope, so our own
  * exports are never called by mistake.
  */
-#include "vgpu.h"
+#include "vgpu_hooks.h"
 
 #include <dlfcn.h>
 #include <link.h>
@@ -88,11 +88,11 @@ NO_SANITIZE static void *next_after(const void *caller, const char *name)
 void *vgpu_hook_for(const char *name)
 {
     if (name[0] == 'c' && name[1] == 'u') {
-        for (int i = 0; i < vgpu_cuda_nhooks; i++)
+        for (int i = 0; i < H_COUNT; i++)
             if (strcmp(vgpu_cuda_hooks[i].name, name) == 0)
                 return vgpu_cuda_hooks[i].hook;
     } else if (strncmp(name, "nvml", 4) == 0) {
-        for (int i = 0; i < vgpu_nvml_nhooks; i++)
+        for (int i = 0; i < N_COUNT; i++)
             if (strcmp(vgpu_nvml_hooks[i].name, name) == 0)
                 return vgpu_nvml_hooks[i].hook;
     }
@@ -163,7 +163,7 @@ static void bind_cuda(void)
         gpa_returns_exports = probe == exported;
     vgpu.libcuda = lib;
     /* Published last (release): a thread that sees a .real sees everything above. */
-    for (int i = 0; i < vgpu_cuda_nhooks; i++)
+    for (int i = 0; i < H_COUNT; i++)
         __atomic_store_n(&vgpu_cuda_hooks[i].real, vgpu_real_dlsym(lib, vgpu_cuda_hooks[i].name),
                          __ATOMIC_RELEASE);
     __atomic_store_n(&binding_lib, NULL, __ATOMIC_RELEASE);
@@ -184,7 +184,7 @@ static void bind_nvml(void)
     if (!SYM(lib, nvml_running_procs, "nvmlDeviceGetComputeRunningProcesses_v3"))
         SYM(lib, nvml_running_procs, "nvmlDeviceGetComputeRunningProcesses_v2");
     vgpu.libnvml = lib;
-    for (int i = 0; i < vgpu_nvml_nhooks; i++)
+    for (int i = 0; i < N_COUNT; i++)
         __atomic_store_n(&vgpu_nvml_hooks[i].real, vgpu_real_dlsym(lib, vgpu_nvml_hooks[i].name),
                          __ATOMIC_RELEASE);
 }
@@ -239,13 +239,13 @@ static void *translate(const char *symbol, void *p, int ver, cuuint64_t flags)
     if (!p || !symbol || in_bind())
         return p;
     vgpu_symbols_bind(); /* the caller got p from the bound driver: orders the reads below */
-    for (int i = 0; i < vgpu_cuda_nhooks; i++)
+    for (int i = 0; i < H_COUNT; i++)
         if (vgpu_cuda_hooks[i].real == p)
             return vgpu_cuda_hooks[i].hook;
     if (gpa_returns_exports)
         return p;
     int best = -1, ptds = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
-    for (int i = 0; i < vgpu_cuda_nhooks; i++) {
+    for (int i = 0; i < H_COUNT; i++) {
         const struct vgpu_hook *h = &vgpu_cuda_hooks[i];
         if (strcmp(h->base, symbol) == 0 && ver >= h->min_version && h->ptds == ptds && h->real &&
             (best < 0 || h->min_version > vgpu_cuda_hooks[best].min_version))
@@ -254,14 +254,10 @@ static void *translate(const char *symbol, void *p, int ver, cuuint64_t flags)
     return best >= 0 ? vgpu_cuda_hooks[best].hook : p;
 }
 
-/* Indices of the two entries in vgpu_cuda_hooks (kept in sync by vgpu_cuda.c). */
-extern const int vgpu_idx_gpa, vgpu_idx_gpa_v2;
-
 VGPU_API CUresult cuGetProcAddress(const char *symbol, void **pfn, int ver, cuuint64_t flags)
 {
     vgpu_init();
-    CUresult (*real)(const char *, void **, int, cuuint64_t) =
-        (CUresult(*)(const char *, void **, int, cuuint64_t))vgpu_real_cuda(vgpu_idx_gpa);
+    vgpu_fn_cuGetProcAddress real = REAL_FN(cuGetProcAddress);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     CUresult rc = real(symbol, pfn, ver, flags);
@@ -274,8 +270,7 @@ VGPU_API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int ver, c
                                       int *status)
 {
     vgpu_init();
-    CUresult (*real)(const char *, void **, int, cuuint64_t, int *) =
-        (CUresult(*)(const char *, void **, int, cuuint64_t, int *))vgpu_real_cuda(vgpu_idx_gpa_v2);
+    vgpu_fn_cuGetProcAddress_v2 real = REAL_FN(cuGetProcAddress_v2);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     CUresult rc = real(symbol, pfn, ver, flags, status);

@@ -10,7 +10,8 @@ import pytest
 from kvgpu.admission.config import gpu_pod_expression, gpu_workload_expression
 from kvgpu.admission.handlers import VALIDATE_ID, VALIDATE_WORKLOADS_ID, review
 from kvgpu.admission.server import response_body
-from kvgpu.admission.validate import pod_warnings, validate_workload, workload_warnings
+from kvgpu.admission.validate import validate_workload
+from kvgpu.admission.warn import pod_warnings, workload_warnings
 from kvgpu.api import requests as r
 from kvgpu.api.models import DEFAULT_MIN_SLICE_MIB, VGPUPoolSpec
 from kvgpu.api.pools import SliceMinimum, slice_minimum

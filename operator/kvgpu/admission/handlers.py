@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgpu.admission.mutate import mutate_ephemeral, mutate_pod
-from kvgpu.admission.validate import EPHEMERAL, pod_warnings, validate_pod, validate_workload, workload_warnings
+from kvgpu.admission.validate import EPHEMERAL, validate_pod, validate_workload
+from kvgpu.admission.warn import pod_warnings, workload_warnings
 from kvgpu.api.pools import SliceMinimum
 
 MUTATE_ID = "kvgpu-mutate-pods"

@@ -15,8 +15,9 @@ so the kubelet's checkpoint (PodResources, DCGM) names the cards the container r
 nothing identified it falls back to :func:`preferred`: replicas of distinct, healthy cards, the
 least-used first, or exactly the one pending claim of that size when only one exists.
 
-``Allocate`` identifies the container and answers from **its claim**, whatever replica IDs the
-kubelet picked (a mismatch is logged): ``DeviceSpec``s for the claimed cards' ``/dev/nvidia<minor>``
+``Allocate`` (:mod:`kvgpu.agent.allocation`; the settings: :mod:`kvgpu.agent.pluginconfig`)
+identifies the container and answers from **its claim**, whatever replica IDs the kubelet
+picked (a mismatch is logged): ``DeviceSpec``s for the claimed cards' ``/dev/nvidia<minor>``
 and the control nodes, read-only mounts of the driver's files and ``LD_LIBRARY_PATH``
 (:mod:`kvgpu.agent.devicespecs`; off with ``device_specs=False`` on nodes whose NVIDIA container
 toolkit reads ``NVIDIA_VISIBLE_DEVICES``), ``NVIDIA_VISIBLE_DEVICES`` = the claimed cards, and the
@@ -56,84 +57,21 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from kvgpu.core import claimstr, keys
 from kvgpu.core.inventory import Card, NodeInventory
 
-from . import devicespecs, mps
+from . import mps
+from .allocation import claim_cards, container_response, installed_shim
+from .pluginconfig import PluginConfig, PluginError
 from .podidentity import Admitted, NotIdentified, PodIdentifier
 from .podresources import PodResourcesError
 from .preferred import ID_SEP, HintProvider, card_of, preferred
 from .proto import pb2, pb2_grpc
-from .usage import prepare_region_dir
 
 log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
-MOUNT_MODES = ("dir", "pinned", "none")
-
-
-class PluginError(RuntimeError):
-    """Registration with the kubelet failed, or the plugin cannot serve."""
-
-
-@dataclass(frozen=True)
-class PluginConfig:
-    """Device plugin settings.
-
-    ``split_count``: replicas per card; ``None`` = the card's pool ``splitCount`` (cards no pool
-    covers get ``uncovered_split_count``, default 0 = not advertised). ``mounts``: ``dir`` |
-    ``pinned`` | ``none`` (see the module docstring). ``require_shim``: fail ``Allocate`` while
-    the shim is not installed.
-    ``visible_devices_from_ids``: containers without a kvgpu claim get the cards of the replica IDs
-    (``NVIDIA_VISIBLE_DEVICES``, device nodes) instead of being refused — only for clusters without
-    kvgpu's webhook; the claim is the source of truth otherwise.
-    ``device_specs``: hand the container its device nodes (under ``dev_root``, which is
-    ``host_dev_root`` on the host; ``None`` = the same path) and the driver's
-    files (from ``driver_root``, already resolved: ``None`` = no driver mounts) — off where the
-    NVIDIA container toolkit does it. ``ld_library_path``: with driver mounts, set
-    ``LD_LIBRARY_PATH=/usr/local/nvidia/lib64``. ``stub_driver_env``: simulated node (the agent's
-    ``--simulated``), whose driver is the stub: tell it the claimed cards (:func:`stub_driver_env`).
-    ``region_root``: where the containers' region directories are on the host; ``Allocate`` creates
-    the admitted container's, owned by its user (:func:`~kvgpu.agent.usage.prepare_region_dir`).
-    ``mps_root``: the host folder of the cards' MPS daemons (:mod:`kvgpu.agent.mps`); a claim with
-    ``mode=mps`` gets its card's pipe folder and the MPS client env.
-    """
-
-    resource_name: str = "nvidia.com/gpu"
-    socket_dir: str = "/var/lib/kubelet/device-plugins"
-    endpoint: str = "kvgpu-nvidia-gpu.sock"
-    kubelet_socket: str = "kubelet.sock"
-    split_count: int | None = None
-    uncovered_split_count: int = 0
-    mounts: str = "none"
-    require_shim: bool = True
-    host_shim_dir: str = keys.HOST_SHIM_DIR
-    host_preload_file: str = keys.HOST_PRELOAD_FILE
-    container_shim_dir: str = keys.CONTAINER_SHIM_DIR
-    container_shim_lib: str = keys.CONTAINER_SHIM_LIB
-    container_preload_file: str = "/etc/ld.so.preload"
-    topology: bool = True
-    preferred_allocation: bool = True
-    visible_devices_from_ids: bool = False
-    device_specs: bool = True
-    dev_root: str = "/dev"
-    host_dev_root: str | None = None
-    driver_root: str | None = None
-    ld_library_path: bool = True
-    stub_driver_env: bool = False
-    region_root: str | None = None
-    mps_root: str = keys.HOST_MPS_ROOT
-    watch_interval_s: float = 1.0
-
-
-def stub_driver_env(cards: Sequence[Card]) -> dict[str, str]:
-    """Env for the stub driver (tests/shim/stub) that plays a simulated node's driver: it reports
-    exactly ``cards`` (their UUIDs and memory), as the real driver reports the cards whose device
-    nodes the container has."""
-    return {"STUB_UUIDS": ",".join(c.uuid for c in cards), "STUB_NDEV": str(len(cards)),
-            "STUB_MEM_MIB": str(max((c.memory_mib for c in cards), default=1024))}
 
 
 def replica_id(uuid: str, n: int) -> str:
@@ -170,16 +108,6 @@ def device_list(inv: NodeInventory, cfg: PluginConfig) -> list[Any]:
                 d.topology.CopyFrom(topo)
             out.append(d)
     return out
-
-
-def resolve_shim(host_shim_dir: str) -> Path | None:
-    """The version-named file ``<dir>/libvgpu.so`` points at now, or ``None`` if not installed."""
-    link = Path(host_shim_dir) / "libvgpu.so"
-    try:
-        target = link.resolve(strict=True)
-    except (OSError, RuntimeError):
-        return None
-    return target if target.is_file() else None
 
 
 class _Servicer(pb2_grpc.DevicePluginServicer):
@@ -293,83 +221,12 @@ class DevicePlugin:
             log.warning("cannot tell which pod is being admitted: %s", e)
         return None
 
-    def _shim(self) -> Path | None:
-        if self.cfg.mounts not in MOUNT_MODES:
-            raise PluginError(f"mounts={self.cfg.mounts!r} is not one of {MOUNT_MODES}")
-        shim = resolve_shim(self.cfg.host_shim_dir)
-        if shim is None and (self.cfg.require_shim or self.cfg.mounts == "pinned"):
-            raise PluginError(
-                f"kvgpu shim is not installed on this node ({self.cfg.host_shim_dir}/libvgpu.so missing); "
-                "refusing to start a container without enforcement"
-            )
-        return shim
-
-    def _cards(self, admitted: Admitted | None, ids: Sequence[str], known: dict[str, Card]) -> list[Card]:
-        """The container's cards: its claim's; the replica IDs' only in ``visible_devices_from_ids``."""
-        from_ids = list(dict.fromkeys(card_of(d) for d in ids))
-        unknown = [u for u in from_ids if u not in known]
-        if unknown:
-            raise PluginError(f"unknown device IDs {sorted(ids)} (cards {unknown} not on node)")
-        if admitted is not None and admitted.claim is not None:
-            missing = [u for u in admitted.uuids if u not in known]
-            if missing or not admitted.uuids:
-                raise PluginError(f"the kvgpu claim of {admitted} names cards not on this node: {missing}")
-            if set(from_ids) != set(admitted.uuids):
-                log.warning(
-                    "kubelet gave %s replicas of %s, its claim is on %s: serving the claim's cards",
-                    admitted, from_ids, list(admitted.uuids),
-                )
-            return [known[u] for u in admitted.uuids]
-        if self.cfg.visible_devices_from_ids:
-            return [known[u] for u in from_ids]
-        who = str(admitted) if admitted is not None else "the container being admitted (no pod identified)"
-        raise PluginError(
-            f"no kvgpu claim for {who}: pods that request {self.cfg.resource_name} "
-            "must be admitted by kvgpu's webhook"
-        )
-
-    def _shim_mounts(self, shim: Path | None) -> list[Any]:
-        out = []
-        if self.cfg.mounts == "pinned" and shim is not None:
-            out.append(pb2.Mount(container_path=self.cfg.container_shim_lib, host_path=str(shim), read_only=True))
-        elif self.cfg.mounts == "dir":
-            out.append(
-                pb2.Mount(
-                    container_path=self.cfg.container_shim_dir, host_path=self.cfg.host_shim_dir, read_only=True
-                )
-            )
-        if self.cfg.mounts != "none":
-            out.append(
-                pb2.Mount(
-                    container_path=self.cfg.container_preload_file,
-                    host_path=self.cfg.host_preload_file,
-                    read_only=True,
-                )
-            )
-        return out
-
-    def _mps_client(self, admitted: Admitted, resp: Any) -> None:
-        """A claim with ``mode=mps``: its card's MPS pipe folder (read-only) and the client env."""
-        try:
-            cs = claimstr.decode(admitted.claim or "")
-        except claimstr.ClaimStringError:
-            return  # the shim refuses it; nothing to add
-        if cs.mode != "mps":
-            return
-        uuid = cs.devices[0].uuid
-        pipe = mps.pipe_dir(self.cfg.mps_root, uuid)
-        if not (pipe / "control").exists():
-            raise PluginError(f"the MPS control daemon of card {uuid} is not running ({pipe}); "
-                              f"{admitted} is an MPS client of it")
-        resp.envs.update(mps.client_env(cs))
-        resp.mounts.append(pb2.Mount(container_path=keys.CONTAINER_MPS_DIR, host_path=str(pipe), read_only=True))
-
     async def allocate(self, request: Any) -> Any:
         """Answer ``Allocate``: per container, from its claim, the device nodes, driver and shim
         mounts and env (module docstring). Raises :class:`PluginError` (shim missing, no claim,
         unknown cards)."""
         known = {c.uuid: c for c in self.inventory.cards}
-        shim = self._shim()
+        shim = installed_shim(self.cfg)
         out = []
         served: list[Admitted] = []  # marked at once: the next request of this call is another container
         try:
@@ -387,28 +244,8 @@ class DevicePlugin:
         self, ids: list[str], known: dict[str, Card], shim: Path | None, served: list[Admitted]
     ) -> Any:
         admitted = await self.identify(len(ids))
-        cards = self._cards(admitted, ids, known)
-        resp = pb2.ContainerAllocateResponse()
-        resp.envs["KVGPU_DEVICE_PLUGIN"] = self.cfg.resource_name
-        if shim is not None:
-            resp.envs["KVGPU_SHIM_FILE"] = shim.name
-        resp.envs[keys.ENV_VISIBLE] = ",".join(c.uuid for c in cards)
-        resp.mounts.extend(self._shim_mounts(shim))
-        if self.cfg.device_specs:
-            resp.devices.extend(devicespecs.device_specs(cards, self.cfg.dev_root, self.cfg.host_dev_root))
-            driver = devicespecs.driver_mounts(self.cfg.driver_root)
-            resp.mounts.extend(driver)
-            if driver and self.cfg.ld_library_path:
-                resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
-        if self.cfg.stub_driver_env:
-            resp.envs.update(stub_driver_env(cards))
-        if admitted is not None and admitted.claim is not None:
-            self._mps_client(admitted, resp)
-        if admitted is not None and admitted.claim is not None and self.cfg.region_root:
-            try:
-                prepare_region_dir(self.cfg.region_root, admitted.uid, admitted.container, admitted.run_as)
-            except (OSError, ValueError) as e:
-                raise PluginError(f"cannot prepare the region directory of {admitted}: {e}") from e
+        cards = claim_cards(self.cfg, admitted, ids, known)
+        resp = container_response(self.cfg, admitted, cards, shim)
         if admitted is not None and self.identifier is not None:
             served.append(admitted)
             self.identifier.mark_served(admitted)

@@ -1,7 +1,7 @@
 """The host side of the real node (:mod:`kvgpu.devcluster.realnode`): where it puts things
-(the constants), its errors, containerd's build, and the helpers that find and undo what a
-real node leaves on the host: mounts, processes, links and addresses, cgroups, iptables chains
-(:func:`clean_host`, :func:`leftovers`)."""
+(the constants), its errors, the machine-wide lock, containerd's build and the CNI plugins, and
+the helpers that find and undo what a real node leaves on the host: mounts, processes, links and
+addresses, cgroups, iptables chains (:func:`clean_host`, :func:`leftovers`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kvgpu.devcluster.cluster import REPO_ROOT
 
@@ -50,6 +50,42 @@ class RealNodeUnavailable(RuntimeError):
 
 class RealNodeError(RuntimeError):
     """The real node failed to start or to stop cleanly (the message says what is left)."""
+
+
+def take_host_lock(holder: str) -> IO[str]:
+    """The machine-wide lock of the real node (:data:`LOCK_FILE`), held until
+    :func:`release_host_lock`; ``holder`` is written into it for whoever finds it taken.
+    Raises :class:`RealNodeUnavailable` naming the holder if another real node runs here."""
+    LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
+    f = LOCK_FILE.open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        held_by = f.read().strip() or "?"
+        f.close()
+        raise RealNodeUnavailable(f"another real node runs on this machine ({LOCK_FILE} held by "
+                                  f"{held_by})") from None
+    f.seek(0)
+    f.truncate()
+    f.write(holder + "\n")
+    f.flush()
+    return f
+
+
+def release_host_lock(f: IO[str]) -> None:
+    f.seek(0)
+    f.truncate()
+    fcntl.flock(f, fcntl.LOCK_UN)
+    f.close()
+
+
+def cni_bin_dir() -> Path | None:
+    """The first of :data:`CNI_BIN_DIRS` with the bridge, host-local and loopback plugins."""
+    for d in CNI_BIN_DIRS:
+        if all((d / p).exists() for p in ("bridge", "host-local", "loopback")):
+            return d
+    return None
 
 
 def ensure_containerd() -> Path:

@@ -20,7 +20,6 @@ See docs/development.md, "The real node".
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -32,34 +31,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvgpu.devcluster import images
+from kvgpu.devcluster import images, nodeconfig
 from kvgpu.devcluster.cluster import REPO_ROOT, Cluster, ClusterError, die_with_parent
 
 # The host helpers live in kvgpu.devcluster.realhost; their public names stay importable here.
 from kvgpu.devcluster.realhost import *  # noqa: F403
 from kvgpu.devcluster.realhost import (
-    CNI_BIN_DIRS,
-    CNI_NETWORK,
     HOST_STATE,
     KUBELET_ROOT,
-    LOCK_FILE,
     NODE_BRIDGE,
-    NVIDIA_MAJOR,
-    NVIDIACTL_MINOR,
-    POD_BRIDGE,
     READY_TIMEOUT_S,
     SHIM_SOURCE,
     SOCKET_DIR,
-    UVM_MAJOR,
     RealNodeError,
     RealNodeUnavailable,
     _ip,
     _link_exists,
     _umount_under,
     clean_host,
+    cni_bin_dir,
     ensure_containerd,
     host_addresses,
     leftovers,
+    release_host_lock,
+    take_host_lock,
 )
 
 
@@ -170,7 +165,7 @@ class RealNode:
             if not shutil.which(tool):
                 raise RealNodeUnavailable(f"no {tool} on PATH ({why}; `make realnode` installs runc and "
                                           "the CNI plugins)")
-        cni = self._cni_bin()
+        cni = cni_bin_dir()
         if cni is None:
             raise RealNodeUnavailable("no CNI plugins (bridge, host-local, loopback) in /usr/lib/cni or /opt/cni/bin: "
                                       "apt-get install containernetworking-plugins (or `make realnode`)")
@@ -186,36 +181,12 @@ class RealNode:
             if not (self.containerd_bin / b).exists():
                 raise RealNodeUnavailable(f"{self.containerd_bin / b} missing: hack/realnode/build.sh")
 
-    @staticmethod
-    def _cni_bin() -> Path | None:
-        for d in CNI_BIN_DIRS:
-            if all((d / p).exists() for p in ("bridge", "host-local", "loopback")):
-                return d
-        return None
-
     def _take_lock(self) -> None:
-        LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
-        f = LOCK_FILE.open("a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "?"
-            f.close()
-            raise RealNodeUnavailable(f"another real node runs on this machine ({LOCK_FILE} held by "
-                                      f"{holder})") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} run dir {self.cluster.run_dir}\n")
-        f.flush()
-        self._lock = f
+        self._lock = take_host_lock(f"pid {os.getpid()} run dir {self.cluster.run_dir}")
 
     def _release_lock(self) -> None:
         if self._lock is not None:
-            self._lock.seek(0)
-            self._lock.truncate()
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self._lock.close()
+            release_host_lock(self._lock)
             self._lock = None
 
     # ----- lifecycle -----------------------------------------------------------------------
@@ -262,85 +233,24 @@ class RealNode:
 
     def _simulated_devices(self) -> None:
         """The simulated node's driver folder, fake device nodes and NVML stand-in (sim.json)."""
-        images.build_driver_root(self.driver_root)
-        self.dev_root.mkdir()
-        nodes = [(f"nvidia{i}", NVIDIA_MAJOR, i) for i in range(self.cards)]
-        nodes += [("nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR), ("nvidia-uvm", UVM_MAJOR, 0),
-                  ("nvidia-uvm-tools", UVM_MAJOR, 1)]
-        for n, major, minor in nodes:
-            os.mknod(self.dev_root / n, 0o666 | 0o020000, os.makedev(major, minor))
-            os.chmod(self.dev_root / n, 0o666)
-        self.sim_file.write_text(json.dumps({"nodes": [{"name": self.name, "cards": [
-            {"model": "NVIDIA H200", "memoryMiB": 143771, "smCount": 132, "numa": 0, "count": self.cards}]}]},
-            indent=2))
+        nodeconfig.write_simulated_cards(self.name, self.cards, self.driver_root, self.dev_root, self.sim_file)
 
     def _write_containerd_config(self) -> None:
         assert self.containerd_bin is not None
-        c = self.dir / "containerd"
-        runtime_opts = ["SystemdCgroup = false", f"Root = '{self.runc_root}'"]
+        wrapper = None
         if self.runc_debug:
             wrapper = self.dir / "runc-debug.sh"
-            wrapper.write_text(RUNC_DEBUG_WRAPPER.replace("@DIR@", str(self.dir / "runc-debug"))
-                               .replace("@RUNC@", shutil.which("runc") or "runc"))
+            wrapper.write_text(nodeconfig.runc_debug_wrapper(self.dir / "runc-debug", shutil.which("runc") or "runc"))
             wrapper.chmod(0o755)
-            runtime_opts.append(f"BinaryName = '{wrapper}'")
-        opts = "\n        ".join(runtime_opts)
-        (c / "config.toml").write_text(f"""version = 3
-root = '{c / "root"}'
-state = '{c / "state"}'
-disabled_plugins = ['io.containerd.nri.v1.nri']
-[grpc]
-  address = '{self.socket}'
-[plugins.'io.containerd.internal.v1.opt']
-  path = '{self.dir / "opt"}'
-[plugins.'io.containerd.cri.v1.images']
-  snapshotter = 'overlayfs'
-  [plugins.'io.containerd.cri.v1.images'.pinned_images]
-    sandbox = '{images.PAUSE}'
-[plugins.'io.containerd.cri.v1.runtime']
-  restrict_oom_score_adj = true  # root here lacks CAP_SYS_RESOURCE: the kubelet's -998 would fail
-  enable_cdi = true
-  cdi_spec_dirs = ['{self.dir / "cdi"}']
-  netns_mounts_under_state_dir = false
-  [plugins.'io.containerd.cri.v1.runtime'.containerd]
-    default_runtime_name = 'runc'
-    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
-      runtime_type = 'io.containerd.runc.v2'
-      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
-        {opts}
-  [plugins.'io.containerd.cri.v1.runtime'.cni]
-    bin_dirs = ['{self._cni_bin()}']
-    conf_dir = '{self.dir / "cni" / "net.d"}'
-""")
+        (self.dir / "containerd" / "config.toml").write_text(
+            nodeconfig.containerd_config(self.dir, self.socket, self.runc_root, cni_bin_dir(), wrapper))
 
     def _write_cni(self) -> None:
-        conf = {"cniVersion": "0.4.0", "name": CNI_NETWORK, "plugins": [
-            {"type": "bridge", "bridge": POD_BRIDGE, "isGateway": True, "ipMasq": False, "hairpinMode": True,
-             "ipam": {"type": "host-local", "ranges": [[{"subnet": self.pod_cidr}]],
-                      "routes": [{"dst": "0.0.0.0/0"}]}},
-            {"type": "loopback"}]}
-        (self.dir / "cni" / "net.d" / "10-kvgpu.conflist").write_text(json.dumps(conf, indent=2))
+        (self.dir / "cni" / "net.d" / "10-kvgpu.conflist").write_text(nodeconfig.cni_conflist(self.pod_cidr))
 
     def _write_kubelet_config(self) -> None:
-        cfg = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-            "cgroupDriver": "cgroupfs",
-            "failCgroupV1": False,  # default true since 1.35; this VM has the v1 hierarchy
-            "failSwapOn": False,
-            "containerRuntimeEndpoint": f"unix://{self.socket}", "imageServiceEndpoint": f"unix://{self.socket}",
-            "address": self.node_ip, "port": 10250, "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1", "healthzPort": 10248,
-            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
-            "authorization": {"mode": "AlwaysAllow"},
-            "clusterDomain": "cluster.local", "resolvConf": "/etc/resolv.conf",
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
-            "registerNode": True, "serializeImagePulls": False,
-            "makeIPTablesUtilChains": False,  # no KUBE-* chains left on the host
-            "podCIDR": self.pod_cidr,
-            "syncFrequency": "10s", "nodeStatusUpdateFrequency": "5s",
-        }
-        (self.dir / "kubelet" / "config.yaml").write_text(json.dumps(cfg, indent=2))
+        (self.dir / "kubelet" / "config.yaml").write_text(
+            nodeconfig.kubelet_config(self.socket, self.node_ip, self.pod_cidr))
 
     def _ip_on_host(self) -> bool:
         return self.node_ip in host_addresses() and not _link_exists(NODE_BRIDGE)
@@ -591,16 +501,3 @@ def _tail(path: Path, lines: int = 30) -> str:
     except OSError:
         return "(no log)"
 
-
-RUNC_DEBUG_WRAPPER = """#!/bin/sh
-# runc wrapper (RealNode(runc_debug=True)): keeps each bundle's config.json, and runc's debug log
-# of every failed call, in @DIR@ (fail.log).
-d=@DIR@; b=""; prev=""
-for a in "$@"; do [ "$prev" = "--bundle" ] && b="$a"; prev="$a"; done
-[ -n "$b" ] && cp "$b/config.json" "$d/$(basename "$b").json" 2>/dev/null
-@RUNC@ --debug "$@"; rc=$?
-if [ $rc -ne 0 ] && [ -n "$b" ]; then
-  echo "== rc=$rc $*" >> $d/fail.log; cat "$b/log.json" >> $d/fail.log 2>/dev/null
-fi
-exit $rc
-"""

@@ -8,6 +8,7 @@ these methods without awaiting in between, so the single asyncio thread serialis
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -253,6 +254,35 @@ class OperatorState:
         """The claim object holding ledger key ``key`` is the one with ``uid`` now: events of
         another object under the same name free nothing."""
         self.claim_uids[key] = uid
+
+    # ----- readiness and the flush's bookkeeping ----------------------------------------------
+    def mark_ready(self) -> None:
+        """The ledger is rebuilt from the claims (and the quotas loaded): the extender answers."""
+        self.ready = True
+
+    def mark_not_ready(self) -> None:
+        """Leadership lost: the extender answers "not ready" again."""
+        self.ready = False
+
+    def take_dirty_nodes(self) -> set[str]:
+        """The nodes whose allocation annotation must be rewritten, handed over and forgotten;
+        those the caller could not write go back with :meth:`mark_nodes_dirty`."""
+        dirty, self.dirty_nodes = self.dirty_nodes, set()
+        return dirty
+
+    def mark_nodes_dirty(self, names: Iterable[str]) -> None:
+        self.dirty_nodes.update(names)
+
+    def take_topology_change(self) -> bool:
+        """Whether nodes' cards or pools changed since the last call (pool coverage and conflicts
+        must be recomputed); clears the mark."""
+        changed, self.topology_dirty = self.topology_dirty, False
+        return changed
+
+    def set_conflict_notes(self, notes: dict[str, str]) -> None:
+        """Per node, what its pods' scheduling failures add while equally specific pools
+        conflict there (replaces the previous notes)."""
+        self.conflict_notes = notes
 
     # ----- pending pods ------------------------------------------------------------------------
     def add_pending(self, uid: str, namespace: str, name: str) -> None:

@@ -39,8 +39,7 @@ class Background(RuntimeBase):
 
     async def flush(self) -> None:
         """Write changed node allocation annotations and VGPUPool status."""
-        dirty, self.state.dirty_nodes = self.state.dirty_nodes, set()
-        todo = sorted(dirty)
+        todo = sorted(self.state.take_dirty_nodes())
         for i, name in enumerate(todo):
             if name not in self.state.nodes:
                 self.metrics.forget_node(name)
@@ -63,7 +62,7 @@ class Background(RuntimeBase):
                 await kube.patch_node_annotations(self.api, name, {keys.NODE_ALLOCATION: text})
             except ApiException as e:
                 if e.status is None or e.status >= 500 or e.status == 429:
-                    self.state.dirty_nodes.update(todo[i:])
+                    self.state.mark_nodes_dirty(todo[i:])
                     raise
                 # Refused for this node alone (gone: 404; 403, 422): the others and the pool
                 # status are still written; the node is tried again when it changes.
@@ -73,7 +72,7 @@ class Background(RuntimeBase):
             except BaseException:
                 # Not written (API server away): this node and the rest stay dirty for the next
                 # round; dropping them left annotations stale until the node changed again.
-                self.state.dirty_nodes.update(todo[i:])
+                self.state.mark_nodes_dirty(todo[i:])
                 raise
             self._written_nodes[name] = text
         self.metrics.pending.set(len(self.state.pending))
@@ -98,9 +97,8 @@ class Background(RuntimeBase):
         only when nodes' inventories or pools change, not on every allocation."""
         from kvgpu.api.pools import conflicts
 
-        if self._topology is not None and not self.state.topology_dirty:
+        if not self.state.take_topology_change() and self._topology is not None:
             return self._topology
-        self.state.topology_dirty = False
         counts: dict[str, list[int]] = {}
         for node in self.state.nodes:
             inv = self.state.ledger_inventory(node)
@@ -118,7 +116,7 @@ class Background(RuntimeBase):
         self._clash = poolstatus.conflict_nodes(self.state.pools.values(), (
             (n, r.labels, r.inventory.cards) for n, r in self.state.nodes.items() if r.inventory is not None))
         where = {n for others in self._clash.values() for ns in others.values() for n in ns}
-        self.state.conflict_notes = {n: poolstatus.conflict_note(n, self._clash) for n in where}
+        self.state.set_conflict_notes({n: poolstatus.conflict_note(n, self._clash) for n in where})
         return self._topology
 
     async def write_pool_status(self) -> None:
@@ -205,7 +203,7 @@ class Background(RuntimeBase):
                 continue
             if self.state.ledger.reservation(key) is None:
                 if uid := (c.get("metadata") or {}).get("uid"):
-                    self.state.claim_uids[key] = str(uid)
+                    self.state.record_claim_uid(key, str(uid))
                 try:
                     self.state.reserve(key, alloc)
                 except Exception as e:  # over-committed: force it, the claims are the truth
@@ -225,7 +223,7 @@ class Background(RuntimeBase):
                     await kube.patch_pod_metadata(self.api, ns, name, annotations={keys.POD_REQUEUE: stamp})
                 except ApiException as e:
                     if e.status == 404:
-                        self.state.pending.pop(uid, None)
+                        self.state.forget_pending(uid)
                 except Exception as e:
                     if (why := faults.expected(e)) is None:
                         log.exception("requeue failed", pod=f"{ns}/{name}")

@@ -53,7 +53,7 @@ class Lease(RuntimeBase):
     async def _lost(self) -> None:
         was = self.active
         self.active = False
-        self.state.ready = False
+        self.state.mark_not_ready()
         if was:
             log.error("lost the lease: stopping so a fresh process can stand by")
             os.kill(os.getpid(), signal.SIGTERM)

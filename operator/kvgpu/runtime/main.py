@@ -140,7 +140,7 @@ class Runtime(Lease, Children, WatchHandlers, Background, RuntimeBase):
         for p in problems + self.state.ledger.problems():
             log.warning("rebuild problem", problem=p)
         await self.quotas().load(self.api)  # the namespaces' quotas, before any bind is answered
-        self.state.ready = True
+        self.state.mark_ready()
         self.metrics.ledger_rebuild.set(time.perf_counter() - t0)
 
 

@@ -105,7 +105,7 @@ class WatchHandlers(RuntimeBase):
         first; its own DELETED event is then not taken for a release) and set its phase."""
         meta, spec, pmeta = claim["metadata"], claim["spec"], pod["metadata"]
         if etype != "DELETED":
-            self.state.claim_uids[key] = "restoring"  # the old object's DELETED event frees nothing
+            self.state.record_claim_uid(key, "restoring")  # the old object's DELETED event frees nothing
             await kube.delete_claim(self.api, meta["namespace"], meta["name"])
         body = {"apiVersion": f"{keys.GROUP}/{keys.VERSION}", "kind": "VGPUClaim",
                 "metadata": {"name": meta["name"], "namespace": meta["namespace"],
@@ -117,7 +117,7 @@ class WatchHandlers(RuntimeBase):
                 "spec": spec}
         uid = await kube.create_claim(self.api, meta["namespace"], body)
         if uid:
-            self.state.claim_uids[key] = uid
+            self.state.record_claim_uid(key, uid)
         phase = "Running" if (pod.get("status") or {}).get("phase") == "Running" else "Bound"
         await kube.patch_claim_status(self.api, meta["namespace"], meta["name"], {"phase": phase})
 

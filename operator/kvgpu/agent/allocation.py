@@ -1,0 +1,153 @@
+"""What ``Allocate`` hands one container (:mod:`kvgpu.agent.deviceplugin` says why): the cards of
+its claim (:func:`claim_cards`; the replica IDs' only with ``visible_devices_from_ids``), and in
+the response (:func:`container_response`) ``NVIDIA_VISIBLE_DEVICES``, the device nodes and driver
+mounts (:mod:`kvgpu.agent.devicespecs`), the shim mounts of ``mounts`` (:func:`shim_mounts`), the
+stub driver's env on a simulated node, an MPS client's pipe folder and env, and its region
+directory. Every refusal is a :class:`~kvgpu.agent.pluginconfig.PluginError`; nothing here
+serves gRPC or asks the kubelet.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvgpu.core import claimstr, keys
+from kvgpu.core.inventory import Card
+
+from . import devicespecs, mps
+from .pluginconfig import MOUNT_MODES, PluginConfig, PluginError
+from .podidentity import Admitted
+from .preferred import card_of
+from .proto import pb2
+from .usage import prepare_region_dir
+
+log = logging.getLogger(__name__)
+
+
+def stub_driver_env(cards: Sequence[Card]) -> dict[str, str]:
+    """Env for the stub driver (tests/shim/stub) that plays a simulated node's driver: it reports
+    exactly ``cards`` (their UUIDs and memory), as the real driver reports the cards whose device
+    nodes the container has."""
+    return {"STUB_UUIDS": ",".join(c.uuid for c in cards), "STUB_NDEV": str(len(cards)),
+            "STUB_MEM_MIB": str(max((c.memory_mib for c in cards), default=1024))}
+
+
+def resolve_shim(host_shim_dir: str) -> Path | None:
+    """The version-named file ``<dir>/libvgpu.so`` points at now, or ``None`` if not installed."""
+    link = Path(host_shim_dir) / "libvgpu.so"
+    try:
+        target = link.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    return target if target.is_file() else None
+
+
+def installed_shim(cfg: PluginConfig) -> Path | None:
+    """The shim file to serve (:func:`resolve_shim`); raises :class:`PluginError` when it is
+    missing and required (``require_shim``, or ``mounts=pinned``) or ``mounts`` is unknown."""
+    if cfg.mounts not in MOUNT_MODES:
+        raise PluginError(f"mounts={cfg.mounts!r} is not one of {MOUNT_MODES}")
+    shim = resolve_shim(cfg.host_shim_dir)
+    if shim is None and (cfg.require_shim or cfg.mounts == "pinned"):
+        raise PluginError(
+            f"kvgpu shim is not installed on this node ({cfg.host_shim_dir}/libvgpu.so missing); "
+            "refusing to start a container without enforcement"
+        )
+    return shim
+
+
+def claim_cards(cfg: PluginConfig, admitted: Admitted | None, ids: Sequence[str],
+                known: dict[str, Card]) -> list[Card]:
+    """The container's cards: its claim's; the replica IDs' only in ``visible_devices_from_ids``."""
+    from_ids = list(dict.fromkeys(card_of(d) for d in ids))
+    unknown = [u for u in from_ids if u not in known]
+    if unknown:
+        raise PluginError(f"unknown device IDs {sorted(ids)} (cards {unknown} not on node)")
+    if admitted is not None and admitted.claim is not None:
+        missing = [u for u in admitted.uuids if u not in known]
+        if missing or not admitted.uuids:
+            raise PluginError(f"the kvgpu claim of {admitted} names cards not on this node: {missing}")
+        if set(from_ids) != set(admitted.uuids):
+            log.warning(
+                "kubelet gave %s replicas of %s, its claim is on %s: serving the claim's cards",
+                admitted, from_ids, list(admitted.uuids),
+            )
+        return [known[u] for u in admitted.uuids]
+    if cfg.visible_devices_from_ids:
+        return [known[u] for u in from_ids]
+    who = str(admitted) if admitted is not None else "the container being admitted (no pod identified)"
+    raise PluginError(
+        f"no kvgpu claim for {who}: pods that request {cfg.resource_name} "
+        "must be admitted by kvgpu's webhook"
+    )
+
+
+def shim_mounts(cfg: PluginConfig, shim: Path | None) -> list[Any]:
+    """The shim mounts of ``cfg.mounts`` (``none``: none; ``dir``: the shim directory; ``pinned``:
+    the file ``shim``), and ``ld.so.preload`` unless ``none``."""
+    out = []
+    if cfg.mounts == "pinned" and shim is not None:
+        out.append(pb2.Mount(container_path=cfg.container_shim_lib, host_path=str(shim), read_only=True))
+    elif cfg.mounts == "dir":
+        out.append(
+            pb2.Mount(
+                container_path=cfg.container_shim_dir, host_path=cfg.host_shim_dir, read_only=True
+            )
+        )
+    if cfg.mounts != "none":
+        out.append(
+            pb2.Mount(
+                container_path=cfg.container_preload_file,
+                host_path=cfg.host_preload_file,
+                read_only=True,
+            )
+        )
+    return out
+
+
+def add_mps_client(cfg: PluginConfig, admitted: Admitted, resp: Any) -> None:
+    """A claim with ``mode=mps``: its card's MPS pipe folder (read-only) and the client env."""
+    try:
+        cs = claimstr.decode(admitted.claim or "")
+    except claimstr.ClaimStringError:
+        return  # the shim refuses it; nothing to add
+    if cs.mode != "mps":
+        return
+    uuid = cs.devices[0].uuid
+    pipe = mps.pipe_dir(cfg.mps_root, uuid)
+    if not (pipe / "control").exists():
+        raise PluginError(f"the MPS control daemon of card {uuid} is not running ({pipe}); "
+                          f"{admitted} is an MPS client of it")
+    resp.envs.update(mps.client_env(cs))
+    resp.mounts.append(pb2.Mount(container_path=keys.CONTAINER_MPS_DIR, host_path=str(pipe), read_only=True))
+
+
+def container_response(cfg: PluginConfig, admitted: Admitted | None, cards: Sequence[Card],
+                       shim: Path | None) -> Any:
+    """The ``ContainerAllocateResponse`` of a container that gets ``cards``: env, device nodes,
+    driver and shim mounts, the MPS client's folder; prepares its region directory."""
+    resp = pb2.ContainerAllocateResponse()
+    resp.envs["KVGPU_DEVICE_PLUGIN"] = cfg.resource_name
+    if shim is not None:
+        resp.envs["KVGPU_SHIM_FILE"] = shim.name
+    resp.envs[keys.ENV_VISIBLE] = ",".join(c.uuid for c in cards)
+    resp.mounts.extend(shim_mounts(cfg, shim))
+    if cfg.device_specs:
+        resp.devices.extend(devicespecs.device_specs(cards, cfg.dev_root, cfg.host_dev_root))
+        driver = devicespecs.driver_mounts(cfg.driver_root)
+        resp.mounts.extend(driver)
+        if driver and cfg.ld_library_path:
+            resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
+    if cfg.stub_driver_env:
+        resp.envs.update(stub_driver_env(cards))
+    if admitted is not None and admitted.claim is not None:
+        add_mps_client(cfg, admitted, resp)
+    if admitted is not None and admitted.claim is not None and cfg.region_root:
+        try:
+            prepare_region_dir(cfg.region_root, admitted.uid, admitted.container, admitted.run_as)
+        except (OSError, ValueError) as e:
+            raise PluginError(f"cannot prepare the region directory of {admitted}: {e}") from e
+    return resp

@@ -1,0 +1,148 @@
+/*
+ * vgpu_hooks.h - the shim's hook list: every driver symbol it intercepts, defined once.
+ *
+ * VGPU_CUDA_HOOKS(X) and VGPU_NVML_HOOKS(X) list each hook as
+ *     X(id, name, base, min_version, ptds, ret, params)
+ * id: its index (H_* for libcuda, N_* for libnvidia-ml); name: the exported symbol, which is also
+ * our wrapper's name; base: the name asked through cuGetProcAddress; min_version: the CUDA
+ * version from which `base` means this ABI; ptds: 1 for a per-thread default stream variant;
+ * ret, params: its C signature (the CUDA driver API and NVML references).
+ *
+ * From the lists come, here: the index enums, the wrappers' prototypes, a pointer type per hook
+ * (vgpu_fn_<name>) and the typed accessors of the driver's functions (REAL_FN(name),
+ * NREAL_FN(name)); in vgpu_cuda.c and vgpu_nvml.c, the tables (VGPU_HOOK_ENTRY). Adding a hook is
+ * one line in a list and its wrapper.
+ */
+#ifndef VGPU_HOOKS_H
+#define VGPU_HOOKS_H
+
+#include "vgpu.h"
+
+/* Driver types only the hooks' signatures need (CUDA driver API reference, cuda.h 12/13). */
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+
+#define VGPU_CUDA_HOOKS(X)                                                                               \
+    X(H_GPA, cuGetProcAddress, "cuGetProcAddress", 11030, 0, CUresult,                                   \
+      (const char *, void **, int, cuuint64_t))                                                          \
+    X(H_GPA2, cuGetProcAddress_v2, "cuGetProcAddress", 12000, 0, CUresult,                               \
+      (const char *, void **, int, cuuint64_t, int *))                                                   \
+    X(H_INIT, cuInit, "cuInit", 2000, 0, CUresult, (unsigned))                                           \
+    /* memory (vgpu_cuda_mem.c, vgpu_mem_array.c) */                                                     \
+    X(H_ALLOC, cuMemAlloc_v2, "cuMemAlloc", 3020, 0, CUresult, (CUdeviceptr *, size_t))                  \
+    X(H_PITCH, cuMemAllocPitch_v2, "cuMemAllocPitch", 3020, 0, CUresult,                                 \
+      (CUdeviceptr *, size_t *, size_t, size_t, unsigned))                                               \
+    X(H_MANAGED, cuMemAllocManaged, "cuMemAllocManaged", 6000, 0, CUresult, (CUdeviceptr *, size_t, unsigned)) \
+    X(H_FREE, cuMemFree_v2, "cuMemFree", 3020, 0, CUresult, (CUdeviceptr))                               \
+    X(H_ASYNC, cuMemAllocAsync, "cuMemAllocAsync", 11020, 0, CUresult, (CUdeviceptr *, size_t, CUstream)) \
+    X(H_ASYNC_PTSZ, cuMemAllocAsync_ptsz, "cuMemAllocAsync", 11020, 1, CUresult,                         \
+      (CUdeviceptr *, size_t, CUstream))                                                                 \
+    X(H_POOL, cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 11020, 0, CUresult,                    \
+      (CUdeviceptr *, size_t, CUmemoryPool, CUstream))                                                   \
+    X(H_POOL_PTSZ, cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, 1, CUresult,          \
+      (CUdeviceptr *, size_t, CUmemoryPool, CUstream))                                                   \
+    X(H_FREEASYNC, cuMemFreeAsync, "cuMemFreeAsync", 11020, 0, CUresult, (CUdeviceptr, CUstream))        \
+    X(H_FREEASYNC_PTSZ, cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, 1, CUresult, (CUdeviceptr, CUstream)) \
+    X(H_CREATE, cuMemCreate, "cuMemCreate", 10020, 0, CUresult,                                          \
+      (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long))         \
+    X(H_RELEASE, cuMemRelease, "cuMemRelease", 10020, 0, CUresult, (CUmemGenericAllocationHandle))       \
+    X(H_ARRAY, cuArrayCreate_v2, "cuArrayCreate", 3020, 0, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *)) \
+    X(H_ARRAY3D, cuArray3DCreate_v2, "cuArray3DCreate", 3020, 0, CUresult,                               \
+      (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                                                      \
+    X(H_ARRAYDESTROY, cuArrayDestroy, "cuArrayDestroy", 2000, 0, CUresult, (CUarray))                    \
+    X(H_MIPMAP, cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 5000, 0, CUresult,                     \
+      (CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned))                                   \
+    X(H_MIPMAPDESTROY, cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 5000, 0, CUresult, (CUmipmappedArray)) \
+    X(H_GETINFO, cuMemGetInfo_v2, "cuMemGetInfo", 3020, 0, CUresult, (size_t *, size_t *))               \
+    X(H_TOTALMEM, cuDeviceTotalMem_v2, "cuDeviceTotalMem", 3020, 0, CUresult, (size_t *, CUdevice))      \
+    /* launches (vgpu_launch.c) */                                                                       \
+    X(H_LAUNCH, cuLaunchKernel, "cuLaunchKernel", 4000, 0, CUresult,                                     \
+      (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,       \
+       void **, void **))                                                                                \
+    X(H_LAUNCH_PTSZ, cuLaunchKernel_ptsz, "cuLaunchKernel", 4000, 1, CUresult,                           \
+      (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,       \
+       void **, void **))                                                                                \
+    X(H_LAUNCHEX, cuLaunchKernelEx, "cuLaunchKernelEx", 11060, 0, CUresult,                              \
+      (const CUlaunchConfig *, CUfunction, void **, void **))                                            \
+    X(H_LAUNCHEX_PTSZ, cuLaunchKernelEx_ptsz, "cuLaunchKernelEx", 11060, 1, CUresult,                    \
+      (const CUlaunchConfig *, CUfunction, void **, void **))                                            \
+    X(H_COOP, cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", 9000, 0, CUresult,                 \
+      (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,       \
+       void **))                                                                                         \
+    X(H_COOP_PTSZ, cuLaunchCooperativeKernel_ptsz, "cuLaunchCooperativeKernel", 9000, 1, CUresult,       \
+      (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,       \
+       void **))                                                                                         \
+    X(H_GRAPH, cuGraphLaunch, "cuGraphLaunch", 10000, 0, CUresult, (CUgraphExec, CUstream))              \
+    X(H_GRAPH_PTSZ, cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, 1, CUresult, (CUgraphExec, CUstream))    \
+    /* the CUDA < 3.2 ABI (32-bit sizes and pointers) */                                                 \
+    X(H_ALLOC_V1, cuMemAlloc, "cuMemAlloc", 2000, 0, CUresult, (unsigned *, unsigned))                   \
+    X(H_FREE_V1, cuMemFree, "cuMemFree", 2000, 0, CUresult, (unsigned))                                  \
+    /* memory the allocation paths do not see (vgpu_mem_graph.c, vgpu_mem_ctx.c: "hidden consumers") */ \
+    X(H_GINST, cuGraphInstantiate, "cuGraphInstantiate", 10000, 0, CUresult,                             \
+      (CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t))                                           \
+    X(H_GINST_V2, cuGraphInstantiate_v2, "cuGraphInstantiate", 11000, 0, CUresult,                       \
+      (CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t))                                           \
+    X(H_GINST_FLAGS, cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags", 11040, 0, CUresult,     \
+      (CUgraphExec *, CUgraph, unsigned long long))                                                      \
+    X(H_GINST_PARAMS, cuGraphInstantiateWithParams, "cuGraphInstantiateWithParams", 12000, 0, CUresult,  \
+      (CUgraphExec *, CUgraph, void *))                                                                  \
+    X(H_GUPLOAD, cuGraphUpload, "cuGraphUpload", 11010, 0, CUresult, (CUgraphExec, CUstream))            \
+    X(H_GUPLOAD_PTSZ, cuGraphUpload_ptsz, "cuGraphUpload", 11010, 1, CUresult, (CUgraphExec, CUstream))  \
+    X(H_GEXEC_DESTROY, cuGraphExecDestroy, "cuGraphExecDestroy", 10000, 0, CUresult, (CUgraphExec))      \
+    X(H_CTX_CREATE, cuCtxCreate_v2, "cuCtxCreate", 3020, 0, CUresult, (CUcontext *, unsigned, CUdevice)) \
+    X(H_CTX_CREATE_V3, cuCtxCreate_v3, "cuCtxCreate", 11040, 0, CUresult,                                \
+      (CUcontext *, void *, int, unsigned, CUdevice))                                                    \
+    X(H_CTX_CREATE_V4, cuCtxCreate_v4, "cuCtxCreate", 12050, 0, CUresult,                                \
+      (CUcontext *, void *, unsigned, CUdevice))                                                         \
+    X(H_CTX_DESTROY, cuCtxDestroy_v2, "cuCtxDestroy", 4000, 0, CUresult, (CUcontext))                    \
+    X(H_PRIMARY_RETAIN, cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 7000, 0, CUresult,         \
+      (CUcontext *, CUdevice))                                                                           \
+    X(H_CTX_SET_LIMIT, cuCtxSetLimit, "cuCtxSetLimit", 3010, 0, CUresult, (int, size_t))                 \
+    /* waits (vgpu_launch.c: the compute limiter measures what the application waits for) */           \
+    X(H_STREAMSYNC, cuStreamSynchronize, "cuStreamSynchronize", 2000, 0, CUresult, (CUstream))           \
+    X(H_STREAMSYNC_PTSZ, cuStreamSynchronize_ptsz, "cuStreamSynchronize", 7000, 1, CUresult, (CUstream)) \
+    X(H_CTXSYNC, cuCtxSynchronize, "cuCtxSynchronize", 2000, 0, CUresult, (void))                        \
+    X(H_EVENTSYNC, cuEventSynchronize, "cuEventSynchronize", 2000, 0, CUresult, (CUevent))
+
+#define VGPU_NVML_HOOKS(X)                                                                               \
+    X(N_INIT, nvmlInit, "nvmlInit", 0, 0, nvmlReturn_t, (void))                                          \
+    X(N_INIT_V2, nvmlInit_v2, "nvmlInit_v2", 0, 0, nvmlReturn_t, (void))                                 \
+    X(N_INIT_FLAGS, nvmlInitWithFlags, "nvmlInitWithFlags", 0, 0, nvmlReturn_t, (unsigned))              \
+    X(N_MEM, nvmlDeviceGetMemoryInfo, "nvmlDeviceGetMemoryInfo", 0, 0, nvmlReturn_t,                     \
+      (nvmlDevice_t, nvmlMemory_t *))                                                                    \
+    X(N_MEM_V2, nvmlDeviceGetMemoryInfo_v2, "nvmlDeviceGetMemoryInfo_v2", 0, 0, nvmlReturn_t,            \
+      (nvmlDevice_t, nvmlMemory_v2_t *))
+
+/* The indices: H_* / N_* in list order, then by name (VGPU_IDX_<name>) for the accessors. */
+#define VGPU_HOOK_ID(id, name, base, ver, ptds, ret, params) id,
+#define VGPU_HOOK_IDX(id, name, base, ver, ptds, ret, params) VGPU_IDX_##name = id,
+enum { VGPU_CUDA_HOOKS(VGPU_HOOK_ID) H_COUNT };
+enum { VGPU_NVML_HOOKS(VGPU_HOOK_ID) N_COUNT };
+enum { VGPU_CUDA_HOOKS(VGPU_HOOK_IDX) VGPU_NVML_HOOKS(VGPU_HOOK_IDX) };
+
+/* Our wrappers and a pointer type of each (the driver's function has the same signature). */
+#define VGPU_HOOK_DECL(id, name, base, ver, ptds, ret, params)                                         \
+    ret name params;                                                                                    \
+    typedef ret(*vgpu_fn_##name) params;
+VGPU_CUDA_HOOKS(VGPU_HOOK_DECL)
+VGPU_NVML_HOOKS(VGPU_HOOK_DECL)
+
+/* One hook table entry: {name, base, min_version, ptds, our wrapper, the driver's (bound later)}. */
+struct vgpu_hook {
+    const char *name;           /* exported name in libcuda.so.1, e.g. "cuMemAlloc_v2" */
+    const char *base;           /* name as asked through cuGetProcAddress, e.g. "cuMemAlloc" */
+    int min_version;            /* CUDA version from which `base` means this ABI */
+    int ptds;                   /* 1: per-thread default stream variant */
+    void *hook;                 /* our wrapper */
+    void *real;                 /* the driver's function (set by vgpu_symbols_bind) */
+};
+#define VGPU_HOOK_ENTRY(id, name, base, ver, ptds, ret, params) [id] = {#name, base, ver, ptds, (void *)name, NULL},
+extern struct vgpu_hook vgpu_cuda_hooks[H_COUNT];
+extern struct vgpu_hook vgpu_nvml_hooks[N_COUNT];
+
+/* The driver's function behind a hook, by index (any hook of that signature) or typed by name. */
+#define REAL(i, T) ((T)vgpu_real_cuda(i))
+#define REAL_FN(name) ((vgpu_fn_##name)vgpu_real_cuda(VGPU_IDX_##name))
+#define NREAL_FN(name) ((vgpu_fn_##name)vgpu_real_nvml(VGPU_IDX_##name))
+
+#endif

@@ -1,0 +1,51 @@
+/*
+ * vgpu_mem.h - what the memory units share: the allocation table, charging and the steps every
+ * create and free path ends with (vgpu_mem_table.c). Internal to the memory units:
+ *   vgpu_cuda_mem.c   memory info, linear, stream-ordered and VMM allocations (the accounting rule)
+ *   vgpu_mem_array.c  arrays and mipmapped arrays
+ *   vgpu_mem_graph.c  graph memory nodes
+ *   vgpu_mem_ctx.c    contexts and their limits
+ *   vgpu_mem_table.c  the table, charging, the region slot, fork, ACTIVE_OOM_KILLER
+ */
+#ifndef VGPU_MEM_H
+#define VGPU_MEM_H
+
+#include "vgpu_cuda.h"
+
+/* What a table entry records: its kind and key (pointer, handle, array, exec, context). */
+enum {
+    K_PTR = 1, K_HANDLE = 2, K_ARRAY = 3, K_MIPMAP = 4, K_GRAPH = 5, /* K_GRAPH: exec launched once */
+    K_CTX = 6,          /* a context this process created (or a primary one): its charge */
+    K_LIM = 8,          /* + CU_LIMIT_*: bytes charged for a context's limit above its base */
+    K_LIMBASE = 12,     /* + CU_LIMIT_*: the driver's value before our first change */
+    K_GPEND = 32,       /* + region device: graph memory of an exec, known, not yet charged */
+    K_GCHG = 48,        /* + region device: graph memory of an exec, charged */
+    K_TOMB = -1
+};
+
+/* The per-process table (under its own lock): put replaces an entry of the same kind and key;
+ * take removes one, 1 with its size and device, 0 if there is none. */
+void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev);
+int vgpu_tab_take(int kind, uint64_t key, uint64_t *size, int *dev);
+
+/* Charge `bytes` to region device d (-1: not limited, nothing to charge; -2: a device outside
+ * the claim, refused) before the driver is asked: 0 charged, -1 refuse with
+ * CUDA_ERROR_OUT_OF_MEMORY. uncharge returns a charge (d < 0: nothing). */
+int vgpu_charge(int d, uint64_t bytes);
+void vgpu_uncharge(int d, uint64_t bytes);
+
+/* Free paths: begin takes a tracked object out of the table (0: not tracked, pass through);
+ * end uncharges it when the driver call succeeded and puts it back when it failed. */
+int vgpu_release_begin(int kind, uint64_t key, uint64_t *size, int *d);
+CUresult vgpu_release_end(CUresult rc, int kind, uint64_t key, uint64_t size, int d);
+/* Create paths, after the driver call: record the object or return its charge. */
+CUresult vgpu_alloc_end(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d);
+/* Estimate-first paths: settle the charge `est` to `actual`; -1 when the rest does not fit
+ * (then nothing is charged). */
+int vgpu_settle(int d, uint64_t est, uint64_t actual);
+
+/* Serialises the first cuDevicePrimaryCtxRetain of a card (vgpu_mem_ctx.c); defined with the
+ * other memory locks, which vgpu_cuda_mem_fork_lock takes across fork. */
+extern pthread_mutex_t vgpu_primary_mu;
+
+#endif

@@ -1,0 +1,126 @@
+/*
+ * vgpu_mem_array.c - CUDA array hooks: cuArrayCreate_v2, cuArray3DCreate_v2,
+ * cuMipmappedArrayCreate and their destroys. An element-size estimate is charged before the
+ * driver is asked, then settled to the driver's own figure (cu*GetMemoryRequirements); the
+ * accounting rule: vgpu_cuda_mem.c.
+ */
+#include "vgpu_mem.h"
+
+/* ------------------------------------------------------------------ arrays */
+
+static uint64_t elem_bytes(int fmt)
+{
+    switch (fmt) {
+    case 0x01: case 0x08: return 1;              /* (UN)SIGNED_INT8 */
+    case 0x02: case 0x09: case 0x10: return 2;   /* INT16, HALF */
+    default: return 4;                           /* INT32, FLOAT, others: corrected below */
+    }
+}
+
+static uint64_t array_est(size_t w, size_t h, size_t dpt, int fmt, unsigned ch)
+{
+    return (uint64_t)w * (h ? h : 1) * (dpt ? dpt : 1) * elem_bytes(fmt) * (ch ? ch : 1);
+}
+
+/* After the driver call of an array path that charged the estimate `est`: on success (`arr` the
+ * array made, NULL when the caller passed no out-pointer), settle the charge to the driver's own
+ * figure (cu*GetMemoryRequirements on the current context's device; the estimate when it has
+ * none) and record the array; when that does not fit, the array is destroyed again and the call
+ * refused. On failure, the charge returns. */
+static CUresult array_end(CUresult rc, int kind, void *arr, int made, uint64_t est, int d)
+{
+    if (rc != CUDA_SUCCESS || d < 0 || !made) {
+        vgpu_uncharge(d, est);
+        return rc;
+    }
+    const struct vgpu_drv *drv = vgpu_cuda_drv();
+    CUresult (*q)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, void *, CUdevice) =
+        kind == K_MIPMAP ? drv->mipmap_mem_req : drv->array_mem_req;
+    CUdevice dev = 0;
+    if (drv->ctx_get_device)
+        drv->ctx_get_device(&dev);
+    CUDA_ARRAY_MEMORY_REQUIREMENTS req;
+    uint64_t actual = est;
+    if (q && q(&req, arr, dev) == CUDA_SUCCESS && req.size)
+        actual = req.size;
+    if (vgpu_settle(d, est, actual)) {
+        if (kind == K_MIPMAP)
+            REAL_FN(cuMipmappedArrayDestroy)(arr);
+        else
+            REAL_FN(cuArrayDestroy)(arr);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    vgpu_tab_put(kind, (uint64_t)(uintptr_t)arr, actual, d);
+    return rc;
+}
+
+static CUresult array_common(CUarray *arr, const void *desc, int three_d)
+{
+    int idx = three_d ? H_ARRAY3D : H_ARRAY;
+    CUresult (*real)(CUarray *, const void *) = REAL(idx, CUresult(*)(CUarray *, const void *));
+    if (mode() != M_LIMITED || !desc)
+        return real(arr, desc);
+    uint64_t est;
+    if (three_d) {
+        const CUDA_ARRAY3D_DESCRIPTOR *a = desc;
+        est = array_est(a->Width, a->Height, a->Depth, a->Format, a->NumChannels);
+    } else {
+        const CUDA_ARRAY_DESCRIPTOR *a = desc;
+        est = array_est(a->Width, a->Height, 1, a->Format, a->NumChannels);
+    }
+    int d = vgpu_cur_dev();
+    if (vgpu_charge(d, est))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(arr, desc);
+    return array_end(rc, K_ARRAY, rc == CUDA_SUCCESS && arr ? (void *)*arr : NULL, arr != NULL, est, d);
+}
+
+VGPU_API CUresult cuArrayCreate_v2(CUarray *arr, const CUDA_ARRAY_DESCRIPTOR *desc)
+{
+    BROKEN_GUARD();
+    return array_common(arr, desc, 0);
+}
+
+VGPU_API CUresult cuArray3DCreate_v2(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc)
+{
+    BROKEN_GUARD();
+    return array_common(arr, desc, 1);
+}
+
+VGPU_API CUresult cuArrayDestroy(CUarray arr)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuArrayDestroy real = REAL_FN(cuArrayDestroy);
+    uint64_t size;
+    int d;
+    if (!vgpu_release_begin(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d))
+        return real(arr);
+    return vgpu_release_end(real(arr), K_ARRAY, (uint64_t)(uintptr_t)arr, size, d);
+}
+
+VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc,
+                                         unsigned levels)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMipmappedArrayCreate real = REAL_FN(cuMipmappedArrayCreate);
+    if (mode() != M_LIMITED || !desc)
+        return real(arr, desc, levels);
+    uint64_t base = array_est(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels);
+    uint64_t est = levels > 1 ? base * 2 : base; /* upper bound of the level sum */
+    int d = vgpu_cur_dev();
+    if (vgpu_charge(d, est))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(arr, desc, levels);
+    return array_end(rc, K_MIPMAP, rc == CUDA_SUCCESS && arr ? (void *)*arr : NULL, arr != NULL, est, d);
+}
+
+VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMipmappedArrayDestroy real = REAL_FN(cuMipmappedArrayDestroy);
+    uint64_t size;
+    int d;
+    if (!vgpu_release_begin(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d))
+        return real(arr);
+    return vgpu_release_end(real(arr), K_MIPMAP, (uint64_t)(uintptr_t)arr, size, d);
+}

@@ -1,0 +1,259 @@
+/*
+ * vgpu_mem_ctx.c - contexts as memory: cuCtxCreate*, the first cuDevicePrimaryCtxRetain of a
+ * card and cuCtxSetLimit are charged what they take on the card; cuCtxDestroy_v2 returns it.
+ */
+#include "vgpu_mem.h"
+
+/* ------------------------------------------------------------------ contexts */
+
+/* A context costs device memory (a few hundred MiB on a large card: the context itself, local
+ * memory for every resident thread, the printf FIFO, the malloc heap) that no allocation hook
+ * sees. Every context this process creates (cuCtxCreate*, the first cuDevicePrimaryCtxRetain
+ * of a card) is charged: before the driver is asked, the per-context charge learnt from this
+ * process's first context on that card (0 before one was measured), refused when it does not
+ * fit; after it, settled to what NVML shows the creation took (the process's usage after minus
+ * before), refused (the context destroyed again) when that does not fit. The charge is part of
+ * the counted allocations, so reconciliation does not charge the context a second time. The
+ * first size measured is kept in the region, so the container's later processes charge it up
+ * front too: a newcomer of a container at its limit is refused before the driver makes (and
+ * then destroys) its context, 0.5 s on the H200 against 0.05 s. */
+
+static int ctx_begin(int d, uint64_t *est, uint64_t *before)
+{
+    *est = 0, *before = 0;
+    if (d == -1)
+        return 0;
+    if (d == -2) {
+        vgpu_log(1, "context on a device outside the claim refused");
+        return -1;
+    }
+    int found = 0;
+    vgpu_ensure_slot();
+    *before = vgpu_nvml_process_used(d, &found);
+    *est = __atomic_load_n(&vgpu.ctx_learnt[d], __ATOMIC_RELAXED);
+    if (!*est)
+        *est = atomic_load_explicit(&vgpu.region.r->dev[d].ctx_bytes, memory_order_relaxed);
+    if (vgpu_charge(d, *est)) {
+        vgpu_log(1, "device %d: context refused: a context takes about %llu MiB, %llu of %llu MiB are "
+                    "charged", d, (unsigned long long)(*est >> 20),
+                 (unsigned long long)(vgpu_region_used(vgpu.region.r, d) >> 20),
+                 (unsigned long long)(vgpu.region.r->dev[d].limit >> 20));
+        return -1;
+    }
+    return 0;
+}
+
+/* After the driver made the context: settle the charge to NVML's figure. 0 ok with the bytes
+ * charged in *charged; -1: it does not fit (nothing is charged any more). */
+static int ctx_end(int d, uint64_t est, uint64_t before, uint64_t *charged)
+{
+    *charged = est;
+    if (d < 0)
+        return 0;
+    int found = 0;
+    uint64_t after = vgpu_nvml_process_used(d, &found);
+    if (!found || after <= before)
+        return 0;
+    uint64_t took = after - before;
+    uint64_t zero = 0;
+    __atomic_compare_exchange_n(&vgpu.ctx_learnt[d], &zero, took, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    zero = 0;
+    atomic_compare_exchange_strong_explicit(&vgpu.region.r->dev[d].ctx_bytes, &zero, took, memory_order_relaxed,
+                                            memory_order_relaxed);
+    /* reserve, not vgpu_charge(): a reconciliation now would see the new context in NVML before it
+     * is counted and charge it twice */
+    if (took > est && vgpu_region_reserve(&vgpu.region, d, took - est)) {
+        vgpu_uncharge(d, est);
+        vgpu_log(1, "device %d: context refused: it took %llu MiB, %llu of %llu MiB are charged", d,
+                 (unsigned long long)(took >> 20), (unsigned long long)(vgpu_region_used(vgpu.region.r, d) >> 20),
+                 (unsigned long long)(vgpu.region.r->dev[d].limit >> 20));
+        return -1;
+    }
+    if (took < est)
+        vgpu_uncharge(d, est - took);
+    *charged = took;
+    return 0;
+}
+
+static CUresult ctx_destroy_real(CUcontext c)
+{
+    return REAL_FN(cuCtxDestroy_v2)(c);
+}
+
+/* Charges held for context c (the context itself and its limits) leave with it. */
+static void ctx_forget(CUcontext c)
+{
+    uint64_t key = (uint64_t)(uintptr_t)c, size;
+    int d;
+    if (vgpu_tab_take(K_CTX, key, &size, &d))
+        vgpu_uncharge(d, size);
+    for (int l = 0; l < 3; l++) {
+        if (vgpu_tab_take(K_LIM + l, key, &size, &d))
+            vgpu_uncharge(d, size);
+        vgpu_tab_take(K_LIMBASE + l, key, &size, &d);
+    }
+}
+
+/* After the driver call that makes a context (charged `est` by ctx_begin): on success, settle the
+ * charge to NVML's figure (ctx_end) and record it; when that does not fit, the context is undone
+ * (destroyed, or for a primary one released) and the call refused. On failure, the charge
+ * returns. */
+static CUresult ctx_commit(CUresult rc, CUcontext *pctx, int d, uint64_t est, uint64_t before, CUdevice dev,
+                           int primary)
+{
+    if (rc != CUDA_SUCCESS || !pctx) {
+        vgpu_uncharge(d, est);
+        return rc;
+    }
+    uint64_t got;
+    if (ctx_end(d, est, before, &got)) {
+        CUresult (*rel)(CUdevice) = vgpu_cuda_drv()->primary_ctx_release;
+        if (!primary)
+            ctx_destroy_real(*pctx);
+        else if (rel)
+            rel(dev);
+        *pctx = NULL;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (d >= 0)
+        vgpu_tab_put(K_CTX, (uint64_t)(uintptr_t)*pctx, got, d);
+    return rc;
+}
+
+VGPU_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuCtxCreate_v2 real = REAL_FN(cuCtxCreate_v2);
+    if (mode() != M_LIMITED)
+        return real(pctx, flags, dev);
+    int d = vgpu_map_cuda_device(dev);
+    uint64_t est, before;
+    if (ctx_begin(d, &est, &before))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    return ctx_commit(real(pctx, flags, dev), pctx, d, est, before, dev, 0);
+}
+
+VGPU_API CUresult cuCtxCreate_v3(CUcontext *pctx, void *params, int n, unsigned flags, CUdevice dev)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuCtxCreate_v3 real = REAL_FN(cuCtxCreate_v3);
+    if (mode() != M_LIMITED)
+        return real(pctx, params, n, flags, dev);
+    int d = vgpu_map_cuda_device(dev);
+    uint64_t est, before;
+    if (ctx_begin(d, &est, &before))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    return ctx_commit(real(pctx, params, n, flags, dev), pctx, d, est, before, dev, 0);
+}
+
+VGPU_API CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, CUdevice dev)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuCtxCreate_v4 real = REAL_FN(cuCtxCreate_v4);
+    if (mode() != M_LIMITED)
+        return real(pctx, params, flags, dev);
+    int d = vgpu_map_cuda_device(dev);
+    uint64_t est, before;
+    if (ctx_begin(d, &est, &before))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    return ctx_commit(real(pctx, params, flags, dev), pctx, d, est, before, dev, 0);
+}
+
+VGPU_API CUresult cuCtxDestroy_v2(CUcontext c)
+{
+    BROKEN_GUARD();
+    CUresult rc = ctx_destroy_real(c);
+    if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
+        ctx_forget(c);
+    return rc;
+}
+
+/* The primary context of a card is charged once per process, at its first retain (policy: it
+ * stays charged until the process exits; a released primary context is cheap to retain again
+ * and the driver may keep it). */
+VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuDevicePrimaryCtxRetain real = REAL_FN(cuDevicePrimaryCtxRetain);
+    if (mode() != M_LIMITED || dev < 0 || dev >= VGPU_MAX_DEV ||
+        __atomic_load_n(&vgpu.primary_charged[dev], __ATOMIC_ACQUIRE))
+        return real(pctx, dev);
+    pthread_mutex_lock(&vgpu_primary_mu);
+    if (vgpu.primary_charged[dev]) {
+        pthread_mutex_unlock(&vgpu_primary_mu);
+        return real(pctx, dev);
+    }
+    int d = vgpu_map_cuda_device(dev);
+    uint64_t est, before;
+    if (ctx_begin(d, &est, &before)) {
+        pthread_mutex_unlock(&vgpu_primary_mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult rc = ctx_commit(real(pctx, dev), pctx, d, est, before, dev, 1);
+    if (rc == CUDA_SUCCESS && pctx)
+        __atomic_store_n(&vgpu.primary_charged[dev], 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&vgpu_primary_mu);
+    return rc;
+}
+
+/* cuCtxSetLimit: the malloc heap (device malloc), the printf FIFO and the per-thread stack are
+ * device memory of the context. Raising one above the driver's value at our first look (its
+ * default, part of the context's measured size) is charged before the driver is asked: the
+ * heap and FIFO by their size, the stack by size x resident threads of the card (SMs x threads
+ * per SM); refused with CUDA_ERROR_OUT_OF_MEMORY when it does not fit. Lowering it returns the
+ * charge. (Policy: charged at the call, although the driver may reserve the heap only at the
+ * first launch of a kernel that uses it.) */
+VGPU_API CUresult cuCtxSetLimit(int limit, size_t value)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuCtxSetLimit real = REAL_FN(cuCtxSetLimit);
+    if (mode() != M_LIMITED || limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE)
+        return real(limit, value);
+    const struct vgpu_drv *drv = vgpu_cuda_drv();
+    CUresult (*get_limit)(size_t *, int) = drv->ctx_get_limit;
+    CUresult (*get_ctx)(CUcontext *) = drv->ctx_get_current;
+    CUresult (*get_dev)(CUdevice *) = drv->ctx_get_device;
+    CUcontext c = NULL;
+    CUdevice dev = 0;
+    int d = vgpu_cur_dev();
+    if (d < 0 || !get_limit || !get_ctx || get_ctx(&c) != CUDA_SUCCESS || !c || !get_dev ||
+        get_dev(&dev) != CUDA_SUCCESS)
+        return d == -2 ? CUDA_ERROR_OUT_OF_MEMORY : real(limit, value);
+    uint64_t key = (uint64_t)(uintptr_t)c, base, old = 0, per = 1;
+    int bd;
+    if (!vgpu_tab_take(K_LIMBASE + limit, key, &base, &bd)) {
+        size_t cur = 0;
+        base = get_limit(&cur, limit) == CUDA_SUCCESS ? cur : 0;
+    }
+    vgpu_tab_put(K_LIMBASE + limit, key, base, d);
+    if (limit == CU_LIMIT_STACK_SIZE) {
+        CUresult (*attr)(int *, int, CUdevice) = drv->device_get_attribute;
+        int sms = 0, threads = 0;
+        if (attr && attr(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) == CUDA_SUCCESS &&
+            attr(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev) == CUDA_SUCCESS &&
+            sms > 0 && threads > 0)
+            per = (uint64_t)sms * (uint64_t)threads;
+        else
+            per = 2048ull * 256ull; /* unknown card: a large one */
+    }
+    uint64_t want = value > base ? (value - base) * per : 0;
+    int had = vgpu_tab_take(K_LIM + limit, key, &old, &bd);
+    if (want > old && vgpu_charge(d, want - old)) {
+        if (had)
+            vgpu_tab_put(K_LIM + limit, key, old, d);
+        vgpu_log(1, "device %d: cuCtxSetLimit(%d, %zu) refused: %llu MiB more do not fit, %llu of %llu "
+                    "MiB are charged", d, limit, value, (unsigned long long)((want - old) >> 20),
+                 (unsigned long long)(vgpu_region_used(vgpu.region.r, d) >> 20),
+                 (unsigned long long)(vgpu.region.r->dev[d].limit >> 20));
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult rc = real(limit, value);
+    uint64_t keep = rc == CUDA_SUCCESS ? want : old;
+    if (rc == CUDA_SUCCESS && want < old)
+        vgpu_uncharge(d, old - want);
+    if (rc != CUDA_SUCCESS && want > old)
+        vgpu_uncharge(d, want - old);
+    if (keep)
+        vgpu_tab_put(K_LIM + limit, key, keep, d);
+    return rc;
+}
