@@ -16,6 +16,11 @@ and from direct probes of ``/scheduler/filter`` and ``/scheduler/prioritize`` wi
 list kube-scheduler would send. Operator CPU and RSS from ``/proc/<pid>``. Requeue: a pending
 pod that fits nowhere, time from freeing the capacity (delete of the pod holding it) to Bound.
 
+What a pod costs the API server, for GPU pods and the no-GPU baseline of the same run: the
+requests it served during the burst per pod, by verb and resource (``apiserver_request_total``,
+watches left out; the bench's own creates and status patches, as a kubelet's, included), the
+admission webhook calls per pod by webhook, and kube-apiserver's CPU time per pod.
+
 Usage (from the repository root)::
 
     .venv/bin/python bench/scale/run.py --nodes 1000 --bursts 500,2000
@@ -208,9 +213,15 @@ def scrape_histogram(port: int) -> dict[str, dict[float, float]]:
     return out
 
 
+#: The key prefix of admission webhook calls in :func:`api_requests` (not API requests).
+WEBHOOK = "webhook "
+
+
 async def api_requests(api: client.ApiClient) -> dict[str, float]:
     """kube-apiserver's own count of the requests it served (``apiserver_request_total``), summed
-    per "VERB resource[/subresource]"; watches and the /metrics scrape itself left out."""
+    per "VERB resource[/subresource]"; watches and the /metrics scrape itself left out. Also the
+    admission webhook calls it made, per webhook (``apiserver_admission_webhook_admission_duration_seconds``'s
+    count), as "webhook <name>"."""
     resp = await api.call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False)
     try:
         text = (await resp.read()).decode()
@@ -218,10 +229,15 @@ async def api_requests(api: client.ApiClient) -> dict[str, float]:
         resp.release()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("apiserver_request_total{"):
+        hook = line.startswith("apiserver_admission_webhook_admission_duration_seconds_count{")
+        if not (hook or line.startswith("apiserver_request_total{")):
             continue
         labels, value = line[line.index("{") + 1:line.rindex("}")], float(line.rsplit(" ", 1)[1])
         kv = {k: v.strip('"') for k, v in (p.split("=", 1) for p in labels.split('",') if "=" in p)}
+        if hook:
+            key = WEBHOOK + kv.get("name", "")
+            out[key] = out.get(key, 0.0) + value
+            continue
         verb, res, sub = kv.get("verb", ""), kv.get("resource", ""), kv.get("subresource", "")
         if verb in ("WATCH", "CONNECT") or not res:
             continue
@@ -230,10 +246,22 @@ async def api_requests(api: client.ApiClient) -> dict[str, float]:
     return out
 
 
-def per_pod_requests(before: dict[str, float], after: dict[str, float], pods: int) -> dict[str, float]:
-    """API requests per pod during a burst, by "VERB resource", largest first (≥ 0.01 per pod)."""
-    d = {k: (v - before.get(k, 0.0)) / max(pods, 1) for k, v in after.items()}
+def per_pod_requests(before: dict[str, float], after: dict[str, float], pods: int,
+                     *, webhooks: bool = False) -> dict[str, float]:
+    """API requests per pod during a burst, by "VERB resource", largest first (≥ 0.01 per pod);
+    with ``webhooks`` the admission webhook calls per pod by webhook name instead."""
+    d = {k: (v - before.get(k, 0.0)) / max(pods, 1) for k, v in after.items()
+         if k.startswith(WEBHOOK) == webhooks}
+    if webhooks:
+        d = {k[len(WEBHOOK):]: v for k, v in d.items()}
     return {k: round(v, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+
+
+def apiserver_cpu_ms_per_pod(cpu_by_process: dict[str, float], pods: int) -> float | None:
+    """kube-apiserver's CPU time per pod of the burst (ms): its CPU seconds over the burst's
+    window (from the first create to the last pod done) divided by the pods."""
+    cpu = cpu_by_process.get("kube-apiserver")
+    return None if cpu is None else round(cpu * 1000 / max(pods, 1), 2)
 
 
 def histogram_quantiles(before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]
@@ -469,13 +497,18 @@ class Bench:
         out["operator"] = sampler.summary()
         out["cpu_seconds_by_process"] = sampler.cpu_by_process()
         out["api_requests_per_pod"] = per_pod_requests(req0, req1, size)
+        out["api_requests_per_pod_total"] = round(sum(out["api_requests_per_pod"].values()), 2)
+        out["webhook_calls_per_pod"] = per_pod_requests(req0, req1, size, webhooks=True)
+        out["apiserver_cpu_ms_per_pod"] = apiserver_cpu_ms_per_pod(out["cpu_seconds_by_process"], size)
         out["load_average_1m"] = [load0, load_average()]
         out["wall_s"] = round(t_end - t0, 2)
         log(f"{kind:8s} {mode:6s} {size:5d} pods: bound {len(bound)}/{size}"
             f" {out.get('bound_per_s')} pods/s, running {out.get('running_per_s')} pods/s,"
             f" create {out['create_s']} s, errors {len(errors)}, operator {out['operator']}"
             + (f", extender {out['extender']}" if gpu else "") + f", cpu {out['cpu_seconds_by_process']}"
-            + f", API requests per pod {out['api_requests_per_pod']}")
+            + f", API requests per pod {out['api_requests_per_pod']}"
+            + f", webhook calls per pod {out['webhook_calls_per_pod']}"
+            + f", kube-apiserver CPU {out['apiserver_cpu_ms_per_pod']} ms per pod")
         await self.cleanup_namespace(api, ns, gpu)
         return out
 
