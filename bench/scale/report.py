@@ -74,7 +74,7 @@ def _pairs(run: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
 
 
 def burst_table(run: dict[str, Any]) -> list[str]:
-    rows = ["| mode | pods | baseline pods/s (Bound) | kvgpu pods/s (Bound) | ratio | kvgpu pods/s (claim Running) "
+    rows = ["| mode | pods | baseline pods/s (Bound) | kvgpu pods/s (Bound) | ratio | kvgpu pods/s (Running) "
             "| create→Bound p50 / p99 (s) | filter p50 / p99 (ms) | prioritize p50 / p99 (ms) | bind p50 / p99 (ms) "
             "| operator CPU (cores avg) | operator RSS peak (MiB) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -353,7 +353,7 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
            "kube-controller-manager, the default kube-scheduler, the kvgpu kube-scheduler calling the operator's "
            "extender, the operator with its webhooks) and fake GPU nodes: Node objects with 8 simulated "
            "H100 80 GB cards each, no kubelet (the bench patches pod status to Running once a pod is bound, "
-           "as a kubelet would; the claim-phase worker then moves the claim to Running). Every process, the "
+           "as a kubelet would; a GPU pod's claims need no write for it). Every process, the "
            "bench included, shares the same cores. Two machines: this development machine (2 cores, where "
            "every process competes with the others and with other work) and the 16-core host lent to the "
            "project for GPU runs (the same bench, carried there by `hack/device_bundle.sh` + "

@@ -9,8 +9,8 @@ number of pods that request no GPU, through the default kube-scheduler, on the s
 * ``queued``: the scheduler is stopped, the pods are created, then the scheduler is started.
   Throughput = pods / (first Bound → last Bound): pure scheduling + extender + bind.
 
-Per pod: create → Bound, and for GPU pods → claim ``Running`` (the bench patches pod status to
-Running once it sees the pod bound; the operator then moves the claim). Extender latency per
+Per pod: create → Bound → Running (the bench patches pod status to Running once it sees the pod
+bound, as a kubelet would; a GPU pod's claims need no write for it). Extender latency per
 verb from the operator's ``kvgpu_extender_request_seconds`` histogram (delta over the burst),
 and from direct probes of ``/scheduler/filter`` and ``/scheduler/prioritize`` with the node
 list kube-scheduler would send. Operator CPU and RSS from ``/proc/<pid>``. Requeue: a pending
@@ -384,7 +384,6 @@ class Bench:
         t_sent: dict[str, float] = {}
         t_bound: dict[str, float] = {}
         t_running: dict[str, float] = {}
-        t_claim: dict[str, float] = {}
         done = asyncio.Event()
         kubelet: list[asyncio.Task[Any]] = []
         sem = asyncio.Semaphore(32)
@@ -397,9 +396,7 @@ class Bench:
                     pass
 
         def finished() -> bool:
-            if len(t_bound) < size:
-                return False
-            return len(t_claim) >= size if gpu else len(t_running) >= size
+            return len(t_bound) >= size and len(t_running) >= size
 
         def on_pod(etype: str, obj: dict[str, Any], t: float) -> None:
             name = obj["metadata"]["name"]
@@ -411,16 +408,7 @@ class Bench:
             if finished():
                 done.set()
 
-        def on_claim(etype: str, obj: dict[str, Any], t: float) -> None:
-            pod = (obj.get("spec") or {}).get("podName")
-            if (obj.get("status") or {}).get("phase") == "Running" and pod and pod not in t_claim:
-                t_claim[pod] = t
-            if finished():
-                done.set()
-
         watches = [kubeio.Watch(api, "pods", ns, on_pod).start()]
-        if gpu:
-            watches.append(kubeio.Watch(api, "vgpuclaims", ns, on_claim).start())
         for w in watches:
             await w.synced.wait()
         sched = KVGPU_SCHED if gpu else DEFAULT_SCHED
@@ -465,7 +453,6 @@ class Bench:
 
         bound = sorted(t_bound.values())
         lat_bound = [t_bound[n] - t_sent[n] for n in t_bound if n in t_sent]
-        lat_claim = [t_claim[n] - t_sent[n] for n in t_claim if n in t_sent]
         lat_run = [t_running[n] - t_sent[n] for n in t_running if n in t_sent]
         out: dict[str, Any] = {
             "kind": kind, "mode": mode, "pods": size, "create_errors": len(errors),
@@ -481,15 +468,15 @@ class Bench:
                 out["scheduler_start_to_first_bound_s"] = round(bound[0] - (t_sched_start or t0), 2)
             out["span_s"] = round(span, 2)
             out["bound_per_s"] = round(len(bound) / span, 1) if span > 0 else None
-            ends = sorted(t_claim.values()) if gpu else sorted(t_running.values())
+            ends = sorted(t_running.values())
             if ends:
                 ref = t0 if mode == "stream" else bound[0]
                 out["running_per_s"] = round(len(ends) / (ends[-1] - ref), 1)
                 out["running"] = len(ends)
             out["create_to_bound_ms"] = {"p50": round(pct(lat_bound, 0.5) * 1000),
                                          "p99": round(pct(lat_bound, 0.99) * 1000)}
-            out["create_to_running_ms"] = {"p50": round(pct(lat_claim or lat_run, 0.5) * 1000),
-                                           "p99": round(pct(lat_claim or lat_run, 0.99) * 1000)}
+            out["create_to_running_ms"] = {"p50": round(pct(lat_run, 0.5) * 1000),
+                                           "p99": round(pct(lat_run, 0.99) * 1000)}
             ref = t0 if mode == "stream" else bound[0]
             out["bound_curve_s"] = [round(b - ref, 3) for b in bound[:: max(1, len(bound) // 200)]]
         if gpu:
