@@ -2,7 +2,7 @@
 VGPUClaims follow the pod (:mod:`kvgpu.reconcile.phases`) and removes orphaned claims.
 
 Why a process of its own: these are many of the operator's writes (Released when a pod ends,
-claims of deleted pods deleted, the optional GPUSlicesBound Event) and its busiest watch (every
+claims of deleted pods deleted, the GPUSlicesBound Event with ``--bind-events``) and its busiest watch (every
 kvgpu pod update), and none of it needs the ledger. A bound or running pod costs no write here:
 its claims were created holding their cards and stay without a phase until the pod ends
 (:mod:`kvgpu.reconcile.phases`). In the operator's asyncio thread they delayed the extender's
@@ -40,7 +40,7 @@ class PhaseWorkerConfig:
     kubeconfig: str | None = None  # None: in-cluster service account
     orphan_grace_s: float = 30.0  # a claim younger than this may belong to a bind in flight
     sweep_interval_s: float = 15.0
-    bind_events: bool = True  # a GPUSlicesBound Event per pod when it is first seen bound
+    bind_events: bool = False  # a GPUSlicesBound Event per pod when it is first seen bound
 
 
 def pod_projection(pod: dict[str, Any]) -> dict[str, Any]:

@@ -57,7 +57,7 @@ class OperatorConfig:
     flush_interval_s: float = 0.5
     pool_status_interval_s: float = 5.0  # allocation totals in VGPUPool status, at most this often
     orphan_grace_s: float = 30.0
-    bind_events: bool = True  # a GPUSlicesBound Event per pod (posted by the claim-phase worker)
+    bind_events: bool = False  # a GPUSlicesBound Event per pod (posted by the claim-phase worker)
     node_choice: NodeChoice = NodeChoice.EXTENDER  # who picks a GPU pod's node (kvgpu.extender.choice)
     ready_file: str | None = None  # written with the extender URL once ready
     # Leader election on a Lease: every replica watches (a warm standby), only the leader
