@@ -678,6 +678,21 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "kernel": platform.release()}
 
 
+def code_version() -> str | None:
+    """The commit measured (``git rev-parse --short HEAD``, ``+changes`` when tracked files
+    differ from it); None outside a git checkout (the device bundle)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!bench/results"], cwd=REPO,
+                               timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if dirty else "") if head else None
+
+
 def public_args(argv: list[str]) -> list[str]:
     """The command line without options that only name local paths (they do not change results)."""
     out, skip = [], False
@@ -735,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
     started = datetime.now(UTC)
+    code = code_version()  # at the start: the code that runs
     bench.start()
     spy = None
     try:
@@ -760,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/scale/run.py " + " ".join(shown),
         "machine": machine(),
         "node_choice": args.node_choice,
+        **({"code": code} if code else {}),
         **result,
     }
     merge_results(Path(args.out), args.nodes, record)
