@@ -283,43 +283,66 @@ def summary(data: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _shared(b: dict[str, Any]) -> float:
+    """Requests per pod of a burst that belong to no pod: the operator's writes of node
+    annotations and pool status, amortised."""
+    return sum(v for k, v in (b.get("api_requests_per_pod") or {}).items()
+               if k in ("PATCH nodes", "PATCH vgpupools/status"))
+
+
 def cost_summary(runs: list[dict[str, Any]]) -> list[str]:
-    """Issue 17's goals: GPU pods/s against the baseline, requests and webhook calls per pod."""
-    ratio_parts, ratio_met = [], []
-    reqs, hooks, ms = [], [], []
+    """Issue 17's goals, per run (each names the code it measured): GPU pods/s against the
+    baseline, requests and webhook calls per pod, kube-apiserver CPU per pod."""
+    ratio_parts, req_parts, hook_parts = [], [], []
+    ratio_met, req_met, hook_met = [], [], []
     for run in runs:
         pairs = [(b, g) for b, g in _pairs(run) if b.get("bound_per_s") and g.get("bound_per_s")]
         if not pairs:
             continue
+        title = _title(run) + (f" (code `{run['code']}`)" if run.get("code") else "")
         rv = [g["bound_per_s"] / b["bound_per_s"] for b, g in pairs]
         ok = sum(v >= COST_GOALS["ratio"] for v in rv)
         ratio_met.append(ok == len(rv))
-        ratio_parts.append(f"{_title(run)}: {min(rv):.2f}-{max(rv):.2f} ({ok}/{len(rv)} bursts)")
-        for b, g in pairs:
-            if g.get("api_requests_per_pod"):
-                reqs.append((requests_total(g), requests_total(b)))
-            if webhook_calls(g) is not None:
-                hooks.append(webhook_calls(g) or 0.0)
-            if apiserver_ms(g) is not None and apiserver_ms(b) is not None:
-                ms.append((apiserver_ms(g) or 0.0, apiserver_ms(b) or 0.0))
+        ratio_parts.append(f"{title}: {min(rv):.2f}-{max(rv):.2f} ({ok}/{len(rv)} bursts)")
+        counted = [(b, g) for b, g in pairs if g.get("api_requests_per_pod")]
+        if counted:
+            gv = [requests_total(g) for _, g in counted]
+            bv = [requests_total(b) for b, _ in counted]
+            shared = [_shared(g) for _, g in counted]
+            ms = [(apiserver_ms(g), apiserver_ms(b)) for b, g in counted]
+            cpu = ""
+            if all(x is not None and y is not None for x, y in ms):
+                cpu = (f"; kube-apiserver CPU {_span2([x for x, _ in ms])} ms per GPU pod against "
+                       f"{_span2([y for _, y in ms])} ms per no-GPU pod")
+            req_met.append(max(gv) <= COST_GOALS["requests_per_pod"])
+            req_parts.append(f"{title}: {min(gv):g}-{max(gv):g} per GPU pod (of which node annotations and pool "
+                             f"status, amortised: {min(shared):g}-{max(shared):g}) against {min(bv):g}-{max(bv):g} "
+                             f"per no-GPU pod{cpu}")
+        hv = [webhook_calls(g) for _, g in pairs]
+        if all(h is not None for h in hv):
+            hook_met.append(max(h or 0.0 for h in hv) <= COST_GOALS["webhook_calls_per_pod"])
+            hook_parts.append(f"{title}: {min(h or 0.0 for h in hv):g}-{max(h or 0.0 for h in hv):g}")
+
+    def verdict(met: list[bool]) -> str:
+        return "**yes**" if all(met) else "**no**"
+
     rows = []
     if ratio_parts:
         rows.append(f"| GPU pods/s ≥ {COST_GOALS['ratio']} × the no-GPU baseline (issue 17) | "
-                    f"{'**yes**' if all(ratio_met) else '**no**'}: " + "; ".join(ratio_parts) + " |")
-    if reqs:
-        g = [r for r, _ in reqs]
-        b = [r for _, r in reqs]
-        cpu = (f"; kube-apiserver CPU {min(x for x, _ in ms):.1f}-{max(x for x, _ in ms):.1f} ms per GPU pod "
-               f"against {min(y for _, y in ms):.1f}-{max(y for _, y in ms):.1f} ms per no-GPU pod" if ms else "")
-        rows.append(f"| ≤ {COST_GOALS['requests_per_pod']} API requests per GPU pod (issue 17) | "
-                    f"{'**yes**' if max(g) <= COST_GOALS['requests_per_pod'] else '**no**'}: {min(g):g}-{max(g):g} "
-                    f"per GPU pod against {min(b):g}-{max(b):g} per no-GPU pod (the mix has 15 % two-card pods, "
-                    f"all single-container; the bench's own create and status patch included){cpu} |")
-    if hooks:
+                    f"{verdict(ratio_met)}: " + "; ".join(ratio_parts) + " |")
+    if req_parts:
+        rows.append(f"| ≤ {COST_GOALS['requests_per_pod']} API requests per GPU pod (issue 17) | {verdict(req_met)}: "
+                    + "; ".join(req_parts) + ". The bench's pods are single-container (15 % of them take two "
+                    "cards); its own create and status patch (a kubelet's) are counted for both kinds |")
+    if hook_parts:
         rows.append(f"| ≤ {COST_GOALS['webhook_calls_per_pod']} admission webhook call per GPU pod (issue 17) | "
-                    f"{'**yes**' if max(hooks) <= COST_GOALS['webhook_calls_per_pod'] else '**no**'}: "
-                    f"{min(hooks):g}-{max(hooks):g} |")
+                    f"{verdict(hook_met)}: " + "; ".join(hook_parts) + " |")
     return rows
+
+
+def _span2(xs: list[float | None]) -> str:
+    v = [x for x in xs if x is not None]
+    return f"{min(v):.1f}-{max(v):.1f}"
 
 
 def history_table(data: dict[str, Any]) -> list[str]:
