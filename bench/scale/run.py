@@ -9,12 +9,17 @@ number of pods that request no GPU, through the default kube-scheduler, on the s
 * ``queued``: the scheduler is stopped, the pods are created, then the scheduler is started.
   Throughput = pods / (first Bound → last Bound): pure scheduling + extender + bind.
 
-Per pod: create → Bound, and for GPU pods → claim ``Running`` (the bench patches pod status to
-Running once it sees the pod bound; the operator then moves the claim). Extender latency per
+Per pod: create → Bound → Running (the bench patches pod status to Running once it sees the pod
+bound, as a kubelet would; a GPU pod's claims need no write for it). Extender latency per
 verb from the operator's ``kvgpu_extender_request_seconds`` histogram (delta over the burst),
 and from direct probes of ``/scheduler/filter`` and ``/scheduler/prioritize`` with the node
 list kube-scheduler would send. Operator CPU and RSS from ``/proc/<pid>``. Requeue: a pending
 pod that fits nowhere, time from freeing the capacity (delete of the pod holding it) to Bound.
+
+What a pod costs the API server, for GPU pods and the no-GPU baseline of the same run: the
+requests it served during the burst per pod, by verb and resource (``apiserver_request_total``,
+watches left out; the bench's own creates and status patches, as a kubelet's, included), the
+admission webhook calls per pod by webhook, and kube-apiserver's CPU time per pod.
 
 Usage (from the repository root)::
 
@@ -31,12 +36,15 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import random
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -53,17 +61,6 @@ from kvgpu.devcluster.fakenodes import node_manifest  # noqa: E402
 from kvgpu.devcluster.system import KvgpuSystem  # noqa: E402
 
 from bench.scale import kubeio  # noqa: E402
-from bench.scale.probes import (  # noqa: E402
-    ProcSampler,
-    api_requests,
-    histogram_quantiles,
-    load_average,
-    pct,
-    per_pod_requests,
-    scrape_histogram,
-    webhook_workers,
-)
-from bench.scale.results import machine, merge_results, public_args  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "scale.json"
 CARD = SimulatedCardSpec(model="NVIDIA H100 80GB HBM3", memory_mib=81559, sm_count=132, numa=0, count=8)
@@ -105,6 +102,203 @@ def pod_body(name: str, *, gpu: bool, rng: random.Random) -> dict[str, Any]:
                  "terminationGracePeriodSeconds": 0,
                  "tolerations": [{"key": "node.kubernetes.io/not-ready", "operator": "Exists"}]},
     }
+
+
+# ----------------------------------------------------------------------------- probes
+class ProcSampler:
+    """Samples CPU seconds and RSS of some PIDs every ``period`` seconds in a thread."""
+
+    def __init__(self, pids: dict[str, int] | int, period: float = 0.5) -> None:
+        self.pids = pids if isinstance(pids, dict) else {"operator": pids}
+        self.period = period
+        self.samples: dict[str, list[tuple[float, float, int]]] = {k: [] for k in self.pids}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def read(self, pid: int | None = None) -> tuple[float, int]:
+        pid = pid if pid is not None else next(iter(self.pids.values()))
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / self._tick  # utime + stime, all threads
+        rss = 0
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        return cpu, rss
+
+    def _sample(self) -> None:
+        t = time.monotonic()
+        for name, pid in self.pids.items():
+            try:
+                cpu, rss = self.read(pid)
+            except OSError:
+                continue
+            self.samples[name].append((t, cpu, rss))
+
+    def add(self, name: str, pid: int) -> None:
+        """Sample one more process from now on (a scheduler restarted during the burst)."""
+        self.samples[name] = []
+        self.pids = {**self.pids, name: pid}
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> ProcSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self._sample()
+
+    def summary(self, name: str = "operator") -> dict[str, float]:
+        ss = self.samples.get(name) or []
+        if len(ss) < 2:
+            return {}
+        (t0, c0, _), (t1, c1, _) = ss[0], ss[-1]
+        return {"cpu_seconds": round(c1 - c0, 2), "cpu_cores_avg": round((c1 - c0) / max(t1 - t0, 1e-9), 3),
+                "rss_mib_peak": round(max(s[2] for s in ss) / 2**20, 1),
+                "rss_mib_end": round(ss[-1][2] / 2**20, 1)}
+
+    def cpu_by_process(self) -> dict[str, float]:
+        """CPU seconds per sampled process over the sampling window."""
+        out = {}
+        for name, ss in self.samples.items():
+            if len(ss) >= 2:
+                out[name] = round(ss[-1][1] - ss[0][1], 2)
+        return out
+
+
+def webhook_workers(pid: int) -> list[int]:
+    """The operator's admission worker processes (its children, less multiprocessing's helpers)."""
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    out = []
+    for k in sorted(set(kids)):
+        try:
+            cmd = Path(f"/proc/{k}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmd:
+            out.append(k)
+    return out
+
+
+def load_average() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def scrape_histogram(port: int) -> dict[str, dict[float, float]]:
+    """Cumulative bucket counts of kvgpu_extender_request_seconds per verb."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    out: dict[str, dict[float, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("kvgpu_extender_request_seconds_bucket{"):
+            continue
+        labels, value = line[line.index("{") + 1:line.index("}")], float(line.rsplit(" ", 1)[1])
+        kv = dict(p.split("=", 1) for p in labels.split(","))
+        verb, le = kv["verb"].strip('"'), kv["le"].strip('"')
+        out.setdefault(verb, {})[float("inf") if le == "+Inf" else float(le)] = value
+    return out
+
+
+#: The key prefix of admission webhook calls in :func:`api_requests` (not API requests).
+WEBHOOK = "webhook "
+
+
+async def api_requests(api: client.ApiClient) -> dict[str, float]:
+    """kube-apiserver's own count of the requests it served (``apiserver_request_total``), summed
+    per "VERB resource[/subresource]"; watches and the /metrics scrape itself left out. Also the
+    admission webhook calls it made, per webhook (``apiserver_admission_webhook_admission_duration_seconds``'s
+    count), as "webhook <name>"."""
+    resp = await api.call_api("/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False)
+    try:
+        text = (await resp.read()).decode()
+    finally:
+        resp.release()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        hook = line.startswith("apiserver_admission_webhook_admission_duration_seconds_count{")
+        if not (hook or line.startswith("apiserver_request_total{")):
+            continue
+        labels, value = line[line.index("{") + 1:line.rindex("}")], float(line.rsplit(" ", 1)[1])
+        kv = {k: v.strip('"') for k, v in (p.split("=", 1) for p in labels.split('",') if "=" in p)}
+        if hook:
+            key = WEBHOOK + kv.get("name", "")
+            out[key] = out.get(key, 0.0) + value
+            continue
+        verb, res, sub = kv.get("verb", ""), kv.get("resource", ""), kv.get("subresource", "")
+        if verb in ("WATCH", "CONNECT") or not res:
+            continue
+        key = f"{verb} {res}{'/' + sub if sub else ''}"
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def per_pod_requests(before: dict[str, float], after: dict[str, float], pods: int,
+                     *, webhooks: bool = False) -> dict[str, float]:
+    """API requests per pod during a burst, by "VERB resource", largest first (≥ 0.01 per pod);
+    with ``webhooks`` the admission webhook calls per pod by webhook name instead."""
+    d = {k: (v - before.get(k, 0.0)) / max(pods, 1) for k, v in after.items()
+         if k.startswith(WEBHOOK) == webhooks}
+    if webhooks:
+        d = {k[len(WEBHOOK):]: v for k, v in d.items()}
+    return {k: round(v, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+
+
+def apiserver_cpu_ms_per_pod(cpu_by_process: dict[str, float], pods: int) -> float | None:
+    """kube-apiserver's CPU time per pod of the burst (ms): its CPU seconds over the burst's
+    window (from the first create to the last pod done) divided by the pods."""
+    cpu = cpu_by_process.get("kube-apiserver")
+    return None if cpu is None else round(cpu * 1000 / max(pods, 1), 2)
+
+
+def histogram_quantiles(before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]
+                        ) -> dict[str, dict[str, float]]:
+    """p50/p99 (ms, linear inside the bucket) and the share ≤ 20 ms of each verb's delta."""
+    res: dict[str, dict[str, float]] = {}
+    for verb, buckets in after.items():
+        b0 = before.get(verb, {})
+        les = sorted(buckets)
+        cum = [buckets[le] - b0.get(le, 0.0) for le in les]
+        total = cum[-1] if cum else 0
+        if total <= 0:
+            continue
+
+        def q(p: float, les: list[float] = les, cum: list[float] = cum, total: float = total) -> float:
+            want = p * total
+            prev_le, prev_c = 0.0, 0.0
+            for le, c in zip(les, cum, strict=True):
+                if c >= want:
+                    if le == float("inf"):
+                        return prev_le * 1000
+                    frac = (want - prev_c) / (c - prev_c) if c > prev_c else 1.0
+                    return (prev_le + (le - prev_le) * frac) * 1000
+                prev_le, prev_c = le, c
+            return prev_le * 1000
+
+        le20 = next((c for le, c in zip(les, cum, strict=True) if abs(le - 0.02) < 1e-12), float("nan"))
+        res[verb] = {"count": int(total), "p50_ms": round(q(0.5), 2), "p99_ms": round(q(0.99), 2),
+                     "share_le_20ms": round(le20 / total, 4)}
+    return res
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
 
 
 # ----------------------------------------------------------------------------- the bench
@@ -190,7 +384,6 @@ class Bench:
         t_sent: dict[str, float] = {}
         t_bound: dict[str, float] = {}
         t_running: dict[str, float] = {}
-        t_claim: dict[str, float] = {}
         done = asyncio.Event()
         kubelet: list[asyncio.Task[Any]] = []
         sem = asyncio.Semaphore(32)
@@ -203,9 +396,7 @@ class Bench:
                     pass
 
         def finished() -> bool:
-            if len(t_bound) < size:
-                return False
-            return len(t_claim) >= size if gpu else len(t_running) >= size
+            return len(t_bound) >= size and len(t_running) >= size
 
         def on_pod(etype: str, obj: dict[str, Any], t: float) -> None:
             name = obj["metadata"]["name"]
@@ -217,16 +408,7 @@ class Bench:
             if finished():
                 done.set()
 
-        def on_claim(etype: str, obj: dict[str, Any], t: float) -> None:
-            pod = (obj.get("spec") or {}).get("podName")
-            if (obj.get("status") or {}).get("phase") == "Running" and pod and pod not in t_claim:
-                t_claim[pod] = t
-            if finished():
-                done.set()
-
         watches = [kubeio.Watch(api, "pods", ns, on_pod).start()]
-        if gpu:
-            watches.append(kubeio.Watch(api, "vgpuclaims", ns, on_claim).start())
         for w in watches:
             await w.synced.wait()
         sched = KVGPU_SCHED if gpu else DEFAULT_SCHED
@@ -271,7 +453,6 @@ class Bench:
 
         bound = sorted(t_bound.values())
         lat_bound = [t_bound[n] - t_sent[n] for n in t_bound if n in t_sent]
-        lat_claim = [t_claim[n] - t_sent[n] for n in t_claim if n in t_sent]
         lat_run = [t_running[n] - t_sent[n] for n in t_running if n in t_sent]
         out: dict[str, Any] = {
             "kind": kind, "mode": mode, "pods": size, "create_errors": len(errors),
@@ -287,15 +468,15 @@ class Bench:
                 out["scheduler_start_to_first_bound_s"] = round(bound[0] - (t_sched_start or t0), 2)
             out["span_s"] = round(span, 2)
             out["bound_per_s"] = round(len(bound) / span, 1) if span > 0 else None
-            ends = sorted(t_claim.values()) if gpu else sorted(t_running.values())
+            ends = sorted(t_running.values())
             if ends:
                 ref = t0 if mode == "stream" else bound[0]
                 out["running_per_s"] = round(len(ends) / (ends[-1] - ref), 1)
                 out["running"] = len(ends)
             out["create_to_bound_ms"] = {"p50": round(pct(lat_bound, 0.5) * 1000),
                                          "p99": round(pct(lat_bound, 0.99) * 1000)}
-            out["create_to_running_ms"] = {"p50": round(pct(lat_claim or lat_run, 0.5) * 1000),
-                                           "p99": round(pct(lat_claim or lat_run, 0.99) * 1000)}
+            out["create_to_running_ms"] = {"p50": round(pct(lat_run, 0.5) * 1000),
+                                           "p99": round(pct(lat_run, 0.99) * 1000)}
             ref = t0 if mode == "stream" else bound[0]
             out["bound_curve_s"] = [round(b - ref, 3) for b in bound[:: max(1, len(bound) // 200)]]
         if gpu:
@@ -303,13 +484,18 @@ class Bench:
         out["operator"] = sampler.summary()
         out["cpu_seconds_by_process"] = sampler.cpu_by_process()
         out["api_requests_per_pod"] = per_pod_requests(req0, req1, size)
+        out["api_requests_per_pod_total"] = round(sum(out["api_requests_per_pod"].values()), 2)
+        out["webhook_calls_per_pod"] = per_pod_requests(req0, req1, size, webhooks=True)
+        out["apiserver_cpu_ms_per_pod"] = apiserver_cpu_ms_per_pod(out["cpu_seconds_by_process"], size)
         out["load_average_1m"] = [load0, load_average()]
         out["wall_s"] = round(t_end - t0, 2)
         log(f"{kind:8s} {mode:6s} {size:5d} pods: bound {len(bound)}/{size}"
             f" {out.get('bound_per_s')} pods/s, running {out.get('running_per_s')} pods/s,"
             f" create {out['create_s']} s, errors {len(errors)}, operator {out['operator']}"
             + (f", extender {out['extender']}" if gpu else "") + f", cpu {out['cpu_seconds_by_process']}"
-            + f", API requests per pod {out['api_requests_per_pod']}")
+            + f", API requests per pod {out['api_requests_per_pod']}"
+            + f", webhook calls per pod {out['webhook_calls_per_pod']}"
+            + f", kube-apiserver CPU {out['apiserver_cpu_ms_per_pod']} ms per pod")
         await self.cleanup_namespace(api, ns, gpu)
         return out
 
@@ -476,6 +662,67 @@ class Bench:
         (self.run_dir / "partial.json").write_text(json.dumps(out, indent=1))
 
 
+def machine() -> dict[str, Any]:
+    mem = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "cpu": cpu,
+            "python": platform.python_version(), "kernel": platform.release()}
+
+
+def code_version() -> str | None:
+    """The commit measured (``git rev-parse --short HEAD``, ``+changes`` when tracked files
+    differ from it); None outside a git checkout (the device bundle)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!bench/results"], cwd=REPO,
+                               timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if dirty else "") if head else None
+
+
+def public_args(argv: list[str]) -> list[str]:
+    """The command line without options that only name local paths (they do not change results)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--run-dir", "--out"):
+            skip = True
+            continue
+        if a.startswith(("--run-dir=", "--out=")) or a == "--keep":
+            continue
+        out.append(a)
+    return out
+
+
+def run_key(nodes: int, cores: int | None, node_choice: str = "extender") -> str:
+    """Results are kept per node count, machine size and ``--node-choice``: ``"1000n-2c"``,
+    ``"5000n-16c"``, ``"5000n-16c-scheduler"`` (the default choice has no suffix)."""
+    return f"{nodes}n-{cores or 0}c" + ("" if node_choice == "extender" else f"-{node_choice}")
+
+
+def merge_results(path: Path, nodes: int, record: dict[str, Any]) -> None:
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    key = run_key(nodes, record.get("machine", {}).get("cores"), record.get("node_choice", "extender"))
+    data.setdefault("runs", {})[key] = record
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=1000)
@@ -503,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bench = Bench(args)
     started = datetime.now(UTC)
+    code = code_version()  # at the start: the code that runs
     bench.start()
     spy = None
     try:
@@ -528,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/scale/run.py " + " ".join(shown),
         "machine": machine(),
         "node_choice": args.node_choice,
+        **({"code": code} if code else {}),
         **result,
     }
     merge_results(Path(args.out), args.nodes, record)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvgpu.api.vgpuclaim import claim_phase
 from kvgpu.core import keys
 from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode
 from kvgpu.devcluster import Cluster, ensure_binaries
@@ -203,9 +204,10 @@ def show_cluster(c: Cluster) -> None:
     show("kubectl vgpu nodes", res.stdout + (res.stderr if res.returncode else ""))
 
 
-def claims_running(c: Cluster) -> bool:
+def claims_held(c: Cluster) -> bool:
+    """Every pod's claim is there, holding its cards (no phase written: Bound)."""
     items = json.loads(c.kubectl("get", "vgpuclaims", "-o", "json").stdout)["items"]
-    return len(items) >= 8 and all((i.get("status") or {}).get("phase") == "Running" for i in items)
+    return len(items) >= 8 and all(claim_phase(i) == "Bound" for i in items)
 
 
 def real_walkthrough(c: Cluster, node: RealNode, total: int) -> None:
@@ -217,7 +219,7 @@ def real_walkthrough(c: Cluster, node: RealNode, total: int) -> None:
              c.kubectl("apply", "-f", "-", input=json.dumps(doc)).stdout)
     wait(lambda: len(p := pods(c)) >= 8 and all(x["status"].get("phase") == "Running" for x in p), 180,
          "8 pods Running on the real node")
-    wait(lambda: claims_running(c), 30, "every claim Running")
+    wait(lambda: claims_held(c), 30, "every claim holding its cards")
     step(5, total, "what the cluster shows (phases from the real kubelet)")
     show("kubectl get nodes -o wide", c.kubectl("get", "nodes", "-o", "wide").stdout)
     show_cluster(c)

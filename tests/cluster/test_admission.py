@@ -195,7 +195,8 @@ def test_bad_value_is_refused_with_the_message(
     p = _create(cluster, _pod(namespace, "bad", {"kvgpu.io/gpumem": "3Gx", "kvgpu.io/gpucores": "130"}),
                 check=False)
     assert p.returncode != 0
-    assert 'admission webhook "pods.validate.kvgpu.io" denied the request' in p.stderr, p.stderr
+    # one webhook call per pod CREATE: the mutating webhook validates too
+    assert 'admission webhook "pods.mutate.kvgpu.io" denied the request' in p.stderr, p.stderr
     assert "kvgpu.io/gpumem" in p.stderr and "3Gx" in p.stderr and "3Gi" in p.stderr, p.stderr
     assert "kvgpu.io/gpucores" in p.stderr and "130" in p.stderr, p.stderr  # every bad key at once
 

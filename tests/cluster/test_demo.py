@@ -1,6 +1,6 @@
 """`make demo` end to end (its own control plane and real node, in a temporary directory): the
-seed pods start as containers on the real kubelet, their claims are Running because the kubelet
-said so, and inside the seed pod NVML shows 3000 MiB and a CUDA program hits the out-of-memory
+seed pods start as containers on the real kubelet (Running because the kubelet said so), their
+claims hold their cards, and inside the seed pod NVML shows 3000 MiB and a CUDA program hits the out-of-memory
 error; nothing the demo started keeps running, nothing is left on the host.
 
 It needs the machine's real-node lock, so it runs before tests/realnode's session node starts
@@ -41,7 +41,7 @@ def test_demo_runs_the_seed_walkthrough_and_leaves_nothing(tmp_path: Path) -> No
     assert p.returncode == 0, out[-4000:]
     assert "NO REAL NODE" not in out, out[-4000:]
     assert "kvgpu-real-0" in out and "containerd://2." in out  # kubectl get nodes -o wide
-    assert "3000Mi" in out and "Running" in out  # the claims, shown by kubectl get vgpuclaims
+    assert "3000Mi" in out and "Running" in out  # the claims (kubectl get vgpuclaims), the pods
     assert "0MiB / 3000MiB" in out  # NVML inside the seed pod
     assert "CUDA_ERROR_OUT_OF_MEMORY" in out and "inside the pod" in out
     assert _running_in(run_dir) == []

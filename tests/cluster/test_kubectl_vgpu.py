@@ -36,7 +36,7 @@ def test_nodes_claims_and_why(gpu: GpuEnv) -> None:
     gpu.wait(lambda: any(e.startswith("NoGPUCapacity") for e in gpu.events("big")),
              what="NoGPUCapacity event")
 
-    # nodes: the operator's summary reaches the plugin (the flush runs every 0.5 s).
+    # nodes: the operator's summary reaches the plugin (each node's at most every 5 s).
     def used() -> Any:
         rows = vgpu_json(gpu, "nodes", node)
         return rows if sum(r["slots"][0] or 0 for r in rows) == 1 else None

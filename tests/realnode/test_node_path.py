@@ -54,12 +54,11 @@ def test_hami_pod_gets_claim_env_and_claim_file(real_pods: RealPods) -> None:
 
 
 def test_claims_follow_the_kubelet(real_pods: RealPods) -> None:
-    # Running because the kubelet reported the container running; Released when it exited.
+    # Held (no phase written: Bound) while the container runs; Released when it exited.
     real_pods.apply(gpu_pod(real_pods, "short", restartPolicy="Never", containers=[
         container("main", hami_limits(1, 1000), command=("sh", "-c", "sleep 4"))]))
     real_pods.wait_running("short")
-    wait_for(lambda: [c for c in claims(real_pods) if c.get("status", {}).get("phase") == "Running"], 30,
-             "the claim Running")
+    assert [c for c in claims(real_pods) if not c.get("status", {}).get("phase")], claims(real_pods)
     wait_for(lambda: real_pods.get("short")["status"].get("phase") == "Succeeded", 60, "the pod Succeeded")
     wait_for(lambda: all(c.get("status", {}).get("phase") == "Released" for c in claims(real_pods)), 30,
              "the claim Released")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import time
 
+from kvgpu.api.vgpuclaim import claim_phase
+
 from tests.cluster.conftest import GpuEnv, gpu
 
 __all__ = ["gpu"]
@@ -30,8 +32,8 @@ def test_a_claim_removed_under_a_running_pod_is_restored(gpu: GpuEnv) -> None:
     gpu.create(gpu.pod("holder", {"kvgpu.io/gpumem": "8000"}))
     gpu.wait_bound("holder")
     gpu.mark_running("holder")
-    first = gpu.wait(lambda: (c := _claim(gpu, "holder")) and c.get("status", {}).get("phase") == "Running" and c,
-                     30, "the holder's claim Running")
+    first = gpu.wait(lambda: (c := _claim(gpu, "holder")) and claim_phase(c) == "Bound" and c,
+                     30, "the holder's claim")
     name = first["metadata"]["name"]
 
     gpu.cluster.kubectl("delete", "vgpuclaim", name, "-n", gpu.ns, "--wait=true")  # as system:masters
@@ -43,8 +45,8 @@ def test_a_claim_removed_under_a_running_pod_is_restored(gpu: GpuEnv) -> None:
 
     gpu.cluster.kubectl("patch", "vgpuclaim", name, "-n", gpu.ns, "--subresource=status", "--type=merge",
                         "-p", json.dumps({"status": {"phase": "Released"}}))
-    gpu.wait(lambda: (_claim(gpu, "holder") or {}).get("status", {}).get("phase") == "Running", 15,
-             "the claim's phase put back")
+    gpu.wait(lambda: (c := _claim(gpu, "holder")) is not None and claim_phase(c) == "Bound", 15,
+             "the claim put back (re-created, no phase: Bound)")
     _stays_unbound(gpu, "greedy", 3)
 
     gpu.delete_pod("holder")  # now the cards really free up

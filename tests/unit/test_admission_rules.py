@@ -528,7 +528,7 @@ def test_configurations_shape() -> None:
     assert [(r["operations"], r["resources"]) for r in mw["rules"]] == [
         (["CREATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"])]
     assert [(r["operations"], r["resources"]) for r in vw["rules"]] == [
-        (["CREATE", "UPDATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"]),
+        (["UPDATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"]),
         (["UPDATE"], ["pods/status"])]
     for w in (mw, vw, ww):
         assert w["failurePolicy"] == "Fail" and w["sideEffects"] == "None" and w["timeoutSeconds"] == 5

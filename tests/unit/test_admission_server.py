@@ -88,12 +88,49 @@ def test_mutate_gpu_pod_create_returns_add_only_ops_that_make_a_kvgpu_pod() -> N
 @pytest.mark.parametrize("p", [
     pod(),
     pod({"team": "web"}),
-    pod({"kvgpu.io/gpumem": "3Gx"}),  # a request with errors: left to validation
-], ids=["plain", "other-annotations", "bad-request"])
-def test_mutate_leaves_pods_without_a_valid_gpu_request_alone(p: dict[str, Any]) -> None:
+], ids=["plain", "other-annotations"])
+def test_mutate_leaves_pods_without_a_gpu_request_alone(p: dict[str, Any]) -> None:
     d = review(MUTATE_ID, request("CREATE", p), OPS)
     assert d.allowed
     assert d.patch == []
+
+
+def _env(name: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda q: q["spec"]["containers"][0].update(env=[{"name": name, "value": "0"}])
+
+
+def _privileged(q: dict[str, Any]) -> None:
+    q["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+
+
+@pytest.mark.parametrize(("p", "needle"), [
+    (pod({"kvgpu.io/gpumem": "3Gx"}), "kvgpu.io/gpumem"),
+    (edited(pod(SLICED), _env(keys.ENV_CLAIM)), keys.ENV_CLAIM),
+    (edited(pod(SLICED), _privileged), "privileged"),
+    (pod({**SLICED, keys.POD_NODE: "n1"}), keys.POD_NODE),
+    (edited(pod(), lambda q: q["metadata"].update(labels={MANAGED_LABEL: "true"})), MANAGED_LABEL),
+    (pod(SLICED, nodeName="n1"), "spec.nodeName"),
+], ids=["bad-request", "reserved-env", "privileged", "forged-annotation", "managed-label", "node-name"])
+def test_mutate_refuses_at_create_what_validation_refuses(p: dict[str, Any], needle: str) -> None:
+    """A pod CREATE costs one webhook call: the mutating webhook makes the validating webhook's
+    CREATE checks itself, on the pod as its injection leaves it, with the same message."""
+    d = review(MUTATE_ID, request("CREATE", p), OPS)
+    assert not d.allowed and d.patch == []
+    assert needle in d.message
+    out = dict(jsonpatch.apply_patch(p, _ops(p)))
+    assert d.message == review(VALIDATE_ID, request("CREATE", out), OPS).message
+
+
+def _ops(p: dict[str, Any]) -> list[dict[str, Any]]:
+    from kvgpu.admission.mutate import mutate_pod
+
+    return mutate_pod(p)
+
+
+def test_mutate_warns_like_validation_did() -> None:
+    d = review(MUTATE_ID, request("CREATE", pod({**SLICED, "kvgpu.io/team": "web"})), OPS)
+    assert d.allowed and d.patch
+    assert any("kvgpu.io/team" in w for w in d.warnings)
 
 
 def test_mutate_only_acts_on_create_and_debug_containers() -> None:

@@ -1,10 +1,12 @@
-"""The operator's flush (Runtime.flush): node allocation annotations every flush, VGPUPool
-status at once for pool or inventory changes and at most every pool_status_interval_s for
-allocations alone (it sums every node and reservation, in the loop that answers filter)."""
+"""The operator's flush (Runtime.flush): node allocation annotations at most every
+node_annotation_interval_s per node (the first at once), VGPUPool status at once for pool or
+inventory changes and at most every pool_status_interval_s for allocations alone (it sums
+every node and reservation, in the loop that answers filter)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -43,7 +45,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Started:
     """A runtime on the three-node fake state, with a clock the test moves (seconds)."""
     clock = [1000.0]
     monkeypatch.setattr("kvgpu.runtime.background.time.monotonic", lambda: clock[0])
-    rt = Runtime(OperatorConfig(pool_status_interval_s=5.0))
+    rt = Runtime(OperatorConfig(pool_status_interval_s=5.0, node_annotation_interval_s=0.5))
     rt.state = make_state()
     return rt, clock
 
@@ -80,6 +82,30 @@ def test_pool_status_for_allocations_waits_for_its_interval(writes: Writes, star
     clock[0] += 10.0  # nothing changed: nothing written
     asyncio.run(rt.flush())
     assert len(writes.pools) == 2
+
+
+def test_a_node_changing_again_soon_is_written_once_its_interval_passed(writes: Writes,
+                                                                      started: Started) -> None:
+    rt, clock = started
+    rt.cfg = OperatorConfig(pool_status_interval_s=5.0, node_annotation_interval_s=5.0)
+    asyncio.run(rt.flush())  # the first write of every node: at once
+    assert sorted(writes.nodes) == NODES
+    writes.nodes.clear()
+    for step in range(4):  # a burst: n0 changes before every flush, n1 once
+        _reserve(rt, f"a{step}", "n0")
+        if step == 1:
+            _reserve(rt, "b", "n1")
+        clock[0] += 1.0
+        asyncio.run(rt.flush())
+    assert writes.nodes == [], "written 4 s ago: not yet"
+    clock[0] += 1.0
+    asyncio.run(rt.flush())
+    assert writes.nodes == ["n0", "n1"], "5 s after the last write: both, with everything since"
+    now = json.dumps(rt.state.ledger.node_usage("n0").to_json(), sort_keys=True, separators=(",", ":"))
+    assert rt._written_nodes["n0"] == now  # the four reservations
+    clock[0] += 10.0
+    asyncio.run(rt.flush())
+    assert writes.nodes == ["n0", "n1"], "nothing changed since: nothing written"
 
 
 def test_pool_status_at_once_when_a_pool_or_inventory_changes(writes: Writes, started: Started) -> None:
@@ -136,7 +162,7 @@ def test_a_node_refused_by_the_api_does_not_hold_up_the_others(started: Started,
     nodes and the pool status are written in the same flush."""
     from kubernetes_asyncio.client.exceptions import ApiException
 
-    rt, _clock = started
+    rt, clock = started
     written: list[str] = []
     pools: list[dict[str, Any]] = []
 
@@ -158,6 +184,7 @@ def test_a_node_refused_by_the_api_does_not_hold_up_the_others(started: Started,
 
     monkeypatch.setattr(kube, "patch_node_annotations", unavailable)
     _reserve(rt, "a", "n1")
+    clock[0] += 1.0  # past n1's interval
     with pytest.raises(ApiException):
         asyncio.run(rt.flush())
     assert "n1" in rt.state.dirty_nodes

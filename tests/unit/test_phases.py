@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from kvgpu.api.vgpuclaim import claim_phase
 from kvgpu.core import keys
 from kvgpu.core.claimstr import ClaimDevice, ClaimString
-from kvgpu.reconcile.phases import ClaimAction, actions, pod_claims, slices_message, stale_phases
+from kvgpu.reconcile.phases import ClaimAction, actions, pod_claims, slices_message
 
 
 def _pod(claims: str = "p-main-abcde", node: str = "", phase: str = "Pending") -> dict[str, Any]:
@@ -21,8 +22,8 @@ def _pod(claims: str = "p-main-abcde", node: str = "", phase: str = "Pending") -
 
 @pytest.mark.parametrize(("etype", "node", "phase", "want"), [
     ("ADDED", "", "Pending", []),
-    ("MODIFIED", "n1", "Pending", [ClaimAction("p-main-abcde", phase="Bound", message="bound to n1")]),
-    ("MODIFIED", "n1", "Running", [ClaimAction("p-main-abcde", phase="Running", message="pod running on n1")]),
+    ("MODIFIED", "n1", "Pending", []),  # bound: the claim was created so, nothing to write
+    ("MODIFIED", "n1", "Running", []),  # running: the pod's phase says it
     ("MODIFIED", "n1", "Succeeded", [ClaimAction("p-main-abcde", phase="Released", message="pod Succeeded")]),
     ("MODIFIED", "", "Failed", [ClaimAction("p-main-abcde", phase="Released", message="pod Failed")]),
     ("DELETED", "n1", "Running", [ClaimAction("p-main-abcde", delete=True)]),
@@ -33,9 +34,10 @@ def test_claims_follow_the_pod(etype: str, node: str, phase: str, want: list[Cla
 
 
 def test_every_listed_claim_gets_the_action_and_a_pod_without_claims_gets_none() -> None:
-    pod = _pod(claims="a,b,,c", node="n1", phase="Running")
+    pod = _pod(claims="a,b,,c", node="n1", phase="Succeeded")
     assert pod_claims(pod) == ["a", "b", "c"]
     assert [a.claim for a in actions("MODIFIED", pod)] == ["a", "b", "c"]
+    assert [a.claim for a in actions("DELETED", pod)] == ["a", "b", "c"]
     assert actions("DELETED", _pod(claims="")) == []
     assert actions("MODIFIED", _pod(claims="", node="n1", phase="Running")) == []
 
@@ -57,56 +59,53 @@ def _claim(name: str, phase: str | None, uid: str = "u1") -> dict[str, Any]:
             **({"status": {"phase": phase}} if phase else {})}
 
 
-def test_stale_phases_are_claims_behind_what_the_worker_wrote() -> None:
-    written = {"ns/a": "Bound", "ns/b": "Running", "ns/c": "Bound", "ns/d": "Running"}
-    claims = [_claim("a", None), _claim("b", "Running"), _claim("c", "Released", "u2"),
-              _claim("d", "Bound", "u3"), _claim("e", None, "u4")]
-    # a: re-created without a phase; d: behind; b: as written; c: terminal; e: never written
-    assert stale_phases(written, claims) == {"u1": ["ns/a"], "u3": ["ns/d"]}
+def test_a_claim_without_a_written_phase_is_bound() -> None:
+    assert claim_phase(_claim("a", None)) == "Bound"
+    assert claim_phase(_claim("a", "Released")) == "Released"
+    assert claim_phase(_claim("a", "Running")) == "Running"  # written by an earlier version
+    assert claim_phase({}) == "Bound"
 
 
-def test_the_sweep_rewrites_the_phase_of_a_recreated_claim(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker wrote Bound on claim p-main-abcde; a bind then re-created the claim (same
-    name, no phase). The next sweep notices and writes Bound again, without a second Event."""
+@pytest.mark.parametrize("bind_events", [True, False])
+def test_a_bound_and_running_pod_costs_no_claim_write(monkeypatch: pytest.MonkeyPatch, bind_events: bool) -> None:
+    """Bound, then Running, then the events replayed: nothing written to the claim; the
+    GPUSlicesBound Event (when enabled) once; the end of the pod writes Released once."""
+    import asyncio
+
+    w, writes = _worker_with(monkeypatch, {"p-main-abcde": _claim("p-main-abcde", None)}, live=None,
+                             bind_events=bind_events)
+    for phase in ("Pending", "Running", "Running"):
+        asyncio.run(w.on_pod("MODIFIED", _pod(node="n1", phase=phase)))
+    assert writes == [("event", "GPUSlicesBound")] * bind_events
+    asyncio.run(w.on_pod("MODIFIED", _pod(node="n1", phase="Succeeded")))
+    asyncio.run(w.on_pod("MODIFIED", _pod(node="n1", phase="Succeeded")))
+    assert writes == [("event", "GPUSlicesBound")] * bind_events + [("p-main-abcde", "Released")]
+
+
+def test_no_event_again_for_pods_whose_claims_existed_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted worker lists the claims first: their pods had their Event already."""
     import asyncio
 
     from kvgpu import kube
-    from kvgpu.reconcile.phaseworker import PhaseWorker, PhaseWorkerConfig, pod_projection
 
-    writes: list[tuple[str, str]] = []
-    events: list[str] = []
-    listed = [_claim("p-main-abcde", None)]
+    w, writes = _worker_with(monkeypatch, {"p-main-abcde": _claim("p-main-abcde", None)}, live=None)
 
     async def list_all(api: Any, kind: str) -> list[dict[str, Any]]:
-        return listed
+        return [_claim("p-main-abcde", None)]
 
-    async def patch_claim_status(api: Any, ns: str, name: str, status: dict[str, Any]) -> bool:
-        writes.append((name, status["phase"]))
-        return True
+    async def no_watch() -> None:
+        return None
 
-    async def post_event(api: Any, obj: Any, **kw: Any) -> None:
-        events.append(kw["reason"])
-
-    async def get_claim(api: Any, ns: str, name: str) -> dict[str, Any] | None:
-        return listed[0]
-
-    for name, fn in (("list_all", list_all), ("patch_claim_status", patch_claim_status),
-                     ("post_event", post_event), ("get_claim", get_claim)):
-        monkeypatch.setattr(kube, name, fn)
-    w = PhaseWorker(PhaseWorkerConfig(orphan_grace_s=3600), api=None)
-    pod = _pod(node="n1")
-    asyncio.run(w.on_pod("MODIFIED", pod))
-    assert writes == [("p-main-abcde", "Bound")] and events == ["GPUSlicesBound"]
-    w.pods._known["u1"] = pod_projection(pod)  # what the pod watch keeps
-    asyncio.run(w.sweep())
-    assert writes == [("p-main-abcde", "Bound")] * 2 and events == ["GPUSlicesBound"]
-    listed[0]["status"] = {"phase": "Bound"}
-    asyncio.run(w.sweep())  # in step: nothing written
-    assert len(writes) == 2
+    monkeypatch.setattr(kube, "list_all", list_all)
+    monkeypatch.setattr(w.pods, "run", no_watch)
+    monkeypatch.setattr(w, "_sweep_loop", no_watch)
+    asyncio.run(w.run())
+    asyncio.run(w.on_pod("MODIFIED", _pod(node="n1", phase="Running")))
+    assert writes == []
 
 
 def _worker_with(monkeypatch: pytest.MonkeyPatch, claims: dict[str, dict[str, Any]],
-                 live: dict[str, Any] | None) -> tuple[Any, list[tuple[str, str]]]:
+                 live: dict[str, Any] | None, *, bind_events: bool = True) -> tuple[Any, list[tuple[str, str]]]:
     from kvgpu import kube
     from kvgpu.reconcile.phaseworker import PhaseWorker, PhaseWorkerConfig
 
@@ -127,12 +126,12 @@ def _worker_with(monkeypatch: pytest.MonkeyPatch, claims: dict[str, dict[str, An
         return True
 
     async def post_event(api: Any, obj: Any, **kw: Any) -> None:
-        pass
+        writes.append(("event", kw["reason"]))
 
     for name, fn in (("get_claim", get_claim), ("get_pod", get_pod), ("patch_claim_status", patch_claim_status),
                      ("delete_claim", delete_claim), ("post_event", post_event)):
         monkeypatch.setattr(kube, name, fn)
-    return PhaseWorker(PhaseWorkerConfig(), api=None), writes
+    return PhaseWorker(PhaseWorkerConfig(bind_events=bind_events), api=None), writes
 
 
 def test_a_claim_of_another_pod_is_never_released(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,8 +2,10 @@
 
 :func:`review` maps a webhook id (the URL path the configurations in
 :mod:`kvgpu.admission.config` point at) and the review's ``request`` to a :class:`Decision`:
-mutate pods (JSON-patch ops from :mod:`kvgpu.admission.mutate`), validate pods and validate
-workload pod templates (:mod:`kvgpu.admission.validate`). Served by
+mutate pods (JSON-patch ops from :mod:`kvgpu.admission.mutate`; at CREATE the same call also
+makes every CREATE check of :mod:`kvgpu.admission.validate` on the mutated pod, so a new pod
+costs one webhook call), validate pod updates (and, for a configuration that still sends them,
+creates) and validate workload pod templates (:mod:`kvgpu.admission.validate`). Served by
 :mod:`kvgpu.admission.server` (HTTPS, worker processes). Every call is logged at DEBUG on
 ``kvgpu.admission`` ("kvgpu admission: mutate CREATE pod ns/name: 3 patch ops"), refusals at INFO.
 """
@@ -15,7 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgpu.admission.mutate import mutate_ephemeral, mutate_pod
+from kvgpu.admission.mutate import apply_ops, mutate_ephemeral, mutate_pod
 from kvgpu.admission.validate import EPHEMERAL, validate_pod, validate_workload
 from kvgpu.admission.warn import pod_warnings, workload_warnings
 from kvgpu.api.pools import SliceMinimum
@@ -60,6 +62,25 @@ def _who(pod: dict[str, Any]) -> str:
     return f"pod {meta.get('namespace', '')}/{meta.get('name') or meta.get('generateName', '') + '*'}"
 
 
+def _mutate_and_validate(request: dict[str, Any], obj: dict[str, Any], operator_usernames: Collection[str],
+                         slice_minimum: SliceMinimum | None) -> Decision:
+    """A pod CREATE in one webhook call: the injection, then every check the validating webhook
+    makes at CREATE, on the pod as the injection leaves it (so our own entries are recognised
+    and anything else under a reserved name is refused). The webhook is reinvoked
+    (``reinvocationPolicy: IfNeeded``) when a later mutating webhook changes the pod, so the
+    checks also see what those added."""
+    ops = mutate_pod(obj)
+    mutated = apply_ops(obj, ops) if ops else obj
+    username = str((request.get("userInfo") or {}).get("username", ""))
+    errors = validate_pod("CREATE", mutated, None, username, frozenset(operator_usernames),
+                          min_slice=slice_minimum)
+    log.debug("kvgpu admission: mutate CREATE %s: %d patch ops", _who(obj), len(ops))
+    if errors:
+        log.info("kvgpu: refused CREATE by %s: %s", username, "; ".join(errors))
+        return Decision(False, message=refusal_message(errors))
+    return Decision(patch=ops, warnings=pod_warnings("CREATE", mutated, None))
+
+
 def review(webhook: str, request: dict[str, Any], operator_usernames: Collection[str],
            slice_minimum: SliceMinimum | None = None) -> Decision:
     """The decision of webhook ``webhook`` (an id above) on an AdmissionReview ``request``.
@@ -77,7 +98,7 @@ def review(webhook: str, request: dict[str, Any], operator_usernames: Collection
         if subresource == EPHEMERAL and operation == "UPDATE":
             ops = mutate_ephemeral(obj)
         elif subresource is None and operation == "CREATE":
-            ops = mutate_pod(obj)
+            return _mutate_and_validate(request, obj, operator_usernames, slice_minimum)
         else:
             ops = []
         log.debug("kvgpu admission: mutate %s %s%s: %d patch ops", operation, _who(obj),

@@ -188,7 +188,8 @@ CLAIM_COLUMNS = [
     _col("GPU", "string", ".spec.gpuSummary", "Card indexes on the node."),
     _col("Memory", "string", ".spec.memorySummary", "Memory per card."),
     _col("Cores", "string", ".spec.coresSummary", "Percent of SMs per card."),
-    _col("Phase", "string", ".status.phase", "Reserved, Bound, Running, Released or Failed."),
+    _col("Phase", "string", ".status.phase", "Released or Failed once the pod ended; empty while the claim "
+         "holds its cards (Bound: kubectl vgpu claims shows it)."),
     AGE,
     _col("Pool", "string", ".spec.pool", "The pool.", 1),
     _col("Priority", "integer", ".spec.priority", "0 high, 1 low.", 1),

@@ -52,9 +52,11 @@ class PolicyName(StrEnum):
 
 
 class ClaimPhase(StrEnum):
-    """Life of a claim: ``Reserved`` (cards picked at bind) → ``Bound`` (pod bound to the node)
-    → ``Running`` (container started) → ``Released`` (pod ended or gone; cards free again).
-    ``Failed``: the claim could not be honoured (see the message)."""
+    """Life of a claim. Written: ``Released`` (pod ended; cards free again) and ``Failed`` (the
+    claim could not be honoured, see the message). A claim without a phase is ``Bound``: the bind
+    creates it holding its cards, just before the Binding (:func:`kvgpu.api.vgpuclaim.claim_phase`);
+    whether the pod runs is the pod's phase. ``Reserved`` and ``Running`` are not written any
+    more (claims of earlier versions may carry ``Bound`` or ``Running``)."""
 
     RESERVED = "Reserved"
     BOUND = "Bound"

@@ -3,6 +3,7 @@ phase (:class:`VGPUClaimStatus`). Re-exported by :mod:`kvgpu.api.models`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, ConfigDict, Field, computed_field, model_validator
@@ -99,7 +100,9 @@ class VGPUClaimStatus(_Model):
     """Where the claim is in its life."""
 
     phase: ClaimPhase | None = Field(
-        default=None, description="Reserved, Bound, Running, Released or Failed."
+        default=None, description="Released or Failed once written; none while the claim holds its cards "
+        "for its pod (Bound: the claim is created just before the pod's Binding). Reserved, Bound and Running "
+        "are accepted from earlier versions."
     )
     message: str = Field(default="", max_length=4096, description="Why the claim is in this phase.")
     observed_generation: int | None = Field(default=None, ge=0, description="Generation last reconciled.")
@@ -143,3 +146,11 @@ class VGPUClaim(_Model):
 
 
 TERMINAL_PHASES = frozenset({ClaimPhase.RELEASED, ClaimPhase.FAILED})
+
+
+def claim_phase(claim: Any) -> str:
+    """A claim's phase for people (a claim object as a dict): the one written (Released, Failed;
+    Bound or Running on claims of earlier versions), else ``Bound``: the claim holds its cards for
+    its pod."""
+    status = (claim.get("status") if isinstance(claim, Mapping) else None) or {}
+    return str(status.get("phase") or ClaimPhase.BOUND.value)

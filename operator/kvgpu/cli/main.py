@@ -58,8 +58,10 @@ def main() -> None:
               help="CA bundle for the webhook configurations (with --dev-webhooks)")
 @click.option("--webhook-workers", type=click.IntRange(1, 64), default=2, show_default=True,
               help="processes serving the admission webhooks (they share --webhook-port)")
-@click.option("--bind-events/--no-bind-events", default=True, show_default=True,
-              help="post a GPUSlicesBound Event on each pod whose claims become Bound (which cards, how much)")
+@click.option("--bind-events/--no-bind-events", default=False, show_default=True,
+              help="post a GPUSlicesBound Event on each GPU pod when it is bound (which cards, how much): one "
+                   "more API write per pod; kube-scheduler's Scheduled Event names the node, the pod's claims "
+                   "the cards")
 @click.option("--node-choice", type=click.Choice(["extender", "scheduler"]), default="extender", show_default=True,
               help="who picks a GPU pod's node: the extender's filter answers the best node by the GPU policy "
                    "(one round trip per pod; kube-scheduler's own scores are skipped unless the pod states "

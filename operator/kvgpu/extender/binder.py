@@ -23,8 +23,9 @@ pod run one at a time, a retry of a pod this process already bound elsewhere is 
    leftover of a bind cut short and is replaced, one of another pod is an error);
 4. create the Binding carrying the allocation annotations the container's env and claim file
    read (downward API): the API server merges them into the pod in the same write that sets
-   ``spec.nodeName``; answer. (The claim-phase worker, :mod:`kvgpu.reconcile.phaseworker`,
-   then marks the claims Bound when it sees the bound pod, and posts the Event.)
+   ``spec.nodeName``; answer. The claims need no further write while the pod holds them: a
+   claim without a phase is Bound (the claim-phase worker, :mod:`kvgpu.reconcile.phaseworker`,
+   writes Released when the pod ends, and posts the optional GPUSlicesBound Event).
 
 Any failure (API errors and unexpected ones too) releases the ledger keys and deletes the
 claims this attempt created, so nothing stays reserved; the error goes back to kube-scheduler,
@@ -428,8 +429,8 @@ class Binder:
             await self._restore(ns, at.args.pod_name, at.args.pod_uid, at.replaced)
 
     def _bound(self, at: _Attempt, alloc: PodAllocation) -> None:
-        """The pod is bound: answer kube-scheduler. The claim-phase worker sees the bound pod and
-        moves its claims to Bound (and posts the GPUSlicesBound Event)."""
+        """The pod is bound: answer kube-scheduler. Its claims are complete as created (no phase:
+        Bound)."""
         uid, node = at.args.pod_uid, at.args.node
         self.state.forget_pending(uid)
         if len(self._bound_to) >= self.MAX_HINTS:

@@ -3,21 +3,25 @@
 =====================  ==========================================
 pod                     its claims (``kvgpu.io/claims``)
 =====================  ==========================================
-pending (no node)       nothing (kept as created: Reserved)
-bound to a node         phase Bound
-Running                 phase Running
+pending (no node)       nothing
+bound to a node         nothing (no phase written: Bound, derived)
+Running                 nothing (the pod's own phase says it)
 Succeeded / Failed      phase Released (the operator frees the ledger on it)
 deleted                 deleted (the ownerReference would too, later)
 =====================  ==========================================
 
-Level-based: the answer depends only on the pod's current state, so a pod seen for the first
-time already Running goes straight to Running, and replaying an event writes nothing new.
-Used by :mod:`kvgpu.reconcile.phaseworker`.
+A claim is written only when what it records changes: it is created by the bind, before the
+Binding, holding its cards (a claim without a phase is Bound:
+:func:`kvgpu.api.vgpuclaim.claim_phase`), and it is
+written again only to be Released or deleted. Writing Bound and Running as well cost the API
+server two status writes per pod that told nothing the pod does not already say (issue 17).
+
+Level-based: the answer depends only on the pod's current state, so replaying an event writes
+nothing new. Used by :mod:`kvgpu.reconcile.phaseworker`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,32 +54,10 @@ def actions(event_type: str, pod: dict[str, Any]) -> list[ClaimAction]:
         return []
     if event_type == "DELETED":
         return [ClaimAction(c, delete=True) for c in claims]
-    spec, status = pod.get("spec") or {}, pod.get("status") or {}
-    phase, node = status.get("phase"), spec.get("nodeName")
+    phase = (pod.get("status") or {}).get("phase")
     if phase in TERMINAL:
         return [ClaimAction(c, phase="Released", message=f"pod {phase}") for c in claims]
-    if not node:
-        return []
-    if phase == "Running":
-        return [ClaimAction(c, phase="Running", message=f"pod running on {node}") for c in claims]
-    return [ClaimAction(c, phase="Bound", message=f"bound to {node}") for c in claims]
-
-
-def stale_phases(written: Mapping[str, str], claims: Iterable[dict[str, Any]]) -> dict[str, list[str]]:
-    """Claims whose phase in the API differs from ``written`` (``"ns/name"`` → the phase the
-    worker wrote), by pod UID → their keys: a bind that re-created a claim under the same name
-    (replace, restore) left the new object without the phase the worker thinks it has. Claims
-    the worker has not written, and Released/Failed ones, are not stale."""
-    out: dict[str, list[str]] = {}
-    for c in claims:
-        meta = c.get("metadata") or {}
-        key = f"{meta.get('namespace')}/{meta.get('name')}"
-        have = (c.get("status") or {}).get("phase")
-        want = written.get(key)
-        if want is None or have == want or have in ("Released", "Failed"):
-            continue
-        out.setdefault(str((c.get("spec") or {}).get("podUID", "")), []).append(key)
-    return out
+    return []
 
 
 def slices_message(pod: dict[str, Any]) -> str:

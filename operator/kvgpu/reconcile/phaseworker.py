@@ -1,9 +1,11 @@
 """The claim-phase worker: a process of the leading operator that makes each kvgpu pod's
 VGPUClaims follow the pod (:mod:`kvgpu.reconcile.phases`) and removes orphaned claims.
 
-Why a process of its own: these are most of the operator's writes (a phase per claim for Bound,
-Running and Released, the GPUSlicesBound Event) and its busiest watch (every kvgpu pod update),
-and none of it needs the ledger. In the operator's asyncio thread they delayed the extender's
+Why a process of its own: these are many of the operator's writes (Released when a pod ends,
+claims of deleted pods deleted, the GPUSlicesBound Event with ``--bind-events``) and its busiest watch (every
+kvgpu pod update), and none of it needs the ledger. A bound or running pod costs no write here:
+its claims were created holding their cards and stay without a phase until the pod ends
+(:mod:`kvgpu.reconcile.phases`). In the operator's asyncio thread they delayed the extender's
 filter and prioritize answers, which sit in kube-scheduler's serial scheduling cycle; here they
 run on another core. The operator learns what it must free from the claims themselves: a claim
 deleted or Released releases its reservation (``Runtime.on_claim``).
@@ -24,7 +26,7 @@ import structlog
 
 from kvgpu import kube, procs
 from kvgpu.core import keys
-from kvgpu.reconcile.phases import TERMINAL, actions, pod_claims, slices_message, stale_phases
+from kvgpu.reconcile.phases import TERMINAL, actions, pod_claims, slices_message
 from kvgpu.watch import ListWatch
 
 log = structlog.get_logger("kvgpu.phases")
@@ -38,7 +40,7 @@ class PhaseWorkerConfig:
     kubeconfig: str | None = None  # None: in-cluster service account
     orphan_grace_s: float = 30.0  # a claim younger than this may belong to a bind in flight
     sweep_interval_s: float = 15.0
-    bind_events: bool = True  # a GPUSlicesBound Event per pod when its claims become Bound
+    bind_events: bool = False  # a GPUSlicesBound Event per pod when it is first seen bound
 
 
 def pod_projection(pod: dict[str, Any]) -> dict[str, Any]:
@@ -73,13 +75,14 @@ class PhaseWorker:
                               label_selector=f"{keys.POD_MANAGED_LABEL}=true", name="pods")
 
     async def run(self) -> None:
-        # Phases as recorded, so the first list of pods costs no write for claims already there.
+        # Phases as recorded, so the first list of pods costs no write for claims already there,
+        # and pods whose claims exist already had their Event (from an earlier run).
         for c in await kube.list_all(self.api, "vgpuclaims"):
             phase = (c.get("status") or {}).get("phase")
             if phase:
                 self._phase[f"{c['metadata']['namespace']}/{c['metadata']['name']}"] = str(phase)
-                if phase in ("Bound", "Running"):
-                    self._evented.add(str((c.get("spec") or {}).get("podUID", "")))
+            if phase not in ("Released", "Failed"):
+                self._evented.add(str((c.get("spec") or {}).get("podUID", "")))
         tasks = [asyncio.create_task(self.pods.run(), name="kvgpu-phases-pods"),
                  asyncio.create_task(self._sweep_loop(), name="kvgpu-phases-sweep")]
         try:
@@ -120,7 +123,6 @@ class PhaseWorker:
                             pod=f"{ns}/{meta.get('name')}")
                 etype, pod = "MODIFIED", pod_projection(live)
                 meta = pod["metadata"]
-        wrote_bound = False
         for a in actions(etype, pod):
             key = f"{ns}/{a.claim}"
             if a.delete:
@@ -135,14 +137,15 @@ class PhaseWorker:
                 continue
             if await kube.patch_claim_status(self.api, ns, a.claim, {"phase": a.phase, "message": a.message}):
                 self._phase[key] = a.phase
-                wrote_bound = wrote_bound or a.phase in ("Bound", "Running")
         if etype == "DELETED" or (pod.get("status") or {}).get("phase") in TERMINAL:
             self._evented.discard(uid)
-            for c in pod_claims(pod):
-                self._phase.pop(f"{ns}/{c}", None)
-                self._owner.pop(f"{ns}/{c}", None)
+            if etype == "DELETED":  # an ended pod's later updates must not write Released again
+                for c in pod_claims(pod):
+                    self._phase.pop(f"{ns}/{c}", None)
+                    self._owner.pop(f"{ns}/{c}", None)
             return
-        if wrote_bound and self.cfg.bind_events and uid not in self._evented:
+        bound = bool((pod.get("spec") or {}).get("nodeName")) and bool(pod_claims(pod))
+        if bound and self.cfg.bind_events and uid not in self._evented:
             if len(self._evented) >= MAX_EVENTED:
                 self._evented.clear()
             self._evented.add(uid)
@@ -161,20 +164,11 @@ class PhaseWorker:
             await asyncio.sleep(self.cfg.sweep_interval_s)
 
     async def sweep(self) -> None:
-        """Rewrite the phase of claims that lack the one this worker wrote (a bind re-created the
-        claim under the same name), and delete claims whose pod is gone (or is another pod now)
-        after ``orphan_grace_s``; the operator frees them in the ledger when it sees them deleted."""
+        """Delete claims whose pod is gone (or is another pod now) after ``orphan_grace_s``; the
+        operator frees them in the ledger when it sees them deleted."""
         pods = self.pods.known()
         now = time.time()
         claims = await kube.list_all(self.api, "vgpuclaims")
-        for uid, stale in stale_phases(self._phase, claims).items():
-            for key in stale:
-                self._phase.pop(key, None)
-            pod = pods.get(uid)
-            if pod is not None:
-                log.info("claim phase behind its pod: rewriting it", claims=stale)
-                self._evented.add(uid)  # its Event went out with the first write
-                await self.on_pod("MODIFIED", dict(pod))
         for c in claims:
             meta, spec = c["metadata"], c.get("spec") or {}
             if (c.get("status") or {}).get("phase") in ("Released", "Failed"):

@@ -38,8 +38,16 @@ class Background(RuntimeBase):
             await asyncio.sleep(interval)
 
     async def flush(self) -> None:
-        """Write changed node allocation annotations and VGPUPool status."""
-        todo = sorted(self.state.take_dirty_nodes())
+        """Write changed node allocation annotations (each node at most every
+        ``node_annotation_interval_s``; a node that changed sooner stays dirty) and VGPUPool status."""
+        now = time.monotonic()
+        todo, early = [], []
+        for name in sorted(self.state.take_dirty_nodes()):
+            if now - self._node_written_at.get(name, -1e18) < self.cfg.node_annotation_interval_s:
+                early.append(name)  # written a moment ago: the next round after the interval
+            else:
+                todo.append(name)
+        self.state.mark_nodes_dirty(early)
         for i, name in enumerate(todo):
             if name not in self.state.nodes:
                 self.metrics.forget_node(name)
@@ -75,12 +83,12 @@ class Background(RuntimeBase):
                 self.state.mark_nodes_dirty(todo[i:])
                 raise
             self._written_nodes[name] = text
+            self._node_written_at[name] = now
         self.metrics.pending.set(len(self.state.pending))
         # Pool status sums every node and reservation: written at once when a pool, an
         # inventory or the leadership changed, at most every pool_status_interval_s for
         # allocations alone (a burst would otherwise recompute it every flush, in the loop
         # that answers kube-scheduler).
-        now = time.monotonic()
         if self.pools_dirty or self.state.topology_dirty or (
                 self._pool_usage_dirty and now >= self._pool_status_due):
             self.pools_dirty = self._pool_usage_dirty = False

@@ -102,7 +102,8 @@ class WatchHandlers(RuntimeBase):
 
     async def _restore_claim(self, etype: str, key: str, claim: dict[str, Any], pod: dict[str, Any]) -> None:
         """Create the claim again (a Released claim stays Released, so one set Released is deleted
-        first; its own DELETED event is then not taken for a release) and set its phase."""
+        first; its own DELETED event is then not taken for a release). It needs no phase: a claim
+        without one holds its cards (Bound)."""
         meta, spec, pmeta = claim["metadata"], claim["spec"], pod["metadata"]
         if etype != "DELETED":
             self.state.record_claim_uid(key, "restoring")  # the old object's DELETED event frees nothing
@@ -118,8 +119,6 @@ class WatchHandlers(RuntimeBase):
         uid = await kube.create_claim(self.api, meta["namespace"], body)
         if uid:
             self.state.record_claim_uid(key, uid)
-        phase = "Running" if (pod.get("status") or {}).get("phase") == "Running" else "Bound"
-        await kube.patch_claim_status(self.api, meta["namespace"], meta["name"], {"phase": phase})
 
     def claims_on_lost_node(self, node: str) -> None:
         """A node disappeared: its pods are gone with it (pod GC); the sweep releases claims."""

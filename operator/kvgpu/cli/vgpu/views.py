@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvgpu.api.vgpuclaim import claim_phase
 from kvgpu.core import keys
 
 UNKNOWN = "-"
@@ -291,7 +292,7 @@ def claim_rows(
     usage = usage or {}
     rows = []
     for c in claims:
-        meta, spec, status = c.get("metadata") or {}, c.get("spec") or {}, c.get("status") or {}
+        meta, spec = c.get("metadata") or {}, c.get("spec") or {}
         devices = [d for d in spec.get("devices") or [] if isinstance(d, dict)]
         ns, pod = str(meta.get("namespace", "")), str(spec.get("podName", ""))
         ctr = str(spec.get("container", ""))
@@ -306,7 +307,7 @@ def claim_rows(
             gpu=str(spec.get("gpuSummary") or ",".join(str(d.get("index", "?")) for d in devices)),
             memory=str(spec.get("memorySummary") or ",".join(f"{d.get('memory', '?')}Mi" for d in devices)),
             cores=str(spec.get("coresSummary") or ",".join(f"{d.get('cores', '?')}%" for d in devices)),
-            phase=str(status.get("phase") or UNKNOWN), age=age(meta.get("creationTimestamp"), now),
+            phase=claim_phase(c), age=age(meta.get("creationTimestamp"), now),
             memory_used=mem_used, sm_util=sm,
         ))
     rows.sort(key=lambda r: (r.namespace, r.pod, r.container, r.name))
