@@ -4,7 +4,8 @@ Same objects for dev mode (``url_base`` such as ``https://127.0.0.1:9443``, the 
 calls the operator process directly) and production manifests (``service`` reference).
 
 Scope, from the outside in: pods (CREATE to the mutating webhook, which validates the pod in the
-same call, so a new pod costs one webhook call; UPDATE to the validating one), pods/ephemeralcontainers
+same call, and CREATE and UPDATE to the validating one, which sees the pod after every mutating
+webhook), pods/ephemeralcontainers
 (UPDATE, ``kubectl debug``) and, for validation, pods/status (UPDATE: a status write may change
 labels and annotations too; only writes that change a ``kvgpu.io/`` annotation or the managed
 label are sent, so the kubelet's status updates never wait for the webhook); not in
@@ -75,8 +76,8 @@ def _has_managed_label(obj: str) -> str:
 
 def gpu_pod_expression(*, update: bool) -> str:
     """CEL: true for pods that mention GPUs or carry the managed label (a CREATE with it on a pod
-    that requests no slices is refused). With ``update`` (the validating webhook, UPDATE only)
-    also for pods that were kvgpu pods before."""
+    that requests no slices is refused). With ``update`` (the validating webhook, CREATE and UPDATE)
+    also for pods that were kvgpu pods before (``oldObject`` is null at CREATE)."""
     parts = _mentions_gpus("object")
     parts.append(_has_managed_label("object"))
     if update:
@@ -195,10 +196,12 @@ def webhook_configurations(
     mutating = _webhook(MUTATE_WEBHOOK, MUTATE_ID, [_rule(["CREATE"], ["pods"]), ephemeral],
                         expression=gpu_pod_expression(update=False), **common)  # type: ignore[arg-type]
     mutating["reinvocationPolicy"] = "IfNeeded"
-    # A pod CREATE is validated by the mutating webhook in the same call (handlers.review): one
-    # webhook call per new pod instead of two. Updates still come here.
+    # A pod CREATE is validated by the mutating webhook in the same call (handlers.review), and
+    # again here, after every mutating webhook: a webhook the API server skipped in its first
+    # round (no GPU mention yet) is never called on reinvocation, so a pod a later mutating
+    # webhook turns into a GPU pod is only seen here.
     validating = _webhook(VALIDATE_WEBHOOK, VALIDATE_ID,
-                          [_rule(["UPDATE"], ["pods"]), ephemeral, _rule(["UPDATE"], [STATUS_RESOURCE])],
+                          [_rule(["CREATE", "UPDATE"], ["pods"]), ephemeral, _rule(["UPDATE"], [STATUS_RESOURCE])],
                           expression=gpu_pod_expression(update=True), **common)  # type: ignore[arg-type]
     validating["matchConditions"].append({"name": "status-changes-kvgpu-metadata",
                                           "expression": status_expression()})
