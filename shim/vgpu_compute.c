@@ -175,15 +175,15 @@ void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns)
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t ns)
 {
     /* Beside co-tenants a kernel's event pair also spans the time slices the GPU gave the other
-     * contexts meanwhile: a sample may raise the estimate by a quarter at most, lower it at once
-     * to half-way. Alone, an EWMA of 1/8. */
+     * contexts meanwhile (the settle caps a batch at a quarter above the estimate, and never
+     * below half its span). */
     if (!g->kern_ns) {
         g->kern_ns = ns;
         return;
     }
-    if (g->cotenants && ns > g->kern_ns + g->kern_ns / 4)
-        ns = g->kern_ns + g->kern_ns / 4;
-    g->kern_ns = ns < g->kern_ns && g->cotenants ? (g->kern_ns + ns) / 2 : (g->kern_ns * 7 + ns) / 8;
+    /* beside co-tenants it moves half-way either way (a tenant can pick a tiny first kernel as
+     * easily as a long one); alone, an EWMA of 1/8 */
+    g->kern_ns = g->cotenants ? (g->kern_ns + ns) / 2 : (g->kern_ns * 7 + ns) / 8;
 }
 
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured)
@@ -192,20 +192,23 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         return;
     if (measured == 3) {
         /* Gap-tracked: the busy segments' own time, exact (span_ns is already their sum). */
-    } else if (!g->cotenants && !g->measure_only && g->gap_pm && measured == 1) {
+    } else if (!g->cotenants && !g->measure_only && g->gap_pm && measured == 1 && launches > 1) {
         /* Alone: a batch's span counts the GPU's idle gaps between launches slower than their
-         * kernels; the gap-tracked batches say what share of a span is busy. */
+         * kernels; the gap-tracked batches say what share of a span is busy. (A batch of one
+         * launch, closed right behind it, has no gap.) */
         span_ns = span_ns * g->gap_pm / 1000;
     } else if (g->kern_ns) {
         /* The batch's span counts the GPU's idle gaps between launches slower than their kernels
          * (CPU time) and, beside co-tenants, their time slices. A span well above its launches
          * at the bracketed kernel time is charged that time; beside co-tenants every batch is
          * charged at most a quarter above it. A kernel bracketed alone is exact as measured. */
-        uint64_t k = launches * g->kern_ns;
+        uint64_t k = launches * g->kern_ns, floor = span_ns / 2;
+        /* never below half the span: the bracketed kernel is the tenant's to pick (a tiny one
+         * first in every batch), and one co-tenant's time slices at most double a span */
         if (g->cotenants && span_ns > k + k / 4)
-            span_ns = k + k / 4;
+            span_ns = k + k / 4 > floor ? k + k / 4 : floor;
         else if (!g->cotenants && launches > 1 && span_ns > k + k / 2)
-            span_ns = k;
+            span_ns = k > floor ? k : floor;
     }
     if (measured == 2 && g->est_ns) {
         /* An upper bound (it includes the idle time before the close): at most the estimate,

@@ -53,6 +53,32 @@ def test_gate_arithmetic(core) -> None:
     assert g2.est_ns == 100 * MS
 
 
+def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
+    """Review findings on the gap ratio and the bracketed kernel: a tenant trained the gap ratio
+    low with a launch-bound phase and then ran long kernels, one launch per batch, charged at
+    0.5 % of their time; beside co-tenants it put a 5 us kernel first in every batch of 20 ms
+    ones, charging 800 ms of GPU as 0.3 ms. A one-launch batch has no gap to discount, and no
+    batch is charged below half its span."""
+    lib = core.lib
+    t = 1000 * 100 * MS
+    g = gate(core, 10)
+    lib.vgpu_gate_decide(g, t)
+    for _ in range(40):  # launch-bound phase: 0.5 % of each tracked span busy
+        lib.vgpu_gate_tracked(g, 25_000, 5 * MS)
+    assert g.gap_pm <= 10
+    vt = g.local_vt
+    lib.vgpu_gate_settle(g, 1, 0, 200 * MS, 1)  # one 200 ms kernel, closed right behind it
+    assert g.local_vt - vt == 200 * MS * 100 // 10  # charged in full: 2 s of credit clock at 10 %
+    c = gate(core, 30)
+    lib.vgpu_gate_set_window(c, 0, 30 * MS, 1)
+    lib.vgpu_gate_decide(c, t)
+    for _ in range(10):
+        lib.vgpu_gate_sample(c, 5_000)  # the probed first kernel: 5 us
+        vt = c.local_vt
+        lib.vgpu_gate_settle(c, 5, 0, 80 * MS, 1)  # 5 us + 4 x 20 ms
+        assert c.local_vt - vt >= 40 * MS * 100 // 30  # at least half of the 80 ms span
+
+
 def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
     lib = core.lib
     g = gate(core, 30)
