@@ -285,6 +285,7 @@ struct vgpu_gate {
     _Atomic uint64_t open_until; /* the fast path may pass before this time (0 = slow path) */
     _Atomic uint64_t batch_n;   /* launches in the open batch */
     void *_Atomic last_stream;  /* stream of the latest launch (the batch closes behind it) */
+    int multi_stream;           /* the open batch launched on more than one stream */
     struct vgpu_batch cur;      /* the open batch (cur.ev_open NULL: none) */
     struct vgpu_batch ring[VGPU_BATCH_RING];
     unsigned ring_head, ring_len;
@@ -324,7 +325,9 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
 /* A batch of `launches`, charged `prov_ns` provisionally, took `span_ns` of GPU time: correct
  * the credit clock and the per-launch estimate. measured: 0 = keep the provisional charge (the
  * span was not measurable), 1 = the span between its events (idle gaps included), 2 = an upper
- * bound (idle tail included), 3 = exact (gap-tracked: the sum of its busy segments). Pure. */
+ * bound (idle tail included), 3 = exact (gap-tracked: the sum of its busy segments), 4 = a lower
+ * bound (several streams: the provisional charge stands unless the span is longer, and the
+ * estimate is not moved). Pure. */
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
 /* One gap-tracked batch: busy_ns of GPU time in a span of span_ns; the ratio charges the others. */
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);

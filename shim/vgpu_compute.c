@@ -34,6 +34,15 @@
 #include <string.h>
 #include <unistd.h>
 
+/* The stream of a launch counted in the open batch; a second stream marks the batch. */
+static inline void note_stream(struct vgpu_gate *g, void *stream)
+{
+    if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != stream) {
+        g->multi_stream = 1; /* a plain store: any thread's mark is the same mark */
+        atomic_store_explicit(&g->last_stream, stream, memory_order_relaxed);
+    }
+}
+
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns)
 {
     memset(g, 0, sizeof *g);
@@ -70,7 +79,7 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
     if (g->measure_only) {
         atomic_store_explicit(&g->batch_n, atomic_load_explicit(&g->batch_n, memory_order_relaxed) + 1,
                               memory_order_relaxed);
-        atomic_store_explicit(&g->last_stream, stream, memory_order_relaxed);
+        note_stream(g, stream);
         return 1;
     }
     uint64_t v = atomic_load_explicit(g->vt, memory_order_relaxed);
@@ -82,7 +91,7 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
      * next estimate slightly high; the credit itself is the atomic above. */
     atomic_store_explicit(&g->batch_n, atomic_load_explicit(&g->batch_n, memory_order_relaxed) + 1,
                           memory_order_relaxed);
-    atomic_store_explicit(&g->last_stream, stream, memory_order_relaxed);
+    note_stream(g, stream);
     return 1;
 }
 
@@ -192,6 +201,11 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         return;
     if (measured == 3) {
         /* Gap-tracked: the busy segments' own time, exact (span_ns is already their sum). */
+    } else if (measured == 4) {
+        /* Several streams: the close on the legacy stream does not follow non-blocking ones,
+         * so the span is a lower bound: the provisional charge stands unless it says more. */
+        if (span_ns < prov_ns)
+            span_ns = prov_ns;
     } else if (!g->cotenants && !g->measure_only && g->gap_pm && measured == 1 && launches > 1) {
         /* Alone: a batch's span counts the GPU's idle gaps between launches slower than their
          * kernels; the gap-tracked batches say what share of a span is busy. (A batch of one
@@ -210,7 +224,9 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         else if (!g->cotenants && launches > 1 && span_ns > k + k / 2)
             span_ns = k > floor ? k : floor;
     }
-    if (measured == 2 && g->est_ns) {
+    if (measured == 4 && g->est_ns) {
+        /* the estimate is not moved by a bound that cannot be checked */
+    } else if (measured == 2 && g->est_ns) {
         /* An upper bound (it includes the idle time before the close): at most the estimate,
          * which it may only lower. */
         if (span_ns > launches * g->est_ns)

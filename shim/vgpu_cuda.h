@@ -74,6 +74,8 @@ CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
 /* A batch's launch count with this bit set: closed when its stream had gone idle, its span an
  * upper bound. */
 #define UPPER_BOUND (1ull << 63)
+/* ... this bit: it launched on several streams, its span only a lower bound. */
+#define LOWER_BOUND (1ull << 62)
 CUevent vgpu_measure_event(struct vgpu_gate *g);          /* from the pool, or new; NULL: none */
 void vgpu_measure_put(struct vgpu_gate *g, void *event);  /* back to the pool */
 void vgpu_measure_open(struct vgpu_gate *g, CUstream s);  /* a batch starts before this launch */

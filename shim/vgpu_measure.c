@@ -106,9 +106,10 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
             vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
         else if (ok && !b->ev_probe && b->launches == 1)
             vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
-        /* bit 63 of `launches` flags an upper bound; the count is the rest */
-        vgpu_gate_settle(g, b->launches & ~UPPER_BOUND, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
-                         ok ? (b->launches & UPPER_BOUND ? 2 : 1) : 0);
+        /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest */
+        vgpu_gate_settle(g, b->launches & ~(UPPER_BOUND | LOWER_BOUND), b->prov_ns,
+                         ok ? (uint64_t)((double)ms * 1e6) : 0,
+                         !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : 1);
         batch_release(g, b);
     }
 }
@@ -194,11 +195,13 @@ void vgpu_measure_close(struct vgpu_gate *g, CUstream s, int at_sync)
 {
     if (!g->cur.ev_open)
         return;
-    /* Behind the batch's latest launch: on `s` when that is where it went (one stream), else on
-     * the legacy stream, which follows every blocking stream (several streams: the batch's
-     * last kernel may be on another one than the caller's). */
-    if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != (void *)s)
-        s = NULL;
+    /* Behind the batch's work: on its stream when it used one (whatever stream the caller waits
+     * on: a wait on another stream must not close it where its kernels are not), else on the
+     * legacy stream, which follows every blocking stream but not the non-blocking ones, so the
+     * span of a batch on several streams is only a lower bound. */
+    int multi = g->multi_stream;
+    g->multi_stream = 0;
+    s = multi ? NULL : (CUstream)atomic_load_explicit(&g->last_stream, memory_order_relaxed);
     uint64_t n = atomic_exchange(&g->batch_n, 0);
     struct vgpu_batch b = {.ev_open = g->cur.ev_open, .launches = n, .prov_ns = n * g->est_ns,
                            .ev_probe = g->cur.ev_probe};
@@ -224,7 +227,9 @@ void vgpu_measure_close(struct vgpu_gate *g, CUstream s, int at_sync)
     int idle = !at_sync && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = vgpu_measure_event(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
-        if (idle)
+        if (multi)
+            b.launches |= LOWER_BOUND; /* the close may not follow every stream it used */
+        else if (idle)
             b.launches |= UPPER_BOUND; /* the stream was idle before the close */
         g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;
         VGPU_POKE(g->ring_len, g->ring_len + 1);

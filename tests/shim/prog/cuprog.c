@@ -24,6 +24,8 @@
  *   cuprog work gap SECS KERNEL_US GAP_US SYNC_EVERY      launch-bound loop: GAP_US of CPU work
  *       (a spin) after each launch, like a framework whose launches are slower than its kernels
  *       (CUPROG_MIX=1: kernel lengths cycle through 4, 0.25, 0.5, 0.25, 2, 0.25, 1, 1.75 x KERNEL_US)
+ *   cuprog work nbwait SECS KERNEL_US N              N kernels on a non-blocking stream, then a
+ *       wait on another (idle) stream, then on the non-blocking one
  *   cuprog work capture SECS KERNEL_US               20 launches on a stream, then a capture of 5
  *       more on it, repeated (rc: the first error, e.g. a capture the shim invalidated)
  *   cuprog work req SECS KERNEL_US NKERNELS PERIOD_MS     a request of NKERNELS kernels (then a
@@ -369,6 +371,18 @@ static int cmd_work(int argc, char **argv)
             rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[n % ns], NULL, NULL);
             if (++n % (a > 0 ? a : 1) == 0)
                 work_sync(st[n % ns]);
+        } else if (!strcmp(mode, "nbwait")) {
+            static CUstream nb, other;
+            if (!nb) {
+                cuStreamCreate(&nb, 1); /* CU_STREAM_NON_BLOCKING */
+                cuStreamCreate(&other, 0);
+            }
+            for (long i = 0; i < a && !rc; i++, n++)
+                rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, nb, NULL, NULL);
+            if (!rc)
+                rc = work_sync(other);
+            if (!rc)
+                rc = work_sync(nb);
         } else if (!strcmp(mode, "capture")) {
             /* launches on a stream, then a capture of a few more on it (torch.cuda.graph warms up
              * and captures on one side stream): the capture must end cleanly */

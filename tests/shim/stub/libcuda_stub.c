@@ -297,6 +297,7 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void
 #define STUB_STREAMS 32
 static _Atomic uint64_t last_done[STUB_MAXDEV][STUB_STREAMS];
 static _Atomic int next_stream = 2;
+static _Atomic int non_blocking[STUB_STREAMS]; /* CU_STREAM_NON_BLOCKING: the legacy stream does not wait for it */
 static pthread_mutex_t ring_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct { uint64_t end, dur, k; } ring[STUB_MAXDEV][4096]; /* this process's latest kernels */
 static unsigned ring_n[STUB_MAXDEV];
@@ -329,9 +330,9 @@ static uint64_t stream_done(int phys, CUstream s)
     int k = slot_of(s);
     if (k != 0)
         return atomic_load(&last_done[phys][k]);
-    uint64_t t = 0; /* the legacy stream waits for every stream of the context */
+    uint64_t t = 0; /* the legacy stream waits for every blocking stream of the context */
     for (int i = 0; i < STUB_STREAMS; i++)
-        if (atomic_load(&last_done[phys][i]) > t)
+        if (!atomic_load(&non_blocking[i]) && atomic_load(&last_done[phys][i]) > t)
             t = atomic_load(&last_done[phys][i]);
     return t;
 }
@@ -560,9 +561,9 @@ API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; if (!inite
 API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name) { (void)m; (void)name; *f = (CUfunction)0x78; return OK; }
 API CUresult cuStreamCreate(CUstream *s, unsigned fl)
 {
-    (void)fl;
     int k = atomic_fetch_add(&next_stream, 1);
     if (k >= STUB_STREAMS) return E_OOM;
+    atomic_store(&non_blocking[k], (fl & 1) != 0);
     *s = (CUstream)(uintptr_t)(0x100 + k);
     return OK;
 }
