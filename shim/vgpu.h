@@ -319,6 +319,8 @@ void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_
  * the slow path. The real time lies in [now_lo, now_hi] (a coarse clock: lo = coarse, hi =
  * coarse + margin; the precise one: lo = hi). */
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
+/* The stream of a launch counted in the open batch; a second stream marks the batch. */
+void vgpu_gate_note_stream(struct vgpu_gate *g, void *stream);
 /* The slow path's decision at `now`: 0 = pass (the fast path is open until g->open_until),
  * else the time to wait until before deciding again. Clamps the credit to the burst. Pure. */
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);

@@ -34,8 +34,7 @@
 #include <string.h>
 #include <unistd.h>
 
-/* The stream of a launch counted in the open batch; a second stream marks the batch. */
-static inline void note_stream(struct vgpu_gate *g, void *stream)
+void vgpu_gate_note_stream(struct vgpu_gate *g, void *stream)
 {
     if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != stream) {
         g->multi_stream = 1; /* a plain store: any thread's mark is the same mark */
@@ -79,7 +78,7 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
     if (g->measure_only) {
         atomic_store_explicit(&g->batch_n, atomic_load_explicit(&g->batch_n, memory_order_relaxed) + 1,
                               memory_order_relaxed);
-        note_stream(g, stream);
+        vgpu_gate_note_stream(g, stream);
         return 1;
     }
     uint64_t v = atomic_load_explicit(g->vt, memory_order_relaxed);
@@ -91,7 +90,7 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
      * next estimate slightly high; the credit itself is the atomic above. */
     atomic_store_explicit(&g->batch_n, atomic_load_explicit(&g->batch_n, memory_order_relaxed) + 1,
                           memory_order_relaxed);
-    note_stream(g, stream);
+    vgpu_gate_note_stream(g, stream);
     return 1;
 }
 

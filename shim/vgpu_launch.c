@@ -129,10 +129,7 @@ static void gate_slow(int d, CUstream s)
         atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
                                   memory_order_relaxed);
     atomic_fetch_add_explicit(&g->batch_n, 1, memory_order_relaxed);
-    if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != (void *)s) {
-        g->multi_stream = 1;
-        atomic_store_explicit(&g->last_stream, s, memory_order_relaxed);
-    }
+    vgpu_gate_note_stream(g, s);
     pthread_mutex_unlock(&g->mu);
 }
 
