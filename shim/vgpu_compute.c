@@ -198,6 +198,11 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
 {
     if (!measured || !launches)
         return;
+#ifdef VGPU_STATS
+    g->st_n[measured]++, g->st_span[measured] += span_ns, g->st_prov[measured] += prov_ns;
+    g->st_launches[measured] += launches;
+    int st_mode = measured;
+#endif
     if (measured == 3) {
         /* Gap-tracked: the busy segments' own time, exact (span_ns is already their sum). */
     } else if (measured == 4) {
@@ -237,6 +242,9 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         VGPU_POKE(g->est_ns, g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample);
     }
     g->busy_acc_ns += span_ns;
+#ifdef VGPU_STATS
+    g->st_charged[st_mode] += span_ns;
+#endif
     if (g->measure_only)
         return;
     if (span_ns > prov_ns)
