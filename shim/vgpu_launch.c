@@ -193,7 +193,7 @@ static inline void compute_after(CUstream s)
                 vgpu_measure_put(g, e);
         }
     } else if (g->est_ns >= LONG_KERNEL_NS && g->cur.ev_open && !vgpu_stream_capturing(s))
-        vgpu_measure_close(g, s, 1);
+        vgpu_measure_close(g);
     pthread_mutex_unlock(&g->mu);
 }
 
@@ -208,7 +208,7 @@ void vgpu_compute_sync(CUstream s, int whole_ctx)
     vgpu_symbols_bind();
     pthread_mutex_lock(&g->mu);
     if (!vgpu_stream_capturing(whole_ctx ? NULL : s)) {
-        vgpu_measure_close(g, whole_ctx ? NULL : s, 1);
+        vgpu_measure_close(g);
         atomic_store(&g->open_until, 0); /* the next launch opens a new batch */
     }
     pthread_mutex_unlock(&g->mu);
