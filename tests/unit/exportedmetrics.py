@@ -87,6 +87,7 @@ def agent_collector(region_root: Path, nvml: FakeNvml | None = None) -> UsageCol
     nv = nvml if nvml is not None else FakeNvml({U0: (1500 * MIB, 40, 12), U1: (0, 0, 0)})
     return UsageCollector(
         NODE, lambda: containers, lambda: INV, reader=default_reader(), region_root=str(region_root),
+        processes=lambda: [], utilization=lambda: {},  # NVML mode: no GPU process running
         allocation=allocation, host=lambda: nvml_host_cards(nv, [(c.uuid, c.index, c.model) for c in INV.cards]),
     )
 
