@@ -12,6 +12,7 @@ from dashboardcheck import Checker, load, queries
 from exportedmetrics import agent_collector, agent_registry, open_region, operator_metrics, scrape
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "kvgpu" / "dashboards" / "kvgpu.json"
+HAMI_DASHBOARD = Path(__file__).resolve().parent / "data" / "hami-vgpu-dashboard.json"  # see data/README.md
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,13 @@ def checker(tmp_path_factory):
 def test_every_dashboard_query_resolves(checker):
     found = list(queries(load(DASHBOARD)))
     assert len(found) >= 15, "the dashboard's panels and variables"
+    errors = [f"{where}: {expr}: {e}" for where, expr, legend in found for e in checker.check(expr, legend)]
+    assert errors == []
+
+
+def test_hamis_own_dashboard_resolves_against_kvgpu(checker):
+    found = list(queries(load(HAMI_DASHBOARD)))
+    assert len(found) >= 15
     errors = [f"{where}: {expr}: {e}" for where, expr, legend in found for e in checker.check(expr, legend)]
     assert errors == []
 
