@@ -1,7 +1,8 @@
 """HAMi's metric names, from what the agent really reads: HAMi's scheduler view (per card of
 this node: allocated memory, cores, shared count; per container: what it was granted) and its
 vGPU monitor view (per container: memory used and limit, SM use; per card: NVML's memory used
-and utilisation). Pure: prometheus-client metric families from records, no I/O.
+and utilisation). Pure (prometheus-client metric families from records), except
+:func:`nvml_host_cards`, which calls the NVML module it is given.
 
 HAMi (``cmd/scheduler/metrics.go``, ``cmd/vGPUmonitor/metrics.go``) exports each family under
 a current name (``hami_*``, labels ``node``, ``device_uuid`` ...) and, with
