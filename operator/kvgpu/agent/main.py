@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,7 @@ from .enforcement import (
     set_region_sm_util,
 )
 from .exporter import UsageCollector, make_registry, serve
+from .hamiview import HostCard, nvml_host_cards
 from .health import (
     APPLICATION_XIDS,
     HealthChange,
@@ -261,6 +262,33 @@ class Agent:
             lambda: [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())],
         )
 
+    def _node_allocation(self) -> dict[str, Any] | None:
+        """This node's ``kvgpu.io/allocation`` annotation (the operator's ledger), parsed, from the
+        node watch's cache (no API call: a scrape runs in the exporter's thread); ``None`` when
+        not cached, absent or not JSON."""
+        import json
+
+        cached = getattr(self.api, "cached_node", None)
+        node = cached(self.cfg.node) if cached is not None else None
+        text = ((node or {}).get("metadata") or {}).get("annotations", {}).get(keys.NODE_ALLOCATION)
+        try:
+            parsed = json.loads(text) if text else None
+        except ValueError:
+            return None
+        return parsed if isinstance(parsed, dict) else None
+
+    def _host_cards(self) -> Callable[[], list[HostCard]] | None:
+        """NVML's per-card figures for HAMi's host series; ``None`` without NVML (simulated)."""
+        if self.cfg.simulated or not isinstance(self.discovery, NvmlDiscovery):
+            return None
+        nv = self.discovery.nvml
+
+        def read() -> list[HostCard]:
+            inv = self.registrar.last_raw
+            return nvml_host_cards(nv, [(c.uuid, c.index, c.model) for c in (inv.cards if inv else ())])
+
+        return read
+
     def _make_enforcement(self) -> EnforcementMonitor | None:
         if self.cfg.simulated or not self.cfg.enforcement_s or not isinstance(self.discovery, NvmlDiscovery):
             return None
@@ -388,6 +416,8 @@ class Agent:
                     utilization=(lambda: self.enforcement.container_util if self.enforcement else {})
                     if self.enforcement is not None
                     else None,
+                    allocation=self._node_allocation,
+                    host=self._host_cards(),
                 )
                 self.metrics_server = serve(
                     make_registry(collector), self.cfg.metrics_port, self.cfg.metrics_addr
