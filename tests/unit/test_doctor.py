@@ -47,8 +47,8 @@ def _fails(f: Finding, *words: str) -> None:
 
 def test_a_healthy_node_passes_every_check() -> None:
     n = _node()
-    found = [doctor.check_agent("gpu-a", [_pod()], None, NS), doctor.check_inventory(n, NS),
-             doctor.check_device_plugin(n, RES, NS), doctor.check_nvidia_plugin(n, [], RES),
+    found = [doctor.check_agent("gpu-a", [_pod()], None, NS), doctor.check_inventory(n, [], NS),
+             doctor.check_device_plugin(n, RES, [], NS), doctor.check_nvidia_plugin(n, [], RES),
              doctor.check_shim(n, [_pod()], NS),
              doctor.check_sample(SampleOutcome("Succeeded", "gpu-a", "KVGPU-DOCTOR memory.total=256\n"), 256, 60,
                                  "team")]
@@ -68,14 +68,15 @@ def test_agent_missing_not_ready_or_unreachable() -> None:
 def test_inventory_missing_unparseable_empty_unpooled_unhealthy() -> None:
     n = _node()
     del n["metadata"]["annotations"][keys.NODE_INVENTORY]
-    _fails(doctor.check_inventory(n, NS), "no kvgpu.io/inventory annotation",
-           "logs -l app.kubernetes.io/component=agent", "spec.nodeName=gpu-a")
+    _fails(doctor.check_inventory(n, [], NS), "no kvgpu.io/inventory annotation",
+           "get pods -o wide -l app.kubernetes.io/component=agent", "spec.nodeName=gpu-a")
+    _fails(doctor.check_inventory(n, [_pod()], NS), "kubectl -n kvgpu-system logs kvgpu-agent-x1")
     n["metadata"]["annotations"][keys.NODE_INVENTORY] = "{not json"
-    _fails(doctor.check_inventory(n, NS), "kvgpu.io/inventory does not parse")
-    _fails(doctor.check_inventory(_node(cards=0), NS), "found no GPU", "nvidia-smi")
+    _fails(doctor.check_inventory(n, [], NS), "kvgpu.io/inventory does not parse")
+    _fails(doctor.check_inventory(_node(cards=0), [], NS), "found no GPU", "nvidia-smi")
     unpooled = node_manifest(SimulatedNode("gpu-a", (SimulatedCardSpec(count=2),)))  # no slicing: no pool
-    _fails(doctor.check_inventory(unpooled, NS), "2 card(s) but no VGPUPool covers them", "kubectl apply -f")
-    _fails(doctor.check_inventory(_node(healthy=False), NS), "every sliced card is unhealthy (XID 79)",
+    _fails(doctor.check_inventory(unpooled, [], NS), "2 card(s) but no VGPUPool covers them", "kubectl apply -f")
+    _fails(doctor.check_inventory(_node(healthy=False), [_pod()], NS), "every sliced card is unhealthy (XID 79)",
            "kubectl describe node gpu-a")
 
 
@@ -83,11 +84,11 @@ def test_device_plugin_not_registered_or_all_unhealthy() -> None:
     n = copy.deepcopy(_node())  # capacity and allocatable are one dict in node_manifest
     n["status"]["capacity"].pop(RES)
     n["status"]["allocatable"].pop(RES, None)
-    _fails(doctor.check_device_plugin(n, RES, NS), "no nvidia.com/gpu in the node's capacity", "not registered")
+    _fails(doctor.check_device_plugin(n, RES, [], NS), "no nvidia.com/gpu in the node's capacity", "not registered")
     n = copy.deepcopy(_node())
     n["status"]["allocatable"] = {**n["status"]["allocatable"], RES: "0"}
-    _fails(doctor.check_device_plugin(n, RES, NS), "capacity 20 but allocatable 0")
-    assert doctor.check_device_plugin(_node(), RES, NS).message == "nvidia.com/gpu 20/20 allocatable"
+    _fails(doctor.check_device_plugin(n, RES, [], NS), "capacity 20 but allocatable 0")
+    assert doctor.check_device_plugin(_node(), RES, [], NS).message == "nvidia.com/gpu 20/20 allocatable"
 
 
 def test_nvidia_device_plugin_next_to_kvgpus() -> None:

@@ -168,8 +168,8 @@ def check_agent(node: str, pods: Sequence[Mapping[str, Any]], metrics_error: str
     answer through the API server's pod proxy (``metrics_error`` None = answered)."""
     if not pods:
         return _fail("agent", f"no kvgpu agent pod on the node (namespace {namespace})",
-                     f"kubectl -n {namespace} describe daemonset kvgpu-agent (nodeSelector kvgpu.io/gpu-node "
-                     f"or tolerations leave {node} out?); kubectl label node {node} kvgpu.io/gpu-node=true")
+                     f"kubectl -n {namespace} describe daemonset kvgpu-agent (its node affinity or tolerations "
+                     f"leave {node} out?); kubectl label node {node} kvgpu.io/gpu-node=true")
     ready = [p for p in pods if _ready(p)]
     if not ready:
         p = pods[0]
@@ -194,11 +194,18 @@ def parse_inventory(node: Mapping[str, Any]) -> tuple[NodeInventory | None, str]
         return None, f"{keys.NODE_INVENTORY} does not parse: {e}"
 
 
-def check_inventory(node: Mapping[str, Any], agent_namespace: str) -> Finding:
+def agent_logs(node: Mapping[str, Any], agent_pods: Sequence[Mapping[str, Any]], namespace: str) -> str:
+    """The command that shows the node's agent log (its pod when known, else how to find it)."""
+    if agent_pods:
+        return f"kubectl -n {namespace} logs {_name(agent_pods[0])}"
+    return f"kubectl -n {namespace} get pods -o wide -l app.kubernetes.io/component=agent --field-selector " \
+           f"spec.nodeName={_name(node)}, then its logs"
+
+
+def check_inventory(node: Mapping[str, Any], agent_pods: Sequence[Mapping[str, Any]], agent_namespace: str) -> Finding:
     """The agent published a parseable inventory with at least one card a VGPUPool covers."""
     inv, why = parse_inventory(node)
-    logs = f"kubectl -n {agent_namespace} logs -l app.kubernetes.io/component=agent --field-selector " \
-           f"spec.nodeName={_name(node)}"
+    logs = agent_logs(node, agent_pods, agent_namespace)
     if inv is None:
         return _fail("inventory", why + " (the agent publishes it once it found the cards)",
                      f"{logs} (NVML or driver errors?)")
@@ -231,12 +238,12 @@ def _quantity(node: Mapping[str, Any], field: str, resource: str) -> int:
         return 0
 
 
-def check_device_plugin(node: Mapping[str, Any], resource: str, agent_namespace: str) -> Finding:
+def check_device_plugin(node: Mapping[str, Any], resource: str, agent_pods: Sequence[Mapping[str, Any]],
+                        agent_namespace: str) -> Finding:
     """The kubelet took the agent's device plugin: ``resource`` in the node's capacity and
     allocatable > 0."""
     cap, alloc = _quantity(node, "capacity", resource), _quantity(node, "allocatable", resource)
-    logs = f"kubectl -n {agent_namespace} logs -l app.kubernetes.io/component=agent --field-selector " \
-           f"spec.nodeName={_name(node)}"
+    logs = agent_logs(node, agent_pods, agent_namespace)
     if cap == 0:
         return _fail("device-plugin", f"no {resource} in the node's capacity: the device plugin is not registered "
                      "with the kubelet", f"{logs} (registration refused? /var/lib/kubelet/device-plugins mounted?)")

@@ -226,8 +226,8 @@ async def _node_findings(api: Any, opts: Options, node: dict[str, Any], agents: 
         metrics_error = (await scrape(api, running["metadata"]["name"], opts.agent_namespace))[1]
     found = [
         doctor.check_agent(name, agents, metrics_error, opts.agent_namespace),
-        doctor.check_inventory(node, opts.agent_namespace),
-        doctor.check_device_plugin(node, opts.resource, opts.agent_namespace),
+        doctor.check_inventory(node, agents, opts.agent_namespace),
+        doctor.check_device_plugin(node, opts.resource, agents, opts.agent_namespace),
         doctor.check_nvidia_plugin(node, nvidia, opts.resource),
         doctor.check_shim(node, agents, opts.agent_namespace),
     ]
