@@ -116,6 +116,9 @@ def test_doctor_passes_top_shows_usage_and_doctor_names_a_removed_shim(real_pods
     print(f"$ kubectl vgpu top --containers\n{text.stdout}")
     assert text.stdout.splitlines()[1].split()[:2] == ["fill", "main"]
     assert f"{r['memory_used_mib']}/1000" in text.stdout, text.stdout
+    everywhere = vgpu(node, "top", "-A", "--sort", "name").stdout.splitlines()
+    assert everywhere[0].split()[:2] == ["NAMESPACE", "POD"]
+    assert any(ln.split()[:3] == [real_pods.ns, "fill", node.name] for ln in everywhere[1:]), everywhere
     node.cluster.kubectl("delete", "pod", "fill", "-n", real_pods.ns, "--wait=true", "--timeout=60s")
 
     # the fault: the installed shim deleted from the host
