@@ -56,6 +56,7 @@ from .podresources import PodResourcesClient
 from .pods import PodCache
 from .registration import Registrar
 from .schedule import Scheduler, sources_of
+from .shimcheck import ShimCheck
 from .shiminstall import install_shim, prune_shims
 from .usage import REGION_FILE, BoundContainer, default_reader, gc_regions
 
@@ -140,7 +141,8 @@ class Agent:
         self.health = HealthState(
             [], recovery_s=cfg.recovery_s, ignored_xids=APPLICATION_XIDS | frozenset(cfg.extra_ignored_xids)
         )
-        self.registrar = Registrar(cfg.node, api, self.discovery, self.health)
+        self.shim_check: ShimCheck | None = None  # set once the shim is installed (start_checks)
+        self.registrar = Registrar(cfg.node, api, self.discovery, self.health, extra=self._shim_annotation)
         self.pods = PodCache(cfg.node)
         self.plugin: DevicePlugin | None = None
         self.metrics_server: Any = None
@@ -154,6 +156,10 @@ class Agent:
 
     def inventory(self) -> NodeInventory | None:
         return self.registrar.inventory
+
+    def _shim_annotation(self) -> dict[str, str]:
+        """``{kvgpu.io/shim: status}`` once this agent installed the shim (none before or without)."""
+        return {} if self.shim_check is None else {keys.NODE_SHIM: self.shim_check.annotation()}
 
     async def _on_health(self, changes: list[HealthChange]) -> None:
         for ch in changes:
@@ -360,6 +366,7 @@ class Agent:
                 self.cfg.host_preload_file,
             )
             log.info("shim %s: %s (%s)", r.version, r.action, r.path.name)
+            self.shim_check = ShimCheck(self.cfg.host_shim_dir, r.version, r.sha256)
             for p in prune_shims(self.cfg.host_shim_dir, keep=self.cfg.shim_keep):
                 log.info("pruned unused shim %s", p.name)
         return inv
