@@ -97,7 +97,7 @@ static void gate_slow(int d, CUstream s)
         pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
         return;
     }
-    vgpu_measure_close(g);
+    vgpu_measure_close(g, 0);
     vgpu_measure_poll(g, !g->est_ns && g->ring_len); /* no estimate yet: measure before queuing more */
     for (;;) {
         now = vgpu_now_ns();
@@ -197,7 +197,7 @@ static inline void compute_after(CUstream s)
                 vgpu_measure_put(g, e);
         }
     } else if (g->est_ns >= LONG_KERNEL_NS && g->cur.ev_open && !vgpu_stream_capturing(s))
-        vgpu_measure_close(g);
+        vgpu_measure_close(g, 0);
     pthread_mutex_unlock(&g->mu);
 }
 
@@ -212,7 +212,7 @@ void vgpu_compute_sync(CUstream s, int whole_ctx)
     vgpu_symbols_bind();
     pthread_mutex_lock(&g->mu);
     if (!vgpu_stream_capturing(whole_ctx ? NULL : s)) {
-        vgpu_measure_close(g);
+        vgpu_measure_close(g, 1);
         atomic_store(&g->open_until, 0); /* the next launch opens a new batch */
     }
     pthread_mutex_unlock(&g->mu);

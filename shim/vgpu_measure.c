@@ -196,9 +196,10 @@ void vgpu_track_after(struct vgpu_gate *g, CUstream s)
         g->tail_set = 1;
 }
 
-/* Close the open batch behind its work (before a slow-path launch, an application wait, or
- * after a long kernel). */
-void vgpu_measure_close(struct vgpu_gate *g)
+/* Close the open batch behind its work (before a slow-path launch, after a long kernel, or
+ * at_sync: the application waits for it next, so the close marks its end, or the stream is
+ * idle and the host time before the wait follows: the one-kernel batch's probe, above). */
+void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
 {
     if (!g->cur.ev_open)
         return;
@@ -231,9 +232,7 @@ void vgpu_measure_close(struct vgpu_gate *g)
         vgpu_measure_put(g, b.ev_seg);
         b.ev_seg = NULL;
     }
-    /* Idle already, even at the application's wait: the GPU finished before the CPU got to the
-     * wait (a short kernel, then host code), and the close would add that idle time. */
-    int idle = !g->measure_only && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
+    int idle = !at_sync && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = vgpu_measure_event(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
         if (multi)
