@@ -1,6 +1,7 @@
-"""manifests/ and the Dockerfiles without a cluster: generated files current, RBAC without
-wildcards, container arguments the CLI accepts, files the Dockerfiles copy exist.
-(The render and a server-side dry-run against the real API server: tests/cluster/test_manifests.py.)"""
+"""The Helm chart charts/kvgpu and the Dockerfiles without a cluster: `helm lint`, `helm template`
+with the defaults, HAMi-style values, cert-manager and the monitors; generated templates
+current, RBAC without wildcards, container arguments the CLI accepts, files the Dockerfiles copy
+exist. (The chart against the real API server: tests/cluster/test_manifests.py, test_chart.py.)"""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import click
 import pytest
 import yaml
 
+from tests.helmkit import CHART, helm, one, render
+
 ROOT = Path(__file__).resolve().parents[2]
-MANIFESTS = ROOT / "manifests"
+CM = {"certManager": {"enabled": True}}
 
 
 def _gen() -> Any:
@@ -26,18 +29,17 @@ def _gen() -> Any:
     return mod
 
 
-def _docs(*parts: str) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for path in sorted(MANIFESTS.joinpath(*parts).glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        out += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return out
+_CACHE: dict[str, list[dict[str, Any]]] = {}
 
 
-def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    [d] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    return d
+def _docs(mode: str = "default") -> list[dict[str, Any]]:
+    """The chart rendered with its defaults ("default") or with cert-manager ("cert-manager")."""
+    if mode not in _CACHE:
+        _CACHE[mode] = render(CM if mode == "cert-manager" else None)
+    return _CACHE[mode]
+
+
+_one = one
 
 
 def test_generated_files_are_current() -> None:
@@ -45,14 +47,26 @@ def test_generated_files_are_current() -> None:
     assert not stale, f"run `python hack/gen_manifests.py`: {[str(p) for p in stale]} differ"
 
 
-def test_crd_copies_cover_every_crd() -> None:
-    names = {p.name for p in (ROOT / "crds").glob("*.yaml")}
-    listed = yaml.safe_load((MANIFESTS / "crds" / "kustomization.yaml").read_text())["resources"]
-    assert names <= set(listed)
+def test_chart_lints() -> None:
+    p = helm("lint", str(CHART), "--strict", "--kube-version", "1.36.3")
+    assert "0 chart(s) failed" in p.stdout, p.stdout
 
 
-def test_rbac_has_no_wildcards_and_one_account_per_component() -> None:
-    docs = _docs("base")
+def test_crds_are_the_generated_ones_and_only_in_the_chart() -> None:
+    """One copy: charts/kvgpu/crds/ is what `make crds` writes; --include-crds renders them."""
+    from kvgpu.api.crdgen import render as crd_render
+
+    generated = {k for k in crd_render() if k.endswith(".yaml")}
+    assert generated == {f"charts/kvgpu/crds/{p.name}" for p in (CHART / "crds").glob("*.yaml")}
+    crds = [d for d in render(include_crds=True) if d["kind"] == "CustomResourceDefinition"]
+    assert sorted(d["metadata"]["name"] for d in crds) == [
+        "vgpuclaims.kvgpu.io", "vgpupools.kvgpu.io", "vgpuquotas.kvgpu.io"]
+    assert not (ROOT / "crds").exists() and not (ROOT / "manifests").exists()
+
+
+@pytest.mark.parametrize("mode", ["default", "cert-manager"])
+def test_rbac_has_no_wildcards_and_one_account_per_component(mode: str) -> None:
+    docs = _docs(mode)
     roles = [d for d in docs if d["kind"] in ("ClusterRole", "Role")]
     assert {r["metadata"]["name"] for r in roles if r["kind"] == "ClusterRole"} == {
         "kvgpu-operator", "kvgpu-scheduler", "kvgpu-agent", "kvgpu-view", "kvgpu-edit"}
@@ -61,7 +75,12 @@ def test_rbac_has_no_wildcards_and_one_account_per_component() -> None:
             for field in ("apiGroups", "resources", "verbs", "resourceNames"):
                 assert "*" not in rule.get(field, []), (r["metadata"]["name"], rule)
             assert "escalate" not in rule["verbs"] and "bind" not in rule["verbs"]
-            assert "secrets" not in rule["resources"], "no component reads Secrets through the API"
+            if "secrets" in rule["resources"]:
+                # only the operator's certificate containers, without cert-manager, and by name
+                assert mode == "default" and r["kind"] == "Role" and r["metadata"]["name"] == "kvgpu-operator-lease"
+                assert rule["verbs"] == ["create"] or (set(rule["verbs"]) == {"get", "update"} and set(
+                    rule["resourceNames"]) == {"kvgpu-ca", "kvgpu-extender-ca", "kvgpu-webhook-tls",
+                                               "kvgpu-extender-tls", "kvgpu-scheduler-extender-client"})
     accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
     assert accounts == {"kvgpu-operator", "kvgpu-scheduler", "kvgpu-agent"}
     kinds = ("StatefulSet", "Deployment", "DaemonSet")
@@ -76,7 +95,7 @@ def _verbs(role: dict[str, Any], group: str, resource: str) -> set[str]:
 
 
 def test_operator_role_covers_its_calls() -> None:
-    role = _one(_docs("base"), "ClusterRole", "kvgpu-operator")
+    role = _one(_docs(), "ClusterRole", "kvgpu-operator")
     assert {"get", "list", "watch", "patch"} <= _verbs(role, "", "pods")
     assert _verbs(role, "", "pods/binding") == {"create"}
     assert {"list", "watch", "patch"} <= _verbs(role, "", "nodes")
@@ -86,17 +105,23 @@ def test_operator_role_covers_its_calls() -> None:
     assert _verbs(role, "", "resourcequotas") == {"list", "watch"}  # read only: KCM owns their status
     assert _verbs(role, "kvgpu.io", "vgpuquotas") == {"list", "watch"}
     assert _verbs(role, "kvgpu.io", "vgpuquotas/status") == {"patch"}
-    lease = _one(_docs("base"), "Role", "kvgpu-operator-lease")
+    lease = _one(_docs(), "Role", "kvgpu-operator-lease")
     assert any(r.get("resourceNames") == ["kvgpu-operator"] and set(r["verbs"]) == {"get", "update"}
                for r in lease["rules"])
     assert _verbs(role, "", "events") == {"create"}
-    # The operator never deletes pods nor writes nodes' spec/status or webhook configurations.
+    # The operator never deletes pods; it writes only its own webhook configurations (caBundle,
+    # by name), and with cert-manager none at all.
     assert "delete" not in _verbs(role, "", "pods")
-    assert not _verbs(role, "admissionregistration.k8s.io", "mutatingwebhookconfigurations")
+    for kind, name in (("mutatingwebhookconfigurations", "kvgpu-mutate"),
+                       ("validatingwebhookconfigurations", "kvgpu-validate")):
+        [rule] = [r for r in role["rules"] if kind in r["resources"]]
+        assert rule["resourceNames"] == [name] and set(rule["verbs"]) == {"get", "update"}
+    cm_role = _one(_docs("cert-manager"), "ClusterRole", "kvgpu-operator")
+    assert not _verbs(cm_role, "admissionregistration.k8s.io", "mutatingwebhookconfigurations")
 
 
 def test_scheduler_lease_is_scoped() -> None:
-    docs = _docs("base")
+    docs = _docs()
     cluster_role = _one(docs, "ClusterRole", "kvgpu-scheduler")
     assert not _verbs(cluster_role, "coordination.k8s.io", "leases")
     role = _one(docs, "Role", "kvgpu-scheduler-leader-election")
@@ -118,34 +143,57 @@ def test_scheduler_lease_is_scoped() -> None:
     assert f"--config={mount}/config.yaml" in c["command"]
 
 
-def test_webhooks_point_at_the_webhook_service() -> None:
-    docs = _docs("base")
+@pytest.mark.parametrize("mode", ["default", "cert-manager"])
+def test_webhooks_point_at_the_webhook_service(mode: str) -> None:
+    docs = _docs(mode)
     svc = _one(docs, "Service", "kvgpu-webhook")
     [port] = svc["spec"]["ports"]
     sts = _one(docs, "StatefulSet", "kvgpu-operator")
-    [c] = sts["spec"]["template"]["spec"]["containers"]
+    c = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "operator")
     target = next(p["containerPort"] for p in c["ports"] if p["name"] == port["targetPort"])
     assert f"--webhook-port={target}" in c["args"]
-    hooks = [h for d in docs if d["kind"].endswith("WebhookConfiguration") for h in d["webhooks"]]
+    configs = [d for d in docs if d["kind"].endswith("WebhookConfiguration")]
+    hooks = [h for d in configs for h in d["webhooks"]]
     assert len(hooks) == 3
     for h in hooks:
         ref = h["clientConfig"]["service"]
         assert (ref["namespace"], ref["name"], ref["port"]) == ("kvgpu-system", "kvgpu-webhook", port["port"])
         assert h["failurePolicy"] == "Fail" and h["timeoutSeconds"] == 5
+        assert "caBundle" not in h["clientConfig"], "set at run time (kvgpu certs or cert-manager)"
         [sel] = h["namespaceSelector"]["matchExpressions"]
-        assert {"kube-system", "kvgpu-system"} <= set(sel["values"]) and sel["operator"] == "NotIn"
+        assert sel["values"] == ["kube-node-lease", "kube-public", "kube-system", "kvgpu-system"]
+        assert sel["operator"] == "NotIn"
+    cert_manager = [d for d in docs if d["apiVersion"].startswith("cert-manager.io/")]
+    if mode == "default":
+        assert not cert_manager, "no cert-manager objects by default"
+        assert all("annotations" not in d["metadata"] for d in configs)
+        return
     # cert-manager's CA injector fills the bundle from the serving Certificate.
-    comp = yaml.safe_load((MANIFESTS / "components" / "cert-manager" / "kustomization.yaml").read_text())
-    assert {p["target"]["kind"] for p in comp["patches"]} == {
-        "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"}
-    certs = _docs("components", "cert-manager")
-    cert = _one(certs, "Certificate", "kvgpu-webhook")
+    for d in configs:
+        assert d["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "kvgpu-system/kvgpu-webhook"}
+    cert = _one(docs, "Certificate", "kvgpu-webhook")
     assert "kvgpu-webhook.kvgpu-system.svc" in cert["spec"]["dnsNames"]
-    volumes = sts["spec"]["template"]["spec"]["volumes"]
-    secret = next(v["secret"]["secretName"] for v in volumes if "secret" in v)
-    assert cert["spec"]["secretName"] == secret
-    for p in comp["patches"]:
-        assert "kvgpu-system/kvgpu-webhook" in p["patch"]
+    assert cert["spec"]["secretName"] == _mounted_secret(sts["spec"]["template"]["spec"], c,
+                                                         next(a.split("=", 1)[1] for a in c["args"]
+                                                              if a.startswith("--webhook-cert=")))
+    assert {d["kind"] for d in cert_manager} == {"Issuer", "Certificate"}
+
+
+def test_webhook_selector_matches_the_code_that_generates_it() -> None:
+    """The chart's namespaceSelector is what kvgpu.admission.config would write for the same
+    exclusions (the template replaces only that part of the generated objects)."""
+    from kvgpu.admission.config import webhook_configurations
+
+    docs = render({"webhook": {"excludeNamespaces": ["monitoring"]}}, namespace="gpu-sys")
+    mutating, _ = webhook_configurations(url_base=None, service=("gpu-sys", "kvgpu-webhook", 443), ca_bundle=b"",
+                                         exclude_namespaces=["gpu-sys", "monitoring"])
+    rendered = _one(docs, "MutatingWebhookConfiguration", "kvgpu-mutate")
+    assert rendered["webhooks"][0]["namespaceSelector"] == mutating["webhooks"][0]["namespaceSelector"]
+    assert rendered["webhooks"][0]["matchConditions"] == mutating["webhooks"][0]["matchConditions"]
+    [op] = [c for c in _one(docs, "StatefulSet", "kvgpu-operator")["spec"]["template"]["spec"]["containers"]
+            if c["name"] == "operator"]
+    assert {a.split("=", 1)[1] for a in op["args"] if a.startswith("--exclude-namespace=")} == {
+        "gpu-sys", "monitoring"}
 
 
 def _expand(args: list[str], env: dict[str, str]) -> list[str]:
@@ -155,9 +203,9 @@ def _expand(args: list[str], env: dict[str, str]) -> list[str]:
 def test_operator_arguments_parse_and_elect_a_leader() -> None:
     from kvgpu.cli.main import main
 
-    sts = _one(_docs("base"), "StatefulSet", "kvgpu-operator")
+    sts = _one(_docs(), "StatefulSet", "kvgpu-operator")
     assert sts["spec"]["replicas"] == 2
-    [c] = sts["spec"]["template"]["spec"]["containers"]
+    [c] = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "operator"]
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     args = _expand(c["args"], {"POD_NAME": "kvgpu-operator-0"})
@@ -176,36 +224,75 @@ def _strip_paths(args: list[str]) -> list[str]:
 
 
 def _mounted_secret(pod_spec: dict[str, Any], container: dict[str, Any], path: str) -> str:
-    """The Secret whose volume ``container`` mounts at the directory of ``path``."""
+    """The Secret whose content ``container`` reads at ``path``: a Secret volume mounted at its
+    directory, or (operator-issued certificates) the emptyDir that the pod's ``kvgpu certs``
+    init container fills as ``<out-dir>/<secret>/<file>`` before the container starts."""
     directory = path.rsplit("/", 1)[0]
-    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    mounts = [m for m in container["volumeMounts"] if directory.startswith(m["mountPath"])]
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
     [vol] = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
-    return str(vol["secret"]["secretName"])
+    if "secret" in vol:
+        assert mount["mountPath"] == directory
+        return str(vol["secret"]["secretName"])
+    assert "emptyDir" in vol, vol
+    [init] = [c for c in pod_spec.get("initContainers", []) if c["args"][0] == "certs"]
+    assert "--once" in init["args"]
+    [out] = [a.split("=", 1)[1] for a in init["args"] if a.startswith("--out-dir=")]
+    assert any(m["name"] == vol["name"] and m["mountPath"] == out for m in init["volumeMounts"])
+    parent, secret = directory.rsplit("/", 1)
+    assert parent == out and mount["mountPath"] == out
+    return secret
 
 
-def test_extender_is_mutual_tls_end_to_end() -> None:
-    """Issue 14: the operator serves the extender with cert-manager's serving certificate and
-    trusts clients by the extender CA; kube-scheduler presents the client certificate whose CN
-    the operator allows and trusts the same CA; probes and scrapes use the plain metrics port."""
+def _certificates(mode: str) -> dict[str, tuple[str, str, list[str], bool]]:
+    """Secret -> (its signing CA, CN, DNS names, server?) in ``mode``: cert-manager's Certificates,
+    or what `kvgpu certs` issues (kvgpu.certs.issue.kvgpu_layout, with the pod's arguments)."""
+    if mode == "cert-manager":
+        docs = _docs(mode)
+        issuers = {d["metadata"]["name"]: d["spec"]["ca"]["secretName"] for d in docs
+                   if d["kind"] == "Issuer" and "ca" in d["spec"]}
+        return {c["spec"]["secretName"]: (issuers.get(c["spec"]["issuerRef"]["name"], "self-signed"),
+                                          c["spec"].get("commonName", ""), c["spec"].get("dnsNames", []),
+                                          "client auth" not in c["spec"].get("usages", []))
+                for c in docs if c["kind"] == "Certificate"}
+    from kvgpu.certs.issue import kvgpu_layout
+
+    sts = _one(_docs(mode), "StatefulSet", "kvgpu-operator")
+    [init] = sts["spec"]["template"]["spec"]["initContainers"]
+    ctx = click.Context(click.Command("x"))
+    from kvgpu.cli.certs import certs_cmd
+    ctx = certs_cmd.make_context("certs", [a for a in init["args"][1:] if not a.startswith("--out-dir=")])
+    layout = kvgpu_layout("kvgpu-system", ctx.params["webhook_service"], ctx.params["extender_service"],
+                          ctx.params["scheduler_client"])
+    return {name: (ca, spec.common_name, list(spec.dns_names), spec.server)
+            for name, (ca, spec) in layout.leaves.items()}
+
+
+@pytest.mark.parametrize("mode", ["default", "cert-manager"])
+def test_extender_is_mutual_tls_end_to_end(mode: str) -> None:
+    """Issue 14: the operator serves the extender with its serving certificate and trusts
+    clients by the extender CA; kube-scheduler presents the client certificate whose CN the
+    operator allows and trusts the same CA; probes and scrapes use the plain metrics port. The
+    certificates come from the operator pod's `kvgpu certs` (default) or cert-manager."""
     from kvgpu.cli.main import main
 
-    docs, certs = _docs("base"), _docs("components", "cert-manager")
+    docs, certs = _docs(mode), _certificates(mode)
     sts = _one(docs, "StatefulSet", "kvgpu-operator")
     op_spec = sts["spec"]["template"]["spec"]
-    [op] = op_spec["containers"]
+    [op] = [c for c in op_spec["containers"] if c["name"] == "operator"]
     flags = dict(a.split("=", 1) for a in op["args"] if a.startswith("--") and "=" in a)
     assert "--extender-insecure" not in op["args"]
-    serving = _one(certs, "Certificate", "kvgpu-extender")
-    client = _one(certs, "Certificate", "kvgpu-scheduler-extender-client")
-    for flag in ("--extender-cert", "--extender-key", "--extender-client-ca"):
-        assert _mounted_secret(op_spec, op, flags[flag]) == serving["spec"]["secretName"]
+    serving = {_mounted_secret(op_spec, op, flags[f]) for f in ("--extender-cert", "--extender-key",
+                                                                "--extender-client-ca")}
+    assert serving == {"kvgpu-extender-tls"}
     assert flags["--extender-client-ca"].endswith("/ca.crt")
-    assert serving["spec"]["issuerRef"] == client["spec"]["issuerRef"] == {"kind": "Issuer",
-                                                                          "name": "kvgpu-extender-ca"}
-    assert "client auth" in client["spec"]["usages"] and "server auth" in serving["spec"]["usages"]
-    assert "kvgpu-operator.kvgpu-system.svc" in serving["spec"]["dnsNames"]
+    ca, _, dns, server = certs["kvgpu-extender-tls"]
+    client_ca, client_cn, _, client_server = certs["kvgpu-scheduler-extender-client"]
+    assert ca == client_ca == "kvgpu-extender-ca" and server and not client_server
+    assert certs["kvgpu-webhook-tls"][0] != ca, "no webhook certificate is an extender client"
+    assert "kvgpu-operator.kvgpu-system.svc" in dns
     ctx = main.commands["operator"].make_context("operator", _strip_paths(op["args"][1:]))
-    assert client["spec"]["commonName"] in ",".join(ctx.params["extender_allowed_clients"]).split(",")
+    assert client_cn in ",".join(ctx.params["extender_allowed_clients"]).split(",")
     # kube-scheduler's side
     cfg = yaml.safe_load(_one(docs, "ConfigMap", "kvgpu-scheduler-config")["data"]["config.yaml"])
     [ext] = cfg["extenders"]
@@ -216,7 +303,7 @@ def test_extender_is_mutual_tls_end_to_end() -> None:
     tls = ext["tlsConfig"]
     assert not tls.get("insecure")
     for key in ("certFile", "keyFile", "caFile"):
-        assert _mounted_secret(dep_spec, sched, tls[key]) == client["spec"]["secretName"]
+        assert _mounted_secret(dep_spec, sched, tls[key]) == "kvgpu-scheduler-extender-client"
     assert tls["certFile"].endswith("/tls.crt") and tls["caFile"].endswith("/ca.crt")
     # probes and Prometheus: the plain port, never the extender's
     ports = {p["name"]: p["containerPort"] for p in op["ports"]}
@@ -231,7 +318,7 @@ def test_extender_is_mutual_tls_end_to_end() -> None:
 
 
 def test_network_policy_admits_the_extender_only_from_the_scheduler() -> None:
-    docs = _docs("base")
+    docs = _docs()
     pol = _one(docs, "NetworkPolicy", "kvgpu-operator")
     sts = _one(docs, "StatefulSet", "kvgpu-operator")
     assert pol["spec"]["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
@@ -242,16 +329,15 @@ def test_network_policy_admits_the_extender_only_from_the_scheduler() -> None:
     assert by_port["extender"]["from"] == [{"podSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]}}]
     assert "from" not in by_port["webhooks"], "the API server's source address is not predictable"
     assert by_port["metrics"]["from"] == [{"namespaceSelector": {"matchLabels": {"kvgpu.io/metrics-scraper": "true"}}}]
-    [op] = sts["spec"]["template"]["spec"]["containers"]
+    [op] = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "operator"]
     assert set(by_port) == {p["name"] for p in op["ports"]}, "every container port has its rule"
-    k = yaml.safe_load((MANIFESTS / "base" / "kustomization.yaml").read_text())
-    assert "networkpolicy.yaml" in k["resources"]
+    assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
 
 
 def test_agent_daemonset() -> None:
     from kvgpu.core import keys
 
-    ds = _one(_docs("base"), "DaemonSet", "kvgpu-agent")
+    ds = _one(_docs(), "DaemonSet", "kvgpu-agent")
     spec = ds["spec"]["template"]["spec"]
     [c] = spec["containers"]
     assert spec["hostPID"] is True and spec["runtimeClassName"] == "nvidia"
@@ -314,25 +400,38 @@ def test_agent_image_carries_the_shim_where_the_daemonset_looks() -> None:
     assert "shim/build.py --plain-gcc" in text
     m = re.search(r"COPY --from=shim \S+libvgpu\.so (\S+)", text)
     assert m
-    ds = _one(_docs("base"), "DaemonSet", "kvgpu-agent")
+    ds = _one(_docs(), "DaemonSet", "kvgpu-agent")
     [c] = ds["spec"]["template"]["spec"]["containers"]
     assert f"--shim-source={m.group(1)}" in c["args"]
 
 
-def test_images_in_kustomization() -> None:
-    k = yaml.safe_load((MANIFESTS / "base" / "kustomization.yaml").read_text())
-    names = {i["name"] for i in k["images"]}
-    used = {c["image"].rsplit(":", 1)[0] for d in _docs("base") if d["kind"] in ("StatefulSet", "DaemonSet")
-            for c in d["spec"]["template"]["spec"]["containers"]}
-    assert used == names
+def test_images_and_their_values() -> None:
+    def images(docs: list[dict[str, Any]]) -> set[str]:
+        return {c["image"] for d in docs if d["kind"] in ("StatefulSet", "Deployment", "DaemonSet")
+                for c in [*d["spec"]["template"]["spec"]["containers"],
+                          *d["spec"]["template"]["spec"].get("initContainers", [])]}
+
+    assert images(_docs()) == {"ghcr.io/kvgpu/kvgpu-operator:0.1.0", "ghcr.io/kvgpu/kvgpu-agent:0.1.0",
+                               "registry.k8s.io/kube-scheduler:v1.36.3"}
+    docs = render({"global": {"imageTag": "dev-1"},
+                   "operator": {"image": {"registry": "", "repository": "local/op", "tag": "abc",
+                                          "pullPolicy": "Never"}},
+                   "devicePlugin": {"image": {"registry": "reg.example:5000", "repository": "kvgpu/agent",
+                                              "pullPolicy": "Always"}}})
+    assert images(docs) == {"local/op:abc", "reg.example:5000/kvgpu/agent:dev-1",
+                            "registry.k8s.io/kube-scheduler:v1.36.3"}
+    sts = _one(docs, "StatefulSet", "kvgpu-operator")["spec"]["template"]["spec"]
+    assert {c["imagePullPolicy"] for c in [*sts["containers"], *sts["initContainers"]]} == {"Never"}
+    [agent] = _one(docs, "DaemonSet", "kvgpu-agent")["spec"]["template"]["spec"]["containers"]
+    assert agent["imagePullPolicy"] == "Always"
 
 
 @pytest.mark.parametrize(("name", "aggregate"), [("kvgpu-view", "aggregate-to-view"),
                                                   ("kvgpu-edit", "aggregate-to-edit")])
 def test_tenant_roles_read_claims_pools_and_quotas_only(name: str, aggregate: str) -> None:
-    role = _one(_docs("base"), "ClusterRole", name)
+    role = _one(_docs(), "ClusterRole", name)
     assert role["metadata"]["labels"][f"rbac.authorization.k8s.io/{aggregate}"] == "true"
     for resource in ("vgpuclaims", "vgpupools", "vgpuquotas"):
         assert _verbs(role, "kvgpu.io", resource) == {"get", "list", "watch"}
     assert {res for r in role["rules"] for res in r["resources"]} == {"vgpuclaims", "vgpupools", "vgpuquotas"}
-    assert "rbac-tenants.yaml" in (MANIFESTS / "base" / "kustomization.yaml").read_text()
+    assert not [d for d in render({"rbac": {"tenantRoles": False}}) if d["metadata"]["name"] == name]
