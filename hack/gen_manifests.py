@@ -41,6 +41,7 @@ NS = "__NAMESPACE__"  # placeholder of the release namespace
 URL = "https://__EXTENDER_URL__"
 SELECTOR = "__NAMESPACE_SELECTOR__"
 ANNOTATIONS = "__ANNOTATIONS__"
+CLIENT_CONFIG = "__CLIENT_CONFIG__"
 WEBHOOK_SERVICE = "kvgpu-webhook"  # admission webhooks (443 -> the operator's webhook port)
 WEBHOOK_SERVICE_PORT = 443
 SCHEDULER_CONFIG_MAP = "kvgpu-scheduler-config"
@@ -77,6 +78,19 @@ def _helm(text: str) -> str:
             .replace(f"  annotations: {ANNOTATIONS}\n", '{{- include "kvgpu.webhookAnnotations" . | indent 2 }}\n'))
 
 
+def _client_configs(text: str) -> str:
+    """Each webhook's ``clientConfig: __CLIENT_CONFIG__<path>`` as the Service or URL form
+    (template ``kvgpu.webhookClientConfig``)."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        head, sep, path = line.partition(f"clientConfig: {CLIENT_CONFIG}")
+        if sep:
+            include = f'include "kvgpu.webhookClientConfig" (dict "root" . "path" "{path.strip()}")'
+            line = f"{head}clientConfig:\n{{{{ {include} | indent 4 }}}}\n"
+        out.append(line)
+    return "".join(out)
+
+
 def scheduler_config_map() -> dict[str, Any]:
     cfg = scheduler_configuration(URL, tls=MANIFEST_TLS, leader_elect=True, lease_namespace=NS)
     return {
@@ -98,7 +112,9 @@ def webhook_objects() -> tuple[dict[str, Any], dict[str, Any]]:
         obj["metadata"].setdefault("labels", {})["app.kubernetes.io/part-of"] = "kvgpu"
         obj["metadata"]["annotations"] = ANNOTATIONS
         for wh in obj["webhooks"]:
-            wh["clientConfig"].pop("caBundle", None)  # set by `kvgpu certs` or cert-manager's cainjector
+            # caBundle: set by `kvgpu certs` or cert-manager's cainjector; the Service or the URL
+            # form (webhook.url): the template's choice
+            wh["clientConfig"] = CLIENT_CONFIG + wh["clientConfig"]["service"]["path"]
             wh["namespaceSelector"] = SELECTOR
     return mutating, validating
 
@@ -111,7 +127,7 @@ def outputs() -> dict[Path, str]:
         HEADER.format(source="kvgpu.extender.schedconfig.scheduler_configuration")
         + "{{- if .Values.scheduler.enabled }}\n" + _helm(_dump(scheduler_config_map())) + "{{- end }}\n")
     out[t / "webhooks.yaml"] = (HEADER.format(source="kvgpu.admission.config.webhook_configurations")
-                                + _helm(_dump(*webhook_objects())))
+                                + _client_configs(_helm(_dump(*webhook_objects()))))
     policy, binding = claim_policy([f"system:serviceaccount:{NS}:kvgpu-operator", "__EXTRA_USERNAMES__"])
     for obj in (policy, binding):
         obj["metadata"]["labels"]["app.kubernetes.io/part-of"] = "kvgpu"

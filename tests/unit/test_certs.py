@@ -18,6 +18,7 @@ from kvgpu.certs.issue import (
     needs_renewal,
     not_after,
     plan,
+    split_names,
     trust_bundle,
 )
 
@@ -121,3 +122,26 @@ def test_ca_renewal_keeps_trusting_the_old_ca_while_it_is_valid() -> None:
     _cert(renewed["kvgpu-webhook-tls"]).verify_directly_issued_by(_cert(renewed["kvgpu-ca"]))
     # once the old CA has expired it leaves the bundle
     assert trust_bundle(renewed["kvgpu-ca"].cert, trust, NOW + 3700 * DAY).count(b"BEGIN CERTIFICATE") == 1
+
+
+def test_extra_names_for_urls_that_bypass_the_service() -> None:
+    """A webhook URL or extender URL on a node address (hostNetwork): its host joins the serving
+    certificate, as a DNS or an IP SAN; a changed list re-issues the certificate."""
+    layout = kvgpu_layout("ns", "kvgpu-webhook", "kvgpu-operator", "kvgpu-scheduler",
+                          webhook_sans=["10.0.0.5", "gpu-node-1.example"], extender_sans=["127.0.0.1", "::1"])
+    first = plan(layout, {}, NOW)
+    ext = _cert(first["kvgpu-extender-tls"]).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(a) for a in ext.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "::1"]
+    wh = _cert(first["kvgpu-webhook-tls"]).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert wh.get_values_for_type(x509.DNSName) == ["kvgpu-webhook.ns.svc", "kvgpu-webhook.ns.svc.cluster.local",
+                                                    "gpu-node-1.example"]
+    assert [str(a) for a in wh.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+    assert plan(layout, dict(first), NOW) == {}
+    fewer = kvgpu_layout("ns", "kvgpu-webhook", "kvgpu-operator", "kvgpu-scheduler", extender_sans=["127.0.0.1"])
+    assert set(plan(fewer, dict(first), NOW)) == {"kvgpu-webhook-tls", "kvgpu-extender-tls"}
+
+
+@pytest.mark.parametrize("bad", ["https://10.0.0.5", "host:8443", "", "a/b"])
+def test_a_san_that_is_no_name_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="neither a DNS name nor an IP address"):
+        split_names([bad])

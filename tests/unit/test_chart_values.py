@@ -103,9 +103,7 @@ def test_values_kvgpu_cannot_honour_are_refused(key: str, value: str) -> None:
     assert f"{key}: \"{value}\" is not supported" in p.stderr, p.stderr
 
 
-def test_bad_log_format_and_extender_url_are_refused() -> None:
-    p = helm(*template_args({"logFormat": "xml"}), check=False)
-    assert p.returncode != 0 and 'logFormat: "xml" is not one of json, console' in p.stderr
+def test_a_plain_http_extender_url_is_refused() -> None:
     p = helm(*template_args({"scheduler": {"extenderURL": "http://op:8888/scheduler"}}), check=False)
     assert p.returncode != 0 and "scheduler.extenderURL" in p.stderr and "https://" in p.stderr
 
@@ -223,3 +221,35 @@ def test_monitors_off_by_default_and_on_for_both_components() -> None:
                             d["spec"]["selector"]["matchLabels"] == m["spec"]["selector"]["matchLabels"])
             ports = [p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])]
             assert "metrics" in ports
+
+
+def test_webhook_url_and_extender_url_join_the_certificates() -> None:
+    """For a cluster whose API server cannot reach Services (e.g. the operator on hostNetwork):
+    webhook.url replaces the Service in every webhook, and the hosts of both URLs become names
+    of the serving certificates `kvgpu certs` issues (or cert-manager's Certificates)."""
+    from kvgpu.certs.issue import kvgpu_layout
+    from kvgpu.cli.certs import certs_cmd
+
+    values = {"webhook": {"url": "https://10.0.0.5:19443/"},
+              "scheduler": {"extenderURL": "https://gpu-node-1.example:8888/scheduler"},
+              "certs": {"extenderSANs": ["127.0.0.1"]}}
+    docs = render(values)
+    hooks = [h for d in docs if d["kind"].endswith("WebhookConfiguration") for h in d["webhooks"]]
+    assert sorted(h["clientConfig"]["url"] for h in hooks) == [
+        "https://10.0.0.5:19443/kvgpu-mutate-pods", "https://10.0.0.5:19443/kvgpu-validate-pods",
+        "https://10.0.0.5:19443/kvgpu-validate-workloads"]
+    assert all("service" not in h["clientConfig"] for h in hooks)
+    init = _containers(docs, "StatefulSet", "kvgpu-operator")["certs-init"]
+    p = certs_cmd.make_context("certs", [a for a in init["args"][1:]]).params
+    layout = kvgpu_layout("kvgpu-system", p["webhook_service"], p["extender_service"], p["scheduler_client"],
+                          p["webhook_sans"], p["extender_sans"])
+    assert layout.leaves["kvgpu-webhook-tls"][1].ip_addresses == ("10.0.0.5",)
+    ext = layout.leaves["kvgpu-extender-tls"][1]
+    assert "gpu-node-1.example" in ext.dns_names and ext.ip_addresses == ("127.0.0.1",)
+    cm = render({**values, "certManager": {"enabled": True}})
+    assert one(cm, "Certificate", "kvgpu-webhook")["spec"]["ipAddresses"] == ["10.0.0.5"]
+    serving = one(cm, "Certificate", "kvgpu-extender")["spec"]
+    assert "gpu-node-1.example" in serving["dnsNames"] and serving["ipAddresses"] == ["127.0.0.1"]
+    p2 = helm(*template_args({"webhook": {"url": "http://10.0.0.5:9443"}}), check=False)
+    assert p2.returncode != 0 and 'webhook.url: "http://10.0.0.5:9443" must be an https:// URL' in p2.stderr
+

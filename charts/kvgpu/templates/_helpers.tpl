@@ -88,6 +88,39 @@ annotations:
 {{- end }}
 {{- end }}
 
+{{/* A webhook's clientConfig: the Service kvgpu-webhook, or webhook.url + path; dict "root" $ "path" P. */}}
+{{- define "kvgpu.webhookClientConfig" -}}
+{{- if .root.Values.webhook.url -}}
+url: {{ printf "%s%s" (trimSuffix "/" .root.Values.webhook.url) .path | quote }}
+{{- else -}}
+service:
+  namespace: {{ .root.Release.Namespace }}
+  name: kvgpu-webhook
+  port: 443
+  path: {{ .path }}
+{{- end }}
+{{- end }}
+
+{{/* The host of a URL (no scheme, port, path; IPv6 brackets removed). */}}
+{{- define "kvgpu.urlHost" -}}
+{{- $u := urlParse . -}}
+{{- regexReplaceAll "^\\[(.*)\\]$" (regexReplaceAll ":[0-9]+$" $u.host "") "${1}" -}}
+{{- end }}
+
+{{/* Further names of the serving certificates as JSON lists: the hosts of webhook.url and of a
+non-default scheduler.extenderURL, plus certs.webhookSANs / certs.extenderSANs. */}}
+{{- define "kvgpu.webhookSANs" -}}
+{{- $s := .Values.certs.webhookSANs | default list -}}
+{{- if .Values.webhook.url }}{{ $s = append $s (include "kvgpu.urlHost" .Values.webhook.url) }}{{ end -}}
+{{- $s | uniq | toJson -}}
+{{- end }}
+{{- define "kvgpu.extenderSANs" -}}
+{{- $s := .Values.certs.extenderSANs | default list -}}
+{{- $h := include "kvgpu.urlHost" (include "kvgpu.extenderURL" .) -}}
+{{- if not (has $h (list (printf "kvgpu-operator.%s.svc" .Release.Namespace) (printf "kvgpu-operator.%s.svc.cluster.local" .Release.Namespace))) }}{{ $s = append $s $h }}{{ end -}}
+{{- $s | uniq | toJson -}}
+{{- end }}
+
 {{/* The operator's ServiceAccount as a user name. */}}
 {{- define "kvgpu.operatorUsername" -}}
 system:serviceaccount:{{ .Release.Namespace }}:kvgpu-operator
@@ -116,6 +149,9 @@ system:serviceaccount:{{ .Release.Namespace }}:kvgpu-operator
 {{- fail (printf "%s: %q is not supported: kvgpu serves the fixed name %q (HAMi's default); leave %s unset" $k (get $.Values $k | toString) $v $k) }}
 {{- end }}
 {{- end }}
+{{- if and .Values.webhook.url (not (hasPrefix "https://" .Values.webhook.url)) }}
+{{- fail (printf "webhook.url: %q must be an https:// URL (the API server calls webhooks over TLS)" .Values.webhook.url) }}
+{{- end }}
 {{- if not (hasPrefix "https://" (include "kvgpu.extenderURL" .)) }}
 {{- fail (printf "scheduler.extenderURL: %q must be an https:// URL (the extender serves mutual TLS only)" (include "kvgpu.extenderURL" .)) }}
 {{- end }}
@@ -139,6 +175,12 @@ args:
 - --webhook-service=kvgpu-webhook
 - --extender-service=kvgpu-operator
 - --scheduler-client=kvgpu-scheduler
+{{- range (include "kvgpu.webhookSANs" $r | fromJsonArray) }}
+- --webhook-san={{ . }}
+{{- end }}
+{{- range (include "kvgpu.extenderSANs" $r | fromJsonArray) }}
+- --extender-san={{ . }}
+{{- end }}
 env:
 - name: POD_NAMESPACE
   valueFrom:
@@ -151,4 +193,21 @@ securityContext:
   capabilities: {drop: [ALL]}
 volumeMounts:
 - {name: tls, mountPath: /etc/kvgpu/tls}
+{{- end }}
+
+{{/* A JSON list of names as more cert-manager dnsNames entries, then ipAddresses (after dnsNames). */}}
+{{- define "kvgpu.certManagerSANs" -}}
+{{- $dns := list -}}{{- $ips := list -}}
+{{- range (. | fromJsonArray) -}}
+{{- if or (regexMatch "^[0-9]+\\.[0-9]+\\.[0-9]+\\.[0-9]+$" .) (contains ":" .) }}{{ $ips = append $ips . }}{{ else }}{{ $dns = append $dns . }}{{ end -}}
+{{- end -}}
+{{- range $dns }}
+- {{ . }}
+{{- end }}
+{{- if $ips }}
+ipAddresses:
+{{- range $ips }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
 {{- end }}

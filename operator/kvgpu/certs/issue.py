@@ -13,6 +13,8 @@ does not match it, when a leaf is not signed by the current CA or lacks a name i
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -53,12 +55,14 @@ class Bundle:
 
 @dataclass(frozen=True)
 class LeafSpec:
-    """A leaf certificate to issue: subject ``common_name``, DNS SANs ``dns_names``, and whether
-    it authenticates a server (``server=True``: serverAuth) or a client (clientAuth)."""
+    """A leaf certificate to issue: subject ``common_name``, DNS SANs ``dns_names``, IP SANs
+    ``ip_addresses`` (text form), and whether it authenticates a server (``server=True``:
+    serverAuth) or a client (clientAuth)."""
 
     common_name: str
     dns_names: tuple[str, ...] = ()
     server: bool = True
+    ip_addresses: tuple[str, ...] = ()
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -115,8 +119,10 @@ def issue(ca: Bundle, spec: LeafSpec, now: dt.datetime, lifetime: dt.timedelta =
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
     )
-    if spec.dns_names:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in spec.dns_names]), critical=False)
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in spec.dns_names]
+    sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in spec.ip_addresses]
+    if sans:
+        b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     cert = b.sign(ca_key, hashes.SHA256())
     return Bundle(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key),
                   ca.cert if ca_bundle is None else ca_bundle)
@@ -161,11 +167,12 @@ def needs_renewal(bundle: Bundle | None, now: dt.datetime, ca: Bundle | None = N
     if spec is not None:
         cns = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
         try:
-            sans = tuple(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-                         .get_values_for_type(x509.DNSName))
+            ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            sans, ips = ext.get_values_for_type(x509.DNSName), [str(a) for a in ext.get_values_for_type(x509.IPAddress)]
         except x509.ExtensionNotFound:
-            sans = ()
-        if cns != [spec.common_name] or sorted(sans) != sorted(spec.dns_names):
+            sans, ips = [], []
+        want_ips = sorted(str(ipaddress.ip_address(a)) for a in spec.ip_addresses)
+        if cns != [spec.common_name] or sorted(sans) != sorted(spec.dns_names) or sorted(ips) != want_ips:
             return True
     return False
 
@@ -225,22 +232,47 @@ def plan(layout: Layout, current: dict[str, Bundle | None], now: dt.datetime) ->
     return out
 
 
+def split_names(names: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``names`` as (DNS names, IP addresses), each without duplicates, in order. Raises
+    ``ValueError`` naming an entry that is neither (empty, or with a scheme, port or path)."""
+    dns: list[str] = []
+    ips: list[str] = []
+    for n in names:
+        try:
+            ip = str(ipaddress.ip_address(n))
+        except ValueError:
+            if not n or any(c in n for c in ":/ ") or n.startswith(".") or n.endswith("."):
+                raise ValueError(f"{n!r} is neither a DNS name nor an IP address") from None
+            if n not in dns:
+                dns.append(n)
+            continue
+        if ip not in ips:
+            ips.append(ip)
+    return tuple(dns), tuple(ips)
+
+
 def kvgpu_layout(namespace: str, webhook_service: str, extender_service: str,
-                 scheduler_client: str) -> Layout:
+                 scheduler_client: str, webhook_sans: Iterable[str] = (),
+                 extender_sans: Iterable[str] = ()) -> Layout:
     """kvgpu's Secrets (the names the chart mounts or reads): the webhook CA ``kvgpu-ca`` signs
     ``kvgpu-webhook-tls`` (``<webhook_service>.<namespace>.svc`` and ``.svc.cluster.local``);
     the extender CA ``kvgpu-extender-ca`` — a CA of its own, so no webhook certificate is an
     extender client — signs ``kvgpu-extender-tls`` (``<extender_service>...``) and the
     kube-scheduler's client certificate ``kvgpu-scheduler-extender-client`` (CN
-    ``scheduler_client``, the operator's ``--extender-allowed-clients``)."""
-    def dns(svc: str) -> tuple[str, ...]:
-        return (f"{svc}.{namespace}.svc", f"{svc}.{namespace}.svc.cluster.local")
+    ``scheduler_client``, the operator's ``--extender-allowed-clients``). ``webhook_sans`` and
+    ``extender_sans``: further names (DNS or IP) of the two serving certificates, for a webhook
+    URL or extender URL that does not go through the Service (:func:`split_names`)."""
+    def sans(svc: str, extra: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return split_names([f"{svc}.{namespace}.svc", f"{svc}.{namespace}.svc.cluster.local", *extra])
 
+    wh_dns, wh_ips = sans(webhook_service, webhook_sans)
+    ex_dns, ex_ips = sans(extender_service, extender_sans)
     return Layout(
         cas={"kvgpu-ca": "kvgpu-webhook-ca", "kvgpu-extender-ca": "kvgpu-extender-ca"},
         leaves={
-            "kvgpu-webhook-tls": ("kvgpu-ca", LeafSpec(f"{webhook_service}.{namespace}.svc", dns(webhook_service))),
-            "kvgpu-extender-tls": ("kvgpu-extender-ca", LeafSpec("kvgpu-extender", dns(extender_service))),
+            "kvgpu-webhook-tls": ("kvgpu-ca", LeafSpec(f"{webhook_service}.{namespace}.svc", wh_dns,
+                                                        ip_addresses=wh_ips)),
+            "kvgpu-extender-tls": ("kvgpu-extender-ca", LeafSpec("kvgpu-extender", ex_dns, ip_addresses=ex_ips)),
             "kvgpu-scheduler-extender-client": ("kvgpu-extender-ca", LeafSpec(scheduler_client, (), server=False)),
         },
     )

@@ -22,6 +22,10 @@ import click
               help="Service kube-scheduler calls for the extender (its serving certificate's DNS names)")
 @click.option("--scheduler-client", default="kvgpu-scheduler", show_default=True,
               help="CN of kube-scheduler's extender client certificate (= --extender-allowed-clients)")
+@click.option("--webhook-san", "webhook_sans", multiple=True,
+              help="a further DNS name or IP address of the webhook serving certificate (repeatable)")
+@click.option("--extender-san", "extender_sans", multiple=True,
+              help="a further DNS name or IP address of the extender serving certificate (repeatable)")
 @click.option("--mutating", multiple=True, default=("kvgpu-mutate",), show_default=True,
               help="MutatingWebhookConfiguration whose caBundle is set (repeatable)")
 @click.option("--validating", multiple=True, default=("kvgpu-validate",), show_default=True,
@@ -32,7 +36,8 @@ import click
               help="seconds between rounds (renewal happens once a third of a lifetime is left)")
 @click.option("--once", is_flag=True, help="one round, then exit (non-zero on failure)")
 def certs_cmd(kubeconfig: str | None, namespace: str, webhook_service: str, extender_service: str,
-              scheduler_client: str, mutating: tuple[str, ...], validating: tuple[str, ...],
+              scheduler_client: str, webhook_sans: tuple[str, ...], extender_sans: tuple[str, ...],
+              mutating: tuple[str, ...], validating: tuple[str, ...],
               out_dir: Path | None, interval: float, once: bool) -> None:
     """Issue, adopt and rotate the webhook and extender certificates (no cert-manager)."""
     from kvgpu.certs.issue import kvgpu_layout
@@ -42,7 +47,11 @@ def certs_cmd(kubeconfig: str | None, namespace: str, webhook_service: str, exte
     from kvgpu.procs import run_loop
 
     configure_logging()
-    layout = kvgpu_layout(namespace, webhook_service, extender_service, scheduler_client)
+    try:
+        layout = kvgpu_layout(namespace, webhook_service, extender_service, scheduler_client,
+                              webhook_sans, extender_sans)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--webhook-san/--extender-san") from None
 
     async def main() -> None:
         api = await connect(kubeconfig)
