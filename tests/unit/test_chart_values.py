@@ -253,3 +253,33 @@ def test_webhook_url_and_extender_url_join_the_certificates() -> None:
     p2 = helm(*template_args({"webhook": {"url": "http://10.0.0.5:9443"}}), check=False)
     assert p2.returncode != 0 and 'webhook.url: "http://10.0.0.5:9443" must be an https:// URL' in p2.stderr
 
+
+@pytest.mark.parametrize(("values", "where", "why"), [
+    ({"devicePlugin": {"deviceSplitCount": 0}}, "/devicePlugin/deviceSplitCount", "minimum: got 0, want 1"),
+    ({"devicePlugin": {"deviceSplitCount": "ten"}}, "/devicePlugin/deviceSplitCount", "got string, want integer"),
+    ({"devicePlugin": {"deviceMemoryScaling": 0}}, "/devicePlugin/deviceMemoryScaling", "exclusiveMinimum"),
+    ({"scheduler": {"defaultCores": 150}}, "/scheduler/defaultCores", "maximum: got 150, want 100"),
+    ({"scheduler": {"defaultGPUNum": 0}}, "/scheduler/defaultGPUNum", "minimum"),
+    ({"pool": {"mode": "shared"}}, "/pool/mode", "value must be one of 'hami-core', 'exclusive', 'mps'"),
+    ({"scheduler": {"defaultSchedulerPolicy": {"gpuSchedulerPolicy": "topology"}}},
+     "/scheduler/defaultSchedulerPolicy/gpuSchedulerPolicy", "binpack"),
+    ({"logFormat": "text"}, "/logFormat", "value must be one of 'json', 'console'"),
+])
+def test_bad_values_fail_naming_the_key(values: dict[str, Any], where: str, why: str) -> None:
+    """values.schema.json (generated: the pool-bound values take VGPUPoolSpec's bounds)."""
+    p = helm(*template_args(values), check=False)
+    assert p.returncode != 0
+    assert f"at '{where}'" in p.stderr and why in p.stderr, p.stderr
+
+
+def test_schema_bounds_are_the_pool_models() -> None:
+    from kvgpu.api.modelbase import MAX_CARD_MEMORY_MIB, MAX_CARDS, MAX_SPLIT_COUNT
+
+    from tests.helmkit import CHART
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    dp, sch = schema["devicePlugin"]["properties"], schema["scheduler"]["properties"]
+    assert dp["deviceSplitCount"] == {"type": "integer", "minimum": 1, "maximum": MAX_SPLIT_COUNT}
+    assert sch["defaultMem"]["maximum"] == MAX_CARD_MEMORY_MIB and sch["defaultGPUNum"]["maximum"] == MAX_CARDS
+    # a HAMi values file's other keys are allowed (kvgpu ignores them)
+    render({"devicePlugin": {"migStrategy": "none"}, "mluResourceName": "cambricon.com/vmlu"})
