@@ -107,6 +107,7 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
                    "--set-json", 'pool.nodeSelector={"matchLabels":{"kvgpu.io/test":"none"}}',
                    "--set", "operator.replicas=1", "--set", "scheduler.replicas=1", "--timeout=60s").stdout
         assert "STATUS: deployed" in out, out
+        assert "kubectl get vgpupool helm-test" in out and "Certificates: the operator pod issues them" in out, out
         status = json.loads(helm("status", RELEASE, "-n", NS, "-o", "json", *kc).stdout)
         assert status["info"]["status"] == "deployed"
         for kind, name in (("statefulset", "kvgpu-operator"), ("deployment", "kvgpu-scheduler"),
