@@ -20,7 +20,8 @@ WORKLOADS = ("StatefulSet", "Deployment", "DaemonSet")
 
 #: A HAMi user's values file (charts/hami/values.yaml names), as it would carry over.
 HAMI_VALUES = {
-    "devicePlugin": {"deviceSplitCount": 4, "deviceMemoryScaling": 1.5, "deviceCoreScaling": 2},
+    "devicePlugin": {"deviceSplitCount": 4, "deviceMemoryScaling": 1.5, "deviceCoreScaling": 2,
+                     "nvidiaNodeSelector": {"gpu": "on"}},
     "scheduler": {"defaultMem": 2000, "defaultCores": 30, "defaultGPUNum": 2,
                   "defaultSchedulerPolicy": {"nodeSchedulerPolicy": "spread", "gpuSchedulerPolicy": "binpack"},
                   "kubeScheduler": {"image": "registry.cn-hangzhou.aliyuncs.com/google_containers/kube-scheduler",
@@ -90,6 +91,14 @@ def test_hami_values_carry_over() -> None:
     hook = one(docs, "MutatingWebhookConfiguration", "kvgpu-mutate")["webhooks"][0]
     assert "ml-infra" in hook["namespaceSelector"]["matchExpressions"][0]["values"]
     assert "--exclude-namespace=ml-infra" in _containers(docs, "StatefulSet", "kvgpu-operator")["operator"]["args"]
+    # HAMi's agent placement: nvidiaNodeSelector in place of the default affinity
+    agent_pod = one(docs, "DaemonSet", "kvgpu-agent")["spec"]["template"]["spec"]
+    assert agent_pod["nodeSelector"] == {"gpu": "on"} and "affinity" not in agent_pod
+    default_pod = one(render(), "DaemonSet", "kvgpu-agent")["spec"]["template"]["spec"]
+    assert "nodeSelector" not in default_pod
+    terms = default_pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert [t["matchExpressions"][0]["key"] for t in terms["nodeSelectorTerms"]] == [
+        "nvidia.com/gpu.present", "kvgpu.io/gpu-node"]
     # HAMi's scheduler.certManager.enabled means cert-manager here too
     cm = render({"scheduler": {"certManager": {"enabled": True}}})
     assert {d["kind"] for d in cm if d["apiVersion"].startswith("cert-manager.io/")} == {"Issuer", "Certificate"}
