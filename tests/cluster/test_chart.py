@@ -7,9 +7,10 @@ the Secrets and fills the caBundle of the installed webhook configurations; the 
 starts on the files it wrote, becomes ready (leader) with the chart's roles alone, and its
 extender answers the kube-scheduler's client certificate from the Secret and refuses a client
 without one. The session's operator (whose dev-mode webhook configurations and VGPUClaim
-policy have the chart's names) is stopped meanwhile and restarted afterwards. The CRDs are the
-session's (already installed: Helm skips existing CRDs), so the test checks they are
-Established rather than that Helm created them.
+policy have the chart's names) is stopped meanwhile and restarted afterwards. A `helm upgrade` keeps the
+caBundle (a field the chart does not set). The CRDs are the session's (already installed: Helm
+skips existing CRDs), so the test checks they are Established rather than that Helm created
+them.
 """
 
 from __future__ import annotations
@@ -142,6 +143,15 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
             obj = json.loads(cluster.kubectl("get", kind, name, "-o", "json").stdout)
             assert [base64.b64decode(h["clientConfig"]["caBundle"]) for h in obj["webhooks"]] == \
                 [ca] * len(obj["webhooks"])
+        # helm upgrade keeps the caBundle it does not manage (three-way merge)
+        helm("upgrade", RELEASE, str(CHART), "-n", NS, *kc, "--reuse-values", "--set", "operator.webhookWorkers=1")
+        for kind, name in (("mutatingwebhookconfiguration", "kvgpu-mutate"),
+                           ("validatingwebhookconfiguration", "kvgpu-validate")):
+            obj = json.loads(cluster.kubectl("get", kind, name, "-o", "json").stdout)
+            assert all(base64.b64decode(h["clientConfig"]["caBundle"]) == ca for h in obj["webhooks"]), name
+        sts = json.loads(cluster.kubectl("get", "statefulset", "kvgpu-operator", "-n", NS, "-o", "json").stdout)
+        op_args = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "operator")["args"]
+        assert "--webhook-workers=1" in op_args
         # the operator on those files, with the chart's roles only
         ext_port, metrics_port, webhook_port = free_port(), free_port(), free_port()
         d = tls / "kvgpu-extender-tls"
