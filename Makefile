@@ -14,7 +14,7 @@ help: ## show this help
 	@awk 'BEGIN{FS=":.*##"} /^##@/{printf "\n%s\n",substr($$0,5)} /^[a-zA-Z_-]+:.*##/{printf "  %-14s %s\n",$$1,$$2}' $(MAKEFILE_LIST)
 
 .PHONY: install
-install: $(STAMP) shim ktp realnode ## venv + Python deps + the shim + the control-plane binary + the node runtime
+install: $(STAMP) shim ktp helm realnode ## venv + Python deps + the shim + the control-plane binary + helm + the node runtime
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -63,6 +63,10 @@ shim: $(STAMP) ## build shim/libvgpu.so and the cffi test module
 ktp: ## build (or reuse from cache) the etcd/kube-apiserver/kube-scheduler/kubectl binary
 	@hack/ktp/build.sh >/dev/null
 
+.PHONY: helm
+helm: ## build (or reuse from cache) the Helm CLI (hack/helm/build.sh): the chart's tests and install
+	@hack/helm/build.sh >/dev/null
+
 .PHONY: realnode
 realnode: ## the real node's runtime: containerd (hack/realnode/build.sh) + runc, CNI plugins, busybox (apt)
 	@hack/realnode/build.sh >/dev/null
@@ -82,12 +86,12 @@ realnode: ## the real node's runtime: containerd (hack/realnode/build.sh) + runc
 	fi
 
 .PHONY: crds
-crds: $(STAMP) ## regenerate crds/, docs/api.md and docs/configuration.md from the code
+crds: $(STAMP) ## regenerate charts/kvgpu/crds/, docs/api.md and docs/configuration.md from the code
 	$(VPY) -m kvgpu.api.crdgen
 	$(VPY) -m kvgpu.cli.configdoc
 
 .PHONY: generate
-generate: crds ## run every generator of committed files (manifests, doc sections, plots); tests fail on drift
+generate: crds ## run every generator of committed files (chart templates, doc sections, plots); tests fail on drift
 	$(VPY) hack/gen_manifests.py
 	$(VPY) hack/gen_importgraph.py
 	$(VPY) hack/gen_proto.py

@@ -21,7 +21,7 @@ from kvgpu.devcluster import Cluster
 
 OPERATOR_USER = "kvgpu-operator"
 NO_NODE = {"kvgpu.io/admission-test": "no-such-node"}
-CRDS = Path(__file__).resolve().parents[2] / "crds"
+CRDS = Path(__file__).resolve().parents[2] / "charts" / "kvgpu" / "crds"
 POOL = "msg-test-min-slice"
 
 

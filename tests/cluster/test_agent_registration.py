@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def crds(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    cluster.kubectl("apply", "-f", str(ROOT / "charts" / "kvgpu" / "crds"))
     cluster.kubectl("wait", "--for=condition=Established", "crd/vgpupools.kvgpu.io", "--timeout=60s")
 
 

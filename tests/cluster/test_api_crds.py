@@ -35,7 +35,7 @@ UUID = "GPU-0fc3eda5-e98b-a25b-5b0d-d5c8d3f5a448"
 
 @pytest.fixture(scope="module")
 def crds(cluster: Cluster) -> Cluster:
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    cluster.kubectl("apply", "-f", str(ROOT / "charts" / "kvgpu" / "crds"))
     for plural in ("vgpupools", "vgpuclaims"):
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{plural}.{GROUP}", "--timeout=60s")
     return cluster

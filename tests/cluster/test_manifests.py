@@ -1,10 +1,12 @@
-"""manifests/ against the real API server: `kubectl kustomize` renders it, and every rendered
-object passes a server-side dry-run apply (schema, RBAC escalation checks, admission).
+"""The chart charts/kvgpu against the real API server: `helm template` renders it, and every
+rendered object passes a server-side dry-run apply (schema, RBAC escalation checks, admission);
+its roles are checked with SubjectAccessReviews and by running the components as its
+ServiceAccounts. (`helm install` itself: tests/cluster/test_chart.py.)
 
 The CRDs go in for real first (custom resources of the same render need them Established), as
 does the kvgpu-system namespace (namespaced objects need it). cert-manager is not installed on
 the local control plane, so the test installs stand-in CRDs for its two kinds (open schema) to
-dry-run the default install's Issuer/Certificate objects too; they are removed afterwards.
+dry-run the cert-manager variant's Issuer/Certificate objects too; they are removed afterwards.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import pytest
 import yaml
 from kvgpu.devcluster import Cluster
 
+from tests.helmkit import render
+
 EXPECTED = {
-    "Namespace": 1, "CustomResourceDefinition": 3,
+    "CustomResourceDefinition": 3, "VGPUPool": 1,
     "ServiceAccount": 3, "ClusterRole": 5, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
     "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
@@ -29,13 +33,14 @@ EXPECTED = {
 # the webhook's root/CA/serving certificate; the extender's CA and its serving and client certificates
 CERT_MANAGER = {"Issuer": 3, "Certificate": 5}
 STAND_IN = "cert-manager-stand-in"
-MANIFESTS_DIR = Path(__file__).resolve().parents[2] / "manifests"
 OPEN = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+NAMESPACE = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kvgpu-system"}}
+CERT_MANAGER_VALUES = {"certManager": {"enabled": True}}
 
 
-def _render(cluster: Cluster, path: str) -> list[dict[str, Any]]:
-    out = cluster.kubectl("kustomize", path).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+def _chart(values: dict[str, Any] | None = None, *, crds: bool = False) -> list[dict[str, Any]]:
+    """The chart's objects in kvgpu-system (``helm template``), with the CRDs when ``crds``."""
+    return render(values, include_crds=crds)
 
 
 def _stand_in_crd(kind: str) -> dict[str, Any]:
@@ -54,10 +59,12 @@ def _as_list(docs: list[dict[str, Any]]) -> str:
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
 
 
-def test_base_renders_without_cert_manager(cluster: Cluster) -> None:
-    docs = _render(cluster, "manifests/base")
+def test_chart_renders_without_cert_manager(cluster: Cluster) -> None:
+    docs = _chart(crds=True)
     assert Counter(d["kind"] for d in docs) == EXPECTED
     assert not [d for d in docs if d["apiVersion"].startswith("cert-manager.io/")]
+    version = json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
+    assert version == "v1.36.3", "the chart's default scheduler tag below is the cluster's version"
     images = {c["image"] for d in docs if d["kind"] in ("StatefulSet", "Deployment", "DaemonSet")
               for c in d["spec"]["template"]["spec"]["containers"]}
     assert images == {"ghcr.io/kvgpu/kvgpu-operator:0.1.0", "ghcr.io/kvgpu/kvgpu-agent:0.1.0",
@@ -74,12 +81,19 @@ def stand_in_cert_manager(cluster: Cluster) -> Any:
     cluster.kubectl("delete", "crd", "-l", f"kvgpu.io/test={STAND_IN}", "--wait=false", check=False)
 
 
-def test_default_install_dry_runs_on_the_server(cluster: Cluster, stand_in_cert_manager: Any) -> None:
-    docs = _render(cluster, "manifests")
-    assert Counter(d["kind"] for d in docs) == EXPECTED | CERT_MANAGER
+@pytest.mark.parametrize("values", [None, CERT_MANAGER_VALUES], ids=["operator-certs", "cert-manager"])
+def test_install_dry_runs_on_the_server(cluster: Cluster, stand_in_cert_manager: Any,
+                                        values: dict[str, Any] | None) -> None:
+    docs = _chart(values, crds=True)
     hooks = [d for d in docs if d["kind"].endswith("WebhookConfiguration")]
-    for h in hooks:
-        assert h["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == "kvgpu-system/kvgpu-webhook"
+    if values is None:
+        assert Counter(d["kind"] for d in docs) == EXPECTED
+        assert all("annotations" not in h["metadata"] for h in hooks)
+    else:
+        assert Counter(d["kind"] for d in docs) == EXPECTED | CERT_MANAGER
+        for h in hooks:
+            assert h["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == "kvgpu-system/kvgpu-webhook"
+    docs.insert(0, NAMESPACE)
 
     # What the rest depends on goes in for real: CRDs (Established) and the namespace.
     first = [d for d in docs if d["kind"] in ("CustomResourceDefinition", "Namespace")]
@@ -102,7 +116,8 @@ def test_default_install_dry_runs_on_the_server(cluster: Cluster, stand_in_cert_
     assert Counter(i["kind"] for i in items) == Counter(d["kind"] for d in rest)
     # Defaults filled in by the server show the objects went through admission and schema.
     sts = next(i for i in items if i["kind"] == "StatefulSet")
-    assert sts["spec"]["template"]["spec"]["containers"][0]["env"][0]["name"] == "POD_NAME"
+    op = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "operator")
+    assert op["env"][0]["name"] == "POD_NAME"
     assert sts["spec"]["revisionHistoryLimit"] == 10
 
 
@@ -134,6 +149,14 @@ ALLOWED = [
     ("kvgpu-operator", "patch", "kvgpu.io", "vgpuquotas", "status", "team"),
     ("kvgpu-operator", "create", "coordination.k8s.io", "leases", "", "kvgpu-system"),
     ("kvgpu-operator", "update", "coordination.k8s.io", "leases", "", "kvgpu-system", "kvgpu-operator"),
+    # kvgpu certs (the operator pod's certificate containers; without cert-manager)
+    ("kvgpu-operator", "create", "", "secrets", "", "kvgpu-system"),
+    ("kvgpu-operator", "get", "", "secrets", "", "kvgpu-system", "kvgpu-ca"),
+    ("kvgpu-operator", "update", "", "secrets", "", "kvgpu-system", "kvgpu-scheduler-extender-client"),
+    ("kvgpu-operator", "update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "",
+     "kvgpu-mutate"),
+    ("kvgpu-operator", "get", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "", "",
+     "kvgpu-validate"),
     ("kvgpu-agent", "patch", "", "nodes", "", ""),
     ("kvgpu-agent", "watch", "", "nodes", "", ""),
     ("kvgpu-agent", "watch", "", "pods", "", ""),
@@ -151,6 +174,11 @@ DENIED = [
     ("kvgpu-operator", "delete", "", "pods", "", "team"),
     ("kvgpu-operator", "delete", "policy", "poddisruptionbudgets", "", "team"),
     ("kvgpu-operator", "get", "", "secrets", "", "kvgpu-system"),
+    ("kvgpu-operator", "list", "", "secrets", "", "kvgpu-system"),
+    ("kvgpu-operator", "get", "", "secrets", "", "kvgpu-system", "someone-elses"),
+    ("kvgpu-operator", "get", "", "secrets", "", "team", "kvgpu-ca"),
+    ("kvgpu-operator", "update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "",
+     "other-webhook"),
     ("kvgpu-operator", "update", "coordination.k8s.io", "leases", "", "kube-system", "kvgpu-operator"),
     ("kvgpu-operator", "update", "kvgpu.io", "vgpupools", "", ""),
     ("kvgpu-operator", "update", "", "resourcequotas", "", "team"),
@@ -169,7 +197,7 @@ DENIED = [
 
 def _rbac_objects(cluster: Cluster) -> list[dict[str, Any]]:
     kinds = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
-    return [d for d in _render(cluster, "manifests/base") if d["kind"] in kinds]
+    return [NAMESPACE, *[d for d in _chart() if d["kind"] in kinds]]
 
 
 @pytest.fixture
@@ -221,8 +249,8 @@ def test_rbac_allows_the_calls_and_nothing_broader(cluster: Cluster, rbac: Any) 
 
 def test_agent_runs_with_its_own_service_account(cluster: Cluster, rbac: Any, namespace: str,
                                                  tmp_path: Any) -> None:
-    """The simulated agent, authenticated as kvgpu-agent with the manifests' ClusterRole (plus
-    the simulated-agent component's nodes/status), publishes its node's inventory and label, with
+    """The simulated agent, authenticated as kvgpu-agent with the chart's ClusterRole (plus
+    rbac.simulatedAgent's nodes/status), publishes its node's inventory and label, with
     no 403 anywhere in its log."""
     import asyncio
     import subprocess
@@ -240,8 +268,9 @@ def test_agent_runs_with_its_own_service_account(cluster: Cluster, rbac: Any, na
             await create_nodes(api, [SimulatedNode(node, ())], with_inventory=False)
 
     asyncio.run(mk())
-    extra = MANIFESTS_DIR / "components" / "simulated-agent" / "rbac.yaml"
-    cluster.kubectl("apply", "--server-side", "-f", str(extra))
+    extra = _as_list([d for d in _chart({"rbac": {"simulatedAgent": True}})
+                      if d["metadata"]["name"] == "kvgpu-agent-simulated"])
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=extra)
     kubeconfig = _sa_kubeconfig(cluster, "kvgpu-agent", tmp_path / "agent.kubeconfig")
     sim = tmp_path / "sim.json"
     sim.write_text(json.dumps({"nodes": [{"name": node, "cards": [{"model": "NVIDIA H200", "count": 2}]}]}))
@@ -277,7 +306,7 @@ def test_agent_runs_with_its_own_service_account(cluster: Cluster, rbac: Any, na
             proc.kill()
             proc.wait()
         cluster.kubectl("delete", "node", node, "--wait=false", check=False)
-        cluster.kubectl("delete", "-f", str(extra), "--wait=false", "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "-f", "-", "--wait=false", "--ignore-not-found", input=extra, check=False)
 
 
 def _sa_kubeconfig(cluster: Cluster, account: str, path: Path) -> Path:
@@ -305,7 +334,7 @@ def _stop(proc: Any) -> None:
 def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, tmp_path: Path) -> None:
     """The session's operator and kvgpu kube-scheduler (both with broad identities) are replaced
     for this test by ones authenticated as the kvgpu-operator and kvgpu-scheduler
-    ServiceAccounts with the manifests' roles: the operator with leader election as in the
+    ServiceAccounts with the chart's roles: the operator with leader election as in the
     StatefulSet, the scheduler with the generated ConfigMap's configuration (leader election on,
     only the extender URL pointed at the local operator). A pod is admitted, scheduled, bound,
     claimed, followed to Running and released, with no request refused in either log. The
@@ -315,7 +344,7 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
     import time
 
     cluster, system = gpu.cluster, gpu.system
-    crds = _render(cluster, "manifests/crds")
+    crds = [d for d in _chart(crds=True) if d["kind"] == "CustomResourceDefinition"]
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(crds))
     kubeconfig = _sa_kubeconfig(cluster, "kvgpu-operator", tmp_path / "operator.kubeconfig")
     pki = cluster.run_dir / "pki"
@@ -326,11 +355,11 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
             f"--webhook-key={pki / 'webhook.key'}", f"--operator-username={SA}kvgpu-operator",
             "--exclude-namespace=kvgpu-system", "--leader-elect", "--lease-namespace=kvgpu-system",
             f"--ready-file={ready}"]
-    sched_cfg = yaml.safe_load(next(d for d in _render(cluster, "manifests/base")
+    sched_cfg = yaml.safe_load(next(d for d in _chart()
                                     if d["kind"] == "ConfigMap")["data"]["config.yaml"])
     ext = sched_cfg["extenders"][0]
     assert ext["enableHTTPS"] is True and set(ext["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
-    # the same files as the manifests mount, from the dev PKI
+    # the same files as the chart mounts, from the dev PKI
     ext["urlPrefix"], ext["tlsConfig"] = system.extender_url, system.scheduler_tls().config()  # type: ignore[union-attr]
     sched_cfg["clientConnection"]["kubeconfig"] = str(
         _sa_kubeconfig(cluster, "kvgpu-scheduler", tmp_path / "scheduler.kubeconfig"))
@@ -339,9 +368,9 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
     sched_log = tmp_path / "scheduler.log"
     system.stop_operator()
     cluster.stop_component("kube-scheduler-kvgpu-scheduler")
-    # the manifests' VGPUClaim policy (the operator's ServiceAccount writes claims) in place of
+    # the chart's VGPUClaim policy (the operator's ServiceAccount writes claims) in place of
     # the session's dev policy; the session operator puts its own back when it restarts below
-    policy = [d for d in _render(cluster, "manifests/base") if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    policy = [d for d in _chart() if d["kind"].startswith("ValidatingAdmissionPolicy")]
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(policy))
     proc = sched = None
     try:

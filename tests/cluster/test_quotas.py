@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.cluster.conftest import GpuEnv
+from tests.helmkit import render
 
 PLUGIN = Path(sys.executable).with_name("kubectl-vgpu")
-MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
 
 
 def hami(cards: int, mib: int) -> dict[str, str]:
@@ -164,11 +164,15 @@ def test_fifty_pods_at_once_never_pass_the_quota(gpu: GpuEnv) -> None:
 
 
 def test_tenants_read_their_quotas_but_cannot_write_them(gpu: GpuEnv) -> None:
-    """With the manifests' tenant roles aggregated into `edit`, a user with `edit` in the
+    """With the chart's tenant roles aggregated into `edit`, a user with `edit` in the
     namespace gets and lists VGPUQuotas and cannot create, change or delete them, nor their
     status."""
     k = gpu.cluster.kubectl
-    k("apply", "--server-side", "--force-conflicts", "-f", str(MANIFESTS / "base" / "rbac-tenants.yaml"))
+    tenant_roles = [d for d in render() if d["kind"] == "ClusterRole" and d["metadata"]["name"] in
+                    ("kvgpu-view", "kvgpu-edit")]
+    assert len(tenant_roles) == 2
+    k("apply", "--server-side", "--force-conflicts", "-f", "-",
+      input=json.dumps({"apiVersion": "v1", "kind": "List", "items": tenant_roles}))
     k("create", "rolebinding", "tenant-edit", "-n", gpu.ns, "--clusterrole=edit", "--user=tenant")
 
     def can(verb: str, sub: str = "") -> bool:

@@ -79,9 +79,9 @@ def test_names_and_columns() -> None:
 
 
 def test_cel_rules_present() -> None:
-    text = (ROOT / "crds" / "kvgpu.io_vgpuclaims.yaml").read_text()
+    text = (ROOT / "charts" / "kvgpu" / "crds" / "kvgpu.io_vgpuclaims.yaml").read_text()
     assert "self == oldSelf" in text and "spec is immutable" in text
-    text = (ROOT / "crds" / "kvgpu.io_vgpupools.yaml").read_text()
+    text = (ROOT / "charts" / "kvgpu" / "crds" / "kvgpu.io_vgpupools.yaml").read_text()
     assert "set gpumem or gpumemPercentage, not both" in text
 
 

@@ -10,7 +10,7 @@
   sets it too unless told not to).
 
 Host paths are the paths the agent sees: run it with the dev and driver roots mounted at their
-host paths (manifests/base/agent.yaml).
+host paths (charts/kvgpu/templates/agent.yaml).
 """
 
 from __future__ import annotations

@@ -9,6 +9,6 @@
   pod's request is written);
 - :mod:`kvgpu.api.pools` — ``effective_slicing``, ``covering_pool``, ``conflicts``, ``defaults_pool``,
   ``pool_conditions``;
-- :mod:`kvgpu.api.crdgen` — ``crds/*.yaml`` and ``docs/api.md`` (``make crds``), from
+- :mod:`kvgpu.api.crdgen` — ``charts/kvgpu/crds/*.yaml`` and ``docs/api.md`` (``make crds``), from
   :mod:`~kvgpu.api.crdschema` and :mod:`~kvgpu.api.apidoc`.
 """

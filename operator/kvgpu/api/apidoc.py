@@ -145,7 +145,7 @@ def render_docs() -> str:
         "# kvgpu API reference",
         "",
         f"Group `{GROUP}`, version `{VERSION}`. Memory is in MiB, cores in percent of a card's SMs. "
-        "The CRDs in `crds/` come from the same models as this page.",
+        "The CRDs in `charts/kvgpu/crds/` come from the same models as this page.",
         "",
         "## VGPUPool",
         "",

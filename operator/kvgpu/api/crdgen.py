@@ -1,4 +1,4 @@
-"""Generate ``crds/*.yaml`` and ``docs/api.md`` from :mod:`kvgpu.api.models`.
+"""Generate ``charts/kvgpu/crds/*.yaml`` and ``docs/api.md`` from :mod:`kvgpu.api.models`.
 
 ``python -m kvgpu.api.crdgen [ROOT]`` (``make crds``) writes the files under ROOT (default: the
 repository root); ``--check`` only compares and exits 1 on drift. :func:`render` returns
@@ -35,7 +35,7 @@ def _dump(obj: Any) -> str:
 
 def render() -> dict[str, str]:
     """``{path relative to the repository root: file text}`` for every generated file."""
-    out = {f"crds/{name}": _dump(obj) for name, obj in crds().items()}
+    out = {f"charts/kvgpu/crds/{name}": _dump(obj) for name, obj in crds().items()}
     out["docs/api.md"] = render_docs()
     return out
 

@@ -1,4 +1,4 @@
-"""The CRDs (``crds/*.yaml``) as data: :func:`crds`, from :mod:`kvgpu.api.models` and
+"""The CRDs (``charts/kvgpu/crds/*.yaml``) as data: :func:`crds`, from :mod:`kvgpu.api.models` and
 :mod:`kvgpu.api.quotas`; written by :mod:`kvgpu.api.crdgen`.
 
 Pydantic's JSON schema is turned into a Kubernetes *structural* schema: ``$ref`` inlined,

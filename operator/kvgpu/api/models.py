@@ -2,7 +2,7 @@
 
 Pydantic v2 models, frozen, with camelCase aliases: ``Model.model_validate(body)`` reads an
 object as the API server returns it, ``model.model_dump(by_alias=True, exclude_none=True)``
-writes it. The CRDs in ``crds/`` and the reference in ``docs/api.md`` are generated from these
+writes it. The CRDs in ``charts/kvgpu/crds/`` and the reference in ``docs/api.md`` are generated from these
 classes by :mod:`kvgpu.api.crdgen`; field descriptions, ranges and defaults live here only.
 
 Units everywhere: memory in MiB (integers), cores in percent of a card's SMs (0..100).

@@ -4,7 +4,7 @@ Kubernetes ``ResourceQuota``. Pure (no I/O); the arithmetic is :mod:`kvgpu.alloc
 ``VGPUQuota`` (namespaced, group ``kvgpu.io``, version ``v1alpha1``): ``spec.hard`` with any of
 ``memory`` (MiB), ``cores`` (percent-of-card units), ``cards`` and ``slices``; the operator
 writes ``status.hard`` (the limits it enforces) and ``status.used`` (the namespace's usage).
-Generated into ``crds/`` and ``docs/api.md`` by :mod:`kvgpu.api.crdgen`, like the other kinds.
+Generated into ``charts/kvgpu/crds/`` and ``docs/api.md`` by :mod:`kvgpu.api.crdgen`, like the other kinds.
 
 ``ResourceQuota`` keys kvgpu enforces at bind (HAMi's counting: per card × cards), in the
 ``limits.`` and ``requests.`` forms: ``nvidia.com/gpumem`` (memory, MiB: a plain number is MiB,

@@ -2,6 +2,7 @@
 
     kvgpu operator [--leader-elect] ...    the operator (extender, webhook workers, reconcilers)
     kvgpu agent --node NAME [--simulated FILE]
+    kvgpu certs [--once] ...               issue and rotate the certificates (no cert-manager)
     kvgpu dev up [--run-dir DIR] [--nodes N --cards M]
     kvgpu dev down [--run-dir DIR]
     kvgpu dev status [--run-dir DIR]
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import click
 
+from kvgpu.cli.certs import certs_cmd
+
 DEFAULT_RUN_DIR = Path("run/dev")
 
 
@@ -23,6 +26,9 @@ DEFAULT_RUN_DIR = Path("run/dev")
 @click.version_option(package_name="kvgpu")
 def main() -> None:
     """kvgpu: fractional NVIDIA GPUs for Kubernetes."""
+
+
+main.add_command(certs_cmd)
 
 
 @main.command("operator")

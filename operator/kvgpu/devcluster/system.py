@@ -27,7 +27,7 @@ from typing import Any
 from kvgpu.devcluster.cluster import REPO_ROOT, Cluster, ClusterError, die_with_parent, free_port
 from kvgpu.extender.schedconfig import ExtenderTLS, scheduler_configuration
 
-CRD_DIR = REPO_ROOT / "crds"
+CRD_DIR = REPO_ROOT / "charts" / "kvgpu" / "crds"
 
 
 @dataclass

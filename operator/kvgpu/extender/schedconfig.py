@@ -109,8 +109,9 @@ class ExtenderTLS:
         return out
 
 
-# Where the manifests mount the kvgpu-scheduler's client certificate (cert-manager Secret
-# kvgpu-scheduler-extender-client: tls.crt, tls.key and ca.crt, the extender CA that also signed
+# Where the chart mounts the kvgpu-scheduler's client certificate (Secret
+# kvgpu-scheduler-extender-client, from `kvgpu certs` or cert-manager: tls.crt, tls.key and
+# ca.crt, the extender CA that also signed
 # the operator's serving certificate).
 MANIFEST_CLIENT_DIR = "/etc/kvgpu/extender-client"
 MANIFEST_TLS = ExtenderTLS(cert_file=f"{MANIFEST_CLIENT_DIR}/tls.crt", key_file=f"{MANIFEST_CLIENT_DIR}/tls.key",
