@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helmkit import helm, one, render, template_args
+from tests.helmkit import CHART, helm, one, render, template_args
 
 WORKLOADS = ("StatefulSet", "Deployment", "DaemonSet")
 
@@ -218,6 +218,7 @@ def test_monitors_off_by_default_and_on_for_both_components() -> None:
                                                         "app.kubernetes.io/component": component}
         [ep] = m["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
         assert ep["port"] == "metrics" and ep["path"] == "/metrics"
+        assert ep["honorLabels"] is True  # the tenant's namespace/pod labels stay as exported
         if kind == "ServiceMonitor":
             assert m["metadata"]["labels"]["release"] == "prom"
             # the selected Service exists and has the port by that name
@@ -292,3 +293,13 @@ def test_schema_bounds_are_the_pool_models() -> None:
     assert sch["defaultMem"]["maximum"] == MAX_CARD_MEMORY_MIB and sch["defaultGPUNum"]["maximum"] == MAX_CARDS
     # a HAMi values file's other keys are allowed (kvgpu ignores them)
     render({"devicePlugin": {"migStrategy": "none"}, "mluResourceName": "cambricon.com/vmlu"})
+
+
+def test_grafana_dashboard_configmap_carries_the_checked_dashboard() -> None:
+    assert not [d for d in render() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kvgpu-grafana-dashboard"]
+    docs = render({"monitoring": {"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}}})
+    [cm] = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kvgpu-grafana-dashboard"]
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    # the very file tests/unit/test_dashboard.py checks against the exported metrics
+    assert json.loads(cm["data"]["kvgpu.json"]) == json.loads((CHART / "dashboards" / "kvgpu.json").read_text())
