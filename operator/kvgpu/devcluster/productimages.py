@@ -18,8 +18,8 @@ host-copy helpers of :mod:`kvgpu.devcluster.images`), one docker-archive with bo
      gRPC stubs generated (``hack/gen_proto.py``) as the Dockerfiles do, installed the same way;
      ``bin/kvgpu`` and ``bin/kubectl-vgpu``.
   4. *shim* (agent only): ``/opt/kvgpu/lib/libvgpu.so`` (shim/_build, the path the agent's
-     DaemonSet passes as ``--shim-source``) and — beyond Dockerfile.agent, see below — the
-     shim core ``_vgpucore`` cffi module in site-packages.
+     DaemonSet passes as ``--shim-source``). Nothing else: the agent reads the shim's regions
+     in plain Python (:mod:`kvgpu.shimregion`), no compiled module.
 
   Config as in the Dockerfiles: ``Entrypoint ["kvgpu"]``, ``Cmd ["operator"]`` / ``["agent"]``,
   ``User 65532:65532`` / ``0:0``, ``PATH=/opt/kvgpu/venv/bin:...``, ``PYTHONUNBUFFERED=1``,
@@ -27,11 +27,8 @@ host-copy helpers of :mod:`kvgpu.devcluster.images`), one docker-archive with bo
   ``--invalidation-mode unchecked-hash`` (layers have mtime 0, so timestamp-checked ``.pyc``
   would be stale, and the manifests mount the root file system read-only).
 
-Differences from the Dockerfiles, on purpose and visible here: the Python is the host's (3.11,
-the one the venv and its pins were tested with) rather than ``python:3.12-slim-bookworm``; and
-the agent image carries ``_vgpucore``: without it (Dockerfile.agent installs only ``pip install
-.``) ``kvgpu.shimcore`` cannot load, the agent's usage exporter reports 0 for every container
-and the host-PID fill-in of the regions fails.
+The one difference from the Dockerfiles, on purpose: the Python is the host's (3.11, the one the
+venv and its pins were tested with) rather than ``python:3.12-slim-bookworm``.
 
 Built lazily (:meth:`kvgpu.devcluster.realnode.RealNode.import_product_images`, or ``python -m
 kvgpu.devcluster.productimages``), cached in ``${KVGPU_CACHE:-~/.cache/kvgpu}/images/
@@ -60,7 +57,7 @@ from pathlib import Path
 from kvgpu.devcluster import images
 from kvgpu.devcluster.images import REPO_ROOT, BuiltImage, ImageConfig, ImageError
 
-RECIPE_VERSION = "1"  # bump when the recipe changes in a way its inputs do not show
+RECIPE_VERSION = "2"  # bump when the recipe changes in a way its inputs do not show
 PYPROJECT = REPO_ROOT / "pyproject.toml"
 PACKAGE_DIR = REPO_ROOT / "operator" / "kvgpu"
 GEN_PROTO = REPO_ROOT / "hack" / "gen_proto.py"
@@ -148,15 +145,6 @@ def _source_digest(root: Path) -> str:
                 and not f.name.endswith(("_pb2.py", "_pb2_grpc.py")):
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
-
-
-def _core_module() -> Path:
-    found = sorted(SHIM_BUILD.glob("_vgpucore.cpython-*.so"))
-    tag = sysconfig.get_config_var("EXT_SUFFIX") or ""
-    for f in found:
-        if f.name.endswith(tag):
-            return f
-    raise ImageError(f"no _vgpucore{tag} in {SHIM_BUILD}: make shim")
 
 
 # ----- steps ------------------------------------------------------------------------------------
@@ -277,13 +265,12 @@ def build_product_images() -> BuiltImage:
     """Build (or find in the cache) the archive with ``kvgpu-operator`` and ``kvgpu-agent``."""
     if not SHIM_SO.exists():
         raise ImageError(f"{SHIM_SO} not built: make shim")
-    core = _core_module()
     exe, libpython, stdlib = _interpreter()
     busybox = images._busybox()
     pins = runtime_pins()
     op_cfg, ag_cfg = image_configs()
     key = images._hash_inputs([RECIPE_VERSION, PYPROJECT, REPO_ROOT / "README.md", GEN_PROTO,
-                               _source_digest(PACKAGE_DIR), SHIM_SO, core, exe, *([libpython] if libpython else []),
+                               _source_digest(PACKAGE_DIR), SHIM_SO, exe, *([libpython] if libpython else []),
                                sys.version, busybox, "\n".join(pins), json.dumps([op_cfg.to_json(""),
                                                                                  ag_cfg.to_json("")])])
 
@@ -329,8 +316,6 @@ def build_product_images() -> BuiltImage:
         shim = tmp / "shim"
         (shim / Path(SHIM_IN_IMAGE).parent.relative_to("/")).mkdir(parents=True)
         shutil.copy2(SHIM_SO, shim / SHIM_IN_IMAGE.lstrip("/"))
-        (shim / site_rel).mkdir(parents=True)
-        shutil.copy2(core, shim / site_rel / core.name)
 
         root = tmp / "runtime"
         for d in ("usr/bin", "usr/sbin", "usr/lib", "usr/lib64", "usr/local/bin", "usr/local/lib", "etc", "proc",
