@@ -14,8 +14,9 @@ host-copy helpers of :mod:`kvgpu.devcluster.images`), one docker-archive with bo
      kvgpu's runtime dependencies, pinned to the versions installed here (``[project]
      dependencies`` followed through the installed metadata; no ``dev`` extra), ``pip install
      --target ... --no-deps`` from PyPI.
-  3. *kvgpu*: a wheel built from a copy of pyproject.toml, README.md and operator/ with the
-     gRPC stubs generated (``hack/gen_proto.py``) as the Dockerfiles do, installed the same way;
+  3. *kvgpu*: a wheel built from a copy of the Dockerfiles' build context (pyproject.toml,
+     README.md, hatch_build.py, hack/gen_proto.py, operator/), its build hook generating the
+     gRPC stubs into it as in the Dockerfiles' ``pip install .``, installed the same way;
      ``bin/kvgpu`` and ``bin/kubectl-vgpu``.
   4. *shim* (agent only): ``/opt/kvgpu/lib/libvgpu.so`` (shim/_build, the path the agent's
      DaemonSet passes as ``--shim-source``). Nothing else: the agent reads the shim's regions
@@ -61,6 +62,7 @@ RECIPE_VERSION = "2"  # bump when the recipe changes in a way its inputs do not 
 PYPROJECT = REPO_ROOT / "pyproject.toml"
 PACKAGE_DIR = REPO_ROOT / "operator" / "kvgpu"
 GEN_PROTO = REPO_ROOT / "hack" / "gen_proto.py"
+HATCH_BUILD = REPO_ROOT / "hatch_build.py"
 SHIM_BUILD = REPO_ROOT / "shim" / "_build"
 SHIM_SO = SHIM_BUILD / "libvgpu.so"
 VENV = "/opt/kvgpu/venv"
@@ -161,18 +163,18 @@ def _pip(*args: str) -> list[str]:
 
 def _build_wheel(tmp: Path) -> Path:
     """The wheel of a copy of the Dockerfiles' build context (pyproject.toml, README.md,
-    hack/gen_proto.py, operator/), its gRPC stubs generated there; a copy so that the
-    repository's .gitignore (which lists the generated stubs) does not drop them."""
+    hatch_build.py, hack/gen_proto.py, operator/ without generated files): ``pip wheel``, whose
+    build hook (hatch_build.py) generates the gRPC stubs into the wheel, as ``pip install .`` in
+    the Dockerfiles does."""
     src = tmp / "src"
     (src / "hack").mkdir(parents=True)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", HATCH_BUILD.name):
         shutil.copy2(REPO_ROOT / name, src / name)
     shutil.copy2(GEN_PROTO, src / "hack" / "gen_proto.py")
     shutil.copytree(REPO_ROOT / "operator", src / "operator",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*_pb2.py", "*_pb2_grpc.py", "*.egg-info"))
-    _run([sys.executable, "hack/gen_proto.py"], "hack/gen_proto.py (needs grpcio-tools: make install)", cwd=src)
     out = tmp / "wheel"
-    _run(_pip("wheel", "--no-deps", "-w", str(out), str(src)), "pip wheel")
+    _run(_pip("wheel", "--no-deps", "-w", str(out), f"{src}/"), "pip wheel (hatchling, grpcio-tools from PyPI)")
     wheels = sorted(out.glob("kvgpu-*.whl"))
     if len(wheels) != 1:
         raise ImageError(f"pip wheel gave {wheels}")
@@ -269,7 +271,7 @@ def build_product_images() -> BuiltImage:
     busybox = images._busybox()
     pins = runtime_pins()
     op_cfg, ag_cfg = image_configs()
-    key = images._hash_inputs([RECIPE_VERSION, PYPROJECT, REPO_ROOT / "README.md", GEN_PROTO,
+    key = images._hash_inputs([RECIPE_VERSION, PYPROJECT, REPO_ROOT / "README.md", GEN_PROTO, HATCH_BUILD,
                                _source_digest(PACKAGE_DIR), SHIM_SO, exe, *([libpython] if libpython else []),
                                sys.version, busybox, "\n".join(pins), json.dumps([op_cfg.to_json(""),
                                                                                  ag_cfg.to_json("")])])
@@ -285,7 +287,7 @@ def build_product_images() -> BuiltImage:
             return now
 
         t = t0
-        _say(f"  wheel of kvgpu {version()} (hack/gen_proto.py, pip wheel) ...")
+        _say(f"  wheel of kvgpu {version()} (pip wheel, hatch_build.py) ...")
         wheel = _build_wheel(tmp)
         t = step("wheel", t)
 
