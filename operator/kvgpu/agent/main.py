@@ -332,7 +332,7 @@ class Agent:
                 self.cfg.host_preload_file,
             )
             log.info("shim %s: %s (%s)", r.version, r.action, r.path.name)
-            for p in prune_shims(self.cfg.host_shim_dir, keep=self.cfg.shim_keep):
+            for p in prune_shims(self.cfg.host_shim_dir, keep=self.cfg.shim_keep, region_root=self.cfg.region_root):
                 log.info("pruned unused shim %s", p.name)
         return inv
 
