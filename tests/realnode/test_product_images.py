@@ -111,9 +111,10 @@ def test_operator_image(real_pods: RealPods, product: dict[str, str]) -> None:
     real_pods.wait_running("op-plain")
     assert real_pods.exec("op", "sh", "-c", "id -u; id -g").split() == ["65532", "65532"]
     # The kubelet hands containerd the image's uid only (RunAsUser from ImageStatus); containerd
-    # then takes the group from the image's /etc/passwd, which (python:*-slim's as ours) has no
-    # 65532: the Dockerfile's group is dropped, gid 0. The manifest's runAsGroup is what sets it.
-    assert real_pods.exec("op-plain", "sh", "-c", "id -u; id -g").split() == ["65532", "0"]
+    # then takes the group from the image's /etc/passwd, which has user kvgpu, 65532:65532 (as
+    # Dockerfile.operator adds it: Kopf and getpass need getpwuid to succeed).
+    assert real_pods.exec("op-plain", "sh", "-c", "id -u; id -g").split() == ["65532", "65532"]
+    assert real_pods.exec("op", "python", "-c", "import getpass; print(getpass.getuser())").strip() == "kvgpu"
     assert real_pods.exec("op", "sh", "-c", "command -v kvgpu").strip() == "/opt/kvgpu/venv/bin/kvgpu"
     out = real_pods.exec("op", "kvgpu", "operator", "--help")
     assert "--webhook-port" in out and "--leader-elect" in out, out

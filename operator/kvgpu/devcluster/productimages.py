@@ -58,7 +58,7 @@ from pathlib import Path
 from kvgpu.devcluster import images
 from kvgpu.devcluster.images import REPO_ROOT, BuiltImage, ImageConfig, ImageError
 
-RECIPE_VERSION = "2"  # bump when the recipe changes in a way its inputs do not show
+RECIPE_VERSION = "3"  # bump when the recipe changes in a way its inputs do not show
 PYPROJECT = REPO_ROOT / "pyproject.toml"
 PACKAGE_DIR = REPO_ROOT / "operator" / "kvgpu"
 GEN_PROTO = REPO_ROOT / "hack" / "gen_proto.py"
@@ -69,6 +69,7 @@ VENV = "/opt/kvgpu/venv"
 SHIM_IN_IMAGE = "/opt/kvgpu/lib/libvgpu.so"  # Dockerfile.agent; manifests/base/agent.yaml --shim-source
 OPERATOR_USER = "65532:65532"  # Dockerfile.operator
 AGENT_USER = "0:0"  # Dockerfile.agent
+NONROOT = "kvgpu"  # user and group 65532 (Dockerfile.operator's useradd)
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
 SITE = f"{VENV}/lib/{PY}/site-packages"
 PRODUCT_ENV = (
@@ -351,10 +352,11 @@ def build_product_images() -> BuiltImage:
         ld = subprocess.run(["ldconfig", "-r", str(root)], capture_output=True, text=True, check=False)
         if ld.returncode != 0:
             raise ImageError(f"ldconfig -r {root} failed (needs root for chroot): {ld.stderr.strip()}")
-        # as python:*-slim: root and nobody; 65532 has no entry there either
+        # as python:*-slim (root, nobody) plus the operator's user, as Dockerfile.operator adds it
         (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
-                                         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-        (root / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
+                                         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+                                         f"{NONROOT}:x:65532:65532:kvgpu:/nonexistent:/usr/sbin/nologin\n")
+        (root / "etc/group").write_text(f"root:x:0:\nnogroup:x:65534:\n{NONROOT}:x:65532:\n")
         t = step("runtime", t)
 
         layer_dir = tmp / "layers"
