@@ -407,3 +407,30 @@ def dockerfile_config(path: Path) -> dict[str, object]:
 if __name__ == "__main__":  # python -m kvgpu.devcluster.productimages: build (or find) them
     img = build_product_images()
     print(img.archive, *img.refs)
+
+
+# ----- kube-scheduler ---------------------------------------------------------------------------
+def build_scheduler_image(bin_dir: Path) -> BuiltImage:
+    """``kvgpu.local/kube-scheduler:<version>``: the ktp multi-call binary of ``bin_dir`` (static,
+    hack/ktp) at ``/usr/local/bin/ktp`` with ``kube-scheduler`` linked to it, the command that
+    manifests/base/scheduler.yaml runs; the version is the binary's (``--version``). One layer,
+    no shell; cached like the others."""
+    ktp = Path(os.path.realpath(bin_dir / "ktp"))
+    p = subprocess.run([str(bin_dir / "kube-scheduler"), "--version"], capture_output=True, text=True, check=False)
+    m = re.search(r"v\d+\.\d+\.\d+\S*", p.stdout)
+    if p.returncode != 0 or not m:
+        raise ImageError(f"{bin_dir}/kube-scheduler --version gave no version: {p.stdout}{p.stderr}")
+    ref = f"kvgpu.local/kube-scheduler:{m.group(0)}"
+    cfg = ImageConfig(ref, env=("PATH=/usr/local/bin:/usr/bin:/bin",), user="65532:65532")
+    key = images._hash_inputs([RECIPE_VERSION, ktp, json.dumps(cfg.to_json(""))])
+
+    def build(tmp: Path, archive: Path) -> None:
+        root = tmp / "root"
+        (root / "usr/local/bin").mkdir(parents=True)
+        (root / "tmp").mkdir()
+        (root / "tmp").chmod(0o1777)
+        shutil.copy2(ktp, root / "usr/local/bin/ktp")
+        (root / "usr/local/bin/kube-scheduler").symlink_to("ktp")
+        images.write_docker_archive(archive, images.layer_from_dir(root), [cfg])
+
+    return images._cached("kube-scheduler", key, (ref,), build)
