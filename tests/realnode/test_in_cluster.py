@@ -135,6 +135,9 @@ def test_seed_pod_through_the_in_cluster_scheduler(real_pods: RealPods, system: 
                                            "--field-selector=involvedObject.name=seed").stdout)["items"]
     assert any(e.get("reportingComponent") == "kvgpu-scheduler" or
                e.get("source", {}).get("component") == "kvgpu-scheduler" for e in events), events
+    # the extender's bind (the profile's bindVerb) made the pod's claim: the in-cluster operator's
+    claims = json.loads(rp.cluster.kubectl("get", "vgpuclaims", "-n", rp.ns, "-o", "json").stdout)["items"]
+    assert [(c["spec"]["podName"], c["spec"]["node"]) for c in claims] == [("seed", rp.node.name)], claims
     info = json.loads(rp.exec("seed", "sh", "-c", "cuprog info").splitlines()[0])
     assert info["rc"] == 0 and info["total"] == 3000 * MIB, info
     # memory allocated through the stub driver, held, and read by the agent from the region

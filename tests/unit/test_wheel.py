@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from kvgpu import shimcore
 from kvgpu.devcluster.productimages import runtime_pins
 
-pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
+network = pytest.mark.network
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = [f"kvgpu/agent/proto/{n}_pb2{g}.py" for n in ("deviceplugin", "podresources") for g in ("", "_grpc")]
@@ -39,6 +40,16 @@ def _tracked_copy(dst: Path) -> None:
             shutil.copy2(src, dst / name.decode())
 
 
+@pytest.mark.parametrize("name", ["Dockerfile.operator", "Dockerfile.agent"])
+def test_dockerfiles_copy_what_the_wheel_build_needs(name: str) -> None:
+    """``pip install .`` in the Dockerfiles runs the build hook: it and gen_proto.py are copied."""
+    hook = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"][
+        "hooks"]["custom"]["path"]
+    copied = " ".join(line for line in (ROOT / name).read_text().splitlines()
+                      if line.startswith("COPY ") and "--from=" not in line).split()
+    assert hook in copied and "hack/gen_proto.py" in copied and "pyproject.toml" in copied, copied
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
@@ -50,6 +61,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return whl
 
 
+@network
+@pytest.mark.timeout(300)
 def test_wheel_carries_the_stubs_and_the_region_reader(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [n for n in [*STUBS, "kvgpu/shimregion.py", "kvgpu/agent/usage.py"] if n not in names]
@@ -72,6 +85,8 @@ def _region(path: Path) -> None:
     m.lib.vgpu_region_close(h)  # the slot stays: PID 1 lives
 
 
+@network
+@pytest.mark.timeout(300)
 def test_fresh_venv_with_only_the_wheel(wheel: Path, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
