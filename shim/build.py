@@ -77,7 +77,7 @@ def git_version() -> str:
 def lib_command(out: Path) -> list[str]:
     cc = os.environ.get("CC", "gcc")
     return [
-        cc, *CFLAGS, f'-DVGPU_VERSION="{git_version()}"', "-shared",
+        cc, *CFLAGS, *os.environ.get("VGPU_CFLAGS", "").split(), f'-DVGPU_VERSION="{git_version()}"', "-shared",
         "-Wl,-soname,libvgpu.so", "-Wl,--as-needed",
         "-o", str(out), *[str(HERE / s) for s in LIB_SOURCES], "-ldl",
     ]

@@ -66,6 +66,18 @@ static const char *env_get(const char *name, void *ctx)
 
 static void at_exit(void)
 {
+#ifdef VGPU_STATS
+    for (int d = 0; d < vgpu.cfg.ndev; d++) {
+        struct vgpu_gate *g = &vgpu.gate[d];
+        for (int m = 1; m < 5 && g->active; m++)
+            fprintf(stderr, "vgpu-stats pid=%d dev=%d mode=%d batches=%llu launches=%llu span_us=%llu "
+                    "charged_us=%llu prov_us=%llu est_ns=%llu kern_ns=%llu gap_pm=%u throttles=%llu\n",
+                    (int)getpid(), d, m, (unsigned long long)g->st_n[m], (unsigned long long)g->st_launches[m],
+                    (unsigned long long)(g->st_span[m] / 1000), (unsigned long long)(g->st_charged[m] / 1000),
+                    (unsigned long long)(g->st_prov[m] / 1000), (unsigned long long)g->est_ns,
+                    (unsigned long long)g->kern_ns, g->gap_pm, (unsigned long long)g->throttles);
+    }
+#endif
     if (vgpu.region.r)
         vgpu_region_leave(&vgpu.region);
 }

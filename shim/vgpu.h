@@ -310,6 +310,11 @@ struct vgpu_gate {
     void *track_stream;         /* the one stream a tracked batch launches on */
     uint32_t track_rng;         /* which batches are tracked (xorshift) */
     uint32_t gap_pm;            /* busy / span of tracked batches, per mille (EWMA); 0 = unknown */
+#ifdef VGPU_STATS
+    /* a diagnostic build only (VGPU_CFLAGS=-DVGPU_STATS shim/build.py): per settle mode 0-4,
+     * batches, their measured span, what they were charged, their provisional charge (ns) */
+    uint64_t st_n[5], st_span[5], st_charged[5], st_prov[5], st_launches[5];
+#endif
 };
 
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);

@@ -198,6 +198,11 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
 {
     if (!measured || !launches)
         return;
+#ifdef VGPU_STATS
+    g->st_n[measured]++, g->st_span[measured] += span_ns, g->st_prov[measured] += prov_ns;
+    g->st_launches[measured] += launches;
+    int st_mode = measured;
+#endif
     if (measured == 3) {
         /* Gap-tracked: the busy segments' own time, exact (span_ns is already their sum). */
     } else if (measured == 4) {
@@ -205,10 +210,11 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
          * so the span is a lower bound: the provisional charge stands unless it says more. */
         if (span_ns < prov_ns)
             span_ns = prov_ns;
-    } else if (!g->cotenants && !g->measure_only && g->gap_pm && measured == 1 && launches > 1) {
+    } else if (!g->cotenants && !g->measure_only && g->gap_pm && measured <= 2 && launches > 1) {
         /* Alone: a batch's span counts the GPU's idle gaps between launches slower than their
          * kernels; the gap-tracked batches say what share of a span is busy. (A batch of one
-         * launch, closed right behind it, has no gap.) */
+         * launch, closed right behind it, has no gap; an upper bound, closed on an idle stream,
+         * has an idle tail besides: still at most the estimate, below.) */
         span_ns = span_ns * g->gap_pm / 1000;
     } else if (g->kern_ns) {
         /* The batch's span counts the GPU's idle gaps between launches slower than their kernels
@@ -237,6 +243,9 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         VGPU_POKE(g->est_ns, g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample);
     }
     g->busy_acc_ns += span_ns;
+#ifdef VGPU_STATS
+    g->st_charged[st_mode] += span_ns;
+#endif
     if (g->measure_only)
         return;
     if (span_ns > prov_ns)

@@ -79,7 +79,7 @@ CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
 CUevent vgpu_measure_event(struct vgpu_gate *g);          /* from the pool, or new; NULL: none */
 void vgpu_measure_put(struct vgpu_gate *g, void *event);  /* back to the pool */
 void vgpu_measure_open(struct vgpu_gate *g, CUstream s);  /* a batch starts before this launch */
-void vgpu_measure_close(struct vgpu_gate *g, CUstream s, int at_sync); /* ... ends behind the last */
+void vgpu_measure_close(struct vgpu_gate *g);             /* ... ends behind the last */
 void vgpu_measure_poll(struct vgpu_gate *g, int wait);    /* settle completed batches */
 void vgpu_track_before(struct vgpu_gate *g, CUstream s);  /* gap tracking around a launch */
 void vgpu_track_after(struct vgpu_gate *g, CUstream s);

@@ -97,14 +97,18 @@ static void gate_slow(int d, CUstream s)
         pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
         return;
     }
-    vgpu_measure_close(g, s, 0);
+    vgpu_measure_close(g);
     vgpu_measure_poll(g, !g->est_ns && g->ring_len); /* no estimate yet: measure before queuing more */
     for (;;) {
         now = vgpu_now_ns();
         refresh_schedule(d, now);
-        g->queued_ns = 0; /* launched, not yet measured: what the co-tenant window must still hold */
+        /* Launched and not yet run: what the co-tenant window must still hold. Settled first
+         * (a wait for the window leaves the previous window's batches unpolled, and counting
+         * them would shrink this window by their time); the oldest one is running: half of it. */
+        vgpu_measure_poll(g, 0);
+        g->queued_ns = 0;
         for (unsigned i = 0; i < g->ring_len; i++)
-            g->queued_ns += g->ring[(g->ring_head + i) % VGPU_BATCH_RING].prov_ns;
+            g->queued_ns += g->ring[(g->ring_head + i) % VGPU_BATCH_RING].prov_ns >> (i == 0);
         uint64_t wake = vgpu_gate_decide(g, now);
         if (!wake)
             break;
@@ -193,7 +197,7 @@ static inline void compute_after(CUstream s)
                 vgpu_measure_put(g, e);
         }
     } else if (g->est_ns >= LONG_KERNEL_NS && g->cur.ev_open && !vgpu_stream_capturing(s))
-        vgpu_measure_close(g, s, 1);
+        vgpu_measure_close(g);
     pthread_mutex_unlock(&g->mu);
 }
 
@@ -208,7 +212,7 @@ void vgpu_compute_sync(CUstream s, int whole_ctx)
     vgpu_symbols_bind();
     pthread_mutex_lock(&g->mu);
     if (!vgpu_stream_capturing(whole_ctx ? NULL : s)) {
-        vgpu_measure_close(g, whole_ctx ? NULL : s, 1);
+        vgpu_measure_close(g);
         atomic_store(&g->open_until, 0); /* the next launch opens a new batch */
     }
     pthread_mutex_unlock(&g->mu);

@@ -102,12 +102,19 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
         }
         /* The first kernel's own time (opened right before it, probed right after it), or a
          * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
-        if (ok && b->ev_probe && DRV->event_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0)
+        uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
+        if (ok && b->ev_probe && DRV->event_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0) {
             vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
-        else if (ok && !b->ev_probe && b->launches == 1)
+            /* its only kernel: the probe is its end (uncapped high priority publishes its
+             * demand, the span, see above) */
+            if (n == 1 && !(b->launches & LOWER_BOUND) && !g->measure_only) {
+                ms = pm;
+                b->launches = 1;
+            }
+        } else if (ok && !b->ev_probe && b->launches == 1)
             vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
         /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest */
-        vgpu_gate_settle(g, b->launches & ~(UPPER_BOUND | LOWER_BOUND), b->prov_ns,
+        vgpu_gate_settle(g, n, b->prov_ns,
                          ok ? (uint64_t)((double)ms * 1e6) : 0,
                          !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : 1);
         batch_release(g, b);
@@ -189,9 +196,9 @@ void vgpu_track_after(struct vgpu_gate *g, CUstream s)
         g->tail_set = 1;
 }
 
-/* Close the open batch after the work queued on `s` (at_sync: the application waits for it
- * next, so the close marks its end exactly). */
-void vgpu_measure_close(struct vgpu_gate *g, CUstream s, int at_sync)
+/* Close the open batch behind its work (before a slow-path launch, an application wait, or
+ * after a long kernel). */
+void vgpu_measure_close(struct vgpu_gate *g)
 {
     if (!g->cur.ev_open)
         return;
@@ -201,7 +208,7 @@ void vgpu_measure_close(struct vgpu_gate *g, CUstream s, int at_sync)
      * span of a batch on several streams is only a lower bound. */
     int multi = g->multi_stream;
     g->multi_stream = 0;
-    s = multi ? NULL : (CUstream)atomic_load_explicit(&g->last_stream, memory_order_relaxed);
+    CUstream s = multi ? NULL : (CUstream)atomic_load_explicit(&g->last_stream, memory_order_relaxed);
     uint64_t n = atomic_exchange(&g->batch_n, 0);
     struct vgpu_batch b = {.ev_open = g->cur.ev_open, .launches = n, .prov_ns = n * g->est_ns,
                            .ev_probe = g->cur.ev_probe};
@@ -224,7 +231,9 @@ void vgpu_measure_close(struct vgpu_gate *g, CUstream s, int at_sync)
         vgpu_measure_put(g, b.ev_seg);
         b.ev_seg = NULL;
     }
-    int idle = !at_sync && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
+    /* Idle already, even at the application's wait: the GPU finished before the CPU got to the
+     * wait (a short kernel, then host code), and the close would add that idle time. */
+    int idle = !g->measure_only && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = vgpu_measure_event(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
         if (multi)

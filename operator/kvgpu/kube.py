@@ -20,6 +20,7 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvgpu.core import keys
+from kvgpu.core.eventcorrelator import Decision, EventCorrelator, aggregate_key
 
 MERGE = "application/merge-patch+json"
 
@@ -308,9 +309,67 @@ async def post_event(
                 "name": meta.get("name"), "namespace": meta.get("namespace"), "uid": meta.get("uid")}
     body = event_body(involved, ns, reason=reason, message=message, type_=type_, component=component)
     try:
-        await _discard(await client.CoreV1Api(api).create_namespaced_event(ns, body, _preload_content=False))
+        await RECORDER.record(api, ns, body)
     except (ApiException, OSError):
         pass
+
+
+class EventRecorder:
+    """Posts core/v1 Events through an :class:`~kvgpu.core.eventcorrelator.EventCorrelator`, as
+    client-go's recorder does: a repeat patches the existing Event's ``count`` and
+    ``lastTimestamp``, similar events become one combined Event, spam is skipped. One per process
+    (or per agent); ``clock`` gives seconds since the epoch. Events of one correlation key are
+    posted one at a time (a lock per aggregate key), so a repeat never races its Event's creation."""
+
+    def __init__(self, correlator: EventCorrelator | None = None, clock: Any = None) -> None:
+        import time
+
+        self.correlator = correlator if correlator is not None else EventCorrelator()
+        self.clock = clock if clock is not None else time.time
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def record(self, api: client.ApiClient, namespace: str, body: dict[str, Any]) -> Decision:
+        """Create or patch the Event for ``body`` in ``namespace`` (or skip it). Returns the
+        decision taken. Raises ``ApiException``/``OSError`` from the API (the correlator then
+        forgets the key: the next one is created anew); a patch of an Event that is gone (404,
+        expired) or not allowed (403: RBAC without ``patch`` on events) becomes a create."""
+        lock = self._locks.setdefault(aggregate_key(body), asyncio.Lock())
+        async with lock:
+            d = self.correlator.correlate(body, self.clock())
+            decision = await self._post(api, namespace, d, body)
+        if len(self._locks) > self.correlator.cache_size:
+            for k in [k for k, v in self._locks.items() if not v.locked()]:
+                del self._locks[k]
+        return decision
+
+    async def _post(self, api: client.ApiClient, ns: str, d: Decision, body: dict[str, Any]) -> Decision:
+        core = client.CoreV1Api(api)
+        if d.action == "skip":
+            return d
+        if d.action == "patch":
+            try:
+                await _discard(await core.patch_namespaced_event(
+                    d.name, ns, d.patch, _content_type=MERGE, _preload_content=False))
+                return d
+            except ApiException as e:
+                if e.status not in (403, 404):
+                    raise
+            # 404: expired or deleted; 403: RBAC without events/patch (an older install). Create.
+            self.correlator.forget(d.key)
+            d = self.correlator.correlate(body, self.clock())
+            if d.action != "create":
+                return d
+        try:
+            created = await _raw(await core.create_namespaced_event(ns, d.body, _preload_content=False))
+        except BaseException:
+            self.correlator.forget(d.key)
+            raise
+        self.correlator.created(d.key, str((created.get("metadata") or {}).get("name") or ""))
+        return d
+
+
+#: The operator's recorder (:func:`post_event`).
+RECORDER = EventRecorder()
 
 
 async def list_node_pods(api: client.ApiClient, node: str) -> list[dict[str, Any]]:

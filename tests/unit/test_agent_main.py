@@ -78,6 +78,9 @@ async def test_agent_end_to_end_simulated(tmp_path):
                 stream.cancel()
             published = NodeInventory.loads(api.node["metadata"]["annotations"][keys.NODE_INVENTORY])
             assert not published.cards[0].healthy and published.cards[0].reason == "simulated: XID storm"
+            shim_status = json.loads(api.node["metadata"]["annotations"][keys.NODE_SHIM])
+            assert shim_status["file"] == "libvgpu.so.9.9.9" and shim_status["version"] == "9.9.9"
+            assert shim_status["loadable"] is False and shim_status["error"], shim_status  # not a real ELF
             assert ("GPUUnhealthy", "Warning") in [(r, t) for r, t, _ in api.events]
             text = await asyncio.to_thread(
                 lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -89,7 +89,7 @@ def test_operator_role_covers_its_calls() -> None:
     lease = _one(_docs("base"), "Role", "kvgpu-operator-lease")
     assert any(r.get("resourceNames") == ["kvgpu-operator"] and set(r["verbs"]) == {"get", "update"}
                for r in lease["rules"])
-    assert _verbs(role, "", "events") == {"create"}
+    assert _verbs(role, "", "events") == {"create", "patch"}  # patch: a repeat's count
     # The operator never deletes pods nor writes nodes' spec/status or webhook configurations.
     assert "delete" not in _verbs(role, "", "pods")
     assert not _verbs(role, "admissionregistration.k8s.io", "mutatingwebhookconfigurations")

@@ -33,10 +33,12 @@ container series; bytes and percent):
 ``kvgpu_card_foreign_memory_bytes`` / ``_processes``  use of the card no claim accounts for
 ====================================== =============================================================
 
-With ``hami_compat`` the HAMi monitor names ``hami_vgpu_memory_used_bytes``,
-``hami_vgpu_memory_limit_bytes`` and ``hami_container_device_utilization_ratio`` (labels
-``namespace, pod, container, vdevice_index, device_uuid``) are exported too, so existing
-dashboards keep working — with a real container index instead of HAMi's constant 0.
+With ``hami_compat`` HAMi's names are exported too (:mod:`kvgpu.agent.hamiview`): its monitor
+view per container (``hami_vgpu_memory_used_bytes``, ``vGPU_device_memory_usage_in_bytes`` ...,
+with a real container index instead of HAMi's constant 0), its scheduler view per card of this
+node from the node's ``kvgpu.io/allocation`` annotation (``allocation``) and per container from
+the claims (``hami_gpu_memory_allocated_bytes``, ``GPUDeviceMemoryAllocated`` ...), and NVML's
+per-card figures (``host``: ``hami_host_gpu_memory_used_bytes``, ``HostGPUMemoryUsage`` ...).
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ from prometheus_client.registry import Collector
 from kvgpu.core import keys
 from kvgpu.core.inventory import NodeInventory
 
+from .hamiview import (
+    HostCard,
+    MonitorFamilies,
+    host_families,
+    scheduler_card_families,
+    scheduler_container_families,
+)
 from .usage import (
     MIB,
     BoundContainer,
@@ -71,7 +80,6 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- collector
 
 _CLABELS = ["node", "namespace", "pod", "container", "claim", "device_uuid", "device_index"]
-_HLABELS = ["namespace", "pod", "container", "vdevice_index", "device_uuid"]
 _CARD = ["node", "device_uuid", "device_index", "model"]
 
 
@@ -88,6 +96,8 @@ class UsageCollector(Collector):
         hami_compat: bool = True,
         processes: Callable[[], Sequence[Any]] | None = None,
         utilization: Callable[[], Mapping[tuple[str, str, str], float]] | None = None,
+        allocation: Callable[[], Mapping[str, Any] | None] | None = None,
+        host: Callable[[], Iterable[HostCard]] | None = None,
     ) -> None:
         self.node = node
         self.containers = containers
@@ -97,6 +107,8 @@ class UsageCollector(Collector):
         self.hami_compat = hami_compat
         self.processes = processes  # -> enforcement.ProcessView snapshot
         self.utilization = utilization  # -> {(pod uid, container, uuid): SM percent} measured by NVML
+        self.allocation = allocation  # -> this node's kvgpu.io/allocation annotation, parsed
+        self.host = host  # -> NVML's figures per card (HAMi's host series)
         self.read_errors = 0
 
     def region_dir(self, c: BoundContainer) -> Path:
@@ -108,13 +120,14 @@ class UsageCollector(Collector):
         fams = _ContainerFamilies()
         tally = _ProcessTally(self.processes() if self.processes is not None else [])
         measured = dict(self.utilization()) if self.utilization is not None else {}
-        for c in self.containers():
+        containers = list(self.containers())
+        for c in containers:
             self._add_container(fams, c, index, measured, tally)
         yield from fams.g.values()
         yield fams.active
         yield fams.ooms
         if self.hami_compat:
-            yield from fams.h.values()
+            yield from self._hami_families(fams, containers)
         yield from self._card_families(inv, tally.foreign)
         yield self._agent_info(inv)
         err = CounterMetricFamily(
@@ -122,6 +135,14 @@ class UsageCollector(Collector):
         )
         err.add_metric([self.node], self.read_errors)
         yield err
+
+    def _hami_families(self, fams: _ContainerFamilies, containers: list[BoundContainer]) -> Iterator[Any]:
+        """HAMi's monitor, scheduler and host families (see :mod:`kvgpu.agent.hamiview`)."""
+        yield from fams.h.families()
+        yield from scheduler_card_families(self.node, self.allocation() if self.allocation else None)
+        yield from scheduler_container_families(self.node, containers)
+        if self.host is not None:
+            yield from host_families(self.node, self.host())
 
     def _read(self, c: BoundContainer) -> tuple[dict[str, DeviceUsage], bool, int]:
         """The container's region: per card usage, whether it was read, the OOM kills it counts."""
@@ -142,7 +163,7 @@ class UsageCollector(Collector):
         usage, ok, kills = self._read(c)
         fams.active.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], 1.0 if ok else 0.0)
         fams.ooms.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], kills)
-        g, h = fams.g, fams.h
+        g = fams.g
         for vi, d in enumerate(c.devices):
             lv = [self.node, c.namespace, c.pod, c.container, c.claim, d.uuid, index.get(d.uuid, "")]
             u = usage.get(d.uuid)
@@ -162,10 +183,7 @@ class UsageCollector(Collector):
             if u is not None:
                 g["enforced"].add_metric(lv, u.limit_mib * MIB)
             if self.hami_compat:
-                hl = [c.namespace, c.pod, c.container, str(vi), d.uuid]
-                h["used"].add_metric(hl, used)
-                h["limit"].add_metric(hl, d.memory_mib * MIB)
-                h["util"].add_metric(hl, sm)
+                fams.h.add(c, vi, d.uuid, used, d.memory_mib * MIB, sm)
 
     def _card_families(self, inv: NodeInventory | None, foreign: dict[str, list[int]]) -> Iterator[Any]:
         """Per card of the node: info, health, memory, slices; foreign use with NVML processes."""
@@ -246,19 +264,7 @@ class _ContainerFamilies:
             "Processes of the container the shim's ACTIVE_OOM_KILLER ended (from its region).",
             labels=["node", "namespace", "pod", "container", "claim"],
         )
-        self.h = {
-            "used": GaugeMetricFamily(
-                "hami_vgpu_memory_used_bytes", "HAMi-compatible: container memory used.", labels=_HLABELS
-            ),
-            "limit": GaugeMetricFamily(
-                "hami_vgpu_memory_limit_bytes", "HAMi-compatible: container memory limit.", labels=_HLABELS
-            ),
-            "util": GaugeMetricFamily(
-                "hami_container_device_utilization_ratio",
-                "HAMi-compatible: container SM utilisation (percent).",
-                labels=_HLABELS,
-            ),
-        }
+        self.h = MonitorFamilies()
 
 
 class _ProcessTally:
@@ -298,6 +304,7 @@ __all__ = [
     "BoundContainer",
     "BoundDevice",
     "DeviceUsage",
+    "HostCard",
     "RegionReader",
     "UsageCollector",
     "adapt_region",

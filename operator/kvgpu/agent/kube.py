@@ -16,7 +16,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from kvgpu.core import keys
-from kvgpu.kube import event_body
+from kvgpu.kube import EventRecorder, event_body
 from kvgpu.watch import ListWatch
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,11 @@ class KubeApi:
         self.node_watch: ListWatch | None = None  # set by watch()
         self.pool_watch: ListWatch | None = None
         self.api_calls = 0  # GET/LIST fallbacks made (for tests)
+        self.events = EventRecorder()  # client-go's correlation: repeats patch one Event's count
+
+    def cached_node(self, name: str) -> dict[str, Any] | None:
+        """The watched Node as last seen (not a copy: do not change it), or ``None``. No I/O."""
+        return self._nodes.get(name)
 
     async def get_node(self, name: str) -> dict[str, Any]:
         if self._node_cached(name):
@@ -168,7 +173,7 @@ class KubeApi:
         involved = {"apiVersion": "v1", "kind": "Pod", "name": pod, "namespace": namespace, "uid": uid}
         body = event_body(involved, namespace, reason=reason, message=message, type_=type_, component=COMPONENT)
         try:
-            await self.core.create_namespaced_event(namespace, body)  # type: ignore[arg-type]
+            await self.events.record(self.api, namespace, body)
         except Exception as e:
             log.warning("could not record event %s on pod %s/%s: %s", reason, namespace, pod, e)
 
@@ -177,6 +182,6 @@ class KubeApi:
         body = event_body(involved, EVENT_NAMESPACE, reason=reason, message=message, type_=type_,
                           component=COMPONENT, instance=node, host=node)
         try:
-            await self.core.create_namespaced_event(EVENT_NAMESPACE, body)  # type: ignore[arg-type]
+            await self.events.record(self.api, EVENT_NAMESPACE, body)
         except Exception as e:  # events are best effort
             log.warning("could not record event %s on node %s: %s", reason, node, e)

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,7 @@ from .enforcement import (
     set_region_sm_util,
 )
 from .exporter import UsageCollector, make_registry, serve
+from .hamiview import HostCard, nvml_host_cards
 from .health import (
     APPLICATION_XIDS,
     HealthChange,
@@ -55,6 +56,7 @@ from .podresources import PodResourcesClient
 from .pods import PodCache
 from .registration import Registrar
 from .schedule import Scheduler, sources_of
+from .shimcheck import ShimCheck
 from .shiminstall import install_shim, prune_shims
 from .usage import REGION_FILE, BoundContainer, default_reader, gc_regions
 
@@ -139,7 +141,8 @@ class Agent:
         self.health = HealthState(
             [], recovery_s=cfg.recovery_s, ignored_xids=APPLICATION_XIDS | frozenset(cfg.extra_ignored_xids)
         )
-        self.registrar = Registrar(cfg.node, api, self.discovery, self.health)
+        self.shim_check: ShimCheck | None = None  # set once the shim is installed (start_checks)
+        self.registrar = Registrar(cfg.node, api, self.discovery, self.health, extra=self._shim_annotation)
         self.pods = PodCache(cfg.node)
         self.plugin: DevicePlugin | None = None
         self.metrics_server: Any = None
@@ -153,6 +156,10 @@ class Agent:
 
     def inventory(self) -> NodeInventory | None:
         return self.registrar.inventory
+
+    def _shim_annotation(self) -> dict[str, str]:
+        """``{kvgpu.io/shim: status}`` once this agent installed the shim (none before or without)."""
+        return {} if self.shim_check is None else {keys.NODE_SHIM: self.shim_check.annotation()}
 
     async def _on_health(self, changes: list[HealthChange]) -> None:
         for ch in changes:
@@ -261,6 +268,33 @@ class Agent:
             lambda: [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())],
         )
 
+    def _node_allocation(self) -> dict[str, Any] | None:
+        """This node's ``kvgpu.io/allocation`` annotation (the operator's ledger), parsed, from the
+        node watch's cache (no API call: a scrape runs in the exporter's thread); ``None`` when
+        not cached, absent or not JSON."""
+        import json
+
+        cached = getattr(self.api, "cached_node", None)
+        node = cached(self.cfg.node) if cached is not None else None
+        text = ((node or {}).get("metadata") or {}).get("annotations", {}).get(keys.NODE_ALLOCATION)
+        try:
+            parsed = json.loads(text) if text else None
+        except ValueError:
+            return None
+        return parsed if isinstance(parsed, dict) else None
+
+    def _host_cards(self) -> Callable[[], list[HostCard]] | None:
+        """NVML's per-card figures for HAMi's host series; ``None`` without NVML (simulated)."""
+        if self.cfg.simulated or not isinstance(self.discovery, NvmlDiscovery):
+            return None
+        nv = self.discovery.nvml
+
+        def read() -> list[HostCard]:
+            inv = self.registrar.last_raw
+            return nvml_host_cards(nv, [(c.uuid, c.index, c.model) for c in (inv.cards if inv else ())])
+
+        return read
+
     def _make_enforcement(self) -> EnforcementMonitor | None:
         if self.cfg.simulated or not self.cfg.enforcement_s or not isinstance(self.discovery, NvmlDiscovery):
             return None
@@ -332,6 +366,7 @@ class Agent:
                 self.cfg.host_preload_file,
             )
             log.info("shim %s: %s (%s)", r.version, r.action, r.path.name)
+            self.shim_check = ShimCheck(self.cfg.host_shim_dir, r.version, r.sha256)
             for p in prune_shims(self.cfg.host_shim_dir, keep=self.cfg.shim_keep, region_root=self.cfg.region_root):
                 log.info("pruned unused shim %s", p.name)
         return inv
@@ -388,6 +423,8 @@ class Agent:
                     utilization=(lambda: self.enforcement.container_util if self.enforcement else {})
                     if self.enforcement is not None
                     else None,
+                    allocation=self._node_allocation,
+                    host=self._host_cards(),
                 )
                 self.metrics_server = serve(
                     make_registry(collector), self.cfg.metrics_port, self.cfg.metrics_addr

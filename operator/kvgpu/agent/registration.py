@@ -78,8 +78,9 @@ class Registrar:
     """Keeps the node's inventory annotation equal to what this agent sees.
 
     ``health`` (optional) supplies healthy/reason per card; ``label_node`` also sets the
-    ``kvgpu.io/gpu-node=true`` label when missing. Counters: ``patches`` (annotation writes),
-    ``refreshes``.
+    ``kvgpu.io/gpu-node=true`` label when missing; ``extra`` (optional, called in a thread each
+    refresh) gives more annotations kept equal the same way, e.g. ``kvgpu.io/shim``
+    (:mod:`kvgpu.agent.shimcheck`). Counters: ``patches`` (inventory writes), ``refreshes``.
     """
 
     def __init__(
@@ -89,8 +90,10 @@ class Registrar:
         discovery: Discovery,
         health: HealthState | None = None,
         label_node: bool = True,
+        extra: Callable[[], dict[str, str]] | None = None,
     ) -> None:
         self.node = node
+        self.extra = extra
         self.api = api
         self.discovery = discovery
         self.health = health
@@ -135,14 +138,17 @@ class Registrar:
             pools = await self.api.list_pools()
             inv = raw.with_slicing(pool_slicing(pools, labels, raw.cards))
             text = inv.dumps()
-            current = (meta.get("annotations") or {}).get(keys.NODE_INVENTORY)
+            have = meta.get("annotations") or {}
+            current = have.get(keys.NODE_INVENTORY)
             patched = False
             want_label = self.label_node and labels.get(keys.NODE_LABEL_GPU) != "true"
-            if current != text or want_label:
+            extra = await asyncio.to_thread(self.extra) if self.extra is not None else {}
+            changes: dict[str, str | None] = {k: v for k, v in extra.items() if have.get(k) != v}
+            if current != text:
+                changes[keys.NODE_INVENTORY] = text
+            if changes or want_label:
                 await self.api.patch_node_metadata(
-                    self.node,
-                    {keys.NODE_INVENTORY: text} if current != text else {},
-                    {keys.NODE_LABEL_GPU: "true"} if want_label else None,
+                    self.node, changes, {keys.NODE_LABEL_GPU: "true"} if want_label else None
                 )
                 patched = current != text
                 if patched:

@@ -43,6 +43,7 @@ class BoundContainer:
     devices: tuple[BoundDevice, ...]
     started: bool = False  # the container has been created by the kubelet
     container_id: str = ""  # runtime ID without the "<runtime>://" prefix, "" before creation
+    index: int = 0  # position in the pod: init containers first, then app containers (HAMi's)
 
 
 def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
@@ -62,7 +63,7 @@ def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
         if cs.get("containerID")
     }
     out = []
-    for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+    for position, c in enumerate((spec.get("initContainers") or []) + (spec.get("containers") or [])):
         name = c.get("name", "")
         text = ann.get(keys.claim_annotation(name))
         if not text:
@@ -89,6 +90,7 @@ def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
                 devices=tuple(BoundDevice(d.uuid, d.memory_mib, d.cores) for d in cs.devices),
                 started=name in ids,
                 container_id=ids.get(name, ""),
+                index=position,
             )
         )
     return out

@@ -14,17 +14,23 @@
     kubectl vgpu quota [-n NS | -A] [-o json]
         per namespace: each GPU quota (ResourceQuota GPU keys, VGPUQuota) with used/hard as
         kvgpu counts them at bind (kvgpu.cli.vgpu.quota)
+    kubectl vgpu doctor [NODE ...] [--no-sample] [--timeout S] [-n NS] [-o json]
+        checks the install and every GPU node end to end, one line each: OK or what is wrong
+        and the fix (kvgpu.cli.vgpu.doctor); exit status 1 when something failed
+    kubectl vgpu top [-n NS | -A] [--containers] [--sort memory|sm|name|node] [-o json]
+        per pod: GPU memory used/limit and SM use/limit from the node agents (kvgpu.cli.vgpu.top)
 
 kubectl's connection flags work before or after the sub-command: ``--kubeconfig``,
 ``--context``, ``-n/--namespace``, ``-A/--all-namespaces``. The namespace defaults to the
 context's. Permissions needed: list nodes; list VGPUClaims and VGPUPools; get pods and list
 events in the namespace; for usage, list pods and get pods/proxy in the agents' namespace; for
-quota, list ResourceQuotas, VGPUQuotas and VGPUClaims.
+quota, list ResourceQuotas, VGPUQuotas and VGPUClaims; for doctor and top, docs/operations.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import sys
@@ -36,12 +42,11 @@ from typing import Any
 
 import click
 
-from kvgpu.cli.vgpu import views
+from kvgpu.cli.vgpu import doctorio, views
+from kvgpu.cli.vgpu.doctorio import AGENT_NAMESPACE, SAMPLE_IMAGE
+from kvgpu.cli.vgpu.doctorio import AGENT_SELECTOR as AGENT_SELECTOR
 from kvgpu.core import keys
 
-AGENT_NAMESPACE = "kvgpu-system"
-AGENT_SELECTOR = "app.kubernetes.io/name=kvgpu,app.kubernetes.io/component=agent"
-AGENT_METRICS_PORT = 9394
 USAGE_TIMEOUT_S = 5.0
 
 
@@ -154,27 +159,15 @@ async def agent_usage(api: Any, nodes: set[str], namespace: str = AGENT_NAMESPAC
                       timeout_s: float = USAGE_TIMEOUT_S) -> dict[views.UsageKey, views.Usage]:
     """Scrape the agents of ``nodes`` through the API server's pod proxy. Best effort: an agent
     that is missing, not ready or not allowed to be reached adds nothing."""
-    from kubernetes_asyncio import client
-
-    core = client.CoreV1Api(api)
-    try:
-        pods = _plain(api, await core.list_namespaced_pod(namespace, label_selector=AGENT_SELECTOR))["items"]
-    except Exception:
-        return {}
-    by_node = {p["spec"].get("nodeName"): p["metadata"]["name"] for p in pods
+    by_node = {p["spec"].get("nodeName"): p["metadata"]["name"] for p in await doctorio.agent_pods(api, namespace)
                if (p.get("status") or {}).get("phase") == "Running"}
-
-    async def scrape(pod: str) -> dict[views.UsageKey, views.Usage]:
-        try:
-            text = await asyncio.wait_for(core.connect_get_namespaced_pod_proxy_with_path(
-                f"{pod}:{AGENT_METRICS_PORT}", namespace, "metrics"), timeout_s)
-            return views.parse_usage(text if isinstance(text, str) else str(text))
-        except Exception:
-            return {}
-
+    texts = await asyncio.gather(*(doctorio.scrape(api, by_node[n], namespace, timeout_s)
+                                   for n in sorted(nodes) if n in by_node))
     out: dict[views.UsageKey, views.Usage] = {}
-    for part in await asyncio.gather(*(scrape(by_node[n]) for n in sorted(nodes) if n in by_node)):
-        out.update(part)
+    for text, err in texts:
+        if err is None:
+            with contextlib.suppress(ValueError):
+                out.update(views.parse_usage(text))
     return out
 
 
@@ -418,6 +411,84 @@ def quota_cmd(obj: KubeOptions, **kw: Any) -> None:
         click.echo(f"No GPU quota found in {where}.", err=True)
         return
     click.echo(views.table(qv.headers(ns is None), [r.cells(ns is None) for r in rows]))
+
+
+@main.command("doctor")
+@click.argument("names", nargs=-1)
+@click.option("--sample/--no-sample", default=True, show_default=True,
+              help="run a pod with a slice on each node (NVML must show the slice's memory)")
+@click.option("--sample-image", default=SAMPLE_IMAGE, show_default=True,
+              help="image of the sample pod: nvidia-smi, or python3 with pynvml")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(5, 3600), default=120.0, show_default=True,
+              help="seconds a sample pod may take")
+@click.option("--agent-namespace", default=AGENT_NAMESPACE, show_default=True)
+@click.option("--resource-name", default="nvidia.com/gpu", show_default=True, help="the device plugin's resource")
+@_kube_options
+@click.pass_obj
+def doctor_cmd(obj: KubeOptions, names: tuple[str, ...], sample: bool, sample_image: str, timeout_s: float,
+               agent_namespace: str, resource_name: str, **kw: Any) -> None:
+    """Check the install and each GPU node end to end; one line per node: OK, or what is wrong
+    and how to fix it. Exit status 1 when any check failed."""
+    from kvgpu.cli.vgpu import doctor
+
+    opts = obj.merged(**kw)
+    dopts = doctorio.Options(namespace=_current_namespace(opts), nodes=names, agent_namespace=agent_namespace,
+                             system_namespace=agent_namespace, resource=resource_name, sample=sample,
+                             sample_image=sample_image, timeout_s=timeout_s)
+
+    async def run() -> doctorio.Report:
+        async with connect(opts) as api:
+            try:
+                return await doctorio.run_doctor(api, dopts)
+            except ValueError as e:
+                raise click.ClickException(str(e)) from e
+            except Exception as e:
+                raise _api_error(e, "checking the cluster") from e
+
+    report = asyncio.run(run())
+    if opts.output == "json":
+        _emit_json(report.to_json())
+    else:
+        click.echo(doctor.line("cluster", report.cluster))
+        for node, findings in report.nodes.items():
+            click.echo(doctor.line(node, findings))
+        if not report.nodes:
+            click.echo("no GPU node found (no node has the kvgpu.io/gpu-node label, an inventory or "
+                       f"{resource_name} capacity)")
+    if report.failed or not report.nodes:
+        sys.exit(1)
+
+
+@main.command("top")
+@click.option("--containers", is_flag=True, default=False, help="a row per container instead of per pod")
+@click.option("--sort", "sort_by", type=click.Choice(["memory", "sm", "name", "node"]), default="memory",
+              show_default=True, help="memory/sm: highest use first")
+@click.option("--agent-namespace", default=AGENT_NAMESPACE, show_default=True)
+@_kube_options
+@click.pass_obj
+def top_cmd(obj: KubeOptions, containers: bool, sort_by: str, agent_namespace: str, **kw: Any) -> None:
+    """Per pod (or container): GPU memory used/limit (MiB) and SM use/limit (% of a card), as the
+    node agents read them from the shim's regions."""
+    from kvgpu.cli.vgpu import top
+
+    opts = obj.merged(**kw)
+    ns = None if opts.all_namespaces else _current_namespace(opts)
+
+    async def run() -> tuple[list[Any], list[str]]:
+        async with connect(opts) as api:
+            return await doctorio.usage(api, agent_namespace)
+
+    uses, problems = asyncio.run(run())
+    for p in problems:
+        click.echo(f"warning: {p}", err=True)
+    rows = top.rows(uses, containers=containers, namespace=ns, sort=sort_by)
+    if opts.output == "json":
+        _emit_json([r.to_json() for r in rows])
+    elif rows:
+        click.echo(views.table(top.headers(ns is None, containers), top.render(rows, ns is None, containers)))
+    else:
+        where = "any namespace" if ns is None else f"namespace {ns}"
+        click.echo(f"No GPU pods reported by the node agents in {where}.", err=True)
 
 
 if __name__ == "__main__":

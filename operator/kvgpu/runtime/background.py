@@ -13,6 +13,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvgpu import faults, kube
 from kvgpu.core import keys
+from kvgpu.metrics import MIB
 from kvgpu.reconcile import poolstatus
 from kvgpu.reconcile.state import allocation_from_claim
 from kvgpu.runtime.base import RuntimeBase, log
@@ -61,8 +62,8 @@ class Background(RuntimeBase):
             cards = usage.cards
             self.metrics.slots_used.labels(name).set(sum(c.slots_used for c in cards))
             self.metrics.slots_total.labels(name).set(sum(c.slots_total for c in cards))
-            self.metrics.memory_used.labels(name).set(sum(c.memory_used_mib for c in cards))
-            self.metrics.memory_total.labels(name).set(sum(c.memory_total_mib for c in cards))
+            self.metrics.memory_used.labels(name).set(sum(c.memory_used_mib for c in cards) * MIB)
+            self.metrics.memory_total.labels(name).set(sum(c.memory_total_mib for c in cards) * MIB)
             self.metrics.cores_used.labels(name).set(sum(c.cores_used for c in cards))
             if self._written_nodes.get(name) == text:
                 continue

@@ -106,6 +106,9 @@ class RuntimeBase:
     fault_log: faults.FaultLog = field(default_factory=lambda: faults.FaultLog(log))
     quota_sync: Any = None  # kvgpu.reconcile.quotas.QuotaSync, made on first use (quotas())
 
+    def __post_init__(self) -> None:
+        self.metrics.export_quotas(lambda: self.state.quotas)
+
     def quotas(self) -> Any:
         """The namespace-quota adapter (:class:`kvgpu.reconcile.quotas.QuotaSync`)."""
         if self.quota_sync is None:

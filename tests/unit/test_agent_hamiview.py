@@ -1,0 +1,81 @@
+"""HAMi's scheduler and monitor views from the agent: a REAL shim region (the shim's C code),
+the allocation annotation as the operator writes it, NVML faked (no GPU here)."""
+
+from __future__ import annotations
+
+import pytest
+from exportedmetrics import MIB, NODE, U0, U1, FakeNvml, agent_collector, agent_registry, open_region, scrape
+from kvgpu.agent.hamiview import scheduler_card_families
+
+
+@pytest.fixture
+def core():
+    from kvgpu import shimcore
+
+    try:
+        return shimcore.core()
+    except Exception as e:  # no compiler / shim sources here
+        pytest.skip(f"shim core unavailable: {e}")
+
+
+def one(samples, name, **labels):
+    hits = [v for lv, v in samples.get(name, []) if labels.items() <= lv.items()]
+    assert len(hits) == 1, (name, labels, samples.get(name))
+    return hits[0]
+
+
+def test_monitor_view_reads_the_region(core, tmp_path):
+    h = open_region(core, tmp_path, 1024)
+    try:
+        s = scrape(agent_registry(agent_collector(tmp_path)))
+    finally:
+        core.lib.vgpu_region_leave(h)
+        core.lib.vgpu_region_close(h)
+    ctr = {"podnamespace": "team", "podname": "nb", "ctrname": "main", "vdeviceid": "0", "deviceuuid": U0}
+    assert one(s, "vGPU_device_memory_usage_in_bytes", **ctr) == 1024 * MIB
+    assert one(s, "vGPU_device_memory_limit_in_bytes", **ctr) == 3000 * MIB
+    new = {"namespace": "team", "pod": "nb", "container": "main", "vdevice_index": "0", "device_uuid": U0}
+    assert one(s, "hami_vgpu_memory_used_bytes", **new) == 1024 * MIB
+    assert one(s, "hami_container_device_memory_bytes", **new) == 1024 * MIB
+    assert one(s, "Device_utilization_desc_of_container", **ctr) == 0
+    for absent in ("Device_last_kernel_of_container", "Device_memory_desc_of_container",
+                   "hami_container_last_kernel_elapsed_seconds", "hami_vgpu_memory_context_bytes"):
+        assert absent not in s, f"{absent}: kvgpu has no such figure, it must not be exported"
+
+
+def test_scheduler_view_per_card_and_per_container(tmp_path):
+    s = scrape(agent_registry(agent_collector(tmp_path)))
+    card = {"nodeid": NODE, "deviceuuid": U0, "deviceidx": "0", "devicetype": "NVIDIA-NVIDIA H200"}
+    assert one(s, "GPUDeviceMemoryLimit", **card) == 143771 * MIB
+    assert one(s, "GPUDeviceMemoryAllocated", devicecores="100", **card) == 3000 * MIB
+    assert one(s, "GPUDeviceCoreAllocated", **card) == 30
+    assert one(s, "GPUDeviceCoreLimit", **card) == 100
+    assert one(s, "GPUDeviceSharedNum", **card) == 1
+    assert one(s, "GPUDeviceSharedNum", deviceuuid=U1) == 0
+    assert one(s, "nodeGPUOverview", devicememorylimit="143771", **card) == 3000 * MIB
+    assert one(s, "nodeGPUMemoryPercentage", nodeid=NODE, deviceuuid=U0) == pytest.approx(3000 / 143771)
+    assert one(s, "hami_gpu_memory_allocated_bytes", node=NODE, device_uuid=U0, device_cores="100") == 3000 * MIB
+    assert one(s, "hami_node_gpu_memory_allocated_ratio", device_uuid=U0, device_type="NVIDIA-NVIDIA H200") \
+        == pytest.approx(3000 / 143771)
+    # Container index as HAMi counts it: init containers first ("setup"), then "side", "main".
+    alloc = {"namespace": "team", "node": NODE, "pod": "nb", "container_index": "2", "device_uuid": U0}
+    assert one(s, "hami_vgpu_memory_allocated_bytes", **alloc) == 3000 * MIB
+    assert one(s, "hami_vgpu_core_allocated_ratio", **alloc) == 30
+    assert one(s, "vGPUMemoryAllocated", podnamespace="team", nodename=NODE, containeridx="2") == 3000 * MIB
+
+
+def test_no_allocation_annotation_no_card_series():
+    fams = {f.name: f for f in scheduler_card_families(NODE, None)}
+    assert fams["GPUDeviceMemoryLimit"].samples == [] and fams["hami_gpu_shared_count"].samples == []
+    bad = {f.name: f for f in scheduler_card_families(NODE, {"cards": [{"uuid": U0, "memoryMiB": "x"}]})}
+    assert bad["nodeGPUMemoryPercentage"].samples == [], "no ratio of a card without a memory total"
+
+
+def test_host_series_from_nvml_and_left_out_where_nvml_refuses(tmp_path):
+    nv = FakeNvml({U0: (1500 * MIB, 40, 12), U1: (None, None, None)})
+    s = scrape(agent_registry(agent_collector(tmp_path, nv)))
+    assert one(s, "HostGPUMemoryUsage", nodeid=NODE, deviceuuid=U0) == 1500 * MIB
+    assert one(s, "HostCoreUtilization", nodeid=NODE, deviceuuid=U0) == 40
+    assert one(s, "hami_host_gpu_utilization_ratio", node=NODE, device_uuid=U0) == 40
+    assert one(s, "hami_host_gpu_memory_controller_utilization_ratio", device_uuid=U0) == 12
+    assert [lv for lv, _ in s["HostGPUMemoryUsage"] if lv["deviceuuid"] == U1] == []
