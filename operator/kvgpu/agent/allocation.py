@@ -22,6 +22,7 @@ from .pluginconfig import MOUNT_MODES, PluginConfig, PluginError
 from .podidentity import Admitted
 from .preferred import card_of
 from .proto import pb2
+from .shiminstall import record_shim_use
 from .usage import prepare_region_dir
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,8 @@ def container_response(cfg: PluginConfig, admitted: Admitted | None, cards: Sequ
     if admitted is not None and admitted.claim is not None and cfg.region_root:
         try:
             prepare_region_dir(cfg.region_root, admitted.uid, admitted.container, admitted.run_as)
+            if shim is not None:  # the agent prunes no file a live container was served
+                record_shim_use(cfg.region_root, admitted.uid, admitted.container, shim.name)
         except (OSError, ValueError) as e:
             raise PluginError(f"cannot prepare the region directory of {admitted}: {e}") from e
     return resp
