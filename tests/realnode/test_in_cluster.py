@@ -1,22 +1,28 @@
-"""The kvgpu system itself as pods on the real node, from the product images and rendered YAML.
+"""The kvgpu system itself as pods on the real node: ``helm install`` of charts/kvgpu from the
+product images built here.
 
 For this module the session's host-process system (operator, kvgpu kube-scheduler) and host
-agent are stopped; :func:`kvgpu.devcluster.incluster.install_on_real_node` renders
-manifests/base, adapts it with explicit values (hostNetwork, API endpoint, ports, images, dev
-certificates) and applies it; at the end it is uninstalled and the host-process system restarted
-for the other modules. Checked: the operator's pod (uid 65532, read-only root, its child
-processes), the agent's DaemonSet pod (device plugin registered with the real kubelet, the shim
-installed), kube-scheduler from the ktp binary, and the seed pod (examples/deployment-seed.yaml:
-1 card, 3000 MiB, 30 %) scheduled by that scheduler through the in-cluster extender, running on
-the real node and seeing its slice, whose memory the agent's metrics report from the region;
-and, while that pod's process maps the shim, a rebuilt shim installed beside it (the process
-keeps its file and bytes).
+agent are stopped; :func:`kvgpu.devcluster.incluster.install_on_real_node` runs ``helm install``
+with the real node's values and the dev cluster's post-renderer (hostNetwork, API endpoint,
+ports, images); at the end ``helm uninstall`` and the host-process system restarted for the other
+modules. Checked: the operator's pod (uid 65532, read-only root, its child processes, the
+certificates it issued itself), the agent's DaemonSet pod (device plugin registered with the real
+kubelet, the shim installed), kube-scheduler from the ktp binary, the seed pod
+(examples/deployment-seed.yaml: 1 card, 3000 MiB, 30 %) scheduled by that scheduler through the
+in-cluster extender, running on the real node and seeing its slice, whose memory the agent's
+metrics report from the region; while that pod's process maps the shim, a rebuilt shim
+installed beside it (the process keeps its file and bytes); ``kubectl vgpu doctor`` passing, ``top``
+showing usage, doctor naming a shim removed from the node and passing again after its fix; and
+``helm upgrade`` from the chart of the previous commit with a sliced pod running: the claim, the
+container and its limit kept, and new pods placed by the upgraded system.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import tempfile
 import time
 import urllib.request
@@ -33,6 +39,8 @@ from kvgpu.devcluster.images import REPO_ROOT
 from kvgpu.devcluster.realnode import SHIM_SOURCE, RealNode
 from kvgpu.devcluster.system import KvgpuSystem
 from realnode.conftest import RealPods
+from realnode.gpupods import container, gpu_pod, hami_limits, wait_for
+from realnode.test_doctor_top import doctor_top_and_a_removed_shim, vgpu
 
 MIB = 1 << 20
 NS = incluster.NAMESPACE
@@ -46,11 +54,11 @@ def system(real_node: RealNode, kvgpu_system: KvgpuSystem) -> Iterator[incluster
     installed = None
     try:
         installed = incluster.install_on_real_node(real_node)
-        print(f"\n[kvgpu] in-cluster system installed and rolled out in {time.monotonic() - t:.1f} s")
+        print(f"\n[kvgpu] helm install: the in-cluster system rolled out in {time.monotonic() - t:.1f} s")
         yield installed
     finally:
         if installed is not None:
-            incluster.uninstall(real_node.cluster, installed.docs)
+            incluster.uninstall_from_real_node(real_node.cluster, installed)
         kvgpu_system.start_operator()
         kvgpu_system.start_scheduler()
         real_node.start_agent()
@@ -190,3 +198,70 @@ def _shim_upgrade_keeps_the_mapped_file() -> None:
     # back to the image's build (the name it had: unchanged, the link switched back)
     back = shiminstall.install_shim(SHIM_SOURCE, "0.1.0", lib_dir, None)
     assert back.action == "unchanged" and str(back.path) == name
+
+
+def test_doctor_and_top_against_the_installed_chart(real_pods: RealPods, system: incluster.InstalledSystem) -> None:
+    """The post-install check as a user runs it after ``helm install``: every check real (the
+    operator's StatefulSet, the scheduler, the caBundle the operator issued, the agent's own
+    DaemonSet pod), then the shim fault, then its fix: doctor's own advice."""
+    agent = _pod_of(real_pods.cluster, "agent")["metadata"]["name"]
+    doctor_top_and_a_removed_shim(real_pods, agent)
+    real_pods.cluster.kubectl("delete", "pod", agent, "-n", NS, "--wait=true", "--timeout=60s")
+    node = real_pods.node
+    args = (node.name, "-n", real_pods.ns, "--sample-image", node.image("tenant"), "--timeout", "90")
+    fixed = wait_for(lambda: (p := vgpu(node, "doctor", *args)).returncode == 0 and p, 120,
+                     "doctor passing again after the agent pod was replaced")
+    assert fixed.stdout.splitlines() == ["cluster  OK", f"{node.name}  OK"], fixed.stdout
+
+
+def _previous_chart(dest: Path) -> Path | None:
+    """charts/kvgpu as the previous commit had it (``$KVGPU_UPGRADE_FROM`` names another), or
+    None where that commit had no chart."""
+    rev = os.environ.get("KVGPU_UPGRADE_FROM", "HEAD~1")
+    tar = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", rev, "charts/kvgpu"], capture_output=True,
+                         check=False)
+    if tar.returncode != 0:
+        return None
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar.stdout, check=True)
+    return dest / "charts" / "kvgpu"
+
+
+def _claims(rp: RealPods) -> list[dict[str, Any]]:
+    out = json.loads(rp.cluster.kubectl("get", "vgpuclaims", "-n", rp.ns, "-o", "json").stdout)["items"]
+    return sorted(out, key=lambda c: c["metadata"]["name"])
+
+
+def test_helm_upgrade_from_the_previous_chart_keeps_running_slices(
+        real_node: RealNode, real_pods: RealPods, system: incluster.InstalledSystem, tmp_path: Path) -> None:
+    rp = real_pods
+    previous = _previous_chart(tmp_path)
+    if previous is None:
+        pytest.skip("the previous commit has no charts/kvgpu")
+    # the release as the previous commit's chart makes it, a sliced pod running under it
+    incluster.upgrade_on_real_node(real_node, system, chart=previous)
+    rp.apply(gpu_pod(rp, "held", containers=[container("main", hami_limits(1, 1500, 20))]))
+    before = rp.wait_running("held", timeout=120)
+    claims = _claims(rp)
+    view = rp.exec("held", "sh", "-c", "cuprog info").splitlines()[0]
+    pods_before = {p["metadata"]["uid"] for p in json.loads(real_node.cluster.kubectl(
+        "get", "pods", "-n", NS, "-o", "json").stdout)["items"]}
+    # to this commit's chart, every kvgpu pod replaced (a changed pod template)
+    marker = {"kvgpu.io/upgrade-test": str(time.time())}
+    incluster.upgrade_on_real_node(real_node, system, extra={"operator": {"podAnnotations": marker},
+                                                             "devicePlugin": {"podAnnotations": marker}})
+    pods_after = {p["metadata"]["uid"] for p in json.loads(real_node.cluster.kubectl(
+        "get", "pods", "-n", NS, "-o", "json").stdout)["items"]}
+    assert not pods_before & pods_after, "the upgrade replaced no kvgpu pod"
+    after = rp.get("held")
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    [st] = after["status"]["containerStatuses"]
+    assert st["restartCount"] == 0 and "running" in st["state"], st
+    assert st["containerID"] == before["status"]["containerStatuses"][0]["containerID"]
+    assert [(c["metadata"]["uid"], c["spec"]) for c in _claims(rp)] == [(c["metadata"]["uid"], c["spec"])
+                                                                         for c in claims]
+    assert rp.exec("held", "sh", "-c", "cuprog info").splitlines()[0] == view  # the same limit, seen alike
+    assert json.loads(view)["total"] == 1500 * MIB
+    # the upgraded system places new slices
+    rp.apply(gpu_pod(rp, "after", containers=[container("main", hami_limits(1, 1000, 10))]))
+    rp.wait_running("after", timeout=120)
+    assert json.loads(rp.exec("after", "sh", "-c", "cuprog info").splitlines()[0])["total"] == 1000 * MIB

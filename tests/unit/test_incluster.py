@@ -1,97 +1,100 @@
-"""kvgpu.devcluster.incluster without a cluster: the base manifests (read like test_manifests
-does, without kustomize) adapted for the real node carry every knob where the workloads read it.
-The install itself runs on the real node: tests/realnode/test_in_cluster.py."""
+"""kvgpu.devcluster.incluster without a cluster: the chart rendered with the real node's values
+(``helm template``) and run through the post-renderer carries every knob where the workloads
+read it. The install itself (``helm install`` on the real node): tests/realnode/test_in_cluster.py."""
 
 from __future__ import annotations
 
-import base64
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from cryptography import x509
 from kvgpu.devcluster import incluster
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helmkit import render
+
+V = incluster.InClusterValues("kvgpu.local/op:1", "kvgpu.local/ag:1", "kvgpu.local/ks:v1.36.3", api_port=6443,
+                              agent_args=("--simulated=/n/sim.json",), agent_host_paths=("/n",))
 
 
-def _base() -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for path in sorted((ROOT / "manifests" / "base").glob("*.yaml")):
-        if path.name != "kustomization.yaml":
-            out += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return out
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    return render(incluster.chart_values(V))
 
 
-@pytest.fixture
-def adapted(tmp_path: Path) -> tuple[list[dict[str, Any]], incluster.InClusterValues]:
-    v = incluster.InClusterValues("kvgpu.local/op:1", "kvgpu.local/ag:1", "kvgpu.local/ks:v1", api_port=6443,
-                                  agent_args=("--simulated=/n/sim.json",), agent_host_paths=("/n",))
-    certs = incluster.dev_certificates(tmp_path, "10.250.0.1")
-    return incluster.adapt_for_real_node(_base(), v, certs, b"API-CA"), v
+@pytest.fixture(scope="module")
+def adapted(rendered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return incluster.adapt_for_real_node(rendered, V, b"API-CA")
 
 
 def _spec(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return dict(incluster._find(docs, kind, name)["spec"]["template"]["spec"])
 
 
-def test_operator_knobs(adapted: tuple[list[dict[str, Any]], incluster.InClusterValues]) -> None:
-    docs, v = adapted
-    spec = _spec(docs, "StatefulSet", "kvgpu-operator")
-    [c] = spec["containers"]
-    assert spec["hostNetwork"] is True and c["image"] == v.operator_image and c["imagePullPolicy"] == "Never"
-    assert f"--extender-address=0.0.0.0:{v.extender_port}" in c["args"]
-    assert f"--metrics-address=0.0.0.0:{v.metrics_port}" in c["args"]
-    assert f"--webhook-port={v.webhook_port}" in c["args"]
+def test_chart_values_reach_the_workloads(rendered: list[dict[str, Any]]) -> None:
+    # what the chart itself sets from chart_values, before any post-rendering
+    op = _spec(rendered, "StatefulSet", "kvgpu-operator")
+    assert op["hostNetwork"] is True and op["containers"][0]["image"] == V.operator_image
+    assert op["containers"][0]["imagePullPolicy"] == "Never"
+    assert f"--extender-address=0.0.0.0:{V.extender_port}" in op["containers"][0]["args"]
+    assert "--extender-san=127.0.0.1" in op["initContainers"][0]["args"]  # the extender URL's host
+    agent = _spec(rendered, "DaemonSet", "kvgpu-agent")
+    assert "runtimeClassName" not in agent and agent["containers"][0]["image"] == V.agent_image
+    sched = _spec(rendered, "Deployment", "kvgpu-scheduler")
+    assert sched["containers"][0]["image"] == V.scheduler_image
+    cfg = yaml.safe_load(incluster._find(rendered, "ConfigMap", "kvgpu-scheduler-config")["data"]["config.yaml"])
+    assert [e["urlPrefix"] for e in cfg["extenders"]] == [V.extender_url]
+    assert not [d for d in rendered if d["kind"] == "VGPUPool"]  # the fixture's pool is the node's
+
+
+def test_operator_knobs(adapted: list[dict[str, Any]]) -> None:
+    spec = _spec(adapted, "StatefulSet", "kvgpu-operator")
+    for c in [*spec["initContainers"], *spec["containers"]]:  # the certs init container needs the API too
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "6443"), c["name"]
+        assert incluster.SA_MOUNT in {m["mountPath"] for m in c["volumeMounts"]}, c["name"]
+        assert "requests" not in c.get("resources", {}), c["name"]
+    c = next(c for c in spec["containers"] if c["name"] == "operator")
     assert sum(a.startswith("--webhook-port") for a in c["args"]) == 1
+    assert f"--webhook-port={V.webhook_port}" in c["args"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
-        "extender": v.extender_port, "metrics": v.metrics_port, "webhooks": v.webhook_port}
-    env = {e["name"]: e.get("value") for e in c["env"]}
-    assert (env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]) == ("127.0.0.1", "6443")
-    assert "requests" not in c["resources"]
-    assert {m["mountPath"] for m in c["volumeMounts"]} >= {incluster.SA_MOUNT, "/etc/kvgpu/webhook-tls"}
-    assert incluster._find(docs, "StatefulSet", "kvgpu-operator")["spec"]["replicas"] == 1
+        "extender": V.extender_port, "metrics": V.metrics_port, "webhooks": V.webhook_port}
+    assert incluster._find(adapted, "StatefulSet", "kvgpu-operator")["spec"]["replicas"] == 1
+    assert spec["automountServiceAccountToken"] is False
 
 
-def test_agent_and_scheduler_knobs(adapted: tuple[list[dict[str, Any]], incluster.InClusterValues]) -> None:
-    docs, v = adapted
-    agent = _spec(docs, "DaemonSet", "kvgpu-agent")
+def test_agent_and_scheduler_knobs(adapted: list[dict[str, Any]]) -> None:
+    agent = _spec(adapted, "DaemonSet", "kvgpu-agent")
     [c] = agent["containers"]
-    assert "runtimeClassName" not in agent and c["image"] == v.agent_image
-    assert "--simulated=/n/sim.json" in c["args"] and f"--metrics-port={v.agent_metrics_port}" in c["args"]
-    assert not [a for a in c["args"] if a.startswith("--dev-root=/host")]
+    assert "--simulated=/n/sim.json" in c["args"] and f"--metrics-port={V.agent_metrics_port}" in c["args"]
     assert {"mountPath": "/n", "name": "node-0", "readOnly": True} in c["volumeMounts"]
-    sched = _spec(docs, "Deployment", "kvgpu-scheduler")
-    [s] = sched["containers"]
-    assert s["image"] == v.scheduler_image and f"--secure-port={v.scheduler_port}" in s["command"]
-    cfg = yaml.safe_load(incluster._find(docs, "ConfigMap", "kvgpu-scheduler-config")["data"]["config.yaml"])
-    assert [e["urlPrefix"] for e in cfg["extenders"]] == [v.extender_url]
-    assert v.extender_url == f"https://127.0.0.1:{v.extender_port}/scheduler"
+    [s] = _spec(adapted, "Deployment", "kvgpu-scheduler")["containers"]
+    assert f"--secure-port={V.scheduler_port}" in s["command"]
 
 
-def test_certificates_and_ca_bundle(adapted: tuple[list[dict[str, Any]], incluster.InClusterValues]) -> None:
-    docs, _ = adapted
-    secrets = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "Secret"}
-    assert set(secrets) == {"kvgpu-webhook-tls", "kvgpu-extender-tls", "kvgpu-scheduler-extender-client"}
-    cert = x509.load_pem_x509_certificate(base64.b64decode(secrets["kvgpu-webhook-tls"]["tls.crt"]))
-    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert "kvgpu-webhook.kvgpu-system.svc" in sans.get_values_for_type(x509.DNSName)
-    ext = x509.load_pem_x509_certificate(base64.b64decode(secrets["kvgpu-extender-tls"]["tls.crt"]))
-    ips = {str(i) for i in ext.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-           .get_values_for_type(x509.IPAddress)}
-    assert ips == {"127.0.0.1", "10.250.0.1"}
-    bundles = {w["clientConfig"]["caBundle"] for d in docs if d["kind"].endswith("WebhookConfiguration")
+def test_no_certificates_of_its_own(adapted: list[dict[str, Any]]) -> None:
+    # the chart's operator issues them (kvgpu certs): the post-renderer adds none, sets no caBundle
+    assert not [d for d in adapted if d["kind"] == "Secret"]
+    bundles = {w["clientConfig"].get("caBundle") for d in adapted if d["kind"].endswith("WebhookConfiguration")
                for w in d["webhooks"]}
-    assert bundles == {secrets["kvgpu-webhook-tls"]["ca.crt"]}
-    kinds = [d["kind"] for d in docs]
-    assert kinds.index("Namespace") < kinds.index("Secret") < kinds.index("StatefulSet")
-    ca = incluster._find(docs, "ConfigMap", incluster.API_CA_CONFIGMAP)
-    assert ca["data"]["ca.crt"] == "API-CA"
+    assert bundles <= {None, ""}
+    assert adapted[0]["kind"] == "ConfigMap" and adapted[0]["data"]["ca.crt"] == "API-CA"
 
 
-def test_missing_workload_is_named() -> None:
-    docs = [d for d in _base() if d["kind"] != "DaemonSet"]
-    v = incluster.InClusterValues("o", "a", "s", api_port=1)
+def test_post_renderer_round_trip(tmp_path: Path) -> None:
+    # as Helm runs it: the rendered stream on stdin, the adapted one on stdout
+    vfile = tmp_path / "values.json"
+    incluster._save_values(vfile, V, b"API-CA")
+    stream = yaml.safe_dump_all(render(incluster.chart_values(V)))
+    p = subprocess.run([sys.executable, "-m", "kvgpu.devcluster.incluster", "post-render", str(vfile)],
+                       input=stream, capture_output=True, text=True, check=True)
+    docs = [d for d in yaml.safe_load_all(p.stdout) if d]
+    assert docs == incluster.adapt_for_real_node(render(incluster.chart_values(V)), V, b"API-CA")
+
+
+def test_missing_workload_is_named(rendered: list[dict[str, Any]]) -> None:
+    docs = [d for d in rendered if d["kind"] != "DaemonSet"]
     with pytest.raises(incluster.InClusterError, match="DaemonSet kvgpu-agent"):
-        incluster.adapt_for_real_node(docs, v, [], b"")
+        incluster.adapt_for_real_node(docs, V, b"")

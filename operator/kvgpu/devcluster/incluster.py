@@ -1,35 +1,40 @@
-"""The kvgpu system installed *as pods* on the real node, from rendered YAML and the product images.
+"""The kvgpu system installed *as pods* on the real node: ``helm install`` of charts/kvgpu from
+the product images, with the dev cluster's differences applied by a Helm post-renderer.
 
-The objects come from rendered manifests — today ``kubectl kustomize manifests/base``
-(:func:`render_kustomize`); later ``helm template charts/kvgpu`` — adapted to the dev cluster by
-:func:`adapt_for_real_node` with explicit :class:`InClusterValues`, then applied, rolled out and
-torn down by :func:`install` / :func:`uninstall`, which take any list of manifests.
+:func:`install_on_real_node` runs ``helm install`` (``helm upgrade --install`` with
+``upgrade=True``: :func:`upgrade_on_real_node`) with :func:`chart_values` and ``--post-renderer``
+= this module (``python -m kvgpu.devcluster.incluster post-render VALUES.json``:
+:func:`adapt_for_real_node` over the rendered objects), waits for the rollout, and
+:func:`uninstall_from_real_node` runs ``helm uninstall``. The release is Helm's own: ``helm
+list``, ``helm history`` and ``helm upgrade`` work on it as on any cluster.
 
-What the real node lacks and how the values stand in (each maps to a chart value):
+What the real node lacks and how the values stand in (chart values where the chart has one):
 
-- **No kube-proxy, no cluster DNS.** ``host_network``: the operator, the agent and kvgpu's
-  kube-scheduler run in the host's network namespace; they reach the API server at
-  ``KUBERNETES_SERVICE_HOST/PORT`` = ``api_host:api_port`` (set in each container, overriding the
-  Service IP the kubelet would inject), kube-scheduler reaches the extender at ``extender_url``
-  (``https://127.0.0.1:<extender_port>/scheduler``, a SAN of the extender's certificate), and the
-  API server reaches the webhook Service through its endpoints (``kube-apiserver
-  --enable-aggregator-routing=true``, which :class:`~kvgpu.devcluster.cluster.Cluster` sets: the
-  endpoint is the operator pod's IP, the node IP with ``hostNetwork``; TLS still names
-  ``kvgpu-webhook.kvgpu-system.svc``).
+- **No kube-proxy, no cluster DNS.** ``host_network`` (``*.hostNetwork``): the operator, the agent
+  and kvgpu's kube-scheduler run in the host's network namespace; they reach the API server at
+  ``KUBERNETES_SERVICE_HOST/PORT`` = ``api_host:api_port`` (set by the post-renderer in each
+  container, overriding the Service IP the kubelet would inject), kube-scheduler reaches the
+  extender at ``extender_url`` (``scheduler.extenderURL``: ``https://127.0.0.1:<port>/scheduler``;
+  the chart adds its host to the extender certificate's names), and the API server reaches the
+  webhook Service through its endpoints (``kube-apiserver --enable-aggregator-routing=true``,
+  which :class:`~kvgpu.devcluster.cluster.Cluster` sets: the endpoint is the operator pod's IP,
+  the node IP with ``hostNetwork``; TLS still names ``kvgpu-webhook.kvgpu-system.svc``).
 - **Host ports.** With ``hostNetwork`` every port is the host's: ``extender_port``,
-  ``metrics_port``, ``webhook_port``, ``agent_metrics_port``, ``scheduler_port`` are free ports
-  chosen per install (the manifests' 8888/9090/9443/9394/10259 may be taken on a shared machine).
-- **No cert-manager.** :func:`dev_certificates` issues the three Secrets the base expects
-  (``kvgpu-webhook-tls``, ``kvgpu-extender-tls``, ``kvgpu-scheduler-extender-client``) and the
-  webhook configurations' ``caBundle``.
+  ``metrics_port``, ``webhook_port`` (``operator.ports.*``), ``agent_metrics_port``
+  (``devicePlugin.metricsPort``), ``scheduler_port`` (post-rendered ``--secure-port``) are free
+  ports chosen per install (the defaults may be taken on a shared machine).
+- **Certificates**: the chart's own (the operator pod's ``kvgpu certs`` init container and
+  sidecar issue them into Secrets and patch the webhook configurations' ``caBundle``); no
+  cert-manager.
 - **No ServiceAccount admission plugin** (the dev API server runs without it): each pod gets the
   projected token volume the plugin would add (token, the API CA from ConfigMap
-  ``kvgpu-dev-api-ca``, namespace).
+  ``kvgpu-dev-api-ca``, rendered into the release, and the namespace), init containers too.
 - **No registry, no NVIDIA runtime, a simulated node.** Images are ``kvgpu.local/...`` with
-  ``pull_policy`` ``Never``; the agent drops ``runtimeClassName: nvidia`` and gets
+  ``pull_policy`` ``Never``; ``devicePlugin.runtimeClassName`` empty; the agent gets
   ``agent_args`` (``--simulated``, ``--driver-root``, ``--dev-root`` of the node) and
-  ``agent_host_paths`` (mounted read-only at the same path); one replica each
-  (``replicas``) and no CPU/memory requests (a 2-core node).
+  ``agent_host_paths`` (mounted read-only at the same path); one replica each (``replicas``) and
+  no CPU/memory requests (a 2-core node); the node's pool is the test fixture's
+  (``pool.create=false``).
 
 Errors: :class:`InClusterError` with the failing command's output and, for a rollout, the pods'
 states and the last log lines.
@@ -37,23 +42,27 @@ states and the last log lines.
 
 from __future__ import annotations
 
-import base64
 import copy
+import functools
 import json
+import os
+import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kvgpu.devcluster import pki as devpki
 from kvgpu.devcluster.cluster import REPO_ROOT, Cluster, free_port
 
 NAMESPACE = "kvgpu-system"
-MANIFESTS = REPO_ROOT / "manifests"
+RELEASE = "kvgpu"
+CHART = REPO_ROOT / "charts" / "kvgpu"
+HELM_BUILD = REPO_ROOT / "hack" / "helm" / "build.sh"
 API_CA_CONFIGMAP = "kvgpu-dev-api-ca"
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
@@ -89,13 +98,42 @@ class InClusterValues:
         return f"https://127.0.0.1:{self.extender_port}/scheduler"
 
 
-# ----- rendering -------------------------------------------------------------------------------
-def render_kustomize(cluster: Cluster, path: Path = MANIFESTS / "base") -> list[dict[str, Any]]:
-    """``kubectl kustomize <path>`` as a list of objects. Raises :class:`InClusterError`."""
-    p = cluster.kubectl("kustomize", str(path), check=False)
-    if p.returncode != 0:
-        raise InClusterError(f"kubectl kustomize {path} failed: {p.stderr.strip()}")
-    return [d for d in yaml.safe_load_all(p.stdout) if d]
+# ----- the chart -------------------------------------------------------------------------------
+@functools.cache
+def helm_binary() -> Path:
+    """The helm binary: ``$KVGPU_HELM``, else the cached build of hack/helm/build.sh (built on the
+    first call: Go and the module proxy). Raises :class:`InClusterError` when the build fails."""
+    env = os.environ.get("KVGPU_HELM")
+    if env:
+        return Path(env)
+    proc = subprocess.run([str(HELM_BUILD)], stdout=subprocess.PIPE, text=True, check=False)
+    if proc.returncode != 0:
+        raise InClusterError(f"hack/helm/build.sh failed (exit {proc.returncode}); see its output above")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def _image(ref: str, pull_policy: str) -> dict[str, str]:
+    """A chart image value from ``registry/repository:tag``."""
+    name, tag = ref.rsplit(":", 1)
+    registry, repository = name.split("/", 1)
+    return {"registry": registry, "repository": repository, "tag": tag, "pullPolicy": pull_policy}
+
+
+def chart_values(v: InClusterValues) -> dict[str, Any]:
+    """The chart's values for an install on the dev cluster's real node (the rest is post-rendered)."""
+    sched_repo, sched_tag = v.scheduler_image.rsplit(":", 1)
+    return {
+        "operator": {"image": _image(v.operator_image, v.pull_policy), "replicas": v.replicas,
+                     "hostNetwork": v.host_network,
+                     "ports": {"extender": v.extender_port, "metrics": v.metrics_port, "webhook": v.webhook_port}},
+        "scheduler": {"replicas": v.replicas, "hostNetwork": v.host_network, "extenderURL": v.extender_url,
+                      "kubeScheduler": {"image": sched_repo, "imageTag": sched_tag,
+                                        "imagePullPolicy": v.pull_policy}},
+        "devicePlugin": {"image": _image(v.agent_image, v.pull_policy), "hostNetwork": v.host_network,
+                         "runtimeClassName": "", "metricsPort": v.agent_metrics_port},
+        "pool": {"create": False},
+        "rbac": {"simulatedAgent": True},
+    }
 
 
 def _find(docs: Iterable[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -103,36 +141,6 @@ def _find(docs: Iterable[dict[str, Any]], kind: str, name: str) -> dict[str, Any
         if d.get("kind") == kind and d.get("metadata", {}).get("name") == name:
             return d
     raise InClusterError(f"the rendered manifests have no {kind} {name}")
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def dev_certificates(d: Path, node_ip: str) -> list[dict[str, Any]]:
-    """Issue, in ``d``, a webhook CA and serving certificate (``kvgpu-webhook.kvgpu-system.svc``)
-    and the extender CA with its serving certificate (the Service names, ``127.0.0.1`` and
-    ``node_ip``) and kube-scheduler's client certificate (``CN=kvgpu-scheduler``); returns the
-    three TLS Secrets the base manifests mount, each with its CA as ``ca.crt``."""
-    devpki.make_ca(d, "webhook-ca", "kvgpu-webhook-dev-ca")
-    devpki.issue_leaf(d, "webhook", "webhook-ca", "kvgpu-webhook", server=True,
-                      dns=(f"kvgpu-webhook.{NAMESPACE}.svc", f"kvgpu-webhook.{NAMESPACE}.svc.cluster.local"))
-    devpki.make_ca(d, "extender-ca", "kvgpu-extender-dev-ca")
-    devpki.issue_leaf(d, "extender", "extender-ca", "kvgpu-extender", server=True, dns=devpki.EXTENDER_DNS,
-                      ips=("127.0.0.1", node_ip))
-    devpki.issue_leaf(d, "extender-client", "extender-ca", devpki.EXTENDER_CLIENT_CN)
-
-    def secret(name: str, stem: str, ca: str | None) -> dict[str, Any]:
-        data = {"tls.crt": _b64((d / f"{stem}.crt").read_bytes()),
-                "tls.key": _b64((d / f"{stem}.key").read_bytes())}
-        if ca:
-            data["ca.crt"] = _b64((d / f"{ca}.crt").read_bytes())
-        return {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-                "metadata": {"name": name, "namespace": NAMESPACE}, "data": data}
-
-    return [secret("kvgpu-webhook-tls", "webhook", "webhook-ca"),
-            secret("kvgpu-extender-tls", "extender", "extender-ca"),
-            secret("kvgpu-scheduler-extender-client", "extender-client", "extender-ca")]
 
 
 # ----- adapting --------------------------------------------------------------------------------
@@ -158,7 +166,7 @@ def _common(spec: dict[str, Any], v: InClusterValues) -> None:
         {"configMap": {"name": API_CA_CONFIGMAP, "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
         {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
     ]}})
-    for c in spec["containers"]:
+    for c in [*spec.get("initContainers", []), *spec["containers"]]:
         c["imagePullPolicy"] = v.pull_policy
         c.setdefault("env", []).extend([{"name": "KUBERNETES_SERVICE_HOST", "value": v.api_host},
                                         {"name": "KUBERNETES_SERVICE_PORT", "value": str(v.api_port)}])
@@ -176,8 +184,9 @@ def _ports(c: dict[str, Any], ports: dict[str, int]) -> None:
 def _operator(doc: dict[str, Any], v: InClusterValues) -> None:
     doc["spec"]["replicas"] = v.replicas
     spec = doc["spec"]["template"]["spec"]
-    [c] = spec["containers"]
-    c["image"] = v.operator_image
+    for side in [*spec.get("initContainers", []), *spec["containers"]]:  # the certs containers too
+        side["image"] = v.operator_image
+    c = next(c for c in spec["containers"] if c["name"] == "operator")
     args = list(c["args"])
     args = _set_arg(args, "--extender-address", f"0.0.0.0:{v.extender_port}")
     args = _set_arg(args, "--metrics-address", f"0.0.0.0:{v.metrics_port}")
@@ -218,64 +227,54 @@ def _scheduler_config(doc: dict[str, Any], v: InClusterValues) -> None:
     doc["data"]["config.yaml"] = yaml.safe_dump(cfg, sort_keys=False)
 
 
-def adapt_for_real_node(docs: Sequence[dict[str, Any]], v: InClusterValues, certs: Sequence[dict[str, Any]],
-                        api_ca: bytes) -> list[dict[str, Any]]:
-    """A copy of ``docs`` (the rendered base) set up with ``v`` for the dev cluster's real node,
-    plus ``certs`` (:func:`dev_certificates`) and the ConfigMap with ``api_ca`` (the API server's
-    CA, PEM). The webhook configurations get the webhook CA of ``certs`` as ``caBundle``.
+def adapt_for_real_node(docs: Sequence[dict[str, Any]], v: InClusterValues, api_ca: bytes) -> list[dict[str, Any]]:
+    """A copy of ``docs`` (the chart rendered with :func:`chart_values`) set up with ``v`` for the
+    dev cluster's real node, plus the ConfigMap with ``api_ca`` (the API server's CA, PEM) first.
     Raises :class:`InClusterError` if an expected object is missing."""
-    out = [copy.deepcopy(d) for d in docs]
+    out = [copy.deepcopy(d) for d in docs if d]
     _operator(_find(out, "StatefulSet", "kvgpu-operator"), v)
     _scheduler(_find(out, "Deployment", "kvgpu-scheduler"), v)
     _agent(_find(out, "DaemonSet", "kvgpu-agent"), v)
     _scheduler_config(_find(out, "ConfigMap", "kvgpu-scheduler-config"), v)
-    ca_pem = _b64(_webhook_ca_of(certs))
-    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
-        for d in out:
-            if d["kind"] == kind:
-                for w in d.get("webhooks", []):
-                    w["clientConfig"]["caBundle"] = ca_pem
-    extra = [*certs, {"apiVersion": "v1", "kind": "ConfigMap",
-                      "metadata": {"name": API_CA_CONFIGMAP, "namespace": NAMESPACE},
-                      "data": {"ca.crt": api_ca.decode()}}]
-    # after the Namespace, before the workloads
-    ns_at = next((i for i, d in enumerate(out) if d["kind"] == "Namespace"), -1)
-    return [*out[: ns_at + 1], *extra, *out[ns_at + 1:]]
+    ca = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": API_CA_CONFIGMAP, "namespace": NAMESPACE},
+          "data": {"ca.crt": api_ca.decode()}}
+    return [ca, *out]
 
 
-def _webhook_ca_of(certs: Sequence[dict[str, Any]]) -> bytes:
-    """The CA of the webhook's certificate: ``ca.crt`` of the ``kvgpu-webhook-tls`` Secret."""
-    for s in certs:
-        if s["metadata"]["name"] == "kvgpu-webhook-tls" and "ca.crt" in s.get("data", {}):
-            return base64.b64decode(s["data"]["ca.crt"])
-    raise InClusterError("the kvgpu-webhook-tls Secret carries no ca.crt")
+def post_render(values_file: Path, text: str) -> str:
+    """The post-renderer's work: ``text`` (Helm's rendered stream) adapted with the
+    :class:`InClusterValues` and API CA saved in ``values_file`` (:func:`_save_values`)."""
+    saved = json.loads(values_file.read_text())
+    fields: dict[str, Any] = {k: tuple(x) if isinstance(x, list) else x for k, x in saved["values"].items()}
+    v = InClusterValues(**fields)
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    return yaml.safe_dump_all(adapt_for_real_node(docs, v, saved["api_ca"].encode()), sort_keys=False)
 
 
-# ----- applying --------------------------------------------------------------------------------
-def _kubectl(cluster: Cluster, *args: str, input: str | None = None, timeout: float = 120) -> str:
+def _save_values(path: Path, v: InClusterValues, api_ca: bytes) -> None:
+    path.write_text(json.dumps({"values": asdict(v), "api_ca": api_ca.decode()}))
+
+
+def _post_renderer(run_dir: Path) -> Path:
+    """An executable Helm can run as ``--post-renderer``: this module under this interpreter."""
+    script = run_dir / "incluster-post-render"
+    cmd = f"exec {shlex.quote(sys.executable)} -m kvgpu.devcluster.incluster post-render"
+    script.write_text(f'#!/bin/sh\n{cmd} "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+def helm(cluster: Cluster, *args: str, timeout: float = 300) -> str:
+    """Run helm against ``cluster`` (its kubeconfig); stdout. Raises :class:`InClusterError` with
+    helm's stderr on failure or timeout."""
+    cmd = [str(helm_binary()), f"--kubeconfig={cluster.kubeconfig}", *args]
     try:
-        p = cluster.kubectl(*args, input=input, check=False, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        raise InClusterError(f"kubectl {' '.join(args)} timed out after {timeout:.0f} s") from e
+        raise InClusterError(f"helm {' '.join(args)} timed out after {timeout:.0f} s\n{diagnose(cluster)}") from e
     if p.returncode != 0:
-        raise InClusterError(f"kubectl {' '.join(args)} failed: {p.stderr.strip()[-3000:]}")
-    return str(p.stdout)
-
-
-def install(cluster: Cluster, docs: Sequence[dict[str, Any]], timeout: float = 180) -> None:
-    """Apply ``docs`` (server-side; CRDs first and waited for) and wait until every Deployment,
-    StatefulSet and DaemonSet among them has rolled out. Raises :class:`InClusterError` with the
-    pods' states and log tails when one does not within ``timeout`` seconds."""
-    crds = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
-    rest = [d for d in docs if d["kind"] != "CustomResourceDefinition"]
-    if crds:
-        _kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", "-",
-                 input=json.dumps({"apiVersion": "v1", "kind": "List", "items": crds}))
-        _kubectl(cluster, "wait", "--for=condition=Established", "crd",
-                 *[d["metadata"]["name"] for d in crds], "--timeout=60s")
-    _kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", "-",
-             input=json.dumps({"apiVersion": "v1", "kind": "List", "items": rest}))
-    wait_rollout(cluster, docs, timeout)
+        raise InClusterError(f"helm {' '.join(args)} failed: {p.stderr.strip()[-3000:]}\n{diagnose(cluster)}")
+    return p.stdout
 
 
 def wait_rollout(cluster: Cluster, docs: Sequence[dict[str, Any]], timeout: float = 180) -> None:
@@ -307,22 +306,14 @@ def diagnose(cluster: Cluster, namespace: str = NAMESPACE, lines: int = 15) -> s
     return "\n".join([*out, "events:", *ev.strip().splitlines()[-15:]])
 
 
-def uninstall(cluster: Cluster, docs: Sequence[dict[str, Any]], timeout: float = 120) -> None:
-    """Delete ``docs`` in reverse order and wait for them to go; CRDs stay (deleting them would
-    delete every pool and claim of the cluster). Missing objects are not an error."""
-    rest = [d for d in reversed(docs) if d["kind"] != "CustomResourceDefinition"]
-    cluster.kubectl("delete", "--ignore-not-found", "--wait=true", f"--timeout={int(timeout)}s", "-f", "-",
-                    input=json.dumps({"apiVersion": "v1", "kind": "List", "items": rest}), check=False,
-                    timeout=timeout + 30)
-
-
 # ----- the real node -----------------------------------------------------------------------------
 @dataclass
 class InstalledSystem:
-    """What :func:`install_on_real_node` applied: the objects (for :func:`uninstall`) and the values."""
+    """A Helm release of the chart on the real node: its name, chart and values."""
 
-    docs: list[dict[str, Any]]
     values: InClusterValues
+    chart: Path = CHART
+    release: str = RELEASE
 
     @property
     def agent_metrics_url(self) -> str:
@@ -351,27 +342,73 @@ def real_node_values(node: Any) -> InClusterValues:
                            api_port=node.cluster.api_port, agent_args=agent_args, agent_host_paths=paths)
 
 
-def install_on_real_node(node: Any, docs: Sequence[dict[str, Any]] | None = None,
-                         values: InClusterValues | None = None, timeout: float = 240) -> InstalledSystem:
-    """Render (``docs`` default: :func:`render_kustomize` of manifests/base), adapt
-    (:func:`adapt_for_real_node`) and :func:`install` the kvgpu system on ``node``'s cluster as
-    pods. The caller stops any kvgpu system that runs as host processes first (same webhook
-    configuration names, same scheduler name). Returns what to pass to :func:`uninstall`."""
+def _helm_deploy(node: Any, verb: tuple[str, ...], system: InstalledSystem, extra: dict[str, Any] | None,
+                 timeout: float) -> None:
     cluster = node.cluster
-    v = values or real_node_values(node)
-    rendered = list(docs) if docs is not None else render_kustomize(cluster)
-    certs = dev_certificates(cluster.run_dir / "incluster-pki", node.node_ip)
     api_ca = (cluster.run_dir / "pki" / "ca.crt").read_bytes()
-    adapted = adapt_for_real_node(rendered, v, certs, api_ca)
-    installed = InstalledSystem(adapted, v)
-    # The host-process operator's webhook configurations (same names, url clientConfig, another
-    # field manager) would merge with these under server-side apply: replace them.
-    for d in adapted:
-        if d["kind"].endswith("WebhookConfiguration"):
-            cluster.kubectl("delete", d["kind"], d["metadata"]["name"], "--ignore-not-found", check=False)
+    vfile = cluster.run_dir / "incluster-values.json"
+    _save_values(vfile, system.values, api_ca)
+    chart_vals = cluster.run_dir / "incluster-chart-values.json"
+    chart_vals.write_text(json.dumps(chart_values(system.values)))
+    extra_args: list[str] = []
+    if extra:
+        extra_file = cluster.run_dir / "incluster-extra-values.json"
+        extra_file.write_text(json.dumps(extra))
+        extra_args = ["-f", str(extra_file)]
+    helm(cluster, *verb, system.release, str(system.chart), "-n", NAMESPACE, "-f", str(chart_vals), *extra_args,
+         "--post-renderer", str(_post_renderer(cluster.run_dir)), "--post-renderer-args", str(vfile),
+         "--wait", f"--timeout={int(timeout)}s", timeout=timeout + 60)
+
+
+def install_on_real_node(node: Any, values: InClusterValues | None = None, chart: Path = CHART,
+                         extra: dict[str, Any] | None = None, timeout: float = 240) -> InstalledSystem:
+    """``helm install`` ``chart`` on ``node``'s cluster from the images built here (``--wait``:
+    every workload rolled out). The caller stops any kvgpu system that runs as host processes
+    first (same webhook configuration names, same scheduler name). ``extra``: more chart values.
+    Raises :class:`InClusterError` (after uninstalling what was installed)."""
+    cluster = node.cluster
+    system = InstalledSystem(values or real_node_values(node), chart)
+    # The host-process operator's webhook configurations (same names) are not Helm's: Helm would
+    # refuse to adopt them.
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for name in ("kvgpu-mutate", "kvgpu-validate"):
+            cluster.kubectl("delete", kind, name, "--ignore-not-found", check=False)
     try:
-        install(cluster, adapted, timeout)
+        _helm_deploy(node, ("install", "--create-namespace"), system, extra, timeout)
     except BaseException:
-        uninstall(cluster, adapted)
+        uninstall_from_real_node(cluster, system)
         raise
-    return installed
+    return system
+
+
+def upgrade_on_real_node(node: Any, system: InstalledSystem, chart: Path = CHART,
+                         extra: dict[str, Any] | None = None, timeout: float = 240) -> InstalledSystem:
+    """``helm upgrade`` the release of ``system`` to ``chart`` with ``extra`` values (``--wait``).
+    Raises :class:`InClusterError`."""
+    upgraded = InstalledSystem(system.values, chart, system.release)
+    _helm_deploy(node, ("upgrade",), upgraded, extra, timeout)
+    return upgraded
+
+
+def uninstall_from_real_node(cluster: Cluster, system: InstalledSystem, timeout: float = 120) -> None:
+    """``helm uninstall`` (``--wait``) and the certificate Secrets the operator issued (kept by
+    Helm on purpose in production: docs/operations.md); CRDs stay. Never raises for a release
+    that is already gone."""
+    subprocess.run([str(helm_binary()), f"--kubeconfig={cluster.kubeconfig}", "uninstall", system.release,
+                    "-n", NAMESPACE, "--wait", f"--timeout={int(timeout)}s", "--ignore-not-found"],
+                   capture_output=True, text=True, check=False, timeout=timeout + 60)
+    cluster.kubectl("delete", "secrets", "-n", NAMESPACE, "-l", "app.kubernetes.io/part-of=kvgpu",
+                    "--ignore-not-found", check=False)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``post-render VALUES.json``: Helm's rendered stream on stdin, the adapted one on stdout."""
+    if len(argv) != 2 or argv[0] != "post-render":
+        print("usage: python -m kvgpu.devcluster.incluster post-render VALUES.json", file=sys.stderr)
+        return 2
+    sys.stdout.write(post_render(Path(argv[1]), sys.stdin.read()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
