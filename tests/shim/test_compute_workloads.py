@@ -22,6 +22,8 @@ from .conftest import claim, uuid
 @pytest.fixture
 def card(box):
     box.base_env["STUB_GRID_US"] = "1"
+    # event pairs cost what they cost on the H200 (the limiter takes that off each busy segment)
+    box.base_env["STUB_EVENT_GAP_US"] = "5"
     return box
 
 
