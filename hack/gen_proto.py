@@ -1,5 +1,6 @@
 """Generate the kubelet gRPC stubs (device plugin v1beta1, PodResources v1) from
-operator/kvgpu/agent/proto/*.proto (if any).
+operator/kvgpu/agent/proto/*.proto (if any), next to them or, with ``--out DIR``, into DIR (the
+wheel's build hook, hatch_build.py).
 
 ``podresources.proto`` is the upstream file of k8s.io/kubelet (see its header); to refresh it, copy
 ``$(go env GOMODCACHE)/k8s.io/kubelet@<version>/pkg/apis/podresources/v1/api.proto`` over it and
@@ -8,11 +9,15 @@ keep the header.
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
 root = pathlib.Path(__file__).resolve().parent.parent
 proto_dir = root / "operator" / "kvgpu" / "agent" / "proto"
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--out", type=pathlib.Path, default=proto_dir, help="directory for the stubs (default: the protos')")
+out_dir = ap.parse_args().out
 protos = sorted(proto_dir.glob("*.proto")) if proto_dir.exists() else []
 if not protos:
     sys.exit(0)
@@ -20,7 +25,7 @@ from grpc_tools import protoc  # noqa: E402
 
 for p in protos:
     rc = protoc.main(
-        ["protoc", f"-I{proto_dir}", f"--python_out={proto_dir}", f"--grpc_python_out={proto_dir}", str(p)]
+        ["protoc", f"-I{proto_dir}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", str(p)]
     )
     if rc != 0:
         sys.exit(f"protoc failed on {p.name}")

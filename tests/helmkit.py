@@ -4,7 +4,6 @@ charts/kvgpu into parsed objects)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -12,24 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from kvgpu.devcluster import incluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kvgpu"
-HELM_BUILD = ROOT / "hack" / "helm" / "build.sh"
 KUBE_VERSION = "1.36.3"  # the control plane the tests run (hack/ktp)
 
 
-@functools.cache
 def helm_binary() -> Path:
-    """The helm binary: ``$KVGPU_HELM``, else the cached build of hack/helm/build.sh (built on the
-    first call: Go and the module proxy). Raises ``RuntimeError`` when the build fails."""
-    env = os.environ.get("KVGPU_HELM")
-    if env:
-        return Path(env)
-    proc = subprocess.run([str(HELM_BUILD)], stdout=subprocess.PIPE, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"hack/helm/build.sh failed (exit {proc.returncode}); see its output above")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    """The helm binary (:func:`kvgpu.devcluster.incluster.helm_binary`: ``$KVGPU_HELM``, else the
+    cached build of hack/helm/build.sh). Raises ``RuntimeError`` when the build fails."""
+    return incluster.helm_binary()
 
 
 def helm(*args: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -22,15 +22,15 @@ from kvgpu.core import keys
 from kvgpu.core.inventory import NodeInventory, SimulatedCardSpec, SimulatedNode
 from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.fakenodes import create_nodes
+from kvgpu.devcluster.system import CRD_DIR
 
 pytestmark = pytest.mark.cluster
 MIB = 1 << 20
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def crds(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    cluster.kubectl("apply", "-f", str(CRD_DIR))
     cluster.kubectl("wait", "--for=condition=Established", "crd/vgpupools.kvgpu.io", "--timeout=60s")
 
 

@@ -74,6 +74,12 @@ def _shim_report(real_node: RealNode) -> dict[str, Any]:
 
 
 def test_doctor_passes_top_shows_usage_and_doctor_names_a_removed_shim(real_pods: RealPods, agent_pod: str) -> None:
+    doctor_top_and_a_removed_shim(real_pods, agent_pod)
+
+
+def doctor_top_and_a_removed_shim(real_pods: RealPods, agent_pod: str) -> None:
+    """Doctor passes; top shows a CUDA program's memory; doctor names the shim deleted from the
+    host and the fix (deleting ``agent_pod``). Leaves the shim deleted: the caller restores it."""
     node = real_pods.node
     args = (node.name, "-n", real_pods.ns, "--sample-image", node.image("tenant"), "--timeout", "90")
     t = time.monotonic()

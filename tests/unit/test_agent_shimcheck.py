@@ -19,7 +19,7 @@ BUILT = Path(__file__).resolve().parents[2] / "shim" / "_build" / "libvgpu.so"
 
 
 def _install(tmp_path: Path, source: Path) -> ShimCheck:
-    r = install_shim(source, "1.2.3", tmp_path / "lib", tmp_path / "ld.so.preload", is_in_use=lambda p: False)
+    r = install_shim(source, "1.2.3", tmp_path / "lib", tmp_path / "ld.so.preload")
     return ShimCheck(str(tmp_path / "lib"), r.version, r.sha256)
 
 
@@ -63,7 +63,7 @@ def test_load_runs_again_only_when_the_file_changed(tmp_path: Path) -> None:
     assert check.status()["loadable"] is True and check.status()["loadable"] is True
     assert len(calls) == 1
     src.write_bytes(b"v2")  # a new build: installed beside, the link switched
-    r = install_shim(src, "1.2.4", tmp_path / "lib", None, is_in_use=lambda p: False)
+    r = install_shim(src, "1.2.4", tmp_path / "lib", None)
     check.version, check.sha256 = r.version, r.sha256
     assert check.status()["file"] == "libvgpu.so.1.2.4" and len(calls) == 2
 

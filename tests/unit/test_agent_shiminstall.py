@@ -1,15 +1,24 @@
-"""Shim installation: version-named, read-only, atomic, never replacing a file in use."""
+"""Shim installation: version-named, read-only, atomic; a name never gets other bytes; files
+a container was served are never pruned."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import stat
 from pathlib import Path
 
 import pytest
 from kvgpu.agent import shiminstall
-from kvgpu.agent.shiminstall import ShimInstallError, in_use, install_shim, prune_shims
+from kvgpu.agent.shiminstall import (
+    ShimInstallError,
+    in_use,
+    install_shim,
+    prune_shims,
+    record_shim_use,
+    recorded_shims,
+)
 
 
 def src(tmp_path: Path, data: bytes, name="build.so") -> Path:
@@ -21,7 +30,7 @@ def src(tmp_path: Path, data: bytes, name="build.so") -> Path:
 def test_install_layout(tmp_path):
     host = tmp_path / "lib"
     pre = tmp_path / "ld.so.preload"
-    r = install_shim(src(tmp_path, b"v1"), "0.1.0", host, pre, is_in_use=lambda p: False)
+    r = install_shim(src(tmp_path, b"v1"), "0.1.0", host, pre)
     assert r.action == "installed" and r.switched
     f = host / "libvgpu.so.0.1.0"
     assert f.read_bytes() == b"v1" and stat.S_IMODE(f.stat().st_mode) == 0o444
@@ -30,55 +39,62 @@ def test_install_layout(tmp_path):
     assert stat.S_IMODE(pre.stat().st_mode) == 0o444
     assert sorted(p.name for p in host.iterdir()) == ["libvgpu.so", "libvgpu.so.0.1.0"]  # no temp left
     # Idempotent.
-    r2 = install_shim(src(tmp_path, b"v1"), "0.1.0", host, pre, is_in_use=lambda p: False)
+    r2 = install_shim(src(tmp_path, b"v1"), "0.1.0", host, pre)
     assert r2.action == "unchanged" and not r2.switched
 
 
 def test_new_version_goes_beside_and_link_switches(tmp_path):
     host = tmp_path / "lib"
-    install_shim(src(tmp_path, b"v1"), "0.1.0", host, None, is_in_use=lambda p: True)
+    install_shim(src(tmp_path, b"v1"), "0.1.0", host, None)
     old_ino = (host / "libvgpu.so.0.1.0").stat().st_ino
-    r = install_shim(src(tmp_path, b"v2"), "0.2.0", host, None, is_in_use=lambda p: True)
+    r = install_shim(src(tmp_path, b"v2"), "0.2.0", host, None)
     assert r.action == "installed" and r.switched
     assert (host / "libvgpu.so.0.1.0").read_bytes() == b"v1"
     assert (host / "libvgpu.so.0.1.0").stat().st_ino == old_ino
     assert (host / "libvgpu.so").read_bytes() == b"v2"
 
 
-def test_same_version_rebuilt_while_in_use_goes_beside(tmp_path):
+def test_same_version_rebuilt_goes_beside_and_a_mapping_keeps_its_bytes(tmp_path):
     host = tmp_path / "lib"
-    install_shim(src(tmp_path, b"v1"), "0.1.0", host, None, is_in_use=lambda p: False)
+    install_shim(src(tmp_path, b"v1" * 4096), "0.1.0", host, None)
     f = host / "libvgpu.so.0.1.0"
-    # A real mapping of the file by this process: the default in_use() must see it.
-    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ):
-        assert in_use(f)
+    ino = f.stat().st_ino
+    # A real mapping by this process; install_shim does not (cannot, in a DaemonSet) look for it.
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mm:
         r = install_shim(src(tmp_path, b"v1-rebuilt"), "0.1.0", host, None)
-        assert r.action == "beside" and r.path.name.startswith("libvgpu.so.0.1.0-")
-        assert f.read_bytes() == b"v1"  # untouched
+        assert r.action == "beside" and r.path.name == f"libvgpu.so.0.1.0-{r.sha256[:12]}"
+        assert mm[:] == b"v1" * 4096  # the mapped bytes are what they were
+        assert f.read_bytes() == b"v1" * 4096 and f.stat().st_ino == ino
         assert (host / "libvgpu.so").read_bytes() == b"v1-rebuilt"
-    # Not in use any more: a further rebuild replaces the version file atomically.
-    assert not in_use(f)
-    r = install_shim(src(tmp_path, b"v1-third"), "0.1.0", host, None, is_in_use=lambda p: p == r.path)
-    assert r.action == "replaced" and r.path == f and f.read_bytes() == b"v1-third"
+        # a third build of the same version: beside again, never over either file
+        r3 = install_shim(src(tmp_path, b"v1-third"), "0.1.0", host, None)
+        assert r3.action == "beside" and r3.path not in (f, r.path)
+        assert f.read_bytes() == b"v1" * 4096 and r.path.read_bytes() == b"v1-rebuilt"
+        assert mm[:] == b"v1" * 4096
+    # back to the second build: its file is found, not rewritten
+    again = install_shim(src(tmp_path, b"v1-rebuilt"), "0.1.0", host, None)
+    assert again.action == "unchanged" and again.path == r.path and again.switched
 
 
 def test_readers_never_see_partial_file(tmp_path, monkeypatch):
     host = tmp_path / "lib"
-    install_shim(src(tmp_path, b"A" * 1000), "1", host, None, is_in_use=lambda p: False)
-    seen = []
+    install_shim(src(tmp_path, b"A" * 1000), "1", host, None)
+    renames = []
     real_replace = os.replace
 
     def spy(a, b):
-        # At the moment of the rename the target still holds the complete old bytes.
-        if Path(b).name == "libvgpu.so.1":
-            seen.append(Path(b).read_bytes())
+        # Only complete files are renamed into place, and never over an existing shim file.
+        if Path(b).name.startswith("libvgpu.so."):
+            assert not Path(b).exists()
             assert Path(a).read_bytes() == b"B" * 2000
+            renames.append(Path(b).name)
         return real_replace(a, b)
 
     monkeypatch.setattr(shiminstall.os, "replace", spy)
-    install_shim(src(tmp_path, b"B" * 2000), "1", host, None, is_in_use=lambda p: False)
-    assert seen == [b"A" * 1000]
-    assert (host / "libvgpu.so.1").read_bytes() == b"B" * 2000
+    r = install_shim(src(tmp_path, b"B" * 2000), "1", host, None)
+    assert renames == [r.path.name]
+    assert (host / "libvgpu.so.1").read_bytes() == b"A" * 1000
+    assert (host / "libvgpu.so").read_bytes() == b"B" * 2000
 
 
 def test_in_use_via_mountinfo(tmp_path):
@@ -98,14 +114,31 @@ def test_in_use_via_mountinfo(tmp_path):
     assert not in_use(f, proc=str(proc))
 
 
-def test_prune_keeps_current_and_in_use(tmp_path):
+def test_prune_keeps_current_in_use_and_recorded(tmp_path):
     host = tmp_path / "lib"
-    for i, v in enumerate(["1", "2", "3", "4"]):
-        install_shim(src(tmp_path, v.encode()), v, host, None, is_in_use=lambda p: False)
+    regions = tmp_path / "regions"
+    for i, v in enumerate(["1", "2", "3", "4", "5"]):
+        install_shim(src(tmp_path, v.encode()), v, host, None)
         os.utime(host / f"libvgpu.so.{v}", (1000 + i, 1000 + i))
-    removed = prune_shims(host, keep=1, is_in_use=lambda p: p.name == "libvgpu.so.1")
-    assert sorted(p.name for p in removed) == ["libvgpu.so.2", "libvgpu.so.3"]
-    assert sorted(p.name for p in host.iterdir()) == ["libvgpu.so", "libvgpu.so.1", "libvgpu.so.4"]
+    # the device plugin served 2 to a container of pod "uid-a" (its region dir is beside)
+    rec = record_shim_use(regions, "uid-a", "main", "libvgpu.so.2")
+    assert rec == regions / "uid-a" / "main.shim" and rec.read_text() == "libvgpu.so.2\n"
+    assert stat.S_IMODE(rec.stat().st_mode) == 0o444
+    assert recorded_shims(regions) == {"libvgpu.so.2"}
+    removed = prune_shims(host, keep=1, is_in_use=lambda p: p.name == "libvgpu.so.1", region_root=regions)
+    assert sorted(p.name for p in removed) == ["libvgpu.so.3", "libvgpu.so.4"]
+    assert sorted(p.name for p in host.iterdir()) == ["libvgpu.so", "libvgpu.so.1", "libvgpu.so.2", "libvgpu.so.5"]
+    # the pod is gone (its region directory collected): 2 may go now
+    shutil.rmtree(regions / "uid-a")
+    removed = prune_shims(host, keep=1, is_in_use=lambda p: False, region_root=regions)
+    assert sorted(p.name for p in removed) == ["libvgpu.so.1", "libvgpu.so.2"]
+
+
+def test_record_refuses_path_tricks(tmp_path):
+    for bad in (("..", "c", "f"), ("u", "a/b", "f"), ("u", "c", "../f"), ("", "c", "f")):
+        with pytest.raises(ValueError, match="not a path component"):
+            record_shim_use(tmp_path, *bad)
+    assert recorded_shims(None) == set()
 
 
 def test_errors(tmp_path):

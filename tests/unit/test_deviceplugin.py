@@ -30,6 +30,7 @@ from kvgpu.agent.deviceplugin import (
 )
 from kvgpu.agent.podidentity import KubeletPod, PodIdentifier
 from kvgpu.agent.proto import pb2, pb2_grpc
+from kvgpu.agent.shiminstall import atomic_symlink, prune_shims
 from kvgpu.core.inventory import Card, NodeInventory, Slicing
 from podhelpers import GPU, ctr, pod
 
@@ -534,3 +535,13 @@ async def test_allocate_prepares_the_admitted_containers_region_dir(sock_dir, sh
     )
     assert (root / "uid-a" / "main").is_dir()
     assert (root / "uid-a" / "main").stat().st_mode & 0o777 == 0o777  # no runAsUser: the image's user
+    # the file it was served is recorded beside (outside its mount): the agent prunes no such file
+    served = os.readlink(Path(cfg.host_shim_dir) / "libvgpu.so")
+    assert (root / "uid-a" / "main.shim").read_text() == f"{served}\n"
+    host = Path(cfg.host_shim_dir)
+    (host / "libvgpu.so.0.0.9").write_bytes(b"old")  # served to nobody
+    (host / "libvgpu.so.0.2.0").write_bytes(b"new")
+    atomic_symlink(host / "libvgpu.so", "libvgpu.so.0.2.0")  # an upgrade: the served file is not current
+    removed = prune_shims(host, keep=0, is_in_use=lambda p: False, region_root=root)
+    assert [p.name for p in removed] == ["libvgpu.so.0.0.9"]
+    assert (host / served).exists()

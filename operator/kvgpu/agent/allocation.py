@@ -24,6 +24,7 @@ from .pluginconfig import MOUNT_MODES, PluginConfig, PluginError
 from .podidentity import Admitted
 from .preferred import card_of
 from .proto import pb2
+from .shiminstall import record_shim_use
 from .usage import prepare_region_dir
 
 log = logging.getLogger(__name__)
@@ -102,18 +103,22 @@ def shim_mounts(cfg: PluginConfig, shim: Path | None) -> list[Any]:
     return out
 
 
-def usage_mounts(cfg: PluginConfig, admitted: Admitted) -> list[Any]:
+def usage_mounts(cfg: PluginConfig, admitted: Admitted, shim: Path | None = None) -> list[Any]:
     """The claimed container's usage mounts: its own region directory
     ``<region_root>/<pod UID>/<container>`` (created for its user, :func:`prepare_region_dir`)
     read-write on :data:`~kvgpu.core.keys.CONTAINER_REGION_DIR` — no other container's region is
     visible — and the node's compute-schedule directory ``sched_dir`` (created if missing, 0755),
     read-only on :data:`~kvgpu.core.keys.CONTAINER_SCHED_DIR`: the agent alone writes it.
-    ``region_root``/``sched_dir`` ``None``: that mount is left out. Raises :class:`PluginError`
-    when a directory cannot be prepared."""
+    ``region_root``/``sched_dir`` ``None``: that mount is left out. Records the ``shim`` file the
+    container was served beside its region directory (:func:`record_shim_use`: the agent prunes
+    no file a live container was served). Raises :class:`PluginError` when a directory cannot be
+    prepared."""
     out = []
     try:
         if cfg.region_root:
             region = prepare_region_dir(cfg.region_root, admitted.uid, admitted.container, admitted.run_as)
+            if shim is not None:
+                record_shim_use(cfg.region_root, admitted.uid, admitted.container, shim.name)
             out.append(pb2.Mount(container_path=keys.CONTAINER_REGION_DIR, host_path=str(region), read_only=False))
         if cfg.sched_dir:
             Path(cfg.sched_dir).mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -162,5 +167,5 @@ def container_response(cfg: PluginConfig, admitted: Admitted | None, cards: Sequ
     if admitted is not None and admitted.claim is not None:
         add_mps_client(cfg, admitted, resp)
     if admitted is not None and admitted.claim is not None:
-        resp.mounts.extend(usage_mounts(cfg, admitted))
+        resp.mounts.extend(usage_mounts(cfg, admitted, shim))
     return resp

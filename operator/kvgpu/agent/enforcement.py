@@ -214,59 +214,25 @@ def proc_start_time(pid: int, proc: str = "/proc") -> int | None:
 
 
 def set_region_host_pid(region_file: Path, inner_pid: int, host_pid: int, start_time: int | None) -> bool:
-    """Write ``host_pid`` into the region slot of ``inner_pid`` (under the region's lock).
+    """Write ``host_pid`` into the region slot of ``inner_pid`` (:func:`kvgpu.shimregion.set_host_pid`).
 
     The slot must also carry ``start_time`` when given (guards against PID reuse). The shim uses
     the host PID to find its own process in NVML's per-process usage (a container has its own PID
     namespace). Returns True when a slot was updated; False if no slot matched or the file is not a
-    region. Raises ``ImportError`` when the shim core cannot be loaded.
+    region.
     """
-    from kvgpu import shimcore
+    from kvgpu import shimregion
 
-    m = shimcore.core()
-    ffi, lib = m.ffi, m.lib
-    h = ffi.new("struct vgpu_region_handle *")
-    if lib.vgpu_region_attach(h, str(region_file).encode()) != 0:
-        return False
-    try:
-        r = h.r
-        lib.vgpu_region_lock(r)
-        try:
-            for s in range(min(int(r.max_slots), 128)):
-                slot = r.slot[s]
-                if slot.pid != inner_pid or (start_time is not None and slot.start_time != start_time):
-                    continue
-                if slot.host_pid == host_pid:
-                    return False
-                slot.host_pid = host_pid
-                return True
-        finally:
-            lib.vgpu_region_unlock(r)
-    finally:
-        lib.vgpu_region_close(h)
-    return False
+    return shimregion.set_host_pid(region_file, inner_pid, host_pid, start_time)
 
 
 def set_region_sm_util(region_file: Path, uuid: str, percent: int) -> bool:
     """Store the container's SM utilisation (percent, 0..100) of card ``uuid`` in its region's
-    ``sm_util`` (a single 32-bit store; the shim only reads it). Returns False if the file is not
-    a region or has no such card. Raises ``ImportError`` when the shim core cannot be loaded."""
-    from kvgpu import shimcore
+    ``sm_util`` (:func:`kvgpu.shimregion.set_sm_util`). Returns False if the file is not a region
+    or has no such card."""
+    from kvgpu import shimregion
 
-    m = shimcore.core()
-    ffi, lib = m.ffi, m.lib
-    h = ffi.new("struct vgpu_region_handle *")
-    if lib.vgpu_region_attach(h, str(region_file).encode()) != 0:
-        return False
-    try:
-        r = h.r
-        for d in range(min(int(r.ndev), 16)):
-            if bytes(ffi.string(r.dev[d].uuid)).decode("utf-8", "replace") == uuid:
-                r.dev[d].sm_util = max(0, min(100, int(percent)))
-                return True
-    finally:
-        lib.vgpu_region_close(h)
-    return False
+    return shimregion.set_sm_util(region_file, uuid, percent)
 
 
 HostPidWriter = Callable[[str, str, int, int], bool]  # (pod uid, container, inner pid, host pid)

@@ -367,7 +367,7 @@ class Agent:
             )
             log.info("shim %s: %s (%s)", r.version, r.action, r.path.name)
             self.shim_check = ShimCheck(self.cfg.host_shim_dir, r.version, r.sha256)
-            for p in prune_shims(self.cfg.host_shim_dir, keep=self.cfg.shim_keep):
+            for p in prune_shims(self.cfg.host_shim_dir, keep=self.cfg.shim_keep, region_root=self.cfg.region_root):
                 log.info("pruned unused shim %s", p.name)
         return inv
 

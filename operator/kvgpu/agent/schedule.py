@@ -163,10 +163,10 @@ ActivityReader = Callable[[Path], Mapping[str, Activity]]
 
 def read_activity(region_file: Path) -> dict[str, Activity]:
     """Card UUID -> the shim's activity stamps in a region; ``{}`` without a usable region."""
-    from kvgpu import shimcore
+    from kvgpu import shimregion
 
     try:
-        r = shimcore.read_region(region_file)
+        r = shimregion.read_region(region_file)
     except (FileNotFoundError, ValueError):
         return {}
     return {d.uuid: Activity(d.sched_joined_ns, d.sched_heartbeat_ns, d.sched_busy_pm) for d in r.devices if d.uuid}

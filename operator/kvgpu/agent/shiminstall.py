@@ -1,23 +1,31 @@
-"""Install the shim on the host: immutable, version-named files and an atomic switch.
+"""Install the shim on the host: immutable, content-named files and an atomic switch.
 
 Layout under ``host_dir`` (default :data:`kvgpu.core.keys.HOST_SHIM_DIR`)::
 
-    libvgpu.so.<version>            read-only (0444), never rewritten while in use
-    libvgpu.so.<version>-<sha12>    only when <version> was rebuilt while the old one was in use
+    libvgpu.so.<version>            read-only (0444), never rewritten
+    libvgpu.so.<version>-<sha12>    a rebuild of <version> with other bytes, beside the first
     libvgpu.so -> libvgpu.so.<...>  relative symlink, switched with rename(2)
 
 and ``preload_file`` (default :data:`kvgpu.core.keys.HOST_PRELOAD_FILE`), read-only, holding the
 in-container path of the library (:data:`kvgpu.core.keys.CONTAINER_SHIM_LIB`).
 
-Every write goes to a temporary file in the same directory, is fsynced, made read-only and then
-renamed over the target, so no reader ever sees a partial file. A file that a running process
-maps or a container bind-mounts (see :func:`in_use`) is never replaced: a rebuild with the same
-version but different bytes is written beside it with a content suffix. The device plugin mounts
-the file the symlink resolves to at container creation, so a container keeps its library for its
-whole life whatever is installed later.
+**A file name never gets other bytes.** Every write goes to a temporary file in the same
+directory, is fsynced, made read-only and renamed to a name that did not exist (or held the same
+bytes), so no reader sees a partial file and no mapped file is ever changed: a process that maps
+``libvgpu.so.<x>`` keeps exactly those bytes, whatever is installed later. This holds without
+looking at other processes, which the agent cannot do with its capabilities dropped.
 
-The checks read ``/proc/*/maps`` and ``/proc/*/mountinfo``; in a DaemonSet the agent needs
-``hostPID: true`` to see other containers' processes.
+**Old files go only when nothing refers to them.** The device plugin records, at ``Allocate``,
+which file a container was served: ``<region root>/<pod UID>/<container>.shim``
+(:func:`record_shim_use`; beside the container's region directory, outside what the container
+mounts, and removed with the pod's region directory). :func:`prune_shims` keeps the current
+file, every recorded one, the ``keep`` newest, and any that :func:`in_use` finds mapped or
+bind-mounted (a best effort: it needs ``hostPID`` and the right to read other processes'
+``/proc/<pid>/maps``, which a DaemonSet with ``capabilities: drop: [ALL]`` lacks).
+
+With the device plugin's directory mount (``mounts=dir``), a process that a running
+container starts after an upgrade loads the new file through the link; the device plugin's
+``mounts=pinned`` mode bind-mounts the container's file instead.
 """
 
 from __future__ import annotations
@@ -45,9 +53,9 @@ class InstallResult:
     """What :func:`install_shim` did.
 
     ``action``: ``installed`` (new file), ``unchanged`` (identical file already there),
-    ``replaced`` (same version, new bytes, old file not in use), ``beside`` (same version, new
-    bytes, old file in use: new file with a content suffix). ``path`` is the file the
-    ``libvgpu.so`` link now points at; ``switched`` says whether the link changed.
+    ``beside`` (same version, other bytes: a new file with a content suffix; the old one stays
+    as it is). ``path`` is the file the ``libvgpu.so`` link now points at; ``switched`` says
+    whether the link changed.
     """
 
     path: Path
@@ -157,7 +165,6 @@ def install_shim(
     host_dir: str | os.PathLike[str] = keys.HOST_SHIM_DIR,
     preload_file: str | os.PathLike[str] | None = keys.HOST_PRELOAD_FILE,
     container_lib: str = keys.CONTAINER_SHIM_LIB,
-    is_in_use: Callable[[Path], bool] = in_use,
 ) -> InstallResult:
     """Install ``source`` as ``libvgpu.so.<version>`` in ``host_dir`` and switch the link to it.
 
@@ -181,11 +188,9 @@ def install_shim(
         if target.exists():
             if sha256_file(target) == digest:
                 action = "unchanged"
-            elif is_in_use(target):
+            else:  # never other bytes under a name: a mapped file must stay what it was
                 target = d / f"{FILE_PREFIX}{version}-{digest[:12]}"
                 action = "unchanged" if target.exists() and sha256_file(target) == digest else "beside"
-            else:
-                action = "replaced"
         if action == "unchanged":
             if (target.stat().st_mode & 0o777) != MODE:
                 os.chmod(target, MODE)
@@ -207,12 +212,46 @@ def install_shim(
     return InstallResult(target, version, digest, action, switched)
 
 
+SHIM_RECORD_SUFFIX = ".shim"
+
+
+def record_shim_use(region_root: str | os.PathLike[str], pod_uid: str, container: str, shim_file: str) -> Path:
+    """Record that ``container`` of pod ``pod_uid`` was served ``shim_file`` (a file name in the
+    shim directory): ``<region_root>/<pod_uid>/<container>.shim``, read-only, written atomically.
+
+    Raises ``ValueError`` for a pod UID, container or file name that is not one path component,
+    ``OSError`` when it cannot be written. Returns the record's path.
+    """
+    for part in (pod_uid, container, shim_file):
+        if not part or part in (".", "..") or "/" in part or "\0" in part:
+            raise ValueError(f"not a path component: {part!r}")
+    pod_dir = Path(region_root) / pod_uid
+    pod_dir.mkdir(parents=True, exist_ok=True)
+    path = pod_dir / f"{container}{SHIM_RECORD_SUFFIX}"
+    atomic_write(path, (shim_file + "\n").encode())
+    return path
+
+
+def recorded_shims(region_root: str | os.PathLike[str] | None) -> set[str]:
+    """The shim file names recorded by :func:`record_shim_use` under ``region_root`` (``None``:
+    none). Unreadable records are skipped."""
+    out: set[str] = set()
+    if region_root is None:
+        return out
+    for rec in Path(region_root).glob(f"*/*{SHIM_RECORD_SUFFIX}"):
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            out.add(rec.read_text().strip())
+    return out
+
+
 def prune_shims(
     host_dir: str | os.PathLike[str] = keys.HOST_SHIM_DIR,
     keep: int = 2,
     is_in_use: Callable[[Path], bool] = in_use,
+    region_root: str | os.PathLike[str] | None = None,
 ) -> list[Path]:
-    """Delete old version files that are neither current, among the ``keep`` newest, nor in use.
+    """Delete old shim files that are neither current, among the ``keep`` newest, recorded for a
+    container under ``region_root`` (:func:`recorded_shims`), nor :func:`in_use`.
 
     Returns the removed paths. Never raises for a file that vanished meanwhile.
     """
@@ -221,6 +260,7 @@ def prune_shims(
         current = os.readlink(d / LINK_NAME)
     except OSError:
         current = ""
+    referenced = recorded_shims(region_root)
     files = sorted(
         (p for p in d.glob(FILE_PREFIX + "*") if p.is_file() and not p.is_symlink()),
         key=lambda p: p.stat().st_mtime,
@@ -228,7 +268,7 @@ def prune_shims(
     )
     removed = []
     for p in files[keep:]:
-        if p.name == current or is_in_use(p):
+        if p.name == current or p.name in referenced or is_in_use(p):
             continue
         with contextlib.suppress(FileNotFoundError):
             p.unlink()

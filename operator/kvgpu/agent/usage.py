@@ -1,6 +1,6 @@
 """Pure records of the agent: containers bound to this node (from claim annotations), the shim's
-region usage (through ``kvgpu.shimcore``), region directory GC. Standard library and
-``kvgpu.core`` only (``kvgpu.shimcore`` lazily), so GPU check scripts can import it.
+region usage (through ``kvgpu.shimregion``), region directory GC. Standard library and
+``kvgpu.core`` only (``kvgpu.shimregion`` lazily), so GPU check scripts can import it.
 """
 
 from __future__ import annotations
@@ -198,27 +198,16 @@ REGION_FILE = "vgpu.region"  # the shim's file in the container's region directo
 
 
 def default_reader() -> RegionReader:
-    """A reader of ``<dir>/vgpu.region`` through ``kvgpu.shimcore.read_region``.
-
-    Returns ``None`` for a directory without a region (the container has not started CUDA). If
-    the shim's core module cannot be loaded here, returns a reader that always answers ``None``
-    (usage series stay 0; limits from claims are still exported) and logs why once.
+    """A reader of ``<dir>/vgpu.region`` through :func:`kvgpu.shimregion.read_region` (plain
+    Python over the region's layout: nothing compiled to load). Returns ``None`` for a directory
+    without a region (the container has not started CUDA); raises ``ValueError`` for a file that
+    is not a region of this layout version.
     """
-    try:
-        from kvgpu import shimcore
-
-        shimcore.core()  # load (or build) once at start, never during a scrape
-    except Exception as e:  # ImportError, ShimCoreUnavailable, a failed build
-        log.warning("shim core unavailable (%s): usage series will stay at 0", e)
-
-        def nothing(path: Path) -> None:
-            return None
-
-        return nothing
+    from kvgpu import shimregion
 
     def read(path: Path) -> RegionRows | None:
         try:
-            return adapt_region(shimcore.read_region(path / REGION_FILE))
+            return adapt_region(shimregion.read_region(path / REGION_FILE))
         except FileNotFoundError:
             return None
 

@@ -144,7 +144,10 @@ class Cluster:
                  "--max-requests-inflight=2000", "--max-mutating-requests-inflight=1000",
                  "--enable-priority-and-fairness=false",
                  # a real node (realnode.py) is reached at its InternalIP; its name does not resolve
-                 "--kubelet-preferred-address-types=InternalIP,Hostname", "--v=1"],
+                 "--kubelet-preferred-address-types=InternalIP,Hostname",
+                 # no kube-proxy: webhook (and aggregated API) Services are reached at their
+                 # endpoints, e.g. an in-cluster operator with hostNetwork (devcluster.incluster)
+                 "--enable-aggregator-routing=true", "--v=1"],
                 port=self.api_port,
             )
             self._write_kubeconfig(self.kubeconfig, "admin")

@@ -14,12 +14,13 @@ host-copy helpers of :mod:`kvgpu.devcluster.images`), one docker-archive with bo
      kvgpu's runtime dependencies, pinned to the versions installed here (``[project]
      dependencies`` followed through the installed metadata; no ``dev`` extra), ``pip install
      --target ... --no-deps`` from PyPI.
-  3. *kvgpu*: a wheel built from a copy of pyproject.toml, README.md and operator/ with the
-     gRPC stubs generated (``hack/gen_proto.py``) as the Dockerfiles do, installed the same way;
+  3. *kvgpu*: a wheel built from a copy of the Dockerfiles' build context (pyproject.toml,
+     README.md, hatch_build.py, hack/gen_proto.py, operator/), its build hook generating the
+     gRPC stubs into it as in the Dockerfiles' ``pip install .``, installed the same way;
      ``bin/kvgpu`` and ``bin/kubectl-vgpu``.
   4. *shim* (agent only): ``/opt/kvgpu/lib/libvgpu.so`` (shim/_build, the path the agent's
-     DaemonSet passes as ``--shim-source``) and — beyond Dockerfile.agent, see below — the
-     shim core ``_vgpucore`` cffi module in site-packages.
+     DaemonSet passes as ``--shim-source``). Nothing else: the agent reads the shim's regions
+     in plain Python (:mod:`kvgpu.shimregion`), no compiled module.
 
   Config as in the Dockerfiles: ``Entrypoint ["kvgpu"]``, ``Cmd ["operator"]`` / ``["agent"]``,
   ``User 65532:65532`` / ``0:0``, ``PATH=/opt/kvgpu/venv/bin:...``, ``PYTHONUNBUFFERED=1``,
@@ -27,11 +28,8 @@ host-copy helpers of :mod:`kvgpu.devcluster.images`), one docker-archive with bo
   ``--invalidation-mode unchecked-hash`` (layers have mtime 0, so timestamp-checked ``.pyc``
   would be stale, and the manifests mount the root file system read-only).
 
-Differences from the Dockerfiles, on purpose and visible here: the Python is the host's (3.11,
-the one the venv and its pins were tested with) rather than ``python:3.12-slim-bookworm``; and
-the agent image carries ``_vgpucore``: without it (Dockerfile.agent installs only ``pip install
-.``) ``kvgpu.shimcore`` cannot load, the agent's usage exporter reports 0 for every container
-and the host-PID fill-in of the regions fails.
+The one difference from the Dockerfiles, on purpose: the Python is the host's (3.11, the one the
+venv and its pins were tested with) rather than ``python:3.12-slim-bookworm``.
 
 Built lazily (:meth:`kvgpu.devcluster.realnode.RealNode.import_product_images`, or ``python -m
 kvgpu.devcluster.productimages``), cached in ``${KVGPU_CACHE:-~/.cache/kvgpu}/images/
@@ -60,16 +58,18 @@ from pathlib import Path
 from kvgpu.devcluster import images
 from kvgpu.devcluster.images import REPO_ROOT, BuiltImage, ImageConfig, ImageError
 
-RECIPE_VERSION = "1"  # bump when the recipe changes in a way its inputs do not show
+RECIPE_VERSION = "3"  # bump when the recipe changes in a way its inputs do not show
 PYPROJECT = REPO_ROOT / "pyproject.toml"
 PACKAGE_DIR = REPO_ROOT / "operator" / "kvgpu"
 GEN_PROTO = REPO_ROOT / "hack" / "gen_proto.py"
+HATCH_BUILD = REPO_ROOT / "hatch_build.py"
 SHIM_BUILD = REPO_ROOT / "shim" / "_build"
 SHIM_SO = SHIM_BUILD / "libvgpu.so"
 VENV = "/opt/kvgpu/venv"
 SHIM_IN_IMAGE = "/opt/kvgpu/lib/libvgpu.so"  # Dockerfile.agent; manifests/base/agent.yaml --shim-source
 OPERATOR_USER = "65532:65532"  # Dockerfile.operator
 AGENT_USER = "0:0"  # Dockerfile.agent
+NONROOT = "kvgpu"  # user and group 65532 (Dockerfile.operator's useradd)
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
 SITE = f"{VENV}/lib/{PY}/site-packages"
 PRODUCT_ENV = (
@@ -150,15 +150,6 @@ def _source_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-def _core_module() -> Path:
-    found = sorted(SHIM_BUILD.glob("_vgpucore.cpython-*.so"))
-    tag = sysconfig.get_config_var("EXT_SUFFIX") or ""
-    for f in found:
-        if f.name.endswith(tag):
-            return f
-    raise ImageError(f"no _vgpucore{tag} in {SHIM_BUILD}: make shim")
-
-
 # ----- steps ------------------------------------------------------------------------------------
 def _run(cmd: Sequence[str], what: str, cwd: Path | None = None) -> None:
     p = subprocess.run(list(cmd), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -173,18 +164,18 @@ def _pip(*args: str) -> list[str]:
 
 def _build_wheel(tmp: Path) -> Path:
     """The wheel of a copy of the Dockerfiles' build context (pyproject.toml, README.md,
-    hack/gen_proto.py, operator/), its gRPC stubs generated there; a copy so that the
-    repository's .gitignore (which lists the generated stubs) does not drop them."""
+    hatch_build.py, hack/gen_proto.py, operator/ without generated files): ``pip wheel``, whose
+    build hook (hatch_build.py) generates the gRPC stubs into the wheel, as ``pip install .`` in
+    the Dockerfiles does."""
     src = tmp / "src"
     (src / "hack").mkdir(parents=True)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", HATCH_BUILD.name):
         shutil.copy2(REPO_ROOT / name, src / name)
     shutil.copy2(GEN_PROTO, src / "hack" / "gen_proto.py")
     shutil.copytree(REPO_ROOT / "operator", src / "operator",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*_pb2.py", "*_pb2_grpc.py", "*.egg-info"))
-    _run([sys.executable, "hack/gen_proto.py"], "hack/gen_proto.py (needs grpcio-tools: make install)", cwd=src)
     out = tmp / "wheel"
-    _run(_pip("wheel", "--no-deps", "-w", str(out), str(src)), "pip wheel")
+    _run(_pip("wheel", "--no-deps", "-w", str(out), f"{src}/"), "pip wheel (hatchling, grpcio-tools from PyPI)")
     wheels = sorted(out.glob("kvgpu-*.whl"))
     if len(wheels) != 1:
         raise ImageError(f"pip wheel gave {wheels}")
@@ -277,13 +268,12 @@ def build_product_images() -> BuiltImage:
     """Build (or find in the cache) the archive with ``kvgpu-operator`` and ``kvgpu-agent``."""
     if not SHIM_SO.exists():
         raise ImageError(f"{SHIM_SO} not built: make shim")
-    core = _core_module()
     exe, libpython, stdlib = _interpreter()
     busybox = images._busybox()
     pins = runtime_pins()
     op_cfg, ag_cfg = image_configs()
-    key = images._hash_inputs([RECIPE_VERSION, PYPROJECT, REPO_ROOT / "README.md", GEN_PROTO,
-                               _source_digest(PACKAGE_DIR), SHIM_SO, core, exe, *([libpython] if libpython else []),
+    key = images._hash_inputs([RECIPE_VERSION, PYPROJECT, REPO_ROOT / "README.md", GEN_PROTO, HATCH_BUILD,
+                               _source_digest(PACKAGE_DIR), SHIM_SO, exe, *([libpython] if libpython else []),
                                sys.version, busybox, "\n".join(pins), json.dumps([op_cfg.to_json(""),
                                                                                  ag_cfg.to_json("")])])
 
@@ -298,7 +288,7 @@ def build_product_images() -> BuiltImage:
             return now
 
         t = t0
-        _say(f"  wheel of kvgpu {version()} (hack/gen_proto.py, pip wheel) ...")
+        _say(f"  wheel of kvgpu {version()} (pip wheel, hatch_build.py) ...")
         wheel = _build_wheel(tmp)
         t = step("wheel", t)
 
@@ -329,8 +319,6 @@ def build_product_images() -> BuiltImage:
         shim = tmp / "shim"
         (shim / Path(SHIM_IN_IMAGE).parent.relative_to("/")).mkdir(parents=True)
         shutil.copy2(SHIM_SO, shim / SHIM_IN_IMAGE.lstrip("/"))
-        (shim / site_rel).mkdir(parents=True)
-        shutil.copy2(core, shim / site_rel / core.name)
 
         root = tmp / "runtime"
         for d in ("usr/bin", "usr/sbin", "usr/lib", "usr/lib64", "usr/local/bin", "usr/local/lib", "etc", "proc",
@@ -364,10 +352,11 @@ def build_product_images() -> BuiltImage:
         ld = subprocess.run(["ldconfig", "-r", str(root)], capture_output=True, text=True, check=False)
         if ld.returncode != 0:
             raise ImageError(f"ldconfig -r {root} failed (needs root for chroot): {ld.stderr.strip()}")
-        # as python:*-slim: root and nobody; 65532 has no entry there either
+        # as python:*-slim (root, nobody) plus the operator's user, as Dockerfile.operator adds it
         (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
-                                         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-        (root / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
+                                         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+                                         f"{NONROOT}:x:65532:65532:kvgpu:/nonexistent:/usr/sbin/nologin\n")
+        (root / "etc/group").write_text(f"root:x:0:\nnogroup:x:65534:\n{NONROOT}:x:65532:\n")
         t = step("runtime", t)
 
         layer_dir = tmp / "layers"
@@ -418,3 +407,30 @@ def dockerfile_config(path: Path) -> dict[str, object]:
 if __name__ == "__main__":  # python -m kvgpu.devcluster.productimages: build (or find) them
     img = build_product_images()
     print(img.archive, *img.refs)
+
+
+# ----- kube-scheduler ---------------------------------------------------------------------------
+def build_scheduler_image(bin_dir: Path) -> BuiltImage:
+    """``kvgpu.local/kube-scheduler:<version>``: the ktp multi-call binary of ``bin_dir`` (static,
+    hack/ktp) at ``/usr/local/bin/ktp`` with ``kube-scheduler`` linked to it, the command that
+    manifests/base/scheduler.yaml runs; the version is the binary's (``--version``). One layer,
+    no shell; cached like the others."""
+    ktp = Path(os.path.realpath(bin_dir / "ktp"))
+    p = subprocess.run([str(bin_dir / "kube-scheduler"), "--version"], capture_output=True, text=True, check=False)
+    m = re.search(r"v\d+\.\d+\.\d+\S*", p.stdout)
+    if p.returncode != 0 or not m:
+        raise ImageError(f"{bin_dir}/kube-scheduler --version gave no version: {p.stdout}{p.stderr}")
+    ref = f"kvgpu.local/kube-scheduler:{m.group(0)}"
+    cfg = ImageConfig(ref, env=("PATH=/usr/local/bin:/usr/bin:/bin",), user="65532:65532")
+    key = images._hash_inputs([RECIPE_VERSION, ktp, json.dumps(cfg.to_json(""))])
+
+    def build(tmp: Path, archive: Path) -> None:
+        root = tmp / "root"
+        (root / "usr/local/bin").mkdir(parents=True)
+        (root / "tmp").mkdir()
+        (root / "tmp").chmod(0o1777)
+        shutil.copy2(ktp, root / "usr/local/bin/ktp")
+        (root / "usr/local/bin/kube-scheduler").symlink_to("ktp")
+        images.write_docker_archive(archive, images.layer_from_dir(root), [cfg])
+
+    return images._cached("kube-scheduler", key, (ref,), build)

@@ -178,6 +178,10 @@ async def run(cfg: OperatorConfig, stop_flag: Any = None, ready_flag: Any = None
     """Run the operator until ``stop_flag`` (an asyncio/threading Event or Future) is set."""
     if cfg.kubeconfig:
         os.environ["KUBECONFIG"] = cfg.kubeconfig  # Kopf's kubeconfig login reads it from here
+    if os.environ.get("POD_NAME"):
+        # Kopf's identity (POD_ID): the pod's name (manifests: POD_NAME). Its default, user@host,
+        # needs a passwd entry for the uid, which an image run with another runAsUser lacks.
+        os.environ.setdefault("POD_ID", os.environ["POD_NAME"])
     registry, settings, rt = build(cfg)
     await kopf.operator(
         registry=registry, settings=settings, clusterwide=True,

@@ -1,0 +1,272 @@
+"""The shim's shared region (``<KVGPU_REGION_DIR>/vgpu.region``) read and annotated in plain
+Python: :mod:`ctypes` structures over an :mod:`mmap` of the file, no compiled module.
+
+The layout is the C one of ``shim/vgpu.h`` (``struct vgpu_region``, ``vgpu_region_dev``,
+``vgpu_slot``; documented in ``docs/shim.md``, "Shared region"). ``tests/shim/test_region_layout.py``
+compiles the header and compares every field's offset and size and each struct's size with the
+structures here, so the two cannot drift apart.
+
+What the node agent does with a region:
+
+- :func:`read_region` -> :class:`RegionUsage`: a snapshot (a copy of the file, no slot, no lock);
+- :func:`set_host_pid`: the host PID of a container process into its slot;
+- :func:`set_sm_util`: a card's SM utilisation (percent) into the region.
+
+Units: memory in MiB (float, from the region's bytes), compute in percent of the card's SMs,
+times in CLOCK_MONOTONIC nanoseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAGIC = 0x5247564B  # "KVGR" little endian (VGPU_REGION_MAGIC)
+VERSION = 2  # VGPU_REGION_VERSION
+MAX_DEV = 16  # VGPU_MAX_DEV
+MAX_SLOTS = 128  # VGPU_MAX_SLOTS
+UUID_LEN = 96  # VGPU_UUID_LEN
+CLAIM_LEN = 320  # VGPU_CLAIM_LEN
+SM_UTIL_UNKNOWN = 0xFFFFFFFF
+_MIB = 1024 * 1024
+
+u32, i32, u64 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64
+
+
+class RegionDev(ctypes.Structure):
+    """``struct vgpu_region_dev`` (168 bytes). ``_Atomic uint64_t`` fields are plain u64 here:
+    same size and alignment on the ABIs the shim builds for."""
+
+    _fields_ = [
+        ("uuid", ctypes.c_char * UUID_LEN),
+        ("limit", u64),
+        ("cores", u32),
+        ("sm_util", u32),
+        ("used", u64),
+        ("credit_vt", u64),
+        ("ctx_bytes", u64),
+        ("sched_joined_ns", u64),
+        ("sched_heartbeat_ns", u64),
+        ("sched_busy_pm", u64),
+        ("reserved", u64 * 1),
+    ]
+
+
+class Slot(ctypes.Structure):
+    """``struct vgpu_slot`` (304 bytes): one process of the container."""
+
+    _fields_ = [
+        ("pid", i32),
+        ("host_pid", i32),
+        ("start_time", u64),
+        ("data", u64 * MAX_DEV),
+        ("overhead", u64 * MAX_DEV),
+        ("reserved", u64 * 4),
+    ]
+
+
+class Region(ctypes.Structure):
+    """``struct vgpu_region`` (42080 bytes). ``lock`` is the robust ``pthread_mutex_t`` (a
+    64-byte union in C), which this module never takes."""
+
+    _fields_ = [
+        ("magic", u32),
+        ("version", u32),
+        ("size", u32),
+        ("ndev", u32),
+        ("max_slots", u32),
+        ("priority", u32),
+        ("generation", u64),
+        ("claim", ctypes.c_char * CLAIM_LEN),
+        ("lock", ctypes.c_char * 64),
+        ("oom_kills", u64),
+        ("oom_last_pid", i32),
+        ("oom_last_dev", u32),
+        ("oom_last_bytes", u64),
+        ("oom_last_used", u64),
+        ("reserved", u64 * 4),
+        ("dev", RegionDev * MAX_DEV),
+        ("slot", Slot * MAX_SLOTS),
+    ]
+
+
+REGION_SIZE = ctypes.sizeof(Region)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessUsage:
+    """One process of the container on one card (from its region slot)."""
+
+    pid: int  # PID inside the container
+    host_pid: int  # host PID if the agent filled it, else 0
+    data_mib: float  # counted allocations
+    overhead_mib: float  # context/module/pool overhead charged after NVML reconciliation
+
+    @property
+    def used_mib(self) -> float:
+        return self.data_mib + self.overhead_mib
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceUsage:
+    """One card of the container's claim."""
+
+    index: int  # position in the claim (HAMi mode: CUDA device index)
+    uuid: str  # "" until a process of the container has mapped it (HAMi mode)
+    limit_mib: float  # 0 = no memory limit
+    used_mib: float  # charged to the container (data + overhead of live processes)
+    cores: int  # compute limit, percent of SMs (0 = none)
+    sm_util: int | None  # last known SM utilisation of the container, percent
+    processes: tuple[ProcessUsage, ...] = field(default=())
+    sched_joined_ns: int = 0  # compute gate: CLOCK_MONOTONIC when it became active (0 = never)
+    sched_heartbeat_ns: int = 0  # compute gate: its last schedule refresh (the agent's liveness)
+    sched_busy_pm: int = 0  # compute gate: measured GPU time of its work, per mille of wall time
+    context_mib: float = 0  # what a context took on this card (learnt by the first process)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self.processes)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionUsage:
+    """A snapshot of one container's shared region."""
+
+    path: str
+    claim: str  # "<namespace>/<name>" of the VGPUClaim, "" in HAMi mode
+    priority: int
+    generation: int  # bumped whenever the region file is (re)initialised
+    devices: tuple[DeviceUsage, ...]
+    oom_kills: int = 0  # processes the shim's ACTIVE_OOM_KILLER ended (0 again after a re-init)
+    oom_last_pid: int = 0  # the last one: its PID inside the container,
+    oom_last_dev: int = 0  # its card (position in the claim),
+    oom_last_mib: float = 0.0  # what it held on that card,
+    oom_last_used_mib: float = 0.0  # and the container's charge there then (0: an older shim)
+
+
+def _valid(r: Region) -> bool:
+    """The shim's own test (``valid()`` in vgpu_region.c), plus a sane ``ndev``."""
+    return (r.magic == MAGIC and r.version == VERSION and r.size == REGION_SIZE
+            and r.max_slots == MAX_SLOTS and r.ndev <= MAX_DEV)
+
+
+def _text(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _snapshot(path: Path) -> Region:
+    """A copy of the region in ``path``; FileNotFoundError if missing, ValueError if not a region."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if os.lseek(fd, 0, os.SEEK_END) < REGION_SIZE:
+            raise ValueError(f"{path}: not a kvgpu region of version {VERSION} (smaller than {REGION_SIZE} bytes)")
+        with mmap.mmap(fd, REGION_SIZE, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            r = Region.from_buffer_copy(mm)
+    finally:
+        os.close(fd)
+    if not _valid(r):
+        raise ValueError(f"{path}: not a kvgpu region of version {VERSION} "
+                         f"(magic {r.magic:#x}, version {r.version}, size {r.size})")
+    return r
+
+
+def read_region(path: str | os.PathLike[str]) -> RegionUsage:
+    """Read a region file without taking a slot or the lock.
+
+    Raises ``FileNotFoundError`` if it does not exist (``PermissionError`` if unreadable) and
+    ``ValueError`` if it is not a kvgpu region of this layout version. The file is copied in one
+    ``memcpy``: each aligned counter is whole, the set may be a few microseconds apart.
+    """
+    p = Path(path)
+    r = _snapshot(p)
+    live = [s for s in r.slot if s.pid]
+    devices = []
+    for d in range(r.ndev):
+        rd = r.dev[d]
+        devices.append(DeviceUsage(
+            index=d,
+            uuid=_text(rd.uuid),
+            limit_mib=rd.limit / _MIB,
+            used_mib=rd.used / _MIB,
+            cores=rd.cores,
+            sm_util=None if rd.sm_util == SM_UTIL_UNKNOWN else rd.sm_util,
+            processes=tuple(ProcessUsage(s.pid, s.host_pid, s.data[d] / _MIB, s.overhead[d] / _MIB) for s in live),
+            sched_joined_ns=rd.sched_joined_ns,
+            sched_heartbeat_ns=rd.sched_heartbeat_ns,
+            sched_busy_pm=rd.sched_busy_pm,
+            context_mib=rd.ctx_bytes / _MIB,
+        ))
+    return RegionUsage(
+        path=str(p), claim=_text(r.claim), priority=r.priority, generation=r.generation,
+        devices=tuple(devices), oom_kills=r.oom_kills, oom_last_pid=r.oom_last_pid,
+        oom_last_dev=r.oom_last_dev, oom_last_mib=r.oom_last_bytes / _MIB,
+        oom_last_used_mib=r.oom_last_used / _MIB,
+    )
+
+
+def _store_u32(path: Path, offset_of: Callable[[Region], int | None], value: int) -> bool:
+    """Open ``path`` read-write, check it is a region, and store ``value`` as one aligned 32-bit
+    word at the offset ``offset_of(snapshot)`` picks (None: store nothing). True if stored."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        if os.lseek(fd, 0, os.SEEK_END) < REGION_SIZE:
+            return False
+        with mmap.mmap(fd, REGION_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            r = Region.from_buffer_copy(mm)
+            off = offset_of(r) if _valid(r) else None
+            if off is None:
+                return False
+            word = ctypes.c_uint32.from_buffer(mm, off)  # one aligned 4-byte store, as the C does
+            word.value = value & 0xFFFFFFFF
+            del word
+            return True
+    finally:
+        os.close(fd)
+
+
+_SLOT0 = Region.slot.offset
+_HOST_PID = Slot.host_pid.offset
+_SM_UTIL = Region.dev.offset + RegionDev.sm_util.offset
+
+
+def set_host_pid(path: str | os.PathLike[str], inner_pid: int, host_pid: int, start_time: int | None) -> bool:
+    """Write ``host_pid`` into the slot of container PID ``inner_pid`` (and ``start_time``, when
+    given: a guard against PID reuse). True when a slot was changed; False if none matched, it
+    already held ``host_pid``, or the file is missing or not a region.
+
+    Without the region's lock (a robust pthread mutex, which needs the shim's recovery code): the
+    slot is checked in a snapshot and the 32-bit ``host_pid`` stored alone. If the process left and
+    another took the slot in between, that one carries a wrong host PID until the agent's next
+    pass writes its own (the agent rewrites any slot whose ``host_pid`` differs); the shim only
+    uses it to find its NVML per-process usage, and a PID that is not its own matches nothing.
+    """
+
+    def pick(r: Region) -> int | None:
+        for s in range(min(int(r.max_slots), MAX_SLOTS)):
+            slot = r.slot[s]
+            if slot.pid == inner_pid and (start_time is None or slot.start_time == start_time):
+                return None if slot.host_pid == host_pid else _SLOT0 + s * ctypes.sizeof(Slot) + _HOST_PID
+        return None
+
+    return _store_u32(Path(path), pick, host_pid)
+
+
+def set_sm_util(path: str | os.PathLike[str], uuid: str, percent: int) -> bool:
+    """Store the container's SM utilisation (percent, clamped to 0..100) of card ``uuid`` in the
+    region's ``dev[].sm_util`` (a single 32-bit store; the shim only reads it). False if the file
+    is missing, not a region, or has no such card."""
+
+    def pick(r: Region) -> int | None:
+        for d in range(min(int(r.ndev), MAX_DEV)):
+            if _text(r.dev[d].uuid) == uuid:
+                return _SM_UTIL + d * ctypes.sizeof(RegionDev)
+        return None
+
+    return _store_u32(Path(path), pick, max(0, min(100, int(percent))))
