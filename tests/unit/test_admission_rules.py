@@ -683,3 +683,16 @@ def test_the_compute_schedule_cannot_be_mounted_by_the_pod() -> None:
     out = mutated(pod(SLICED))
     out["spec"]["containers"][0]["volumeMounts"].append({"name": "kvgpu-sched", "mountPath": "/mnt/s"})
     assert any("kvgpu-sched" in e for e in create_errors(out))
+
+
+def test_a_pod_of_an_older_release_still_takes_updates() -> None:
+    """Pods admitted before this release carry kvgpu's old hostPath volumes; an UPDATE that adds
+    nothing (a label of the user's) is not refused for them, a new hostPath is."""
+    old = copy.deepcopy(BOUND)
+    old["spec"]["volumes"] += [{"name": "kvgpu-region", "hostPath": {"path": keys.HOST_REGION_ROOT,
+                                                                     "type": "DirectoryOrCreate"}}]
+    new = _with(old, lambda p: p["metadata"].setdefault("labels", {}).update({"team": "a"}))
+    assert validate_pod("UPDATE", new, old, "alice", OPS) == []
+    more = _with(old, lambda p: p["spec"]["volumes"].append({"name": "s", "hostPath": {"path": keys.HOST_SCHED_DIR}}))
+    errors = validate_pod("UPDATE", more, old, "alice", OPS)
+    assert any(f"mounts host path {keys.HOST_SCHED_DIR!r}" in e for e in errors), errors
