@@ -231,6 +231,13 @@ def _claims(rp: RealPods) -> list[dict[str, Any]]:
     return sorted(out, key=lambda c: c["metadata"]["name"])
 
 
+def _kvgpu_pods(node: RealNode) -> set[str]:
+    """UIDs of the operator's and the agent's pods."""
+    out = node.cluster.kubectl("get", "pods", "-n", NS, "-l", "app.kubernetes.io/component in (operator,agent)",
+                               "-o", "json").stdout
+    return {p["metadata"]["uid"] for p in json.loads(out)["items"]}
+
+
 def test_helm_upgrade_from_the_previous_chart_keeps_running_slices(
         real_node: RealNode, real_pods: RealPods, system: incluster.InstalledSystem, tmp_path: Path) -> None:
     rp = real_pods
@@ -243,15 +250,13 @@ def test_helm_upgrade_from_the_previous_chart_keeps_running_slices(
     before = rp.wait_running("held", timeout=120)
     claims = _claims(rp)
     view = rp.exec("held", "sh", "-c", "cuprog info").splitlines()[0]
-    pods_before = {p["metadata"]["uid"] for p in json.loads(real_node.cluster.kubectl(
-        "get", "pods", "-n", NS, "-o", "json").stdout)["items"]}
-    # to this commit's chart, every kvgpu pod replaced (a changed pod template)
+    pods_before = _kvgpu_pods(real_node)
+    # to this commit's chart, the operator's and the agent's pods replaced (a changed pod template)
     marker = {"kvgpu.io/upgrade-test": str(time.time())}
     incluster.upgrade_on_real_node(real_node, system, extra={"operator": {"podAnnotations": marker},
                                                              "devicePlugin": {"podAnnotations": marker}})
-    pods_after = {p["metadata"]["uid"] for p in json.loads(real_node.cluster.kubectl(
-        "get", "pods", "-n", NS, "-o", "json").stdout)["items"]}
-    assert not pods_before & pods_after, "the upgrade replaced no kvgpu pod"
+    pods_after = _kvgpu_pods(real_node)
+    assert not pods_before & pods_after, "the upgrade left an operator or agent pod in place"
     after = rp.get("held")
     assert after["metadata"]["uid"] == before["metadata"]["uid"]
     [st] = after["status"]["containerStatuses"]

@@ -20,7 +20,7 @@ IMPORTS = "import kvgpu, kopf, kubernetes_asyncio, kubernetes, grpc, pynvml, uvl
           "from kvgpu.agent.proto import deviceplugin_pb2_grpc, podresources_pb2_grpc; print('imports ok')"
 AGENT_FLAGS = ("--shim-source", "--no-device-plugin", "--device-specs", "--dev-root", "--host-dev-root",
                "--driver-root", "--pod-resources-socket", "--metrics-port", "--node")
-# as the manifests run them (manifests/base/operator.yaml, agent.yaml)
+# as the chart runs them (charts/kvgpu/templates/operator.yaml, agent.yaml)
 OPERATOR_POD_SC = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532}
 OPERATOR_SC = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 AGENT_SC = {"privileged": False, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

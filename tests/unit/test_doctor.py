@@ -63,6 +63,12 @@ def test_agent_missing_not_ready_or_unreachable() -> None:
            "kvgpu-agent-x1 is not Ready (Pending)", "kubectl -n kvgpu-system logs kvgpu-agent-x1")
     _fails(doctor.check_agent("gpu-a", [_pod()], "forbidden: pods/proxy", NS), "does not answer",
            "forbidden", "/api/v1/namespaces/kvgpu-system/pods/kvgpu-agent-x1:9394/proxy/metrics")
+    # the chart's devicePlugin.metricsPort: the port the pod names "metrics" is the one asked
+    moved = _pod()
+    moved["spec"]["containers"] = [{"name": "agent", "ports": [{"name": "health", "containerPort": 1},
+                                                                 {"name": "metrics", "containerPort": 19394}]}]
+    assert doctor.metrics_port(moved) == 19394 and doctor.metrics_port(_pod()) == doctor.AGENT_METRICS_PORT
+    _fails(doctor.check_agent("gpu-a", [moved], "refused", NS), "/pods/kvgpu-agent-x1:19394/proxy/metrics")
 
 
 def test_inventory_missing_unparseable_empty_unpooled_unhealthy() -> None:

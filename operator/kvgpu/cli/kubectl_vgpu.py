@@ -159,7 +159,7 @@ async def agent_usage(api: Any, nodes: set[str], namespace: str = AGENT_NAMESPAC
                       timeout_s: float = USAGE_TIMEOUT_S) -> dict[views.UsageKey, views.Usage]:
     """Scrape the agents of ``nodes`` through the API server's pod proxy. Best effort: an agent
     that is missing, not ready or not allowed to be reached adds nothing."""
-    by_node = {p["spec"].get("nodeName"): p["metadata"]["name"] for p in await doctorio.agent_pods(api, namespace)
+    by_node = {p["spec"].get("nodeName"): p for p in await doctorio.agent_pods(api, namespace)
                if (p.get("status") or {}).get("phase") == "Running"}
     texts = await asyncio.gather(*(doctorio.scrape(api, by_node[n], namespace, timeout_s)
                                    for n in sorted(nodes) if n in by_node))

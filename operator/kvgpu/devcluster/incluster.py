@@ -368,11 +368,13 @@ def install_on_real_node(node: Any, values: InClusterValues | None = None, chart
     Raises :class:`InClusterError` (after uninstalling what was installed)."""
     cluster = node.cluster
     system = InstalledSystem(values or real_node_values(node), chart)
-    # The host-process operator's webhook configurations (same names) are not Helm's: Helm would
-    # refuse to adopt them.
-    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
-        for name in ("kvgpu-mutate", "kvgpu-validate"):
-            cluster.kubectl("delete", kind, name, "--ignore-not-found", check=False)
+    # The host-process operator's webhook configurations and claim policy (same names; it
+    # applies them again when it starts) are not Helm's: Helm would refuse to adopt them.
+    for kind, name in (("MutatingWebhookConfiguration", "kvgpu-mutate"),
+                       ("ValidatingWebhookConfiguration", "kvgpu-validate"),
+                       ("ValidatingAdmissionPolicy", "vgpuclaims.kvgpu.io"),
+                       ("ValidatingAdmissionPolicyBinding", "vgpuclaims.kvgpu.io")):
+        cluster.kubectl("delete", kind, name, "--ignore-not-found", check=False)
     try:
         _helm_deploy(node, ("install", "--create-namespace"), system, extra, timeout)
     except BaseException:

@@ -66,7 +66,7 @@ HATCH_BUILD = REPO_ROOT / "hatch_build.py"
 SHIM_BUILD = REPO_ROOT / "shim" / "_build"
 SHIM_SO = SHIM_BUILD / "libvgpu.so"
 VENV = "/opt/kvgpu/venv"
-SHIM_IN_IMAGE = "/opt/kvgpu/lib/libvgpu.so"  # Dockerfile.agent; manifests/base/agent.yaml --shim-source
+SHIM_IN_IMAGE = "/opt/kvgpu/lib/libvgpu.so"  # Dockerfile.agent; the chart's agent --shim-source
 OPERATOR_USER = "65532:65532"  # Dockerfile.operator
 AGENT_USER = "0:0"  # Dockerfile.agent
 NONROOT = "kvgpu"  # user and group 65532 (Dockerfile.operator's useradd)
@@ -413,7 +413,7 @@ if __name__ == "__main__":  # python -m kvgpu.devcluster.productimages: build (o
 def build_scheduler_image(bin_dir: Path) -> BuiltImage:
     """``kvgpu.local/kube-scheduler:<version>``: the ktp multi-call binary of ``bin_dir`` (static,
     hack/ktp) at ``/usr/local/bin/ktp`` with ``kube-scheduler`` linked to it, the command that
-    manifests/base/scheduler.yaml runs; the version is the binary's (``--version``). One layer,
+    the chart's templates/scheduler.yaml runs; the version is the binary's (``--version``). One layer,
     no shell; cached like the others."""
     ktp = Path(os.path.realpath(bin_dir / "ktp"))
     p = subprocess.run([str(bin_dir / "kube-scheduler"), "--version"], capture_output=True, text=True, check=False)

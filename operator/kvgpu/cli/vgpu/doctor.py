@@ -169,6 +169,19 @@ def check_admission(mutated: Mapping[str, Any] | None, error: str, namespace: st
 # --------------------------------------------------------------------------- per node
 
 
+AGENT_METRICS_PORT = 9394  # the agent's default --metrics-port
+
+
+def metrics_port(pod: Mapping[str, Any]) -> int:
+    """The agent pod's metrics port: its container port named ``metrics`` (the chart's
+    ``devicePlugin.metricsPort``), else :data:`AGENT_METRICS_PORT`."""
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        for port in c.get("ports") or []:
+            if port.get("name") == "metrics" and isinstance(port.get("containerPort"), int):
+                return int(port["containerPort"])
+    return AGENT_METRICS_PORT
+
+
 def check_agent(node: str, pods: Sequence[Mapping[str, Any]], metrics_error: str | None,
                 namespace: str) -> Finding:
     """An agent pod (``app.kubernetes.io/component=agent``) on ``node`` is Ready and its metrics
@@ -184,9 +197,10 @@ def check_agent(node: str, pods: Sequence[Mapping[str, Any]], metrics_error: str
         return _fail("agent", f"agent pod {_name(p)} is not Ready ({phase})",
                      f"kubectl -n {namespace} logs {_name(p)}; kubectl -n {namespace} describe pod {_name(p)}")
     if metrics_error is not None:
+        pod = f"{_name(ready[0])}:{metrics_port(ready[0])}"
         return _fail("agent", f"agent pod {_name(ready[0])} does not answer on its metrics port through the API "
                      f"server: {metrics_error}", f"kubectl -n {namespace} get --raw /api/v1/namespaces/{namespace}"
-                     f"/pods/{_name(ready[0])}:9394/proxy/metrics (needs get pods/proxy in {namespace})")
+                     f"/pods/{pod}/proxy/metrics (needs get pods/proxy in {namespace})")
     return _ok("agent", f"agent {_name(ready[0])} Ready")
 
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ AGENT_NAMESPACE = "kvgpu-system"
 AGENT_SELECTOR = "app.kubernetes.io/name=kvgpu,app.kubernetes.io/component=agent"
 OPERATOR_SELECTOR = "app.kubernetes.io/name=kvgpu,app.kubernetes.io/component=operator"
 SCHEDULER_SELECTOR = "app.kubernetes.io/name=kvgpu,app.kubernetes.io/component=scheduler"
-AGENT_METRICS_PORT = 9394
+AGENT_METRICS_PORT = doctor.AGENT_METRICS_PORT
 SCRAPE_TIMEOUT_S = 5.0
 #: the sample pod's default image: CUDA's base image (nvidia-smi comes from the node's driver)
 SAMPLE_IMAGE = "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
@@ -56,13 +56,14 @@ async def agent_pods(api: Any, namespace: str) -> list[dict[str, Any]]:
     return list(_plain(api, res)["items"])
 
 
-async def scrape(api: Any, pod: str, namespace: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> tuple[str, str | None]:
-    """``(metrics text, None)`` of agent ``pod`` through the pod proxy, or ``("", error)``."""
+async def scrape(api: Any, pod: Mapping[str, Any], namespace: str,
+                 timeout_s: float = SCRAPE_TIMEOUT_S) -> tuple[str, str | None]:
+    """``(metrics text, None)`` of agent ``pod`` (the object) through the pod proxy, or ``("", error)``."""
     from kubernetes_asyncio import client
 
     try:
         text = await asyncio.wait_for(client.CoreV1Api(api).connect_get_namespaced_pod_proxy_with_path(
-            f"{pod}:{AGENT_METRICS_PORT}", namespace, "metrics"), timeout_s)
+            f"{pod['metadata']['name']}:{doctor.metrics_port(pod)}", namespace, "metrics"), timeout_s)
     except TimeoutError:
         return "", f"no answer in {timeout_s:.0f} s"
     except Exception as e:
@@ -77,7 +78,7 @@ def _running_by_node(pods: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]
 async def usage(api: Any, agent_namespace: str) -> tuple[list[agentmetrics.CardUse], list[str]]:
     """Every running agent's container usage, and a line per agent that did not answer."""
     by_node = _running_by_node(await agent_pods(api, agent_namespace))
-    texts = await asyncio.gather(*(scrape(api, p["metadata"]["name"], agent_namespace) for p in by_node.values()))
+    texts = await asyncio.gather(*(scrape(api, p, agent_namespace) for p in by_node.values()))
     uses: list[agentmetrics.CardUse] = []
     problems = []
     for node, (text, err) in zip(by_node, texts, strict=True):
@@ -223,7 +224,7 @@ async def _node_findings(api: Any, opts: Options, node: dict[str, Any], agents: 
     metrics_error: str | None = None
     running = _running_by_node(agents).get(name)
     if running is not None:
-        metrics_error = (await scrape(api, running["metadata"]["name"], opts.agent_namespace))[1]
+        metrics_error = (await scrape(api, running, opts.agent_namespace))[1]
     found = [
         doctor.check_agent(name, agents, metrics_error, opts.agent_namespace),
         doctor.check_inventory(node, agents, opts.agent_namespace),
