@@ -116,13 +116,12 @@ def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: Ad
     assert env[keys.ENV_VISIBLE]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['kvgpu.io/devices.main']"
     assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/claim"
+    # The claim only: the shim, ld.so.preload, region and schedule come from the device plugin.
     mounts = {m["mountPath"]: m for m in main["volumeMounts"]}
-    assert mounts["/etc/ld.so.preload"]["readOnly"] is True
-    assert mounts[keys.CONTAINER_SHIM_DIR]["readOnly"] is True
-    assert mounts[keys.CONTAINER_REGION_DIR]["subPathExpr"] == "$(KVGPU_POD_UID)/main"
+    assert set(mounts) == {keys.CONTAINER_CLAIM_DIR}
     assert mounts[keys.CONTAINER_CLAIM_DIR]["readOnly"] is True
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    assert volumes["kvgpu-preload"]["hostPath"] == {"path": keys.HOST_PRELOAD_FILE, "type": "File"}
+    assert not any("hostPath" in v for v in pod["spec"]["volumes"])
     assert [i["path"] for i in volumes["kvgpu-claim-main"]["downwardAPI"]["items"]] == ["claim"]
     assert mounts[keys.CONTAINER_CLAIM_DIR]["name"] == "kvgpu-claim-main"
     # The other container sees no cards, whatever its image says.
@@ -134,6 +133,50 @@ def test_annotated_pod_is_mutated(cluster: Cluster, namespace: str, webhooks: Ad
     assert "nvidia.com/gpu" not in str(side.get("resources", {}))
     # The stored (defaulted) object still passes our own validation.
     assert validate_pod("CREATE", pod, None, "someone", {OPERATOR_USER}) == []
+
+
+RESTRICTED_SC = {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
+                 "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+@pytest.mark.parametrize("level", ["baseline", "restricted"])
+def test_gpu_pods_pass_pod_security(cluster: Cluster, namespace: str, webhooks: AdmissionThread,
+                                    level: str) -> None:
+    """The real API server's PodSecurity admission (a default plugin) sees the pod after our
+    mutation: with no hostPath injected a GPU pod passes ``baseline``, and a compliant one
+    ``restricted``; a tenant's own hostPath is still refused there (so this can fail)."""
+    cluster.kubectl("label", "namespace", namespace, f"pod-security.kubernetes.io/enforce={level}")
+
+    def gpu_pod(name: str) -> dict[str, Any]:
+        pod = _pod(namespace, name, {"kvgpu.io/gpumem": "3000"})
+        if level == "restricted":
+            for c in pod["spec"]["containers"]:
+                c["securityContext"] = RESTRICTED_SC
+        return pod
+
+    _create(cluster, gpu_pod("psa"))
+    got = _get(cluster, namespace, "psa")
+    assert got["spec"]["schedulerName"] == keys.SCHEDULER_NAME  # mutated, and admitted
+    host = gpu_pod("psa-host")
+    host["spec"]["volumes"] = [{"name": "data", "hostPath": {"path": "/srv/data"}}]
+    p = _create(cluster, host, check=False)
+    assert p.returncode != 0 and f'violates PodSecurity "{level}:latest"' in p.stderr, p.stderr
+    assert "hostPath" in p.stderr and '"data"' in p.stderr and "kvgpu-" not in p.stderr, p.stderr
+    if level == "restricted":  # the same pod without the security context is refused
+        p = _create(cluster, _pod(namespace, "psa-root", {"kvgpu.io/gpumem": "3000"}), check=False)
+        assert p.returncode != 0 and 'violates PodSecurity "restricted:latest"' in p.stderr, p.stderr
+
+
+def test_doctor_sample_pod_passes_restricted(cluster: Cluster, namespace: str, webhooks: AdmissionThread) -> None:
+    """``kubectl vgpu doctor``'s sample pod runs in namespaces of every PodSecurity level."""
+    from kvgpu.cli.vgpu.doctor import sample_pod
+
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    node = {"metadata": {"name": "no-such-node", "labels": {}}}
+    pod = sample_pod(node, namespace, "registry.invalid/cuda:12", 256, 10, 60)
+    p = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod), check=False)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["spec"]["schedulerName"] == keys.SCHEDULER_NAME
 
 
 def test_annotation_form_requests_the_cards_init_containers_too(

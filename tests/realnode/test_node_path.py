@@ -154,6 +154,9 @@ def test_annotation_and_hami_forms_get_the_same_devices_and_mounts(real_pods: Re
         shapes[name] = sorted(re.sub(r"nvidia\d+$", "nvidiaN", t) for t in targets)
     assert shapes["ann"] == shapes["hami"]
     assert keys.CONTAINER_SHIM_DIR in shapes["ann"] and "/etc/ld.so.preload" in shapes["ann"]
+    # the device plugin's mounts: the container's region and the schedule (no hostPath in the pod)
+    assert not any("hostPath" in v for p in pods.values() for v in p["spec"].get("volumes", []))
+    assert {keys.CONTAINER_REGION_DIR, keys.CONTAINER_SCHED_DIR} <= set(shapes["ann"]), shapes["ann"]
 
 
 def test_burst_of_hami_pods_each_container_uses_its_claims_card(real_pods: RealPods) -> None:

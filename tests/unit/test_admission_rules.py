@@ -56,9 +56,11 @@ def test_mutation_injects_the_shim_into_the_sliced_container() -> None:
     assert side["env"] == [{"name": keys.ENV_VISIBLE, "value": "none"}]
     assert "volumeMounts" not in side
     vols = {v["name"]: v for v in out["spec"]["volumes"]}
-    assert set(vols) == set(m.RESERVED_VOLUMES) - {m.VOLUME_CLAIMS} | {"kvgpu-claim-main"}
-    assert all(m.is_reserved_volume(v) for v in vols)
-    assert vols["kvgpu-region"]["hostPath"] == {"path": keys.HOST_REGION_ROOT, "type": "DirectoryOrCreate"}
+    # Only the claim: every host path comes from the device plugin's Allocate (PodSecurity
+    # baseline and restricted refuse hostPath volumes; downward-API volumes pass both).
+    assert set(vols) == {"kvgpu-claim-main"}
+    assert all(set(v) == {"name", "downwardAPI"} for v in out["spec"]["volumes"])
+    assert main["volumeMounts"] == [{"name": "kvgpu-claim-main", "mountPath": "/etc/kvgpu", "readOnly": True}]
     # issue 14: the container's own claim, alone, at the fixed path /etc/kvgpu/claim
     assert vols["kvgpu-claim-main"]["downwardAPI"]["items"] == [
         {"path": "claim", "fieldRef": {"apiVersion": "v1",
@@ -77,12 +79,9 @@ def test_injected_env_reads_the_allocation_annotations() -> None:
     assert env[keys.ENV_CLAIM_FILE]["value"] == "/etc/kvgpu/claim"  # the same in every container
     assert env[keys.ENV_REGION_DIR]["value"] == keys.CONTAINER_REGION_DIR
     assert env[keys.ENV_SCHED_DIR]["value"] == keys.CONTAINER_SCHED_DIR
-    mounts = {x["mountPath"]: x for x in m.injected_mounts("main")}
-    assert mounts[keys.CONTAINER_REGION_DIR]["subPathExpr"] == "$(KVGPU_POD_UID)/main"
-    # Writable: the container's own region only; the node-wide compute schedule is the agent's.
-    writable = {keys.CONTAINER_REGION_DIR}
-    assert all(x.get("readOnly") for p, x in mounts.items() if p not in writable)
-    assert not any(x.get("readOnly") for p, x in mounts.items() if p in writable)
+    # The region and schedule directories are the device plugin's mounts, not the webhook's.
+    assert {x["mountPath"] for x in m.injected_mounts("main")} == {keys.CONTAINER_CLAIM_DIR}
+    assert all(x["readOnly"] for x in m.injected_mounts("main"))
 
 
 def test_long_container_names_use_the_hashed_key() -> None:
@@ -230,7 +229,7 @@ REJECTIONS: list[tuple[str, dict[str, Any], list[str]]] = [
     ("init-env", _with(GOOD, lambda p: p["spec"].update(initContainers=[
         {"name": "prep", "image": "x", "env": [{"name": "CUDA_DEVICE_MEMORY_LIMIT", "value": "80g"}]}])),
      ["init container 'prep'", "CUDA_DEVICE_MEMORY_LIMIT"]),
-    ("not-mutated", pod(SLICED), ["was not prepared by kvgpu's mutating webhook", "volume kvgpu-shim"]),
+    ("not-mutated", pod(SLICED), ["was not prepared by kvgpu's mutating webhook", "volume kvgpu-claim-main"]),
     ("volume-name-clash", mutated(pod(SLICED, volumes=[{"name": "kvgpu-shim", "emptyDir": {}}])),
      ["'kvgpu-shim' is reserved"]),
     ("mount-path-clash", mutated(pod(SLICED, containers=[{"name": "main", "image": "x", "volumeMounts": [
@@ -287,7 +286,7 @@ def test_defaulted_shapes_still_pass() -> None:
     for v in p["spec"]["volumes"]:
         if "downwardAPI" in v:
             v["downwardAPI"]["defaultMode"] = 420
-    _c(p)["volumeMounts"][2]["mountPropagation"] = "None"
+    _c(p)["volumeMounts"][0]["mountPropagation"] = "None"
     assert create_errors(p) == []
 
 
@@ -429,11 +428,39 @@ def test_sensitive_host_paths(path: str, refused: bool) -> None:
     assert sensitive_host_path(path) is refused
 
 
-def test_injected_host_paths_are_allowed_but_not_borrowed() -> None:
+@pytest.mark.parametrize("name,path", [
+    ("mine", keys.HOST_REGION_ROOT), ("mine", keys.HOST_SCHED_DIR), ("mine", keys.HOST_SHIM_DIR),
+    ("mine", keys.HOST_PRELOAD_FILE),
+    # the volume names older releases injected get no exception either
+    ("kvgpu-region", keys.HOST_REGION_ROOT), ("kvgpu-sched", keys.HOST_SCHED_DIR),
+    ("kvgpu-shim", keys.HOST_SHIM_DIR), ("kvgpu-preload", keys.HOST_PRELOAD_FILE),
+])
+def test_no_host_path_of_kvgpu_is_allowed(name: str, path: str) -> None:
+    """kvgpu injects no hostPath: a tenant's volume at the region root or the schedule (to forge
+    usage) is refused whatever it is called, even as the old injected shape."""
     assert create_errors(GOOD) == []
+    assert not any("hostPath" in v for v in GOOD["spec"]["volumes"])
     borrowed = _with(GOOD, lambda p: p["spec"]["volumes"].append(
-        {"name": "mine", "hostPath": {"path": keys.HOST_REGION_ROOT, "type": "DirectoryOrCreate"}}))
-    assert any("'mine'" in e for e in create_errors(borrowed))
+        {"name": name, "hostPath": {"path": path, "type": "DirectoryOrCreate"}}))
+    errors = create_errors(borrowed)
+    assert any(f"volume {name!r} mounts host path {path!r}" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("target", [keys.CONTAINER_SHIM_DIR, "/etc/ld.so.preload", keys.CONTAINER_REGION_DIR,
+                                    keys.CONTAINER_SCHED_DIR, keys.CONTAINER_MPS_DIR])
+def test_a_mount_at_a_device_plugin_target_is_refused(target: str) -> None:
+    """The device plugin mounts the shim, ld.so.preload, the region, the schedule and the MPS
+    pipes: a sliced container's own volume at one of those paths would compete with it."""
+    def add(p: dict[str, Any]) -> None:
+        p["spec"]["volumes"].append({"name": "data", "emptyDir": {}})
+        p["spec"]["containers"][0].setdefault("volumeMounts", []).append({"name": "data", "mountPath": target})
+    errors = create_errors(_with(GOOD, add))
+    assert any(f"mounts something else at {target}" in e for e in errors), errors
+
+
+def test_a_reserved_volume_name_is_refused_unmounted() -> None:
+    errors = create_errors(_with(GOOD, lambda p: p["spec"]["volumes"].append({"name": "kvgpu-shim", "emptyDir": {}})))
+    assert any("volume name 'kvgpu-shim' is reserved" in e for e in errors), errors
 
 
 # --------------------------------------------------------------------------- workloads
@@ -643,15 +670,29 @@ def test_a_container_cannot_mount_a_siblings_claim_volume() -> None:
     assert any("kvgpu-claim-main" in e for e in create_errors(bad))
 
 
-def test_the_compute_schedule_is_mounted_read_only_and_cannot_be_remounted_writable() -> None:
-    """Issue 14 ("Shared compute schedule"): the node agent alone writes the schedule; a pod that
-    mounts the kvgpu-sched volume writable (at the shim's path or elsewhere) is refused."""
+def test_the_compute_schedule_cannot_be_mounted_by_the_pod() -> None:
+    """Issue 14 ("Shared compute schedule"): the node agent alone writes the schedule, which the
+    device plugin mounts read-only; a pod that mounts something at the schedule's path, or
+    names the old kvgpu-sched volume, is refused."""
     out = mutated(pod(SLICED))
     assert create_errors(out) == []
-    mount = next(x for x in out["spec"]["containers"][0]["volumeMounts"] if x["name"] == "kvgpu-sched")
-    assert mount == {"name": "kvgpu-sched", "mountPath": keys.CONTAINER_SCHED_DIR, "readOnly": True}
-    mount.pop("readOnly")
+    assert not any(x["mountPath"] == keys.CONTAINER_SCHED_DIR for x in out["spec"]["containers"][0]["volumeMounts"])
+    out["spec"]["volumes"].append({"name": "s", "emptyDir": {}})
+    out["spec"]["containers"][0]["volumeMounts"].append({"name": "s", "mountPath": keys.CONTAINER_SCHED_DIR})
     assert any(keys.CONTAINER_SCHED_DIR in e for e in create_errors(out))
     out = mutated(pod(SLICED))
     out["spec"]["containers"][0]["volumeMounts"].append({"name": "kvgpu-sched", "mountPath": "/mnt/s"})
     assert any("kvgpu-sched" in e for e in create_errors(out))
+
+
+def test_a_pod_of_an_older_release_still_takes_updates() -> None:
+    """Pods admitted before this release carry kvgpu's old hostPath volumes; an UPDATE that adds
+    nothing (a label of the user's) is not refused for them, a new hostPath is."""
+    old = copy.deepcopy(BOUND)
+    old["spec"]["volumes"] += [{"name": "kvgpu-region", "hostPath": {"path": keys.HOST_REGION_ROOT,
+                                                                     "type": "DirectoryOrCreate"}}]
+    new = _with(old, lambda p: p["metadata"].setdefault("labels", {}).update({"team": "a"}))
+    assert validate_pod("UPDATE", new, old, "alice", OPS) == []
+    more = _with(old, lambda p: p["spec"]["volumes"].append({"name": "s", "hostPath": {"path": keys.HOST_SCHED_DIR}}))
+    errors = validate_pod("UPDATE", more, old, "alice", OPS)
+    assert any(f"mounts host path {keys.HOST_SCHED_DIR!r}" in e for e in errors), errors

@@ -348,7 +348,11 @@ def test_agent_daemonset() -> None:
         assert mounts[paths[host]] == host, "host paths are mounted where they are on the host"
     ro = {m["name"] for m in c["volumeMounts"] if m.get("readOnly")}
     assert {paths["/usr/local/nvidia"], paths["/dev"]} <= ro
-    for p in (keys.HOST_SHIM_DIR, keys.HOST_PRELOAD_FILE, keys.HOST_REGION_ROOT):
+    # Allocate chowns a container's region directory to its runAsUser: CHOWN, nothing else.
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    # Allocate hands the kubelet these as host paths (the shim, ld.so.preload, the container's
+    # region, the schedule): the agent must see each where it is on the host.
+    for p in (keys.HOST_SHIM_DIR, keys.HOST_PRELOAD_FILE, keys.HOST_REGION_ROOT, keys.HOST_SCHED_DIR):
         assert any(p.startswith(h + "/") for h in paths), p
     required = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     terms = required["nodeSelectorTerms"]
@@ -362,7 +366,8 @@ def test_agent_daemonset() -> None:
         assert not ctx.params["simulated"] and not ctx.params["no_device_plugin"]
         # Allocate's device specs name host paths: the agent sees the host's /dev at --dev-root.
         assert mounts[paths["/dev"]] == ctx.params["dev_root"] and ctx.params["host_dev_root"] == "/dev"
-        assert ctx.params["device_specs"] and ctx.params["mounts"] == "none"
+        # The webhook injects no hostPath: Allocate mounts the shim (directory mode).
+        assert ctx.params["device_specs"] and ctx.params["mounts"] == "dir"
 
 
 def _agent_command() -> click.Command | None:

@@ -212,7 +212,8 @@ async def test_allocate_fails_closed_without_shim(sock_dir, tmp_path):
 
 async def test_visible_devices_opt_in(sock_dir, shim_dir):
     plugin = DevicePlugin(
-        config(sock_dir, shim_dir, visible_devices_from_ids=True, mounts="none", device_specs=False), inventory()
+        config(sock_dir, shim_dir, visible_devices_from_ids=True, device_specs=False, region_root="/nonexistent",
+               sched_dir="/nonexistent"), inventory()
     )
     resp = await plugin.allocate(
         pb2.AllocateRequest(
@@ -222,7 +223,9 @@ async def test_visible_devices_opt_in(sock_dir, shim_dir):
         )
     )
     c = resp.container_responses[0]
-    assert c.envs["NVIDIA_VISIBLE_DEVICES"] == U1 and not c.mounts
+    assert c.envs["NVIDIA_VISIBLE_DEVICES"] == U1
+    # No claim, so no region or schedule: only the shim and ld.so.preload.
+    assert {m.container_path for m in c.mounts} == {"/usr/local/kvgpu/lib", "/etc/ld.so.preload"}
 
 
 async def test_reregisters_after_kubelet_restart(sock_dir, shim_dir):
@@ -323,7 +326,7 @@ def test_preferred_policy():
     assert card_of(preferred(few, [], 1, {U0, U1})[0]) == U1
 
 
-async def test_dir_mounts_match_the_webhook(sock_dir, shim_dir):
+async def test_dir_mounts_the_shim_directory_and_preload(sock_dir, shim_dir):
     cfg = config(sock_dir, shim_dir, mounts="dir", visible_devices_from_ids=True, device_specs=False)
     plugin = DevicePlugin(cfg, inventory())
     resp = await plugin.allocate(
@@ -338,13 +341,57 @@ async def test_dir_mounts_match_the_webhook(sock_dir, shim_dir):
     }
     from kvgpu.admission import mutate
 
-    # Same targets as the webhook's volume mounts, and read-only too.
-    hook = {m["mountPath"]: m.get("readOnly", False) for m in mutate.injected_mounts("main")}
-    assert all(hook[path] for path in mounts)
+    # The webhook mounts none of these targets (one mount per target: no stacking).
+    hook = {m["mountPath"] for m in mutate.injected_mounts("main")}
+    assert not hook & set(mounts)
+    assert set(mounts) <= set(mutate.DEVICE_PLUGIN_TARGETS)
 
 
-def test_default_mounts_none():
-    assert PluginConfig().mounts == "none"  # the webhook mounts the shim; mounting it twice stacks
+def test_default_mounts_dir_and_no_none(sock_dir, shim_dir):
+    from kvgpu.agent.allocation import installed_shim
+    from kvgpu.agent.deviceplugin import PluginError
+
+    assert PluginConfig().mounts == "dir"  # the webhook mounts no shim: Allocate always does
+    with pytest.raises(PluginError, match=r"mounts='none' is not one of \('dir', 'pinned'\)"):
+        installed_shim(config(sock_dir, shim_dir, mounts="none"))
+
+
+async def test_allocate_mounts_each_container_its_own_region_only(sock_dir, shim_dir, tmp_path):
+    """Two sliced containers of one pod and one of another: each gets ``<root>/<uid>/<container>``
+    read-write on /var/run/kvgpu (never the root, never a sibling's), the schedule read-only."""
+    pods = [pod("a", [ctr("main", 1), ctr("side", 1)], claims={"main": [U0], "side": [U1]}),
+            pod("b", [ctr("main", 1)], claims={"main": [U1]}, created="2026-12-01T10:00:01Z")]
+    root, sched = tmp_path / "regions", tmp_path / "sched"
+    cfg = config(sock_dir, shim_dir, device_specs=False, region_root=str(root), sched_dir=str(sched))
+    plugin = DevicePlugin(cfg, inventory(), identifier=identifier(pods))
+    got = []
+    for ids in ([replica_id(U0, 0)], [replica_id(U1, 0)]):  # pod a: main, then side (spec order)
+        resp = await plugin.allocate(pb2.AllocateRequest(container_requests=[
+            pb2.ContainerAllocateRequest(devices_ids=ids)]))
+        got.append(resp.container_responses[0])
+    resp = await plugin.allocate(pb2.AllocateRequest(container_requests=[
+        pb2.ContainerAllocateRequest(devices_ids=[replica_id(U1, 1)])]))
+    got.append(resp.container_responses[0])
+    want = [root / "uid-a" / "main", root / "uid-a" / "side", root / "uid-b" / "main"]
+    for c, region in zip(got, want, strict=True):
+        mounts = {m.container_path: (m.host_path, m.read_only) for m in c.mounts}
+        assert mounts["/var/run/kvgpu"] == (str(region), False)
+        assert mounts["/var/run/kvgpu-sched"] == (str(sched), True)
+        assert region.is_dir()
+        # Nothing else of the region root is mounted.
+        assert [h for h, _ in mounts.values() if h.startswith(str(root))] == [str(region)]
+    assert sched.is_dir() and sched.stat().st_mode & 0o777 == 0o755
+
+
+async def test_allocate_fails_when_the_region_cannot_be_prepared(sock_dir, shim_dir, tmp_path):
+    from kvgpu.agent.deviceplugin import PluginError
+
+    (tmp_path / "file").write_text("")
+    pods = [pod("a", [ctr("main", 1)], claims={"main": [U0]})]
+    cfg = config(sock_dir, shim_dir, device_specs=False, region_root=str(tmp_path / "file"))
+    with pytest.raises(PluginError, match="cannot prepare the region directory of pod default/a container main"):
+        await DevicePlugin(cfg, inventory(), identifier=identifier(pods)).allocate(pb2.AllocateRequest(
+            container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])]))
 
 
 @pytest.fixture
@@ -387,9 +434,11 @@ async def test_allocate_answers_the_claim_when_the_kubelet_picked_another_card(s
         ("/dev/nvidia-caps/nvidia-cap1", str(dev / "nvidia-caps/nvidia-cap1"), "rw"),
     ]
     assert [(m.container_path, m.host_path, m.read_only) for m in c.mounts] == [
+        ("/usr/local/kvgpu/lib", str(shim_dir), True),
+        ("/etc/ld.so.preload", str(shim_dir.parent / "ld.so.preload"), True),
         ("/usr/local/nvidia/lib64", str(drv / "lib64"), True),
         ("/usr/local/nvidia/bin", str(drv / "bin"), True),
-    ]  # one mount per folder (a library's names are links to one file); mounts "none": no shim mounts
+    ]  # one mount per folder (a library's names are links to one file); no region_root: no region
     assert c.envs["NVIDIA_VISIBLE_DEVICES"] == U1
     assert c.envs["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
     assert plugin.identifier is not None and ("uid-a", "main") in plugin.identifier.served

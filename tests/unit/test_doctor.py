@@ -139,6 +139,8 @@ def test_sample_pod_goes_through_kvgpu_scheduler_to_its_node() -> None:
     assert "nodeName" not in pod["spec"]  # the extender and the bind must run
     assert pod["metadata"]["annotations"] == {"kvgpu.io/gpu": "1", "kvgpu.io/gpumem": "256", "kvgpu.io/gpucores": "10"}
     assert pod["spec"]["activeDeadlineSeconds"] == 90 and pod["spec"]["restartPolicy"] == "Never"
+    c = pod["spec"]["containers"][0]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert doctor.sample_total_mib("noise\nKVGPU-DOCTOR memory.total=256\n") == 256
     assert doctor.sample_total_mib("nothing") is None
 
@@ -170,14 +172,19 @@ def test_webhooks_missing_or_without_ca_bundle() -> None:
 
 
 def test_namespace_and_admission_prerequisites() -> None:
-    ns = {"metadata": {"name": "team", "labels": {doctor.PSA_ENFORCE: "baseline"}}}
-    _fails(doctor.check_namespace(ns, "team"), "enforces PodSecurity 'baseline'",
-           "kubectl label namespace team pod-security.kubernetes.io/enforce=privileged --overwrite")
+    # kvgpu injects no hostPath: every PodSecurity level admits GPU pods (restricted: compliant ones).
+    for level in ("privileged", "baseline", "restricted"):
+        ns = {"metadata": {"name": "team", "labels": {doctor.PSA_ENFORCE: level}}}
+        found = doctor.check_namespace(ns, "team")
+        assert found.status == OK and f"PodSecurity enforce {level}" in found.message, found
+    assert "non-root" in doctor.check_namespace(ns, "team").message  # restricted says what a pod needs
+    bad = {"metadata": {"name": "team", "labels": {doctor.PSA_ENFORCE: "strict"}}}
+    _fails(doctor.check_namespace(bad, "team"), "not one of privileged, baseline, restricted",
+           "pod-security.kubernetes.io/enforce=baseline")
     _fails(doctor.check_namespace(None, "team"), "namespace team not found")
     assert doctor.check_namespace({"metadata": {"name": "team"}}, "team").status == OK
     refused = 'pods "x" is forbidden: violates PodSecurity "baseline:latest": hostPath volumes'
-    _fails(doctor.check_admission(None, refused, "team"), "violates PodSecurity",
-           "pod-security.kubernetes.io/enforce=privileged")
+    _fails(doctor.check_admission(None, refused, "team"), "violates PodSecurity", "older kvgpu webhook")
     _fails(doctor.check_admission(None, 'failed calling webhook "pods.mutate.kvgpu.io": connection refused', "t"),
            "cannot call the kvgpu webhook", "endpoints")
     _fails(doctor.check_admission({"spec": {"schedulerName": "default-scheduler"}}, "", "kube-system"),

@@ -6,13 +6,16 @@ that
 * address the pod to ``kvgpu-scheduler`` (when it names no scheduler or ``default-scheduler``;
   a pod naming another scheduler is left alone here and rejected by validation),
 * label it ``kvgpu.io/managed=true`` (the operator watches only labelled pods),
-* inject the shim into every container that gets slices, init containers included: env vars
+* prepare every container that gets slices, init containers included, for the shim: env vars
   whose values the kubelet fills from the pod's allocation annotations at container start (after
-  the extender has written them at bind time), read-only mounts of the host's shim directory and
-  ``ld.so.preload``, a per-container shared-region directory, and the container's own claim,
-  read-only, at ``/etc/kvgpu/claim``: one downward-API volume per container with slices
-  (``kvgpu-claim-<key>``, the single item ``claim``), so no container can read or point the shim
-  at a sibling's claim; the shim takes the claim from that file only (issue 14),
+  the extender has written them at bind time), and the container's own claim, read-only, at
+  ``/etc/kvgpu/claim``: one downward-API volume per container with slices (``kvgpu-claim-<key>``,
+  the single item ``claim``), so no container can read or point the shim at a sibling's claim;
+  the shim takes the claim from that file only (issue 14). **No hostPath**: the shim,
+  ``/etc/ld.so.preload``, the container's region directory and the compute schedule come from
+  the device plugin's ``Allocate`` (:mod:`kvgpu.agent.allocation`), which PodSecurity does not
+  see, so GPU pods run in ``baseline`` and ``restricted`` namespaces (downward-API volumes are
+  allowed under both),
 * give every container that gets slices from the annotation form (``kvgpu.io/gpu`` ...) the
   extended-resource limit ``nvidia.com/gpu: <cards>`` (unless it names ``nvidia.com/gpu``
   already), so that the kubelet calls the device plugin's ``Allocate`` for it as for the HAMi
@@ -21,12 +24,12 @@ that
   (CUDA images set ``all``) cannot expose every card of the node to a container without slices
   (:func:`mutate_ephemeral` does the same for debug containers added later).
 
-Idempotent: entries are matched by name (env, volumes, resources) or mount path (one mount per
-target: the device plugin adds none by default), so running it on its own
-output returns ``[]`` (safe with ``reinvocationPolicy: IfNeeded``). It never overwrites what the
-user wrote; a clash (a user env var ``KVGPU_CLAIM``, a user volume called ``kvgpu-shim``, another
-mount at ``/etc/ld.so.preload``) is left in place for :mod:`kvgpu.admission.validate` to reject
-with a message. Pods that do not request slices, or whose request has errors, get no ops.
+Idempotent: entries are matched by name (env, volumes, resources) or mount path, so running it
+on its own output returns ``[]`` (safe with ``reinvocationPolicy: IfNeeded``). It never
+overwrites what the user wrote; a clash (a user env var ``KVGPU_CLAIM``, a user volume called
+``kvgpu-shim``, a mount at ``/etc/ld.so.preload`` or another of :data:`DEVICE_PLUGIN_TARGETS`) is
+left in place for :mod:`kvgpu.admission.validate` to reject with a message. Pods that do not
+request slices, or whose request has errors, get no ops.
 """
 
 from __future__ import annotations
@@ -43,15 +46,22 @@ JSONPatchOp = dict[str, Any]
 MANAGED_LABEL = keys.POD_MANAGED_LABEL
 DEFAULT_SCHEDULER = "default-scheduler"
 
+# Volumes of older releases (hostPath shim, preload, region, schedule; the shared claims):
+# no longer injected, still reserved, so a tenant volume cannot pose as one.
 VOLUME_SHIM = "kvgpu-shim"
 VOLUME_PRELOAD = "kvgpu-preload"
 VOLUME_REGION = "kvgpu-region"
-VOLUME_CLAIMS = "kvgpu-claims"  # the old shared claims volume: no longer injected, still reserved
-VOLUME_CLAIM_PREFIX = "kvgpu-claim-"  # + container key: that container's own claim volume
+VOLUME_CLAIMS = "kvgpu-claims"
 VOLUME_SCHED = "kvgpu-sched"
+VOLUME_CLAIM_PREFIX = "kvgpu-claim-"  # + container key: that container's own claim volume
 RESERVED_VOLUMES = (VOLUME_SHIM, VOLUME_PRELOAD, VOLUME_REGION, VOLUME_CLAIMS, VOLUME_SCHED)
 CLAIM_ITEM = "claim"  # the one file of a claim volume (keys.CONTAINER_CLAIM_FILE in the container)
 PRELOAD_MOUNT = "/etc/ld.so.preload"
+#: Where the device plugin's ``Allocate`` mounts host paths in a container with slices (the shim
+#: directory, ``ld.so.preload``, its region, the compute schedule, an MPS client's pipe folder);
+#: a pod's own mount at one of them is refused by validation.
+DEVICE_PLUGIN_TARGETS = (keys.CONTAINER_SHIM_DIR, PRELOAD_MOUNT, keys.CONTAINER_REGION_DIR,
+                         keys.CONTAINER_SCHED_DIR, keys.CONTAINER_MPS_DIR)
 NO_DEVICES = "none"
 #: The device plugin's resource (the agent advertises cards x splitCount replicas of it).
 CARD_RESOURCE = "nvidia.com/gpu"
@@ -85,12 +95,8 @@ def is_reserved_volume(name: object) -> bool:
     return isinstance(name, str) and (name in RESERVED_VOLUMES or name.startswith(VOLUME_CLAIM_PREFIX))
 
 
-def region_sub_path_expr(container: str) -> str:
-    return f"$({keys.ENV_POD_UID})/{container}"
-
-
 def injected_env(container: str) -> list[dict[str, Any]]:
-    """The env vars a container with slices gets (``KVGPU_POD_UID`` first: the region mount uses it)."""
+    """The env vars a container with slices gets (``KVGPU_*`` and ``NVIDIA_VISIBLE_DEVICES``)."""
     return [
         {"name": keys.ENV_POD_UID, **_field_ref("metadata.uid")},
         {"name": keys.ENV_CLAIM, **_field_ref(annotation_field_path(keys.claim_annotation(container)))},
@@ -107,33 +113,20 @@ def no_devices_env() -> dict[str, Any]:
 
 
 def injected_mounts(container: str) -> list[dict[str, Any]]:
-    return [
-        {"name": VOLUME_SHIM, "mountPath": keys.CONTAINER_SHIM_DIR, "readOnly": True},
-        {"name": VOLUME_PRELOAD, "mountPath": PRELOAD_MOUNT, "readOnly": True},
-        {"name": VOLUME_REGION, "mountPath": keys.CONTAINER_REGION_DIR,
-         "subPathExpr": region_sub_path_expr(container)},
-        # A directory mount: a root process cannot rename it away (EBUSY) to plant its own file.
-        {"name": claim_volume(container), "mountPath": keys.CONTAINER_CLAIM_DIR, "readOnly": True},
-        # Node-wide, read-only: the agent alone writes each card's compute windows (issue 14).
-        {"name": VOLUME_SCHED, "mountPath": keys.CONTAINER_SCHED_DIR, "readOnly": True},
-    ]
+    """The container's one injected mount: its claim volume, read-only, on ``/etc/kvgpu`` (a
+    directory mount: a root process cannot rename it away (EBUSY) to plant its own file)."""
+    return [{"name": claim_volume(container), "mountPath": keys.CONTAINER_CLAIM_DIR, "readOnly": True}]
 
 
 def injected_volumes(containers: Iterable[str]) -> list[dict[str, Any]]:
-    """The pod volumes; one claim volume per container with slices, holding only its claim."""
-    claims = [
+    """The pod volumes: one downward-API claim volume per container with slices, holding only
+    its claim (no hostPath: the device plugin mounts the host's files)."""
+    return [
         {"name": claim_volume(c), "downwardAPI": {"defaultMode": 0o444, "items": [
             {"path": CLAIM_ITEM,
              "fieldRef": {"apiVersion": "v1", "fieldPath": annotation_field_path(keys.claim_annotation(c))}},
         ]}}
         for c in sorted(set(containers))
-    ]
-    return [
-        {"name": VOLUME_SHIM, "hostPath": {"path": keys.HOST_SHIM_DIR, "type": "Directory"}},
-        {"name": VOLUME_PRELOAD, "hostPath": {"path": keys.HOST_PRELOAD_FILE, "type": "File"}},
-        {"name": VOLUME_REGION, "hostPath": {"path": keys.HOST_REGION_ROOT, "type": "DirectoryOrCreate"}},
-        {"name": VOLUME_SCHED, "hostPath": {"path": keys.HOST_SCHED_DIR, "type": "DirectoryOrCreate"}},
-        *claims,
     ]
 
 

@@ -16,13 +16,16 @@ CREATE, for pods that request slices:
   with slices (they can unmount or bypass the shim, or rewrite its memory); ``hostPID``; a
   ``hostPath`` volume (any container's) that is ``/`` or exposes the node's devices, processes,
   runtime sockets or kvgpu's host directories (:data:`SENSITIVE_HOST_PATHS`, the path itself, a
-  parent or a child of one) other than the injected ones;
+  parent or a child of one): kvgpu injects no hostPath (the device plugin mounts its host files),
+  so any such volume is the tenant's, e.g. the region root or the schedule to forge usage;
 * reserved env vars (:func:`is_reserved_env`: :data:`kvgpu.core.keys.RESERVED_ENV` and a few
   more shim inputs) set by the user in any container (``envFrom`` and image defaults cannot be
   seen here: the injected explicit env wins over both for the injected names);
-* the injection incomplete or altered (reserved volumes, mounts, the region sub-path, the
-  ``nvidia.com/gpu`` limit of an annotation-form container; a limit that disagrees with the
-  annotations is a request error from the parser, naming ``nvidia.com/gpu`` and the container).
+* the injection incomplete or altered (reserved volumes, the claim mount, the ``nvidia.com/gpu``
+  limit of an annotation-form container; a limit that disagrees with the annotations is a
+  request error from the parser, naming ``nvidia.com/gpu`` and the container), and a mount of the
+  pod's own at a path the device plugin mounts (:data:`kvgpu.admission.mutate.DEVICE_PLUGIN_TARGETS`)
+  in a container with slices.
 
 CREATE, for every pod reaching the webhook: allocation annotations
 (:func:`kvgpu.core.keys.is_allocation_annotation`) are refused whoever sets them — only the
@@ -63,7 +66,7 @@ _DANGEROUS_CAPS = frozenset({"SYS_ADMIN", "ALL", "CAP_SYS_ADMIN", "SYS_PTRACE", 
 #: Host paths that give a container in a pod with slices a way around them: the node's devices,
 #: processes and kernel knobs, the runtimes' and kubelet's state and sockets, kvgpu's shim and its
 #: per-container regions and schedules. A hostPath volume at one of them, under one, or above one
-#: (``/``, ``/var``, ``/usr``) is refused; the volumes the mutating webhook injects are not.
+#: (``/``, ``/var``, ``/usr``) is refused (kvgpu's webhook injects none).
 SENSITIVE_HOST_PATHS = (
     "/dev", "/proc", "/sys", "/run", "/var/run", "/var/lib/kubelet", "/var/lib/containerd",
     "/var/lib/docker", "/var/lib/kvgpu", "/usr/local/kvgpu", "/etc/ld.so.preload",
@@ -141,10 +144,6 @@ def _same_mount(have: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
 
 def _same_volume(have: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
     sources = set(have) - {"name"}
-    if "hostPath" in want:
-        hp = _mapping(have.get("hostPath"))
-        return sources == {"hostPath"} and hp.get("path") == want["hostPath"]["path"] and \
-            hp.get("type") == want["hostPath"]["type"]
     dapi = _mapping(have.get("downwardAPI"))
     if sources != {"downwardAPI"}:
         return False
@@ -191,12 +190,15 @@ def _injection_errors(
     if (spec.get("schedulerName") or m.DEFAULT_SCHEDULER) == m.DEFAULT_SCHEDULER:
         missing.append(f"spec.schedulerName {keys.SCHEDULER_NAME}")
     volumes = {str(v.get("name")): v for v in _list(spec.get("volumes")) if isinstance(v, Mapping)}
-    for want in m.injected_volumes(sliced):
+    wanted = {w["name"]: w for w in m.injected_volumes(sliced)}
+    for want in wanted.values():
         have = volumes.get(want["name"])
         if have is None:
             missing.append(f"volume {want['name']}")
         elif not _same_volume(have, want):
             errors.append(f"volume name {want['name']!r} is reserved by kvgpu; rename your volume")
+    errors += [f"volume name {n!r} is reserved by kvgpu; rename your volume"
+               for n in volumes if m.is_reserved_volume(n) and n not in wanted]
     for kind, c in _containers(pod):
         name = str(c.get("name", ""))
         mounts = [v for v in _list(c.get("volumeMounts")) if isinstance(v, Mapping)]
@@ -213,6 +215,9 @@ def _injection_errors(
                 elif not _same_mount(have, want):
                     errors.append(f"{kind} {name!r} mounts something else at {want['mountPath']}, "
                                   "which kvgpu reserves for the GPU slice; use another path")
+            errors += [f"{kind} {name!r} mounts something else at {t}, which kvgpu reserves for the GPU "
+                       "slice (the device plugin mounts it); use another path"
+                       for t in m.DEVICE_PLUGIN_TARGETS if t in by_path]
         for v in mounts:
             vname = v.get("name")
             if m.is_reserved_volume(vname) and (name not in sliced or not any(
@@ -258,12 +263,8 @@ def _pod_privilege_errors(pod: Mapping[str, Any], sliced: Collection[str]) -> li
     if spec.get("hostPID") is True:
         errors.append("spec.hostPID is set and the pod requests GPU slices; it would see and could "
                       "trace the node's processes: drop hostPID")
-    injected = {v["name"]: v for v in m.injected_volumes(sliced)}
     for v in _list(spec.get("volumes")):
         if not isinstance(v, Mapping) or not isinstance(v.get("hostPath"), Mapping):
-            continue
-        want = injected.get(str(v.get("name")))
-        if want is not None and _same_volume(v, want):
             continue
         path = str(_mapping(v.get("hostPath")).get("path", ""))
         if sensitive_host_path(path):

@@ -1,10 +1,12 @@
 """What ``Allocate`` hands one container (:mod:`kvgpu.agent.deviceplugin` says why): the cards of
 its claim (:func:`claim_cards`; the replica IDs' only with ``visible_devices_from_ids``), and in
 the response (:func:`container_response`) ``NVIDIA_VISIBLE_DEVICES``, the device nodes and driver
-mounts (:mod:`kvgpu.agent.devicespecs`), the shim mounts of ``mounts`` (:func:`shim_mounts`), the
-stub driver's env on a simulated node, an MPS client's pipe folder and env, and its region
-directory. Every refusal is a :class:`~kvgpu.agent.pluginconfig.PluginError`; nothing here
-serves gRPC or asks the kubelet.
+mounts (:mod:`kvgpu.agent.devicespecs`), the shim and ``ld.so.preload`` mounts of ``mounts``
+(:func:`shim_mounts`), the stub driver's env on a simulated node, an MPS client's pipe folder and
+env, and the mounts of a claimed container's own region directory and of the node's compute
+schedule (:func:`usage_mounts`). These are every host path a GPU container gets: the webhook
+mounts none, so PodSecurity ``baseline``/``restricted`` namespaces admit GPU pods. Every refusal
+is a :class:`~kvgpu.agent.pluginconfig.PluginError`; nothing here serves gRPC or asks the kubelet.
 """
 
 from __future__ import annotations
@@ -87,25 +89,42 @@ def claim_cards(cfg: PluginConfig, admitted: Admitted | None, ids: Sequence[str]
 
 
 def shim_mounts(cfg: PluginConfig, shim: Path | None) -> list[Any]:
-    """The shim mounts of ``cfg.mounts`` (``none``: none; ``dir``: the shim directory; ``pinned``:
-    the file ``shim``), and ``ld.so.preload`` unless ``none``."""
+    """The read-only shim mounts of ``cfg.mounts`` (``dir``: the host shim directory on the
+    container's; ``pinned``: the file ``shim`` on the container's ``libvgpu.so``) and the host's
+    ``ld.so.preload`` on ``/etc/ld.so.preload``. ``pinned`` without a file mounts no library (only
+    with ``require_shim=False``: :func:`installed_shim` refuses otherwise)."""
     out = []
     if cfg.mounts == "pinned" and shim is not None:
         out.append(pb2.Mount(container_path=cfg.container_shim_lib, host_path=str(shim), read_only=True))
     elif cfg.mounts == "dir":
-        out.append(
-            pb2.Mount(
-                container_path=cfg.container_shim_dir, host_path=cfg.host_shim_dir, read_only=True
-            )
-        )
-    if cfg.mounts != "none":
-        out.append(
-            pb2.Mount(
-                container_path=cfg.container_preload_file,
-                host_path=cfg.host_preload_file,
-                read_only=True,
-            )
-        )
+        out.append(pb2.Mount(container_path=cfg.container_shim_dir, host_path=cfg.host_shim_dir, read_only=True))
+    out.append(pb2.Mount(container_path=cfg.container_preload_file, host_path=cfg.host_preload_file,
+                         read_only=True))
+    return out
+
+
+def usage_mounts(cfg: PluginConfig, admitted: Admitted, shim: Path | None = None) -> list[Any]:
+    """The claimed container's usage mounts: its own region directory
+    ``<region_root>/<pod UID>/<container>`` (created for its user, :func:`prepare_region_dir`)
+    read-write on :data:`~kvgpu.core.keys.CONTAINER_REGION_DIR` — no other container's region is
+    visible — and the node's compute-schedule directory ``sched_dir`` (created if missing, 0755),
+    read-only on :data:`~kvgpu.core.keys.CONTAINER_SCHED_DIR`: the agent alone writes it.
+    ``region_root``/``sched_dir`` ``None``: that mount is left out. Records the ``shim`` file the
+    container was served beside its region directory (:func:`record_shim_use`: the agent prunes
+    no file a live container was served). Raises :class:`PluginError` when a directory cannot be
+    prepared."""
+    out = []
+    try:
+        if cfg.region_root:
+            region = prepare_region_dir(cfg.region_root, admitted.uid, admitted.container, admitted.run_as)
+            if shim is not None:
+                record_shim_use(cfg.region_root, admitted.uid, admitted.container, shim.name)
+            out.append(pb2.Mount(container_path=keys.CONTAINER_REGION_DIR, host_path=str(region), read_only=False))
+        if cfg.sched_dir:
+            Path(cfg.sched_dir).mkdir(mode=0o755, parents=True, exist_ok=True)
+            out.append(pb2.Mount(container_path=keys.CONTAINER_SCHED_DIR, host_path=cfg.sched_dir, read_only=True))
+    except (OSError, ValueError) as e:
+        raise PluginError(f"cannot prepare the region directory of {admitted}: {e}") from e
     return out
 
 
@@ -129,7 +148,8 @@ def add_mps_client(cfg: PluginConfig, admitted: Admitted, resp: Any) -> None:
 def container_response(cfg: PluginConfig, admitted: Admitted | None, cards: Sequence[Card],
                        shim: Path | None) -> Any:
     """The ``ContainerAllocateResponse`` of a container that gets ``cards``: env, device nodes,
-    driver and shim mounts, the MPS client's folder; prepares its region directory."""
+    driver and shim mounts, the MPS client's folder, and (with a claim) its region and the
+    schedule (:func:`usage_mounts`)."""
     resp = pb2.ContainerAllocateResponse()
     resp.envs["KVGPU_DEVICE_PLUGIN"] = cfg.resource_name
     if shim is not None:
@@ -146,11 +166,6 @@ def container_response(cfg: PluginConfig, admitted: Admitted | None, cards: Sequ
         resp.envs.update(stub_driver_env(cards))
     if admitted is not None and admitted.claim is not None:
         add_mps_client(cfg, admitted, resp)
-    if admitted is not None and admitted.claim is not None and cfg.region_root:
-        try:
-            prepare_region_dir(cfg.region_root, admitted.uid, admitted.container, admitted.run_as)
-            if shim is not None:  # the agent prunes no file a live container was served
-                record_shim_use(cfg.region_root, admitted.uid, admitted.container, shim.name)
-        except (OSError, ValueError) as e:
-            raise PluginError(f"cannot prepare the region directory of {admitted}: {e}") from e
+    if admitted is not None and admitted.claim is not None:
+        resp.mounts.extend(usage_mounts(cfg, admitted, shim))
     return resp

@@ -20,16 +20,21 @@ identifies the container and answers from **its claim**, whatever replica IDs th
 picked (a mismatch is logged): ``DeviceSpec``s for the claimed cards' ``/dev/nvidia<minor>``
 and the control nodes, read-only mounts of the driver's files and ``LD_LIBRARY_PATH``
 (:mod:`kvgpu.agent.devicespecs`; off with ``device_specs=False`` on nodes whose NVIDIA container
-toolkit reads ``NVIDIA_VISIBLE_DEVICES``), ``NVIDIA_VISIBLE_DEVICES`` = the claimed cards, and the
-shim mounts of :attr:`PluginConfig.mounts`:
+toolkit reads ``NVIDIA_VISIBLE_DEVICES``), ``NVIDIA_VISIBLE_DEVICES`` = the claimed cards, and
+every host path the container needs — the webhook mounts none, so GPU pods run in PodSecurity
+``baseline`` and ``restricted`` namespaces (the kubelet applies these mounts, PodSecurity never
+sees them):
 
-- ``none`` (default): no shim mounts — the mutating webhook already mounts the shim directory and
-  ``ld.so.preload`` (mounting them here too stacks a second mount on each target);
-- ``dir``: the host shim directory on the container shim directory and ``ld.so.preload`` on
-  ``/etc/ld.so.preload`` — the webhook's mounts, for clusters where the webhook does not mount;
-- ``pinned``: the version-named file ``libvgpu.so`` resolves to *now* on the container's
-  ``libvgpu.so`` path, plus ``ld.so.preload``: the container keeps that exact library for its
-  life whatever is installed later (only Allocate can pin: it runs on the node).
+- the shim, by :attr:`PluginConfig.mounts`: ``dir`` (default) the host shim directory on the
+  container's, read-only; ``pinned`` the version-named file ``libvgpu.so`` resolves to *now* on the
+  container's ``libvgpu.so`` path: the container keeps that exact library for its life whatever
+  is installed later;
+- the host's ``ld.so.preload`` on ``/etc/ld.so.preload``, read-only;
+- the container's own region directory ``<region_root>/<pod UID>/<container>`` (prepared for
+  its user) on ``/var/run/kvgpu``, read-write: it sees no other container's region;
+- the node's compute-schedule directory on ``/var/run/kvgpu-sched``, read-only (the agent alone
+  writes it);
+- an MPS client's pipe folder (``mode=mps`` claims).
 
 A container without a kvgpu claim (or none identified) is refused with ``FAILED_PRECONDITION`` —
 pods requesting ``nvidia.com/gpu`` must pass kvgpu's webhook — unless ``visible_devices_from_ids``

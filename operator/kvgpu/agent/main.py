@@ -383,6 +383,7 @@ class Agent:
                     host_preload_file=self.cfg.host_preload_file,
                     stub_driver_env=self.cfg.simulated is not None,
                     region_root=self.cfg.region_root,
+                    sched_dir=self.cfg.sched_dir,
                 )
                 self.plugin = DevicePlugin(
                     plugin_cfg, inv, hints=self.pods.hints, identifier=self._identifier(plugin_cfg)

@@ -23,7 +23,7 @@ file, every recorded one, the ``keep`` newest, and any that :func:`in_use` finds
 bind-mounted (a best effort: it needs ``hostPID`` and the right to read other processes'
 ``/proc/<pid>/maps``, which a DaemonSet with ``capabilities: drop: [ALL]`` lacks).
 
-With the webhook's directory mount (``/usr/local/kvgpu/lib``), a process that a running
+With the device plugin's directory mount (``mounts=dir``), a process that a running
 container starts after an upgrade loads the new file through the link; the device plugin's
 ``mounts=pinned`` mode bind-mounts the container's file instead.
 """

@@ -247,7 +247,8 @@ def prepare_region_dir(
     creates itself is root's, mode 0755, and a non-root tenant's shim could not create its region).
 
     ``run_as``: ``(uid, gid)`` from the pod spec: the directory is theirs, mode 0770; where the image
-    decides the user (``None``), mode 0777 — only this container mounts it. Raises ``OSError``;
+    decides the user (``None``), mode 0777 — only this container mounts it. Needs ``CAP_CHOWN``
+    for ``run_as`` (not ``CAP_FOWNER``: the mode is set before the owner). Raises ``OSError``;
     refuses (``ValueError``) a pod UID or container name that is not one path component."""
     for part in (pod_uid, container):
         if not part or part in (".", "..") or "/" in part or "\0" in part:
@@ -257,7 +258,11 @@ def prepare_region_dir(
     d = pod_dir / container
     d.mkdir(exist_ok=True)
     uid, gid = run_as
+    mode = 0o770 if uid is not None else 0o777
+    # chmod while the agent still owns it (no CAP_FOWNER needed), then chown (CAP_CHOWN only:
+    # the chart's agent drops every other capability).
+    if d.stat().st_mode & 0o7777 != mode:
+        d.chmod(mode)
     if uid is not None or gid is not None:
         os.chown(d, -1 if uid is None else uid, -1 if gid is None else gid)
-    d.chmod(0o770 if uid is not None else 0o777)
     return d

@@ -158,9 +158,9 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, extender_cert: s
                    "auto = /usr/local/nvidia if it has lib64, none = no driver mounts")
 @click.option("--ld-library-path/--no-ld-library-path", default=True, show_default=True,
               help="with driver mounts, set LD_LIBRARY_PATH=/usr/local/nvidia/lib64 in GPU containers")
-@click.option("--mounts", type=click.Choice(["none", "dir", "pinned"]), default="none", show_default=True,
-              help="shim mounts Allocate adds (none: the webhook mounts the shim; dir: the webhook's mounts; "
-                   "pinned: the version-named libvgpu.so)")
+@click.option("--mounts", type=click.Choice(["dir", "pinned"]), default="dir", show_default=True,
+              help="how Allocate mounts the shim in GPU containers (dir: the host shim directory; "
+                   "pinned: the version-named file libvgpu.so points at when the container is created)")
 @click.option("--visible-devices-from-ids", is_flag=True,
               help="containers without a kvgpu claim get the kubelet's cards instead of being refused "
                    "(clusters without kvgpu's webhook only)")

@@ -121,19 +121,24 @@ def check_webhooks(mutating: Sequence[Mapping[str, Any]], validating: Sequence[M
     return _ok("webhooks", "kvgpu-mutate and kvgpu-validate with caBundle")
 
 
+PSA_LEVELS = ("privileged", "baseline", "restricted")
+
+
 def check_namespace(namespace: Mapping[str, Any] | None, name: str) -> Finding:
-    """The sample/tenant namespace exists and its PodSecurity ``enforce`` level admits kvgpu pods
-    (the webhook mounts the shim from the host: hostPath volumes, which ``baseline`` and
-    ``restricted`` refuse)."""
-    fix = f"kubectl label namespace {name} {PSA_ENFORCE}=privileged --overwrite"
+    """The sample/tenant namespace exists and its PodSecurity ``enforce`` label is a level
+    (unset = the cluster default). Every level admits kvgpu pods: the webhook injects no hostPath
+    (the device plugin mounts the shim), so ``baseline`` passes and ``restricted`` passes a pod
+    that complies itself (the finding says what it needs)."""
     if namespace is None:
         return _fail("namespace", f"namespace {name} not found", f"kubectl create namespace {name}, or --namespace")
     labels = (namespace.get("metadata") or {}).get("labels") or {}
     level = labels.get(PSA_ENFORCE, "")
-    if level in ("baseline", "restricted"):
-        return _fail("namespace", f"namespace {name} enforces PodSecurity {level!r}, which refuses the host "
-                     "paths kvgpu mounts into GPU pods", fix)
-    return _ok("namespace", f"namespace {name}: PodSecurity enforce {level or 'not set (cluster default)'}")
+    if level and level not in PSA_LEVELS:
+        return _fail("namespace", f"namespace {name} has {PSA_ENFORCE}={level!r}, not one of {', '.join(PSA_LEVELS)}",
+                     f"kubectl label namespace {name} {PSA_ENFORCE}=baseline --overwrite")
+    note = (": GPU pods must run as non-root, drop ALL capabilities, use seccomp RuntimeDefault and "
+            "allowPrivilegeEscalation: false") if level == "restricted" else ""
+    return _ok("namespace", f"namespace {name}: PodSecurity enforce {level or 'not set (cluster default)'}{note}")
 
 
 def check_admission(mutated: Mapping[str, Any] | None, error: str, namespace: str) -> Finding:
@@ -143,7 +148,9 @@ def check_admission(mutated: Mapping[str, Any] | None, error: str, namespace: st
     if error:
         if "PodSecurity" in error or "violates" in error:
             return _fail("admission", f"the sample pod is refused in {namespace}: {error}",
-                         f"kubectl label namespace {namespace} {PSA_ENFORCE}=privileged --overwrite")
+                         "the sample pod meets PodSecurity restricted and kvgpu's webhook injects no hostPath: "
+                         "a refusal naming hostPath volumes \"kvgpu-...\" means an older kvgpu webhook runs "
+                         "(upgrade kvgpu); otherwise read what the message names")
         if "webhook" in error:
             return _fail("admission", f"kube-apiserver cannot call the kvgpu webhook: {error}",
                          "kubectl -n kvgpu-system get pods,endpoints -l app.kubernetes.io/name=kvgpu; "
@@ -335,6 +342,10 @@ SAMPLE_SCRIPT = (
 )
 
 
+#: the sample container's user (``nobody``): NVML and the shim need no root
+SAMPLE_UID = 65534
+
+
 def sample_pod(node: Mapping[str, Any], namespace: str, image: str, memory_mib: int, cores: int,
                timeout_s: float) -> dict[str, Any]:
     """The sample pod for ``node``: one card, ``memory_mib`` MiB, ``cores`` % (kvgpu's annotation
@@ -352,9 +363,13 @@ def sample_pod(node: Mapping[str, Any], namespace: str, image: str, memory_mib: 
         "spec": {"nodeSelector": {"kubernetes.io/hostname": host}, "restartPolicy": "Never",
                  "terminationGracePeriodSeconds": 1, "activeDeadlineSeconds": max(1, int(timeout_s)),
                  "tolerations": [{"operator": "Exists"}], "automountServiceAccountToken": False,
+                 # PodSecurity restricted, so the check runs in a namespace of any level.
+                 "securityContext": {"runAsNonRoot": True, "runAsUser": SAMPLE_UID, "runAsGroup": SAMPLE_UID,
+                                     "seccompProfile": {"type": "RuntimeDefault"}},
                  "containers": [{"name": "check", "image": image, "imagePullPolicy": "IfNotPresent",
                                  "command": ["sh", "-c", SAMPLE_SCRIPT],
-                                 "securityContext": {"allowPrivilegeEscalation": False}}]},
+                                 "securityContext": {"allowPrivilegeEscalation": False,
+                                                     "capabilities": {"drop": ["ALL"]}}}]},
     }
 
 
