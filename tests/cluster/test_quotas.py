@@ -173,14 +173,18 @@ def test_tenants_read_their_quotas_but_cannot_write_them(gpu: GpuEnv) -> None:
     assert len(tenant_roles) == 2
     k("apply", "--server-side", "--force-conflicts", "-f", "-",
       input=json.dumps({"apiVersion": "v1", "kind": "List", "items": tenant_roles}))
-    k("create", "rolebinding", "tenant-edit", "-n", gpu.ns, "--clusterrole=edit", "--user=tenant")
+    try:
+        k("create", "rolebinding", "tenant-edit", "-n", gpu.ns, "--clusterrole=edit", "--user=tenant")
 
-    def can(verb: str, sub: str = "") -> bool:
-        args = ["auth", "can-i", verb, "vgpuquotas.kvgpu.io" + (f"/{sub}" if sub else ""), "-n", gpu.ns,
-                "--as=tenant"]
-        return k(*args, check=False).stdout.strip() == "yes"
+        def can(verb: str, sub: str = "") -> bool:
+            args = ["auth", "can-i", verb, "vgpuquotas.kvgpu.io" + (f"/{sub}" if sub else ""), "-n", gpu.ns,
+                    "--as=tenant"]
+            return k(*args, check=False).stdout.strip() == "yes"
 
-    gpu.wait(lambda: can("list"), 30, "the kvgpu-edit rules aggregated into edit")
-    assert can("get") and can("watch")
-    assert not any(can(v) for v in ("create", "update", "patch", "delete"))
-    assert not can("patch", "status") and not can("update", "status")
+        gpu.wait(lambda: can("list"), 30, "the kvgpu-edit rules aggregated into edit")
+        assert can("get") and can("watch")
+        assert not any(can(v) for v in ("create", "update", "patch", "delete"))
+        assert not can("patch", "status") and not can("update", "status")
+    finally:
+        # cluster-scoped: a later helm install of the chart could not adopt them
+        k("delete", "clusterrole", "kvgpu-view", "kvgpu-edit", "--ignore-not-found", check=False)
