@@ -11,7 +11,8 @@ JSON form (``version`` 1), camelCase like the rest of the API::
                             "coreScaling": 1.0, "mode": "hami-core"}}]}
 
 ``slicing`` is the card's effective slicing from the matching VGPUPool (absent when no pool
-covers the card: such a card takes no slices).
+covers the card: such a card takes no slices); its ``allocation`` (``extender`` when absent, or
+``dra``: the card is a DRA device of driver ``gpu.kvgpu.io``, see kvgpu.dra) is the pool's.
 
 The simulated backend's config file (YAML or JSON) lists cards per node::
 
@@ -43,15 +44,20 @@ class Slicing:
     memory_scaling: float = 1.0
     core_scaling: float = 1.0
     mode: str = "hami-core"
+    allocation: str = "extender"
+    """``extender`` (kvgpu's scheduler extender and device plugin) or ``dra`` (DRA devices)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "pool": self.pool,
             "splitCount": self.split_count,
             "memoryScaling": self.memory_scaling,
             "coreScaling": self.core_scaling,
             "mode": self.mode,
         }
+        if self.allocation != "extender":
+            d["allocation"] = self.allocation
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Slicing:
@@ -61,6 +67,7 @@ class Slicing:
             memory_scaling=float(d.get("memoryScaling", 1.0)),
             core_scaling=float(d.get("coreScaling", 1.0)),
             mode=str(d.get("mode", "hami-core")),
+            allocation=str(d.get("allocation", "extender")),
         )
 
 

@@ -1,0 +1,7 @@
+"""kvgpu as a DRA driver (``gpu.kvgpu.io``): the pure parts shared by the node agent's kubelet
+plugin, the operator's claim mirror and the benchmarks. No I/O here.
+
+- :mod:`kvgpu.dra.slices`: a node's cards as ResourceSlices (devices with consumable capacity:
+  ``memory`` in MiB, ``cores`` in percent of SMs, ``shares`` of the pool's split count) and the
+  DeviceClasses.
+"""
