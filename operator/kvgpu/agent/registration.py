@@ -44,6 +44,7 @@ def _fallback_slicing(pool: Mapping[str, Any], labels: Mapping[str, str], card: 
         memory_scaling=float(spec.get("memoryScaling", 1.0)),
         core_scaling=float(spec.get("coreScaling", 1.0)),
         mode=mode,
+        allocation=str(spec.get("allocation", "extender")),
     )
 
 

@@ -44,6 +44,13 @@ class Mode(StrEnum):
     MPS = "mps"  #: shared cards, SMs partitioned by the MPS server; memory limited by the shim
 
 
+class Allocation(StrEnum):
+    """Who allocates a covered card's slices."""
+
+    EXTENDER = "extender"  #: kvgpu's scheduler extender and device plugin (annotations, nvidia.com/gpu)
+    DRA = "dra"  #: kube-scheduler through DRA: the card is a device of driver gpu.kvgpu.io (docs/dra.md)
+
+
 class PolicyName(StrEnum):
     """Placement policy: ``binpack`` fills used nodes/cards first, ``spread`` prefers empty ones."""
 

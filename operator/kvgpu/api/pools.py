@@ -116,6 +116,7 @@ def slicing_of(pool: VGPUPool) -> Slicing:
         memory_scaling=s.memory_scaling,
         core_scaling=s.core_scaling,
         mode=s.mode.value,
+        allocation=s.allocation.value,
     )
 
 

@@ -13,6 +13,7 @@ from kvgpu.api.modelbase import (
     DEFAULT_MIN_SLICE_MIB,
     MAX_CARD_MEMORY_MIB,
     MAX_SPLIT_COUNT,
+    Allocation,
     Condition,
     DeviceFilter,
     Mode,
@@ -68,6 +69,15 @@ class VGPUPoolSpec(_Model):
             "the card's MPS server, which partitions the SMs (gpucores = the client's active thread "
             "percentage) so co-tenants run at once, the shim still limits memory; one card per "
             "container; a faulting client can end its co-tenants' work (docs/agent.md, MPS)."
+        ),
+    )
+    allocation: Allocation = Field(
+        default=Allocation.EXTENDER,
+        description=(
+            "extender: pods ask with kvgpu.io/* annotations or HAMi's nvidia.com/* limits, placed by the "
+            "kvgpu scheduler's extender, served by the device plugin; dra: the cards are DRA devices of "
+            "driver gpu.kvgpu.io with consumable memory, cores and shares, allocated by kube-scheduler "
+            "for ResourceClaims (docs/dra.md). Pools of both kinds coexist on different nodes."
         ),
     )
     defaults: RequestDefaults = Field(
