@@ -36,7 +36,7 @@ from packaging.requirements import Requirement
 sys.path.insert(0, ".")
 for m in ("kopf", "kubernetes", "kubernetes_asyncio", "pydantic", "structlog", "cryptography", "cffi",
           "tenacity", "pynvml", "kvgpu.runtime", "kvgpu.cli.main", "kvgpu.devcluster.system",
-          "kvgpu.extender.schedconfig", "bench.scale.kubeio"):
+          "kvgpu.extender.schedconfig", "kvgpu.dra.slices", "bench.scale.kubeio", "bench.scale.dra"):
     try:
         importlib.import_module(m)
     except Exception:
