@@ -102,6 +102,7 @@ class Bench:
         self.result: dict[str, Any] = {}
         self.node_bodies: list[dict[str, Any]] = []
         self.slices: list[dict[str, Any]] = []
+        self.t_start = time.monotonic()
 
     # --- setup -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -404,9 +405,14 @@ class Bench:
 
     async def bursts(self, api: client.ApiClient, out: dict[str, Any], kinds: tuple[str, ...], phase: str) -> None:
         """Every burst size and mode, one burst of each of ``kinds`` in turn, appended to
-        ``out["bursts"]``."""
+        ``out["bursts"]``; past ``--time-budget`` the (size, mode) groups not started are listed
+        in ``out["skipped_bursts"]`` instead."""
         for size in self.args.bursts:
             for mode in self.args.modes:
+                if self.args.time_budget and time.monotonic() - self.t_start > self.args.time_budget:
+                    out.setdefault("skipped_bursts", []).extend(f"{k} {phase} {mode} {size}" for k in kinds)
+                    log(f"time budget of {self.args.time_budget} s spent: {kinds} {mode} {size} skipped")
+                    continue
                 for kind in kinds:
                     out["bursts"].append(await self.burst(api, size, kind=kind, mode=mode, phase=phase))
                     self._save_partial(out)
@@ -449,6 +455,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default="")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--time-budget", type=float, default=0, metavar="SECONDS",
+                   help="start no burst (size and mode) later than SECONDS after the bench started; "
+                        "those skipped are listed in the results (0: no limit)")
     p.add_argument("--dra", action="store_true",
                    help="after the extender bursts, move the cards to allocation: dra (ResourceSlices) and run "
                         "the same bursts with DRA claims, next to a no-GPU baseline each (bench/scale/dra.py)")
