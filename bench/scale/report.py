@@ -404,7 +404,14 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
            "pods are created, then started; pods/s = pods / (first Bound → last Bound). Extender latency: "
            "the operator's `kvgpu_extender_request_seconds` histogram over the burst (p50/p99 interpolated "
            "inside buckets 0.5, 1, 2, 5, 10, 20, 50 ms … 5 s; beyond 5 s it shows as ≥ 5000). "
-           "Operator CPU and RSS from `/proc/<pid>`.", ""]
+           "Operator CPU and RSS from `/proc/<pid>`.", "",
+           "*DRA mode* (`--dra`, issue 18): after those bursts the same nodes' cards move to a pool with "
+           "`allocation: dra` and each node gets its ResourceSlice (`kvgpu.dra.slices`, driver `gpu.kvgpu.io`); "
+           "the same bursts then run with pods that each take one claim from a ResourceClaimTemplate (the "
+           "seed's 3000 MiB / 30 % slice), made by kube-controller-manager and allocated by the default "
+           "kube-scheduler's DRA plugin, each DRA burst next to a no-GPU burst of its own. No kubelet: nothing "
+           "is prepared (`NodePrepareResources` runs on a real node only), so this is the control plane's "
+           "cost per pod. The bench checks every allocation against the devices' capacity.", ""]
     goals = (f"Goals (issue 7): ≥ {GOALS['pods_per_s']} GPU pods/s, extender p99 ≤ {GOALS['extender_p99_ms']} ms, "
              f"operator ≤ {GOALS['operator_rss_mib']} MiB at 5,000 nodes. Goals (issue 17: a GPU pod should cost "
              f"the API server little more than a plain pod): GPU pods/s ≥ {COST_GOALS['ratio']} × the no-GPU "
@@ -425,7 +432,10 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
                 f"- Nodes created in {_f(s.get('create_s'))} s ({_f(s.get('create_per_s'))}/s, 64 in flight); the "
                 f"operator had written every node's allocation annotation {_f(s.get('operator_synced_s'))} s after "
                 f"the first create; operator RSS then {_f(s.get('operator_rss_mib_after_sync'))} MiB, at the end "
-                f"{_f(run.get('operator_rss_mib_end'))} MiB.", ""]
+                f"{_f(run.get('operator_rss_mib_end'))} MiB."]
+        if run.get("skipped_bursts"):
+            out.append(f"- Not run (`--time-budget` spent): {', '.join(run['skipped_bursts'])}.")
+        out.append("")
         out += [*burst_table(run), ""]
         probe = run.get("extender_probe")
         if probe:

@@ -20,6 +20,18 @@ def _apiserver_ms(b: dict[str, Any]) -> float | None:
     return None if v is None else float(v)
 
 
+def scheduling_ms(b: dict[str, Any]) -> float | None:
+    """CPU ms per pod spent choosing nodes and allocating: for a DRA burst the default
+    kube-scheduler (its DRA plugin allocates), for an extender burst the kvgpu kube-scheduler
+    plus the operator (its extender filters and binds); None where not sampled."""
+    cpu = b.get("cpu_seconds_by_process") or {}
+    names = (("scheduler-default-scheduler",) if b["kind"] == "dra"
+             else ("scheduler-kvgpu-scheduler", "operator"))
+    if not all(n in cpu for n in names):
+        return None
+    return sum(cpu[n] for n in names) * 1000 / max(b["pods"], 1)
+
+
 def _rate(b: dict[str, Any] | None) -> float | None:
     return None if not b or not b.get("bound_per_s") else float(b["bound_per_s"])
 
@@ -67,9 +79,9 @@ def dra_table(run: dict[str, Any]) -> list[str]:
         return []
     out = ["| burst | DRA pods/s (Bound) | extender pods/s (Bound) | DRA / extender | no-GPU pods/s: DRA phase / "
            "extender phase | DRA / its baseline | DRA create→Bound p50 / p99 (s) | requests per pod: no GPU / DRA / "
-           "extender | kube-apiserver CPU per pod (ms): no GPU / DRA / extender | DRA requests by verb and resource "
-           "| claims allocated |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+           "extender | kube-apiserver CPU per pod (ms): no GPU / DRA / extender | scheduling CPU per pod (ms): DRA / "
+           "extender | DRA requests by verb and resource | claims allocated |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         d, g, db, gb = r["dra"], r["gpu"], r["dra_baseline"], r["gpu_baseline"]
         cb = d.get("create_to_bound_ms") or {}
@@ -79,7 +91,8 @@ def dra_table(run: dict[str, Any]) -> list[str]:
         verbs = ", ".join(f"{k} {v:g}" for k, v in (d.get("api_requests_per_pod") or {}).items()) or "–"
         out.append(f"| {r['mode']} {r['pods']} | {_f(_rate(d))} | {_f(_rate(g))} | {_f(_ratio(_rate(d), _rate(g)), 2)} "
                    f"| {_f(_rate(db))} / {_f(_rate(gb))} | {_f(_ratio(_rate(d), _rate(db)), 2)} | {cbs} | {reqs} "
-                   f"| {cpu} | {verbs} | {_claims(d)} |")
+                   f"| {cpu} | {_f(scheduling_ms(d))} / {_f(scheduling_ms(g) if g else None)} | {verbs} "
+                   f"| {_claims(d)} |")
     return out
 
 
@@ -97,9 +110,14 @@ def dra_summary(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         req = [_requests(r["dra"]) for r in rows]
         ms = [x for x in (_apiserver_ms(r["dra"]) for r in rows) if x is not None]
         gms = [x for x in (_apiserver_ms(r["gpu"]) for r in rows) if x is not None]
+        sd = [x for x in (scheduling_ms(r["dra"]) for r in rows) if x is not None]
+        sg = [x for x in (scheduling_ms(r["gpu"]) for r in rows) if x is not None]
         over = sum(len((r["dra"].get("dra_allocations") or {}).get("over_capacity") or []) for r in rows)
         cpu = (f", kube-apiserver CPU {min(ms):.1f}-{max(ms):.1f} ms per DRA pod against {min(gms):.1f}-{max(gms):.1f} "
                "ms per extender pod" if ms and gms else "")
+        if sd and sg:
+            cpu += (f"; scheduling CPU {min(sd):.1f}-{max(sd):.1f} ms per DRA pod (kube-scheduler) against "
+                    f"{min(sg):.1f}-{max(sg):.1f} ms per extender pod (kube-scheduler + operator)")
         parts.append(f"{title}: DRA {min(dv):.0f}-{max(dv):.0f} pods/s against extender {min(gv):.0f}-{max(gv):.0f}, "
                      f"{min(ratio):.2f}-{max(ratio):.2f} × ({len(rows)} bursts); {min(req):g}-{max(req):g} API "
                      f"requests per DRA pod{cpu}; {'no' if not over else over} device over capacity")

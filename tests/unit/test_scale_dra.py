@@ -63,6 +63,8 @@ def _burst(kind: str, mode: str, rate: float, phase: str, requests: float = 4.0)
     return {"kind": kind, "mode": mode, "pods": 500, "phase": phase, "bound_per_s": rate,
             "api_requests_per_pod": {"POST pods": requests}, "apiserver_cpu_ms_per_pod": requests * 2,
             "create_to_bound_ms": {"p50": 1500, "p99": 3000},
+            "cpu_seconds_by_process": {"scheduler-default-scheduler": 5.0, "scheduler-kvgpu-scheduler": 1.0,
+                                       "operator": 1.5},
             **({"dra_allocations": {"claims": 500, "allocated": 500, "devices_used": 200,
                                     "max_claims_per_device": 3, "over_capacity": []}} if kind == "dra" else {})}
 
@@ -88,10 +90,18 @@ def test_dra_bursts_pair_with_their_own_baseline_and_the_extender_burst() -> Non
 def test_dra_table_and_summary_compare_with_extender_mode() -> None:
     table = report_dra.dra_table(_run())
     assert table[2].startswith("| stream 500 | 50.0 | 100.0 | 0.50 | 200.0 / 300.0 | 0.25 | 1.5 / 3.0 | 4 / 9 / 5 "
-                               "| 8.0 / 18.0 / 10.0 | POST pods 9 | 500/500 on 200 devices")
+                               "| 8.0 / 18.0 / 10.0 | 10.0 / 5.0 | POST pods 9 | 500/500 on 200 devices")
     assert table[3].split("|")[7].strip() == "–"  # queued: no create→Bound
     (row,) = report_dra.dra_summary([("1,000 nodes, 2 cores", _run())])
     assert "DRA 50-60 pods/s against extender 100-120, 0.50-0.50 × (2 bursts)" in row
     assert "9-9 API requests per DRA pod" in row and "no device over capacity" in row
+    assert "scheduling CPU 10.0-10.0 ms per DRA pod (kube-scheduler) against 5.0-5.0 ms per extender pod" in row
     assert report_dra.dra_summary([("x", {"bursts": _run()["bursts"][:4]})]) == []
     assert "DRA mode on the same nodes and cards" in report.section({"runs": {"1000n-2c": _run()}}, False)
+
+
+def test_bursts_skipped_for_the_time_budget_are_named() -> None:
+    run = {**_run(), "skipped_bursts": ["baseline dra queued 2000", "dra dra queued 2000"]}
+    assert "- Not run (`--time-budget` spent): baseline dra queued 2000, dra dra queued 2000." in \
+        report.section({"runs": {"1000n-16c": run}}, False)
+    assert "Not run" not in report.section({"runs": {"1000n-16c": _run()}}, False)
