@@ -76,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     try:
-        keys = record(data, json.loads(args.scale_json.read_text()), args.code or code_version(), args.note)
+        remote = json.loads(args.scale_json.read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"{args.scale_json}: not a readable scale.json ({e})")
+    try:
+        keys = record(data, remote, args.code or code_version(), args.note)
     except ValueError as e:
         p.error(str(e))
     args.out.write_text(json.dumps(data, indent=1) + "\n")
