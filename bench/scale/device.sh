@@ -2,9 +2,13 @@
 # Runs the scale bench on a remote machine without internet (nor make, nor .venv) from the
 # bundle that hack/device_bundle.sh made: carry .whl and .ktp, run from the repository root:
 #   bash bench/scale/device.sh --nodes 1000 --bursts 500,2000 --requeue-trials 20
-# Arguments go to bench/scale/run.py. Writes into $OUT (default /tmp/kvgpu-out): scale.json,
-# run.log and logs.tar.gz (the run directory's component logs, each cut to its last 5 MB; one
-# archive because only a few files come back from $OUT). Exit status is run.py's.
+#   bash bench/scale/device.sh --nodes 1000 --dra -- --nodes 5000 --requeue-trials 0
+# Arguments go to bench/scale/run.py; `--` separates the arguments of runs made one after the
+# other (the setup is done once). Writes into $OUT (default /tmp/kvgpu-out): scale.json (every
+# run merged, keyed as bench/results/scale.json), and per run run.log and logs.tar.gz (the run
+# directory's component logs, each cut to its last 5 MB; one archive because only a few files
+# come back from $OUT), named run-<k>.log and logs-<k>.tar.gz (k = 1, 2, ...) when there are
+# several runs. Exit status: the first non-zero run.py's, else 0.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -36,7 +40,7 @@ from packaging.requirements import Requirement
 sys.path.insert(0, ".")
 for m in ("kopf", "kubernetes", "kubernetes_asyncio", "pydantic", "structlog", "cryptography", "cffi",
           "tenacity", "pynvml", "kvgpu.runtime", "kvgpu.cli.main", "kvgpu.devcluster.system",
-          "kvgpu.extender.schedconfig", "bench.scale.kubeio"):
+          "kvgpu.extender.schedconfig", "kvgpu.dra.slices", "bench.scale.kubeio", "bench.scale.dra"):
     try:
         importlib.import_module(m)
     except Exception:
@@ -58,19 +62,31 @@ for r in map(Requirement, reqs):
 print("device.sh: imports ok")
 EOF
 
-# The bench. A fixed run directory (wiped first, kept after) so the logs can be collected.
-rm -rf "$RUN"
-rc=0
-PYTHONUNBUFFERED=1 python3 bench/scale/run.py --out "$OUT/scale.json" --run-dir "$RUN" --keep "$@" 2>&1 |
-  tee "$OUT/run.log" || rc=$?
-
-# Logs of every component (operator, both schedulers, apiserver, etcd) plus partial results.
-if [ -d "$RUN" ]; then
-  rm -rf /tmp/kvgpu-logs && mkdir -p /tmp/kvgpu-logs
-  for f in "$RUN"/logs/* "$RUN"/*.json "$RUN"/*.txt; do
-    [ -f "$f" ] && tail -c 5000000 "$f" >"/tmp/kvgpu-logs/$(basename "$f")"
-  done
-  tar -C /tmp -czf "$OUT/logs.tar.gz" kvgpu-logs
-fi
-echo "device.sh: run.py exited $rc; $OUT holds: $(ls "$OUT" | tr '\n' ' ')"
+# The bench, once per argument group. A fixed run directory (wiped first, kept after) so the
+# logs can be collected.
+groups=() cur=()
+for a in "$@"; do
+  if [ "$a" = "--" ]; then groups+=("${cur[*]}"); cur=(); else cur+=("$a"); fi
+done
+groups+=("${cur[*]}")
+rc=0 k=0
+for g in "${groups[@]}"; do
+  k=$((k + 1)); sfx=""; [ "${#groups[@]}" -gt 1 ] && sfx="-$k"
+  rm -rf "$RUN"
+  r=0
+  # shellcheck disable=SC2086  # $g is the run's argument list on purpose (options hold no spaces)
+  PYTHONUNBUFFERED=1 python3 bench/scale/run.py --out "$OUT/scale.json" --run-dir "$RUN" --keep $g 2>&1 |
+    tee "$OUT/run$sfx.log" || r=$?
+  [ "$rc" -ne 0 ] || rc=$r
+  # Logs of every component (operator, both schedulers, apiserver, etcd) plus partial results.
+  if [ -d "$RUN" ]; then
+    rm -rf /tmp/kvgpu-logs && mkdir -p /tmp/kvgpu-logs
+    for f in "$RUN"/logs/* "$RUN"/*.json "$RUN"/*.txt; do
+      [ -f "$f" ] && tail -c 5000000 "$f" >"/tmp/kvgpu-logs/$(basename "$f")"
+    done
+    tar -C /tmp -czf "$OUT/logs$sfx.tar.gz" kvgpu-logs
+  fi
+  echo "device.sh: run $k ($g) exited $r"
+done
+echo "device.sh: $OUT holds: $(ls "$OUT" | tr '\n' ' ')"
 exit "$rc"

@@ -13,6 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: bench/scale/report.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.scale.report_dra import dra_rows, dra_summary, dra_table
+
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "scale.json"
 DOC = REPO / "docs" / "benchmarks.md"
@@ -61,14 +65,17 @@ def _title(run: dict[str, Any]) -> str:
 
 
 def _pairs(run: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(baseline, gpu) per (mode, size), in run order."""
+    """(baseline, gpu) per (mode, size) of the extender phase, in run order (the DRA phase's
+    bursts: :func:`bench.scale.report_dra.dra_rows`)."""
     base: dict[tuple[str, int], dict[str, Any]] = {}
     out = []
     for b in run.get("bursts", []):
         key = (b["mode"], b["pods"])
+        if b.get("phase", "extender") != "extender":
+            continue
         if b["kind"] == "baseline":
             base[key] = b
-        elif key in base:
+        elif b["kind"] == "gpu" and key in base:
             out.append((base[key], b))
     return out
 
@@ -160,13 +167,15 @@ def cpu_table(run: dict[str, Any]) -> list[str]:
     for b in run.get("bursts", []):
         c = b.get("cpu_seconds_by_process", {})
         la = b.get("load_average_1m", [None, None])
-        rows.append(f"| {b['kind']} {b['mode']} {b['pods']} | " + " | ".join(_f(c.get(n)) for n in names)
+        label = f"{b['kind']}{' (DRA phase)' if b['kind'] == 'baseline' and b.get('phase') == 'dra' else ''}"
+        rows.append(f"| {label} {b['mode']} {b['pods']} | " + " | ".join(_f(c.get(n)) for n in names)
                     + f" | {_f(la[0])} → {_f(la[1])} |")
     return rows
 
 
 def plot(data: dict[str, Any]) -> bool:
-    """Left: pods/s per burst, one row each (grey: no GPU, blue: GPU slices). Right: pods Bound
+    """Left: pods/s per burst, one row each (grey: no GPU, blue: GPU slices, green: DRA claims
+    where the run has a DRA phase). Right: pods Bound
     over time in each run's largest stream burst (GPU pods; the no-GPU baseline dotted, for
     the runs of the default ``--node-choice`` only)."""
     try:
@@ -179,18 +188,23 @@ def plot(data: dict[str, Any]) -> bool:
     runs = _runs(data)
     if not runs:
         return False
-    labels, bvals, gvals = [], [], []
+    labels, bvals, gvals, dvals = [], [], [], []
     for _, run in runs:
+        dra = {(r["mode"], r["pods"]): r["dra"].get("bound_per_s") or 0 for r in dra_rows(run)}
         for base, g in _pairs(run):
             labels.append(f"{_title(run).replace('--node-choice ', 'choice: ')}: {g['mode']} {g['pods']}")
             bvals.append(base.get("bound_per_s") or 0)
             gvals.append(g.get("bound_per_s") or 0)
+            dvals.append(dra.get((g["mode"], g["pods"]), 0))
     fig, axes = plt.subplots(1, 2, figsize=(15, max(4.5, 0.28 * len(labels) + 1.5)),
                              gridspec_kw={"width_ratios": [1.4, 1]})
     ax = axes[0]
     y = list(range(len(labels)))[::-1]
-    ax.barh([v + 0.2 for v in y], bvals, 0.4, label="no GPU (default kube-scheduler)", color="#999999")
-    ax.barh([v - 0.2 for v in y], gvals, 0.4, label="GPU slices (kube-scheduler + kvgpu extender)", color="#1f77b4")
+    w, off = (0.27, (0.27, 0.0)) if any(dvals) else (0.4, (0.2, -0.2))
+    ax.barh([v + off[0] for v in y], bvals, w, label="no GPU (default kube-scheduler)", color="#999999")
+    ax.barh([v + off[1] for v in y], gvals, w, label="GPU slices (kube-scheduler + kvgpu extender)", color="#1f77b4")
+    if any(dvals):
+        ax.barh([v - w for v in y], dvals, w, label="DRA claims (kube-scheduler's DRA plugin)", color="#2ca02c")
     ax.axvline(GOALS["pods_per_s"], color="#d62728", linestyle="--", linewidth=1, label="goal 200 pods/s")
     ax.set_yticks(y, labels, fontsize=7)
     ax.set_xlabel("pods/s to Bound")
@@ -253,6 +267,7 @@ def summary(data: dict[str, Any]) -> list[str]:
         rows.append(f"| ≥ {GOALS['pods_per_s']} GPU pods/s | {verdict}: " + "; ".join(parts)
                     + (". For comparison: " + "; ".join(others) if others else "") + " |")
     rows += cost_summary(runs)
+    rows += dra_summary([(_title(r), r) for r in every])
     gpu = [b for r in runs for b in r.get("bursts", []) if b["kind"] == "gpu" and b.get("bound_per_s")]
     p99 = [v["p99_ms"] for b in gpu for verb, v in b.get("extender", {}).items() if verb in ("filter", "prioritize")]
     rq = [r["requeue"] for r in runs if r.get("requeue", {}).get("placed")]
@@ -389,7 +404,14 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
            "pods are created, then started; pods/s = pods / (first Bound → last Bound). Extender latency: "
            "the operator's `kvgpu_extender_request_seconds` histogram over the burst (p50/p99 interpolated "
            "inside buckets 0.5, 1, 2, 5, 10, 20, 50 ms … 5 s; beyond 5 s it shows as ≥ 5000). "
-           "Operator CPU and RSS from `/proc/<pid>`.", ""]
+           "Operator CPU and RSS from `/proc/<pid>`.", "",
+           "*DRA mode* (`--dra`, issue 18): after those bursts the same nodes' cards move to a pool with "
+           "`allocation: dra` and each node gets its ResourceSlice (`kvgpu.dra.slices`, driver `gpu.kvgpu.io`); "
+           "the same bursts then run with pods that each take one claim from a ResourceClaimTemplate (the "
+           "seed's 3000 MiB / 30 % slice), made by kube-controller-manager and allocated by the default "
+           "kube-scheduler's DRA plugin, each DRA burst next to a no-GPU burst of its own. No kubelet: nothing "
+           "is prepared (`NodePrepareResources` runs on a real node only), so this is the control plane's "
+           "cost per pod. The bench checks every allocation against the devices' capacity.", ""]
     goals = (f"Goals (issue 7): ≥ {GOALS['pods_per_s']} GPU pods/s, extender p99 ≤ {GOALS['extender_p99_ms']} ms, "
              f"operator ≤ {GOALS['operator_rss_mib']} MiB at 5,000 nodes. Goals (issue 17: a GPU pod should cost "
              f"the API server little more than a plain pod): GPU pods/s ≥ {COST_GOALS['ratio']} × the no-GPU "
@@ -410,7 +432,10 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
                 f"- Nodes created in {_f(s.get('create_s'))} s ({_f(s.get('create_per_s'))}/s, 64 in flight); the "
                 f"operator had written every node's allocation annotation {_f(s.get('operator_synced_s'))} s after "
                 f"the first create; operator RSS then {_f(s.get('operator_rss_mib_after_sync'))} MiB, at the end "
-                f"{_f(run.get('operator_rss_mib_end'))} MiB.", ""]
+                f"{_f(run.get('operator_rss_mib_end'))} MiB."]
+        if run.get("skipped_bursts"):
+            out.append(f"- Not run (`--time-budget` spent): {', '.join(run['skipped_bursts'])}.")
+        out.append("")
         out += [*burst_table(run), ""]
         probe = run.get("extender_probe")
         if probe:
@@ -429,6 +454,15 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
         if cost:
             out += ["What a pod cost the API server in each burst (kube-apiserver's own request counts, watches "
                     "left out; the bench's create and its status patch, as a kubelet's, included):", "", *cost, ""]
+        dt = dra_table(run)
+        if dt:
+            d = run.get("dra_setup") or {}
+            out += ["DRA mode on the same nodes and cards (`--dra`: after the bursts above the pool moved to "
+                    f"`allocation: dra` and each node got its ResourceSlice: {d.get('slices', '–')} slices, "
+                    f"{d.get('devices', '–')} devices, created in {_f(d.get('create_s'))} s); each DRA pod has one "
+                    "claim from a ResourceClaimTemplate (3000Mi, 30 % cores), allocated by the default "
+                    "kube-scheduler, each DRA burst next to a no-GPU burst of its own; extender columns from the "
+                    "bursts above:", "", *dt, ""]
         ct = cpu_table(run)
         if ct:
             out += ["CPU seconds per process during each burst:", "", *ct, ""]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results" / "scale.json"
 
 
 def machine() -> dict[str, Any]:

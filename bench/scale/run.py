@@ -21,9 +21,15 @@ requests it served during the burst per pod, by verb and resource (``apiserver_r
 watches left out; the bench's own creates and status patches, as a kubelet's, included), the
 admission webhook calls per pod by webhook, and kube-apiserver's CPU time per pod.
 
+With ``--dra``, a second phase on the same nodes and cards (:mod:`bench.scale.dra`): the pool
+moves to ``allocation: dra``, each node gets its ResourceSlice, and the same bursts run with pods
+that each get one ResourceClaim from a template (3000 MiB, 30 %), allocated by the default
+kube-scheduler's DRA plugin, each next to a no-GPU baseline burst of its own.
+
 Usage (from the repository root)::
 
     .venv/bin/python bench/scale/run.py --nodes 1000 --bursts 500,2000
+    .venv/bin/python bench/scale/run.py --nodes 1000 --bursts 500,2000 --dra
     .venv/bin/python bench/scale/run.py --nodes 5000 --bursts 2000 --requeue-trials 0
 
 Results are merged into ``bench/results/scale.json`` (keyed by node count);
@@ -38,7 +44,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -56,8 +61,10 @@ from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode  # noqa: E402
 from kvgpu.devcluster import Cluster  # noqa: E402
 from kvgpu.devcluster.fakenodes import node_manifest  # noqa: E402
 from kvgpu.devcluster.system import KvgpuSystem  # noqa: E402
+from kvgpu.dra.slices import device_classes  # noqa: E402
+from kvgpu.kube import read_checked  # noqa: E402
 
-from bench.scale import kubeio  # noqa: E402
+from bench.scale import dra, kubeio  # noqa: E402
 from bench.scale.probes import (  # noqa: E402
     ProcSampler,
     api_requests,
@@ -69,48 +76,19 @@ from bench.scale.probes import (  # noqa: E402
     scrape_histogram,
     webhook_workers,
 )
+from bench.scale.requeue import requeue  # noqa: E402
 from bench.scale.results import code_version, machine, merge_results, public_args  # noqa: E402
+from bench.scale.workload import pod_body  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "scale.json"
 CARD = SimulatedCardSpec(model="NVIDIA H100 80GB HBM3", memory_mib=81559, sm_count=132, numa=0, count=8)
 KVGPU_SCHED = "kube-scheduler-kvgpu-scheduler"
 DEFAULT_SCHED = "kube-scheduler-default-scheduler"
+SPLIT_COUNT = 10  # the pool's splitCount: slices (extender) or shares (DRA) per card
 
 
 def log(msg: str) -> None:
     print(f"[{datetime.now(UTC).strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ----------------------------------------------------------------------------- workload
-def gpu_request(rng: random.Random) -> tuple[dict[str, str], dict[str, str]]:
-    """A mixed-size request: (annotations, container limits). Mostly small slices, some halves,
-    some HAMi-form, some two-card and a few exclusive cards."""
-    r = rng.random()
-    if r < 0.45:
-        return {"kvgpu.io/gpumem": str(rng.choice((2000, 4000, 8000, 10000))),
-                "kvgpu.io/gpucores": str(rng.choice((10, 20, 30)))}, {}
-    if r < 0.65:
-        return {"kvgpu.io/gpumem-percentage": str(rng.choice((25, 50))), "kvgpu.io/gpucores": "25"}, {}
-    if r < 0.80:
-        return {}, {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(rng.choice((3000, 6000))),
-                    "nvidia.com/gpucores": "20"}
-    if r < 0.95:
-        return {"kvgpu.io/gpu": "2", "kvgpu.io/gpumem": "16000", "kvgpu.io/gpucores": "30"}, {}
-    return {"kvgpu.io/gpucores": "100"}, {}  # a whole card
-
-
-def pod_body(name: str, *, gpu: bool, rng: random.Random) -> dict[str, Any]:
-    ann, limits = gpu_request(rng) if gpu else ({}, {})
-    res: dict[str, Any] = {"requests": {"cpu": "10m", "memory": "16Mi"}}
-    if limits:
-        res["limits"] = limits
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "annotations": ann, "labels": {"kvgpu.io/bench": "scale"}},
-        "spec": {"containers": [{"name": "main", "image": "bench", "resources": res}],
-                 "terminationGracePeriodSeconds": 0,
-                 "tolerations": [{"key": "node.kubernetes.io/not-ready", "operator": "Exists"}]},
-    }
 
 
 # ----------------------------------------------------------------------------- the bench
@@ -122,6 +100,9 @@ class Bench:
         self.cluster = Cluster(self.run_dir)
         self.system = KvgpuSystem(self.cluster, operator_args=(f"--node-choice={args.node_choice}",))
         self.result: dict[str, Any] = {}
+        self.node_bodies: list[dict[str, Any]] = []
+        self.slices: list[dict[str, Any]] = []
+        self.t_start = time.monotonic()
 
     # --- setup -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,7 +111,7 @@ class Bench:
         self.system.start()
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps({
             "apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": "default"},
-            "spec": {"nodeSelector": {"matchLabels": {keys.NODE_LABEL_GPU: "true"}}, "splitCount": 10}}))
+            "spec": {"nodeSelector": {"matchLabels": {keys.NODE_LABEL_GPU: "true"}}, "splitCount": SPLIT_COUNT}}))
         log(f"control plane + operator up in {time.monotonic() - t0:.1f} s ({self.run_dir})")
 
     def stop(self) -> None:
@@ -158,6 +139,7 @@ class Bench:
                                          labels=(("kvgpu.io/bench", "requeue"),)))
         rq["spec"]["taints"] = [{"key": "kvgpu.io/bench", "value": "requeue", "effect": "NoSchedule"}]
         bodies.append(rq)
+        self.node_bodies = bodies
         annotated: set[str] = set()
         all_done = asyncio.Event()
 
@@ -187,12 +169,21 @@ class Bench:
                 "operator_during_sync": sampler.summary()}
 
     # --- one burst ---------------------------------------------------------------------------
-    async def burst(self, api: client.ApiClient, size: int, *, gpu: bool, mode: str) -> dict[str, Any]:
-        kind = "gpu" if gpu else "baseline"
+    async def burst(self, api: client.ApiClient, size: int, *, kind: str, mode: str,
+                    phase: str = "extender") -> dict[str, Any]:
+        """One burst of ``size`` pods of ``kind`` (``baseline``: no GPU; ``gpu``: extender mode;
+        ``dra``: one claim each from the seed's ResourceClaimTemplate) in ``mode`` (``stream`` or
+        ``queued``); ``phase`` names the cards' allocation while it runs (``extender``/``dra``).
+        Returns the burst's record (shape: the keys of ``out`` below)."""
+        gpu = kind == "gpu"
         ns = f"b-{kind}-{mode}-{size}-{self.rng.randrange(16**6):06x}"
         await kubeio.bounded([ns], lambda n: client.CoreV1Api(api).create_namespace(
             {"metadata": {"name": n}}, _preload_content=False), 1)
-        bodies = [pod_body(f"p{i:05d}", gpu=gpu, rng=self.rng) for i in range(size)]
+        if kind == "dra":
+            await dra.create_template(api, ns)
+            bodies = [dra.pod_body(f"p{i:05d}") for i in range(size)]
+        else:
+            bodies = [pod_body(f"p{i:05d}", gpu=gpu, rng=self.rng) for i in range(size)]
         t_sent: dict[str, float] = {}
         t_bound: dict[str, float] = {}
         t_running: dict[str, float] = {}
@@ -235,7 +226,7 @@ class Bench:
         load0 = load_average()
         t_sched_start = None
         pprof = None
-        if gpu and self.args.apiserver_profile:
+        if kind != "baseline" and self.args.apiserver_profile:
             pprof = asyncio.create_task(self.apiserver_profile(api, f"apiserver-{kind}-{mode}-{size}.pprof"))
         with sampler:
             if mode == "queued":
@@ -267,7 +258,7 @@ class Bench:
         lat_bound = [t_bound[n] - t_sent[n] for n in t_bound if n in t_sent]
         lat_run = [t_running[n] - t_sent[n] for n in t_running if n in t_sent]
         out: dict[str, Any] = {
-            "kind": kind, "mode": mode, "pods": size, "create_errors": len(errors),
+            "kind": kind, "mode": mode, "pods": size, "phase": phase, "create_errors": len(errors),
             "create_s": round(t_created - t0, 2), "bound": len(bound), "timed_out": timed_out,
         }
         if errors:
@@ -293,6 +284,8 @@ class Bench:
             out["bound_curve_s"] = [round(b - ref, 3) for b in bound[:: max(1, len(bound) // 200)]]
         if gpu:
             out["extender"] = histogram_quantiles(hist0, hist1)
+        if kind == "dra":
+            out["dra_allocations"] = dra.check_allocations(await dra.list_claims(api, ns), self.slices)
         out["operator"] = sampler.summary()
         out["cpu_seconds_by_process"] = sampler.cpu_by_process()
         out["api_requests_per_pod"] = per_pod_requests(req0, req1, size)
@@ -301,14 +294,16 @@ class Bench:
         out["apiserver_cpu_ms_per_pod"] = apiserver_cpu_ms_per_pod(out["cpu_seconds_by_process"], size)
         out["load_average_1m"] = [load0, load_average()]
         out["wall_s"] = round(t_end - t0, 2)
-        log(f"{kind:8s} {mode:6s} {size:5d} pods: bound {len(bound)}/{size}"
+        log(f"{kind:8s} {phase:8s} {mode:6s} {size:5d} pods: bound {len(bound)}/{size}"
             f" {out.get('bound_per_s')} pods/s, running {out.get('running_per_s')} pods/s,"
             f" create {out['create_s']} s, errors {len(errors)}, operator {out['operator']}"
-            + (f", extender {out['extender']}" if gpu else "") + f", cpu {out['cpu_seconds_by_process']}"
+            + (f", extender {out['extender']}" if gpu else "")
+            + (f", claims {out['dra_allocations']}" if kind == "dra" else "")
+            + f", cpu {out['cpu_seconds_by_process']}"
             + f", API requests per pod {out['api_requests_per_pod']}"
             + f", webhook calls per pod {out['webhook_calls_per_pod']}"
             + f", kube-apiserver CPU {out['apiserver_cpu_ms_per_pod']} ms per pod")
-        await self.cleanup_namespace(api, ns, gpu)
+        await self.cleanup_namespace(api, ns, kind)
         return out
 
     async def apiserver_profile(self, api: client.ApiClient, name: str) -> None:
@@ -340,15 +335,17 @@ class Bench:
         else:
             self.cluster.start_scheduler("default-scheduler")
 
-    async def cleanup_namespace(self, api: client.ApiClient, ns: str, gpu: bool) -> None:
-        """Delete the burst's pods and namespace; for GPU bursts wait until its claims are gone,
-        so the next burst starts from a quiet operator."""
+    async def cleanup_namespace(self, api: client.ApiClient, ns: str, kind: str) -> None:
+        """Delete the burst's pods and namespace; for GPU bursts (``kind`` ``gpu``, ``dra``) wait
+        until its claims (VGPUClaims, ResourceClaims) are gone, so the next burst starts from a
+        quiet operator and kube-controller-manager."""
         t0 = time.monotonic()
         await asyncio.to_thread(self.cluster.kubectl, "delete", "pods", "--all", "-n", ns, "--grace-period=0",
                                 "--force", "--wait=false", check=False, timeout=300)
-        if gpu:
+        if kind != "baseline":
             while time.monotonic() - t0 < 180:
-                left = len((await kubeio.list_raw(api, "vgpuclaims", ns)).get("items") or [])
+                left = len(await dra.list_claims(api, ns) if kind == "dra"
+                           else (await kubeio.list_raw(api, "vgpuclaims", ns)).get("items") or [])
                 if not left:
                     break
                 await asyncio.sleep(1.0)
@@ -385,70 +382,6 @@ class Bench:
         log(f"direct extender probes: {out}")
         return out
 
-    # --- requeue ---------------------------------------------------------------------------------
-    async def requeue(self, api: client.ApiClient, trials: int) -> dict[str, Any]:
-        """A chain of pods that each need the whole requeue-0 card: pod k waits (fits nowhere)
-        until pod k-1 is deleted; the time from that delete to pod k Bound is one sample."""
-        ns = f"requeue-{self.rng.randrange(16**6):06x}"
-        await kubeio.bounded([ns], lambda n: client.CoreV1Api(api).create_namespace(
-            {"metadata": {"name": n}}, _preload_content=False), 1)
-        bound: dict[str, asyncio.Event] = {}
-
-        def on_pod(etype: str, obj: dict[str, Any], t: float) -> None:
-            name = obj["metadata"]["name"]
-            if obj.get("spec", {}).get("nodeName"):
-                bound.setdefault(name, asyncio.Event()).set()
-
-        w = kubeio.Watch(api, "pods", ns, on_pod).start()
-        await w.synced.wait()
-
-        def body(i: int) -> dict[str, Any]:
-            return {"apiVersion": "v1", "kind": "Pod",
-                    "metadata": {"name": f"r{i:03d}", "annotations": {"kvgpu.io/gpumem": "10000"}},
-                    "spec": {"containers": [{"name": "main", "image": "bench"}],
-                             "nodeSelector": {"kvgpu.io/bench": "requeue"},
-                             "tolerations": [{"key": "kvgpu.io/bench", "operator": "Exists"}],
-                             "terminationGracePeriodSeconds": 0}}
-
-        async def wait_bound(name: str, limit_s: float) -> bool:
-            ev = bound.setdefault(name, asyncio.Event())
-            try:
-                await asyncio.wait_for(ev.wait(), limit_s)
-                return True
-            except TimeoutError:
-                return False
-
-        hist0 = scrape_histogram(self.metrics_port)
-        await kubeio.create_pod(api, ns, body(0))
-        if not await wait_bound("r000", 60):
-            raise RuntimeError("requeue: the first pod was never bound")
-        samples: list[float] = []
-        misses = 0
-        for i in range(1, trials + 1):
-            name = f"r{i:03d}"
-            await kubeio.create_pod(api, ns, body(i))
-            await asyncio.sleep(self.args.requeue_wait)  # rejected by filter, parked by kube-scheduler
-            if bound.get(name) is not None and bound[name].is_set():
-                raise RuntimeError(f"requeue: {name} was bound while the card was full")
-            t0 = time.monotonic()
-            await kubeio.delete_pod(api, ns, f"r{i - 1:03d}")
-            if await wait_bound(name, 30):
-                samples.append(time.monotonic() - t0)
-            else:
-                misses += 1
-        await w.stop()
-        extender = histogram_quantiles(hist0, scrape_histogram(self.metrics_port))
-        await self.cleanup_namespace(api, ns, True)
-        out = {"extender_one_pod_at_a_time": extender, "trials": trials, "placed": len(samples),
-               "missed_30s": misses,
-               "wait_before_free_s": self.args.requeue_wait,
-               "p50_s": round(pct(samples, 0.5), 3), "p90_s": round(pct(samples, 0.9), 3),
-               "p99_s": round(pct(samples, 0.99), 3), "max_s": round(max(samples), 3) if samples else None,
-               "mean_s": round(statistics.fmean(samples), 3) if samples else None,
-               "within_2s": sum(s <= 2.0 for s in samples), "samples_s": [round(s, 3) for s in samples]}
-        log(f"requeue: {out}")
-        return out
-
     # --- main ----------------------------------------------------------------------------------
     async def main(self) -> dict[str, Any]:
         async with self.cluster.api() as api:
@@ -459,16 +392,50 @@ class Bench:
             nodes["operator_rss_mib_after_sync"] = round(rss / 2**20, 1)
             out: dict[str, Any] = {"setup": nodes, "bursts": []}
             if self.args.requeue_trials:
-                out["requeue"] = await self.requeue(api, self.args.requeue_trials)
-            for size in self.args.bursts:
-                for mode in self.args.modes:
-                    for gpu in (False, True):
-                        out["bursts"].append(await self.burst(api, size, gpu=gpu, mode=mode))
-                        self._save_partial(out)
+                out["requeue"] = await requeue(self, api, self.args.requeue_trials)
+                log(f"requeue: {out['requeue']}")
+            await self.bursts(api, out, ("baseline", "gpu"), "extender")
             out["extender_probe"] = await self.probe_extender(api)
+            if self.args.dra:
+                out["dra_setup"] = await self.to_dra(api)
+                await self.bursts(api, out, ("baseline", "dra"), "dra")
             _cpu, rss = idle.read()
             out["operator_rss_mib_end"] = round(rss / 2**20, 1)
             return out
+
+    async def bursts(self, api: client.ApiClient, out: dict[str, Any], kinds: tuple[str, ...], phase: str) -> None:
+        """Every burst size and mode, one burst of each of ``kinds`` in turn, appended to
+        ``out["bursts"]``; past ``--time-budget`` the (size, mode) groups not started are listed
+        in ``out["skipped_bursts"]`` instead."""
+        for size in self.args.bursts:
+            for mode in self.args.modes:
+                if self.args.time_budget and time.monotonic() - self.t_start > self.args.time_budget:
+                    out.setdefault("skipped_bursts", []).extend(f"{k} {phase} {mode} {size}" for k in kinds)
+                    log(f"time budget of {self.args.time_budget} s spent: {kinds} {mode} {size} skipped")
+                    continue
+                for kind in kinds:
+                    out["bursts"].append(await self.burst(api, size, kind=kind, mode=mode, phase=phase))
+                    self._save_partial(out)
+
+    async def to_dra(self, api: client.ApiClient) -> dict[str, Any]:
+        """Move every card to DRA: the pool's ``allocation`` to ``dra``, kvgpu's DeviceClass, and
+        each node's ResourceSlice (64 in flight). Returns ``{"slices", "devices", "create_s"}``."""
+        await asyncio.to_thread(self.cluster.kubectl, "patch", "vgpupool", "default", "--type=merge",
+                                "-p", json.dumps({"spec": {"allocation": "dra"}}))
+        for dc in device_classes():
+            await read_checked(await client.ResourceV1Api(api).create_device_class(
+                dc, _preload_content=False))
+        self.slices = [s for b in self.node_bodies for s in dra.node_slices(b, "default", SPLIT_COUNT)]
+        t0 = time.monotonic()
+        res = await kubeio.bounded(self.slices, lambda b: dra.create_slice(api, b), 64)
+        created = time.monotonic() - t0
+        errors = [r for r in res if isinstance(r, Exception)]
+        if errors:
+            raise RuntimeError(f"{len(errors)} ResourceSlice creations failed, e.g. {errors[0]!r}")
+        devices = sum(len(s["spec"]["devices"]) for s in self.slices)
+        log(f"{len(self.slices)} ResourceSlices ({devices} devices) created in {created:.1f} s")
+        await asyncio.sleep(self.args.settle)
+        return {"slices": len(self.slices), "devices": devices, "create_s": round(created, 2)}
 
     def _save_partial(self, out: dict[str, Any]) -> None:
         (self.run_dir / "partial.json").write_text(json.dumps(out, indent=1))
@@ -488,6 +455,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", default="")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--time-budget", type=float, default=0, metavar="SECONDS",
+                   help="start no burst (size and mode) later than SECONDS after the bench started; "
+                        "those skipped are listed in the results (0: no limit)")
+    p.add_argument("--dra", action="store_true",
+                   help="after the extender bursts, move the cards to allocation: dra (ResourceSlices) and run "
+                        "the same bursts with DRA claims, next to a no-GPU baseline each (bench/scale/dra.py)")
     p.add_argument("--node-choice", choices=["extender", "scheduler"], default="extender",
                    help="the operator's --node-choice: who picks a GPU pod's node (kvgpu.extender.choice)")
     p.add_argument("--apiserver-profile", type=int, default=0, metavar="SECONDS",
