@@ -78,3 +78,18 @@ def driver_mounts(driver_root: str | None) -> list[Any]:
     root = Path(driver_root)
     return [pb2.Mount(container_path=f"{CONTAINER_DRIVER_ROOT}/{sub}", host_path=str(root / sub), read_only=True)
             for sub in ("lib64", "bin") if (root / sub).is_dir()]
+
+
+def mig_device_specs(nodes: Iterable[str], dev_root: str, host_dev_root: str | None = None) -> list[Any]:
+    """``DeviceSpec``s of MIG devices: ``nodes`` (``/dev/...`` paths: the parents' ``nvidia<minor>``
+    and the instances' ``nvidia-caps/nvidia-cap<N>``, :func:`kvgpu.dra.mig.mig_container_edits`) and
+    the control nodes present under ``dev_root`` — and **no other** ``nvidia-caps`` node: another
+    instance's cap would open that instance."""
+    root = Path(dev_root)
+    host = Path(host_dev_root or dev_root)
+    names = [n.removeprefix("/dev/") for n in nodes]
+    names += [n for n in CONTROL_NODES if (root / n).exists()]
+    return [
+        pb2.DeviceSpec(container_path=f"/dev/{n}", host_path=str(host / n), permissions="rw")
+        for n in dict.fromkeys(names)
+    ]
