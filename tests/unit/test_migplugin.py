@@ -17,7 +17,7 @@ from agent_helpers import kubelet
 from grpc import aio
 from kvgpu.admission.handlers import MUTATE_ID, VALIDATE_ID, review
 from kvgpu.agent.deviceplugin import PluginConfig, device_list
-from kvgpu.agent.migplugin import MigPlugins, mig_profiles
+from kvgpu.agent.migplugin import MigPlugins, mig_profiles, simulated_node_resources
 from kvgpu.agent.proto import pb2, pb2_grpc
 from kvgpu.api.podshape import wants_slices
 from kvgpu.core.inventory import NodeInventory, Slicing, parse_simulated
@@ -160,3 +160,13 @@ def test_a_mig_pod_is_no_kvgpu_slice_pod():
     for webhook in (MUTATE_ID, VALIDATE_ID):
         d = review(webhook, {"operation": "CREATE", "object": pod, "userInfo": {"username": "u"}}, set())
         assert d.allowed and d.patch == [] and not d.warnings, webhook  # no schedulerName, no shim
+
+
+def test_a_simulated_node_reports_each_profile_and_zeroes_a_vanished_one():
+    inv = inventory()
+    got = simulated_node_resources(inv, PluginConfig())
+    assert got == {"nvidia.com/gpu": (4, 4), "nvidia.com/mig-1g.18gb": (2, 2), "nvidia.com/mig-3g.71gb": (1, 1)}
+    sick = replace(inv, cards=(inv.cards[0], replace(inv.cards[1], healthy=False,
+                                                      mig_instances=inv.cards[1].mig_instances[:1])))
+    again = simulated_node_resources(sick, PluginConfig(), before=got)
+    assert again == {"nvidia.com/gpu": (4, 4), "nvidia.com/mig-1g.18gb": (0, 0), "nvidia.com/mig-3g.71gb": (1, 0)}

@@ -27,7 +27,7 @@ from kvgpu import __version__
 from kvgpu.core import keys
 from kvgpu.core.inventory import NodeInventory
 
-from .deviceplugin import DevicePlugin, PluginConfig, device_list
+from .deviceplugin import DevicePlugin, PluginConfig
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
 from .enforcement import (
     EnforcementMonitor,
@@ -48,7 +48,7 @@ from .health import (
     SimulatedHealthSource,
 )
 from .kube import KubeApi, NodeApi
-from .migplugin import MigPlugins
+from .migplugin import MigPlugins, simulated_node_resources
 from .mps import MpsDaemons
 from .oomkill import REASON as OOM_REASON
 from .oomkill import OomReporter
@@ -153,7 +153,7 @@ class Agent:
         self.enforcement: EnforcementMonitor | None = None
         self.scheduler: Scheduler | None = None
         self.oom: OomReporter | None = None
-        self._capacity: tuple[int, int] | None = None
+        self._capacity: dict[str, tuple[int, int]] = {}  # simulated node: resource → (capacity, allocatable)
         self.mps: MpsDaemons | None = None
         self._mps_kick = asyncio.Event()
 
@@ -181,13 +181,11 @@ class Agent:
             await self.mig_plugins.update(inv)
         self._mps_kick.set()
         if self.cfg.simulated and self.cfg.simulated_capacity and not self.cfg.device_plugin:
-            devices = device_list(inv, self.cfg.plugin)
-            want = (len(devices), sum(d.health == "Healthy" for d in devices))
-            if want != self._capacity:
-                patch = getattr(self.api, "patch_node_resource", None)
-                if patch is not None:
-                    await patch(self.cfg.node, self.cfg.plugin.resource_name, *want)
-                    self._capacity = want
+            patch = getattr(self.api, "patch_node_resource", None)
+            for resource, want in simulated_node_resources(inv, self.cfg.plugin, self._capacity).items():
+                if patch is not None and want != self._capacity.get(resource):
+                    await patch(self.cfg.node, resource, *want)
+                    self._capacity[resource] = want
 
     def _make_mps(self) -> MpsDaemons:
         control = self.cfg.mps_control

@@ -28,7 +28,7 @@ from kvgpu.core.inventory import Card, MigInstance, NodeInventory
 from kvgpu.dra.mig import MigCapsUnknown, mig_container_edits
 
 from . import devicespecs
-from .deviceplugin import HEALTHY, UNHEALTHY, DevicePlugin
+from .deviceplugin import HEALTHY, UNHEALTHY, DevicePlugin, device_list
 from .pluginconfig import PluginConfig, PluginError
 from .proto import pb2
 
@@ -95,6 +95,17 @@ def mig_container_response(cfg: PluginConfig, pairs: Iterable[tuple[Card, MigIns
         if driver and cfg.ld_library_path:
             resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
     return resp
+
+
+def simulated_node_resources(inv: NodeInventory, cfg: PluginConfig,
+                             before: Iterable[str] = ()) -> dict[str, tuple[int, int]]:
+    """What a kubelet would report from the plugins' lists on a simulated node without one:
+    ``{resource: (capacity, allocatable)}`` (all devices / healthy devices) for ``cfg.resource_name``
+    and every MIG profile; a resource of ``before`` (reported earlier) that is gone reports ``(0, 0)``."""
+    lists = {cfg.resource_name: device_list(inv, cfg)}
+    lists |= {mig_resource_name(p): mig_device_list(inv, p) for p in mig_profiles(inv)}
+    out = {r: (len(ds), sum(d.health == HEALTHY for d in ds)) for r, ds in lists.items()}
+    return {r: (0, 0) for r in before} | out
 
 
 @dataclass
