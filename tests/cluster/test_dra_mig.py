@@ -74,9 +74,13 @@ def _allocated(gpu: GpuEnv, pod: str) -> list[dict[str, Any]]:
             .get("results", [])]
 
 
-def _wait_pending(gpu: GpuEnv, pod: str) -> None:
-    gpu.wait(lambda: any("FailedScheduling" in e for e in gpu.events(pod)), 30, f"FailedScheduling of {pod}")
+def _wait_pending(gpu: GpuEnv, pod: str) -> list[str]:
+    """The FailedScheduling events of ``pod``, once there is one; asserts it is not bound."""
+    events = gpu.wait(lambda: [e for e in gpu.events(pod) if "FailedScheduling" in e], 30,
+                      f"FailedScheduling of {pod}")
     assert not gpu.get("pod", pod)["spec"].get("nodeName")
+    assert any("cannot allocate all claims" in e for e in events), events  # the DRA plugin's reason
+    return list(events)
 
 
 def test_api_server_accepts_the_counter_and_device_slices(gpu: GpuEnv, publish: Any) -> None:
