@@ -48,7 +48,8 @@ def dra_node(gpu: GpuEnv) -> Iterator[str]:
         yield node
     finally:
         gpu.cluster.kubectl("delete", "resourceslice", f"{node}-{DRIVER}", "--ignore-not-found")
-        gpu.cluster.kubectl("delete", "deviceclass", DRIVER, "--ignore-not-found")
+        for dc in device_classes():
+            gpu.cluster.kubectl("delete", "deviceclass", dc["metadata"]["name"], "--ignore-not-found")
 
 
 def test_kube_scheduler_shares_one_card_by_capacity(gpu: GpuEnv, dra_node: str) -> None:

@@ -431,8 +431,7 @@ async def test_allocate_answers_the_claim_when_the_kubelet_picked_another_card(s
         ("/dev/nvidiactl", str(dev / "nvidiactl"), "rw"),
         ("/dev/nvidia-uvm", str(dev / "nvidia-uvm"), "rw"),
         ("/dev/nvidia-uvm-tools", str(dev / "nvidia-uvm-tools"), "rw"),
-        ("/dev/nvidia-caps/nvidia-cap1", str(dev / "nvidia-caps/nvidia-cap1"), "rw"),
-    ]
+    ]  # no nvidia-caps node: MIG's config cap (present here) is no whole card's business
     assert [(m.container_path, m.host_path, m.read_only) for m in c.mounts] == [
         ("/usr/local/kvgpu/lib", str(shim_dir), True),
         ("/etc/ld.so.preload", str(shim_dir.parent / "ld.so.preload"), True),

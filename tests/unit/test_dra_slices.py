@@ -59,6 +59,8 @@ def test_an_uncovered_card_is_refused() -> None:
 
 
 def test_the_device_class_selects_the_driver_s_shareable_cards() -> None:
-    (dc,) = device_classes()
-    assert dc["metadata"]["name"] == DRIVER
+    dc, mig = device_classes()
+    assert dc["metadata"]["name"] == DRIVER and mig["metadata"]["name"] == "mig.gpu.kvgpu.io"
+    assert '.type == "gpu"' in dc["spec"]["selectors"][0]["cel"]["expression"]
+    assert '.type == "mig"' in mig["spec"]["selectors"][0]["cel"]["expression"]
     assert f'device.driver == "{DRIVER}"' in dc["spec"]["selectors"][0]["cel"]["expression"]

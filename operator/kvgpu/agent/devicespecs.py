@@ -2,8 +2,10 @@
 
 - Device nodes (``DeviceSpec``): ``/dev/nvidia<minor>`` of each claimed card, plus the control
   nodes that exist under the dev root: ``nvidiactl``, ``nvidia-uvm``, ``nvidia-uvm-tools``,
-  ``nvidia-modeset`` and every ``nvidia-caps/*``. Host path ``<host dev root>/<name>``, container path
-  ``/dev/<name>``, permissions ``rw``.
+  ``nvidia-modeset``; no ``nvidia-caps/*`` node (a whole card needs none, as the NVIDIA container
+  toolkit gives none; they are MIG's: the config and monitor caps and each instance's access, so
+  only a MIG container gets its own instance's, :func:`mig_device_specs`). Host path
+  ``<host dev root>/<name>``, container path ``/dev/<name>``, permissions ``rw``.
 - Driver user-space files (read-only ``Mount``), GKE's layout: ``<driver root>/lib64`` on
   ``/usr/local/nvidia/lib64`` and ``<driver root>/bin`` on ``/usr/local/nvidia/bin``
   (CUDA base images already have ``/usr/local/nvidia/lib64`` in ``LD_LIBRARY_PATH``; the plugin
@@ -45,7 +47,7 @@ def card_minor(card: Card) -> int:
 
 
 def device_specs(cards: Iterable[Card], dev_root: str, host_dev_root: str | None = None) -> list[Any]:
-    """``DeviceSpec``s of ``cards`` and the control nodes present under ``dev_root``.
+    """``DeviceSpec``s of ``cards`` and the control nodes present under ``dev_root`` (no ``nvidia-caps``).
 
     ``host_dev_root``: where ``dev_root`` is on the host (default: the same path), for an agent
     that sees the host's ``/dev`` elsewhere (the DaemonSet mounts it on ``/host/dev``).
@@ -56,9 +58,6 @@ def device_specs(cards: Iterable[Card], dev_root: str, host_dev_root: str | None
     host = Path(host_dev_root or dev_root)
     names = [f"nvidia{card_minor(c)}" for c in cards]
     names += [n for n in CONTROL_NODES if (root / n).exists()]
-    caps = root / "nvidia-caps"
-    if caps.is_dir():
-        names += [f"nvidia-caps/{p.name}" for p in sorted(caps.iterdir()) if not p.is_dir()]
     return [
         pb2.DeviceSpec(container_path=f"/dev/{n}", host_path=str(host / n), permissions="rw")
         for n in dict.fromkeys(names)
@@ -78,3 +77,18 @@ def driver_mounts(driver_root: str | None) -> list[Any]:
     root = Path(driver_root)
     return [pb2.Mount(container_path=f"{CONTAINER_DRIVER_ROOT}/{sub}", host_path=str(root / sub), read_only=True)
             for sub in ("lib64", "bin") if (root / sub).is_dir()]
+
+
+def mig_device_specs(nodes: Iterable[str], dev_root: str, host_dev_root: str | None = None) -> list[Any]:
+    """``DeviceSpec``s of MIG devices: ``nodes`` (``/dev/...`` paths: the parents' ``nvidia<minor>``
+    and the instances' ``nvidia-caps/nvidia-cap<N>``, :func:`kvgpu.dra.mig.mig_container_edits`) and
+    the control nodes present under ``dev_root`` — and **no other** ``nvidia-caps`` node: another
+    instance's cap would open that instance."""
+    root = Path(dev_root)
+    host = Path(host_dev_root or dev_root)
+    names = [n.removeprefix("/dev/") for n in nodes]
+    names += [n for n in CONTROL_NODES if (root / n).exists()]
+    return [
+        pb2.DeviceSpec(container_path=f"/dev/{n}", host_path=str(host / n), permissions="rw")
+        for n in dict.fromkeys(names)
+    ]

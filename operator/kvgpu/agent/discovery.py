@@ -12,19 +12,32 @@ drivers answer ``NOT_SUPPORTED`` for full (non-MIG) cards, so the CUDA driver at
 ``CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`` (read through ``libcuda.so.1`` with ctypes, matched by
 UUID, never by ordinal) is the fallback, then a table of known models. ``sm_source`` in
 :class:`NvmlCardDetail` says which one answered.
+
+MIG: a card whose current MIG mode is on is listed with its MIG devices as they exist
+(``nvmlDeviceGetMaxMigDeviceCount`` slots, ``nvmlDeviceGetMigDeviceHandleByIndex``; an empty slot
+is skipped): UUID, memory, SMs (``multiprocessorCount``), GPU/compute-instance ids, the profile
+from the device name (``NVIDIA H200 MIG 1g.18gb``), and the minors of their
+``/dev/nvidia-caps`` nodes from the driver's ``/proc/driver/nvidia-caps/mig-minors``. Discovery only
+reads: it never changes a card's MIG mode or instances.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvgpu.core.inventory import Card, NodeInventory, SimulatedNode, parse_simulated
+from kvgpu.core.inventory import Card, MigInstance, NodeInventory, SimulatedNode, parse_simulated
+from kvgpu.core.migprofiles import profile_from_name
+
+MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
+
+log = logging.getLogger(__name__)
 
 
 class DiscoveryError(RuntimeError):
@@ -189,6 +202,51 @@ def _numa_from_sysfs(bus_id: str, sysfs: str = "/sys/bus/pci/devices") -> int | 
     return v if v >= 0 else None
 
 
+def read_mig_minors(path: str = MIG_MINORS) -> dict[str, int]:
+    """The driver's MIG capability table, ``{"gpu0/gi7/access": 66, "gpu0/gi7/ci0/access": 67, ...}``
+    (``{}`` when the file is missing or unreadable: the caps are then unknown)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, minor = line.strip().rpartition(" ")
+        if name and minor.isdigit():
+            out[name] = int(minor)
+    return out
+
+
+def _mig_instances(nv: Any, parent: Any, gpu_minor: int, minors: dict[str, int]) -> tuple[MigInstance, ...]:
+    """The MIG devices of ``parent`` (a card in MIG mode). Never raises: a card whose MIG devices
+    cannot be counted, and a MIG device that cannot be read, are logged and offer nothing."""
+    try:
+        slots = int(nv.nvmlDeviceGetMaxMigDeviceCount(parent))
+    except Exception as e:
+        log.warning("NVML cannot count the MIG devices of MIG-mode card %s: %s", gpu_minor, e)
+        return ()
+    out: list[MigInstance] = []
+    for i in range(slots):
+        try:
+            mh = nv.nvmlDeviceGetMigDeviceHandleByIndex(parent, i)
+        except Exception:  # NOT_FOUND: no MIG device in this slot
+            continue
+        try:
+            uuid = _text(nv.nvmlDeviceGetUUID(mh))
+            mem = int(nv.nvmlDeviceGetMemoryInfo(mh).total) // (1 << 20)
+            sms = int(nv.nvmlDeviceGetAttributes(mh).multiprocessorCount)
+            gi = int(nv.nvmlDeviceGetGpuInstanceId(mh))
+            ci = int(nv.nvmlDeviceGetComputeInstanceId(mh))
+            profile = profile_from_name(_text(nv.nvmlDeviceGetName(mh)))
+        except Exception as e:
+            log.warning("NVML query of MIG device %d of card %s failed (not offered): %s", i, gpu_minor, e)
+            continue
+        out.append(MigInstance(uuid, i, profile, mem, sms, gi, ci,
+                               minors.get(f"gpu{gpu_minor}/gi{gi}/access"),
+                               minors.get(f"gpu{gpu_minor}/gi{gi}/ci{ci}/access")))
+    return tuple(out)
+
+
 @dataclass
 class NvmlDiscovery:
     """Discovery through NVML.
@@ -197,12 +255,15 @@ class NvmlDiscovery:
     UUID when NVML cannot (default :func:`cuda_sm_counts`, called at most once per process).
     ``discover()`` raises :class:`DiscoveryError` if NVML cannot be loaded or initialised;
     per-card optional queries (NUMA, MIG, SMs) that fail degrade to ``None``/``False``/``0``.
+    ``mig_minors``: the driver's MIG capability table (read once per ``discover()`` when a card is
+    in MIG mode).
     """
 
     node: str
     nvml: Any = None
     cuda_sm: Callable[[], dict[str, int]] = cuda_sm_counts
     sysfs: str = "/sys/bus/pci/devices"
+    mig_minors: str = MIG_MINORS
 
     def __post_init__(self) -> None:
         self._initialised = False
@@ -257,6 +318,7 @@ class NvmlDiscovery:
             raise DiscoveryError(f"NVML query failed: {e}") from e
         cards: list[Card] = []
         details: list[NvmlCardDetail] = []
+        minors: dict[str, int] | None = None
         for i in range(count):
             try:
                 h = nv.nvmlDeviceGetHandleByIndex(i)
@@ -289,7 +351,13 @@ class NvmlDiscovery:
             except Exception:  # NOT_SUPPORTED on some platforms: the device plugin uses the index
                 minor = None
             sms, sm_source = self._sm_count(nv, h, uuid, model)
-            cards.append(Card(uuid, index, model, total // (1 << 20), sms, numa, mig, minor=minor))
+            instances: tuple[MigInstance, ...] = ()
+            if mig:
+                if minors is None:
+                    minors = read_mig_minors(self.mig_minors)
+                instances = _mig_instances(nv, h, index if minor is None else minor, minors)
+            cards.append(Card(uuid, index, model, total // (1 << 20), sms, numa, mig, minor=minor,
+                              mig_instances=instances))
             details.append(NvmlCardDetail(uuid, index, total, sm_source, bus_id))
         self.details = details
         cards.sort(key=lambda c: c.index)

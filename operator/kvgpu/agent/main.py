@@ -4,7 +4,8 @@
 ``asyncio.run(run(cfg))``. Order at start: discovery works (or the agent exits with
 :class:`~kvgpu.agent.discovery.DiscoveryError`) → the shim is installed (when a source is given)
 → then, concurrently: inventory registration, health monitoring, the pod cache, the kubelet
-device plugin, the metrics server, the region GC and the compute schedule writer
+device plugin (and the MIG profiles' plugins, :mod:`kvgpu.agent.migplugin`), the metrics server,
+the region GC and the compute schedule writer
 (:mod:`kvgpu.agent.schedule`, with the device plugin only). A health change re-publishes the
 inventory at once, updates the device plugin's list (the kubelet sees the replicas unhealthy) and
 records a Node Event.
@@ -26,7 +27,7 @@ from kvgpu import __version__
 from kvgpu.core import keys
 from kvgpu.core.inventory import NodeInventory
 
-from .deviceplugin import DevicePlugin, PluginConfig, device_list
+from .deviceplugin import DevicePlugin, PluginConfig
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
 from .enforcement import (
     EnforcementMonitor,
@@ -47,6 +48,7 @@ from .health import (
     SimulatedHealthSource,
 )
 from .kube import KubeApi, NodeApi
+from .migplugin import MigPlugins, simulated_node_resources
 from .mps import MpsDaemons
 from .oomkill import REASON as OOM_REASON
 from .oomkill import OomReporter
@@ -145,12 +147,13 @@ class Agent:
         self.registrar = Registrar(cfg.node, api, self.discovery, self.health, extra=self._shim_annotation)
         self.pods = PodCache(cfg.node)
         self.plugin: DevicePlugin | None = None
+        self.mig_plugins: MigPlugins | None = None  # nvidia.com/mig-<profile>, with the device plugin
         self.metrics_server: Any = None
         self.reader = default_reader()
         self.enforcement: EnforcementMonitor | None = None
         self.scheduler: Scheduler | None = None
         self.oom: OomReporter | None = None
-        self._capacity: tuple[int, int] | None = None
+        self._capacity: dict[str, tuple[int, int]] = {}  # simulated node: resource → (capacity, allocatable)
         self.mps: MpsDaemons | None = None
         self._mps_kick = asyncio.Event()
 
@@ -174,15 +177,15 @@ class Agent:
     async def _on_inventory(self, inv: NodeInventory) -> None:
         if self.plugin is not None:
             await self.plugin.update(inv)
+        if self.mig_plugins is not None:
+            await self.mig_plugins.update(inv)
         self._mps_kick.set()
         if self.cfg.simulated and self.cfg.simulated_capacity and not self.cfg.device_plugin:
-            devices = device_list(inv, self.cfg.plugin)
-            want = (len(devices), sum(d.health == "Healthy" for d in devices))
-            if want != self._capacity:
-                patch = getattr(self.api, "patch_node_resource", None)
-                if patch is not None:
-                    await patch(self.cfg.node, self.cfg.plugin.resource_name, *want)
-                    self._capacity = want
+            patch = getattr(self.api, "patch_node_resource", None)
+            for resource, want in simulated_node_resources(inv, self.cfg.plugin, self._capacity).items():
+                if patch is not None and want != self._capacity.get(resource):
+                    await patch(self.cfg.node, resource, *want)
+                    self._capacity[resource] = want
 
     def _make_mps(self) -> MpsDaemons:
         control = self.cfg.mps_control
@@ -389,6 +392,8 @@ class Agent:
                     plugin_cfg, inv, hints=self.pods.hints, identifier=self._identifier(plugin_cfg)
                 )
                 tg.create_task(self.plugin.run(), name="device-plugin")
+                self.mig_plugins = MigPlugins(plugin_cfg, inv)
+                tg.create_task(self.mig_plugins.run(), name="mig-device-plugins")
             if isinstance(self.api, KubeApi):
                 tg.create_task(self.api.watch(self.cfg.node, self.registrar.kick), name="node-pool-watch")
             tg.create_task(self.registrar.run(self.cfg.interval_s, self._on_inventory), name="registration")

@@ -19,6 +19,13 @@ physical card; the pool's ``defaults.gpumem`` or the whole card when it asks for
 ``cores`` (0..100, the pool's ``defaults.gpucores`` when it asks for none; 0 = no compute limit,
 HAMi's meaning). An ``exclusive`` card is not shared (``allowMultipleAllocations`` false).
 Unhealthy cards and cards in MIG mode are not published as shareable devices.
+
+A card already in MIG mode publishes its MIG instances instead (:mod:`kvgpu.dra.mig`): devices
+``gpu-<index>-mig-<gi>-<ci>`` in the same device slice, consuming the card's counter set, which is
+in a slice of its own ``<node>-counters-gpu.kvgpu.io`` (a slice holds devices or counter sets, not
+both). The pool's ``resourceSliceCount`` counts every slice. Past 64 devices (128 without MIG
+devices) or 8 counter sets, the node gets further slices ``<node>-<k>-gpu.kvgpu.io`` /
+``<node>-counters-<k>-gpu.kvgpu.io`` (k = 1, 2, ...).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgpu.core.inventory import Card, NodeInventory
+from kvgpu.dra.mig import MIG_CLASS, counter_set, dra_mig_cards, mig_devices
 
 DRIVER = "gpu.kvgpu.io"
 """The DRA driver name (a DNS subdomain), also the name of the DeviceClass of whole/shared cards."""
@@ -39,6 +47,10 @@ ALLOCATION_DRA = "dra"
 CAPACITY_MEMORY = "memory"
 CAPACITY_CORES = "cores"
 CAPACITY_SHARES = "shares"
+
+MAX_DEVICES = 128
+MAX_DEVICES_WITH_COUNTERS = 64  # a slice with a device that consumes counters (API limit)
+MAX_COUNTER_SETS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +68,14 @@ def device_name(card: Card) -> str:
     return f"gpu-{card.index}"
 
 
-def slice_name(node: str) -> str:
-    """The name of ``node``'s ResourceSlice of shareable cards."""
-    return f"{node}-{DRIVER}"
+def slice_name(node: str, k: int = 0) -> str:
+    """The name of ``node``'s ResourceSlice of devices (the ``k``-th past the first)."""
+    return f"{node}-{DRIVER}" if k == 0 else f"{node}-{k}-{DRIVER}"
+
+
+def counter_slice_name(node: str, k: int = 0) -> str:
+    """The name of ``node``'s ResourceSlice of MIG cards' counter sets (the ``k``-th past the first)."""
+    return f"{node}-counters-{DRIVER}" if k == 0 else f"{node}-counters-{k}-{DRIVER}"
 
 
 def _attributes(card: Card) -> dict[str, dict[str, Any]]:
@@ -129,40 +146,56 @@ def dra_cards(inventory: NodeInventory) -> list[Card]:
     ]
 
 
+def _chunks(items: list[dict[str, Any]], size: int) -> list[list[dict[str, Any]]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
 def resource_slices(
     inventory: NodeInventory, policies: Mapping[str, DevicePolicy] | None = None, generation: int = 1
 ) -> list[dict[str, Any]]:
     """The ResourceSlices ``inventory.node`` should have (``metadata`` holds the name only; the
     publisher adds the owner reference). ``policies``: :class:`DevicePolicy` by pool name.
-    An empty list when no card is published (the publisher then deletes the node's slices)."""
+    An empty list when no card is published (the publisher then deletes the node's slices); the
+    publisher also deletes the node's slices of this driver that the list no longer names.
+    Order: the device slices, then the counter slices."""
     policies = policies or {}
-    cards = dra_cards(inventory)
-    if not cards:
+    devices = [card_device(c, policies.get(c.slicing.pool if c.slicing else "", DevicePolicy()))
+               for c in dra_cards(inventory)]
+    mig_cards = dra_mig_cards(inventory)
+    devices += mig_devices(mig_cards)
+    if not devices:
         return []
-    devices = [card_device(c, policies.get(c.slicing.pool if c.slicing else "", DevicePolicy())) for c in cards]
+    per_slice = MAX_DEVICES_WITH_COUNTERS if mig_cards else MAX_DEVICES
+    specs: list[tuple[str, dict[str, Any]]] = [
+        (slice_name(inventory.node, k), {"devices": chunk}) for k, chunk in enumerate(_chunks(devices, per_slice))
+    ]
+    specs += [
+        (counter_slice_name(inventory.node, k), {"sharedCounters": chunk})
+        for k, chunk in enumerate(_chunks([counter_set(c) for c in mig_cards], MAX_COUNTER_SETS))
+    ]
+    pool = {"name": inventory.node, "generation": generation, "resourceSliceCount": len(specs)}
     return [
         {
             "apiVersion": GROUP_VERSION,
             "kind": "ResourceSlice",
-            "metadata": {"name": slice_name(inventory.node)},
-            "spec": {
-                "driver": DRIVER,
-                "nodeName": inventory.node,
-                "pool": {"name": inventory.node, "generation": generation, "resourceSliceCount": 1},
-                "devices": devices,
-            },
+            "metadata": {"name": name},
+            "spec": {"driver": DRIVER, "nodeName": inventory.node, "pool": dict(pool), **body},
         }
+        for name, body in specs
     ]
+
+
+def _device_class(name: str, device_type: str) -> dict[str, Any]:
+    sel = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "{device_type}"'
+    return {
+        "apiVersion": GROUP_VERSION,
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": sel}}]},
+    }
 
 
 def device_classes() -> list[dict[str, Any]]:
-    """kvgpu's DeviceClasses: :data:`DRIVER` selects its shareable cards (``type == "gpu"``)."""
-    sel = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
-    return [
-        {
-            "apiVersion": GROUP_VERSION,
-            "kind": "DeviceClass",
-            "metadata": {"name": DRIVER},
-            "spec": {"selectors": [{"cel": {"expression": sel}}]},
-        }
-    ]
+    """kvgpu's DeviceClasses: :data:`DRIVER` selects its shareable cards (``type == "gpu"``),
+    :data:`~kvgpu.dra.mig.MIG_CLASS` the MIG instances of cards in MIG mode (``type == "mig"``)."""
+    return [_device_class(DRIVER, "gpu"), _device_class(MIG_CLASS, "mig")]
