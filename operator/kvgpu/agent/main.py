@@ -28,6 +28,8 @@ from kvgpu.core.inventory import NodeInventory
 
 from .deviceplugin import DevicePlugin, PluginConfig, device_list
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
+from .draplugin import DraConfig, DraPlugin
+from .drapublish import SlicePublisher
 from .enforcement import (
     EnforcementMonitor,
     ProcessUtilization,
@@ -73,6 +75,8 @@ class AgentConfig:
     cards (simulated mode). ``shim_source``: the built ``libvgpu.so`` to install (``None`` = do not
     install). ``device_plugin``: serve the kubelet plugin (``False`` for fake nodes).
     ``pod_resources_socket``: the kubelet's PodResources socket (which pod the kubelet admits).
+    ``dra``: the DRA kubelet plugin's paths (with the device plugin and an API client: the plugin
+    and the node's ResourceSlice publisher run); ``None`` = no DRA.
     """
 
     node: str = field(default_factory=lambda: os.environ.get("NODE_NAME", ""))
@@ -112,6 +116,7 @@ class AgentConfig:
     mps_root: str = keys.HOST_MPS_ROOT
     mps_control: str = "nvidia-cuda-mps-control"
     mps_interval_s: float = 10.0
+    dra: DraConfig | None = field(default_factory=DraConfig)
 
 
 @asynccontextmanager
@@ -153,6 +158,8 @@ class Agent:
         self._capacity: tuple[int, int] | None = None
         self.mps: MpsDaemons | None = None
         self._mps_kick = asyncio.Event()
+        self.dra: DraPlugin | None = None
+        self.slices: SlicePublisher | None = None
 
     def inventory(self) -> NodeInventory | None:
         return self.registrar.inventory
@@ -174,6 +181,11 @@ class Agent:
     async def _on_inventory(self, inv: NodeInventory) -> None:
         if self.plugin is not None:
             await self.plugin.update(inv)
+        if self.slices is not None:
+            try:
+                await self.slices.sync(inv, await self.api.list_pools())
+            except Exception as e:  # the API server away: the next inventory (interval or kick) retries
+                log.warning("could not publish the ResourceSlice of %s: %s", self.cfg.node, e)
         self._mps_kick.set()
         if self.cfg.simulated and self.cfg.simulated_capacity and not self.cfg.device_plugin:
             devices = device_list(inv, self.cfg.plugin)
@@ -353,6 +365,22 @@ class Agent:
             fresh=lambda: self.pods.list_fresh(api_client),
         )
 
+    def _start_dra(self, tg: asyncio.TaskGroup, plugin_cfg: PluginConfig) -> None:
+        """The DRA kubelet plugin (it serves what the device plugin would: ``plugin_cfg``) and the
+        ResourceSlice publisher (synced after every inventory)."""
+        from kubernetes_asyncio import client
+
+        assert self.cfg.dra is not None
+        custom = client.CustomObjectsApi(self.api_client)
+
+        async def get_claim(namespace: str, name: str) -> Any:
+            return await custom.get_namespaced_custom_object(
+                "resource.k8s.io", "v1", namespace, "resourceclaims", name)
+
+        self.slices = SlicePublisher(self.cfg.node, self.api_client)
+        self.dra = DraPlugin(self.cfg.node, self.cfg.dra, plugin_cfg, get_claim, self.inventory)
+        tg.create_task(self.dra.run(), name="dra-plugin")
+
     async def start_checks(self) -> NodeInventory:
         """Discovery once (fail fast) and the shim installation. Raises DiscoveryError/ShimInstallError."""
         inv = await asyncio.to_thread(self.discovery.discover)
@@ -389,6 +417,8 @@ class Agent:
                     plugin_cfg, inv, hints=self.pods.hints, identifier=self._identifier(plugin_cfg)
                 )
                 tg.create_task(self.plugin.run(), name="device-plugin")
+                if self.cfg.dra is not None and self.api_client is not None:
+                    self._start_dra(tg, plugin_cfg)
             if isinstance(self.api, KubeApi):
                 tg.create_task(self.api.watch(self.cfg.node, self.registrar.kick), name="node-pool-watch")
             tg.create_task(self.registrar.run(self.cfg.interval_s, self._on_inventory), name="registration")
