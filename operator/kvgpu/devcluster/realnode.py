@@ -116,6 +116,11 @@ class RealNode:
         return self.dir / "sim.json"
 
     @property
+    def cdi_dir(self) -> Path:
+        """containerd's CDI spec directory (``cdi_spec_dirs``): the agent's DRA plugin writes there."""
+        return self.dir / "cdi"
+
+    @property
     def state_file(self) -> Path:
         return self.dir / "realnode.json"
 
@@ -417,7 +422,8 @@ class RealNode:
         self._agent_args = tuple(extra_args)
         argv = [sys.executable, "-m", "kvgpu.cli.main", "agent", "--node", self.name,
                 "--kubeconfig", str(self.cluster.kubeconfig), "--interval", "5", "--shim-source", str(SHIM_SOURCE),
-                "--metrics-port", "0", "--driver-root", str(self.driver_root), "--dev-root", str(self.dev_root)]
+                "--metrics-port", "0", "--driver-root", str(self.driver_root), "--dev-root", str(self.dev_root),
+                "--cdi-dir", str(self.cdi_dir)]
         if not self.gpu:
             argv += ["--simulated", str(self.sim_file)]
         argv += list(extra_args)
