@@ -209,3 +209,13 @@ def test_the_device_plugin_does_not_offer_dra_cards() -> None:
     ids = [d.ID for d in device_list(inventory(), PluginConfig())]
     assert ids and all(i.startswith("GPU-0::") for i in ids)
     assert [d.ID for d in device_list(inventory(), PluginConfig(split_count=2))] == ["GPU-0::0", "GPU-0::1"]
+
+
+def test_pool_policies_from_the_pools_defaults() -> None:
+    from kvgpu.agent.drapublish import pool_policies
+    from kvgpu.dra.slices import DevicePolicy
+
+    pools = [{"metadata": {"name": "a"}, "spec": {"defaults": {"gpumem": 3000, "gpucores": 30}, "minSliceMemory": 512}},
+             {"metadata": {"name": "b"}, "spec": {}},
+             {"metadata": {"name": "c"}, "spec": {"defaults": {"gpumem": "lots"}}}]
+    assert pool_policies(pools) == {"a": DevicePolicy(3000, 30, 512), "b": DevicePolicy(), "c": DevicePolicy()}

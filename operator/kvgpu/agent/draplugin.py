@@ -127,7 +127,7 @@ class DraPlugin:
             try:
                 done = await asyncio.to_thread(self.files.load, uid)
                 if done is None:
-                    claim = await self.get_claim(namespace, name)
+                    claim = await self._read(namespace, name)
                     inv = self.inventory()
                     if inv is None:
                         raise DraClaimError("the node's inventory is not known yet")
@@ -138,10 +138,15 @@ class DraPlugin:
             except (DraClaimError, PluginError, ValueError, OSError) as e:
                 log.warning("cannot prepare ResourceClaim %s/%s (%s): %s", namespace, name, uid, e)
                 return dra_pb2.NodePrepareResourceResponse(error=str(e))
-            except Exception as e:  # the API server: the kubelet retries
-                log.warning("cannot read ResourceClaim %s/%s: %s", namespace, name, e)
-                return dra_pb2.NodePrepareResourceResponse(error=f"cannot read ResourceClaim {namespace}/{name}: {e}")
         return dra_pb2.NodePrepareResourceResponse(devices=[_device(d) for d in done.devices])
+
+    async def _read(self, namespace: str, name: str) -> Any:
+        """The ResourceClaim; any error of the API read becomes a :class:`DraClaimError` (the
+        kubelet retries the prepare)."""
+        try:
+            return await self.get_claim(namespace, name)
+        except Exception as e:  # ApiException, connection errors: the message says which
+            raise DraClaimError(f"cannot read ResourceClaim {namespace}/{name}: {e}") from e
 
     async def unprepare(self, uid: str) -> Any:
         """One claim's ``NodeUnprepareResourceResponse`` (its files removed; nothing to do is fine)."""
