@@ -73,3 +73,29 @@ async def test_publisher_follows_the_inventory(cluster: Cluster, namespace: str)
             cluster.kubectl("delete", "node", node, "--ignore-not-found")
         assert await _gone(cluster, node), "the garbage collector left the slice of a deleted Node"
         cluster.kubectl("delete", "resourceslice", slice_name(node), "--ignore-not-found")
+
+
+async def test_a_deleted_slice_is_noticed_and_published_again(cluster: Cluster, namespace: str) -> None:
+    """What a starting kubelet does (it deletes its node's ResourceSlices): the publisher's watch
+    asks for a sync, which creates the slice again."""
+    node = f"draw-{namespace}"
+    inv = NodeInventory(node, (Card(f"GPU-w-{namespace}", 0, "NVIDIA H200", 143771, 132, 0,
+                                    slicing=Slicing("p", allocation="dra")),))
+    async with cluster.api() as api:
+        await create_nodes(api, [SimulatedNode(node, (SimulatedCardSpec(count=1),))], with_inventory=False)
+        pub = SlicePublisher(node, api)
+        kicked = asyncio.Event()
+        watch = asyncio.create_task(pub.watch(api, kicked.set))
+        try:
+            assert await pub.sync(inv, [])
+            await asyncio.sleep(1.0)
+            kicked.clear()  # our own write (and the initial list) may kick once; from now on only a deletion
+            cluster.kubectl("delete", "resourceslice", slice_name(node))
+            await asyncio.wait_for(kicked.wait(), 30)
+            assert await pub.sync(inv, [])
+            assert _slice(cluster, node) is not None
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            cluster.kubectl("delete", "node", node, "--ignore-not-found")
+            cluster.kubectl("delete", "resourceslice", slice_name(node), "--ignore-not-found")

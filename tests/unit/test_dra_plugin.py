@@ -219,3 +219,23 @@ def test_pool_policies_from_the_pools_defaults() -> None:
              {"metadata": {"name": "b"}, "spec": {}},
              {"metadata": {"name": "c"}, "spec": {"defaults": {"gpumem": "lots"}}}]
     assert pool_policies(pools) == {"a": DevicePolicy(3000, 30, 512), "b": DevicePolicy(), "c": DevicePolicy()}
+
+
+def test_slice_events_that_ask_for_a_sync() -> None:
+    from kvgpu.agent.drapublish import SPEC_HASH, SlicePublisher
+
+    pub = SlicePublisher.__new__(SlicePublisher)  # no API client: only the event rule is exercised
+    pub.node, pub.written = NODE, "h1"
+    kicks: list[int] = []
+
+    def ev(etype: str, name: str = "n1-gpu.kvgpu.io", h: str | None = "h1") -> int:
+        before = len(kicks)
+        obj = {"metadata": {"name": name, "annotations": {SPEC_HASH: h} if h else {}}}
+        pub.on_slice_event(lambda: kicks.append(1), etype, obj)
+        return len(kicks) - before
+
+    assert ev("MODIFIED") == 0                      # what the agent wrote
+    assert ev("DELETED") == 1                       # the kubelet wiped it
+    assert ev("MODIFIED", h="other") == 1           # edited by someone else
+    assert ev("MODIFIED", h=None) == 1
+    assert ev("DELETED", name="n1-other-driver") == 0

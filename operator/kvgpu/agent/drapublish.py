@@ -8,6 +8,11 @@ the next inventory): created when missing, replaced with ``pool.generation`` + 1
 devices changed, deleted when the node has no ``dra`` card left. Each slice is owned by the Node
 (``ownerReferences``), so deleting the Node deletes it.
 
+:meth:`SlicePublisher.watch` watches the node's slices (field selector ``spec.nodeName``) and
+asks for a sync when one is deleted or no longer what the agent wrote: a starting kubelet
+deletes every ResourceSlice of its node (it wipes what drivers published before it ran), and
+the agent publishes again within moments, not at its next inventory interval.
+
 RBAC: ``resource.k8s.io`` ``resourceslices`` get/list/watch/create/update/delete.
 """
 
@@ -16,11 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvgpu.core.inventory import NodeInventory
 from kvgpu.dra.slices import GROUP_VERSION, DevicePolicy, resource_slices, slice_name
+from kvgpu.watch import ListWatch
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,23 @@ class SlicePublisher:
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
         self.writes = 0
+        self.written: str | None = None  # the spec hash of the slice as last seen or written
+
+    def on_slice_event(self, on_change: Callable[[], None], etype: str, obj: Mapping[str, Any]) -> None:
+        """One event of the node's slices: ``on_change()`` when this node's slice was deleted or
+        is not what the agent last wrote (someone else edited it)."""
+        meta = obj.get("metadata") or {}
+        if meta.get("name") != slice_name(self.node):
+            return
+        if etype == "DELETED" or (meta.get("annotations") or {}).get(SPEC_HASH) != self.written:
+            on_change()
+
+    async def watch(self, api_client: Any, on_change: Callable[[], None]) -> None:
+        """Watch the node's ResourceSlices until cancelled (faults retried by ListWatch)."""
+        lw = ListWatch(api_client, f"/apis/{GROUP}/{VERSION}/{PLURAL}",
+                       lambda etype, obj: self.on_slice_event(on_change, etype, obj),
+                       field_selector=f"spec.nodeName={self.node}", name=f"resourceslices of {self.node}")
+        await lw.run()
 
     async def _get(self, name: str) -> dict[str, Any] | None:
         from kubernetes_asyncio.client.exceptions import ApiException
@@ -95,6 +118,7 @@ class SlicePublisher:
         have = await self._get(name)
         want = resource_slices(inv, pool_policies(pools))
         if not want:
+            self.written = None
             if have is None:
                 return False
             await self.custom.delete_cluster_custom_object(GROUP, VERSION, PLURAL, name)
@@ -102,6 +126,7 @@ class SlicePublisher:
             self.writes += 1
             return True
         (obj,) = want
+        self.written = spec_hash(obj)
         if have is not None and _same(have, obj):
             return False
         obj["metadata"]["ownerReferences"] = [await self._owner()]

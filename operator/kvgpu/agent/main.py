@@ -380,6 +380,7 @@ class Agent:
         self.slices = SlicePublisher(self.cfg.node, self.api_client)
         self.dra = DraPlugin(self.cfg.node, self.cfg.dra, plugin_cfg, get_claim, self.inventory)
         tg.create_task(self.dra.run(), name="dra-plugin")
+        tg.create_task(self.slices.watch(self.api_client, self.registrar.kick), name="resourceslice-watch")
 
     async def start_checks(self) -> NodeInventory:
         """Discovery once (fail fast) and the shim installation. Raises DiscoveryError/ShimInstallError."""
