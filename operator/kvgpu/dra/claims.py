@@ -7,8 +7,9 @@ From ``status.allocation.devices``:
 - ``results`` of driver :data:`~kvgpu.dra.slices.DRIVER` in this node's pool (pool name = node
   name): each names a device ``gpu-<index>`` of the node's ResourceSlice and, with consumable
   capacity, what it consumed: ``memory`` (a quantity, whole MiB) and ``cores`` (percent of SMs);
-  a result without ``consumedCapacity`` (an ``exclusive`` card, taken whole) gets the whole
-  card's memory and 100 %;
+  a result without ``consumedCapacity`` gets the whole card's memory and 100 % on an
+  ``exclusive`` card and is refused on a shared one; ``adminAccess`` results are refused (they
+  consume nothing, so there would be no limit to enforce);
 - ``config`` entries with an opaque config of this driver for the result's request (or for all
   requests) whose ``parameters`` are ``{apiVersion: gpu.kvgpu.io/v1alpha1, kind: SliceConfig,
   priority: 0|1}``: the claim's priority (0 high, 1 low; default 1). A class's config comes
@@ -109,8 +110,14 @@ def claim_priority(claim: Mapping[str, Any], requests: Sequence[str]) -> int:
 
 def _amounts(result: Mapping[str, Any], card: Card, who: str) -> tuple[int, int]:
     consumed = result.get("consumedCapacity")
+    if result.get("adminAccess"):
+        raise DraClaimError(f"{who}: device {result.get('device')}: adminAccess results are not served "
+                            "(they consume no capacity, so the shim would have no limit to enforce)")
     if not consumed:
-        return card.memory_mib, 100  # an exclusive card, taken whole
+        if card.slicing is not None and card.slicing.mode == "exclusive":
+            return card.memory_mib, 100  # an exclusive card, taken whole
+        raise DraClaimError(f"{who}: device {result.get('device')} is a shared card but the allocation "
+                            "has no consumedCapacity")
     try:
         mem = parse_memory_mib(f"consumedCapacity.{CAPACITY_MEMORY}", consumed.get(CAPACITY_MEMORY))
     except RequestError as e:
