@@ -93,7 +93,8 @@ class SlicePublisher:
         """Watch the node's ResourceSlices until cancelled (faults retried by ListWatch)."""
         lw = ListWatch(api_client, f"/apis/{GROUP}/{VERSION}/{PLURAL}",
                        lambda etype, obj: self.on_slice_event(on_change, etype, obj),
-                       field_selector=f"spec.nodeName={self.node}", name=f"resourceslices of {self.node}")
+                       field_selector=f"spec.nodeName={self.node}", name=f"resourceslices of {self.node}",
+                       missing_retry_s=60.0)  # a cluster without resource.k8s.io/v1: quiet, looked for again
         await lw.run()
 
     async def _get(self, name: str) -> dict[str, Any] | None:
