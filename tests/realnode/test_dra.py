@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,45 @@ def test_kubelet_restart_keeps_the_pod_and_prepares_new_ones(dra: RealPods) -> N
             == before["status"]["containerStatuses"][0]["containerID"])
     for pod in ("old", "new"):
         assert exec_in(dra, pod, "main", f"cat {keys.CONTAINER_CLAIM_FILE}").endswith(",3000,30")
+
+
+def test_containers_of_one_claim_share_its_region(dra: RealPods) -> None:
+    """Two containers of one pod on one ResourceClaim: one claim file, one region, one quota. The
+    pod shares its process namespace: the shim reaps region slots whose PID it cannot see, so
+    containers in separate PID namespaces would not count each other (docs/dra.md)."""
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": "shared", "namespace": dra.ns},
+             "spec": _template(dra, "x")["spec"]["spec"]}
+    pod = _dra_pod(dra, "two", "x")
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "shared"}]
+    pod["spec"]["shareProcessNamespace"] = True
+    second = json.loads(json.dumps(pod["spec"]["containers"][0]))
+    second["name"] = "side"
+    pod["spec"]["containers"].append(second)
+    _apply(dra, claim, pod)
+    dra.wait_running("two", timeout=90)
+    files = {c: exec_in(dra, "two", c, f"cat {keys.CONTAINER_CLAIM_FILE}") for c in ("main", "side")}
+    assert files["main"] == files["side"] and files["main"].startswith(f"v1;claim={dra.ns}/shared;"), files
+    # 2 GiB held in one container count against the other: one quota of 3000 MiB
+    holder = subprocess.Popen([str(dra.cluster.bin_dir / "kubectl"), f"--kubeconfig={dra.cluster.kubeconfig}",
+                               "exec", "two", "-n", dra.ns, "-c", "main", "--", "cuprog", "fill", "alloc",
+                               str(1024 * MIB), "2", "15"], stdout=subprocess.PIPE, text=True)
+    try:
+        def held() -> dict[str, Any] | None:
+            info = json.loads(exec_in(dra, "two", "side", "cuprog info").splitlines()[0])
+            return info if info["free"] <= 1000 * MIB + 1 else None
+
+        info = wait_for(held, 12, "the other container's 2 GiB in this one's free memory")
+        assert info["total"] == 3000 * MIB, info
+    finally:
+        holder.wait(30)
+
+
+def test_agent_restart_then_unprepare_removes_the_files(dra: RealPods) -> None:
+    _apply(dra, _template(dra, "seed"), _dra_pod(dra, "kept", "seed"))
+    dra.wait_running("kept", timeout=90)
+    uid = _claim_of(dra, "kept")["metadata"]["uid"]
+    dra.node.restart_agent()
+    assert exec_in(dra, "kept", "main", f"cat {keys.CONTAINER_CLAIM_FILE}").endswith(",3000,30")
+    dra.cluster.kubectl("delete", "pod", "kept", "-n", dra.ns, "--wait=true", "--timeout=60s")
+    wait_for(lambda: _node_files(uid, dra.node) == [], 30, "the files removed by the restarted agent")
