@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from kvgpu.core.inventory import NodeInventory
@@ -111,6 +111,14 @@ class SlicePublisher:
     async def _owner(self) -> dict[str, Any]:
         node = await self.core.read_node(self.node)
         return {"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node.metadata.uid, "controller": True}
+
+    async def publish(self, inv: NodeInventory, pools: Callable[[], Awaitable[Iterable[Mapping[str, Any]]]]) -> None:
+        """:meth:`sync` with the pools from ``pools()``; an error is logged (the next inventory,
+        at the interval or after a kick, retries)."""
+        try:
+            await self.sync(inv, await pools())
+        except Exception as e:  # the API server away, the DRA API not served
+            log.warning("could not publish the ResourceSlice of %s: %s", self.node, e)
 
     async def sync(self, inv: NodeInventory, pools: Iterable[Mapping[str, Any]]) -> bool:
         """Make the API server's slice match ``inv``; returns whether anything was written.

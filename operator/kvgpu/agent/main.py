@@ -28,6 +28,7 @@ from kvgpu.core.inventory import NodeInventory
 
 from .deviceplugin import DevicePlugin, PluginConfig, device_list
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
+from .dradriver import start_dra_driver
 from .draplugin import DraConfig, DraPlugin
 from .drapublish import SlicePublisher
 from .enforcement import (
@@ -182,10 +183,7 @@ class Agent:
         if self.plugin is not None:
             await self.plugin.update(inv)
         if self.slices is not None:
-            try:
-                await self.slices.sync(inv, await self.api.list_pools())
-            except Exception as e:  # the API server away: the next inventory (interval or kick) retries
-                log.warning("could not publish the ResourceSlice of %s: %s", self.cfg.node, e)
+            await self.slices.publish(inv, self.api.list_pools)
         self._mps_kick.set()
         if self.cfg.simulated and self.cfg.simulated_capacity and not self.cfg.device_plugin:
             devices = device_list(inv, self.cfg.plugin)
@@ -365,23 +363,6 @@ class Agent:
             fresh=lambda: self.pods.list_fresh(api_client),
         )
 
-    def _start_dra(self, tg: asyncio.TaskGroup, plugin_cfg: PluginConfig) -> None:
-        """The DRA kubelet plugin (it serves what the device plugin would: ``plugin_cfg``) and the
-        ResourceSlice publisher (synced after every inventory)."""
-        from kubernetes_asyncio import client
-
-        assert self.cfg.dra is not None
-        custom = client.CustomObjectsApi(self.api_client)
-
-        async def get_claim(namespace: str, name: str) -> Any:
-            return await custom.get_namespaced_custom_object(
-                "resource.k8s.io", "v1", namespace, "resourceclaims", name)
-
-        self.slices = SlicePublisher(self.cfg.node, self.api_client)
-        self.dra = DraPlugin(self.cfg.node, self.cfg.dra, plugin_cfg, get_claim, self.inventory)
-        tg.create_task(self.dra.run(), name="dra-plugin")
-        tg.create_task(self.slices.watch(self.api_client, self.registrar.kick), name="resourceslice-watch")
-
     async def start_checks(self) -> NodeInventory:
         """Discovery once (fail fast) and the shim installation. Raises DiscoveryError/ShimInstallError."""
         inv = await asyncio.to_thread(self.discovery.discover)
@@ -419,7 +400,8 @@ class Agent:
                 )
                 tg.create_task(self.plugin.run(), name="device-plugin")
                 if self.cfg.dra is not None and self.api_client is not None:
-                    self._start_dra(tg, plugin_cfg)
+                    self.dra, self.slices = start_dra_driver(tg, self.cfg.node, self.cfg.dra, plugin_cfg,
+                                                             self.api_client, self.inventory, self.registrar.kick)
             if isinstance(self.api, KubeApi):
                 tg.create_task(self.api.watch(self.cfg.node, self.registrar.kick), name="node-pool-watch")
             tg.create_task(self.registrar.run(self.cfg.interval_s, self._on_inventory), name="registration")
