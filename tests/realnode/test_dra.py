@@ -49,7 +49,9 @@ def _allocatable(node: RealNode) -> int:
 def dra_node(real_node: RealNode) -> Iterator[RealNode]:
     pool = f"{real_node.pool_name}-dra"
     labels = {"kvgpu.io/gpu-node": "true", "kubernetes.io/hostname": real_node.name}
-    objs = [*device_classes(), {
+    # the DeviceClass is ours to delete only if we create it (the system may install it)
+    own_class = real_node.cluster.kubectl("get", "deviceclass", DRIVER, check=False).returncode != 0
+    objs = [*(device_classes() if own_class else []), {
         "apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": pool},
         "spec": {"nodeSelector": {"matchLabels": labels}, "devices": {"indexes": [DRA_CARD]},
                  "splitCount": 4, "allocation": "dra"}}]
@@ -63,7 +65,8 @@ def dra_node(real_node: RealNode) -> Iterator[RealNode]:
     finally:
         real_node.cluster.kubectl("delete", "vgpupool", pool, "--ignore-not-found")
         wait_for(lambda: _dra_slice(real_node) is None, 60, "the ResourceSlice deleted with the dra pool")
-        real_node.cluster.kubectl("delete", "deviceclass", DRIVER, "--ignore-not-found")
+        if own_class:
+            real_node.cluster.kubectl("delete", "deviceclass", DRIVER, "--ignore-not-found")
         wait_for(lambda: _allocatable(real_node) == 40, 60, "the card back in the device plugin")
 
 
