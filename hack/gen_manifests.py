@@ -180,6 +180,7 @@ def values_schema() -> dict[str, Any]:
                 "deviceCoreScaling": bounds(props["coreScaling"]),
                 "metricsPort": port, "deviceSpecs": {"type": "boolean"},
                 "interval": {"type": "number", "exclusiveMinimum": 0},
+                "dra": _obj({"enabled": {"type": "boolean"}, "cdiDir": {"type": "string", "pattern": "^/"}}),
             }),
             "pool": _obj({"create": {"type": "boolean"}, "name": {"type": "string", "minLength": 1},
                           "mode": bounds(props["mode"])}),

@@ -1,10 +1,11 @@
-"""Generate the kubelet gRPC stubs (device plugin v1beta1, PodResources v1) from
+"""Generate the kubelet gRPC stubs (device plugin v1beta1, PodResources v1, DRA v1, plugin registration v1) from
 operator/kvgpu/agent/proto/*.proto (if any), next to them or, with ``--out DIR``, into DIR (the
 wheel's build hook, hatch_build.py).
 
 ``podresources.proto`` is the upstream file of k8s.io/kubelet (see its header); to refresh it, copy
 ``$(go env GOMODCACHE)/k8s.io/kubelet@<version>/pkg/apis/podresources/v1/api.proto`` over it and
-keep the header.
+keep the header. ``dra.proto`` and ``pluginregistration.proto`` are likewise
+``pkg/apis/dra/v1/api.proto`` and ``pkg/apis/pluginregistration/v1/api.proto`` of k8s.io/kubelet.
 """
 
 from __future__ import annotations

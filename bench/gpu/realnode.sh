@@ -6,6 +6,7 @@
 # Here (the development machine), once:   hack/device_bundle.sh --realnode
 # Device call (carry [".ktp", ".rn"], from the repository root):
 #   bash bench/gpu/realnode.sh            # output in $OUT (or bench/results/raw)
+#   KVGPU_RN_PARTS=dra bash bench/gpu/realnode.sh   # DRA mode: the seed via a claim template
 # The scenario itself is bench/gpu/realnode_run.py; this script only unpacks what was carried.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,5 +31,6 @@ python3 shim/build.py --plain-gcc || exit 1
 
 export PATH="$B/rn/bin:$PATH" PYTHONPATH="$B/site:$PWD/operator" KVGPU_KTP_BIN="$B/ktp" \
        KVGPU_CONTAINERD_BIN="$B/rn/bin" PYTHONUNBUFFERED=1
-timeout -k 10 480 python3 bench/gpu/realnode_run.py --run-dir "$B/run" --out "$OUT"
+timeout -k 10 480 python3 bench/gpu/realnode_run.py --run-dir "$B/run" --out "$OUT" \
+  --parts "${KVGPU_RN_PARTS:-seed,isolation}"
 echo "realnode_run exit $?"

@@ -12,6 +12,13 @@ with real NVML), applies the default pool, then the seed's pod (HAMi form: 1 car
 - torch in the pod allocates 256 MiB blocks until ``torch.OutOfMemoryError``;
 - a saturating matmul in the pod runs at about 30 % of the same loop run natively on the host.
 
+``--parts dra`` (DRA mode, issue 18): the node's pool gets ``allocation: dra``, the card becomes
+device ``gpu-0`` of the node's ResourceSlice, and the seed's slice is asked for with a
+ResourceClaimTemplate (memory 3000Mi, cores 30) by a pod placed by the default kube-scheduler;
+the real kubelet calls the agent's DRA plugin, containerd applies its CDI spec, and the same
+checks run in the pod: ``nvidia-smi`` shows ``… / 3000MiB``, torch stops at
+``torch.OutOfMemoryError`` below 3000 MiB, and the claim file holds the claim string.
+
 The pod's image is ``kvgpu.local/hostroot:1`` (an empty root whose ``/usr/{bin,lib,lib64,share}``
 are the host's, mounted read-only, and torch's venv at /opt/torch): no registry can be reached from the
 machine, and torch with its CUDA libraries is several GB. Everything else is what a tenant gets.
@@ -35,6 +42,7 @@ from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.cluster import REPO_ROOT
 from kvgpu.devcluster.realnode import RealNode, host_node_ip
 from kvgpu.devcluster.system import KvgpuSystem
+from kvgpu.dra.slices import DRIVER, device_classes, slice_name
 
 TORCH_PY = "/opt/torch/.venv/bin/python3"
 # The machine's /usr folders the pod mounts read-only (not /usr itself: admission refuses host
@@ -166,15 +174,71 @@ def seed(c: Cluster, node: RealNode) -> dict[str, Any]:
     return res
 
 
+def dra_seed_objects(name: str) -> list[dict[str, Any]]:
+    """The seed's slice in DRA mode: a ResourceClaimTemplate (3000Mi, 30 %) and the pod using it."""
+    req = {"name": "gpu", "exactly": {"deviceClassName": DRIVER,
+                                      "capacity": {"requests": {"memory": "3000Mi", "cores": "30"}}}}
+    template = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "seed", "namespace": "default"},
+                "spec": {"spec": {"devices": {"requests": [req]}}}}
+    pod = seed_pod(name)
+    ctr = pod["spec"]["containers"][0]  # type: ignore[index]
+    ctr["resources"] = {"claims": [{"name": "gpu"}]}
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "seed"}]  # type: ignore[index]
+    return [template, pod]
+
+
+def dra(c: Cluster, node: RealNode) -> dict[str, Any]:
+    """The seed's slice through DRA: the pool switched to allocation dra, a claim template."""
+    res: dict[str, Any] = {}
+    say("DRA mode: the node's pool with allocation: dra, the DeviceClass gpu.kvgpu.io")
+    c.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": device_classes()}))
+    node.apply_pool(allocation="dra")
+
+    def slice_devices() -> list[str]:
+        p = c.kubectl("get", "resourceslice", slice_name(node.name), "-o", "json", check=False)
+        return [d["name"] for d in json.loads(p.stdout)["spec"]["devices"]] if p.returncode == 0 else []
+
+    res["dra_slice_devices"] = wait(slice_devices, 60, "the node's ResourceSlice")
+    show(c, "get", "resourceslice", slice_name(node.name), "-o", "yaml")
+    wait(lambda: (node.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu") in ("0", None),
+         60, "nvidia.com/gpu: 0 (the card is a DRA device now)")
+    say("the seed's pod with a ResourceClaimTemplate (3000Mi, 30 %)")
+    c.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                     "items": dra_seed_objects("dra-pod")}))
+    wait(lambda: json.loads(c.kubectl("get", "pod", "dra-pod", "-o", "json").stdout)["status"].get("phase")
+         in ("Running", "Failed"), 120, "dra-pod Running")
+    show(c, "get", "pods", "-o", "wide")
+    show(c, "get", "resourceclaims", "-o", "yaml")
+    say("inside the DRA pod")
+    show(c, "exec", "dra-pod", "--", "/usr/bin/sh", "-c", "ls -l /dev/nvidia*; cat /etc/kvgpu/claim; echo; "
+         "cat /proc/self/mounts | grep -E 'kvgpu|nvidia|ld.so' ; env | grep -E 'KVGPU|NVIDIA|LD_' | sort")
+    res["dra_claim_file"] = show(c, "exec", "dra-pod", "--", "/usr/bin/cat", "/etc/kvgpu/claim").strip()
+    smi = show(c, "exec", "dra-pod", "--", "nvidia-smi")
+    res["dra_nvidia_smi_3000"] = re.search(r"\b0MiB\s*/\s*3000MiB", smi) is not None
+    mem = show(c, "exec", "dra-pod", "--", TORCH_PY, "/repo/bench/gpu/memtest.py", "256", timeout=180)
+    try:
+        m = json.loads(mem.strip().splitlines()[-1])
+        res["dra_torch_exception"], res["dra_torch_reachable_mib"] = m.get("error"), m.get("reachable_mib")
+    except (ValueError, IndexError):
+        res["dra_torch_exception"] = None
+    show(c, "get", "events", "--sort-by=.lastTimestamp")
+    c.kubectl("delete", "pod", "dra-pod", "--wait=true", "--timeout=60s", check=False)
+    c.kubectl("delete", "resourceclaimtemplate", "seed", "--ignore-not-found", check=False)
+    c.kubectl("delete", "deviceclass", DRIVER, "--ignore-not-found", check=False)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--parts", default="seed,isolation", help="comma-separated: seed, isolation")
+    ap.add_argument("--parts", default="seed,isolation", help="comma-separated: seed, isolation, dra")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     a.out.mkdir(parents=True, exist_ok=True)
-    c = Cluster(run_dir=a.run_dir, with_controller_manager=False)
+    # DRA needs the controller manager: its resourceclaim controller makes a pod's claim from the template
+    c = Cluster(run_dir=a.run_dir, with_controller_manager="dra" in parts)
     system = KvgpuSystem(c)
     node = RealNode(c, name="h200-node", node_ip=host_node_ip(), gpu=True,
                     containerd_bin=Path(os.environ["KVGPU_CONTAINERD_BIN"]))
@@ -192,6 +256,8 @@ def main() -> int:
             wait(lambda: (node.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu"),
                  60, "nvidia.com/gpu on the node")
             isolation(c, res)
+        if "dra" in parts:
+            res.update(dra(c, node))
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         for log in (node.kubelet_log, node.agent_log, node.containerd_log, system.operator_log()):
@@ -213,6 +279,10 @@ def main() -> int:
         ok = ok and str(res.get("forged_error")).endswith(oom) and (res.get("forged_reachable_mib") or 1e9) < 1000
         ok = ok and (res.get("forged_nvml_peak_mib") or 1e9) <= 1000
         ok = ok and str(res.get("nonroot_error")).endswith(oom) and (res.get("nonroot_reachable_mib") or 1e9) < 1000
+    if "dra" in parts:
+        ok = ok and bool(res.get("dra_nvidia_smi_3000") and str(res.get("dra_torch_exception")).endswith(oom)
+                         and (res.get("dra_torch_reachable_mib") or 1e9) <= 3000
+                         and str(res.get("dra_claim_file", "")).endswith(",3000,30"))
     res["ok"] = bool(ok)
     (a.out / "realnode-h200.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res), flush=True)

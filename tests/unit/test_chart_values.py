@@ -303,3 +303,25 @@ def test_grafana_dashboard_configmap_carries_the_checked_dashboard() -> None:
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     # the very file tests/unit/test_dashboard.py checks against the exported metrics
     assert json.loads(cm["data"]["kvgpu.json"]) == json.loads((CHART / "dashboards" / "kvgpu.json").read_text())
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_dra_plugin_dirs_args_and_rbac(enabled: bool) -> None:
+    from kvgpu.cli.main import main
+
+    docs = render({"devicePlugin": {"dra": {"enabled": enabled, "cdiDir": "/etc/cdi"}}})
+    agent = _containers(docs, "DaemonSet", "kvgpu-agent")["agent"]
+    ctx = main.commands["agent"].make_context("agent", [a for a in agent["args"][1:] if "--shim-source" not in a])
+    assert ctx.params["dra"] is enabled
+    mounts = {m["mountPath"] for m in agent["volumeMounts"]}
+    dra_dirs = {"/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins/gpu.kvgpu.io", "/etc/cdi"}
+    if enabled:
+        assert ctx.params["cdi_dir"] == "/etc/cdi" and dra_dirs <= mounts
+        volumes = one(docs, "DaemonSet", "kvgpu-agent")["spec"]["template"]["spec"]["volumes"]
+        assert {"path": "/etc/cdi", "type": "DirectoryOrCreate"} in [v.get("hostPath") for v in volumes]
+    else:
+        assert not dra_dirs & mounts
+    rules = one(docs, "ClusterRole", "kvgpu-agent")["rules"]
+    dra_rules = {r["resources"][0]: set(r["verbs"]) for r in rules if r["apiGroups"] == ["resource.k8s.io"]}
+    assert dra_rules == {"resourceslices": {"get", "list", "watch", "create", "update", "delete"},
+                         "resourceclaims": {"get"}}

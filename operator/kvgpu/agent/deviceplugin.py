@@ -1,7 +1,9 @@
 """Kubelet device plugin (API v1beta1) for HAMi's resource name ``nvidia.com/gpu``.
 
-Each physical card covered by a VGPUPool is advertised as ``splitCount`` replicas (``exclusive``
-mode: one), so node allocatable ``nvidia.com/gpu`` = cards x splitCount. Replica IDs are
+Each physical card covered by a VGPUPool with ``allocation: extender`` is advertised as
+``splitCount`` replicas (``exclusive`` mode: one), so node allocatable ``nvidia.com/gpu`` = cards
+x splitCount; cards of ``allocation: dra`` pools are DRA devices (:mod:`kvgpu.agent.draplugin`)
+and not advertised here. Replica IDs are
 ``<card UUID>::<n>``. A replica's health is its card's; its topology is the card's NUMA node.
 
 Identities come from the claim, not from the device IDs: the operator writes the container's
@@ -87,6 +89,8 @@ def replica_id(uuid: str, n: int) -> str:
 def replicas_for(card: Card, cfg: PluginConfig) -> int:
     if card.mig_mode:
         return 0  # a MIG-enabled card cannot be sliced by the shim (MIG devices are another resource)
+    if card.slicing is not None and card.slicing.allocation == "dra":
+        return 0  # a DRA device (kvgpu.agent.draplugin), not this resource
     if cfg.split_count is not None:
         return cfg.split_count
     if card.slicing is None:

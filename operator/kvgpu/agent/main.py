@@ -29,6 +29,9 @@ from kvgpu.core.inventory import NodeInventory
 
 from .deviceplugin import DevicePlugin, PluginConfig
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
+from .dradriver import start_dra_driver
+from .draplugin import DraConfig, DraPlugin
+from .drapublish import SlicePublisher
 from .enforcement import (
     EnforcementMonitor,
     ProcessUtilization,
@@ -75,6 +78,8 @@ class AgentConfig:
     cards (simulated mode). ``shim_source``: the built ``libvgpu.so`` to install (``None`` = do not
     install). ``device_plugin``: serve the kubelet plugin (``False`` for fake nodes).
     ``pod_resources_socket``: the kubelet's PodResources socket (which pod the kubelet admits).
+    ``dra``: the DRA kubelet plugin's paths (with the device plugin and an API client: the plugin
+    and the node's ResourceSlice publisher run); ``None`` = no DRA.
     """
 
     node: str = field(default_factory=lambda: os.environ.get("NODE_NAME", ""))
@@ -114,6 +119,7 @@ class AgentConfig:
     mps_root: str = keys.HOST_MPS_ROOT
     mps_control: str = "nvidia-cuda-mps-control"
     mps_interval_s: float = 10.0
+    dra: DraConfig | None = field(default_factory=DraConfig)
 
 
 @asynccontextmanager
@@ -156,6 +162,8 @@ class Agent:
         self._capacity: dict[str, tuple[int, int]] = {}  # simulated node: resource → (capacity, allocatable)
         self.mps: MpsDaemons | None = None
         self._mps_kick = asyncio.Event()
+        self.dra: DraPlugin | None = None
+        self.slices: SlicePublisher | None = None
 
     def inventory(self) -> NodeInventory | None:
         return self.registrar.inventory
@@ -179,6 +187,8 @@ class Agent:
             await self.plugin.update(inv)
         if self.mig_plugins is not None:
             await self.mig_plugins.update(inv)
+        if self.slices is not None:
+            await self.slices.publish(inv, self.api.list_pools)
         self._mps_kick.set()
         if self.cfg.simulated and self.cfg.simulated_capacity and not self.cfg.device_plugin:
             patch = getattr(self.api, "patch_node_resource", None)
@@ -394,6 +404,9 @@ class Agent:
                 tg.create_task(self.plugin.run(), name="device-plugin")
                 self.mig_plugins = MigPlugins(plugin_cfg, inv)
                 tg.create_task(self.mig_plugins.run(), name="mig-device-plugins")
+                if self.cfg.dra is not None and self.api_client is not None:
+                    self.dra, self.slices = start_dra_driver(tg, self.cfg.node, self.cfg.dra, plugin_cfg,
+                                                             self.api_client, self.inventory, self.registrar.kick)
             if isinstance(self.api, KubeApi):
                 tg.create_task(self.api.watch(self.cfg.node, self.registrar.kick), name="node-pool-watch")
             tg.create_task(self.registrar.run(self.cfg.interval_s, self._on_inventory), name="registration")

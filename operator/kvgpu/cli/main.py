@@ -166,14 +166,27 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, extender_cert: s
                    "(clusters without kvgpu's webhook only)")
 @click.option("--pod-resources-socket", default="/var/lib/kubelet/pod-resources/kubelet.sock", show_default=True,
               help="the kubelet's PodResources socket (tells which pod the kubelet is admitting)")
+@click.option("--dra/--no-dra", default=True, show_default=True,
+              help="serve the DRA kubelet plugin gpu.kvgpu.io and publish the node's ResourceSlice "
+                   "(cards of allocation: dra pools)")
+@click.option("--kubelet-root", default="/var/lib/kubelet", show_default=True,
+              help="the kubelet's root: the DRA plugin registers in <root>/plugins_registry and serves "
+                   "in <root>/plugins/gpu.kvgpu.io")
+@click.option("--cdi-dir", default="/var/run/cdi", show_default=True,
+              help="where the container runtime reads CDI specs (containerd's cdi_spec_dirs)")
+@click.option("--dra-state-dir", default="/var/lib/kvgpu/dra", show_default=True,
+              help="prepared ResourceClaims' claim files, regions and checkpoints")
 def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: bool, interval: float,
               shim_source: str | None, metrics_port: int, no_device_plugin: bool, device_specs: bool,
               dev_root: str, host_dev_root: str | None, driver_root: str, ld_library_path: bool, mounts: str,
-              visible_devices_from_ids: bool, pod_resources_socket: str) -> None:
+              visible_devices_from_ids: bool, pod_resources_socket: str, dra: bool, kubelet_root: str,
+              cdi_dir: str, dra_state_dir: str) -> None:
     """Run the node agent: discovery, inventory, health, device plugin, shim install, usage metrics."""
     from kvgpu.agent.deviceplugin import PluginConfig
     from kvgpu.agent.devicespecs import resolve_driver_root
+    from kvgpu.agent.draplugin import DraConfig
     from kvgpu.agent.main import AgentConfig, run, run_simulated_fleet
+    from kvgpu.dra.slices import DRIVER
     from kvgpu.logs import configure_logging
 
     configure_logging()
@@ -190,7 +203,10 @@ def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: b
                           visible_devices_from_ids=visible_devices_from_ids)
     cfg = AgentConfig(node=node, simulated=simulated, kubeconfig=kubeconfig, interval_s=interval,
                       shim_source=shim_source, metrics_port=metrics_port, device_plugin=not no_device_plugin,
-                      plugin=plugin, pod_resources_socket=pod_resources_socket)
+                      plugin=plugin, pod_resources_socket=pod_resources_socket,
+                      dra=DraConfig(registry_dir=f"{kubelet_root}/plugins_registry",
+                                    plugin_dir=f"{kubelet_root}/plugins/{DRIVER}", cdi_dir=cdi_dir,
+                                    state_dir=dra_state_dir) if dra else None)
     asyncio.run(run(cfg))
 
 

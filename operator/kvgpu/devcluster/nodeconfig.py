@@ -59,7 +59,7 @@ disabled_plugins = ['io.containerd.nri.v1.nri']
 [plugins.'io.containerd.cri.v1.runtime']
   restrict_oom_score_adj = true  # root here lacks CAP_SYS_RESOURCE: the kubelet's -998 would fail
   enable_cdi = true
-  cdi_spec_dirs = ['{node_dir / "cdi"}']
+  cdi_spec_dirs = ['{node_dir / "cdi"}']  # RealNode.cdi_dir: the agent's DRA plugin writes there
   netns_mounts_under_state_dir = false
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = 'runc'

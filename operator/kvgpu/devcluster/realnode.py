@@ -116,6 +116,11 @@ class RealNode:
         return self.dir / "sim.json"
 
     @property
+    def cdi_dir(self) -> Path:
+        """containerd's CDI spec directory (``cdi_spec_dirs``): the agent's DRA plugin writes there."""
+        return self.dir / "cdi"
+
+    @property
     def state_file(self) -> Path:
         return self.dir / "realnode.json"
 
@@ -417,7 +422,8 @@ class RealNode:
         self._agent_args = tuple(extra_args)
         argv = [sys.executable, "-m", "kvgpu.cli.main", "agent", "--node", self.name,
                 "--kubeconfig", str(self.cluster.kubeconfig), "--interval", "5", "--shim-source", str(SHIM_SOURCE),
-                "--metrics-port", "0", "--driver-root", str(self.driver_root), "--dev-root", str(self.dev_root)]
+                "--metrics-port", "0", "--driver-root", str(self.driver_root), "--dev-root", str(self.dev_root),
+                "--cdi-dir", str(self.cdi_dir)]
         if not self.gpu:
             argv += ["--simulated", str(self.sim_file)]
         argv += list(extra_args)
@@ -443,15 +449,16 @@ class RealNode:
     def pool_name(self) -> str:
         return f"realnode-{self.name}"
 
-    def apply_pool(self, split_count: int = 10) -> None:
+    def apply_pool(self, split_count: int = 10, allocation: str = "extender") -> None:
         """A VGPUPool over this node's cards only (``kvgpu.io/gpu-node=true`` plus its hostname
         label: more specific than a fleet-wide pool, so it wins without a conflict); the agent
-        offers devices only for pooled cards. :meth:`stop` deletes it."""
+        offers devices only for pooled cards (``allocation``: ``extender``, the device plugin,
+        or ``dra``, the node's ResourceSlice). :meth:`stop` deletes it."""
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps({
             "apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": self.pool_name},
             "spec": {"nodeSelector": {"matchLabels": {"kvgpu.io/gpu-node": "true",
                                                       "kubernetes.io/hostname": self.name}},
-                     "splitCount": split_count}}))
+                     "splitCount": split_count, "allocation": allocation}}))
 
     def stop_agent(self) -> None:
         if self.agent is not None and self.agent.poll() is None:

@@ -1,12 +1,14 @@
 """Generated gRPC stubs of the kubelet's device plugin API (``deviceplugin.proto``, v1beta1) and
-PodResources API (``podresources.proto``, v1).
+PodResources API (``podresources.proto``, v1), DRA plugin API (``dra.proto``, v1) and plugin
+registration API (``pluginregistration.proto``, v1).
 
 ``make install`` (``hack/gen_proto.py``) generates ``<name>_pb2.py`` and ``<name>_pb2_grpc.py``
 here. When they are missing (a source checkout that skipped it) they are generated on first import
 if grpcio-tools is installed. protoc's gRPC modules import their message module as a top-level
 ``<name>_pb2``; those names are aliased to this package's modules.
 
-Exports: ``pb2``/``pb2_grpc`` (device plugin), ``pr_pb2``/``pr_pb2_grpc`` (PodResources).
+Exports: ``pb2``/``pb2_grpc`` (device plugin), ``pr_pb2``/``pr_pb2_grpc`` (PodResources),
+``dra_pb2``/``dra_pb2_grpc`` (DRA kubelet plugin), ``reg_pb2``/``reg_pb2_grpc`` (plugin registration).
 """
 
 from __future__ import annotations
@@ -47,5 +49,7 @@ def _load(name: str) -> tuple[Any, Any]:
 
 pb2, pb2_grpc = _load("deviceplugin")
 pr_pb2, pr_pb2_grpc = _load("podresources")
+dra_pb2, dra_pb2_grpc = _load("dra")
+reg_pb2, reg_pb2_grpc = _load("pluginregistration")
 
-__all__ = ["pb2", "pb2_grpc", "pr_pb2", "pr_pb2_grpc"]
+__all__ = ["dra_pb2", "dra_pb2_grpc", "pb2", "pb2_grpc", "pr_pb2", "pr_pb2_grpc", "reg_pb2", "reg_pb2_grpc"]
