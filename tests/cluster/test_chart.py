@@ -39,7 +39,8 @@ RELEASE = "kvgpu"
 CLUSTER_SCOPED = [("clusterrole", "kvgpu-operator"), ("clusterrole", "kvgpu-scheduler"), ("clusterrole", "kvgpu-agent"),
                   ("mutatingwebhookconfiguration", "kvgpu-mutate"),
                   ("validatingwebhookconfiguration", "kvgpu-validate"),
-                  ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"), ("vgpupool", "helm-test")]
+                  ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"),
+                  ("validatingadmissionpolicy", "pods.kvgpu.io"), ("vgpupool", "helm-test")]
 
 
 def _sa_kubeconfig(cluster: Any, path: Path) -> Path:
@@ -99,7 +100,9 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
     for kind, name in (("mutatingwebhookconfiguration", "kvgpu-mutate"),
                        ("validatingwebhookconfiguration", "kvgpu-validate"),
                        ("validatingadmissionpolicybinding", "vgpuclaims.kvgpu.io"),
-                       ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io")):
+                       ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"),
+                       ("validatingadmissionpolicybinding", "pods.kvgpu.io"),
+                       ("validatingadmissionpolicy", "pods.kvgpu.io")):
         cluster.kubectl("delete", kind, name, "--ignore-not-found")  # the session operator's, re-made below
     op = None
     try:
