@@ -28,7 +28,8 @@ EXPECTED = {
     "ServiceAccount": 3, "ClusterRole": 5, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
     "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
-    "NetworkPolicy": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+    # VGPUClaim writers (vgpuclaims.kvgpu.io) and the pod checks after every mutation (pods.kvgpu.io)
+    "NetworkPolicy": 1, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
 }
 # the webhook's root/CA/serving certificate; the extender's CA and its serving and client certificates
 CERT_MANAGER = {"Issuer": 3, "Certificate": 5}
@@ -368,8 +369,8 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
     sched_log = tmp_path / "scheduler.log"
     system.stop_operator()
     cluster.stop_component("kube-scheduler-kvgpu-scheduler")
-    # the chart's VGPUClaim policy (the operator's ServiceAccount writes claims) in place of
-    # the session's dev policy; the session operator puts its own back when it restarts below
+    # the chart's VGPUClaim policy (the operator's ServiceAccount writes claims) and pod policy in
+    # place of the session's dev ones; the session operator puts its own back when it restarts below
     policy = [d for d in _chart() if d["kind"].startswith("ValidatingAdmissionPolicy")]
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(policy))
     proc = sched = None
