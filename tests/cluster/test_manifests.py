@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from clusterkit import stop_process
 from kvgpu.devcluster import Cluster
 
 from tests.helmkit import render
@@ -300,12 +301,7 @@ def test_agent_runs_with_its_own_service_account(cluster: Cluster, rbac: Any, na
         assert not re.search(r"\(403\)|\b403\b", text) and "forbidden" not in text.lower(), text[-3000:]
         assert proc.poll() is None, text[-3000:]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         cluster.kubectl("delete", "node", node, "--wait=false", check=False)
         cluster.kubectl("delete", "-f", "-", "--wait=false", "--ignore-not-found", input=extra, check=False)
 
@@ -318,18 +314,6 @@ def _sa_kubeconfig(cluster: Cluster, account: str, path: Path) -> Path:
         ctx["context"]["user"] = account
     path.write_text(yaml.safe_dump(kc))
     return path
-
-
-def _stop(proc: Any) -> None:
-    import subprocess
-
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, tmp_path: Path) -> None:
@@ -418,8 +402,8 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
         refused = [line for line in text.splitlines() if "forbidden" in line.lower()]
         assert not refused, "\n".join(refused[:20])
     finally:
-        _stop(proc)
-        _stop(sched)
+        stop_process(proc)
+        stop_process(sched)
         time.sleep(0.5)
         system.start_operator()
         system.start_scheduler()
@@ -487,6 +471,6 @@ def test_standby_operator_is_not_ready_and_takes_over(kvgpu_system: Any, rbac: A
         print(f"standby took over {time.monotonic() - t0:.1f} s after the leader was killed")
     finally:
         for p in procs.values():
-            _stop(p)
+            stop_process(p)
         time.sleep(0.5)
         system.start_operator()
