@@ -93,16 +93,20 @@ def _unclean(path: str) -> str:
             f"{path}.contains('/../') || {path}.endsWith('/.') || {path}.endsWith('/..'))")
 
 
+# The API server's type check does not know ResourceRequirements' quantity maps ("undefined
+# field 'limits'"): ``dyn()`` leaves them to the evaluation, which reads them as they are.
 def _has_resource(c: str, pred: str) -> str:
     """CEL: container ``c`` has a limit or request ``r`` for which ``pred`` holds."""
-    return " || ".join(f"(has({c}.resources) && has({c}.resources.{f}) && {c}.resources.{f}.exists(r, {pred}))"
+    res = f"dyn({c}.resources)"
+    return " || ".join(f"(has({c}.resources) && has({res}.{f}) && {res}.{f}.exists(r, {pred}))"
                        for f in ("limits", "requests"))
 
 
 def _nonzero_gpu_resource(c: str) -> str:
+    res = f"dyn({c}.resources)"
     return " || ".join(
-        f"(has({c}.resources) && has({c}.resources.{f}) && {c}.resources.{f}.exists(r, "
-        f"r.startsWith('nvidia.com/') && string({c}.resources.{f}[r]) != '0'))" for f in ("limits", "requests"))
+        f"(has({c}.resources) && has({res}.{f}) && {res}.{f}.exists(r, "
+        f"r.startsWith('nvidia.com/') && string({res}.{f}[r]) != '0'))" for f in ("limits", "requests"))
 
 
 def _injected_env_shape(e: str, c: str) -> str:
