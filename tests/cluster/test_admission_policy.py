@@ -29,6 +29,7 @@ OPERATOR_USER = "kvgpu-operator"
 NO_NODE = {"kvgpu.io/admission-test": "no-such-node"}  # never placed by a kvgpu scheduler of other tests
 MODE = "attack.kvgpu.io/mode"  # label: which change the later webhook makes
 ROUND = "attack.kvgpu.io/round"  # annotation: how often the later webhook has been called
+PATCH = "attack.kvgpu.io/patch"  # annotation (mode "patch"): the ops of the second call, JSON
 FORGED_CLAIM = "gpu=GPU-forged,mem=81559,cores=100"
 EVIL_SHIM = "/tmp/kvgpu-evil-shim"
 
@@ -82,7 +83,7 @@ class LaterWebhook:
         elif n == 1 and keys.POD_MANAGED_LABEL in meta.get("labels", {}):
             ops.append({"op": "remove", "path": "/metadata/labels/" + keys.POD_MANAGED_LABEL.replace("/", "~1")})
         elif n == 2:
-            ops += ATTACKS.get(mode, [])
+            ops += json.loads(meta["annotations"][PATCH]) if mode == "patch" else ATTACKS.get(mode, [])
         return web.json_response(response_body(req, True, patch=ops))
 
 
@@ -187,6 +188,75 @@ def test_a_later_webhook_cannot_change_a_gpu_pod_after_kvgpu(
     assert _calls(later, name) == [1, 2]
     ours = webhooks.messages(f"mutate CREATE pod {namespace}/{name}:")
     assert len(ours) == 2, ours
+
+
+# After kvgpu's mutation: containers/0 is "main" (sliced: env, claim mount, nvidia.com/gpu
+# limit; env/2 is NVIDIA_VISIBLE_DEVICES), containers/1 "side" (NVIDIA_VISIBLE_DEVICES=none).
+_MORE = {
+    "scheduler": ([{"op": "replace", "path": "/spec/schedulerName", "value": "default-scheduler"}],
+                  "scheduled by 'kvgpu-scheduler'"),
+    "node-name": ([{"op": "add", "path": "/spec/nodeName", "value": "some-node"}], "no preset spec.nodeName"),
+    "privileged": ([{"op": "add", "path": "/spec/containers/0/securityContext", "value": {"privileged": True}}],
+                   "is privileged"),
+    "host-pid": ([{"op": "add", "path": "/spec/hostPID", "value": True}], "sets hostPID"),
+    "visible-all": ([{"op": "replace", "path": "/spec/containers/0/env/2",
+                      "value": {"name": keys.ENV_VISIBLE, "value": "all"}}], "env var kvgpu reserves"),
+    "new-container": ([{"op": "add", "path": "/spec/containers/-", "value": {"name": "late", "image": "x"}}],
+                      f"lacks {keys.ENV_VISIBLE}"),
+    "side-reads-claim": ([{"op": "add", "path": "/spec/containers/1/volumeMounts", "value": [
+        {"name": "kvgpu-claim-main", "mountPath": keys.CONTAINER_CLAIM_DIR, "readOnly": True}]}],
+        "mounts kvgpu's claim volume"),
+    "claim-replaced": ([{"op": "add", "path": "/spec/volumes/-", "value": {"name": "mine", "emptyDir": {}}},
+                        {"op": "replace", "path": "/spec/containers/0/volumeMounts/0/name", "value": "mine"}],
+                       "lacks its claim mount"),
+    "region-root": ([{"op": "add", "path": "/spec/volumes/-",
+                      "value": {"name": "regions", "hostPath": {"path": "/var/lib/kvgpu/containers"}}}],
+                    "hostPath volume of a pod with GPU slices"),
+    "unclean-hostpath": ([{"op": "add", "path": "/spec/volumes/-",
+                           "value": {"name": "regions", "hostPath": {"path": "/var/lib//kvgpu"}}}],
+                         "not a clean absolute path"),
+    "side-gets-a-card": ([{"op": "add", "path": "/spec/containers/1/resources",
+                           "value": {"limits": {"nvidia.com/gpu": "1"}}}], "nvidia.com/ resources differ"),
+    "card-removed": ([{"op": "remove", "path": "/spec/containers/0/resources"}],  # limit and defaulted request
+                     "each container with slices requests nvidia.com/gpu"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MORE))
+def test_every_rule_holds_against_a_later_webhook(
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread, later: LaterWebhook, case: str,
+) -> None:
+    ops, needle = _MORE[case]
+    pod = _pod(namespace, f"late-{case}", "patch")
+    pod["metadata"]["annotations"][PATCH] = json.dumps(ops)
+    p = _dry_run(cluster, pod)
+    assert p.returncode != 0, p.stdout
+    assert POD_POLICY_NAME in p.stderr and needle in p.stderr, p.stderr
+    assert _calls(later, f"late-{case}") == [1, 2]
+
+
+def test_a_harmless_host_path_from_a_later_webhook_is_admitted(
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread, later: LaterWebhook,
+) -> None:
+    pod = _pod(namespace, "late-datasets", "patch")
+    pod["metadata"]["annotations"][PATCH] = json.dumps([{"op": "add", "path": "/spec/volumes/-", "value": {
+        "name": "datasets", "hostPath": {"path": "/opt/datasets"}}}])
+    p = _dry_run(cluster, pod)
+    assert p.returncode == 0, p.stderr
+    assert _calls(later, "late-datasets") == [1, 2]
+
+
+def test_the_policy_type_checks_against_the_pod_schema(cluster: Cluster, webhooks: AdmissionThread) -> None:
+    """The API server type-checks the CEL against the Pod schema (a misspelt field is a warning
+    there, and never matches at run time)."""
+    def checked() -> dict[str, Any] | None:
+        obj = json.loads(cluster.kubectl("get", "validatingadmissionpolicy", POD_POLICY_NAME, "-o", "json").stdout)
+        status = obj.get("status") or {}
+        return status if status.get("observedGeneration") == obj["metadata"]["generation"] else None
+
+    _wait_until(cluster, lambda: checked() is not None, "the policy's type check")
+    status = checked() or {}
+    assert not (status.get("typeChecking") or {}).get("expressionWarnings"), status
 
 
 def test_a_harmless_later_change_is_admitted(
