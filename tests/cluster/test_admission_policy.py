@@ -19,11 +19,15 @@ import pytest
 from admissionthread import AdmissionThread, admission_in_thread
 from aiohttp import web
 from clusterkit import free_port, temporarily_applied
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kvgpu.admission.config import MUTATE_WEBHOOK, VALIDATE_WEBHOOK, webhook_configurations
 from kvgpu.admission.podpolicy import POD_POLICY_NAME, pod_policy
 from kvgpu.admission.server import response_body
 from kvgpu.core import keys
 from kvgpu.devcluster import Cluster
+
+from tests.unit.test_fuzz_admission import pods as fuzz_pods
 
 OPERATOR_USER = "kvgpu-operator"
 NO_NODE = {"kvgpu.io/admission-test": "no-such-node"}  # never placed by a kvgpu scheduler of other tests
@@ -219,6 +223,9 @@ _MORE = {
                            "value": {"limits": {"nvidia.com/gpu": "1"}}}], "nvidia.com/ resources differ"),
     "card-removed": ([{"op": "remove", "path": "/spec/containers/0/resources"}],  # limit and defaulted request
                      "each container with slices requests nvidia.com/gpu"),
+    "card-swapped-for-a-sibling": ([{"op": "remove", "path": "/spec/containers/0/resources"},
+                                    {"op": "add", "path": "/spec/containers/1/resources",
+                                     "value": {"limits": {"nvidia.com/gpu": "1"}}}], "nvidia.com/ resources differ"),
 }
 
 
@@ -244,6 +251,57 @@ def test_a_harmless_host_path_from_a_later_webhook_is_admitted(
     p = _dry_run(cluster, pod)
     assert p.returncode == 0, p.stderr
     assert _calls(later, "late-datasets") == [1, 2]
+
+
+@st.composite
+def gpu_pods(draw: Any) -> dict[str, Any]:
+    """Pods kvgpu's webhook mostly admits with slices: either form, one to three containers and
+    maybe an init container, the slices on some of them, harmless env, volumes and mounts."""
+    names = draw(st.lists(st.sampled_from(["main", "side", "worker"]), min_size=1, max_size=3, unique=True))
+    ctrs: list[dict[str, Any]] = [{"name": n, "image": "x"} for n in names]
+    inits = [{"name": "prep", "image": "x"}] if draw(st.booleans()) else []
+    ann: dict[str, str] = {}
+    if draw(st.booleans()):
+        ann["kvgpu.io/gpumem"] = draw(st.sampled_from(["1000", "3000", "3Gi"]))
+        if draw(st.booleans()):
+            ann["kvgpu.io/gpu"] = draw(st.sampled_from(["1", "2"]))
+        if len(names) > 1 or inits:
+            chosen = draw(st.lists(st.sampled_from(names + [c["name"] for c in inits]), min_size=1, unique=True))
+            ann["kvgpu.io/containers"] = ",".join(chosen)
+        if draw(st.booleans()):
+            ann["kvgpu.io/mode"] = "mps"
+    else:
+        for c in draw(st.lists(st.sampled_from(ctrs), min_size=1, unique_by=lambda c: c["name"])):
+            c["resources"] = {"limits": draw(st.sampled_from([
+                {"nvidia.com/gpu": "1"}, {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"},
+                {"nvidia.com/gpumem": "3000"}, {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30"}]))}
+    for c in ctrs + inits:
+        if draw(st.booleans()):
+            c["env"] = [{"name": "HOME", "value": "/tmp"}]
+        if draw(st.booleans()):
+            c["volumeMounts"] = [{"name": "data", "mountPath": draw(st.sampled_from(["/data", "/data/", "/mnt/x"]))}]
+    spec: dict[str, Any] = {"containers": ctrs}
+    if inits:
+        spec["initContainers"] = inits
+    if any("volumeMounts" in c for c in ctrs + inits):
+        spec["volumes"] = [draw(st.sampled_from([{"name": "data", "emptyDir": {}},
+                                                 {"name": "data", "hostPath": {"path": "/opt/datasets"}}]))]
+    if draw(st.booleans()):
+        spec["schedulerName"] = "default-scheduler"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "fuzz", "annotations": ann}, "spec": spec}
+
+
+@given(pod=st.one_of(gpu_pods(), fuzz_pods()))
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+def test_the_policy_admits_every_pod_kvgpus_webhook_admits(
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread, pod: dict[str, Any],
+) -> None:
+    """No false refusals: random GPU pods, and the admission fuzzer's (tests/unit/test_fuzz_admission.py),
+    through the real API server; whatever kvgpu's webhook admits, the policy admits too."""
+    pod["metadata"]["namespace"] = namespace
+    p = _dry_run(cluster, pod)
+    assert POD_POLICY_NAME not in p.stderr, (pod, p.stderr)
 
 
 def test_the_policy_type_checks_against_the_pod_schema(cluster: Cluster, webhooks: AdmissionThread) -> None:

@@ -19,7 +19,8 @@ pod that mentions GPUs (the webhooks' ``mentions-gpus`` condition), the policy r
 * allocation annotations (``kvgpu.io/bound-node``, ``claims``, ``requeue``, ``claim.*``,
   ``devices.*``: the operator writes them at bind time, never on a new pod);
 * a container with a non-zero ``nvidia.com/*`` limit or request that the marker does not list,
-  or a listed one without ``nvidia.com/gpu`` (the kubelet would not call ``Allocate`` for it);
+  or a listed one without any (an annotation-form container without the ``nvidia.com/gpu`` kvgpu
+  adds: the kubelet would not call ``Allocate`` for it);
 * a reserved env var (:func:`kvgpu.admission.validate.is_reserved_env`) in any container other
   than in the exact injected shape (:func:`kvgpu.admission.mutate.injected_env` in a listed
   container, ``NVIDIA_VISIBLE_DEVICES=none`` in the others);
@@ -201,8 +202,10 @@ def _validations() -> list[dict[str, str]]:
     pre = f"refused after every mutating webhook ({POD_POLICY_NAME}): "
     gpu = f"{m.CARD_RESOURCE}"
     listed = _each_container(f"!({_nonzero_gpu_resource('c')}) || {_in_sliced('c.name')}")
+    # A listed container names nvidia.com/ resources: kvgpu's nvidia.com/gpu in the annotation
+    # form (without it the kubelet would not call Allocate), its own in the HAMi form.
     has_card = ("variables.sliced.all(n, n == '' || "
-                + _any_container(f"c.name == n && ({_has_resource('c', f'r == {q(gpu)}')})") + ")")
+                + _any_container(f"c.name == n && ({_nonzero_gpu_resource('c')})") + ")")
     rules = [
         (f"has(object.metadata.annotations) && {q(keys.POD_ADMITTED)} in object.metadata.annotations",
          f"the pod mentions GPUs but kvgpu's mutating webhook did not admit it (no {keys.POD_ADMITTED} "
@@ -213,7 +216,8 @@ def _validations() -> list[dict[str, str]]:
          "the kvgpu operator at scheduling time and cannot be set on a new pod"),
         (f"{listed} && {has_card}",
          f"a container's nvidia.com/ resources differ from what kvgpu's mutating webhook admitted "
-         f"(annotation {keys.POD_ADMITTED}); each container with slices requests {gpu}"),
+         f"(annotation {keys.POD_ADMITTED}); each container with slices requests {gpu} (kvgpu adds it) "
+         "or HAMi's nvidia.com/ resources"),
         (_env_ok(), "a container sets an env var kvgpu reserves for the GPU slice (KVGPU_*, "
                     "NVIDIA_VISIBLE_DEVICES, CUDA_DEVICE_*_LIMIT, LD_PRELOAD, ...) other than as kvgpu injects it"),
         ("!variables.admitted || " + _each_container(
