@@ -258,6 +258,7 @@ def gpu_pods(draw: Any) -> dict[str, Any]:
     """Pods kvgpu's webhook mostly admits with slices: either form, one to three containers and
     maybe an init container, the slices on some of them, harmless env, volumes and mounts."""
     names = draw(st.lists(st.sampled_from(["main", "side", "worker"]), min_size=1, max_size=3, unique=True))
+    vol = draw(st.sampled_from(["data", "kvgpu-data"]))  # kvgpu- names other than kvgpu's are the user's
     ctrs: list[dict[str, Any]] = [{"name": n, "image": "x"} for n in names]
     inits = [{"name": "prep", "image": "x"}] if draw(st.booleans()) else []
     ann: dict[str, str] = {}
@@ -279,13 +280,13 @@ def gpu_pods(draw: Any) -> dict[str, Any]:
         if draw(st.booleans()):
             c["env"] = [{"name": "HOME", "value": "/tmp"}]
         if draw(st.booleans()):
-            c["volumeMounts"] = [{"name": "data", "mountPath": draw(st.sampled_from(["/data", "/data/", "/mnt/x"]))}]
+            c["volumeMounts"] = [{"name": vol, "mountPath": draw(st.sampled_from(["/data", "/data/", "/mnt/x"]))}]
     spec: dict[str, Any] = {"containers": ctrs}
     if inits:
         spec["initContainers"] = inits
     if any("volumeMounts" in c for c in ctrs + inits):
-        spec["volumes"] = [draw(st.sampled_from([{"name": "data", "emptyDir": {}},
-                                                 {"name": "data", "hostPath": {"path": "/opt/datasets"}}]))]
+        spec["volumes"] = [draw(st.sampled_from([{"name": vol, "emptyDir": {}},
+                                                 {"name": vol, "hostPath": {"path": "/opt/datasets"}}]))]
     if draw(st.booleans()):
         spec["schedulerName"] = "default-scheduler"
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "fuzz", "annotations": ann}, "spec": spec}

@@ -31,7 +31,8 @@ pod that mentions GPUs (the webhooks' ``mentions-gpus`` condition), the policy r
   under :data:`kvgpu.admission.validate.SENSITIVE_HOST_PATHS` or not written as a clean absolute
   path;
 * a volume under a reserved name that is not exactly a claim volume of a listed container; a mount
-  of a ``kvgpu-*`` volume or at ``/etc/kvgpu`` other than a listed container's own claim mount;
+  of a reserved volume (:func:`kvgpu.admission.mutate.is_reserved_volume`) or at ``/etc/kvgpu``
+  other than a listed container's own claim mount;
   in a listed container a mount at or under a path ``Allocate`` mounts
   (:data:`kvgpu.admission.mutate.DEVICE_PLUGIN_TARGETS`) or a mount path that is not clean
   (``//``, ``/./``, ``/../``).
@@ -89,9 +90,12 @@ def _under(path: str, roots: tuple[str, ...] | list[str]) -> str:
     return f"{_cel_list(list(roots))}.exists(t, {path} == t || {path}.startsWith(t + '/'))"
 
 
-def _unclean(path: str) -> str:
-    return (f"(!{path}.startsWith('/') || {path}.contains('//') || {path}.contains('/./') || "
-            f"{path}.contains('/../') || {path}.endsWith('/.') || {path}.endsWith('/..'))")
+def _unclean(path: str, *, absolute: bool = True) -> str:
+    """CEL: ``path`` has ``//``, ``.`` or ``..`` steps (the runtime would clean it to another
+    path than the one compared), or with ``absolute`` does not start with ``/``."""
+    steps = (f"{path}.contains('//') || {path}.contains('/./') || {path}.contains('/../') || "
+             f"{path}.endsWith('/.') || {path}.endsWith('/..')")
+    return f"(!{path}.startsWith('/') || {steps})" if absolute else f"({steps})"
 
 
 # The API server's type check does not know ResourceRequirements' quantity maps ("undefined
@@ -154,8 +158,9 @@ def _claim_mount(c: str, mt: str) -> str:
 
 def _mounts_ok() -> str:
     p = "mt.mountPath"
-    claimish = f"(mt.name.startsWith('kvgpu-') || {_under(p, [keys.CONTAINER_CLAIM_DIR])})"
-    sliced_rules = f"(!{_unclean(p)} && !{_under(p, list(m.DEVICE_PLUGIN_TARGETS))})"
+    claimish = (f"(mt.name in {_cel_list(m.RESERVED_VOLUMES)} || mt.name.startsWith({q(m.VOLUME_CLAIM_PREFIX)}) "
+                f"|| {_under(p, [keys.CONTAINER_CLAIM_DIR])})")
+    sliced_rules = f"(!{_unclean(p, absolute=False)} && !{_under(p, list(m.DEVICE_PLUGIN_TARGETS))})"
     return _each_container(
         f"!has(c.volumeMounts) || c.volumeMounts.all(mt, (!{claimish} || {_claim_mount('c', 'mt')}) && "
         f"(!{_in_sliced('c.name')} || {claimish} || {sliced_rules}))")
