@@ -223,6 +223,9 @@ _MORE = {
                            "value": {"limits": {"nvidia.com/gpu": "1"}}}], "nvidia.com/ resources differ"),
     "card-removed": ([{"op": "remove", "path": "/spec/containers/0/resources"}],  # limit and defaulted request
                      "each container with slices requests nvidia.com/gpu"),
+    # the marker forged empty and the card limit dropped: the injected env still gives it away
+    "marker-emptied": ([{"op": "replace", "path": "/metadata/annotations/kvgpu.io~1admitted", "value": ""},
+                        {"op": "remove", "path": "/spec/containers/0/resources"}], "env var kvgpu reserves"),
     "card-swapped-for-a-sibling": ([{"op": "remove", "path": "/spec/containers/0/resources"},
                                     {"op": "add", "path": "/spec/containers/1/resources",
                                      "value": {"limits": {"nvidia.com/gpu": "1"}}}], "nvidia.com/ resources differ"),
@@ -303,6 +306,22 @@ def test_the_policy_admits_every_pod_kvgpus_webhook_admits(
     pod["metadata"]["namespace"] = namespace
     p = _dry_run(cluster, pod)
     assert POD_POLICY_NAME not in p.stderr, (pod, p.stderr)
+
+
+def test_a_pod_without_slices_keeps_its_own_env_and_volumes(
+    cluster: Cluster, namespace: str, webhooks: AdmissionThread,
+) -> None:
+    """A pod that mentions GPUs but asks for no slice (a HAMi card-type selector only) is not
+    kvgpu's to police beyond allocation annotations, for the policy as for validation."""
+    pod = _pod(namespace, "no-slices", None, gpu=False)
+    pod["metadata"]["annotations"] = {"nvidia.com/use-gputype": "A100"}
+    pod["spec"]["containers"][0]["env"] = [{"name": "LD_PRELOAD", "value": "/opt/lib/libtrace.so"},
+                                           {"name": keys.ENV_VISIBLE, "value": "all"}]
+    pod["spec"]["volumes"] = [{"name": "kvgpu-shim", "emptyDir": {}}]
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "kvgpu-shim", "mountPath": "/opt/lib"}]
+    p = _dry_run(cluster, pod)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["metadata"]["annotations"][keys.POD_ADMITTED] == ""
 
 
 def test_the_policy_type_checks_against_the_pod_schema(cluster: Cluster, webhooks: AdmissionThread) -> None:

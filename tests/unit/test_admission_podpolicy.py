@@ -39,7 +39,7 @@ def test_policy_and_binding_shape() -> None:
         {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}]
     # The same scoping as the mutating webhook: only pods that mention GPUs.
     assert spec["matchConditions"] == [{"name": "mentions-gpus", "expression": gpu_pod_expression(update=False)}]
-    assert [v["name"] for v in spec["variables"]] == ["sliced", "admitted"]
+    assert [v["name"] for v in spec["variables"]] == ["sliced", "admitted", "guarded"]
     assert all(v["message"].startswith(f"refused after every mutating webhook ({POD_POLICY_NAME}): ")
                and v["reason"] == "Forbidden" for v in spec["validations"])
     assert binding["spec"]["policyName"] == POD_POLICY_NAME and binding["spec"]["validationActions"] == ["Deny"]

@@ -13,7 +13,9 @@ The mutating webhook marks every pod it admits with :data:`kvgpu.core.keys.POD_A
 value is the comma list of the containers (app and init) it gave slices (empty when none). A
 later webhook may forge the marker too, so the policy does not trust it beyond naming which
 containers are sliced, and checks what those containers may and may not carry by itself. For a
-pod that mentions GPUs (the webhooks' ``mentions-gpus`` condition), the policy refuses:
+pod that mentions GPUs (the webhooks' ``mentions-gpus`` condition), the policy refuses (the env,
+volume and mount rules only for pods with slices or with ``kvgpu.io`` amount annotations: what a
+pod without slices sets is its own, as for validation):
 
 * no marker (kvgpu's mutating webhook did not admit this pod: another webhook made it a GPU pod);
 * allocation annotations (``kvgpu.io/bound-node``, ``claims``, ``requeue``, ``claim.*``,
@@ -50,6 +52,7 @@ from typing import Any
 from kvgpu.admission import mutate as m
 from kvgpu.admission import validate as v
 from kvgpu.admission.config import ALWAYS_EXCLUDED_NAMESPACES, gpu_pod_expression
+from kvgpu.api.request_keys import AMOUNT_ANNOTATIONS
 from kvgpu.core import keys
 
 POD_POLICY_NAME = f"pods.{keys.GROUP}"
@@ -206,6 +209,7 @@ def _allocation_annotations() -> str:
 def _validations() -> list[dict[str, str]]:
     pre = f"refused after every mutating webhook ({POD_POLICY_NAME}): "
     gpu = f"{m.CARD_RESOURCE}"
+    guarded = "!variables.guarded || "
     listed = _each_container(f"!({_nonzero_gpu_resource('c')}) || {_in_sliced('c.name')}")
     # A listed container names nvidia.com/ resources: kvgpu's nvidia.com/gpu in the annotation
     # form (without it the kubelet would not call Allocate), its own in the HAMi form.
@@ -223,8 +227,9 @@ def _validations() -> list[dict[str, str]]:
          f"a container's nvidia.com/ resources differ from what kvgpu's mutating webhook admitted "
          f"(annotation {keys.POD_ADMITTED}); each container with slices requests {gpu} (kvgpu adds it) "
          "or HAMi's nvidia.com/ resources"),
-        (_env_ok(), "a container sets an env var kvgpu reserves for the GPU slice (KVGPU_*, "
-                    "NVIDIA_VISIBLE_DEVICES, CUDA_DEVICE_*_LIMIT, LD_PRELOAD, ...) other than as kvgpu injects it"),
+        (guarded + _env_ok(),
+         "a container sets an env var kvgpu reserves for the GPU slice (KVGPU_*, NVIDIA_VISIBLE_DEVICES, "
+         "CUDA_DEVICE_*_LIMIT, LD_PRELOAD, ...) other than as kvgpu injects it"),
         ("!variables.admitted || " + _each_container(
             f"has(c.env) && c.env.exists(e, e.name == {q(keys.ENV_VISIBLE)})"),
          f"a container of a pod with GPU slices lacks {keys.ENV_VISIBLE} (kvgpu sets it in every container)"),
@@ -235,11 +240,13 @@ def _validations() -> list[dict[str, str]]:
         (f"!variables.admitted || (has(object.spec.schedulerName) && object.spec.schedulerName == "
          f"{q(keys.SCHEDULER_NAME)} && (!has(object.spec.nodeName) || object.spec.nodeName == ''))",
          f"pods with GPU slices are scheduled by {keys.SCHEDULER_NAME!r} with no preset spec.nodeName"),
-        (_volumes_ok(), "a volume uses a name kvgpu reserves (kvgpu-claim-*, kvgpu-shim, kvgpu-claims, ...) "
-                        "other than as kvgpu injects it; rename the volume"),
-        (_mounts_ok(), f"a container mounts kvgpu's claim volume or {keys.CONTAINER_CLAIM_DIR} other than "
-                       "kvgpu does, or a container with GPU slices mounts at a path the device plugin "
-                       f"mounts ({', '.join(m.DEVICE_PLUGIN_TARGETS)}) or at an unclean path"),
+        (guarded + _volumes_ok(),
+         "a volume uses a name kvgpu reserves (kvgpu-claim-*, kvgpu-shim, kvgpu-claims, ...) other than as "
+         "kvgpu injects it; rename the volume"),
+        (guarded + _mounts_ok(),
+         f"a container mounts kvgpu's claim volume or {keys.CONTAINER_CLAIM_DIR} other than kvgpu does, or a "
+         f"container with GPU slices mounts at a path the device plugin mounts ({', '.join(m.DEVICE_PLUGIN_TARGETS)}) "
+         "or at an unclean path"),
         (_host_paths_ok(), "a hostPath volume of a pod with GPU slices exposes the node's devices, processes, "
                            "runtime or kvgpu's files, or is not a clean absolute path"),
         (_privileges_ok(), "a container with GPU slices is privileged or adds SYS_ADMIN/SYS_PTRACE/ALL, or "
@@ -267,6 +274,11 @@ def pod_policy(exclude_namespaces: list[str]) -> tuple[dict[str, Any], dict[str,
             "variables": [
                 {"name": "sliced", "expression": sliced},
                 {"name": "admitted", "expression": "variables.sliced.exists(n, n != '')"},
+                # Env, volume and mount rules: for pods with slices, or that ask for them (a
+                # forged empty marker does not turn them off); validation checks no more.
+                {"name": "guarded", "expression": (
+                    "variables.admitted || (has(object.metadata.annotations) && object.metadata.annotations"
+                    f".exists(k, k in {_cel_list(list(AMOUNT_ANNOTATIONS))}))")},
             ],
             "validations": _validations(),
         },
