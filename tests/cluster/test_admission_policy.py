@@ -220,7 +220,7 @@ _MORE = {
                            "value": {"name": "regions", "hostPath": {"path": "/var/lib//kvgpu"}}}],
                          "not a clean absolute path"),
     "side-gets-a-card": ([{"op": "add", "path": "/spec/containers/1/resources",
-                           "value": {"limits": {"nvidia.com/gpu": "1"}}}], "nvidia.com/ resources differ"),
+                           "value": {"limits": {"nvidia.com/gpu": "1"}}}], "GPU slice resources differ"),
     "card-removed": ([{"op": "remove", "path": "/spec/containers/0/resources"}],  # limit and defaulted request
                      "each container with slices requests nvidia.com/gpu"),
     # the marker forged empty and the card limit dropped: the injected env still gives it away
@@ -228,7 +228,7 @@ _MORE = {
                         {"op": "remove", "path": "/spec/containers/0/resources"}], "env var kvgpu reserves"),
     "card-swapped-for-a-sibling": ([{"op": "remove", "path": "/spec/containers/0/resources"},
                                     {"op": "add", "path": "/spec/containers/1/resources",
-                                     "value": {"limits": {"nvidia.com/gpu": "1"}}}], "nvidia.com/ resources differ"),
+                                     "value": {"limits": {"nvidia.com/gpu": "1"}}}], "GPU slice resources differ"),
 }
 
 
@@ -277,6 +277,7 @@ def gpu_pods(draw: Any) -> dict[str, Any]:
     else:
         for c in draw(st.lists(st.sampled_from(ctrs), min_size=1, unique_by=lambda c: c["name"])):
             c["resources"] = {"limits": draw(st.sampled_from([
+                {"nvidia.com/mig-1g.18gb": "1"},  # a MIG instance: a plain extended resource, not a slice
                 {"nvidia.com/gpu": "1"}, {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"},
                 {"nvidia.com/gpumem": "3000"}, {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30"}]))}
     for c in ctrs + inits:
@@ -322,6 +323,15 @@ def test_a_pod_without_slices_keeps_its_own_env_and_volumes(
     p = _dry_run(cluster, pod)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["metadata"]["annotations"][keys.POD_ADMITTED] == ""
+
+
+def test_a_mig_pod_passes(cluster: Cluster, namespace: str, webhooks: AdmissionThread) -> None:
+    """A MIG instance (``nvidia.com/mig-<profile>``, NVIDIA's mixed strategy) is a plain extended
+    resource kvgpu's webhook injects nothing for; the policy does not take it for a slice."""
+    pod = _pod(namespace, "mig", None, gpu=False)
+    pod["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/mig-1g.18gb": "1"}}
+    p = _dry_run(cluster, pod)
+    assert p.returncode == 0, p.stderr
 
 
 def test_the_policy_type_checks_against_the_pod_schema(cluster: Cluster, webhooks: AdmissionThread) -> None:

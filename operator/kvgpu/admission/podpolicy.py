@@ -20,7 +20,8 @@ pod without slices sets is its own, as for validation):
 * no marker (kvgpu's mutating webhook did not admit this pod: another webhook made it a GPU pod);
 * allocation annotations (``kvgpu.io/bound-node``, ``claims``, ``requeue``, ``claim.*``,
   ``devices.*``: the operator writes them at bind time, never on a new pod);
-* a container with a non-zero ``nvidia.com/*`` limit or request that the marker does not list,
+* a container with a non-zero limit or request of kvgpu's slice resources (``nvidia.com/gpu``,
+  HAMi's ``nvidia.com/gpumem`` ...; not MIG's ``nvidia.com/mig-*``) that the marker does not list,
   or a listed one without any (an annotation-form container without the ``nvidia.com/gpu`` kvgpu
   adds: the kubelet would not call ``Allocate`` for it);
 * a reserved env var (:func:`kvgpu.admission.validate.is_reserved_env`) in any container other
@@ -52,7 +53,7 @@ from typing import Any
 from kvgpu.admission import mutate as m
 from kvgpu.admission import validate as v
 from kvgpu.admission.config import ALWAYS_EXCLUDED_NAMESPACES, gpu_pod_expression
-from kvgpu.api.request_keys import AMOUNT_ANNOTATIONS
+from kvgpu.api.request_keys import AMOUNT_ANNOTATIONS, HAMI_RESOURCES
 from kvgpu.core import keys
 
 POD_POLICY_NAME = f"pods.{keys.GROUP}"
@@ -111,10 +112,13 @@ def _has_resource(c: str, pred: str) -> str:
 
 
 def _nonzero_gpu_resource(c: str) -> str:
+    """CEL: container ``c`` names one of kvgpu's slice resources (``nvidia.com/gpu`` and HAMi's
+    per-card amounts), not zero; other ``nvidia.com/`` resources (MIG instances, another
+    vendor's plugin) are not kvgpu's slices."""
     res = f"dyn({c}.resources)"
     return " || ".join(
         f"(has({c}.resources) && has({res}.{f}) && {res}.{f}.exists(r, "
-        f"r.startsWith('nvidia.com/') && string({res}.{f}[r]) != '0'))" for f in ("limits", "requests"))
+        f"r in {_cel_list(list(HAMI_RESOURCES))} && string({res}.{f}[r]) != '0'))" for f in ("limits", "requests"))
 
 
 def _injected_env_shape(e: str, c: str) -> str:
@@ -224,7 +228,7 @@ def _validations() -> list[dict[str, str]]:
          "kvgpu.io allocation annotations (bound-node, claims, requeue, claim.*, devices.*) are written by "
          "the kvgpu operator at scheduling time and cannot be set on a new pod"),
         (f"{listed} && {has_card}",
-         f"a container's nvidia.com/ resources differ from what kvgpu's mutating webhook admitted "
+         f"a container's GPU slice resources differ from what kvgpu's mutating webhook admitted "
          f"(annotation {keys.POD_ADMITTED}); each container with slices requests {gpu} (kvgpu adds it) "
          "or HAMi's nvidia.com/ resources"),
         (guarded + _env_ok(),
