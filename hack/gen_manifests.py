@@ -17,6 +17,9 @@ extender URL, the namespaces the webhooks exclude, cert-manager's CA-injection a
 - ``templates/claim-policy.yaml``: the ValidatingAdmissionPolicy and its binding from
   :func:`kvgpu.admission.config.claim_policy` (only the operator's service account writes
   VGPUClaims);
+- ``templates/pod-policy.yaml``: the ValidatingAdmissionPolicy and its binding from
+  :func:`kvgpu.admission.podpolicy.pod_policy` (the pod CREATE checks that hold after every
+  mutating webhook; always installed with the webhooks, scoped by the same namespaces);
 - ``values.schema.json``: the types and bounds Helm checks values against before rendering,
   those of HAMi's slicing and request defaults taken from :class:`kvgpu.api.vgpupool.VGPUPoolSpec`
   (the pool they go into), so a bad value fails naming its key (other keys are open: a HAMi
@@ -39,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 
 from kvgpu.admission.config import claim_policy, webhook_configurations  # noqa: E402
+from kvgpu.admission.podpolicy import pod_policy  # noqa: E402
 from kvgpu.api.vgpupool import VGPUPoolSpec  # noqa: E402
 from kvgpu.extender.schedconfig import MANIFEST_TLS, scheduler_configuration  # noqa: E402
 
@@ -109,6 +113,20 @@ def scheduler_config_map() -> dict[str, Any]:
         },
         "data": {SCHEDULER_CONFIG_KEY: yaml.safe_dump(cfg, sort_keys=False, width=120)},
     }
+
+
+def pod_policy_text() -> str:
+    """The pod policy and its binding, the binding's namespace selector that of the webhooks."""
+    policy, binding = pod_policy([])
+    for obj in (policy, binding):
+        obj["metadata"]["labels"]["app.kubernetes.io/part-of"] = "kvgpu"
+    binding["spec"]["matchResources"]["namespaceSelector"] = SELECTOR
+    text = _dump(policy, binding)
+    line = f"    namespaceSelector: {SELECTOR}\n"
+    if text.count(line) != 1:
+        raise SystemExit("gen_manifests: the pod policy binding changed shape; update pod_policy_text()")
+    return _helm(text.replace(line, '    namespaceSelector:\n{{ include "kvgpu.webhookNamespaceSelector" . '
+                                    '| indent 6 }}\n'))
 
 
 def webhook_objects() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -207,6 +225,8 @@ def outputs() -> dict[Path, str]:
                         "{{ range .Values.webhook.extraOperatorUsernames }}{{ . | squote }}, {{ end }}")
     out[t / "claim-policy.yaml"] = (HEADER.format(source="kvgpu.admission.config.claim_policy")
                                     + "{{- if .Values.claimPolicy.enabled }}\n" + text + "{{- end }}\n")
+    out[t / "pod-policy.yaml"] = (HEADER.format(source="kvgpu.admission.podpolicy.pod_policy")
+                                  + pod_policy_text())
     out[CHART / "values.schema.json"] = json.dumps(values_schema(), indent=2) + "\n"
     return out
 

@@ -1,11 +1,13 @@
-"""Small helpers for cluster tests: free ports, waiting for a listener, collecting log
-records, and applying cluster-scoped objects for the length of a block."""
+"""Small helpers for cluster tests: free ports, waiting for a listener, stopping a process a
+test started, collecting log records, and applying cluster-scoped objects for the length of a
+block."""
 
 from __future__ import annotations
 
 import json
 import logging
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +30,18 @@ def wait_port(host: str, port: int, timeout: float = 30.0) -> None:
         except OSError:
             time.sleep(0.1)
     raise TimeoutError(f"nothing listens at {host}:{port} after {timeout:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen[Any] | None) -> None:
+    """End a process a test started (SIGTERM, then SIGKILL after 20 s) and reap it; ``None`` or
+    an already ended one is left as it is."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class CollectRecords(logging.Handler):

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from clusterkit import stop_process
 from kvgpu.devcluster.cluster import free_port
 
 from tests.helmkit import CHART, helm
@@ -39,7 +40,8 @@ RELEASE = "kvgpu"
 CLUSTER_SCOPED = [("clusterrole", "kvgpu-operator"), ("clusterrole", "kvgpu-scheduler"), ("clusterrole", "kvgpu-agent"),
                   ("mutatingwebhookconfiguration", "kvgpu-mutate"),
                   ("validatingwebhookconfiguration", "kvgpu-validate"),
-                  ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"), ("vgpupool", "helm-test")]
+                  ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"),
+                  ("validatingadmissionpolicy", "pods.kvgpu.io"), ("vgpupool", "helm-test")]
 
 
 def _sa_kubeconfig(cluster: Any, path: Path) -> Path:
@@ -82,16 +84,6 @@ def _extender_answers(port: int, ca: Path, cert: tuple[Path, Path] | None) -> bo
         return False
 
 
-def _stop(proc: Any) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_path: Path) -> None:
     cluster, system = kvgpu_system.cluster, kvgpu_system
     kc = ["--kubeconfig", str(cluster.kubeconfig)]
@@ -99,7 +91,9 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
     for kind, name in (("mutatingwebhookconfiguration", "kvgpu-mutate"),
                        ("validatingwebhookconfiguration", "kvgpu-validate"),
                        ("validatingadmissionpolicybinding", "vgpuclaims.kvgpu.io"),
-                       ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io")):
+                       ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"),
+                       ("validatingadmissionpolicybinding", "pods.kvgpu.io"),
+                       ("validatingadmissionpolicy", "pods.kvgpu.io")):
         cluster.kubectl("delete", kind, name, "--ignore-not-found")  # the session operator's, re-made below
     op = None
     try:
@@ -187,7 +181,7 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
                            env={**os.environ, **env_json})
         assert p.returncode == 0 and "certificate issued" not in p.stderr, p.stderr[-2000:]
     finally:
-        _stop(op)
+        stop_process(op)
         helm("uninstall", RELEASE, "-n", NS, "--wait", "--timeout=60s", *kc, check=False)
         gone = [(k, n) for k, n in CLUSTER_SCOPED if _exists(cluster, k, n)]
         left = [(k, n) for k, n in (("statefulset", "kvgpu-operator"), ("service", "kvgpu-webhook"))

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from clusterkit import stop_process
 from kvgpu.devcluster import Cluster
 
 from tests.helmkit import render
@@ -28,7 +29,8 @@ EXPECTED = {
     "ServiceAccount": 3, "ClusterRole": 5, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
     "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
-    "NetworkPolicy": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+    # VGPUClaim writers (vgpuclaims.kvgpu.io) and the pod checks after every mutation (pods.kvgpu.io)
+    "NetworkPolicy": 1, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
 }
 # the webhook's root/CA/serving certificate; the extender's CA and its serving and client certificates
 CERT_MANAGER = {"Issuer": 3, "Certificate": 5}
@@ -299,12 +301,7 @@ def test_agent_runs_with_its_own_service_account(cluster: Cluster, rbac: Any, na
         assert not re.search(r"\(403\)|\b403\b", text) and "forbidden" not in text.lower(), text[-3000:]
         assert proc.poll() is None, text[-3000:]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         cluster.kubectl("delete", "node", node, "--wait=false", check=False)
         cluster.kubectl("delete", "-f", "-", "--wait=false", "--ignore-not-found", input=extra, check=False)
 
@@ -317,18 +314,6 @@ def _sa_kubeconfig(cluster: Cluster, account: str, path: Path) -> Path:
         ctx["context"]["user"] = account
     path.write_text(yaml.safe_dump(kc))
     return path
-
-
-def _stop(proc: Any) -> None:
-    import subprocess
-
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, tmp_path: Path) -> None:
@@ -368,8 +353,8 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
     sched_log = tmp_path / "scheduler.log"
     system.stop_operator()
     cluster.stop_component("kube-scheduler-kvgpu-scheduler")
-    # the chart's VGPUClaim policy (the operator's ServiceAccount writes claims) in place of
-    # the session's dev policy; the session operator puts its own back when it restarts below
+    # the chart's VGPUClaim policy (the operator's ServiceAccount writes claims) and pod policy in
+    # place of the session's dev ones; the session operator puts its own back when it restarts below
     policy = [d for d in _chart() if d["kind"].startswith("ValidatingAdmissionPolicy")]
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=_as_list(policy))
     proc = sched = None
@@ -417,8 +402,8 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
         refused = [line for line in text.splitlines() if "forbidden" in line.lower()]
         assert not refused, "\n".join(refused[:20])
     finally:
-        _stop(proc)
-        _stop(sched)
+        stop_process(proc)
+        stop_process(sched)
         time.sleep(0.5)
         system.start_operator()
         system.start_scheduler()
@@ -486,6 +471,6 @@ def test_standby_operator_is_not_ready_and_takes_over(kvgpu_system: Any, rbac: A
         print(f"standby took over {time.monotonic() - t0:.1f} s after the leader was killed")
     finally:
         for p in procs.values():
-            _stop(p)
+            stop_process(p)
         time.sleep(0.5)
         system.start_operator()

@@ -554,11 +554,10 @@ def test_configurations_shape() -> None:
     assert mw["reinvocationPolicy"] == "IfNeeded" and "reinvocationPolicy" not in vw
     assert [(r["operations"], r["resources"]) for r in mw["rules"]] == [
         (["CREATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"])]
-    # The validating webhook sees pod CREATEs too, after every mutating webhook: a mutating
-    # webhook skipped in the first round (the pod mentioned no GPUs yet) is never called on
-    # reinvocation, so a pod a later mutating webhook turns into a GPU pod is only seen there.
+    # One webhook call per new pod: the validating webhook sees no pod CREATE; what mutating
+    # webhooks after ours do is checked by the pod policy (podpolicy, CEL in the API server).
     assert [(r["operations"], r["resources"]) for r in vw["rules"]] == [
-        (["CREATE", "UPDATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"]),
+        (["UPDATE"], ["pods"]), (["UPDATE"], ["pods/ephemeralcontainers"]),
         (["UPDATE"], ["pods/status"])]
     for w in (mw, vw, ww):
         assert w["failurePolicy"] == "Fail" and w["sideEffects"] == "None" and w["timeoutSeconds"] == 5

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
 from kvgpu.agent.exporter import BoundContainer, BoundDevice, UsageCollector, default_reader, make_registry
 from kvgpu.core.inventory import Card, NodeInventory
 from prometheus_client import generate_latest
 
 U0 = "GPU-00000000-0000-0000-0000-000000000000"
 MIB = 1 << 20
-
-
-@pytest.fixture
-def core():
-    from kvgpu import shimcore
-
-    try:
-        return shimcore.core()
-    except Exception as e:  # no compiler / shim sources here
-        pytest.skip(f"shim core unavailable: {e}")
 
 
 def own_start_time() -> int:

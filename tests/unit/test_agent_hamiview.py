@@ -8,16 +8,6 @@ from exportedmetrics import MIB, NODE, U0, U1, FakeNvml, agent_collector, agent_
 from kvgpu.agent.hamiview import scheduler_card_families
 
 
-@pytest.fixture
-def core():
-    from kvgpu import shimcore
-
-    try:
-        return shimcore.core()
-    except Exception as e:  # no compiler / shim sources here
-        pytest.skip(f"shim core unavailable: {e}")
-
-
 def one(samples, name, **labels):
     hits = [v for lv, v in samples.get(name, []) if labels.items() <= lv.items()]
     assert len(hits) == 1, (name, labels, samples.get(name))

@@ -126,7 +126,8 @@ def test_values_reach_the_container_arguments() -> None:
                                     "nodeSelector": {"gpu": "on"}},
                    "scheduler": {"replicas": 1, "hostNetwork": True,
                                  "extenderURL": "https://kvgpu-operator.kvgpu-system.svc.cluster.local:18888/scheduler"},
-                   "webhook": {"extraOperatorUsernames": ["system:serviceaccount:ops:kvgpu-admin"]}})
+                   "webhook": {"extraOperatorUsernames": ["system:serviceaccount:ops:kvgpu-admin"],
+                               "excludeNamespaces": ["infra"]}})
     sts = one(docs, "StatefulSet", "kvgpu-operator")
     assert sts["spec"]["replicas"] == 3
     pod = sts["spec"]["template"]["spec"]
@@ -156,6 +157,12 @@ def test_values_reach_the_container_arguments() -> None:
     policy = one(docs, "ValidatingAdmissionPolicy", "vgpuclaims.kvgpu.io")
     expr = policy["spec"]["validations"][0]["expression"]
     assert "'system:serviceaccount:ops:kvgpu-admin', 'system:serviceaccount:kvgpu-system:kvgpu-operator'" in expr
+    # The pod policy is scoped to the namespaces the webhooks serve.
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", "pods.kvgpu.io")
+    hooks = one(docs, "MutatingWebhookConfiguration", "kvgpu-mutate")["webhooks"][0]
+    assert binding["spec"]["matchResources"]["namespaceSelector"] == hooks["namespaceSelector"]
+    assert hooks["namespaceSelector"]["matchExpressions"][0]["values"] == ["infra", "kube-system", "kvgpu-system"]
+    assert one(docs, "ValidatingAdmissionPolicy", "pods.kvgpu.io")["spec"]["failurePolicy"] == "Fail"
 
 
 def test_certificate_containers_parse_and_only_without_cert_manager() -> None:

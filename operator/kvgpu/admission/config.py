@@ -4,8 +4,9 @@ Same objects for dev mode (``url_base`` such as ``https://127.0.0.1:9443``, the 
 calls the operator process directly) and production manifests (``service`` reference).
 
 Scope, from the outside in: pods (CREATE to the mutating webhook, which validates the pod in the
-same call, and CREATE and UPDATE to the validating one, which sees the pod after every mutating
-webhook), pods/ephemeralcontainers
+same call, so a new pod costs one webhook call; UPDATE to the validating one; what mutating
+webhooks after ours do at CREATE is checked by the ValidatingAdmissionPolicy of
+:mod:`kvgpu.admission.podpolicy`, without a webhook call), pods/ephemeralcontainers
 (UPDATE, ``kubectl debug``) and, for validation, pods/status (UPDATE: a status write may change
 labels and annotations too; only writes that change a ``kvgpu.io/`` annotation or the managed
 label are sent, so the kubelet's status updates never wait for the webhook); not in
@@ -76,8 +77,8 @@ def _has_managed_label(obj: str) -> str:
 
 def gpu_pod_expression(*, update: bool) -> str:
     """CEL: true for pods that mention GPUs or carry the managed label (a CREATE with it on a pod
-    that requests no slices is refused). With ``update`` (the validating webhook, CREATE and UPDATE)
-    also for pods that were kvgpu pods before (``oldObject`` is null at CREATE)."""
+    that requests no slices is refused). With ``update`` (the validating webhook, UPDATE only)
+    also for pods that were kvgpu pods before."""
     parts = _mentions_gpus("object")
     parts.append(_has_managed_label("object"))
     if update:
@@ -196,12 +197,12 @@ def webhook_configurations(
     mutating = _webhook(MUTATE_WEBHOOK, MUTATE_ID, [_rule(["CREATE"], ["pods"]), ephemeral],
                         expression=gpu_pod_expression(update=False), **common)  # type: ignore[arg-type]
     mutating["reinvocationPolicy"] = "IfNeeded"
-    # A pod CREATE is validated by the mutating webhook in the same call (handlers.review), and
-    # again here, after every mutating webhook: a webhook the API server skipped in its first
-    # round (no GPU mention yet) is never called on reinvocation, so a pod a later mutating
-    # webhook turns into a GPU pod is only seen here.
+    # A pod CREATE is validated by the mutating webhook in the same call (handlers.review): one
+    # webhook call per new pod. What a mutating webhook after ours changes is checked by the pod
+    # policy (podpolicy.pod_policy, CEL in the API server, after every mutating webhook), not
+    # by a second call here. Updates still come here.
     validating = _webhook(VALIDATE_WEBHOOK, VALIDATE_ID,
-                          [_rule(["CREATE", "UPDATE"], ["pods"]), ephemeral, _rule(["UPDATE"], [STATUS_RESOURCE])],
+                          [_rule(["UPDATE"], ["pods"]), ephemeral, _rule(["UPDATE"], [STATUS_RESOURCE])],
                           expression=gpu_pod_expression(update=True), **common)  # type: ignore[arg-type]
     validating["matchConditions"].append({"name": "status-changes-kvgpu-metadata",
                                           "expression": status_expression()})

@@ -17,7 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgpu.admission.mutate import apply_ops, mutate_ephemeral, mutate_pod
+from kvgpu.admission.mutate import admitted_ops, apply_ops, mutate_ephemeral, mutate_pod
 from kvgpu.admission.validate import EPHEMERAL, validate_pod, validate_workload
 from kvgpu.admission.warn import pod_warnings, workload_warnings
 from kvgpu.api.pools import SliceMinimum
@@ -66,9 +66,11 @@ def _mutate_and_validate(request: dict[str, Any], obj: dict[str, Any], operator_
                          slice_minimum: SliceMinimum | None) -> Decision:
     """A pod CREATE in one webhook call: the injection, then every check the validating webhook
     makes at CREATE, on the pod as the injection leaves it (so our own entries are recognised
-    and anything else under a reserved name is refused). The webhook is reinvoked
+    and anything else under a reserved name is refused); then the admission marker
+    (:func:`kvgpu.admission.mutate.admitted_ops`). The webhook is reinvoked
     (``reinvocationPolicy: IfNeeded``) when a later mutating webhook changes the pod, so the
-    checks also see what those added."""
+    checks also see what those added; what a webhook changes after our last call is checked by
+    the pod policy (:mod:`kvgpu.admission.podpolicy`) in the API server."""
     ops = mutate_pod(obj)
     mutated = apply_ops(obj, ops) if ops else obj
     username = str((request.get("userInfo") or {}).get("username", ""))
@@ -78,6 +80,7 @@ def _mutate_and_validate(request: dict[str, Any], obj: dict[str, Any], operator_
     if errors:
         log.info("kvgpu: refused CREATE by %s: %s", username, "; ".join(errors))
         return Decision(False, message=refusal_message(errors))
+    ops += admitted_ops(mutated)
     return Decision(patch=ops, warnings=pod_warnings("CREATE", mutated, None))
 
 

@@ -228,6 +228,54 @@ def mutate_pod(
     return ops
 
 
+_GPU_ANNOTATION_PREFIXES = (f"{keys.GROUP}/", "nvidia.com/", "hami.io/")
+
+
+def mentions_gpus(pod: Mapping[str, Any]) -> bool:
+    """Python form of the webhooks' CEL match condition at CREATE
+    (:func:`kvgpu.admission.config.gpu_pod_expression`): a ``kvgpu.io/``, ``nvidia.com/`` or
+    ``hami.io/`` annotation (prefix in any case), a container or init container with an
+    ``nvidia.com/`` limit or request, or the managed label."""
+    def mapping(v: Any) -> Mapping[str, Any]:
+        return v if isinstance(v, Mapping) else {}
+
+    meta = mapping(pod.get("metadata"))
+    if any(str(k).lower().startswith(_GPU_ANNOTATION_PREFIXES) for k in mapping(meta.get("annotations"))):
+        return True
+    if MANAGED_LABEL in mapping(meta.get("labels")):
+        return True
+    spec = mapping(pod.get("spec"))
+    for kind in CONTAINER_KINDS:
+        for c in spec.get(kind) or []:
+            res = c.get("resources") if isinstance(c, Mapping) else None
+            if isinstance(res, Mapping) and any(
+                isinstance(res.get(f), Mapping) and any(str(r).startswith("nvidia.com/") for r in res[f])
+                for f in ("limits", "requests")
+            ):
+                return True
+    return False
+
+
+def admitted_ops(pod: Mapping[str, Any]) -> list[JSONPatchOp]:
+    """The op that sets :data:`kvgpu.core.keys.POD_ADMITTED` on ``pod`` (as the injection left
+    it, already validated) to the sorted comma list of its containers with slices (``""`` when
+    none), replacing any value (the user's or an earlier round's); ``[]`` when it is already so,
+    or when ``pod`` does not mention GPUs (:func:`mentions_gpus`; the API server sends no such
+    pod). The pod policy (:mod:`kvgpu.admission.podpolicy`) refuses a pod that mentions GPUs
+    without it."""
+    if not mentions_gpus(pod):
+        return []
+    parsed = parse(pod)
+    value = ",".join(sorted(parsed.names())) if parsed.ok else ""
+    meta = pod.get("metadata") or {}
+    ann = meta.get("annotations") if isinstance(meta, Mapping) else None
+    if not isinstance(ann, Mapping) or not ann:
+        return [{"op": "add", "path": "/metadata/annotations", "value": {keys.POD_ADMITTED: value}}]
+    if ann.get(keys.POD_ADMITTED) == value:
+        return []
+    return [{"op": "add", "path": f"/metadata/annotations/{_escape(keys.POD_ADMITTED)}", "value": value}]
+
+
 def mutate_ephemeral(pod: Mapping[str, Any]) -> list[JSONPatchOp]:
     """Ops for an UPDATE of ``pods/ephemeralcontainers`` (``kubectl debug``): in a pod with
     slices, every ephemeral container without ``NVIDIA_VISIBLE_DEVICES`` gets ``none``."""

@@ -30,6 +30,9 @@ POD_NODE = f"{GROUP}/bound-node"
 POD_CLAIMS = f"{GROUP}/claims"  # comma list of VGPUClaim names of the pod
 POD_REQUEUE = f"{GROUP}/requeue"  # touched by the operator to retry a pending pod at once
 POD_MANAGED_LABEL = f"{GROUP}/managed"  # label "true" set by the mutating webhook
+#: Set by the mutating webhook on every pod it admits: the comma list of the containers it gave
+#: slices (empty: none); the pod policy (kvgpu.admission.podpolicy) checks the stored pod by it.
+POD_ADMITTED = f"{GROUP}/admitted"
 NOT_ADMITTED = (f"the pod asks GPU slices but was not admitted by kvgpu's webhook (no {POD_MANAGED_LABEL} label; "
                 "its namespace is excluded, e.g. kube-system?): it would run without the shim and its env, "
                 "so kvgpu gives it no slice; create it in a namespace the webhook serves")

@@ -51,25 +51,34 @@ class Children(RuntimeBase):
                 return
 
     async def apply_dev_webhooks(self) -> None:
-        """The webhook configurations pointing at this process, and the VGPUClaim policy
-        (:func:`kvgpu.admission.config.claim_policy`: only the operator writes claims)."""
+        """The webhook configurations pointing at this process, the pod policy
+        (:func:`kvgpu.admission.podpolicy.pod_policy`: the CREATE checks after every mutating
+        webhook) and the VGPUClaim policy (:func:`kvgpu.admission.config.claim_policy`: only the
+        operator writes claims)."""
         from kvgpu.admission.config import claim_policy, webhook_configurations
+        from kvgpu.admission.podpolicy import pod_policy
 
         ca = Path(self.cfg.webhook_ca or "").read_bytes()  # noqa: ASYNC240 (once, at start-up)
         mutating, validating = webhook_configurations(
             url_base=f"https://{self.cfg.webhook_host}:{self.cfg.webhook_port}", service=None, ca_bundle=ca,
             exclude_namespaces=list(self.cfg.exclude_namespaces))
         policy, binding = claim_policy(list(self.cfg.operator_usernames))
+        pods_policy, pods_binding = pod_policy(list(self.cfg.exclude_namespaces))
         adm = client.AdmissionregistrationV1Api(self.api)
+        vap = (adm.create_validating_admission_policy, adm.replace_validating_admission_policy,
+               adm.read_validating_admission_policy)
+        vapb = (adm.create_validating_admission_policy_binding, adm.replace_validating_admission_policy_binding,
+                adm.read_validating_admission_policy_binding)
         for body, create, replace_, read in (
+            # The pod policy first: the one-call mutating webhook relies on it.
+            (pods_policy, *vap),
+            (pods_binding, *vapb),
             (mutating, adm.create_mutating_webhook_configuration, adm.replace_mutating_webhook_configuration,
              adm.read_mutating_webhook_configuration),
             (validating, adm.create_validating_webhook_configuration,
              adm.replace_validating_webhook_configuration, adm.read_validating_webhook_configuration),
-            (policy, adm.create_validating_admission_policy, adm.replace_validating_admission_policy,
-             adm.read_validating_admission_policy),
-            (binding, adm.create_validating_admission_policy_binding,
-             adm.replace_validating_admission_policy_binding, adm.read_validating_admission_policy_binding),
+            (policy, *vap),
+            (binding, *vapb),
         ):
             name = body["metadata"]["name"]
             try:
