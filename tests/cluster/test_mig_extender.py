@@ -79,7 +79,9 @@ async def test_mig_profiles_are_plain_extended_resources(gpu: GpuEnv, tmp_path: 
             for n in bound:
                 p = gpu.get("pod", n)
                 assert p["spec"]["schedulerName"] == "default-scheduler"
-                assert not [k for k in p["metadata"].get("annotations", {}) if k.startswith("kvgpu.io/")]
+                ann = p["metadata"].get("annotations", {})
+                assert ann.get("kvgpu.io/admitted", "") == ""  # admitted with no sliced container
+                assert not [k for k in ann if k.startswith("kvgpu.io/") and k != "kvgpu.io/admitted"]
                 assert not [v for v in p["spec"].get("volumes", []) if "kvgpu" in v["name"]]
             assert gpu.claims() == []  # kvgpu accounts no MIG pod
         finally:
