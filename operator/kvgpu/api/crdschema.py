@@ -193,6 +193,7 @@ CLAIM_COLUMNS = [
     AGE,
     _col("Pool", "string", ".spec.pool", "The pool.", 1),
     _col("Priority", "integer", ".spec.priority", "0 high, 1 low.", 1),
+    _col("ResourceClaim", "string", ".spec.resourceClaim.name", "The DRA ResourceClaim it mirrors (docs/dra.md).", 1),
 ]
 
 QUOTA_COLUMNS = [
