@@ -94,6 +94,7 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
                 and sub.get("type") == "object"
                 and "properties" in sub
                 and "default" not in sub
+                and not sub.get("required")  # no valid empty form: absent unless set
             ):
                 sub["default"] = {}
     return out
