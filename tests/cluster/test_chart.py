@@ -39,7 +39,8 @@ RELEASE = "kvgpu"
 CLUSTER_SCOPED = [("clusterrole", "kvgpu-operator"), ("clusterrole", "kvgpu-scheduler"), ("clusterrole", "kvgpu-agent"),
                   ("mutatingwebhookconfiguration", "kvgpu-mutate"),
                   ("validatingwebhookconfiguration", "kvgpu-validate"),
-                  ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"), ("vgpupool", "helm-test")]
+                  ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"), ("vgpupool", "helm-test"),
+                  ("deviceclass", "gpu.kvgpu.io")]
 
 
 def _sa_kubeconfig(cluster: Any, path: Path) -> Path:
@@ -99,8 +100,8 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
     for kind, name in (("mutatingwebhookconfiguration", "kvgpu-mutate"),
                        ("validatingwebhookconfiguration", "kvgpu-validate"),
                        ("validatingadmissionpolicybinding", "vgpuclaims.kvgpu.io"),
-                       ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io")):
-        cluster.kubectl("delete", kind, name, "--ignore-not-found")  # the session operator's, re-made below
+                       ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"), ("deviceclass", "gpu.kvgpu.io")):
+        cluster.kubectl("delete", kind, name, "--ignore-not-found")  # the session system's, re-made below
     op = None
     try:
         out = helm("install", RELEASE, str(CHART), "-n", NS, "--create-namespace", *kc,
@@ -193,5 +194,6 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
         left = [(k, n) for k, n in (("statefulset", "kvgpu-operator"), ("service", "kvgpu-webhook"))
                 if _exists(cluster, k, n, NS)]
         cluster.kubectl("delete", "namespace", NS, "--wait=false", "--ignore-not-found", check=False)
+        system.install_device_classes()
         system.start_operator()
     assert not gone and not left, f"helm uninstall left {gone + left}"

@@ -24,7 +24,7 @@ from kvgpu.devcluster import Cluster
 from tests.helmkit import render
 
 EXPECTED = {
-    "CustomResourceDefinition": 3, "VGPUPool": 1,
+    "CustomResourceDefinition": 3, "VGPUPool": 1, "DeviceClass": 1,
     "ServiceAccount": 3, "ClusterRole": 5, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
     "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
