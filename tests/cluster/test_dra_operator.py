@@ -211,3 +211,18 @@ def test_operator_restart_keeps_mirrors_without_duplicates(modes: TwoModes) -> N
     assert len(kept) == 1, "b's mirror is the same object, not written again"
     gpu.wait(lambda: pool_status(gpu, modes.pool).get("claims") == 2
              and pool_status(gpu, modes.pool).get("memoryUsedMiB") == 6000, 30, "the rebuilt ledger's count")
+
+
+def test_the_mirror_finds_the_device_class(gpu: GpuEnv) -> None:
+    """The dev system installs the DeviceClass as the chart does; the operator's mirror checks it
+    at start and warns only when it is missing."""
+    import asyncio
+
+    from kvgpu.reconcile.draworker import DraMirror
+
+    async def check() -> bool:
+        async with gpu.cluster.api() as api:
+            return await DraMirror(api).check_device_class()
+
+    assert asyncio.run(check())
+    assert "DeviceClass missing" not in gpu.system.operator_log().read_text()

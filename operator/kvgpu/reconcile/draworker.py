@@ -64,7 +64,22 @@ class DraMirror:
                                 field_selector=f"spec.driver={DRIVER}", name="resourceslices",
                                 missing_retry_s=MISSING_RETRY_S)
 
+    async def check_device_class(self) -> bool:
+        """Whether the DeviceClass :data:`~kvgpu.dra.slices.DRIVER` exists; logs a warning when
+        not (ResourceClaims cannot name it: the chart's ``dra.deviceClass``). A failed read counts
+        as present (logged)."""
+        try:
+            found = await kube.get_path(self.api, f"{RESOURCE_API}/deviceclasses/{DRIVER}") is not None
+        except Exception as e:
+            log.warning("could not read the DeviceClass", name=DRIVER, error=str(e)[:200])
+            return True
+        if not found:
+            log.warning("DeviceClass missing: ResourceClaims of dra pools cannot name it "
+                        "(install it: the chart's dra.deviceClass, docs/dra.md)", name=DRIVER)
+        return found
+
     async def run(self) -> None:
+        await self.check_device_class()
         for c in await kube.list_all(self.api, "vgpuclaims"):
             rc = (c.get("spec") or {}).get("resourceClaim")
             if rc:
