@@ -165,20 +165,22 @@ def _example(name: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
 
 
-def test_examples_two_cards_and_typed_card(gpu: GpuEnv) -> None:
-    """examples/dra/: the two-card template is one mirror of two devices, the typed one (CEL on
-    ``model``) takes an H200 only."""
+def test_examples_seed_two_cards_and_typed_card(gpu: GpuEnv) -> None:
+    """examples/dra/: the pool is valid, the seed's template is 3000 MiB / 30 %, the two-card one is
+    one mirror of two devices, the typed one (CEL on ``model``) takes an H200."""
     (dra,) = gpu.nodes(1, cards=2, memory_mib=30000)
     pool = dra_pool(gpu, dra, f"{gpu.ns}-dra2", cards=2, split=10)
     try:
-        for f in ("claim-two-cards.yaml", "claim-typed.yaml"):
+        gpu.cluster.kubectl("apply", "--dry-run=server", "-f", str(EXAMPLES / "pool-dra.yaml"))
+        for f in ("claim-seed.yaml", "claim-two-cards.yaml", "claim-typed.yaml"):
             template, pod = _example(f)
             template["metadata"]["namespace"] = pod["metadata"]["namespace"] = gpu.ns
             pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": dra}
             gpu.apply(template, pod)
-        gpu.wait_bound("dra-two-cards")
-        gpu.wait_bound("dra-h200")
-        by_pod = {m["spec"]["podName"]: m for m in wait_mirrors(gpu, 2)}
+        for pod_name in ("dra-seed", "dra-two-cards", "dra-h200"):
+            gpu.wait_bound(pod_name)
+        by_pod = {m["spec"]["podName"]: m for m in wait_mirrors(gpu, 3)}
+        assert [(d["memory"], d["cores"]) for d in by_pod["dra-seed"]["spec"]["devices"]] == [(3000, 30)]
         assert sorted((d["index"], d["memory"], d["cores"]) for d in by_pod["dra-two-cards"]["spec"]["devices"]) == [
             (0, 8192, 50), (1, 8192, 50)]
         (typed,) = by_pod["dra-h200"]["spec"]["devices"]
