@@ -31,7 +31,7 @@ from kvgpu.reconcile.dramirror import (
     spec_of,
     wants_mirror,
 )
-from kvgpu.watch import ListWatch
+from kvgpu.watch import ListWatch, periodically
 
 log = structlog.get_logger("kvgpu.phases")
 
@@ -151,15 +151,7 @@ class DraMirror:
             log.info("removed the mirror of a ResourceClaim", claim=f"{meta['namespace']}/{meta['name']}")
 
     async def _sweep_loop(self) -> None:
-        await self.claims.synced.wait()
-        while True:
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("DRA mirror sweep failed")
-            await asyncio.sleep(self.sweep_interval_s)
+        await periodically(self.claims.synced, self.sweep, self.sweep_interval_s, "DRA mirror sweep")
 
     async def sweep(self) -> None:
         """Delete mirrors whose ResourceClaim is gone or holds no cards of ours; write the

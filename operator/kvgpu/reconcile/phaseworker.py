@@ -30,7 +30,7 @@ from kvgpu import kube, procs
 from kvgpu.core import keys
 from kvgpu.reconcile.draworker import DraMirror
 from kvgpu.reconcile.phases import TERMINAL, actions, pod_claims, slices_message
-from kvgpu.watch import ListWatch
+from kvgpu.watch import ListWatch, periodically
 
 log = structlog.get_logger("kvgpu.phases")
 
@@ -160,15 +160,7 @@ class PhaseWorker:
                                   reason="GPUSlicesBound", message=slices_message(pod))
 
     async def _sweep_loop(self) -> None:
-        await self.pods.synced.wait()
-        while True:
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("orphan sweep failed")
-            await asyncio.sleep(self.cfg.sweep_interval_s)
+        await periodically(self.pods.synced, self.sweep, self.cfg.sweep_interval_s, "orphan sweep")
 
     async def sweep(self) -> None:
         """Delete claims whose pod is gone (or is another pod now) after ``orphan_grace_s``; the
