@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 from kvgpu.devcluster.cluster import free_port
+from kvgpu.dra.slices import device_classes
 
 from tests.helmkit import CHART, helm
 
@@ -40,7 +41,7 @@ CLUSTER_SCOPED = [("clusterrole", "kvgpu-operator"), ("clusterrole", "kvgpu-sche
                   ("mutatingwebhookconfiguration", "kvgpu-mutate"),
                   ("validatingwebhookconfiguration", "kvgpu-validate"),
                   ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"), ("vgpupool", "helm-test"),
-                  ("deviceclass", "gpu.kvgpu.io")]
+                  *(("deviceclass", dc["metadata"]["name"]) for dc in device_classes())]
 
 
 def _sa_kubeconfig(cluster: Any, path: Path) -> Path:
@@ -100,7 +101,8 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
     for kind, name in (("mutatingwebhookconfiguration", "kvgpu-mutate"),
                        ("validatingwebhookconfiguration", "kvgpu-validate"),
                        ("validatingadmissionpolicybinding", "vgpuclaims.kvgpu.io"),
-                       ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"), ("deviceclass", "gpu.kvgpu.io")):
+                       ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"),
+                       *(("deviceclass", dc["metadata"]["name"]) for dc in device_classes())):
         cluster.kubectl("delete", kind, name, "--ignore-not-found")  # the session system's, re-made below
     op = None
     try:

@@ -58,6 +58,7 @@ from typing import Any
 import yaml
 
 from kvgpu.devcluster.cluster import REPO_ROOT, Cluster, free_port
+from kvgpu.dra.slices import device_classes
 
 NAMESPACE = "kvgpu-system"
 RELEASE = "kvgpu"
@@ -375,7 +376,7 @@ def install_on_real_node(node: Any, values: InClusterValues | None = None, chart
                        ("ValidatingWebhookConfiguration", "kvgpu-validate"),
                        ("ValidatingAdmissionPolicy", "vgpuclaims.kvgpu.io"),
                        ("ValidatingAdmissionPolicyBinding", "vgpuclaims.kvgpu.io"),
-                       ("DeviceClass", "gpu.kvgpu.io")):
+                       *(("DeviceClass", dc["metadata"]["name"]) for dc in device_classes())):
         cluster.kubectl("delete", kind, name, "--ignore-not-found", check=False)
     try:
         _helm_deploy(node, ("install", "--create-namespace"), system, extra, timeout)
