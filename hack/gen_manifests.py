@@ -20,6 +20,8 @@ extender URL, the namespaces the webhooks exclude, cert-manager's CA-injection a
 - ``templates/pod-policy.yaml``: the ValidatingAdmissionPolicy and its binding from
   :func:`kvgpu.admission.podpolicy.pod_policy` (the pod CREATE checks that hold after every
   mutating webhook; always installed with the webhooks, scoped by the same namespaces);
+- ``templates/deviceclass.yaml``: kvgpu's DRA DeviceClasses from
+  :func:`kvgpu.dra.slices.device_classes` (``dra.deviceClass``; docs/dra.md);
 - ``values.schema.json``: the types and bounds Helm checks values against before rendering,
   those of HAMi's slicing and request defaults taken from :class:`kvgpu.api.vgpupool.VGPUPoolSpec`
   (the pool they go into), so a bad value fails naming its key (other keys are open: a HAMi
@@ -44,6 +46,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 from kvgpu.admission.config import claim_policy, webhook_configurations  # noqa: E402
 from kvgpu.admission.podpolicy import pod_policy  # noqa: E402
 from kvgpu.api.vgpupool import VGPUPoolSpec  # noqa: E402
+from kvgpu.dra.slices import device_classes  # noqa: E402
 from kvgpu.extender.schedconfig import MANIFEST_TLS, scheduler_configuration  # noqa: E402
 
 CHART = Path("charts/kvgpu")
@@ -200,6 +203,7 @@ def values_schema() -> dict[str, Any]:
                 "interval": {"type": "number", "exclusiveMinimum": 0},
                 "dra": _obj({"enabled": {"type": "boolean"}, "cdiDir": {"type": "string", "pattern": "^/"}}),
             }),
+            "dra": _obj({"deviceClass": {"type": "boolean"}}),
             "pool": _obj({"create": {"type": "boolean"}, "name": {"type": "string", "minLength": 1},
                           "mode": bounds(props["mode"])}),
         }),
@@ -227,6 +231,11 @@ def outputs() -> dict[Path, str]:
                                     + "{{- if .Values.claimPolicy.enabled }}\n" + text + "{{- end }}\n")
     out[t / "pod-policy.yaml"] = (HEADER.format(source="kvgpu.admission.podpolicy.pod_policy")
                                   + pod_policy_text())
+    classes = device_classes()
+    for obj in classes:
+        obj["metadata"]["labels"] = dict(LABELS)
+    out[t / "deviceclass.yaml"] = (HEADER.format(source="kvgpu.dra.slices.device_classes")
+                                   + "{{- if .Values.dra.deviceClass }}\n" + _dump(*classes) + "{{- end }}\n")
     out[CHART / "values.schema.json"] = json.dumps(values_schema(), indent=2) + "\n"
     return out
 

@@ -170,6 +170,21 @@ async def list_all(api: client.ApiClient, kind: str) -> list[dict[str, Any]]:
     raise ValueError(kind)
 
 
+async def get_path(api: client.ApiClient, path: str) -> dict[str, Any] | None:
+    """GET one object by its URL path (``/apis/resource.k8s.io/v1/deviceclasses/gpu.kvgpu.io``);
+    None for 404 (the object, or its API, is not there)."""
+    resp = await api.call_api(path, "GET", header_params={"Accept": "application/json"},
+                              auth_settings=["BearerToken"], _preload_content=False)
+    try:
+        data = await read_checked(resp)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    out: dict[str, Any] = json.loads(data)
+    return out
+
+
 async def create_claim(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> str:
     """Create a VGPUClaim; returns the new object's UID."""
     co = client.CustomObjectsApi(api)

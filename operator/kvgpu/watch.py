@@ -296,3 +296,18 @@ class ListWatch:
                     self._latest.setdefault(key, (etype, obj))
         finally:
             self._workers.pop(key, None)
+
+
+async def periodically(synced: asyncio.Event, fn: Callable[[], Awaitable[None]], interval_s: float,
+                       what: str) -> None:
+    """Once ``synced`` is set (a stream's first list), run ``fn`` every ``interval_s`` seconds
+    for ever; a failure is logged (``what`` failed) and the next round runs as planned."""
+    await synced.wait()
+    while True:
+        try:
+            await fn()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception(f"{what} failed")
+        await asyncio.sleep(interval_s)

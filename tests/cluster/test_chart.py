@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 from clusterkit import stop_process
 from kvgpu.devcluster.cluster import free_port
+from kvgpu.dra.slices import device_classes
 
 from tests.helmkit import CHART, helm
 
@@ -41,7 +42,8 @@ CLUSTER_SCOPED = [("clusterrole", "kvgpu-operator"), ("clusterrole", "kvgpu-sche
                   ("mutatingwebhookconfiguration", "kvgpu-mutate"),
                   ("validatingwebhookconfiguration", "kvgpu-validate"),
                   ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"),
-                  ("validatingadmissionpolicy", "pods.kvgpu.io"), ("vgpupool", "helm-test")]
+                  ("validatingadmissionpolicy", "pods.kvgpu.io"), ("vgpupool", "helm-test"),
+                  *(("deviceclass", dc["metadata"]["name"]) for dc in device_classes())]
 
 
 def _sa_kubeconfig(cluster: Any, path: Path) -> Path:
@@ -93,8 +95,9 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
                        ("validatingadmissionpolicybinding", "vgpuclaims.kvgpu.io"),
                        ("validatingadmissionpolicy", "vgpuclaims.kvgpu.io"),
                        ("validatingadmissionpolicybinding", "pods.kvgpu.io"),
-                       ("validatingadmissionpolicy", "pods.kvgpu.io")):
-        cluster.kubectl("delete", kind, name, "--ignore-not-found")  # the session operator's, re-made below
+                       ("validatingadmissionpolicy", "pods.kvgpu.io"),
+                       *(("deviceclass", dc["metadata"]["name"]) for dc in device_classes())):
+        cluster.kubectl("delete", kind, name, "--ignore-not-found")  # the session system's, re-made below
     op = None
     try:
         out = helm("install", RELEASE, str(CHART), "-n", NS, "--create-namespace", *kc,
@@ -187,5 +190,6 @@ def test_helm_install_issue_certificates_and_uninstall(kvgpu_system: Any, tmp_pa
         left = [(k, n) for k, n in (("statefulset", "kvgpu-operator"), ("service", "kvgpu-webhook"))
                 if _exists(cluster, k, n, NS)]
         cluster.kubectl("delete", "namespace", NS, "--wait=false", "--ignore-not-found", check=False)
+        system.install_device_classes()
         system.start_operator()
     assert not gone and not left, f"helm uninstall left {gone + left}"

@@ -48,8 +48,7 @@ def dra_node(gpu: GpuEnv) -> Iterator[str]:
         yield node
     finally:
         gpu.cluster.kubectl("delete", "resourceslice", f"{node}-{DRIVER}", "--ignore-not-found")
-        for dc in device_classes():
-            gpu.cluster.kubectl("delete", "deviceclass", dc["metadata"]["name"], "--ignore-not-found")
+        # the DeviceClass stays: the kvgpu system installs it (KvgpuSystem.install_device_classes)
 
 
 def test_kube_scheduler_shares_one_card_by_capacity(gpu: GpuEnv, dra_node: str) -> None:

@@ -21,11 +21,12 @@ import pytest
 import yaml
 from clusterkit import stop_process
 from kvgpu.devcluster import Cluster
+from kvgpu.dra.slices import device_classes
 
 from tests.helmkit import render
 
 EXPECTED = {
-    "CustomResourceDefinition": 3, "VGPUPool": 1,
+    "CustomResourceDefinition": 3, "VGPUPool": 1, "DeviceClass": len(device_classes()),
     "ServiceAccount": 3, "ClusterRole": 5, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
     "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,

@@ -59,6 +59,7 @@ def system(real_node: RealNode, kvgpu_system: KvgpuSystem) -> Iterator[incluster
     finally:
         if installed is not None:
             incluster.uninstall_from_real_node(real_node.cluster, installed)
+        kvgpu_system.install_device_classes()  # Helm's went with the release
         kvgpu_system.start_operator()
         kvgpu_system.start_scheduler()
         real_node.start_agent()

@@ -162,7 +162,9 @@ def test_unusable_cards_are_never_used() -> None:
     a = led.allocate(pod(c(memory_mib=100)), "a")
     assert cards_of(a) == [4]
     feasible, reasons = led.filter(pod(c(cards=2, memory_mib=100)))
-    assert feasible == [] and reasons["a"] == "1 card usable < 2 requested"
+    assert feasible == [] and reasons["a"] == (
+        "1 card usable < 2 requested (1 unhealthy, 1 not covered by a VGPUPool, 1 in MIG mode, "
+        "1 in a pool mode not supported yet)")
     led2 = ledger(node_of("b", {"healthy": False}, {"slicing": None}))
     feasible, reasons = led2.filter(pod(c(memory_mib=100)))
     assert reasons["b"] == "no usable card (1 unhealthy, 1 not covered by a VGPUPool)"

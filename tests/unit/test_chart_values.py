@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kvgpu.dra.slices import device_classes
 
 from tests.helmkit import CHART, helm, one, render, template_args
 
@@ -49,7 +50,9 @@ def test_defaults_render_the_whole_system() -> None:
                             "StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap", "Deployment",
                             "DaemonSet", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
                             "NetworkPolicy", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-                            "VGPUPool"})
+                            "VGPUPool", "DeviceClass"})
+    assert one(docs, "DeviceClass", "gpu.kvgpu.io")["spec"] == device_classes()[0]["spec"]
+    assert "DeviceClass" not in {d["kind"] for d in render({"dra": {"deviceClass": False}})}
     elsewhere = [(d["kind"], d["metadata"]["name"]) for d in docs
                  if d["metadata"].get("namespace") not in (None, "kvgpu-system")]
     assert elsewhere == [("RoleBinding", "kvgpu-scheduler-authentication-reader")]  # in kube-system

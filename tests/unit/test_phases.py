@@ -131,7 +131,7 @@ def _worker_with(monkeypatch: pytest.MonkeyPatch, claims: dict[str, dict[str, An
     for name, fn in (("get_claim", get_claim), ("get_pod", get_pod), ("patch_claim_status", patch_claim_status),
                      ("delete_claim", delete_claim), ("post_event", post_event)):
         monkeypatch.setattr(kube, name, fn)
-    return PhaseWorker(PhaseWorkerConfig(bind_events=bind_events), api=None), writes
+    return PhaseWorker(PhaseWorkerConfig(bind_events=bind_events, dra_mirror=False), api=None), writes
 
 
 def test_a_claim_of_another_pod_is_never_released(monkeypatch: pytest.MonkeyPatch) -> None:

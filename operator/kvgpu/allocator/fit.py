@@ -6,7 +6,8 @@ Units everywhere: memory in MiB of the card's *virtual* memory (physical MiB x t
 
 The rules, in the order they are checked for one container on one card:
 
-1. the card is usable: healthy, covered by a pool (has ``slicing``), not in MIG mode, and its
+1. the card is usable: healthy, covered by a pool (has ``slicing``) whose ``allocation`` is
+   ``extender`` (a ``dra`` pool's cards are kube-scheduler's: docs/dra.md), not in MIG mode, and its
    pool mode is ``hami-core``, ``mps`` or ``exclusive`` (other modes are not implemented yet);
    an ``mps`` card takes only one-card requests (a container is the client of one card's MPS
    server: the agent runs one per card);
@@ -46,7 +47,7 @@ SUPPORTED_MODES = ("hami-core", "exclusive", "mps")
 UNHEALTHY, NO_POOL, MIG, BAD_MODE = 0, 1, 2, 3
 TYPE_NOT_LISTED, TYPE_EXCLUDED, UUID_NOT_LISTED, UUID_EXCLUDED = 4, 5, 6, 7
 NO_SLOT, HELD_EXCLUSIVE, NOT_IDLE, NO_MEMORY, NO_CORES, COMPUTE_FULL = 8, 9, 10, 11, 12, 13
-NUMA_SPLIT, NO_CAPACITY, MPS_ONE_CARD, OVERCOMMITTED = 14, 15, 16, 17
+NUMA_SPLIT, NO_CAPACITY, MPS_ONE_CARD, OVERCOMMITTED, DRA = 14, 15, 16, 17, 18
 
 PHRASES = (
     "unhealthy",
@@ -67,6 +68,7 @@ PHRASES = (
     "given no slots or no memory by its pool",
     "in mps mode (one card per container)",
     "over its VGPUPool's current shape",
+    "in a DRA pool (allocated by kube-scheduler through ResourceClaims)",
 )
 
 
@@ -107,6 +109,8 @@ class CardState:
             self.unusable = UNHEALTHY
         elif sl is None:
             self.unusable = NO_POOL
+        elif sl.allocation == "dra":
+            self.unusable = DRA
         elif card.mig_mode:
             self.unusable = MIG
         elif sl.mode not in SUPPORTED_MODES:

@@ -405,6 +405,7 @@ class Ledger:
                 cores_total=c.cores_total,
                 pods=c.pods,
                 exclusive=c.excl > 0,
+                dra=c.unusable == F.DRA,
             )
             for c in n.cards
         )
@@ -429,7 +430,7 @@ class Ledger:
         acc: dict[str, list[Any]] = {}
         for name in self.nodes():
             for c in self._nodes[name].cards:
-                if c.unusable is not None:
+                if c.unusable is not None and c.unusable != F.DRA:
                     continue
                 a = acc.setdefault(c.pool, [set(), 0, 0, 0, 0, 0, 0, 0])
                 a[0].add(name)
@@ -458,7 +459,7 @@ class Ledger:
                     over.append(f"cores {c.cores}/{c.cores_total} %")
                 if c.excl and c.pods > 1:
                     over.append(f"exclusive but shared by {c.pods} pods")
-                if c.pods and c.unusable is not None:
+                if c.pods and c.unusable is not None and c.unusable != F.DRA:
                     over.append(f"has slices but is {F.PHRASES[c.unusable]}")
                 if over:
                     out.append(f"{name} card {c.index} ({c.uuid}): " + ", ".join(over))

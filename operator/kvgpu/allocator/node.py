@@ -20,6 +20,13 @@ def _cards(k: int) -> str:
     return "1 card" if k == 1 else f"{k} cards"
 
 
+def _unusable_phrase(code: int, k: int) -> str:
+    """``k`` cards unusable for ``code``, for a reason: ``2 unhealthy``, ``2 cards in DRA pools``."""
+    if code == F.DRA:
+        return f"{_cards(k)} in {'a DRA pool' if k == 1 else 'DRA pools'} (kube-scheduler allocates them)"
+    return f"{k} {F.PHRASES[code]}"
+
+
 class _Node:
     __slots__ = (
         "by_uuid",
@@ -60,7 +67,7 @@ class _Node:
         for c in self.cards:
             if c.unusable is not None:
                 counts[c.unusable] = counts.get(c.unusable, 0) + 1
-        self.unusable = ", ".join(f"{k} {F.PHRASES[code]}" for code, k in sorted(counts.items()))
+        self.unusable = ", ".join(_unusable_phrase(code, k) for code, k in sorted(counts.items()))
         # Everything a verdict reads except the cards' UUIDs: nodes with the same layout and
         # the same usage answer every request that names no UUID alike (see Ledger.filter).
         # None when UUIDs repeat (a malformed inventory): placement keys cards by UUID there.
@@ -130,7 +137,7 @@ class _Node:
                 if total == 0:
                     return "no GPU card"
                 return f"no usable card ({self.unusable})"
-            return f"{self.have} usable < {n.cards} requested"
+            return f"{self.have} usable < {n.cards} requested" + (f" ({self.unusable})" if self.unusable else "")
         if n.types and not any(t in m for m in self.models for t in n.types):
             return f"no card of type {' or '.join(n.req.types)} (cards here: {self.model_names})"
         have = self.have

@@ -68,6 +68,7 @@ class CardUsage:
     cores_total: int
     pods: int  # pods with a slice on the card
     exclusive: bool  # held by a slice with cores 100
+    dra: bool = False  # in a ``dra`` pool: its slices are ResourceClaims' (mirrored VGPUClaims)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -114,7 +115,8 @@ class NodeUsage:
 
 @dataclass(frozen=True, slots=True)
 class PoolUsage:
-    """Totals over the usable cards a pool covers (for ``VGPUPool.status``)."""
+    """Totals over the usable cards a pool covers (for ``VGPUPool.status``); a ``dra`` pool's
+    cards count too (their use: the mirrored VGPUClaims of its ResourceClaims)."""
 
     pool: str
     nodes: int

@@ -94,6 +94,7 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
                 and sub.get("type") == "object"
                 and "properties" in sub
                 and "default" not in sub
+                and not sub.get("required")  # no valid empty form: absent unless set
             ):
                 sub["default"] = {}
     return out
@@ -193,6 +194,7 @@ CLAIM_COLUMNS = [
     AGE,
     _col("Pool", "string", ".spec.pool", "The pool.", 1),
     _col("Priority", "integer", ".spec.priority", "0 high, 1 low.", 1),
+    _col("ResourceClaim", "string", ".spec.resourceClaim.name", "The DRA ResourceClaim it mirrors (docs/dra.md).", 1),
 ]
 
 QUOTA_COLUMNS = [

@@ -32,6 +32,13 @@ class ClaimDevice(_Model):
     cores: int = Field(ge=0, le=100, description="Percent of the card's SMs (0 = no limit, 100 = exclusive).")
 
 
+class ResourceClaimRef(_Model):
+    """The DRA ResourceClaim a mirrored claim stands for (same namespace)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Its name.")
+    uid: str = Field(min_length=1, max_length=64, description="Its UID (a new claim of that name is another one).")
+
+
 def _devices_summary(devices: list[ClaimDevice], fmt: Any) -> str:
     out: list[str] = []
     for d in devices:
@@ -70,6 +77,14 @@ class VGPUClaimSpec(_Model):
         max_length=64,
         description="The cards and the slice of each.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["uuid"]},
+    )
+    resource_claim: ResourceClaimRef | None = Field(
+        default=None,
+        description=(
+            "Set on a claim the operator mirrors from a DRA ResourceClaim allocated by kube-scheduler for "
+            "driver gpu.kvgpu.io (docs/dra.md): the claim then records that allocation (devices from its "
+            "consumedCapacity; pod and container: its first consumer) and lives as long as it is allocated."
+        ),
     )
 
     @computed_field(description="Card indexes, for kubectl get.")  # type: ignore[prop-decorator]

@@ -39,7 +39,8 @@ QuotaCheck = Callable[[PodRequest], str | None]
 #: Reason code → the constraint it names (kvgpu.allocator.fit's codes).
 CONSTRAINT = {
     F.UNHEALTHY: "unusable card", F.NO_POOL: "unusable card", F.MIG: "unusable card",
-    F.BAD_MODE: "unusable card", F.NO_CAPACITY: "unusable card", F.MPS_ONE_CARD: "mps (one card)",
+    F.BAD_MODE: "unusable card", F.NO_CAPACITY: "unusable card", F.DRA: "unusable card",
+    F.MPS_ONE_CARD: "mps (one card)",
     F.TYPE_NOT_LISTED: "type filter", F.TYPE_EXCLUDED: "type filter",
     F.UUID_NOT_LISTED: "uuid filter", F.UUID_EXCLUDED: "uuid filter",
     F.NO_SLOT: "slots", F.HELD_EXCLUSIVE: "exclusive", F.NOT_IDLE: "exclusive",

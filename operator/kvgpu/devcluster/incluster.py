@@ -58,6 +58,7 @@ from typing import Any
 import yaml
 
 from kvgpu.devcluster.cluster import REPO_ROOT, Cluster, free_port
+from kvgpu.dra.slices import device_classes
 
 NAMESPACE = "kvgpu-system"
 RELEASE = "kvgpu"
@@ -369,11 +370,13 @@ def install_on_real_node(node: Any, values: InClusterValues | None = None, chart
     cluster = node.cluster
     system = InstalledSystem(values or real_node_values(node), chart)
     # The host-process operator's webhook configurations and claim policy (same names; it
-    # applies them again when it starts) are not Helm's: Helm would refuse to adopt them.
+    # applies them again when it starts) and the dev system's DeviceClass
+    # (KvgpuSystem.install_device_classes) are not Helm's: Helm would refuse to adopt them.
     for kind, name in (("MutatingWebhookConfiguration", "kvgpu-mutate"),
                        ("ValidatingWebhookConfiguration", "kvgpu-validate"),
                        ("ValidatingAdmissionPolicy", "vgpuclaims.kvgpu.io"),
-                       ("ValidatingAdmissionPolicyBinding", "vgpuclaims.kvgpu.io")):
+                       ("ValidatingAdmissionPolicyBinding", "vgpuclaims.kvgpu.io"),
+                       *(("DeviceClass", dc["metadata"]["name"]) for dc in device_classes())):
         cluster.kubectl("delete", kind, name, "--ignore-not-found", check=False)
     try:
         _helm_deploy(node, ("install", "--create-namespace"), system, extra, timeout)

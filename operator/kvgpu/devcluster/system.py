@@ -1,4 +1,4 @@
-"""The whole kvgpu system on a local :class:`Cluster`: CRDs, the operator as a separate
+"""The whole kvgpu system on a local :class:`Cluster`: CRDs, the DRA DeviceClass, the operator as a separate
 process (``kvgpu operator``, its own identity, webhooks on loopback), and a second
 kube-scheduler (profile ``kvgpu-scheduler``) wired to the operator's extender.
 
@@ -14,6 +14,7 @@ Used by the end-to-end tests and ``make demo``. The operator can be killed and r
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import ssl
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgpu.devcluster.cluster import REPO_ROOT, Cluster, ClusterError, die_with_parent, free_port
+from kvgpu.dra.slices import device_classes
 from kvgpu.extender.schedconfig import ExtenderTLS, scheduler_configuration
 
 CRD_DIR = REPO_ROOT / "charts" / "kvgpu" / "crds"
@@ -45,8 +47,16 @@ class KvgpuSystem:
         self.cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_DIR))
         self.cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
 
+    def install_device_classes(self) -> None:
+        """kvgpu's DRA DeviceClasses (:func:`kvgpu.dra.slices.device_classes`, as the chart's
+        ``templates/deviceclass.yaml``)."""
+        items = device_classes()
+        self.cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                             input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+
     def start(self) -> KvgpuSystem:
         self.install_crds()
+        self.install_device_classes()
         self.start_operator()
         self.start_scheduler()
         return self

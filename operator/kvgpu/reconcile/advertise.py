@@ -38,7 +38,7 @@ ADVERTISED = (HAMI_GPUMEM, HAMI_GPUMEM_PERCENTAGE, HAMI_GPUCORES, HAMI_PRIORITY)
 def advertised(usage: NodeUsage) -> dict[str, str]:
     """The ``status.capacity`` entries (quantity strings) for :data:`ADVERTISED` on a node with
     ``usage``. Cards that take no slices (no pool, unhealthy, MIG) count only for what they hold."""
-    held = [c for c in usage.cards if not c.usable and c.pods]
+    held = [c for c in usage.cards if not c.usable and c.pods and not c.dra]
     cards = len([c for c in usage.cards if c.usable]) + len(held)
     memory = max(usage.memory_total_mib, usage.memory_used_mib) + sum(c.memory_used_mib for c in held)
     cores = max(usage.cores_total, usage.cores_used) + sum(c.cores_used for c in held)

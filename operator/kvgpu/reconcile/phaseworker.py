@@ -1,5 +1,7 @@
 """The claim-phase worker: a process of the leading operator that makes each kvgpu pod's
-VGPUClaims follow the pod (:mod:`kvgpu.reconcile.phases`) and removes orphaned claims.
+VGPUClaims follow the pod (:mod:`kvgpu.reconcile.phases`) and removes orphaned claims; it also
+runs the DRA claim mirror (:mod:`kvgpu.reconcile.draworker`: a VGPUClaim per ResourceClaim of
+driver ``gpu.kvgpu.io``).
 
 Why a process of its own: these are many of the operator's writes (Released when a pod ends,
 claims of deleted pods deleted, the GPUSlicesBound Event with ``--bind-events``) and its busiest watch (every
@@ -26,8 +28,9 @@ import structlog
 
 from kvgpu import kube, procs
 from kvgpu.core import keys
+from kvgpu.reconcile.draworker import DraMirror
 from kvgpu.reconcile.phases import TERMINAL, actions, pod_claims, slices_message
-from kvgpu.watch import ListWatch
+from kvgpu.watch import ListWatch, periodically
 
 log = structlog.get_logger("kvgpu.phases")
 
@@ -41,6 +44,7 @@ class PhaseWorkerConfig:
     orphan_grace_s: float = 30.0  # a claim younger than this may belong to a bind in flight
     sweep_interval_s: float = 15.0
     bind_events: bool = False  # a GPUSlicesBound Event per pod when it is first seen bound
+    dra_mirror: bool = True  # mirror ResourceClaims of driver gpu.kvgpu.io (kvgpu.reconcile.draworker)
 
 
 def pod_projection(pod: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +89,9 @@ class PhaseWorker:
                 self._evented.add(str((c.get("spec") or {}).get("podUID", "")))
         tasks = [asyncio.create_task(self.pods.run(), name="kvgpu-phases-pods"),
                  asyncio.create_task(self._sweep_loop(), name="kvgpu-phases-sweep")]
+        if self.cfg.dra_mirror:
+            tasks.append(asyncio.create_task(DraMirror(self.api, self.cfg.sweep_interval_s).run(),
+                                             name="kvgpu-dra-mirror"))
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -153,15 +160,7 @@ class PhaseWorker:
                                   reason="GPUSlicesBound", message=slices_message(pod))
 
     async def _sweep_loop(self) -> None:
-        await self.pods.synced.wait()
-        while True:
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("orphan sweep failed")
-            await asyncio.sleep(self.cfg.sweep_interval_s)
+        await periodically(self.pods.synced, self.sweep, self.cfg.sweep_interval_s, "orphan sweep")
 
     async def sweep(self) -> None:
         """Delete claims whose pod is gone (or is another pod now) after ``orphan_grace_s``; the
@@ -173,6 +172,8 @@ class PhaseWorker:
             meta, spec = c["metadata"], c.get("spec") or {}
             if (c.get("status") or {}).get("phase") in ("Released", "Failed"):
                 continue
+            if spec.get("resourceClaim"):
+                continue  # a ResourceClaim's mirror: the DRA mirror keeps it (draworker)
             if str(spec.get("podUID", "")) in pods:
                 continue
             if now - _ts(meta.get("creationTimestamp", "")) < self.cfg.orphan_grace_s:

@@ -39,8 +39,20 @@ def claim_key(namespace: str, name: str) -> str:
     return f"{namespace}/{name}"
 
 
+#: The prefix of the ledger's pod UID for a claim mirrored from a DRA ResourceClaim: such a slice
+#: is the ResourceClaim's (several pods may share one, a pod may have several), so it is
+#: reserved apart from any pod's extender reservations, which it can neither join nor free.
+RESOURCE_CLAIM_HOLDER = "resourceclaim:"
+
+
+def is_mirror(claim: dict[str, Any]) -> bool:
+    """Whether a VGPUClaim dict is mirrored from a DRA ResourceClaim (``spec.resourceClaim``)."""
+    return bool((claim.get("spec") or {}).get("resourceClaim"))
+
+
 def allocation_from_claim(claim: dict[str, Any]) -> tuple[str, PodAllocation]:
-    """``(ledger key, allocation)`` recorded by a VGPUClaim dict. Raises ``KeyError``/``ValueError``
+    """``(ledger key, allocation)`` recorded by a VGPUClaim dict; a mirrored claim's allocation
+    is held by ``resourceclaim:<its UID>``, not by the pod. Raises ``KeyError``/``ValueError``
     for a malformed claim."""
     meta, spec = claim["metadata"], claim["spec"]
     devices = tuple(
@@ -50,7 +62,9 @@ def allocation_from_claim(claim: dict[str, Any]) -> tuple[str, PodAllocation]:
     ca = ContainerAllocation(
         str(spec["container"]), devices, int(spec.get("priority", 1)), bool(spec.get("init", False))
     )
-    return claim_key(meta["namespace"], meta["name"]), PodAllocation(str(spec["podUID"]), str(spec["node"]), (ca,))
+    rc = spec.get("resourceClaim")
+    holder = RESOURCE_CLAIM_HOLDER + str(rc["uid"]) if rc else str(spec["podUID"])
+    return claim_key(meta["namespace"], meta["name"]), PodAllocation(holder, str(spec["node"]), (ca,))
 
 
 @dataclass

@@ -15,7 +15,7 @@ from kvgpu import faults, kube
 from kvgpu.core import keys
 from kvgpu.metrics import MIB
 from kvgpu.reconcile import poolstatus
-from kvgpu.reconcile.state import allocation_from_claim
+from kvgpu.reconcile.state import allocation_from_claim, is_mirror
 from kvgpu.runtime.base import RuntimeBase, log
 
 
@@ -213,6 +213,12 @@ class Background(RuntimeBase):
             if self.state.ledger.reservation(key) is None:
                 if uid := (c.get("metadata") or {}).get("uid"):
                     self.state.record_claim_uid(key, str(uid))
+                if is_mirror(c):  # kube-scheduler's allocation on a dra card: recorded as it is
+                    try:
+                        self.state.reserve(key, alloc, force=True)
+                    except Exception as e:  # contradicts the ledger (a container twice): logged
+                        log.warning("mirrored claim not recorded in the ledger", claim=key, error=str(e))
+                    continue
                 try:
                     self.state.reserve(key, alloc)
                 except Exception as e:  # over-committed: force it, the claims are the truth

@@ -1,5 +1,6 @@
 """The watch handlers of the main process: Nodes (inventory, HAMi's extended resources) and
-VGPUClaims (a claim deleted or Released frees its reservation, unless its pod still holds it)."""
+VGPUClaims (a claim deleted or Released frees its reservation, unless its pod still holds it; a
+claim mirrored from a DRA ResourceClaim is recorded when it appears and freed when it goes)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import asyncio
 from typing import Any
 
 from kvgpu import kube
+from kvgpu.allocator.usage import AllocationError
 from kvgpu.core import keys
 from kvgpu.reconcile import advertise
-from kvgpu.reconcile.state import allocation_from_claim
+from kvgpu.reconcile.state import allocation_from_claim, is_mirror
 from kvgpu.runtime.base import RuntimeBase, log
 
 
@@ -50,6 +52,9 @@ class WatchHandlers(RuntimeBase):
         claim under the same name, from a later bind, is not freed by an old one's event)."""
         if not self.active:
             return  # a standby rebuilds from the claims when it takes over
+        if is_mirror(claim):
+            self._on_mirror(etype, claim)
+            return
         if etype != "DELETED" and (claim.get("status") or {}).get("phase") not in ("Released", "Failed"):
             return
         try:
@@ -70,6 +75,32 @@ class WatchHandlers(RuntimeBase):
                 return
             self.state.release_key(key)
             self.nudge_pending(f"claim {key} {'deleted' if etype == 'DELETED' else 'released'}")
+
+    def _on_mirror(self, etype: str, claim: dict[str, Any]) -> None:
+        """A claim mirrored from a DRA ResourceClaim (kvgpu.reconcile.draworker): kube-scheduler
+        allocated its slice, so the ledger records it as it is (``force``: a dra card takes no
+        extender slice) while the mirror lives, and frees it when the mirror is deleted. Its key
+        and holder (``resourceclaim:<UID>``) are its own: it never joins or frees a pod's
+        extender reservations."""
+        try:
+            key, alloc = allocation_from_claim(claim)
+        except (KeyError, ValueError, TypeError):
+            return
+        uid = str((claim.get("metadata") or {}).get("uid") or "")
+        held = self.state.ledger.reservation(key)
+        if etype == "DELETED" or (claim.get("status") or {}).get("phase") in ("Released", "Failed"):
+            holder = self.state.claim_uids.get(key)
+            if held == alloc and not (uid and holder and uid != holder):
+                self.state.release_key(key)
+            return
+        if held is None:
+            try:
+                self.state.reserve(key, alloc, force=True)
+            except AllocationError as e:
+                log.warning("mirrored claim not recorded in the ledger", claim=key, error=str(e))
+                return
+            if uid:
+                self.state.record_claim_uid(key, uid)
 
     async def _release_unless_pod_runs(self, etype: str, key: str, claim: dict[str, Any]) -> None:
         """Free a claim's cards only once its pod no longer holds them. A claim deleted or set
