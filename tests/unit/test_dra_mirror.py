@@ -97,3 +97,13 @@ def test_long_names_fit_and_stay_distinct() -> None:
 def test_bad_quantity_names_the_value() -> None:
     with pytest.raises(ValueError, match="'lots'"):
         M.to_mib("lots")
+
+
+def test_mig_instances_get_no_mirror() -> None:
+    """A MIG instance is a hardware partition, not a kvgpu slice: a claim of MIG devices only has
+    no mirror, and a claim mixing both mirrors the card slice alone."""
+    assert not M.wants_mirror(_rc([_res("gpu-1-mig-3-0")]))
+    mixed = _rc([_res("gpu-1-mig-3-0"), _res("gpu-0", memory="3000Mi", cores="30")])
+    assert M.wants_mirror(mixed)
+    body = M.mirror(mixed, POD, _cards())
+    assert [d["memory"] for d in body["spec"]["devices"]] == [3000]

@@ -57,6 +57,12 @@ def mig_device_name(card: Card, inst: MigInstance) -> str:
     return f"gpu-{card.index}-mig-{inst.gi}-{inst.ci}"
 
 
+def is_mig_device_name(name: str) -> bool:
+    """Whether a device name of the driver's pool names a MIG instance (:func:`mig_device_name`)."""
+    head, sep, _ = name.partition("-mig-")
+    return bool(sep) and head.startswith("gpu-") and head[4:].isdigit()
+
+
 def dra_mig_cards(inventory: NodeInventory) -> list[Card]:
     """The cards of ``inventory`` whose MIG instances DRA publishes: healthy, in MIG mode, with
     instances, in a ``dra`` pool."""

@@ -33,6 +33,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from kvgpu.api.models import VGPUClaim
 from kvgpu.core import keys
+from kvgpu.dra.mig import is_mig_device_name
 from kvgpu.dra.slices import CAPACITY_CORES, CAPACITY_MEMORY, DRIVER, GROUP_VERSION
 
 RESOURCE_CLAIM_UID_LABEL = f"{keys.GROUP}/resourceclaim-uid"
@@ -91,10 +92,12 @@ def slice_cards(resource_slice: Mapping[str, Any]) -> dict[tuple[str, str], Card
 
 
 def our_results(resource_claim: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The allocation results of :data:`DRIVER` in a ResourceClaim (empty when not allocated)."""
+    """The allocation results of :data:`DRIVER` in a ResourceClaim that are kvgpu slices of a
+    card (empty when not allocated). MIG instances are left out: a hardware partition, not a
+    slice the ledger accounts, so a claim of MIG devices only has no mirror."""
     alloc = (resource_claim.get("status") or {}).get("allocation") or {}
     results = (alloc.get("devices") or {}).get("results") or []
-    return [r for r in results if r.get("driver") == DRIVER]
+    return [r for r in results if r.get("driver") == DRIVER and not is_mig_device_name(str(r.get("device", "")))]
 
 
 def consumer(resource_claim: Mapping[str, Any]) -> tuple[str, str] | None:
