@@ -9,6 +9,7 @@ root only), driven line by line over stdin/stdout. The node agent's part is the 
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import shutil
@@ -22,7 +23,7 @@ import pytest
 from kvgpu import shimregion
 from kvgpu.agent import slotresolver
 
-from .conftest import MIB, ROOT
+from .conftest import MIB, ROOT, claim
 
 TENANT = r"""
 import os, subprocess, sys
@@ -220,3 +221,36 @@ def test_namespace_without_processes_is_marked_and_a_late_mark_spares_a_new_hold
     assert shimregion.mark_slot_dead(path, 100, 4242, 8)
     time.sleep(0.06)
     assert b.ask("reserve 60") == "ok"
+
+
+def test_preloaded_shim_in_two_namespaces_shares_one_quota(box) -> None:
+    """The whole shim (LD_PRELOAD, stub driver): cuprog in two PID namespaces on one region."""
+    un = [shutil.which("unshare") or "unshare", *_unshare()[1:]]
+    env = box.env(claim((0, 1000, 0)))
+    holder = subprocess.Popen([*un, str(box.kit.cuprog), "fill", "alloc", str(256 * MIB), "2", "60"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        assert json.loads(holder.stdout.readline())["bytes"] == 512 * MIB
+
+        runs = iter(range(2, 20))
+
+        def fill() -> int:
+            # each run another PID than the holder (1) and the runs before: the stub driver keys
+            # its per-process usage by getpid(), which namespaces repeat
+            cmd = "/bin/true; " * next(runs) + f"{box.kit.cuprog} fill alloc {64 * MIB}; exit $?"
+            (r,) = box.json(*un, "/bin/sh", "-c", cmd, env=env)[:1]
+            assert r["rc"] == 2, r  # stopped by the limit
+            return int(r["bytes"]) // MIB
+
+        assert fill() <= 1000 - 512 - 64  # the holder's 512 MiB and its context count here
+        for pid in _children(holder.pid):
+            os.kill(pid, signal.SIGKILL)
+        holder.wait(10)
+        assert fill() <= 1000 - 512 - 64  # gone, but from another namespace: charged until marked
+        assert slotresolver.resolve([box.region]).marked_dead == 1
+        assert fill() >= 1000 - 2 * 64 - 64  # all of it back, less this process's context
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
