@@ -204,7 +204,12 @@ struct vgpu_region_dev { char uuid[96]; uint64_t limit; uint32_t cores; uint32_t
                          uint64_t credit_vt; uint64_t ctx_bytes; uint64_t sched_joined_ns; uint64_t sched_heartbeat_ns;
                          uint64_t sched_busy_pm; ...; };
 struct vgpu_slot { int32_t pid; int32_t host_pid; uint64_t start_time; uint64_t data[16];
-                   uint64_t overhead[16]; ...; };
+                   uint64_t overhead[16]; uint64_t pidns_dev; uint64_t pidns_ino; uint64_t dead_key; ...; };
+struct vgpu_pidns { uint64_t dev; uint64_t ino; };
+struct vgpu_pidns vgpu_pidns_self(void);
+int vgpu_region_reap(struct vgpu_region *r);
+int vgpu_region_oom_victim(struct vgpu_region *r, int d, uint64_t slack, int32_t *pid,
+                           uint64_t *start_time, uint64_t *bytes);
 struct vgpu_region { uint32_t magic; uint32_t version; uint32_t size; uint32_t ndev;
                      uint32_t max_slots; uint32_t priority; uint64_t generation; char claim[320];
                      uint64_t oom_kills; int32_t oom_last_pid; uint32_t oom_last_dev;

@@ -152,8 +152,19 @@ struct vgpu_slot {
     uint64_t start_time;        /* /proc/<pid>/stat field 22 (clock ticks since boot) */
     uint64_t data[VGPU_MAX_DEV];     /* bytes of counted allocations */
     uint64_t overhead[VGPU_MAX_DEV]; /* bytes of context/module overhead charged */
-    uint64_t reserved[4];
+    uint64_t pidns_dev;         /* the process's PID namespace: st_dev and st_ino of */
+    uint64_t pidns_ino;         /* /proc/self/ns/pid (0, 0 = unknown: never reaped by /proc) */
+    uint64_t dead_key;          /* the node agent's word: vgpu_slot_key(pid, start_time) when it
+                                 * found no such process on the host (then reapable), else 0 */
+    uint64_t reserved[1];
 };
+
+/* A process's PID namespace (st_dev, st_ino of its ns/pid link). */
+struct vgpu_pidns { uint64_t dev, ino; };
+/* The dead mark of a slot: (pid << 42) | (start_time mod 2^42), one aligned 64-bit word that
+ * the agent stores without the lock. A slot taken again by another process in the meantime
+ * carries another key, so a late mark never reaps it. */
+#define VGPU_SLOT_KEY(pid, st) (((uint64_t)(uint32_t)(pid) << 42) | ((uint64_t)(st) & ((1ull << 42) - 1)))
 
 struct vgpu_region {
     uint32_t magic;
@@ -192,10 +203,16 @@ int vgpu_region_attach(struct vgpu_region_handle *h, const char *path);
 void vgpu_region_close(struct vgpu_region_handle *h);
 int vgpu_region_lock(struct vgpu_region *r);   /* 0; recovers a dead owner */
 void vgpu_region_unlock(struct vgpu_region *r);
-/* Take a slot for (pid, start_time). Returns slot index or -1. */
+/* Take a slot for (pid, start_time) in this process's PID namespace (recorded in the slot; an
+ * old slot of the same pid counts as its own only in the same namespace). Returns index or -1. */
 int vgpu_region_join(struct vgpu_region_handle *h, int32_t pid, uint64_t start_time);
 void vgpu_region_leave(struct vgpu_region_handle *h);
-/* Free slots whose process is gone (pid dead or start time differs). Lock held. Returns count. */
+/* This process's PID namespace; {0, 0} when /proc/self/ns/pid cannot be read. */
+struct vgpu_pidns vgpu_pidns_self(void);
+/* Free slots whose process is gone. A slot of this process's PID namespace is checked in /proc
+ * (pid gone or start time differs); a slot of another namespace (two pods or two containers
+ * sharing one DRA claim region) or of an unknown one only when the node agent marked it dead
+ * (dead_key). Lock held. Returns count. */
 int vgpu_region_reap_locked(struct vgpu_region *r);
 int vgpu_region_reap(struct vgpu_region *r); /* takes the lock */
 /* Charge bytes on device d to own slot if it fits the limit. 0 ok, -1 over the limit. */
@@ -207,8 +224,8 @@ uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t 
  * set under the lock. Returns the overhead. */
 uint64_t vgpu_region_reconcile(struct vgpu_region_handle *h, int d, uint64_t nvml_used);
 uint64_t vgpu_region_used(struct vgpu_region *r, int d);
-/* The container is over its limit on d by more than `slack`: 1 with the live slot holding the
- * most (data + overhead) on d in *pid, *start_time, *bytes; 0 otherwise. Takes the lock. */
+/* The container is over its limit on d by more than `slack`: 1 with the live slot of this
+ * process's PID namespace (the only PIDs it can signal) holding the most (data + overhead) on d in *pid, *start_time, *bytes; 0 otherwise. Takes the lock. */
 int vgpu_region_oom_victim(struct vgpu_region *r, int d, uint64_t slack, int32_t *pid,
                            uint64_t *start_time, uint64_t *bytes);
 /* Count a kill by the shim's OOM killer (oom_kills, oom_last_*). Takes the lock. */

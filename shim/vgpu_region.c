@@ -12,6 +12,12 @@
  * from the live slots and marks the mutex consistent. A slot belongs to (pid, start time
  * from /proc/<pid>/stat), so a reused PID never inherits a dead process's charges. Dead
  * slots are reaped when a process joins, when an allocation would fail, and on recovery.
+ *
+ * One region can be shared across PID namespaces (a DRA ResourceClaim referenced by two pods,
+ * or by two containers of a pod without shareProcessNamespace). A process can only judge the
+ * slots of its own namespace by /proc; each slot records its namespace, and a slot of another
+ * (or an unknown) namespace stays charged until the node agent, which sees every namespace,
+ * marks it dead (dead_key). Never fail open: what cannot be judged stays charged.
  */
 #include "vgpu.h"
 
@@ -22,7 +28,9 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <linux/stat.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -69,6 +77,27 @@ uint64_t vgpu_proc_start_time(int32_t pid)
     for (int field = 2; field < 22 && p; field++)
         p = strchr(p + 1, ' ');
     return p ? vgpu_atou(p + 1) : 0;
+}
+
+struct vgpu_pidns vgpu_pidns_self(void)
+{
+    /* statx by syscall: stat/fstatat bind to GLIBC_2.33 symbols (see build.py's GLIBC_MAX). */
+    struct statx sx;
+    struct vgpu_pidns ns = {0, 0};
+    memset(&sx, 0, sizeof sx);
+    if (syscall(SYS_statx, AT_FDCWD, "/proc/self/ns/pid", 0, STATX_INO, &sx) != 0 || !sx.stx_ino)
+        return ns;
+    uint64_t ma = sx.stx_dev_major, mi = sx.stx_dev_minor; /* glibc's makedev(): st_dev as the
+                                                             * agent's os.stat() sees it */
+    ns.dev = ((ma & 0xfffff000ull) << 32) | ((ma & 0xfffull) << 8) | ((mi & 0xffffff00ull) << 12) |
+             (mi & 0xffull);
+    ns.ino = sx.stx_ino;
+    return ns;
+}
+
+static int same_ns(const struct vgpu_slot *sl, struct vgpu_pidns ns)
+{
+    return ns.ino && sl->pidns_ino == ns.ino && sl->pidns_dev == ns.dev;
 }
 
 static void init_mutex(pthread_mutex_t *m)
@@ -126,12 +155,23 @@ static void clear_slot_locked(struct vgpu_region *r, int s)
     memset(sl, 0, sizeof *sl);
 }
 
+/* 1 when the slot's process is known to be gone: the agent's mark for this very (pid, start
+ * time), or, in this process's namespace, /proc. */
+static int slot_dead(const struct vgpu_slot *sl, struct vgpu_pidns self)
+{
+    uint64_t mark = VGPU_PEEK(sl->dead_key);
+    if (mark && mark == VGPU_SLOT_KEY(sl->pid, sl->start_time))
+        return 1;
+    return same_ns(sl, self) && vgpu_proc_start_time(sl->pid) != sl->start_time;
+}
+
 int vgpu_region_reap_locked(struct vgpu_region *r)
 {
     int n = 0;
+    struct vgpu_pidns self = vgpu_pidns_self();
     for (int s = 0; s < VGPU_MAX_SLOTS; s++) {
         struct vgpu_slot *sl = &r->slot[s];
-        if (sl->pid && vgpu_proc_start_time(sl->pid) != sl->start_time) {
+        if (sl->pid && slot_dead(sl, self)) {
             clear_slot_locked(r, s);
             n++;
         }
@@ -316,11 +356,12 @@ int vgpu_region_join(struct vgpu_region_handle *h, int32_t pid, uint64_t start_t
 {
     struct vgpu_region *r = h->r;
     int free_slot = -1, mine = -1;
+    struct vgpu_pidns self = vgpu_pidns_self();
     vgpu_region_lock(r);
     vgpu_region_reap_locked(r);
     for (int s = 0; s < VGPU_MAX_SLOTS; s++) {
-        if (r->slot[s].pid == pid) {
-            mine = s; /* same pid and start time survived the reap: our own old slot */
+        if (r->slot[s].pid == pid && same_ns(&r->slot[s], self)) {
+            mine = s; /* same pid, namespace and start time survived the reap: our own old slot */
             break;
         }
         if (!r->slot[s].pid && free_slot < 0)
@@ -333,6 +374,8 @@ int vgpu_region_join(struct vgpu_region_handle *h, int32_t pid, uint64_t start_t
     if (mine >= 0) {
         r->slot[mine].pid = pid;
         r->slot[mine].start_time = start_time;
+        r->slot[mine].pidns_dev = self.dev;
+        r->slot[mine].pidns_ino = self.ino;
     }
     vgpu_region_unlock(r);
     __atomic_store_n(&h->slot, mine, __ATOMIC_RELEASE); /* the shim peeks at it unlocked */
@@ -437,6 +480,7 @@ int vgpu_region_oom_victim(struct vgpu_region *r, int d, uint64_t slack, int32_t
     if (d < 0 || d >= VGPU_MAX_DEV || vgpu_region_lock(r) != 0)
         return 0;
     vgpu_region_reap_locked(r);
+    struct vgpu_pidns self = vgpu_pidns_self(); /* a PID of another namespace is not ours to kill */
     uint64_t used = atomic_load(&r->dev[d].used), lim = r->dev[d].limit;
     int best = -1;
     uint64_t most = 0;
@@ -444,7 +488,7 @@ int vgpu_region_oom_victim(struct vgpu_region *r, int d, uint64_t slack, int32_t
         for (int s = 0; s < VGPU_MAX_SLOTS; s++) {
             const struct vgpu_slot *sl = &r->slot[s];
             uint64_t b = sl->data[d] + sl->overhead[d];
-            if (sl->pid && (best < 0 || b > most))
+            if (sl->pid && same_ns(sl, self) && (best < 0 || b > most))
                 best = s, most = b;
         }
     if (best >= 0)

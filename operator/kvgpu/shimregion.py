@@ -10,6 +10,9 @@ What the node agent does with a region:
 
 - :func:`read_region` -> :class:`RegionUsage`: a snapshot (a copy of the file, no slot, no lock);
 - :func:`set_host_pid`: the host PID of a container process into its slot;
+- :func:`slot_identities` -> :class:`SlotIdentity`: who holds each slot (PID, start time, PID
+  namespace), and :func:`mark_slot_dead`: the agent's word that a slot's process is gone (the
+  shim reaps a slot of another PID namespace only then);
 - :func:`set_sm_util`: a card's SM utilisation (percent) into the region.
 
 Units: memory in MiB (float, from the region's bytes), compute in percent of the card's SMs,
@@ -65,7 +68,10 @@ class Slot(ctypes.Structure):
         ("start_time", u64),
         ("data", u64 * MAX_DEV),
         ("overhead", u64 * MAX_DEV),
-        ("reserved", u64 * 4),
+        ("pidns_dev", u64),
+        ("pidns_ino", u64),
+        ("dead_key", u64),
+        ("reserved", u64 * 1),
     ]
 
 
@@ -208,9 +214,40 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage:
     )
 
 
-def _store_u32(path: Path, offset_of: Callable[[Region], int | None], value: int) -> bool:
+def slot_key(pid: int, start_time: int) -> int:
+    """``VGPU_SLOT_KEY`` of vgpu.h: ``(pid << 42) | (start_time mod 2**42)`` (a u64)."""
+    return ((pid & 0xFFFFFFFF) << 42 | (start_time & ((1 << 42) - 1))) & 0xFFFFFFFFFFFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class SlotIdentity:
+    """Who holds a taken slot: ``pid`` in its PID namespace ``(pidns_dev, pidns_ino)`` (st_dev,
+    st_ino of its ``/proc/<pid>/ns/pid``; ``(0, 0)``: unknown), ``start_time`` in clock ticks since
+    boot, ``host_pid`` as the agent wrote it (0: not yet), ``dead``: the agent's mark is on it."""
+
+    index: int
+    pid: int
+    start_time: int
+    pidns_dev: int
+    pidns_ino: int
+    host_pid: int
+    dead: bool
+
+
+def slot_identities(path: str | os.PathLike[str]) -> list[SlotIdentity]:
+    """The taken slots of the region at ``path`` (a snapshot, no lock). Raises like
+    :func:`read_region` (``FileNotFoundError``, ``ValueError``)."""
+    r = _snapshot(Path(path))
+    return [SlotIdentity(i, s.pid, s.start_time, s.pidns_dev, s.pidns_ino, s.host_pid,
+                         s.dead_key != 0 and s.dead_key == slot_key(s.pid, s.start_time))
+            for i, s in enumerate(r.slot) if s.pid]
+
+
+def _store_u32(path: Path, offset_of: Callable[[Region], int | None], value: int,
+               ctype: type[ctypes.c_uint32] | type[ctypes.c_uint64] = ctypes.c_uint32) -> bool:
     """Open ``path`` read-write, check it is a region, and store ``value`` as one aligned 32-bit
-    word at the offset ``offset_of(snapshot)`` picks (None: store nothing). True if stored."""
+    (``ctype`` u64: 64-bit) word at the offset ``offset_of(snapshot)`` picks (None: store
+    nothing). True if stored."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -223,8 +260,8 @@ def _store_u32(path: Path, offset_of: Callable[[Region], int | None], value: int
             off = offset_of(r) if _valid(r) else None
             if off is None:
                 return False
-            word = ctypes.c_uint32.from_buffer(mm, off)  # one aligned 4-byte store, as the C does
-            word.value = value & 0xFFFFFFFF
+            word = ctype.from_buffer(mm, off)  # one aligned store, as the C does
+            word.value = value & (0xFFFFFFFF if ctype is ctypes.c_uint32 else 0xFFFFFFFFFFFFFFFF)
             del word
             return True
     finally:
@@ -233,6 +270,7 @@ def _store_u32(path: Path, offset_of: Callable[[Region], int | None], value: int
 
 _SLOT0 = Region.slot.offset
 _HOST_PID = Slot.host_pid.offset
+_DEAD_KEY = Slot.dead_key.offset
 _SM_UTIL = Region.dev.offset + RegionDev.sm_util.offset
 
 
@@ -256,6 +294,36 @@ def set_host_pid(path: str | os.PathLike[str], inner_pid: int, host_pid: int, st
         return None
 
     return _store_u32(Path(path), pick, host_pid)
+
+
+def _slot_offset(r: Region, index: int, pid: int, start_time: int, field_offset: int) -> int | None:
+    if not 0 <= index < min(int(r.max_slots), MAX_SLOTS):
+        return None
+    slot = r.slot[index]
+    if slot.pid != pid or slot.start_time != start_time:
+        return None
+    return _SLOT0 + index * ctypes.sizeof(Slot) + field_offset
+
+
+def set_slot_host_pid(path: str | os.PathLike[str], index: int, pid: int, start_time: int, host_pid: int) -> bool:
+    """Write ``host_pid`` into slot ``index`` if it still holds (``pid``, ``start_time``) and
+    does not carry it already. True when stored. (Same lock-free store as :func:`set_host_pid`.)"""
+
+    def pick(r: Region) -> int | None:
+        off = _slot_offset(r, index, pid, start_time, _HOST_PID)
+        return None if off is None or r.slot[index].host_pid == host_pid else off
+
+    return _store_u32(Path(path), pick, host_pid)
+
+
+def mark_slot_dead(path: str | os.PathLike[str], index: int, pid: int, start_time: int) -> bool:
+    """Mark slot ``index`` dead: store ``slot_key(pid, start_time)`` in its ``dead_key`` (one
+    aligned 64-bit store, no lock). The shim frees the slot at its next reap only while the slot
+    still holds that (pid, start time): a process that took the slot in between carries another
+    key, so a late mark cannot drop a live process's charge. True when stored; False if the slot
+    no longer holds that process or the file is missing or not a region."""
+    return _store_u32(Path(path), lambda r: _slot_offset(r, index, pid, start_time, _DEAD_KEY),
+                      slot_key(pid, start_time), ctypes.c_uint64)
 
 
 def set_sm_util(path: str | os.PathLike[str], uuid: str, percent: int) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -188,9 +189,8 @@ def test_kubelet_restart_keeps_the_pod_and_prepares_new_ones(dra: RealPods) -> N
 
 
 def test_containers_of_one_claim_share_its_region(dra: RealPods) -> None:
-    """Two containers of one pod on one ResourceClaim: one claim file, one region, one quota. The
-    pod shares its process namespace: the shim reaps region slots whose PID it cannot see, so
-    containers in separate PID namespaces would not count each other (docs/dra.md)."""
+    """Two containers of one pod (sharing its process namespace) on one ResourceClaim: one claim
+    file, one region, one quota. Separate PID namespaces: test_pods_sharing_one_claim_share_its_quota."""
     claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
              "metadata": {"name": "shared", "namespace": dra.ns},
              "spec": _template(dra, "x")["spec"]["spec"]}
@@ -216,6 +216,47 @@ def test_containers_of_one_claim_share_its_region(dra: RealPods) -> None:
         info = wait_for(held, 12, "the other container's 2 GiB in this one's free memory")
         assert info["total"] == 3000 * MIB, info
     finally:
+        holder.wait(30)
+
+
+def _fill_mib(rp: RealPods, pod: str) -> int:
+    """What ``cuprog fill`` gets in ``pod`` (256 MiB chunks until refused), in MiB."""
+    fill = json.loads(exec_in(rp, pod, "main", f"cuprog fill alloc {256 * MIB}").splitlines()[0])
+    assert fill["rc"] == 2, fill  # stopped by a refusal, not by an error
+    return int(fill["bytes"]) // MIB
+
+
+def test_pods_sharing_one_claim_share_its_quota(dra: RealPods) -> None:
+    """Two pods (two PID namespaces, both processes PID 1-ish there) on ONE ResourceClaim: what
+    both hold stays within the claim's 3000 MiB; once one pod is gone the agent marks its slots
+    dead and the other gets the room back within the agent's interval (5 s). On main's shim each
+    pod reaped the other's slots (a PID of another namespace looked dead) and got 3000 MiB."""
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": "pair", "namespace": dra.ns}, "spec": _template(dra, "x")["spec"]["spec"]}
+    pods = [_dra_pod(dra, n, "x") for n in ("p1", "p2")]
+    for pod in pods:
+        pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "pair"}]
+    _apply(dra, claim, *pods)
+    dra.wait_running("p1", timeout=90)
+    dra.wait_running("p2", timeout=90)
+    holder = subprocess.Popen([str(dra.cluster.bin_dir / "kubectl"), f"--kubeconfig={dra.cluster.kubeconfig}",
+                               "exec", "p1", "-n", dra.ns, "-c", "main", "--", "cuprog", "fill", "alloc",
+                               str(1024 * MIB), "2", "600"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        held = json.loads(holder.stdout.readline())  # printed once the 2 GiB are held
+        assert held["bytes"] == 2048 * MIB, held
+        got = _fill_mib(dra, "p2")
+        assert got <= 1000, f"p2 got {got} MiB beside p1's 2048 MiB of a 3000 MiB claim"
+        dra.cluster.kubectl("delete", "pod", "p1", "-n", dra.ns, "--grace-period=0", "--wait=true",
+                            "--timeout=60s")
+        gone = time.monotonic()
+        back = wait_for(lambda: (lambda m: m if m >= 2000 else 0)(_fill_mib(dra, "p2")), 20,
+                        "p1's 2 GiB back in p2's quota")
+        print(f"shared claim: p2 got {got} MiB beside p1's 2048 MiB; {back} MiB "
+              f"{time.monotonic() - gone:.1f} s after p1 was deleted")
+    finally:
+        holder.kill()
         holder.wait(30)
 
 

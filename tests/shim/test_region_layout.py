@@ -138,6 +138,32 @@ def test_plain_reader_reads_what_the_shim_wrote(tmp_path: Path) -> None:
         lib.vgpu_region_close(h)
 
 
+def test_agents_dead_mark_is_the_shims_key(tmp_path: Path) -> None:
+    path = tmp_path / "vgpu.region"
+    m, h = _open_region(path, f"v1;claim=team-a/job;priority=0;dev={UUID0},3000,30")
+    lib = m.lib
+    pid = os.getpid()
+    start = lib.vgpu_proc_start_time(pid)
+    try:
+        idx = lib.vgpu_region_join(h, pid, start)
+        assert lib.vgpu_region_reserve(h, 0, 700 * MIB) == 0
+        ns = lib.vgpu_pidns_self()
+        me = os.stat("/proc/self/ns/pid")
+        (ident,) = shimregion.slot_identities(path)
+        assert (ident.index, ident.pid, ident.start_time) == (idx, pid, start)
+        assert (ident.pidns_dev, ident.pidns_ino) == (ns.dev, ns.ino) == (me.st_dev, me.st_ino)
+        assert lib.vgpu_region_reap(h.r) == 0  # a live process of our namespace: kept
+        assert not shimregion.mark_slot_dead(path, idx, pid, start + 1)  # not this slot's process
+        assert lib.vgpu_region_reap(h.r) == 0
+        assert shimregion.mark_slot_dead(path, idx, pid, start)
+        assert h.r.slot[idx].dead_key == shimregion.slot_key(pid, start)
+        assert shimregion.slot_identities(path)[0].dead
+        assert lib.vgpu_region_reap(h.r) == 1  # the agent's word frees it, charge and all
+        assert shimregion.read_region(path).devices[0].used_mib == 0
+    finally:
+        lib.vgpu_region_close(h)
+
+
 def test_not_a_region(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         shimregion.read_region(tmp_path / "missing")

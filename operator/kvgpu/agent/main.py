@@ -21,6 +21,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvgpu import __version__
@@ -29,6 +30,7 @@ from kvgpu.core.inventory import NodeInventory
 
 from .deviceplugin import DevicePlugin, PluginConfig
 from .discovery import DiscoveryError, NvmlDiscovery, make_discovery
+from .draclaimfiles import REGION_DIR
 from .dradriver import start_dra_driver
 from .draplugin import DraConfig, DraPlugin
 from .drapublish import SlicePublisher
@@ -63,6 +65,7 @@ from .registration import Registrar
 from .schedule import Scheduler, sources_of
 from .shimcheck import ShimCheck
 from .shiminstall import install_shim, prune_shims
+from .slotresolver import SlotResolver
 from .usage import REGION_FILE, BoundContainer, default_reader, gc_regions
 
 log = logging.getLogger(__name__)
@@ -164,6 +167,7 @@ class Agent:
         self._mps_kick = asyncio.Event()
         self.dra: DraPlugin | None = None
         self.slices: SlicePublisher | None = None
+        self.slot_resolver: SlotResolver | None = None
 
     def inventory(self) -> NodeInventory | None:
         return self.registrar.inventory
@@ -341,6 +345,14 @@ class Agent:
         path = Path(self.cfg.region_root) / pod_uid / container / REGION_FILE
         return set_region_host_pid(path, inner_pid, host_pid, proc_start_time(host_pid))
 
+    def _region_files(self) -> list[Path]:
+        """Every region this agent made: containers' (extender mode) and prepared DRA claims'."""
+        files = sorted(Path(self.cfg.region_root).glob(f"*/*/{REGION_FILE}"))
+        claim_files = self.dra.files if self.dra is not None else None
+        if claim_files is not None:
+            files += [claim_files.dir(uid) / REGION_DIR / REGION_FILE for uid in claim_files.prepared_uids()]
+        return files
+
     async def _region_gc(self) -> None:
         await self.pods.synced.wait()
         while True:
@@ -425,6 +437,11 @@ class Agent:
             if self.cfg.device_plugin and self.cfg.mps_interval_s > 0:
                 self.mps = self._make_mps()
                 tg.create_task(self._mps_loop(), name="mps-daemons")
+            if self.cfg.device_plugin and self.cfg.region_root:
+                # Slots of other PID namespaces (a shared DRA claim): the shim reaps them only on
+                # this agent's word. Runs without NVML too (it reads /proc and the regions).
+                self.slot_resolver = SlotResolver(self._region_files, self.cfg.enforcement_s or 5.0)
+                tg.create_task(self.slot_resolver.run(), name="region-slots")
             self.enforcement = self._make_enforcement()
             if self.enforcement is not None:
                 tg.create_task(self.enforcement.run(), name="enforcement")
