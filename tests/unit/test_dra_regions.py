@@ -248,3 +248,23 @@ async def test_tenants_skip_mig_claims_and_broken_checkpoints(tmp_path: Path) ->
     entries = bound_containers(ts[:1], [pod("p1", "u1", "a"), pod("p2", "u2", "a", template=False)])
     assert [(e.pod, e.container, e.region_dir) for e in entries] == [
         ("p1", "warm,main", str(ts[0].region_dir)), ("p2", "warm,main", str(ts[0].region_dir))]
+
+
+async def test_a_later_consumer_of_a_shared_claim_is_told_only_of_later_kills(tmp_path: Path, core: Any) -> None:
+    agent, api = agent_with_dra(tmp_path, {"a": rclaim("a", "uid-a", "30")})
+    (ra,) = await prepare(agent, ("a", "uid-a"))
+    agent.pods.set_pod(pod("p1", "pod-1", "a", template=False))
+    h = open_region(core, ra, used_mib=100)
+    try:
+        rep = agent._make_oom_reporter()
+        await rep.check()
+        core.lib.vgpu_region_oom_record(h.r, 0, 11, 10 * MIB)
+        await rep.check()
+        agent.pods.set_pod(pod("p2", "pod-2", "a", template=False))  # shares the claim from now on
+        assert await rep.check() == []
+        core.lib.vgpu_region_oom_record(h.r, 0, 12, 10 * MIB)
+        await rep.check()
+    finally:
+        close_region(core, h)
+    assert [(e[1], e[4].split(": ", 1)[1].split(" ended")[0]) for e in api.events] == [
+        ("p1", "process 11"), ("p1", "process 12"), ("p2", "process 12")]

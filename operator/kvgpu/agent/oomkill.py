@@ -13,7 +13,8 @@ it reads as already reported (the kills before it started were the previous agen
 happened while none ran: the counter still has them). A container that the first round listed but
 could not read keeps that rule until a read succeeds; one whose region did not exist yet, or that
 appeared later, has all its kills reported. A re-initialised region (another ``generation``)
-counts from 0 again.
+counts from 0 again. A DRA claim's region is shared by its consuming pods: one that appears later
+starts from the count last seen in that region, so it is told only of kills after it came.
 
 Not done here: a node-side backstop that kills processes the shim cannot reach (see docs/agent.md).
 """
@@ -98,6 +99,7 @@ class OomReporter:
         reads = await asyncio.to_thread(self._read, containers)
         first, self._started = not self._started, True
         live = {_key(c) for c in containers}
+        claims = {k[2]: v for k, v in self._seen.items() if k[2] and v[0] >= 0}  # a DRA region's last look
         self._seen = {k: v for k, v in self._seen.items() if k in live}
         self._baseline &= live
         found: list[tuple[BoundContainer, str]] = []
@@ -114,7 +116,8 @@ class OomReporter:
             oom: OomKills | None = getattr(rows, "oom", None)
             if oom is None:
                 continue
-            prev = self._seen.get(key)
+            # a pod that starts consuming a DRA claim later: kills before it came were reported
+            prev = self._seen.get(key) or claims.get(c.region_dir)
             self._seen[key] = (oom.generation, oom.count)
             if prev is None and (first or key in self._baseline):
                 self._baseline.discard(key)
