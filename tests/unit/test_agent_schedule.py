@@ -152,6 +152,16 @@ def test_scheduler_writes_changes_only_and_empties_cards_that_go_quiet(tmp_path:
     assert decode(f1.read_bytes()) == []
 
 
+def test_one_claim_name_on_two_cards_from_two_regions_keeps_both(tmp_path: Path) -> None:
+    """A VGPUClaim and a ResourceClaim may share ``<namespace>/<name>`` on cards of two pools."""
+    now = 10 * S
+    regions = {"dp": {"GPU-1": Activity(1, now)}, "dra": {"GPU-2": Activity(1, now)}}
+    srcs = [TenantSource("ns/a", 1, {"GPU-1": 30}, tmp_path / "dp"),
+            TenantSource("ns/a", 1, {"GPU-2": 40}, tmp_path / "dra")]
+    sch = Scheduler(tmp_path / "sched", lambda: srcs, read=lambda p: regions[p.name], clock=lambda: now)
+    assert sch.tick() == {"GPU-1": [Window("ns/a", 0, 300)], "GPU-2": [Window("ns/a", 0, 400)]}
+
+
 def test_sources_come_from_the_claim_annotations(tmp_path: Path) -> None:
     from kvgpu.agent.schedule import sources_of
     from kvgpu.agent.usage import containers_of_pod

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from kvgpu.core import claimstr
-from kvgpu.core.inventory import Card, Slicing
+from kvgpu.core.inventory import Card, MigInstance, Slicing
 from kvgpu.dra.claims import DraClaimError, prepare_claim
 from kvgpu.dra.slices import DRIVER
 
@@ -109,3 +109,44 @@ def test_claims_the_node_refuses_name_the_reason(obj: dict[str, Any], uid: str, 
 def test_memory_is_at_most_the_physical_card() -> None:
     big = replace(card(0), memory_mib=1000)
     assert prepare_claim(claim(result(memory="3000Mi")), UID, NODE, [big]).claim.endswith("dev=GPU-0,1000,30")
+
+
+# --------------------------------------------------------------------------- MIG devices
+
+GI, CI = 31, 32  # the instance's /dev/nvidia-caps minors
+
+
+def mig_card(i: int = 4, *, allocation: str = "dra", caps: bool = True, **kw: Any) -> Card:
+    inst = MigInstance(f"MIG-{i}-7", 0, "1g.18gb", 16384, 16, 7, 0,
+                       GI if caps else None, CI if caps else None)
+    return replace(card(i, allocation=allocation, **kw), mig_mode=True, mig_instances=(inst,), minor=9)
+
+
+def mig_result(device: str = "gpu-4-mig-7-0") -> dict[str, Any]:
+    return {"request": "mig", "driver": DRIVER, "pool": NODE, "device": device}
+
+
+def test_a_mig_device_gets_its_nodes_and_no_claim_string() -> None:
+    p = prepare_claim(claim(mig_result()), UID, NODE, [*CARDS, mig_card()])
+    assert p.claim == "" and p.devices == ()
+    (m,) = p.mig
+    assert (m.device, m.pool, m.requests, m.uuid, m.card.uuid) == ("gpu-4-mig-7-0", NODE, ("mig",), "MIG-4-7", "GPU-4")
+    assert m.edits.device_nodes == ("/dev/nvidia9", f"/dev/nvidia-caps/nvidia-cap{GI}",
+                                    f"/dev/nvidia-caps/nvidia-cap{CI}")
+    assert m.edits.env == {"NVIDIA_VISIBLE_DEVICES": "MIG-4-7"}
+
+
+@pytest.mark.parametrize("cards, obj, match", [
+    ([mig_card(caps=False)], claim(mig_result()), r"MIG device MIG-4-7 of card GPU-4: the minors of its "
+                                                   r"/dev/nvidia-caps nodes are unknown"),
+    ([mig_card(), card(0)], claim(mig_result(), result()),
+     r"MIG devices \['gpu-4-mig-7-0'\] and shared-card slices \['gpu-0'\] in one claim"),
+    ([mig_card(allocation="extender")], claim(mig_result()), "'gpu-4-mig-7-0' is not a gpu.kvgpu.io device"),
+    ([mig_card(healthy=False, reason="XID 48")], claim(mig_result()), "is unhealthy: XID 48"),
+    ([mig_card()], claim(mig_result("gpu-4-mig-8-0")), "'gpu-4-mig-8-0' is not a gpu.kvgpu.io device"),
+    ([mig_card()], claim(mig_result() | {"adminAccess": True}), "adminAccess results are not served"),
+])
+def test_mig_claims_the_node_refuses_name_the_reason(cards: list[Card], obj: dict[str, Any], match: str) -> None:
+    with pytest.raises(DraClaimError, match=match) as e:
+        prepare_claim(obj, UID, NODE, cards)
+    assert "ResourceClaim team-a/seed-gpu-x7k2p" in str(e.value)

@@ -11,6 +11,7 @@ import json
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from kvgpu.agent.draplugin import DRA_SERVICE, DraConfig, DraPlugin
 from kvgpu.agent.pluginconfig import PluginConfig
 from kvgpu.agent.proto import dra_pb2, dra_pb2_grpc, reg_pb2, reg_pb2_grpc
 from kvgpu.core import keys
-from kvgpu.core.inventory import Card, NodeInventory, Slicing
+from kvgpu.core.inventory import Card, MigInstance, NodeInventory, Slicing
 from kvgpu.dra.slices import DRIVER
 
 NODE = "n1"
@@ -241,3 +242,59 @@ def test_slice_events_that_ask_for_a_sync() -> None:
     assert ev("ADDED", name="n1-counters-gpu.kvgpu.io", h=None) == 1   # a slice of ours it did not write
     assert ev("ADDED", name="n2-gpu.kvgpu.io", h=None) == 0            # another node's
     assert ev("DELETED", name="n1-other-driver") == 0
+
+
+def mig_inventory() -> NodeInventory:
+    inst = MigInstance("MIG-7", 0, "1g.18gb", 16384, 16, 7, 0, 31, 32)
+    mig = Card("GPU-2", 2, "NVIDIA H200", 143771, 132, 0, slicing=Slicing("p", split_count=4, allocation="dra"),
+               minor=6, mig_mode=True, mig_instances=(inst,))
+    return NodeInventory(NODE, (*inventory().cards, mig))
+
+
+def mig_claim(name: str, uid: str) -> dict[str, Any]:
+    res = {"request": "mig", "driver": DRIVER, "pool": NODE, "device": "gpu-2-mig-7-0"}
+    return {"metadata": {"namespace": "team-a", "name": name, "uid": uid},
+            "status": {"allocation": {"devices": {"results": [res]}}}}
+
+
+def test_a_mig_claim_gets_its_instance_nodes_and_no_shim(root: Path) -> None:
+    async def go() -> None:
+        plugin = make(root, {("team-a", "m"): mig_claim("m", "u-9")}, mig_inventory())
+        resp = await plugin.prepare("team-a", "m", "u-9")
+        assert resp.error == ""
+        (dev,) = resp.devices
+        assert (dev.device_name, dev.share_id, list(dev.cdi_device_ids)) == (
+            "gpu-2-mig-7-0", "", ["gpu.kvgpu.io/claim=u-9-gpu-2-mig-7-0"])
+        spec = json.loads((root / "cdi" / "gpu.kvgpu.io-u-9.json").read_text())
+        (d,) = spec["devices"]
+        assert d["name"] == "u-9-gpu-2-mig-7-0"
+        assert [(n["path"], n["hostPath"]) for n in d["containerEdits"]["deviceNodes"]] == [
+            ("/dev/nvidia6", str(root / "dev" / "nvidia6")),
+            ("/dev/nvidia-caps/nvidia-cap31", str(root / "dev" / "nvidia-caps" / "nvidia-cap31")),
+            ("/dev/nvidia-caps/nvidia-cap32", str(root / "dev" / "nvidia-caps" / "nvidia-cap32"))]
+        edits = spec["containerEdits"]
+        assert {n["path"] for n in edits["deviceNodes"]} == {"/dev/nvidiactl", "/dev/nvidia-uvm"}
+        assert edits["mounts"] == []  # no shim, no ld.so.preload, no claim file, no region, no schedule
+        env = dict(e.split("=", 1) for e in edits["env"])
+        assert env == {"NVIDIA_VISIBLE_DEVICES": "MIG-7", "KVGPU_DRA_CLAIM": "team-a/m"}
+        d9 = root / "state" / "claims" / "u-9"
+        assert sorted(p.name for p in d9.iterdir()) == ["prepared.json"]
+        again = await plugin.prepare("team-a", "m", "u-9")  # a retry: from the checkpoint, no API read
+        assert again == resp and plugin.calls == [("team-a", "m")]  # type: ignore[attr-defined]
+        assert (await plugin.unprepare("u-9")).error == ""
+        assert not d9.exists() and not (root / "cdi" / "gpu.kvgpu.io-u-9.json").exists()
+
+    asyncio.run(go())
+
+
+def test_a_mig_instance_with_unknown_caps_fails_its_prepare(root: Path) -> None:
+    async def go() -> None:
+        inv = mig_inventory()
+        (inst,) = inv.cards[2].mig_instances
+        nocaps = replace(inv.cards[2], mig_instances=(replace(inst, gi_cap_minor=None),))
+        plugin = make(root, {("team-a", "m"): mig_claim("m", "u-9")}, NodeInventory(NODE, (*inv.cards[:2], nocaps)))
+        resp = await plugin.prepare("team-a", "m", "u-9")
+        assert "the minors of its /dev/nvidia-caps nodes are unknown" in resp.error and not resp.devices
+        assert plugin.files.prepared_uids() == [] and not (root / "cdi" / "gpu.kvgpu.io-u-9.json").exists()
+
+    asyncio.run(go())

@@ -13,6 +13,11 @@ Under ``<state_dir>/claims/<claim UID>/``:
 
 And ``<cdi_dir>/gpu.kvgpu.io-<claim UID>.json``, the CDI spec, written after the claim file
 (never a CDI device without its claim file) and removed first.
+
+A claim of MIG devices (:class:`~kvgpu.dra.claims.PreparedMig`) has only the checkpoint (``"mig":
+true``) and a CDI spec: each device gets its parent's ``/dev/nvidia<minor>`` and its instance's
+two ``/dev/nvidia-caps`` nodes, the spec the control nodes, the driver folders and
+``NVIDIA_VISIBLE_DEVICES=<MIG UUIDs>``: no shim, no ``ld.so.preload``, no claim file, no region.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ class Prepared:
     """What the checkpoint holds of a prepared claim."""
 
     uid: str
-    claim: str
+    claim: str  # "" for a MIG claim
     devices: tuple[ClaimSource, ...]
+    mig: bool = False
 
 
 def _component(uid: str) -> str:
@@ -85,12 +91,15 @@ class ClaimFiles:
     def load(self, uid: str) -> Prepared | None:
         """The checkpoint of ``uid``, or ``None`` if it was not prepared (or its files are gone)."""
         path = self.dir(uid) / CHECKPOINT
-        if not path.exists() or not self.spec_path(uid).exists() or not (self.dir(uid) / CLAIM_FILE).exists():
+        if not path.exists() or not self.spec_path(uid).exists():
             return None
         d = json.loads(path.read_text())
+        mig = bool(d.get("mig"))
+        if not mig and not (self.dir(uid) / CLAIM_FILE).exists():
+            return None
         devs = tuple(ClaimSource(tuple(x["requests"]), x["pool"], x["device"], x.get("shareID"), tuple(x["cdi"]))
                      for x in d["devices"])
-        return Prepared(d["uid"], d["claim"], devs)
+        return Prepared(d["uid"], d["claim"], devs, mig)
 
     def _edits(self, p: PreparedClaim, d: Path) -> tuple[list[cdi.DeviceNode], list[cdi.Mount], dict[str, str]]:
         cards = [x.card for x in p.devices]
@@ -133,6 +142,29 @@ class ClaimFiles:
                                           str(host / f"nvidia{devicespecs.card_minor(x.card)}"))]
                 for x in p.devices}
 
+    def _mig_spec(self, p: PreparedClaim) -> dict[str, Any]:
+        """The CDI spec of a MIG claim (module docstring)."""
+        host = Path(self.cfg.host_dev_root or self.cfg.dev_root)
+        devices = {x.device: [cdi.DeviceNode(n, str(host / n.removeprefix("/dev/"))) for n in x.edits.device_nodes]
+                   if self.cfg.device_specs else [] for x in p.mig}
+        env = {"NVIDIA_VISIBLE_DEVICES": ",".join(x.uuid for x in p.mig), "KVGPU_DRA_CLAIM": f"{p.namespace}/{p.name}"}
+        nodes: list[cdi.DeviceNode] = []
+        mounts: list[cdi.Mount] = []
+        if self.cfg.device_specs:
+            specs = devicespecs.mig_device_specs((), self.cfg.dev_root, self.cfg.host_dev_root)
+            nodes = [cdi.DeviceNode(s.container_path, s.host_path) for s in specs]
+            driver = devicespecs.driver_mounts(self.cfg.driver_root)
+            mounts = _mounts(driver)
+            if driver and self.cfg.ld_library_path:
+                env["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
+        return cdi.claim_spec(p.uid, devices, nodes, mounts, env)
+
+    def _write_mig(self, p: PreparedClaim, d: Path) -> Prepared:
+        _atomic_json(self.spec_path(p.uid), self._mig_spec(p), 0o644)
+        devs = tuple(ClaimSource(x.requests, x.pool, x.device, None, (cdi.device_id(p.uid, x.device),)) for x in p.mig)
+        _checkpoint(d, p, devs, mig=True)
+        return Prepared(p.uid, "", devs, mig=True)
+
     def write(self, p: PreparedClaim) -> Prepared:
         """Write the claim's files (claim file, region, CDI spec, checkpoint). Raises ``OSError``,
         :class:`PluginError` (shim not installed, MPS daemon missing), ``ValueError`` (a name CDI
@@ -140,6 +172,9 @@ class ClaimFiles:
         d = self.dir(p.uid)
         try:
             d.mkdir(parents=True, exist_ok=True)
+            if p.mig:
+                self.cdi_dir.mkdir(parents=True, exist_ok=True)
+                return self._write_mig(p, d)
             claim = d / CLAIM_FILE
             tmp = d / (CLAIM_FILE + ".tmp")
             tmp.write_text(p.claim)
@@ -154,10 +189,7 @@ class ClaimFiles:
             _atomic_json(self.spec_path(p.uid), spec, 0o644)
             devs = tuple(ClaimSource(x.requests, x.pool, x.device, x.share_id, (cdi.device_id(p.uid, x.device),))
                          for x in p.devices)
-            _atomic_json(d / CHECKPOINT, {"uid": p.uid, "claim": p.claim, "namespace": p.namespace, "name": p.name,
-                                          "devices": [{"requests": list(x.requests), "pool": x.pool,
-                                                       "device": x.device, "shareID": x.share_id,
-                                                       "cdi": list(x.cdi_ids)} for x in devs]}, 0o600)
+            _checkpoint(d, p, devs)
         except BaseException:
             self.remove(p.uid)
             raise
@@ -175,6 +207,15 @@ class ClaimFiles:
     def prepared_uids(self) -> list[str]:
         """The claim UIDs with files on the node."""
         return sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
+
+
+def _checkpoint(d: Path, p: PreparedClaim, devs: tuple[ClaimSource, ...], mig: bool = False) -> None:
+    """Write the claim's checkpoint (mode 0600: the agent's own record, trusted by its loops)."""
+    _atomic_json(d / CHECKPOINT, {"uid": p.uid, "claim": p.claim, "namespace": p.namespace, "name": p.name,
+                                  "mig": mig,
+                                  "devices": [{"requests": list(x.requests), "pool": x.pool,
+                                               "device": x.device, "shareID": x.share_id,
+                                               "cdi": list(x.cdi_ids)} for x in devs]}, 0o600)
 
 
 def _atomic_json(path: Path, obj: Any, mode: int) -> None:

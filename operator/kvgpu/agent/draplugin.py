@@ -14,7 +14,8 @@ Two gRPC servers on Unix sockets:
   claim file, the claim's region directory, a checkpoint, and a CDI spec (:mod:`kvgpu.dra.cdi`)
   giving the container what the device plugin's ``Allocate`` gives (card and control nodes,
   driver folder, the shim, ``/etc/ld.so.preload``, the claim file on ``/etc/kvgpu/claim``
-  read-only, the region read-write, the schedule read-only, an MPS client's pipe folder).
+  read-only, the region read-write, the schedule read-only, an MPS client's pipe folder); a claim
+  of MIG devices gets each instance's nodes, the control nodes and the driver, and no shim.
   ``NodeUnprepareResources`` removes them. Both are idempotent and answer per claim: a bad
   claim gets its own error, the others are prepared.
 

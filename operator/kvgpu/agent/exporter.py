@@ -112,7 +112,7 @@ class UsageCollector(Collector):
         self.read_errors = 0
 
     def region_dir(self, c: BoundContainer) -> Path:
-        return self.region_root / c.pod_uid / c.container
+        return Path(c.region_dir) if c.region_dir else self.region_root / c.pod_uid / c.container
 
     def collect(self) -> Iterator[Any]:
         inv = self.inventory()

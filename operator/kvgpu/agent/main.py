@@ -6,9 +6,10 @@
 → then, concurrently: inventory registration, health monitoring, the pod cache, the kubelet
 device plugin (and the MIG profiles' plugins, :mod:`kvgpu.agent.migplugin`), the metrics server,
 the region GC and the compute schedule writer
-(:mod:`kvgpu.agent.schedule`, with the device plugin only). A health change re-publishes the
-inventory at once, updates the device plugin's list (the kubelet sees the replicas unhealthy) and
-records a Node Event.
+(:mod:`kvgpu.agent.schedule`, with the device plugin only). The prepared DRA claims
+(:mod:`kvgpu.agent.draregions`) are tenants of the schedule, the exporter and the OOM reporter.
+A health change re-publishes the inventory at once, updates the device plugin's list (the
+kubelet sees the replicas unhealthy) and records a Node Event.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .draclaimfiles import REGION_DIR
 from .dradriver import start_dra_driver
 from .draplugin import DraConfig, DraPlugin
 from .drapublish import SlicePublisher
+from .draregions import DraTenants
 from .enforcement import (
     EnforcementMonitor,
     ProcessUtilization,
@@ -168,6 +170,8 @@ class Agent:
         self.dra: DraPlugin | None = None
         self.slices: SlicePublisher | None = None
         self.slot_resolver: SlotResolver | None = None
+        # the prepared DRA claims: tenants of the schedule, the exporter and the OOM reporter
+        self.dra_tenants = DraTenants(lambda: self.dra.files if self.dra else None, self.pods.all_pods)
 
     def inventory(self) -> NodeInventory | None:
         return self.registrar.inventory
@@ -255,7 +259,7 @@ class Agent:
 
     async def _oom_event(self, c: BoundContainer, message: str) -> None:
         pod_event = getattr(self.api, "pod_event", None)
-        if pod_event is not None:
+        if pod_event is not None and c.pod:  # a DRA claim no pod consumes has nobody to tell
             await pod_event(c.namespace, c.pod, c.pod_uid, OOM_REASON, message, "Warning")
 
     def _card_index(self, uuid: str) -> int | None:
@@ -264,12 +268,17 @@ class Agent:
 
     def _make_oom_reporter(self) -> OomReporter:
         return OomReporter(
-            self.pods.containers,
+            self._claimed_containers,
             self._read_region,
             on_kill=self._oom_event,
             card_index=self._card_index,
             interval_s=self.cfg.oom_report_s,
+            read_dir=self.reader,
         )
+
+    def _claimed_containers(self) -> list[BoundContainer]:
+        """The device plugin's containers and the prepared DRA claims' entries (exporter, OOM)."""
+        return self.pods.containers() + self.dra_tenants.containers()
 
     async def _oom_reports(self) -> None:
         await self.pods.synced.wait()  # the first round must see every container (restart rule)
@@ -281,7 +290,7 @@ class Agent:
 
         return Scheduler(
             Path(self.cfg.sched_dir),
-            lambda: sources_of(self.pods.containers(), self.cfg.region_root),
+            lambda: sources_of(self.pods.containers(), self.cfg.region_root) + self.dra_tenants.sources(),
             lambda: [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())],
         )
 
@@ -448,7 +457,7 @@ class Agent:
             if self.cfg.metrics_port:
                 collector = UsageCollector(
                     self.cfg.node,
-                    self.pods.containers,
+                    self._claimed_containers,
                     self.inventory,
                     reader=self.reader,
                     region_root=self.cfg.region_root,

@@ -13,7 +13,8 @@ it reads as already reported (the kills before it started were the previous agen
 happened while none ran: the counter still has them). A container that the first round listed but
 could not read keeps that rule until a read succeeds; one whose region did not exist yet, or that
 appeared later, has all its kills reported. A re-initialised region (another ``generation``)
-counts from 0 again.
+counts from 0 again. A DRA claim's region is shared by its consuming pods: one that appears later
+starts from the count last seen in that region, so it is told only of kills after it came.
 
 Not done here: a node-side backstop that kills processes the shim cannot reach (see docs/agent.md).
 """
@@ -24,6 +25,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .usage import BoundContainer, DeviceUsage, OomKills
 
@@ -38,13 +40,17 @@ def kill_message(c: BoundContainer, oom: OomKills, new: int, card: str) -> str:
     """The Event's text for ``new`` kills of which ``oom`` describes the last (``card``: the
     card's index on the node, or its UUID when the index is unknown)."""
     who = f"process {oom.last_pid}" if new == 1 else f"{new} processes (the last: {oom.last_pid})"
+    if c.region_dir:  # a DRA claim: one region (and one OOM count) for all its containers
+        subject = f"ResourceClaim {c.claim} (container(s) {c.container or '-'})"
+    else:
+        subject = f"container {c.container}"
     lim = f"{oom.last_limit_mib:.0f} MiB limit"
     if oom.last_used_mib > 0:
         over = f"card {card} used {oom.last_used_mib:.0f} MiB over its {lim}"
     else:  # a shim that does not record the container's charge
         over = f"card {card} went over its {lim}"
     held = f" (the process held {oom.last_process_mib:.0f} MiB)" if oom.last_process_mib > 0 else ""
-    return f"container {c.container}: {who} ended by kvgpu's OOM killer: {over}{held}"
+    return f"{subject}: {who} ended by kvgpu's OOM killer: {over}{held}"
 
 
 @dataclass
@@ -53,26 +59,33 @@ class OomReporter:
 
     ``containers()`` lists the claimed containers of the node; ``read_region(pod_uid, container)``
     their region rows (:class:`~kvgpu.agent.usage.RegionRows` with ``oom``; ``None``: no region);
-    ``card_index(uuid)`` the card's index on the node, if known.
+    ``card_index(uuid)`` the card's index on the node, if known; ``read_dir(path)`` reads the
+    region of an entry with a ``region_dir`` (a DRA claim's; such entries are skipped without it).
     """
 
     containers: Callable[[], Sequence[BoundContainer]]
     read_region: Callable[[str, str], Sequence[DeviceUsage] | None]
     on_kill: OomEvent | None = None
     card_index: Callable[[str], int | None] = lambda uuid: None
+    read_dir: Callable[[Path], Sequence[DeviceUsage] | None] | None = None
     interval_s: float = 5.0
     reported: int = 0  # kills reported by this agent
-    #: (pod uid, container) -> (region generation, kills seen); generation -1: no region yet
-    _seen: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    #: (pod uid, container, region dir) -> (region generation, kills seen); generation -1: no region yet
+    _seen: dict[tuple[str, str, str], tuple[int, int]] = field(default_factory=dict)
     #: listed in the first round but not read yet: their first count is taken as seen
-    _baseline: set[tuple[str, str]] = field(default_factory=set)
+    _baseline: set[tuple[str, str, str]] = field(default_factory=set)
     _started: bool = False
 
     def _read(self, containers: Sequence[BoundContainer]) -> list[tuple[BoundContainer, object]]:
         out: list[tuple[BoundContainer, object]] = []
         for c in containers:
+            if c.region_dir and self.read_dir is None:
+                continue
             try:
-                rows = self.read_region(c.pod_uid, c.container)
+                if c.region_dir and self.read_dir is not None:
+                    rows = self.read_dir(Path(c.region_dir))
+                else:
+                    rows = self.read_region(c.pod_uid, c.container)
             except Exception as e:  # a corrupt or racing region: next round
                 log.debug("region of %s/%s/%s unreadable: %s", c.namespace, c.pod, c.container, e)
                 out.append((c, e))
@@ -85,12 +98,13 @@ class OomReporter:
         containers = list(self.containers())
         reads = await asyncio.to_thread(self._read, containers)
         first, self._started = not self._started, True
-        live = {(c.pod_uid, c.container) for c in containers}
+        live = {_key(c) for c in containers}
+        claims = {k[2]: v for k, v in self._seen.items() if k[2] and v[0] >= 0}  # a DRA region's last look
         self._seen = {k: v for k, v in self._seen.items() if k in live}
         self._baseline &= live
         found: list[tuple[BoundContainer, str]] = []
         for c, rows in reads:
-            key = (c.pod_uid, c.container)
+            key = _key(c)
             if isinstance(rows, Exception):
                 if first:
                     self._baseline.add(key)
@@ -102,7 +116,8 @@ class OomReporter:
             oom: OomKills | None = getattr(rows, "oom", None)
             if oom is None:
                 continue
-            prev = self._seen.get(key)
+            # a pod that starts consuming a DRA claim later: kills before it came were reported
+            prev = self._seen.get(key) or claims.get(c.region_dir)
             self._seen[key] = (oom.generation, oom.count)
             if prev is None and (first or key in self._baseline):
                 self._baseline.discard(key)
@@ -133,3 +148,7 @@ class OomReporter:
             except Exception:
                 log.exception("OOM-kill check failed")
             await asyncio.sleep(self.interval_s)
+
+
+def _key(c: BoundContainer) -> tuple[str, str, str]:
+    return c.pod_uid, c.container, c.region_dir

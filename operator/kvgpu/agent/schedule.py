@@ -258,7 +258,9 @@ class Scheduler:
     def tick(self) -> dict[str, list[Window]]:
         """One pass: read, lay out, write the files whose content changed. Returns the layouts."""
         srcs = list(self.sources())
-        activity = {s.key: self.read(s.region_file) for s in srcs}
+        activity: dict[str, dict[str, Activity]] = {}
+        for s in srcs:  # one key on several cards (a VGPUClaim and a ResourceClaim of one name): merged
+            activity.setdefault(s.key, {}).update(self.read(s.region_file))
         layouts, self._first_seen = plan(srcs, activity, self._first_seen, self.clock(), self._passes == 0)
         self._passes += 1
         for uuid in set(self.cards()) | set(layouts) | set(self._written):

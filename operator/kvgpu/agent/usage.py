@@ -44,6 +44,9 @@ class BoundContainer:
     started: bool = False  # the container has been created by the kubelet
     container_id: str = ""  # runtime ID without the "<runtime>://" prefix, "" before creation
     index: int = 0  # position in the pod: init containers first, then app containers (HAMi's)
+    #: the host directory of its region where it is not ``<region root>/<pod UID>/<container>``:
+    #: a prepared DRA claim's, shared by every container of the claim (:mod:`kvgpu.agent.draregions`)
+    region_dir: str = ""
 
 
 def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:

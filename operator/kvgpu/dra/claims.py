@@ -20,6 +20,12 @@ for each of its devices (``mode=mps`` when its card is an ``mps`` card: then exa
 device). Every container that references the claim gets the same string and the same region:
 they share its quota. Every refusal is a :class:`DraClaimError` naming the claim and what is
 wrong.
+
+A result naming a MIG device (``gpu-<index>-mig-<gi>-<ci>``, :mod:`kvgpu.dra.mig`) of a card in a
+``dra`` pool is a :class:`PreparedMig`: its container edits (:func:`~kvgpu.dra.mig.mig_container_edits`),
+no claim string (the hardware isolates the instance: no shim, no region). A claim is all MIG
+devices or all shared-card slices: one mixing both is refused (its containers would run the shim
+on the slices and have the MIG instances unlimited beside them, with one ``NVIDIA_VISIBLE_DEVICES``).
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from typing import Any
 
 from kvgpu.api.values import RequestError, parse_memory_mib
 from kvgpu.core import claimstr
-from kvgpu.core.inventory import Card
+from kvgpu.core.inventory import Card, NodeInventory
 
+from .mig import ContainerEdits, MigCapsUnknown, find_mig_device, mig_container_edits
 from .slices import CAPACITY_CORES, CAPACITY_MEMORY, DRIVER, device_name
 
 CONFIG_API_VERSION = "gpu.kvgpu.io/v1alpha1"
@@ -58,14 +65,29 @@ class PreparedDevice:
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedMig:
+    """One allocated MIG device of a claim: the kubelet's ``Device`` answer, the parent card, the
+    instance's UUID and what its container gets (device nodes under ``/dev``, env)."""
+
+    requests: tuple[str, ...]
+    pool: str
+    device: str
+    card: Card
+    uuid: str
+    edits: ContainerEdits
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedClaim:
-    """A claim ready for the node: its devices and the claim string of the shim."""
+    """A claim ready for the node: its shared-card devices and the claim string of the shim, or
+    (``mig``) its MIG devices and no claim string (``""``)."""
 
     namespace: str
     name: str
     uid: str
     devices: tuple[PreparedDevice, ...]
     claim: str
+    mig: tuple[PreparedMig, ...] = ()
 
 
 def _who(claim: Mapping[str, Any]) -> str:
@@ -145,27 +167,60 @@ def node_results(claim: Mapping[str, Any], node: str) -> list[Mapping[str, Any]]
     return results
 
 
+def _dra_card(card: Card | None, r: Mapping[str, Any], who: str, node: str) -> Card:
+    """``card`` when it is a healthy card of a ``dra`` pool; else :class:`DraClaimError`."""
+    if card is None or card.slicing is None or card.slicing.allocation != "dra":
+        raise DraClaimError(f"{who}: device {r.get('device')!r} is not a {DRIVER} device of node {node}")
+    if not card.healthy:
+        raise DraClaimError(f"{who}: device {r.get('device')} (card {card.uuid}) is unhealthy: {card.reason}")
+    return card
+
+
+def _mig(r: Mapping[str, Any], node: str, cards: Sequence[Card], who: str) -> PreparedMig | None:
+    """The MIG device ``r`` names, or ``None`` when it names none. Raises :class:`DraClaimError`
+    (its card not a healthy ``dra`` card in MIG mode, adminAccess, the instance's caps unknown)."""
+    found = find_mig_device(NodeInventory(node, tuple(cards)), str(r.get("device")))
+    if found is None:
+        return None
+    card, inst = found
+    card = _dra_card(card if card.mig_mode else None, r, who, node)
+    if r.get("adminAccess"):
+        raise DraClaimError(f"{who}: device {r.get('device')}: adminAccess results are not served")
+    try:
+        edits = mig_container_edits(card, inst)
+    except MigCapsUnknown as e:
+        raise DraClaimError(f"{who}: {e}") from None
+    return PreparedMig((str(r.get("request", "")),), node, str(r["device"]), card, inst.uuid, edits)
+
+
 def prepare_claim(claim: Mapping[str, Any], uid: str, node: str, cards: Sequence[Card]) -> PreparedClaim:
     """``claim`` (the API object) as this node prepares it, over the node's ``cards`` (with their
-    slicing and health). ``uid``: the UID the kubelet asks for (a claim re-created under the same
-    name is refused). Raises :class:`DraClaimError`: UID mismatch, not allocated, devices of
-    another node, a device not in the node's slice (unknown, not a ``dra`` card), an unhealthy
-    card, bad consumed capacity, a malformed config, an mps card shared with another device."""
+    slicing, MIG instances and health). ``uid``: the UID the kubelet asks for (a claim re-created
+    under the same name is refused). Raises :class:`DraClaimError`: UID mismatch, not allocated,
+    devices of another node, a device not in the node's slice (unknown, not a ``dra`` card), an
+    unhealthy card, bad consumed capacity, a malformed config, an mps card shared with another
+    device, a MIG instance whose caps are unknown, MIG devices mixed with shared-card slices."""
     m = claim.get("metadata") or {}
     who = _who(claim)
     if m.get("uid") != uid:
         raise DraClaimError(f"{who} has UID {m.get('uid')!r}, the kubelet asked for {uid!r}")
     by_name = {device_name(c): c for c in cards}
-    devices = []
+    devices, migs = [], []
     for r in node_results(claim, node):
-        card = by_name.get(str(r.get("device")))
-        if card is None or card.slicing is None or card.slicing.allocation != "dra":
-            raise DraClaimError(f"{who}: device {r.get('device')!r} is not a {DRIVER} device of node {node}")
-        if not card.healthy:
-            raise DraClaimError(f"{who}: device {r.get('device')} (card {card.uuid}) is unhealthy: {card.reason}")
+        if str(r.get("device")) not in by_name and (mig := _mig(r, node, cards, who)) is not None:
+            migs.append(mig)
+            continue
+        card = _dra_card(by_name.get(str(r.get("device"))), r, who, node)
         mem, cores = _amounts(r, card, who)
         devices.append(PreparedDevice((str(r.get("request", "")),), node, str(r["device"]),
                                       r.get("shareID"), card, min(mem, card.memory_mib), cores))
+    if migs and devices:
+        raise DraClaimError(f"{who}: MIG devices {[x.device for x in migs]} and shared-card slices "
+                            f"{[x.device for x in devices]} in one claim: request them in separate claims")
+    if migs:
+        if len({x.uuid for x in migs}) != len(migs):
+            raise DraClaimError(f"{who}: one MIG device allocated twice in one claim")
+        return PreparedClaim(str(m.get("namespace")), str(m.get("name")), uid, (), "", tuple(migs))
     uuids = [d.card.uuid for d in devices]
     if len(set(uuids)) != len(uuids):
         raise DraClaimError(f"{who}: one card allocated twice in one claim ({uuids})")
