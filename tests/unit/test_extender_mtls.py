@@ -215,3 +215,41 @@ def test_scheduler_configuration_carries_its_tls() -> None:
         extender_entry("https://op:8888/scheduler")  # https without a client certificate
     with pytest.raises(ValueError):
         extender_entry("http://op:8888/scheduler", tls=tls)
+
+
+def _handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> ssl.SSLObject:
+    """Run a TLS handshake between the two contexts in memory; returns the client's side."""
+    si, so, ci, co = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    srv, cli = server.wrap_bio(si, so, server_side=True), client.wrap_bio(ci, co)
+    for _ in range(10):
+        for side, out, into in ((cli, co, si), (srv, so, ci)):
+            try:
+                side.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            into.write(out.read())
+    try:
+        cli.read(1)  # takes the post-handshake messages (TLS 1.3 tickets), if any
+    except ssl.SSLWantReadError:
+        pass
+    return cli
+
+
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3])
+def test_extender_issues_no_session_tickets(pki: Path, version: ssl.TLSVersion) -> None:
+    """kube-scheduler never resumes: the server sends no ticket (a wasted third of its handshake
+    CPU), and still verifies the client certificate."""
+    from kvgpu.extender.tls import server_context
+
+    server = server_context(str(pki / "extender.crt"), str(pki / "extender.key"), str(pki / "extender-ca.crt"))
+    client = ssl.create_default_context(cafile=str(pki / "extender-ca.crt"))
+    client.check_hostname = False
+    client.minimum_version = client.maximum_version = version
+    client.load_cert_chain(pki / "extender-client.crt", pki / "extender-client.key")
+    cli = _handshake(server, client)
+    assert cli.version() == {ssl.TLSVersion.TLSv1_2: "TLSv1.2", ssl.TLSVersion.TLSv1_3: "TLSv1.3"}[version]
+    assert cli.session is not None and not cli.session.has_ticket
+    nocert = ssl.create_default_context(cafile=str(pki / "extender-ca.crt"))
+    nocert.check_hostname = False
+    with pytest.raises(ssl.SSLError, match="CERTIFICATE"):
+        _handshake(server, nocert)

@@ -57,6 +57,10 @@ def test_shrinking_a_pool_keeps_running_claims_and_names_the_overcommit() -> Non
     card = st.ledger.node_usage("n0").cards[0]
     assert (card.slots_used, card.slots_total, card.memory_used_mib, card.cores_used) == (3, 2, 6000, 60)
     assert poolstatus.excess(st.ledger.usage().values())["default"]
+    # the pool status reads the over-full cards from those nodes alone: the same answer
+    assert st.ledger.over_nodes() == ["n0"]
+    assert poolstatus.excess(st.ledger.usage(st.ledger.over_nodes()).values()) == poolstatus.excess(
+        st.ledger.usage().values())
     req = parse_pod(_pod("new", {"kvgpu.io/gpumem": "1000"}), st.default_pool_spec())
     assert req is not None
     feasible, reasons = st.ledger.filter(req)
@@ -68,6 +72,7 @@ def test_shrinking_a_pool_keeps_running_claims_and_names_the_overcommit() -> Non
     st.release_key("p0")
     _, reasons = st.ledger.filter(req)
     assert "Overcommitted" not in reasons["n0"] and "free slot" in reasons["n0"], reasons
+    assert st.ledger.over_nodes() == [] and poolstatus.excess(st.ledger.usage().values()) == {}
     st.release_key("p1")
     assert st.ledger.filter(req)[0] == ["n0"]
 

@@ -421,9 +421,18 @@ class Ledger:
             cores_total=sum(c.cores_total for c in u),
         )
 
-    def usage(self) -> dict[str, NodeUsage]:
-        """Every node's usage, by name (sorted)."""
-        return {name: self.node_usage(name) for name in self.nodes()}
+    def usage(self, names: Iterable[str] | None = None) -> dict[str, NodeUsage]:
+        """The usage of ``names`` (default: every node), by name, in the order given (sorted by
+        default). Raises ``KeyError`` for an unknown node."""
+        return {name: self.node_usage(name) for name in (self.nodes() if names is None else names)}
+
+    def over_nodes(self) -> list[str]:
+        """The nodes (sorted) with a usable card that holds more slots, memory or cores than it
+        has now (a pool shrunk under live claims): the only ones whose :meth:`usage` can show
+        an over-full card. O(cards), without building a :class:`NodeUsage` per node."""
+        return [name for name in self.nodes() if any(
+            c.unusable is None and (c.slots > c.slots_total or c.mem > c.mem_total or c.cores > c.cores_total)
+            for c in self._nodes[name].cards)]
 
     def pool_usage(self) -> dict[str, PoolUsage]:
         """Totals per pool over usable cards, by pool name (sorted)."""

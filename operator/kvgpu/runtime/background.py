@@ -137,7 +137,8 @@ class Background(RuntimeBase):
 
         usage = self.state.ledger.pool_usage()
         topo = self._pool_topology()
-        over = poolstatus.excess(self.state.ledger.usage().values())
+        # only the nodes with an over-full card: building every node's usage was O(cards) objects
+        over = poolstatus.excess(self.state.ledger.usage(self.state.ledger.over_nodes()).values())
         claims_per_pool: dict[str, int] = {}
         for alloc in self.state.ledger.reservations().values():
             for ca in alloc.containers:
