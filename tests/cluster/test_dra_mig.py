@@ -51,11 +51,13 @@ def _mig_inventory(node: str, sm_count: int | None = None) -> NodeInventory:
 
 @pytest.fixture
 def publish(gpu: GpuEnv) -> Iterator[Any]:
-    """Publishes a node's slices (and the DeviceClasses); removes them after the test."""
+    """Publishes a node's slices; removes them after the test. The DeviceClasses are the kvgpu
+    system's (KvgpuSystem.install_device_classes): they stay for the tests after this one."""
     published: list[dict[str, Any]] = []
 
     def _publish(inv: NodeInventory) -> list[dict[str, Any]]:
-        objs = device_classes() + resource_slices(inv)
+        gpu.cluster.kubectl("get", "deviceclass", *(dc["metadata"]["name"] for dc in device_classes()))
+        objs = resource_slices(inv)
         gpu.apply(*objs)
         published.extend(objs)
         return objs
