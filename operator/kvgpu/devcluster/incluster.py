@@ -369,13 +369,15 @@ def install_on_real_node(node: Any, values: InClusterValues | None = None, chart
     Raises :class:`InClusterError` (after uninstalling what was installed)."""
     cluster = node.cluster
     system = InstalledSystem(values or real_node_values(node), chart)
-    # The host-process operator's webhook configurations and claim policy (same names; it
+    # The host-process operator's webhook configurations and claim and pod policies (same names; it
     # applies them again when it starts) and the dev system's DeviceClass
     # (KvgpuSystem.install_device_classes) are not Helm's: Helm would refuse to adopt them.
     for kind, name in (("MutatingWebhookConfiguration", "kvgpu-mutate"),
                        ("ValidatingWebhookConfiguration", "kvgpu-validate"),
                        ("ValidatingAdmissionPolicy", "vgpuclaims.kvgpu.io"),
                        ("ValidatingAdmissionPolicyBinding", "vgpuclaims.kvgpu.io"),
+                       ("ValidatingAdmissionPolicy", "pods.kvgpu.io"),
+                       ("ValidatingAdmissionPolicyBinding", "pods.kvgpu.io"),
                        *(("DeviceClass", dc["metadata"]["name"]) for dc in device_classes())):
         cluster.kubectl("delete", kind, name, "--ignore-not-found", check=False)
     try:
