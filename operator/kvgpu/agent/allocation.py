@@ -158,10 +158,7 @@ def container_response(cfg: PluginConfig, admitted: Admitted | None, cards: Sequ
     resp.mounts.extend(shim_mounts(cfg, shim))
     if cfg.device_specs:
         resp.devices.extend(devicespecs.device_specs(cards, cfg.dev_root, cfg.host_dev_root))
-        driver = devicespecs.driver_mounts(cfg.driver_root)
-        resp.mounts.extend(driver)
-        if driver and cfg.ld_library_path:
-            resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
+        add_driver_mounts(cfg, resp)
     if cfg.stub_driver_env:
         resp.envs.update(stub_driver_env(cards))
     if admitted is not None and admitted.claim is not None:
@@ -169,3 +166,12 @@ def container_response(cfg: PluginConfig, admitted: Admitted | None, cards: Sequ
     if admitted is not None and admitted.claim is not None:
         resp.mounts.extend(usage_mounts(cfg, admitted, shim))
     return resp
+
+
+def add_driver_mounts(cfg: PluginConfig, resp: Any) -> None:
+    """Add the driver folder's mounts to an Allocate response (``pb2.ContainerAllocateResponse``)
+    and, when there are any and ``cfg.ld_library_path``, ``LD_LIBRARY_PATH`` for them."""
+    driver = devicespecs.driver_mounts(cfg.driver_root)
+    resp.mounts.extend(driver)
+    if driver and cfg.ld_library_path:
+        resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH

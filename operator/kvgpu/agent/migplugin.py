@@ -28,6 +28,7 @@ from kvgpu.core.inventory import Card, MigInstance, NodeInventory
 from kvgpu.dra.mig import MigCapsUnknown, mig_container_edits
 
 from . import devicespecs
+from .allocation import add_driver_mounts
 from .deviceplugin import HEALTHY, UNHEALTHY, DevicePlugin, device_list
 from .pluginconfig import PluginConfig, PluginError
 from .proto import pb2
@@ -90,10 +91,7 @@ def mig_container_response(cfg: PluginConfig, pairs: Iterable[tuple[Card, MigIns
     resp.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(uuids)
     if cfg.device_specs:
         resp.devices.extend(devicespecs.mig_device_specs(nodes, cfg.dev_root, cfg.host_dev_root))
-        driver = devicespecs.driver_mounts(cfg.driver_root)
-        resp.mounts.extend(driver)
-        if driver and cfg.ld_library_path:
-            resp.envs["LD_LIBRARY_PATH"] = devicespecs.LD_LIBRARY_PATH
+        add_driver_mounts(cfg, resp)
     return resp
 
 
