@@ -271,6 +271,10 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
  * lists others), a tenant that has used up its burst runs only inside its own window of the
  * period, so saturating co-tenants take turns and do not stretch each other's batches. */
 #define VGPU_BATCH_NS 5000000ull    /* a batch of launches is measured at least this often */
+#define VGPU_CAL_NS (500 * VGPU_MS)     /* busy calibration interval */
+#define VGPU_CAL_MIN_WORK_NS (20 * VGPU_MS) /* measured GPU time an interval needs to count */
+#define VGPU_CAL_MIN_PM 700u            /* the charge never falls below 70 % of the measured time */
+#define VGPU_CAL_MAX_PM 1500u           /* nor rises above 150 % of it */
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
 struct vgpu_batch {
     void *ev_open, *ev_close;   /* CUevent: recorded before its first and after its last launch */
@@ -327,6 +331,13 @@ struct vgpu_gate {
     void *track_stream;         /* the one stream a tracked batch launches on */
     uint32_t track_rng;         /* which batches are tracked (xorshift) */
     uint32_t gap_pm;            /* busy / span of tracked batches, per mille (EWMA); 0 = unknown */
+    /* Busy calibration (alone on the card): the card's own busy time (NVML's utilization
+     * samples) per measured GPU ns, per mille; every charge is scaled by it. 1000 = none. */
+    uint32_t cal_pm;
+    uint64_t cal_acc_ns;        /* measured GPU ns charged since cal_since_ns */
+    uint64_t cal_since_ns;      /* start of the calibration interval; 0 = not started */
+    unsigned long long cal_seen_us; /* NVML timestamp of the newest utilization sample read */
+    int cal_seen;               /* cal_pm holds a measured ratio (the next one is averaged in) */
 #ifdef VGPU_STATS
     /* a diagnostic build only (VGPU_CFLAGS=-DVGPU_STATS shim/build.py): per settle mode 0-4,
      * batches, their measured span, what they were charged, their provisional charge (ns) */
@@ -359,6 +370,13 @@ void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 /* Busy per mille published for the agent, from the measured GPU time since the last call. */
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
+/* One calibration step at `now`: the card was busy nvml_busy_ns of the nvml_span_ns its
+ * utilization samples cover; `alone`: this process is the card's only compute process (only
+ * then is the card's busy time its own). Moves cal_pm towards the card's busy rate over the
+ * measured one, within [VGPU_CAL_MIN_PM, VGPU_CAL_MAX_PM]; back to 1000 beside co-tenants or
+ * other processes. Pure. */
+void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t now, uint64_t nvml_busy_ns, uint64_t nvml_span_ns,
+                         int alone);
 /* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with
  * offset/len in per mille of the period and its entry count in *count (may be NULL); -1 if the file is missing, short, not a schedule of
  * this version, inconsistent (a window beyond the period), or does not list `key`. */
@@ -407,6 +425,7 @@ struct vgpu_drv {
     nvmlReturn_t (*nvml_device_uuid)(nvmlDevice_t, char *, unsigned);
     nvmlReturn_t (*nvml_handle_by_uuid)(const char *, nvmlDevice_t *);
     nvmlReturn_t (*nvml_running_procs)(nvmlDevice_t, unsigned *, nvmlProcessInfo_t *); /* _v3, else _v2 */
+    nvmlReturn_t (*nvml_samples)(nvmlDevice_t, int, unsigned long long, int *, unsigned *, nvmlSample_t *);
 };
 
 /* Process state. Thread safety: fields are set once by vgpu_init (a pthread_once) or by the
@@ -479,6 +498,11 @@ void vgpu_compute_gate(CUstream stream);
 void vgpu_compute_sync(CUstream stream, int whole_ctx); /* before an app's wait: close the batch */
 void vgpu_compute_synced(void);                         /* after it: settle what completed */
 uint64_t vgpu_nvml_process_used(int d, int *found); /* bytes NVML reports for this process */
+/* The card's busy time in NVML's utilization samples newer than *seen_us (each sample: the
+ * percent of its period a kernel ran) and the time they cover, in ns; *alone: this process is
+ * the card's only compute process. 1 when samples were read; the first call (*seen_us 0) only
+ * finds the newest sample. *seen_us moves to the newest one read. */
+int vgpu_nvml_card_busy(int d, unsigned long long *seen_us, uint64_t *busy_ns, uint64_t *span_ns, int *alone);
 void vgpu_ensure_slot(void);             /* take this process's region slot if not yet */
 
 /* Decimal parsing without libc: glibc >= 2.38 headers turn strtol/strtoull/atoi into calls of

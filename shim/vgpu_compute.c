@@ -50,14 +50,17 @@ void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns)
     g->active = cores > 0 && cores < 100;
     g->share_ns = g->period_ns * (uint64_t)(cores > 0 && cores < 100 ? cores : 100) / 100;
     g->batch_ns = VGPU_BATCH_NS;
+    g->cal_pm = 1000;
     g->vt = &g->local_vt;
     vgpu_gate_set_window(g, 0, g->share_ns, 0);
 }
 
 static uint64_t vt_of(const struct vgpu_gate *g, uint64_t gpu_ns)
 {
-    /* GPU ns at the share's rate: len per period earns len of GPU time. */
-    return g->len_ns ? (uint64_t)((unsigned __int128)gpu_ns * g->period_ns / g->len_ns) : gpu_ns * 1000;
+    /* GPU ns at the share's rate: len per period earns len of GPU time; measured GPU time
+     * counts as the card's busy time it stands for (calibration, 1000 = as measured). */
+    unsigned __int128 busy = (unsigned __int128)gpu_ns * (g->cal_pm ? g->cal_pm : 1000) / 1000;
+    return g->len_ns ? (uint64_t)(busy * g->period_ns / g->len_ns) : (uint64_t)busy * 1000;
 }
 
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants)
@@ -242,6 +245,7 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         VGPU_POKE(g->est_ns, g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample);
     }
     g->busy_acc_ns += span_ns;
+    g->cal_acc_ns += span_ns;
 #ifdef VGPU_STATS
     g->st_charged[st_mode] += span_ns;
 #endif
@@ -268,6 +272,33 @@ uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now)
     g->busy_acc_ns = 0;
     g->busy_since_ns = now;
     return g->busy_pm;
+}
+
+void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t now, uint64_t nvml_busy_ns, uint64_t nvml_span_ns,
+                         int alone)
+{
+    /* The limit is a share of the card's busy time as the driver counts it (NVML utilization:
+     * the time a kernel ran). Event pairs count the GPU's short idle gaps between back-to-back
+     * kernels as busy (a few us each: over 10 % of a span of 25 us kernels), so a tenant alone
+     * on the card is charged, from its measured GPU time, the card's busy time that time stood
+     * for: the ratio of the two rates over the same interval. Only alone: beside co-tenants or
+     * other processes the card's busy time is not its own. */
+    uint64_t since = g->cal_since_ns, acc = g->cal_acc_ns;
+    g->cal_since_ns = now;
+    g->cal_acc_ns = 0;
+    if (!alone || g->cotenants || g->measure_only) {
+        g->cal_pm = 1000;
+        g->cal_seen = 0;
+    } else if (since && now > since && acc >= VGPU_CAL_MIN_WORK_NS && nvml_span_ns) {
+        /* (busy / span) / (acc / (now - since)), per mille */
+        unsigned __int128 num = (unsigned __int128)nvml_busy_ns * (now - since) * 1000;
+        unsigned __int128 den = (unsigned __int128)nvml_span_ns * acc;
+        uint64_t pm = (uint64_t)(num / den);
+        pm = pm < VGPU_CAL_MIN_PM ? VGPU_CAL_MIN_PM : pm > VGPU_CAL_MAX_PM ? VGPU_CAL_MAX_PM : pm;
+        g->cal_pm = g->cal_seen ? (uint32_t)((g->cal_pm + pm) / 2) : (uint32_t)pm;
+        g->cal_seen = 1;
+    }
+    atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }
 
 void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,

@@ -41,6 +41,17 @@ void vgpu_compute_setup(int d, CUdevice dev)
         g->batch_ns = margin;
 }
 
+/* Every 500 ms on the slow path: the card's busy time from NVML against the measured GPU time
+ * (vgpu_gate_calibrate; only a process alone on the card is calibrated). */
+static void calibrate(int d, struct vgpu_gate *g, uint64_t now)
+{
+    uint64_t busy = 0, span = 0;
+    int alone = 0;
+    if (!vgpu_nvml_card_busy(d, &g->cal_seen_us, &busy, &span, &alone))
+        span = 0;
+    vgpu_gate_calibrate(g, now, busy, span, alone);
+}
+
 /* Every 250 ms on the slow path: stamp the container's activity and busy share in its own
  * region (the agent reads them) and read the window the agent laid out for this card. A
  * missing, short or garbage schedule, or one that does not list us yet: our own share at
@@ -58,6 +69,8 @@ static void refresh_schedule(int d, uint64_t now)
     atomic_store_explicit(&rd->sched_heartbeat_ns, now, memory_order_relaxed);
     if (!g->last_sched_ns || now - g->last_sched_ns >= VGPU_SCHED_REFRESH_NS)
         atomic_store_explicit(&rd->sched_busy_pm, vgpu_gate_busy(g, now), memory_order_relaxed);
+    if (!g->measure_only && (!g->cal_since_ns || now - g->cal_since_ns >= VGPU_CAL_NS))
+        calibrate(d, g, now);
     if (g->measure_only) {
         g->last_sched_ns = now;
         return;

@@ -98,6 +98,15 @@ static nvmlDevice_t handle_of(int d)
     return h;
 }
 
+/* This process's PID as NVML lists it: the slot's host_pid when the node agent filled it, else
+ * getpid() (same PID namespace). */
+static unsigned own_pid(void)
+{
+    int slot = vgpu.region.slot;
+    return slot >= 0 && vgpu.region.r->slot[slot].host_pid ? (unsigned)vgpu.region.r->slot[slot].host_pid
+                                                            : (unsigned)getpid();
+}
+
 uint64_t vgpu_nvml_process_used(int d, int *found)
 {
     *found = 0;
@@ -111,15 +120,64 @@ uint64_t vgpu_nvml_process_used(int d, int *found)
     unsigned n = 128;
     if (procs(h, &n, info) != NVML_SUCCESS)
         return 0;
-    int slot = vgpu.region.slot;
-    unsigned pid = slot >= 0 && vgpu.region.r->slot[slot].host_pid ? (unsigned)vgpu.region.r->slot[slot].host_pid
-                                                                   : (unsigned)getpid();
+    unsigned pid = own_pid();
     for (unsigned i = 0; i < n && i < 128; i++)
         if (info[i].pid == pid && info[i].usedGpuMemory != ~0ull) {
             *found = 1;
             return info[i].usedGpuMemory;
         }
     return 0;
+}
+
+static double sample_value(int type, nvmlValue_t v)
+{
+    switch (type) {
+    case 0: return v.dVal;
+    case 1: return v.uiVal;
+    case 2: return (double)v.ulVal;
+    default: return (double)v.ullVal;
+    }
+}
+
+int vgpu_nvml_card_busy(int d, unsigned long long *seen_us, uint64_t *busy_ns, uint64_t *span_ns, int *alone)
+{
+    *busy_ns = *span_ns = 0;
+    *alone = 0;
+    nvmlDevice_t h = handle_of(d);
+    const struct vgpu_drv *drv = vgpu_nvml_drv();
+    if (!h || !drv->nvml_samples || !drv->nvml_running_procs)
+        return 0;
+    nvmlProcessInfo_t info[8];
+    unsigned n = 8;
+    *alone = drv->nvml_running_procs(h, &n, info) == NVML_SUCCESS && n == 1 && info[0].pid == own_pid();
+    nvmlSample_t smp[128];
+    unsigned cnt = 128;
+    int type = 1;
+    unsigned long long prev = *seen_us;
+    if (drv->nvml_samples(h, NVML_GPU_UTILIZATION_SAMPLES, prev, &type, &cnt, smp) != NVML_SUCCESS)
+        return 0;
+    if (cnt > 128)
+        cnt = 128;
+    for (unsigned i = 1; i < cnt; i++) /* oldest first (insertion sort: a few samples) */
+        for (unsigned j = i; j > 0 && smp[j - 1].timeStamp > smp[j].timeStamp; j--) {
+            nvmlSample_t t = smp[j];
+            smp[j] = smp[j - 1], smp[j - 1] = t;
+        }
+    for (unsigned i = 0; i < cnt; i++) {
+        unsigned long long ts = smp[i].timeStamp;
+        if (ts <= prev)
+            continue;
+        double pct = sample_value(type, smp[i].sampleValue);
+        if (*seen_us) { /* the first read only finds where the samples are */
+            uint64_t el = (uint64_t)(ts - prev) * 1000;
+            *span_ns += el;
+            *busy_ns += (uint64_t)((pct < 0 ? 0 : pct > 100 ? 100 : pct) * (double)el / 100.0);
+        }
+        prev = ts;
+    }
+    int first = !*seen_us;
+    *seen_us = prev;
+    return !first && *span_ns > 0;
 }
 
 /* 1 when this thread may act on a rate-limited timer `*last` (now - last >= gap, or never set):

@@ -183,6 +183,7 @@ static void bind_nvml(void)
     SYM(lib, nvml_handle_by_uuid, "nvmlDeviceGetHandleByUUID");
     if (!SYM(lib, nvml_running_procs, "nvmlDeviceGetComputeRunningProcesses_v3"))
         SYM(lib, nvml_running_procs, "nvmlDeviceGetComputeRunningProcesses_v2");
+    SYM(lib, nvml_samples, "nvmlDeviceGetSamples");
     vgpu.libnvml = lib;
     for (int i = 0; i < N_COUNT; i++)
         __atomic_store_n(&vgpu_nvml_hooks[i].real, vgpu_real_dlsym(lib, vgpu_nvml_hooks[i].name),

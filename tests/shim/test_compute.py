@@ -53,6 +53,46 @@ def test_gate_arithmetic(core) -> None:
     assert g2.est_ns == 100 * MS
 
 
+def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
+    """Alone on the card, measured GPU time is charged as the busy time NVML counted for it (event
+    pairs count the short gaps between kernels as busy): the ratio of the two rates over one
+    interval, bounded, averaged, and back to 1 beside co-tenants or other processes."""
+    lib = core.lib
+    g = gate(core, 30)
+    t = 1000 * 100 * MS
+    lib.vgpu_gate_decide(g, t)
+    lib.vgpu_gate_calibrate(g, t, 0, 0, 1)  # starts the interval; nothing to compare yet
+    assert g.cal_pm == 1000 and g.cal_since_ns == t
+    lib.vgpu_gate_settle(g, 10, 0, 100 * MS, 1)  # 100 ms measured in 500 ms: 20 %
+    # NVML: busy 80 ms of the 500 ms its samples cover (16 %): each measured ns is 0.8 busy ns
+    lib.vgpu_gate_calibrate(g, t + 500 * MS, 80 * MS, 500 * MS, 1)
+    assert g.cal_pm == 800 and g.cal_acc_ns == 0
+    assert g.vt_cost == 10 * MS * 800 // 1000 * 100 // 30  # est 10 ms per launch, at 0.8
+    vt = g.local_vt
+    lib.vgpu_gate_settle(g, 1, 0, 30 * MS, 1)
+    assert g.local_vt == vt + 30 * MS * 800 // 1000 * 100 // 30
+    # a ratio far below is bounded (70 %), and averaged with the last one
+    lib.vgpu_gate_calibrate(g, t + MS * 1000, 3 * MS, 500 * MS, 1)
+    assert g.cal_pm == (800 + 700) // 2
+    # too little work in an interval: no new ratio (the interval restarts)
+    lib.vgpu_gate_settle(g, 1, 0, 5 * MS, 1)
+    lib.vgpu_gate_calibrate(g, t + MS * 1500, 1 * MS, 500 * MS, 1)
+    assert g.cal_pm == 750 and g.cal_since_ns == t + MS * 1500
+    # another process on the card: its busy time is not ours, charges as measured
+    lib.vgpu_gate_settle(g, 1, 0, 100 * MS, 1)
+    lib.vgpu_gate_calibrate(g, t + MS * 2000, 100 * MS, 500 * MS, 0)
+    assert g.cal_pm == 1000
+    # NVML counts more than was measured (work the events missed): charged more, up to 150 %
+    lib.vgpu_gate_settle(g, 1, 0, 100 * MS, 1)
+    lib.vgpu_gate_calibrate(g, t + MS * 2500, 400 * MS, 500 * MS, 1)
+    assert g.cal_pm == 1500
+    # co-tenants: the card's time is shared, no calibration
+    lib.vgpu_gate_set_window(g, 0, 30 * MS, 1)
+    lib.vgpu_gate_settle(g, 1, 0, 100 * MS, 1)
+    lib.vgpu_gate_calibrate(g, t + MS * 3000, 50 * MS, 500 * MS, 1)
+    assert g.cal_pm == 1000
+
+
 def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
     """Review findings on the gap ratio and the bracketed kernel: a tenant trained the gap ratio
     low with a launch-bound phase and then ran long kernels, one launch per batch, charged at

@@ -1,7 +1,11 @@
 /*
  * Stub libnvidia-ml.so.1: the same cards as libcuda_stub.c (shared state, stub_state.h).
  * Memory info v1/v2 and per-process usage read the processes' rows; NULL out-pointers return
- * NVML_ERROR_INVALID_ARGUMENT as the real library does.
+ * NVML_ERROR_INVALID_ARGUMENT as the real library does. Utilization samples
+ * (nvmlDeviceGetSamples, NVML_GPU_UTILIZATION_SAMPLES): one sample per call, the card's busy
+ * share since this process's previous call from every process's GPU time, times
+ * STUB_NVML_BUSY_PM / 1000 (default 1000: a card whose utilization counter counts exactly the
+ * kernels' time; less: one that does not count the short gaps between kernels).
  */
 #define _GNU_SOURCE
 #include <signal.h>
@@ -96,6 +100,30 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(void *h, unsigned *n, n
     int short_buf = k > *n;
     *n = k;
     return short_buf ? 7 : 0;
+}
+typedef struct { unsigned long long timeStamp; unsigned long long value; } nvmlSample_t;
+API nvmlReturn_t nvmlDeviceGetSamples(void *h, int type, unsigned long long last, int *vtype, unsigned *n,
+                                      nvmlSample_t *out)
+{
+    static uint64_t prev_t, prev_busy;
+    int d = idx(h);
+    if (!inited) return 1;
+    if (d < 0 || !n || !vtype || type != 1) return 2;
+    struct stub_state *s = stub_state();
+    uint64_t now = stub_now(), busy = 0;
+    for (int i = 0; i < STUB_MAXPROC; i++)
+        busy += atomic_load(&s->proc[i].busy_ns[d]);
+    uint64_t us = now / 1000;
+    if (us <= last) return 6; /* NVML_ERROR_NOT_FOUND: nothing newer */
+    if (!out || !*n) { *n = 1; return out ? 7 : 0; }
+    uint64_t el = prev_t && now > prev_t ? now - prev_t : 0;
+    uint64_t pct = el ? (busy - prev_busy) * (uint64_t)stub_env("STUB_NVML_BUSY_PM", 1000) / 10 / el : 0;
+    *vtype = 1; /* NVML_VALUE_TYPE_UNSIGNED_INT */
+    out[0].timeStamp = us;
+    out[0].value = pct > 100 ? 100 : pct;
+    *n = 1;
+    prev_t = now, prev_busy = busy;
+    return 0;
 }
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(void *h, unsigned *n, nvmlProcessInfo_t *out)
 {
