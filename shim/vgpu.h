@@ -337,7 +337,9 @@ struct vgpu_gate {
     uint64_t cal_acc_ns;        /* measured GPU ns charged since cal_since_ns */
     uint64_t cal_since_ns;      /* start of the calibration interval; 0 = not started */
     unsigned long long cal_seen_us; /* NVML timestamp of the newest utilization sample read */
-    int cal_seen;               /* cal_pm holds a measured ratio (the next one is averaged in) */
+    /* decayed sums (x 3/4 per interval, ~2 s) of the card's busy ns and the ns its samples
+     * cover, and of the measured GPU ns and the wall ns they were measured in */
+    uint64_t cal_card_busy, cal_card_span, cal_own_busy, cal_own_span;
 #ifdef VGPU_STATS
     /* a diagnostic build only (VGPU_CFLAGS=-DVGPU_STATS shim/build.py): per settle mode 0-4,
      * batches, their measured span, what they were charged, their provisional charge (ns) */
@@ -372,9 +374,10 @@ void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
 /* One calibration step at `now`: the card was busy nvml_busy_ns of the nvml_span_ns its
  * utilization samples cover; `alone`: this process is the card's only compute process (only
- * then is the card's busy time its own). Moves cal_pm towards the card's busy rate over the
- * measured one, within [VGPU_CAL_MIN_PM, VGPU_CAL_MAX_PM]; back to 1000 beside co-tenants or
- * other processes. Pure. */
+ * then is the card's busy time its own). An interval in which the tenant used at least half its
+ * share adds to decayed sums of both rates, and cal_pm becomes their ratio (the card's busy
+ * rate over the measured one) within [VGPU_CAL_MIN_PM, VGPU_CAL_MAX_PM]; beside co-tenants or
+ * other processes, 1000 and the sums start again. Pure. */
 void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t now, uint64_t nvml_busy_ns, uint64_t nvml_span_ns,
                          int alone);
 /* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with

@@ -281,22 +281,27 @@ void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t now, uint64_t nvml_busy_n
      * the time a kernel ran). Event pairs count the GPU's short idle gaps between back-to-back
      * kernels as busy (a few us each: over 10 % of a span of 25 us kernels), so a tenant alone
      * on the card is charged, from its measured GPU time, the card's busy time that time stood
-     * for: the ratio of the two rates over the same interval. Only alone: beside co-tenants or
-     * other processes the card's busy time is not its own. */
-    uint64_t since = g->cal_since_ns, acc = g->cal_acc_ns;
+     * for: the ratio of the two rates, summed over the last seconds (a ratio of sums: one short
+     * interval's noise moves it little). Only intervals where the tenant used at least half its
+     * share count (start-up and idle phases, whose spans hold long gaps, would pull it down
+     * just before the tenant saturates), and only alone: beside co-tenants or other processes
+     * the card's busy time is not its own. */
+    uint64_t since = g->cal_since_ns, acc = g->cal_acc_ns, el = now > since ? now - since : 0;
     g->cal_since_ns = now;
     g->cal_acc_ns = 0;
     if (!alone || g->cotenants || g->measure_only) {
         g->cal_pm = 1000;
-        g->cal_seen = 0;
-    } else if (since && now > since && acc >= VGPU_CAL_MIN_WORK_NS && nvml_span_ns) {
-        /* (busy / span) / (acc / (now - since)), per mille */
-        unsigned __int128 num = (unsigned __int128)nvml_busy_ns * (now - since) * 1000;
-        unsigned __int128 den = (unsigned __int128)nvml_span_ns * acc;
+        g->cal_card_busy = g->cal_card_span = g->cal_own_busy = g->cal_own_span = 0;
+    } else if (since && el && nvml_span_ns && acc >= VGPU_CAL_MIN_WORK_NS &&
+               (unsigned __int128)acc * 2 * g->period_ns >= (unsigned __int128)el * g->len_ns) {
+        g->cal_card_busy = g->cal_card_busy * 3 / 4 + nvml_busy_ns;
+        g->cal_card_span = g->cal_card_span * 3 / 4 + nvml_span_ns;
+        g->cal_own_busy = g->cal_own_busy * 3 / 4 + acc;
+        g->cal_own_span = g->cal_own_span * 3 / 4 + el;
+        unsigned __int128 num = (unsigned __int128)g->cal_card_busy * g->cal_own_span * 1000;
+        unsigned __int128 den = (unsigned __int128)g->cal_card_span * g->cal_own_busy;
         uint64_t pm = (uint64_t)(num / den);
-        pm = pm < VGPU_CAL_MIN_PM ? VGPU_CAL_MIN_PM : pm > VGPU_CAL_MAX_PM ? VGPU_CAL_MAX_PM : pm;
-        g->cal_pm = g->cal_seen ? (uint32_t)((g->cal_pm + pm) / 2) : (uint32_t)pm;
-        g->cal_seen = 1;
+        g->cal_pm = (uint32_t)(pm < VGPU_CAL_MIN_PM ? VGPU_CAL_MIN_PM : pm > VGPU_CAL_MAX_PM ? VGPU_CAL_MAX_PM : pm);
     }
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }

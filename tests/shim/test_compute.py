@@ -55,41 +55,48 @@ def test_gate_arithmetic(core) -> None:
 
 def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
     """Alone on the card, measured GPU time is charged as the busy time NVML counted for it (event
-    pairs count the short gaps between kernels as busy): the ratio of the two rates over one
-    interval, bounded, averaged, and back to 1 beside co-tenants or other processes."""
+    pairs count the short gaps between kernels as busy): the ratio of the two rates summed over
+    the last intervals, bounded; intervals under half the share do not count; back to 1 beside
+    co-tenants or other processes."""
     lib = core.lib
     g = gate(core, 30)
     t = 1000 * 100 * MS
+    half = 500 * MS
+
+    def interval(k: int, measured: int, nvml_busy: int, alone: int = 1) -> None:
+        lib.vgpu_gate_settle(g, 1, 0, measured, 1)
+        lib.vgpu_gate_calibrate(g, t + k * half, nvml_busy, half, alone)
+
     lib.vgpu_gate_decide(g, t)
     lib.vgpu_gate_calibrate(g, t, 0, 0, 1)  # starts the interval; nothing to compare yet
     assert g.cal_pm == 1000 and g.cal_since_ns == t
-    lib.vgpu_gate_settle(g, 10, 0, 100 * MS, 1)  # 100 ms measured in 500 ms: 20 %
-    # NVML: busy 80 ms of the 500 ms its samples cover (16 %): each measured ns is 0.8 busy ns
-    lib.vgpu_gate_calibrate(g, t + 500 * MS, 80 * MS, 500 * MS, 1)
+    interval(1, 150 * MS, 120 * MS)  # measured 30 % of the wall, NVML 24 %: 0.8 busy ns each
     assert g.cal_pm == 800 and g.cal_acc_ns == 0
-    assert g.vt_cost == 10 * MS * 800 // 1000 * 100 // 30  # est 10 ms per launch, at 0.8
+    assert g.vt_cost == 150 * MS * 800 // 1000 * 100 // 30  # the estimate (150 ms) at 0.8
     vt = g.local_vt
     lib.vgpu_gate_settle(g, 1, 0, 30 * MS, 1)
     assert g.local_vt == vt + 30 * MS * 800 // 1000 * 100 // 30
-    # a ratio far below is bounded (70 %), and averaged with the last one
-    lib.vgpu_gate_calibrate(g, t + MS * 1000, 3 * MS, 500 * MS, 1)
-    assert g.cal_pm == (800 + 700) // 2
-    # too little work in an interval: no new ratio (the interval restarts)
-    lib.vgpu_gate_settle(g, 1, 0, 5 * MS, 1)
-    lib.vgpu_gate_calibrate(g, t + MS * 1500, 1 * MS, 500 * MS, 1)
-    assert g.cal_pm == 750 and g.cal_since_ns == t + MS * 1500
+    # the next interval at 0.7 weighs in with the decayed sums (same spans): card busy
+    # 0.75 x 120 + 105 over measured 0.75 x 150 + 150 (the 30 ms settled above included)
+    interval(2, 120 * MS, 105 * MS)
+    assert g.cal_pm == (120 * MS * 3 // 4 + 105 * MS) * 1000 // (150 * MS * 3 // 4 + 150 * MS)
+    # an interval under half the share (start-up, idle) does not count
+    pm = g.cal_pm
+    interval(3, 60 * MS, 10 * MS)
+    assert g.cal_pm == pm and g.cal_since_ns == t + 3 * half
+    # far below: bounded at 70 %
+    for k in range(4, 12):
+        interval(k, 150 * MS, 30 * MS)
+    assert g.cal_pm == 700
     # another process on the card: its busy time is not ours, charges as measured
-    lib.vgpu_gate_settle(g, 1, 0, 100 * MS, 1)
-    lib.vgpu_gate_calibrate(g, t + MS * 2000, 100 * MS, 500 * MS, 0)
-    assert g.cal_pm == 1000
+    interval(12, 150 * MS, 120 * MS, alone=0)
+    assert g.cal_pm == 1000 and g.cal_own_busy == 0
     # NVML counts more than was measured (work the events missed): charged more, up to 150 %
-    lib.vgpu_gate_settle(g, 1, 0, 100 * MS, 1)
-    lib.vgpu_gate_calibrate(g, t + MS * 2500, 400 * MS, 500 * MS, 1)
+    interval(13, 150 * MS, 400 * MS)
     assert g.cal_pm == 1500
     # co-tenants: the card's time is shared, no calibration
     lib.vgpu_gate_set_window(g, 0, 30 * MS, 1)
-    lib.vgpu_gate_settle(g, 1, 0, 100 * MS, 1)
-    lib.vgpu_gate_calibrate(g, t + MS * 3000, 50 * MS, 500 * MS, 1)
+    interval(14, 150 * MS, 100 * MS)
     assert g.cal_pm == 1000
 
 
