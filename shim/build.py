@@ -236,7 +236,8 @@ struct vgpu_gate { int active; int measure_only; int cotenants; int bursting; ui
                    uint64_t batch_ns; uint64_t est_ns; uint64_t vt_cost; uint64_t local_vt;
                    uint64_t open_until; uint64_t batch_n; void *last_stream; uint32_t busy_pm;
                    uint64_t throttles; uint64_t kern_ns; uint64_t queued_ns; uint32_t gap_pm;
-                   uint32_t cal_pm; uint64_t cal_acc_ns; uint64_t cal_since_ns; uint64_t cal_own_busy; ...; };
+                   uint32_t cal_pm; uint64_t cal_last_ns; uint64_t cal_card_busy; uint64_t cal_own_busy;
+                   uint64_t cal_total_ns; ...; };
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
@@ -245,8 +246,9 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
-void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t now, uint64_t nvml_busy_ns, uint64_t nvml_span_ns,
-                         int alone);
+void vgpu_gate_cal_note(struct vgpu_gate *g, uint64_t now);
+uint64_t vgpu_gate_cal_own(const struct vgpu_gate *g, uint64_t t0, uint64_t t1);
+void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns, int alone);
 uint64_t vgpu_coarse_margin(void);
 void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,
                        int n, int self, uint32_t *offset_pm, uint32_t *len_pm);

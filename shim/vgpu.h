@@ -272,7 +272,9 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
  * period, so saturating co-tenants take turns and do not stretch each other's batches. */
 #define VGPU_BATCH_NS 5000000ull    /* a batch of launches is measured at least this often */
 #define VGPU_CAL_NS (500 * VGPU_MS)     /* busy calibration interval */
-#define VGPU_CAL_MIN_WORK_NS (20 * VGPU_MS) /* measured GPU time an interval needs to count */
+#define VGPU_CAL_POINT_NS (25 * VGPU_MS) /* measured-time series: a point at most this often */
+#define VGPU_CAL_POINTS 128             /* ... kept (at least 3.2 s) */
+#define VGPU_CAL_MIN_WORK_NS (20 * VGPU_MS) /* measured GPU time a span needs to count */
 #define VGPU_CAL_MIN_PM 700u            /* the charge never falls below 70 % of the measured time */
 #define VGPU_CAL_MAX_PM 1500u           /* nor rises above 150 % of it */
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
@@ -334,12 +336,16 @@ struct vgpu_gate {
     /* Busy calibration (alone on the card): the card's own busy time (NVML's utilization
      * samples) per measured GPU ns, per mille; every charge is scaled by it. 1000 = none. */
     uint32_t cal_pm;
-    uint64_t cal_acc_ns;        /* measured GPU ns charged since cal_since_ns */
-    uint64_t cal_since_ns;      /* start of the calibration interval; 0 = not started */
+    uint64_t cal_last_ns;       /* the last calibration step (gate clock); 0 = none yet */
     unsigned long long cal_seen_us; /* NVML timestamp of the newest utilization sample read */
-    /* decayed sums (x 3/4 per interval, ~2 s) of the card's busy ns and the ns its samples
-     * cover, and of the measured GPU ns and the wall ns they were measured in */
-    uint64_t cal_card_busy, cal_card_span, cal_own_busy, cal_own_span;
+    /* decayed sums (x 3/4 per step, ~2 s) of the card's busy ns and of the measured GPU ns in
+     * the same spans (the samples') */
+    uint64_t cal_card_busy, cal_own_busy;
+    /* the measured GPU ns settled so far, as a time series: a point at most every
+     * VGPU_CAL_POINT_NS, so the measured time in the samples' span can be read off */
+    uint64_t cal_total_ns;
+    uint64_t cal_pt_t[VGPU_CAL_POINTS], cal_pt_total[VGPU_CAL_POINTS];
+    unsigned cal_pt_head, cal_pt_len;
 #ifdef VGPU_STATS
     /* a diagnostic build only (VGPU_CFLAGS=-DVGPU_STATS shim/build.py): per settle mode 0-4,
      * batches, their measured span, what they were charged, their provisional charge (ns) */
@@ -372,20 +378,24 @@ void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 /* Busy per mille published for the agent, from the measured GPU time since the last call. */
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
-/* One calibration step at `now`: the card was busy nvml_busy_ns of the nvml_span_ns its
- * utilization samples cover; `alone`: this process is the card's only compute process (only
- * then is the card's busy time its own). An interval in which the tenant used at least half its
- * share adds to decayed sums of both rates, and cal_pm becomes their ratio (the card's busy
- * rate over the measured one) within [VGPU_CAL_MIN_PM, VGPU_CAL_MAX_PM]; beside co-tenants or
- * other processes, 1000 and the sums start again. Pure. */
-void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t now, uint64_t nvml_busy_ns, uint64_t nvml_span_ns,
-                         int alone);
+/* Record a point of the measured-time series at `now` (at most every VGPU_CAL_POINT_NS). */
+void vgpu_gate_cal_note(struct vgpu_gate *g, uint64_t now);
+/* The measured GPU ns settled in [t0, t1] (gate clock), read off the series by linear
+ * interpolation; -1 (all ones) when the series does not cover t0. Pure. */
+uint64_t vgpu_gate_cal_own(const struct vgpu_gate *g, uint64_t t0, uint64_t t1);
+/* One calibration step: the card was busy card_busy_ns in [t0, t1] (its utilization samples'
+ * span, in the gate's clock); `alone`: this process is the card's only compute process (only
+ * then is the card's busy time its own). A span in which the tenant used at least half its
+ * share adds the card's and its own measured busy time to decayed sums, and cal_pm becomes
+ * their ratio within [VGPU_CAL_MIN_PM, VGPU_CAL_MAX_PM]; beside co-tenants or other processes,
+ * 1000 and the sums start again. Pure. */
+void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns, int alone);
 /* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with
  * offset/len in per mille of the period and its entry count in *count (may be NULL); -1 if the file is missing, short, not a schedule of
  * this version, inconsistent (a window beyond the period), or does not list `key`. */
 int vgpu_sched_read(const char *dir, const char *uuid, const char *key, uint32_t *offset_pm,
                     uint32_t *len_pm, uint32_t *count);
-uint64_t vgpu_now_ns(void);
+uint64_t vgpu_now_ns(void);         /* CLOCK_MONOTONIC */
 uint64_t vgpu_coarse_ns(void);      /* CLOCK_MONOTONIC_COARSE */
 uint64_t vgpu_coarse_margin(void);  /* 2 x its resolution, ns */
 
@@ -501,11 +511,12 @@ void vgpu_compute_gate(CUstream stream);
 void vgpu_compute_sync(CUstream stream, int whole_ctx); /* before an app's wait: close the batch */
 void vgpu_compute_synced(void);                         /* after it: settle what completed */
 uint64_t vgpu_nvml_process_used(int d, int *found); /* bytes NVML reports for this process */
-/* The card's busy time in NVML's utilization samples newer than *seen_us (each sample: the
- * percent of its period a kernel ran) and the time they cover, in ns; *alone: this process is
- * the card's only compute process. 1 when samples were read; the first call (*seen_us 0) only
- * finds the newest sample. *seen_us moves to the newest one read. */
-int vgpu_nvml_card_busy(int d, unsigned long long *seen_us, uint64_t *busy_ns, uint64_t *span_ns, int *alone);
+/* The card's busy time in ns in NVML's utilization samples newer than *seen_us (each sample:
+ * the percent of its period a kernel ran) and the span they cover, [*from_us, *seen_us] (NVML's
+ * wall-clock microseconds); *alone: this process is the card's only compute process. 1 when
+ * samples were read; the first call (*seen_us 0) only finds the newest sample. */
+int vgpu_nvml_card_busy(int d, unsigned long long *seen_us, unsigned long long *from_us, uint64_t *busy_ns,
+                        int *alone);
 void vgpu_ensure_slot(void);             /* take this process's region slot if not yet */
 
 /* Decimal parsing without libc: glibc >= 2.38 headers turn strtol/strtoull/atoi into calls of

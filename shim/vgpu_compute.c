@@ -245,7 +245,7 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         VGPU_POKE(g->est_ns, g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample);
     }
     g->busy_acc_ns += span_ns;
-    g->cal_acc_ns += span_ns;
+    g->cal_total_ns += span_ns;
 #ifdef VGPU_STATS
     g->st_charged[st_mode] += span_ns;
 #endif
@@ -274,34 +274,70 @@ uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now)
     return g->busy_pm;
 }
 
-void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t now, uint64_t nvml_busy_ns, uint64_t nvml_span_ns,
-                         int alone)
+void vgpu_gate_cal_note(struct vgpu_gate *g, uint64_t now)
+{
+    if (g->cal_pt_len) {
+        unsigned last = (g->cal_pt_head + g->cal_pt_len - 1) % VGPU_CAL_POINTS;
+        if (now < g->cal_pt_t[last] + VGPU_CAL_POINT_NS)
+            return;
+    }
+    unsigned i = (g->cal_pt_head + g->cal_pt_len) % VGPU_CAL_POINTS;
+    if (g->cal_pt_len == VGPU_CAL_POINTS)
+        g->cal_pt_head = (g->cal_pt_head + 1) % VGPU_CAL_POINTS;
+    else
+        g->cal_pt_len++;
+    g->cal_pt_t[i] = now;
+    g->cal_pt_total[i] = g->cal_total_ns;
+}
+
+/* The measured total at t: interpolated between the points around it; the newest total after
+ * the last point. Requires t >= the oldest point. */
+static uint64_t cal_total_at(const struct vgpu_gate *g, uint64_t t)
+{
+    unsigned prev = g->cal_pt_head;
+    for (unsigned k = 1; k < g->cal_pt_len; k++) {
+        unsigned i = (g->cal_pt_head + k) % VGPU_CAL_POINTS;
+        if (g->cal_pt_t[i] >= t) {
+            uint64_t t0 = g->cal_pt_t[prev], v0 = g->cal_pt_total[prev], dt = g->cal_pt_t[i] - t0;
+            return dt ? v0 + (uint64_t)((unsigned __int128)(g->cal_pt_total[i] - v0) * (t - t0) / dt) : v0;
+        }
+        prev = i;
+    }
+    return g->cal_total_ns;
+}
+
+uint64_t vgpu_gate_cal_own(const struct vgpu_gate *g, uint64_t t0, uint64_t t1)
+{
+    if (!g->cal_pt_len || t0 < g->cal_pt_t[g->cal_pt_head] || t1 < t0)
+        return ~0ull;
+    return cal_total_at(g, t1) - cal_total_at(g, t0);
+}
+
+void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns, int alone)
 {
     /* The limit is a share of the card's busy time as the driver counts it (NVML utilization:
      * the time a kernel ran). Event pairs count the GPU's short idle gaps between back-to-back
      * kernels as busy (a few us each: over 10 % of a span of 25 us kernels), so a tenant alone
      * on the card is charged, from its measured GPU time, the card's busy time that time stood
-     * for: the ratio of the two rates, summed over the last seconds (a ratio of sums: one short
-     * interval's noise moves it little). Only intervals where the tenant used at least half its
-     * share count (start-up and idle phases, whose spans hold long gaps, would pull it down
-     * just before the tenant saturates), and only alone: beside co-tenants or other processes
-     * the card's busy time is not its own. */
-    uint64_t since = g->cal_since_ns, acc = g->cal_acc_ns, el = now > since ? now - since : 0;
-    g->cal_since_ns = now;
-    g->cal_acc_ns = 0;
+     * for. Both are taken over the same span (the samples', which lag the work by up to a
+     * sample period: a span of our own would see a rising tenant's work before the card's
+     * samples do), summed over the last seconds (a ratio of sums: one span's noise moves it
+     * little). Only spans where the tenant used at least half its share count (start-up and
+     * idle phases, whose event spans hold long gaps, would pull it down just before the tenant
+     * saturates), and only alone: beside co-tenants or other processes the card's busy time is
+     * not its own. */
     if (!alone || g->cotenants || g->measure_only) {
         g->cal_pm = 1000;
-        g->cal_card_busy = g->cal_card_span = g->cal_own_busy = g->cal_own_span = 0;
-    } else if (since && el && nvml_span_ns && acc >= VGPU_CAL_MIN_WORK_NS &&
-               (unsigned __int128)acc * 2 * g->period_ns >= (unsigned __int128)el * g->len_ns) {
-        g->cal_card_busy = g->cal_card_busy * 3 / 4 + nvml_busy_ns;
-        g->cal_card_span = g->cal_card_span * 3 / 4 + nvml_span_ns;
-        g->cal_own_busy = g->cal_own_busy * 3 / 4 + acc;
-        g->cal_own_span = g->cal_own_span * 3 / 4 + el;
-        unsigned __int128 num = (unsigned __int128)g->cal_card_busy * g->cal_own_span * 1000;
-        unsigned __int128 den = (unsigned __int128)g->cal_card_span * g->cal_own_busy;
-        uint64_t pm = (uint64_t)(num / den);
-        g->cal_pm = (uint32_t)(pm < VGPU_CAL_MIN_PM ? VGPU_CAL_MIN_PM : pm > VGPU_CAL_MAX_PM ? VGPU_CAL_MAX_PM : pm);
+        g->cal_card_busy = g->cal_own_busy = 0;
+    } else {
+        uint64_t own = vgpu_gate_cal_own(g, t0, t1), span = t1 - t0;
+        if (own != ~0ull && span && own >= VGPU_CAL_MIN_WORK_NS &&
+            (unsigned __int128)own * 2 * g->period_ns >= (unsigned __int128)span * g->len_ns) {
+            g->cal_card_busy = g->cal_card_busy * 3 / 4 + card_busy_ns;
+            g->cal_own_busy = g->cal_own_busy * 3 / 4 + own;
+            uint64_t pm = (uint64_t)((unsigned __int128)g->cal_card_busy * 1000 / g->cal_own_busy);
+            g->cal_pm = (uint32_t)(pm < VGPU_CAL_MIN_PM ? VGPU_CAL_MIN_PM : pm > VGPU_CAL_MAX_PM ? VGPU_CAL_MAX_PM : pm);
+        }
     }
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }

@@ -41,15 +41,26 @@ void vgpu_compute_setup(int d, CUdevice dev)
         g->batch_ns = margin;
 }
 
-/* Every 500 ms on the slow path: the card's busy time from NVML against the measured GPU time
- * (vgpu_gate_calibrate; only a process alone on the card is calibrated). */
+/* Every 500 ms on the slow path: the card's busy time in NVML's newest utilization samples
+ * against the GPU time measured in their span (vgpu_gate_calibrate; only a process alone on the
+ * card is calibrated). NVML stamps samples with the wall clock: mapped to the gate's clock. */
 static void calibrate(int d, struct vgpu_gate *g, uint64_t now)
 {
-    uint64_t busy = 0, span = 0;
+    unsigned long long from_us = 0;
+    uint64_t busy = 0;
     int alone = 0;
-    if (!vgpu_nvml_card_busy(d, &g->cal_seen_us, &busy, &span, &alone))
-        span = 0;
-    vgpu_gate_calibrate(g, now, busy, span, alone);
+    g->cal_last_ns = now;
+    int got = vgpu_nvml_card_busy(d, &g->cal_seen_us, &from_us, &busy, &alone);
+    if (!alone) {
+        vgpu_gate_calibrate(g, 0, 0, 0, 0);
+        return;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t off = (int64_t)ts.tv_sec * (int64_t)VGPU_SEC + ts.tv_nsec - (int64_t)vgpu_now_ns();
+    int64_t t0 = (int64_t)from_us * 1000 - off, t1 = (int64_t)g->cal_seen_us * 1000 - off;
+    if (got && t0 > 0 && t1 > t0)
+        vgpu_gate_calibrate(g, (uint64_t)t0, (uint64_t)t1, busy, 1);
 }
 
 /* Every 250 ms on the slow path: stamp the container's activity and busy share in its own
@@ -69,7 +80,7 @@ static void refresh_schedule(int d, uint64_t now)
     atomic_store_explicit(&rd->sched_heartbeat_ns, now, memory_order_relaxed);
     if (!g->last_sched_ns || now - g->last_sched_ns >= VGPU_SCHED_REFRESH_NS)
         atomic_store_explicit(&rd->sched_busy_pm, vgpu_gate_busy(g, now), memory_order_relaxed);
-    if (!g->measure_only && (!g->cal_since_ns || now - g->cal_since_ns >= VGPU_CAL_NS))
+    if (!g->measure_only && (!g->cal_last_ns || now - g->cal_last_ns >= VGPU_CAL_NS))
         calibrate(d, g, now);
     if (g->measure_only) {
         g->last_sched_ns = now;
@@ -119,6 +130,7 @@ static void gate_slow(int d, CUstream s)
          * (a wait for the window leaves the previous window's batches unpolled, and counting
          * them would shrink this window by their time); the oldest one is running: half of it. */
         vgpu_measure_poll(g, 0);
+        vgpu_gate_cal_note(g, now);
         g->queued_ns = 0;
         for (unsigned i = 0; i < g->ring_len; i++)
             g->queued_ns += g->ring[(g->ring_head + i) % VGPU_BATCH_RING].prov_ns >> (i == 0);

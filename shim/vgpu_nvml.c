@@ -139,9 +139,10 @@ static double sample_value(int type, nvmlValue_t v)
     }
 }
 
-int vgpu_nvml_card_busy(int d, unsigned long long *seen_us, uint64_t *busy_ns, uint64_t *span_ns, int *alone)
+int vgpu_nvml_card_busy(int d, unsigned long long *seen_us, unsigned long long *from_us, uint64_t *busy_ns,
+                        int *alone)
 {
-    *busy_ns = *span_ns = 0;
+    *busy_ns = 0;
     *alone = 0;
     nvmlDevice_t h = handle_of(d);
     const struct vgpu_drv *drv = vgpu_nvml_drv();
@@ -163,21 +164,18 @@ int vgpu_nvml_card_busy(int d, unsigned long long *seen_us, uint64_t *busy_ns, u
             nvmlSample_t t = smp[j];
             smp[j] = smp[j - 1], smp[j - 1] = t;
         }
+    *from_us = prev;
     for (unsigned i = 0; i < cnt; i++) {
         unsigned long long ts = smp[i].timeStamp;
         if (ts <= prev)
             continue;
         double pct = sample_value(type, smp[i].sampleValue);
-        if (*seen_us) { /* the first read only finds where the samples are */
-            uint64_t el = (uint64_t)(ts - prev) * 1000;
-            *span_ns += el;
-            *busy_ns += (uint64_t)((pct < 0 ? 0 : pct > 100 ? 100 : pct) * (double)el / 100.0);
-        }
+        *busy_ns += (uint64_t)((pct < 0 ? 0 : pct > 100 ? 100 : pct) * (double)(ts - prev) * 10.0);
         prev = ts;
     }
     int first = !*seen_us;
     *seen_us = prev;
-    return !first && *span_ns > 0;
+    return !first && prev > *from_us;
 }
 
 /* 1 when this thread may act on a rate-limited timer `*last` (now - last >= gap, or never set):

@@ -55,48 +55,54 @@ def test_gate_arithmetic(core) -> None:
 
 def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
     """Alone on the card, measured GPU time is charged as the busy time NVML counted for it (event
-    pairs count the short gaps between kernels as busy): the ratio of the two rates summed over
-    the last intervals, bounded; intervals under half the share do not count; back to 1 beside
-    co-tenants or other processes."""
+    pairs count the short gaps between kernels as busy): both over the samples' span, summed over
+    the last spans, bounded; spans under half the share do not count; back to 1 beside co-tenants
+    or other processes."""
     lib = core.lib
     g = gate(core, 30)
     t = 1000 * 100 * MS
     half = 500 * MS
 
-    def interval(k: int, measured: int, nvml_busy: int, alone: int = 1) -> None:
-        lib.vgpu_gate_settle(g, 1, 0, measured, 1)
-        lib.vgpu_gate_calibrate(g, t + k * half, nvml_busy, half, alone)
+    def run(t0: int, t1: int, measured_per_ms: int) -> None:
+        """Settle measured_per_ms ns of GPU time each ms of [t0, t1], noting the series."""
+        for ms in range((t1 - t0) // MS):
+            lib.vgpu_gate_settle(g, 1, 0, measured_per_ms, 1)
+            lib.vgpu_gate_cal_note(g, t0 + (ms + 1) * MS)
 
     lib.vgpu_gate_decide(g, t)
-    lib.vgpu_gate_calibrate(g, t, 0, 0, 1)  # starts the interval; nothing to compare yet
-    assert g.cal_pm == 1000 and g.cal_since_ns == t
-    interval(1, 150 * MS, 120 * MS)  # measured 30 % of the wall, NVML 24 %: 0.8 busy ns each
-    assert g.cal_pm == 800 and g.cal_acc_ns == 0
-    assert g.vt_cost == 150 * MS * 800 // 1000 * 100 // 30  # the estimate (150 ms) at 0.8
+    lib.vgpu_gate_cal_note(g, t)
+    assert lib.vgpu_gate_cal_own(g, t - MS, t) == 2**64 - 1  # before the series: unknown
+    run(t, t + 2 * half, 300_000)  # 30 % of the wall measured
+    # the series reads the measured time of any span back (25 ms points, interpolated)
+    assert abs(lib.vgpu_gate_cal_own(g, t + 100 * MS, t + 600 * MS) - 150 * MS) <= MS
+    lib.vgpu_gate_calibrate(g, t, t + half, 120 * MS, 1)  # NVML: 24 % in that span
+    assert g.cal_pm == 800
+    assert g.vt_cost == g.est_ns * 800 // 1000 * 100 // 30
     vt = g.local_vt
     lib.vgpu_gate_settle(g, 1, 0, 30 * MS, 1)
     assert g.local_vt == vt + 30 * MS * 800 // 1000 * 100 // 30
-    # the next interval at 0.7 weighs in with the decayed sums (same spans): card busy
-    # 0.75 x 120 + 105 over measured 0.75 x 150 + 150 (the 30 ms settled above included)
-    interval(2, 120 * MS, 105 * MS)
-    assert g.cal_pm == (120 * MS * 3 // 4 + 105 * MS) * 1000 // (150 * MS * 3 // 4 + 150 * MS)
-    # an interval under half the share (start-up, idle) does not count
+    # the next span weighs in with the decayed sums: 0.75 x 120 + 105 over 0.75 x 150 + 150
+    lib.vgpu_gate_calibrate(g, t + 100 * MS, t + 600 * MS, 105 * MS, 1)
+    assert abs(g.cal_pm - (120 * 3 / 4 + 105) * 1000 / (150 * 3 / 4 + 150)) <= 5
+    # a span under half the share (start-up, idle) does not count
     pm = g.cal_pm
-    interval(3, 60 * MS, 10 * MS)
-    assert g.cal_pm == pm and g.cal_since_ns == t + 3 * half
+    run(t + 2 * half + 30 * MS, t + 4 * half, 100_000)
+    lib.vgpu_gate_calibrate(g, t + 2 * half + 100 * MS, t + 4 * half, 10 * MS, 1)
+    assert g.cal_pm == pm
     # far below: bounded at 70 %
-    for k in range(4, 12):
-        interval(k, 150 * MS, 30 * MS)
+    run(t + 4 * half, t + 6 * half, 300_000)
+    for _ in range(8):
+        lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 30 * MS, 1)
     assert g.cal_pm == 700
     # another process on the card: its busy time is not ours, charges as measured
-    interval(12, 150 * MS, 120 * MS, alone=0)
+    lib.vgpu_gate_calibrate(g, 0, 0, 0, 0)
     assert g.cal_pm == 1000 and g.cal_own_busy == 0
     # NVML counts more than was measured (work the events missed): charged more, up to 150 %
-    interval(13, 150 * MS, 400 * MS)
+    lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 400 * MS, 1)
     assert g.cal_pm == 1500
     # co-tenants: the card's time is shared, no calibration
     lib.vgpu_gate_set_window(g, 0, 30 * MS, 1)
-    interval(14, 150 * MS, 100 * MS)
+    lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 100 * MS, 1)
     assert g.cal_pm == 1000
 
 

@@ -113,7 +113,9 @@ API nvmlReturn_t nvmlDeviceGetSamples(void *h, int type, unsigned long long last
     uint64_t now = stub_now(), busy = 0;
     for (int i = 0; i < STUB_MAXPROC; i++)
         busy += atomic_load(&s->proc[i].busy_ns[d]);
-    uint64_t us = now / 1000;
+    struct timespec rt; /* NVML stamps samples with the wall clock */
+    clock_gettime(CLOCK_REALTIME, &rt);
+    uint64_t us = (uint64_t)rt.tv_sec * 1000000u + (uint64_t)rt.tv_nsec / 1000u;
     if (us <= last) return 6; /* NVML_ERROR_NOT_FOUND: nothing newer */
     if (!out || !*n) { *n = 1; return out ? 7 : 0; }
     uint64_t el = prev_t && now > prev_t ? now - prev_t : 0;
