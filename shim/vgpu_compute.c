@@ -319,7 +319,8 @@ void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t
      * the time a kernel ran). Event pairs count the GPU's short idle gaps between back-to-back
      * kernels as busy (a few us each: over 10 % of a span of 25 us kernels), so a tenant alone
      * on the card is charged, from its measured GPU time, the card's busy time that time stood
-     * for. Both are taken over the same span (the samples', which lag the work by up to a
+     * for, never more than the measured time (a ratio above 1 on the H200 came from noise on
+     * launch-bound training and throttled it under its share). Both are taken over the same span (the samples', which lag the work by up to a
      * sample period: a span of our own would see a rising tenant's work before the card's
      * samples do), summed over the last seconds (a ratio of sums: one span's noise moves it
      * little). Only spans where the tenant used at least half its share count (start-up and

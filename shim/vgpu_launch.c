@@ -50,6 +50,11 @@ static void calibrate(int d, struct vgpu_gate *g, uint64_t now)
     uint64_t busy = 0;
     int alone = 0;
     g->cal_last_ns = now;
+    /* Only a tenant near its share needs it: one under half of it (a request now and then) pays
+     * no NVML call on its launch path. */
+    uint64_t own = vgpu_gate_cal_own(g, now - VGPU_CAL_NS, now);
+    if (own == ~0ull || (unsigned __int128)own * 2 * g->period_ns < (unsigned __int128)VGPU_CAL_NS * g->len_ns)
+        return;
     int got = vgpu_nvml_card_busy(d, &g->cal_seen_us, &from_us, &busy, &alone);
     if (!alone) {
         vgpu_gate_calibrate(g, 0, 0, 0, 0);
