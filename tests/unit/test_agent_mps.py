@@ -204,6 +204,33 @@ def test_daemons_outlive_the_agent_and_their_owner_process_and_are_reused(fake):
         owner.wait()
 
 
+def test_a_tenant_can_send_control_commands_through_its_read_only_pipe_folder(fake, tmp_path):
+    """What a client container gets: the card's pipe folder bind-mounted read-only. Files cannot
+    be created in it, but connect(2) on the daemon's socket needs no write access to the mount, so
+    a tenant reaches the control daemon and can make it quit (the hole docs/agent.md describes);
+    the owner's next round starts it again."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a private read-only bind mount")
+    mps.write_wanted(fake, [A])
+    owner = MpsOwner(MpsDaemons(str(fake)))
+    owner.round()
+    first = pid_of(fake, A)
+    seen = tmp_path / "kvgpu-mps"  # the client's /var/run/kvgpu-mps
+    seen.mkdir()
+    tenant = (f"mount --bind {pipe_dir(fake, A)} {seen} && mount -o remount,bind,ro {seen} && "
+              f"! touch {seen}/x 2>/dev/null && "
+              f"{sys.executable} -c \"import socket; s = socket.socket(socket.AF_UNIX); "
+              f"s.connect('{seen}/control'); s.sendall(b'quit'); print(s.recv(10).decode())\"")
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", tenant],
+                       capture_output=True, text=True, timeout=30, check=False)
+    if r.returncode != 0 and "Operation not permitted" in r.stderr:
+        pytest.skip(f"no mount namespace here: {r.stderr.strip()}")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    wait_until(lambda: not MpsDaemons(str(fake)).alive(A))  # the tenant's quit ended the daemon
+    assert owner.round().start == (A,) and pid_of(fake, A) != first
+    owner.daemons.stop_all()
+
+
 def test_the_owner_reaps_its_dead_children():
     """As a container's PID 1 the owner inherits the daemons ``-d`` detached; dead ones are reaped."""
     pid = os.fork()

@@ -31,7 +31,11 @@ owner's status, fresh, says the card's daemon answers (:func:`not_ready`); then 
 directory mounted read-only on :data:`kvgpu.core.keys.CONTAINER_MPS_DIR` with
 ``CUDA_MPS_PIPE_DIRECTORY`` pointing there, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = the claim's
 cores (0 = 100) and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M`` (the client sees one device:
-the daemon's).
+the daemon's). A client must reach the daemon's ``control`` socket (CUDA's first step is to ask
+the control daemon for a server), and a read-only mount does not stop ``connect(2)`` on a
+socket, so a client can also send control commands (``quit``, ``terminate_client``,
+``set_default_active_thread_percentage``...): MPS tenants must trust each other (docs/agent.md,
+"What an MPS client can do to the daemon").
 
 Pure core: paths, command lines, env, the plan, the wanted and status files; :class:`MpsDaemons`
 runs the commands (``runner`` replaceable in tests, which put a fake ``nvidia-cuda-mps-control``
