@@ -327,6 +327,25 @@ def _kvgpu_pods(node: RealNode) -> set[str]:
     return {p["metadata"]["uid"] for p in json.loads(out)["items"]}
 
 
+def _operator_serving(system: incluster.InstalledSystem, steady_s: float = 5.0, timeout: float = 90) -> None:
+    """The operator's ``/readyz`` answering 200 for ``steady_s`` in a row. ``helm upgrade --wait``
+    can return while the operator pod is Ready and yet about to drop its listeners for a few
+    seconds (seen right after the upgrade to the previous chart: ``/readyz`` and the webhook
+    refused, then 503 while it stood by), and a pod created then is refused by the webhook."""
+    deadline, since = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{system.operator_metrics_url}/readyz", timeout=2) as r:
+                ok = r.status == 200
+        except OSError:
+            ok = False
+        since = (since or time.monotonic()) if ok else None
+        if since is not None and time.monotonic() - since >= steady_s:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the operator did not serve steadily within {timeout} s")
+
+
 def test_helm_upgrade_from_the_previous_chart_keeps_running_slices(
         real_node: RealNode, real_pods: RealPods, system: incluster.InstalledSystem, tmp_path: Path) -> None:
     rp = real_pods
@@ -335,6 +354,7 @@ def test_helm_upgrade_from_the_previous_chart_keeps_running_slices(
         pytest.skip("the previous commit has no charts/kvgpu")
     # the release as the previous commit's chart makes it, a sliced pod running under it
     incluster.upgrade_on_real_node(real_node, system, chart=previous)
+    _operator_serving(system)
     rp.apply(gpu_pod(rp, "held", containers=[container("main", hami_limits(1, 1500, 20))]))
     before = rp.wait_running("held", timeout=120)
     claims = _claims(rp)
@@ -346,6 +366,7 @@ def test_helm_upgrade_from_the_previous_chart_keeps_running_slices(
                                                              "devicePlugin": {"podAnnotations": marker}})
     pods_after = _kvgpu_pods(real_node)
     assert not pods_before & pods_after, "the upgrade left an operator or agent pod in place"
+    _operator_serving(system)
     after = rp.get("held")
     assert after["metadata"]["uid"] == before["metadata"]["uid"]
     [st] = after["status"]["containerStatuses"]
