@@ -202,6 +202,8 @@ def values_schema() -> dict[str, Any]:
                 "metricsPort": port, "deviceSpecs": {"type": "boolean"},
                 "interval": {"type": "number", "exclusiveMinimum": 0},
                 "dra": _obj({"enabled": {"type": "boolean"}, "cdiDir": {"type": "string", "pattern": "^/"}}),
+                "mps": _obj({"enabled": {"type": "boolean"}, "interval": {"type": "number", "exclusiveMinimum": 0},
+                             "updateStrategy": _obj({"type": {"enum": ["OnDelete", "RollingUpdate"]}})}),
             }),
             "dra": _obj({"deviceClass": {"type": "boolean"}}),
             "pool": _obj({"create": {"type": "boolean"}, "name": {"type": "string", "minLength": 1},

@@ -1,20 +1,21 @@
-"""The kvgpu system itself as pods on the real node: ``helm install`` of charts/kvgpu from the
-product images built here.
+"""The kvgpu system itself as pods on the real node: ``helm install`` of charts/kvgpu from the product
+images built here.
 
-For this module the session's host-process system (operator, kvgpu kube-scheduler) and host
-agent are stopped; :func:`kvgpu.devcluster.incluster.install_on_real_node` runs ``helm install``
-with the real node's values and the dev cluster's post-renderer (hostNetwork, API endpoint,
-ports, images); at the end ``helm uninstall`` and the host-process system restarted for the other
-modules. Checked: the operator's pod (uid 65532, read-only root, its child processes, the
-certificates it issued itself), the agent's DaemonSet pod (device plugin registered with the real
-kubelet, the shim installed), kube-scheduler from the ktp binary, the seed pod
+For this module the session's host-process system (operator, kvgpu kube-scheduler) and host agent
+are stopped; :func:`kvgpu.devcluster.incluster.install_on_real_node` runs ``helm install`` with the
+real node's values and the dev cluster's post-renderer (hostNetwork, API endpoint, ports, images);
+at the end ``helm uninstall`` and the host-process system restarted for the other modules. Checked:
+the operator's pod (uid 65532, read-only root, its child processes, the certificates it issued
+itself), the agent's DaemonSet pod (device plugin registered with the real kubelet, the shim
+installed), the MPS daemons' owner (kvgpu-mps: a fake daemon of an mps card outlives a killed agent
+container and is kept, not started again), kube-scheduler from the ktp binary, the seed pod
 (examples/deployment-seed.yaml: 1 card, 3000 MiB, 30 %) scheduled by that scheduler through the
 in-cluster extender, running on the real node and seeing its slice, whose memory the agent's
-metrics report from the region; while that pod's process maps the shim, a rebuilt shim
-installed beside it (the process keeps its file and bytes); ``kubectl vgpu doctor`` passing, ``top``
-showing usage, doctor naming a shim removed from the node and passing again after its fix; and
-``helm upgrade`` from the chart of the previous commit with a sliced pod running: the claim, the
-container and its limit kept, and new pods placed by the upgraded system.
+metrics report from the region; while that pod's process maps the shim, a rebuilt shim installed
+beside it (the process keeps its file and bytes); ``kubectl vgpu doctor`` passing, ``top`` showing
+usage, doctor naming a shim removed from the node and passing again after its fix; and ``helm
+upgrade`` from the chart of the previous commit with a sliced pod running: the claim, the container
+and its limit kept, and new pods placed by the upgraded system.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import tempfile
 import time
@@ -32,8 +34,9 @@ from typing import Any
 
 import pytest
 import yaml
-from kvgpu.agent import shiminstall
+from kvgpu.agent import mps, shiminstall
 from kvgpu.core import keys
+from kvgpu.core.inventory import NodeInventory
 from kvgpu.devcluster import incluster
 from kvgpu.devcluster.images import REPO_ROOT
 from kvgpu.devcluster.realnode import SHIM_SOURCE, RealNode
@@ -105,6 +108,91 @@ def test_agent_daemonset_pod(real_node: RealNode, system: incluster.InstalledSys
     assert int(node["status"]["allocatable"].get("nvidia.com/gpu", "0")) > 0
     lib = _exec(c, pod["metadata"]["name"], "readlink", "/usr/local/kvgpu/lib/libvgpu.so").strip()
     assert lib.startswith("libvgpu.so."), lib
+
+
+MPS_CARD = 2  # the card of the test's mps pool
+
+
+@pytest.fixture
+def mps_card(real_node: RealNode, system: incluster.InstalledSystem) -> Iterator[str]:
+    """A VGPUPool with ``mode: mps`` over one card of the node, and the unit tests' fake
+    ``nvidia-cuda-mps-control`` in the simulated driver folder, where the kvgpu-mps pod looks
+    for it (run by the image's Python); the card's UUID."""
+    from unit.test_agent_mps import FAKE
+
+    bin_dir = real_node.driver_root / "bin"
+    made_bin = not bin_dir.exists()
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / mps.CONTROL
+    fake.write_text(FAKE.replace("#!PYTHON", "#!/usr/local/bin/python3"))
+    fake.chmod(0o755)
+    pool = f"{real_node.pool_name}-mps"
+    labels = {"kvgpu.io/gpu-node": "true", "kubernetes.io/hostname": real_node.name}
+    real_node.cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": pool},
+        "spec": {"nodeSelector": {"matchLabels": labels}, "devices": {"indexes": [MPS_CARD]},
+                 "splitCount": 4, "mode": "mps"}}))
+    root = Path(keys.HOST_MPS_ROOT)
+    try:
+        def card() -> str | None:
+            ann = ((real_node.node() or {}).get("metadata", {}).get("annotations") or {}).get(keys.NODE_INVENTORY)
+            inv = NodeInventory.loads(ann) if ann else None
+            return next((c.uuid for c in (inv.cards if inv else ()) if c.index == MPS_CARD and c.slicing
+                         and c.slicing.mode == "mps"), None)
+
+        uuid = wait_for(card, 60, f"card {MPS_CARD} in the mps pool")
+        yield str(uuid)
+    finally:
+        real_node.cluster.kubectl("delete", "vgpupool", pool, "--ignore-not-found")
+        wait_for(lambda: _wanted(root) == [], 60, "the agent's wanted.json without the card")
+        fake.unlink()
+        if made_bin:
+            bin_dir.rmdir()
+
+
+def _wanted(root: Path) -> list[str] | None:
+    try:
+        return mps.parse_wanted((root / mps.WANTED_FILE).read_text())
+    except OSError:
+        return None
+
+
+def _container_state(cluster: Any, component: str) -> tuple[str, int, bool]:
+    """The first container of the component's pod: containerd ID, restart count, ready."""
+    st = _pod_of(cluster, component)["status"]["containerStatuses"][0]
+    return st.get("containerID", "").removeprefix("containerd://"), int(st["restartCount"]), bool(st["ready"])
+
+
+def test_mps_daemons_survive_an_agent_container_restart(real_node: RealNode, mps_card: str) -> None:
+    """The agent names the mps card in wanted.json, the kvgpu-mps pod starts its (fake) daemon;
+    the agent's container killed and restarted by the kubelet leaves the daemon running, and the
+    new agent keeps it: no second start, the owner's status fresh and alive (what Allocate checks)."""
+    c = real_node.cluster
+    root = Path(keys.HOST_MPS_ROOT)
+    try:
+        wait_for(lambda: mps.check_ready(root, mps_card) is None, 60, "the kvgpu-mps pod's daemon for the card")
+    except AssertionError as e:
+        pod = _pod_of(c, "mps")["metadata"]["name"]
+        logs = c.kubectl("logs", pod, "-n", NS, "--tail=30", check=False)
+        raise AssertionError(f"{e}: {mps.check_ready(root, mps_card)}\n{logs.stdout}{logs.stderr}") from e
+    log = root / mps_card / "log" / "control.log"
+    started = log.read_text()
+    assert started.split()[1] == mps_card and len(started.splitlines()) == 1
+    owner = _container_state(c, "mps")
+    cid, restarts, _ = _container_state(c, "agent")
+    real_node.ctr("tasks", "kill", "-s", "SIGKILL", cid)  # the agent's container ends: a crash
+    wait_for(lambda: (s := _container_state(c, "agent"))[1] > restarts and s[2], 120,
+             "the agent's container restarted by the kubelet and ready")
+    t = mps.read_status(root).time  # type: ignore[union-attr]
+    wait_for(lambda: (mps.read_status(root) or mps.Status(0, 0, {})).time > t + 5, 30, "two more owner rounds")
+    assert mps.check_ready(root, mps_card) is None
+    assert log.read_text() == started, "the daemon was started again"
+    with socket.socket(socket.AF_UNIX) as s:  # the daemon itself answers
+        s.connect(str(mps.pipe_dir(root, mps_card) / "control"))
+        s.sendall(b"get_server_list")
+        assert s.recv(10) == b""
+    assert _container_state(c, "mps") == owner, "the owner's container was not restarted"
+    assert _wanted(root) == [mps_card]
 
 
 def test_scheduler_is_the_ktp_binary(real_node: RealNode, system: incluster.InstalledSystem) -> None:
@@ -239,6 +327,25 @@ def _kvgpu_pods(node: RealNode) -> set[str]:
     return {p["metadata"]["uid"] for p in json.loads(out)["items"]}
 
 
+def _operator_serving(system: incluster.InstalledSystem, steady_s: float = 5.0, timeout: float = 90) -> None:
+    """The operator's ``/readyz`` answering 200 for ``steady_s`` in a row. ``helm upgrade --wait``
+    can return while the operator pod is Ready and yet about to drop its listeners for a few
+    seconds (seen right after the upgrade to the previous chart: ``/readyz`` and the webhook
+    refused, then 503 while it stood by), and a pod created then is refused by the webhook."""
+    deadline, since = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{system.operator_metrics_url}/readyz", timeout=2) as r:
+                ok = r.status == 200
+        except OSError:
+            ok = False
+        since = (since or time.monotonic()) if ok else None
+        if since is not None and time.monotonic() - since >= steady_s:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the operator did not serve steadily within {timeout} s")
+
+
 def test_helm_upgrade_from_the_previous_chart_keeps_running_slices(
         real_node: RealNode, real_pods: RealPods, system: incluster.InstalledSystem, tmp_path: Path) -> None:
     rp = real_pods
@@ -247,6 +354,7 @@ def test_helm_upgrade_from_the_previous_chart_keeps_running_slices(
         pytest.skip("the previous commit has no charts/kvgpu")
     # the release as the previous commit's chart makes it, a sliced pod running under it
     incluster.upgrade_on_real_node(real_node, system, chart=previous)
+    _operator_serving(system)
     rp.apply(gpu_pod(rp, "held", containers=[container("main", hami_limits(1, 1500, 20))]))
     before = rp.wait_running("held", timeout=120)
     claims = _claims(rp)
@@ -258,6 +366,7 @@ def test_helm_upgrade_from_the_previous_chart_keeps_running_slices(
                                                              "devicePlugin": {"podAnnotations": marker}})
     pods_after = _kvgpu_pods(real_node)
     assert not pods_before & pods_after, "the upgrade left an operator or agent pod in place"
+    _operator_serving(system)
     after = rp.get("held")
     assert after["metadata"]["uid"] == before["metadata"]["uid"]
     [st] = after["status"]["containerStatuses"]

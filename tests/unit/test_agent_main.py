@@ -46,6 +46,7 @@ async def test_agent_end_to_end_simulated(tmp_path):
         shim_version="9.9.9",
         host_shim_dir=str(tmp_path / "lib"),
         host_preload_file=str(tmp_path / "ld.so.preload"),
+        mps_root=str(tmp_path / "mps"),
         plugin=PluginConfig(socket_dir=str(sock_dir), watch_interval_s=0.05),
         metrics_port=port,
         metrics_addr="127.0.0.1",

@@ -86,7 +86,11 @@ def test_rbac_has_no_wildcards_and_one_account_per_component(mode: str) -> None:
     kinds = ("StatefulSet", "Deployment", "DaemonSet")
     workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in kinds}
     for name, w in workloads.items():
-        assert w["spec"]["template"]["spec"]["serviceAccountName"] == name
+        pod = w["spec"]["template"]["spec"]
+        if name == "kvgpu-mps":  # the MPS daemons' owner makes no API call: no account, no token
+            assert "serviceAccountName" not in pod and pod["automountServiceAccountToken"] is False
+            continue
+        assert pod["serviceAccountName"] == name
 
 
 def _verbs(role: dict[str, Any], group: str, resource: str) -> set[str]:
@@ -368,6 +372,43 @@ def test_agent_daemonset() -> None:
         assert mounts[paths["/dev"]] == ctx.params["dev_root"] and ctx.params["host_dev_root"] == "/dev"
         # The webhook injects no hostPath: Allocate mounts the shim (directory mode).
         assert ctx.params["device_specs"] and ctx.params["mounts"] == "dir"
+
+
+def test_mps_daemons_have_their_own_daemonset() -> None:
+    """The MPS daemons live in the cgroup of the container that started them: their owner is a
+    DaemonSet of its own, so an agent container restart or upgrade leaves them running."""
+    from kvgpu.cli.main import agent_cmd, mps_daemons_cmd
+    from kvgpu.core import keys
+
+    docs = _docs()
+    agent = _one(docs, "DaemonSet", "kvgpu-agent")["spec"]["template"]["spec"]
+    ds = _one(docs, "DaemonSet", "kvgpu-mps")
+    spec = ds["spec"]["template"]["spec"]
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}, "a chart upgrade keeps the daemons"
+    for key in ("affinity", "tolerations", "runtimeClassName", "priorityClassName"):
+        assert spec[key] == agent[key], key  # wherever the agent runs, with the same runtime
+    assert "hostPID" not in spec and "hostNetwork" not in spec
+    [c] = spec["containers"]
+    assert c["image"] == agent["containers"][0]["image"] and "livenessProbe" not in c
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SETUID", "SETGID"]}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False and not c["securityContext"]["privileged"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"]
+    ctx = mps_daemons_cmd.make_context("mps-daemons", list(c["args"][1:]))
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    assert [(host[m["name"]], m["mountPath"]) for m in c["volumeMounts"]] == [(keys.HOST_MPS_ROOT, keys.HOST_MPS_ROOT)]
+    assert ctx.params["root"] == keys.HOST_MPS_ROOT
+    # the agent writes wanted.json and reads status.json in the same host folder, at the same path
+    [a] = agent["containers"]
+    agent_host = {v["name"]: v["hostPath"]["path"] for v in agent["volumes"] if "hostPath" in v}
+    assert {(agent_host[m["name"]], m["mountPath"]) for m in a["volumeMounts"]} >= {(keys.HOST_MPS_ROOT,) * 2}
+    actx = agent_cmd.make_context("agent", _strip_paths(list(a["args"][1:])))
+    assert actx.params["mps_daemons"] == "separate"
+
+    off = render({"devicePlugin": {"mps": {"enabled": False}}})
+    assert not [d for d in off if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "kvgpu-mps"]
+    [a] = _one(off, "DaemonSet", "kvgpu-agent")["spec"]["template"]["spec"]["containers"]
+    assert "--mps-daemons=agent" in a["args"]
 
 
 def _agent_command() -> click.Command | None:

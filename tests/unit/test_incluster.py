@@ -74,6 +74,20 @@ def test_agent_and_scheduler_knobs(adapted: list[dict[str, Any]]) -> None:
     assert f"--secure-port={V.scheduler_port}" in s["command"]
 
 
+def test_mps_owner_knobs(adapted: list[dict[str, Any]]) -> None:
+    ds = incluster._find(adapted, "DaemonSet", "kvgpu-mps")
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate"}  # kubectl rollout status waits for it
+    spec = ds["spec"]["template"]["spec"]
+    [c] = spec["containers"]
+    assert "runtimeClassName" not in spec and c["image"] == V.agent_image and c["imagePullPolicy"] == "Never"
+    assert {"mountPath": "/n", "name": "node-0", "readOnly": True} in c["volumeMounts"]
+    assert "requests" not in c["resources"]
+    v = incluster.InClusterValues(**{**V.__dict__, "agent_args": ("--driver-root=/n/driver",)})
+    [c] = incluster._find(incluster.adapt_for_real_node(render(incluster.chart_values(v)), v, b""), "DaemonSet",
+                          "kvgpu-mps")["spec"]["template"]["spec"]["containers"]
+    assert "--driver-root=/n/driver" in c["args"]  # the simulated node's control program
+
+
 def test_no_certificates_of_its_own(adapted: list[dict[str, Any]]) -> None:
     # the chart's operator issues them (kvgpu certs): the post-renderer adds none, sets no caBundle
     assert not [d for d in adapted if d["kind"] == "Secret"]

@@ -1,5 +1,6 @@
 """The MPS backend's pure parts: pool mode, allocator accounting, the claim string, the daemon's
-command line and env, the plan, and the device plugin's Allocate for an mps card. The daemon
+command line and env, the plan, the wanted and status files between the agent and the daemons'
+owner, and the device plugin's Allocate for an mps card. The daemon
 itself (with a fake ``nvidia-cuda-mps-control``) is in test_agent_mps.py."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -127,11 +129,18 @@ def _request():
     return pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[replica_id(U0, 0)])])
 
 
+def _daemon_up(root: Path, alive: bool = True, age_s: float = 0.0) -> Path:
+    """What the owner leaves when card U0's daemon answers: its socket and a status report."""
+    pipe = mps.pipe_dir(root, U0)
+    pipe.mkdir(parents=True, exist_ok=True)
+    (pipe / "control").write_text("")  # stands for the daemon's socket
+    (root / mps.STATUS_FILE).write_text(mps.status_text(mps.Status(time.time() - age_s, 5.0, {U0: alive})))
+    return pipe
+
+
 async def test_allocate_makes_an_mps_client(node):
     tmp = node[0]
-    pipe = mps.pipe_dir(tmp / "mps", U0)
-    pipe.mkdir(parents=True)
-    (pipe / "control").write_text("")
+    pipe = _daemon_up(tmp / "mps")
     plugin = _plugin(node, f"v1;claim=default/a-main;priority=1;dev={U0},3000,30;mode=mps")
     r = (await plugin.allocate(_request())).container_responses[0]
     assert r.envs["CUDA_MPS_PIPE_DIRECTORY"] == keys.CONTAINER_MPS_DIR
@@ -143,8 +152,40 @@ async def test_allocate_makes_an_mps_client(node):
 
 async def test_allocate_refuses_an_mps_client_without_its_daemon(node):
     plugin = _plugin(node, f"v1;claim=default/a-main;priority=1;dev={U0},3000,30;mode=mps")
-    with pytest.raises(PluginError, match="MPS control daemon of card"):
+    with pytest.raises(PluginError, match=r"MPS control daemon of card .* no MPS daemon owner has reported"):
         await plugin.allocate(_request())
+
+
+@pytest.mark.parametrize(("alive", "age_s", "why"), [
+    (False, 0.0, "its MPS control daemon is not running"),
+    (True, 600.0, "the MPS daemon owner's last report is 600 s old"),  # the owner is gone
+])
+async def test_allocate_refuses_an_mps_client_the_owner_does_not_vouch_for(node, alive, age_s, why):
+    _daemon_up(node[0] / "mps", alive=alive, age_s=age_s)  # the socket alone is not enough
+    plugin = _plugin(node, f"v1;claim=default/a-main;priority=1;dev={U0},3000,30;mode=mps")
+    with pytest.raises(PluginError, match=why):
+        await plugin.allocate(_request())
+
+
+def test_wanted_and_status_files_round_trip_and_refuse_what_they_do_not_know():
+    text = mps.wanted_text(["GPU-b", "GPU-a", "GPU-b"])
+    assert text == '{"version":1,"cards":["GPU-a","GPU-b"]}\n'
+    assert mps.parse_wanted(text) == ["GPU-a", "GPU-b"]
+    for bad in ("", "{", "[]", '{"version":2,"cards":[]}', '{"version":1,"cards":"GPU-a"}',
+                '{"version":1,"cards":["../etc"]}', '{"version":1}'):
+        assert mps.parse_wanted(bad) is None, bad  # the owner then changes nothing
+    st = mps.Status(1000.0, 5.0, {"GPU-a": True, "GPU-b": False})
+    assert mps.parse_status(mps.status_text(st)) == st
+    assert mps.parse_status('{"version":2}') is None and mps.parse_status("x") is None
+
+
+def test_not_ready_needs_a_fresh_report_of_a_live_daemon():
+    st = mps.Status(1000.0, 5.0, {"GPU-a": True, "GPU-b": False})
+    assert mps.not_ready(st, "GPU-a", 1020.0) is None
+    assert mps.not_ready(st, "GPU-a", 1026.0) == "the MPS daemon owner's last report is 26 s old"  # 3 × 5 + 10
+    assert mps.not_ready(st, "GPU-b", 1000.0) == "its MPS control daemon is not running"
+    assert mps.not_ready(st, "GPU-c", 1000.0) == "its MPS control daemon is not running"
+    assert mps.not_ready(None, "GPU-a", 1000.0).startswith("no MPS daemon owner has reported")
 
 
 async def test_allocate_of_a_hami_core_claim_has_no_mps_env(node):

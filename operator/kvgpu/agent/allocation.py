@@ -138,8 +138,9 @@ def add_mps_client(cfg: PluginConfig, admitted: Admitted, resp: Any) -> None:
         return
     uuid = cs.devices[0].uuid
     pipe = mps.pipe_dir(cfg.mps_root, uuid)
-    if not (pipe / "control").exists():
-        raise PluginError(f"the MPS control daemon of card {uuid} is not running ({pipe}); "
+    why = mps.check_ready(cfg.mps_root, uuid)
+    if why is not None:
+        raise PluginError(f"the MPS control daemon of card {uuid} is not ready: {why} ({cfg.mps_root}); "
                           f"{admitted} is an MPS client of it")
     resp.envs.update(mps.client_env(cs))
     resp.mounts.append(pb2.Mount(container_path=keys.CONTAINER_MPS_DIR, host_path=str(pipe), read_only=True))

@@ -128,8 +128,10 @@ class ClaimFiles:
         cs = claimstr.decode(p.claim)
         if cs.mode == "mps":
             pipe = mps.pipe_dir(self.cfg.mps_root, cs.devices[0].uuid)
-            if not (pipe / "control").exists():
-                raise PluginError(f"the MPS control daemon of card {cs.devices[0].uuid} is not running ({pipe})")
+            why = mps.check_ready(self.cfg.mps_root, cs.devices[0].uuid)
+            if why is not None:
+                raise PluginError(f"the MPS control daemon of card {cs.devices[0].uuid} is not ready: {why} "
+                                  f"({self.cfg.mps_root})")
             env.update(mps.client_env(cs))
             mounts.append(cdi.Mount(str(pipe), keys.CONTAINER_MPS_DIR))
         return nodes, mounts, env

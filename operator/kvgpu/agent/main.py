@@ -56,7 +56,7 @@ from .health import (
 )
 from .kube import KubeApi, NodeApi
 from .migplugin import MigPlugins, simulated_node_resources
-from .mps import MpsDaemons
+from .mps import MpsDaemons, MpsOwner, mps_cards, write_wanted
 from .oomkill import REASON as OOM_REASON
 from .oomkill import OomReporter
 from .podidentity import PodIdentifier
@@ -119,11 +119,14 @@ class AgentConfig:
     #: Runs with the device plugin (a real kubelet's containers), not on fake nodes.
     sched_dir: str = keys.HOST_SCHED_DIR
     sched_interval_s: float = 0.25
-    #: the MPS backend (with the device plugin): one control daemon per card of an mps pool under
-    #: ``mps_root``, checked every ``mps_interval_s`` and after each inventory; 0 disables.
+    #: the MPS backend (with the device plugin): the mps cards written to ``<mps_root>/wanted.json``
+    #: after each inventory and every ``mps_interval_s`` (0 disables); with ``mps_daemons="agent"``
+    #: the agent also owns the daemons itself (kvgpu.agent.mps.MpsOwner rounds), with ``"separate"``
+    #: another process does (``kvgpu mps-daemons``: the chart's kvgpu-mps DaemonSet).
     mps_root: str = keys.HOST_MPS_ROOT
     mps_control: str = "nvidia-cuda-mps-control"
     mps_interval_s: float = 10.0
+    mps_daemons: str = "agent"
     dra: DraConfig | None = field(default_factory=DraConfig)
 
 
@@ -165,7 +168,7 @@ class Agent:
         self.scheduler: Scheduler | None = None
         self.oom: OomReporter | None = None
         self._capacity: dict[str, tuple[int, int]] = {}  # simulated node: resource → (capacity, allocatable)
-        self.mps: MpsDaemons | None = None
+        self.mps: MpsOwner | None = None  # the daemons' owner when this agent is it
         self._mps_kick = asyncio.Event()
         self.dra: DraPlugin | None = None
         self.slices: SlicePublisher | None = None
@@ -205,22 +208,30 @@ class Agent:
                     await patch(self.cfg.node, resource, *want)
                     self._capacity[resource] = want
 
-    def _make_mps(self) -> MpsDaemons:
-        control = self.cfg.mps_control
-        driver_bin = os.path.join(self.cfg.plugin.driver_root or "/usr/local/nvidia", "bin", control)
-        if os.sep not in control and os.access(driver_bin, os.X_OK):
-            control = driver_bin  # the driver folder is usually not on the agent's PATH
-        return MpsDaemons(self.cfg.mps_root, control)
+    def _make_mps(self) -> MpsOwner | None:
+        if self.cfg.mps_daemons != "agent":
+            return None
+        daemons = MpsDaemons(self.cfg.mps_root, self.cfg.mps_control, driver_root=self.cfg.plugin.driver_root)
+        return MpsOwner(daemons, interval_s=self.cfg.mps_interval_s)
+
+    def _mps_round(self, inv: NodeInventory) -> None:
+        wanted = mps_cards(inv.cards)
+        # A node that never had an mps card gets no files; once the root exists (the chart's
+        # hostPath, an earlier mps card) the list is kept current, empty included (quit all).
+        if (wanted or os.path.isdir(self.cfg.mps_root)) and write_wanted(self.cfg.mps_root, wanted):
+            log.info("MPS cards wanted: %s", ", ".join(wanted) or "none")
+        if self.mps is not None and (wanted or self.mps.daemons.found()):
+            self.mps.round()
 
     async def _mps_loop(self) -> None:
-        """Keep the mps cards' daemons running (after each inventory and every interval). The
-        daemons outlive the agent: they are left running when it stops."""
-        assert self.mps is not None
+        """Tell the daemons' owner which cards are mps (after each inventory and every interval)
+        and, when this agent is the owner, keep them running. The daemons outlive the agent:
+        they are left running when it stops."""
         while True:
             inv = self.registrar.inventory
             if inv is not None:
                 try:
-                    await asyncio.to_thread(self.mps.sync, list(inv.cards))
+                    await asyncio.to_thread(self._mps_round, inv)
                 except Exception:  # a missing control program, a full disk: retried next round
                     log.exception("MPS daemon check failed")
             self._mps_kick.clear()

@@ -1,32 +1,52 @@
-"""The MPS backend's node side: one MPS control daemon per card of an ``mps`` pool, and what a
-sliced container needs to be its client.
+"""The MPS backend's node side: one MPS control daemon per card of an ``mps`` pool, who owns
+those daemons, and what a sliced container needs to be their client.
 
 A card whose pool has ``mode: mps`` gets its own ``nvidia-cuda-mps-control -d``, started with
 ``CUDA_VISIBLE_DEVICES=<UUID>`` and private directories under the host path
-``<root>/<UUID>/`` (``pipe/``: the control socket clients connect to; ``log/``: the daemon's and
-its servers' logs); ``root`` is :data:`kvgpu.core.keys.HOST_MPS_ROOT`. One daemon per card keeps
-an MPS server's fault (a client's fatal fault ends the server and every co-tenant's work on it)
-on that card, and lets a card join or leave the pool alone.
+``<root>/<UUID>/`` (``pipe/``: the sockets clients connect to; ``log/``: the daemon's and its
+servers' logs); ``root`` is :data:`kvgpu.core.keys.HOST_MPS_ROOT`. One daemon per card keeps an
+MPS server's fault (a client's fatal fault ends the server and every co-tenant's work on it) on
+that card, and lets a card join or leave the pool alone.
 
-The daemon is detached from the agent (its own session, no inherited descriptors, ``-d`` forks
-it away), so an agent that restarts in the same host namespaces finds it by its pipe and reuses
-it. Liveness is asked through the pipe (``echo get_server_list | nvidia-cuda-mps-control`` with
-the card's ``CUDA_MPS_PIPE_DIRECTORY``): an answer with exit status 0 = alive. A dead daemon (no
-answer) is started again; a card that left the mps pool (or the node) gets ``quit``.
+**Who decides, who owns.** The agent knows the pools, so it decides: after every inventory it
+writes the mps cards' UUIDs to ``<root>/wanted.json`` (:func:`write_wanted`, atomic, only on
+change). The **owner** (:class:`MpsOwner`, ``kvgpu mps-daemons``; in the chart its own
+DaemonSet, so the daemons live in its cgroup and an agent container restart or upgrade leaves
+them running) reads that file every round, starts a wanted card's daemon that does not answer,
+sends ``quit`` to one whose card is no longer wanted, and writes ``<root>/status.json``
+(:func:`status_text`): the round's time and each card's liveness. A missing or unreadable
+``wanted.json`` changes nothing (a fresh host path never quits daemons). One owner at a time: it
+holds ``<root>/owner.lock`` (``flock``) for its life; a second one waits as a standby. Without a
+separate owner the agent runs the same :class:`MpsOwner` rounds itself (``--mps-daemons=agent``:
+a bare machine, the dev cluster).
 
-Clients (the device plugin's ``Allocate`` for a claim with ``mode=mps``; the shim forces the same
-values from the claim file, so a tenant's own env cannot lift them): the card's pipe directory
-mounted read-only on :data:`kvgpu.core.keys.CONTAINER_MPS_DIR` with ``CUDA_MPS_PIPE_DIRECTORY``
-pointing there, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = the claim's cores (0 = 100) and
-``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M`` (the client sees one device: the daemon's).
+Liveness is asked through the pipe (``echo get_server_list | nvidia-cuda-mps-control`` with the
+card's ``CUDA_MPS_PIPE_DIRECTORY``): an answer with exit status 0 = alive. The daemon is
+detached from its starter (its own session, no inherited descriptors, ``-d`` forks it away), so
+a restarted owner process in the same container finds it by its pipe and reuses it.
 
-Pure core: paths, command lines, env, the plan; :class:`MpsDaemons` is the thin adapter that runs
-the commands (``runner`` replaceable in tests, which put a fake ``nvidia-cuda-mps-control`` on
-``PATH``).
+Clients (the device plugin's ``Allocate`` for a claim with ``mode=mps``; the shim forces the
+same values from the claim file, so a tenant's own env cannot lift them): refused unless the
+owner's status, fresh, says the card's daemon answers (:func:`not_ready`); then the card's pipe
+directory mounted read-only on :data:`kvgpu.core.keys.CONTAINER_MPS_DIR` with
+``CUDA_MPS_PIPE_DIRECTORY`` pointing there, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = the claim's
+cores (0 = 100) and ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M`` (the client sees one device:
+the daemon's). A client must reach the daemon's ``control`` socket (CUDA's first step is to ask
+the control daemon for a server), and a read-only mount does not stop ``connect(2)`` on a
+socket, so a client can also send control commands (``quit``, ``terminate_client``,
+``set_default_active_thread_percentage``...): MPS tenants must trust each other (docs/agent.md,
+"What an MPS client can do to the daemon").
+
+Pure core: paths, command lines, env, the plan, the wanted and status files; :class:`MpsDaemons`
+runs the commands (``runner`` replaceable in tests, which put a fake ``nvidia-cuda-mps-control``
+on ``PATH``), :class:`MpsOwner` the rounds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import logging
 import os
 import shutil
@@ -35,6 +55,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from kvgpu.core import keys
 from kvgpu.core.claimstr import ClaimString
@@ -107,6 +128,75 @@ def plan(wanted: Iterable[str], alive: Mapping[str, bool]) -> Plan:
     )
 
 
+#: The files of ``root`` besides the card directories (see the module docstring).
+WANTED_FILE = "wanted.json"
+STATUS_FILE = "status.json"
+LOCK_FILE = "owner.lock"
+FORMAT_VERSION = 1
+
+
+def wanted_text(uuids: Iterable[str]) -> str:
+    """``wanted.json``: the cards that should have a daemon, as the agent decided."""
+    return json.dumps({"version": FORMAT_VERSION, "cards": sorted(set(uuids))}, separators=(",", ":")) + "\n"
+
+
+def parse_wanted(text: str) -> list[str] | None:
+    """The wanted cards, or None when ``text`` is not a wanted file of this format (the owner
+    then changes nothing)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("version") != FORMAT_VERSION:
+        return None
+    cards = obj.get("cards")
+    if not isinstance(cards, list) or not all(isinstance(u, str) and u and "/" not in u for u in cards):
+        return None
+    return list(dict.fromkeys(cards))
+
+
+@dataclass(frozen=True)
+class Status:
+    """``status.json``: the owner's last round."""
+
+    time: float  # wall clock (time.time()) of the round
+    interval_s: float  # the owner's round period
+    alive: Mapping[str, bool]  # card UUID -> its daemon answered in that round
+
+    def stale_after(self) -> float:
+        """How old a status may be before nobody is taken to be watching the daemons."""
+        return 3 * self.interval_s + 10.0
+
+
+def status_text(st: Status) -> str:
+    return json.dumps({"version": FORMAT_VERSION, "time": round(st.time, 3), "intervalSeconds": st.interval_s,
+                       "cards": {u: {"alive": a} for u, a in sorted(st.alive.items())}},
+                      separators=(",", ":")) + "\n"
+
+
+def parse_status(text: str) -> Status | None:
+    try:
+        obj = json.loads(text)
+        if obj.get("version") != FORMAT_VERSION:
+            return None
+        return Status(float(obj["time"]), float(obj["intervalSeconds"]),
+                      {str(u): bool(c["alive"]) for u, c in obj["cards"].items()})
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def not_ready(status: Status | None, uuid: str, now: float) -> str | None:
+    """Why card ``uuid`` cannot take an MPS client now (None: it can), from the owner's status."""
+    if status is None:
+        return "no MPS daemon owner has reported (status.json missing or unreadable)"
+    age = now - status.time
+    if age > status.stale_after():
+        return f"the MPS daemon owner's last report is {age:.0f} s old"
+    if not status.alive.get(uuid, False):
+        return "its MPS control daemon is not running"
+    return None
+
+
 def thread_percentage(cores: int) -> int:
     """A claim's cores as the MPS active thread percentage (0 = no limit = 100)."""
     return cores if 0 < cores < 100 else 100
@@ -126,6 +216,16 @@ def client_env(claim: ClaimString, container_pipe_dir: str = keys.CONTAINER_MPS_
 
 # --------------------------------------------------------------------------- adapter
 
+
+def mps_control_program(control: str = CONTROL, driver_root: str | None = None) -> str:
+    """The control program to run: ``control`` as given when it is a path, else the driver
+    folder's ``bin/<control>`` when executable (the driver folder is usually not on ``PATH``),
+    else ``control`` (looked up on ``PATH``)."""
+    driver_bin = os.path.join(driver_root or "/usr/local/nvidia", "bin", control)
+    if os.sep not in control and os.access(driver_bin, os.X_OK):
+        return driver_bin
+    return control
+
 Runner = Callable[..., subprocess.CompletedProcess]
 
 
@@ -133,21 +233,24 @@ Runner = Callable[..., subprocess.CompletedProcess]
 class MpsDaemons:
     """Keeps one control daemon per mps card alive under ``root`` (see the module docstring).
 
-    ``control``: the control program (a name on ``PATH`` or a path). ``sync`` is blocking (it
-    runs the control program); the agent calls it in a thread after every inventory and every
-    ``interval_s``."""
+    ``control``: the control program (a path, or a name looked up at each use in ``driver_root``'s
+    ``bin/``, then on ``PATH``: a driver that appears after the start is found). ``sync`` is
+    blocking (it runs the control program); the agent calls it in a thread after every inventory
+    and every ``interval_s``."""
 
     root: str = keys.HOST_MPS_ROOT
     control: str = CONTROL
+    driver_root: str | None = None
     timeout_s: float = 5.0
     start_wait_s: float = 10.0
     runner: Runner = subprocess.run
     base_env: Mapping[str, str] | None = None
-    started: dict[str, int] = field(default_factory=dict)  # UUID -> starts by this agent
+    started: dict[str, int] = field(default_factory=dict)  # UUID -> starts by this process
     stopped: list[str] = field(default_factory=list)
+    last: dict[str, bool] = field(default_factory=dict)  # UUID -> alive after the last sync
 
     def _control(self) -> str:
-        found = shutil.which(self.control)
+        found = shutil.which(mps_control_program(self.control, self.driver_root))
         if found is None:
             raise FileNotFoundError(f"{self.control} not found (PATH or driver bin folder)")
         return found
@@ -216,15 +319,21 @@ class MpsDaemons:
 
     def sync(self, cards: Sequence[Card]) -> Plan:
         """Start the missing or dead daemons of the mps cards, stop those of other cards."""
-        wanted = mps_cards(cards)
+        return self.sync_uuids(mps_cards(cards))
+
+    def sync_uuids(self, wanted: Sequence[str]) -> Plan:
+        """Start the missing or dead daemons of the ``wanted`` cards, stop those of other cards;
+        ``self.last`` becomes each known card's liveness after the round."""
         alive = {u: self.alive(u) for u in dict.fromkeys([*self.found(), *wanted])}
         p = plan(wanted, alive)
+        after = dict(alive)
         for u in p.start:
             if u in alive and (pipe_dir(self.root, u) / "control").exists():
                 log.warning("MPS control daemon of %s does not answer: starting it again", u)
-            self.start(u)
+            after[u] = self.start(u)
         for u in p.stop:
-            self.stop(u)
+            after[u] = not self.stop(u)
+        self.last = after
         return p
 
     def stop_all(self) -> None:
@@ -233,16 +342,160 @@ class MpsDaemons:
                 self.stop(u)
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
+
+
+def write_wanted(root: str | Path, uuids: Iterable[str]) -> bool:
+    """The agent's side: ``<root>/wanted.json`` = ``uuids``; True when it changed."""
+    path = Path(root) / WANTED_FILE
+    text = wanted_text(uuids)
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, text)
+    return True
+
+
+def read_status(root: str | Path) -> Status | None:
+    try:
+        return parse_status((Path(root) / STATUS_FILE).read_text())
+    except OSError:
+        return None
+
+
+def check_ready(root: str | Path, uuid: str, now: float | None = None) -> str | None:
+    """The device plugin's check before it makes a container an MPS client of card ``uuid``:
+    None when the owner's fresh status says the daemon answers and its socket is there."""
+    why = not_ready(read_status(root), uuid, time.time() if now is None else now)
+    if why is None and not (pipe_dir(root, uuid) / "control").exists():
+        why = "its MPS control socket is missing"
+    return why
+
+
+@dataclass
+class MpsOwner:
+    """The owner of the daemons under ``daemons.root``: every round (``interval_s``) it reads the
+    agent's ``wanted.json``, syncs the daemons and writes ``status.json``. Holds ``owner.lock``
+    from its first successful round on; without it (another owner runs) a round does nothing."""
+
+    daemons: MpsDaemons
+    interval_s: float = 5.0
+    clock: Callable[[], float] = time.time
+    _lock: IO[str] | None = None
+    standby_logged: bool = False
+
+    @property
+    def root(self) -> Path:
+        return Path(self.daemons.root)
+
+    def owns(self) -> bool:
+        """Take ``owner.lock`` if it is free (kept until the process ends); True when held."""
+        if self._lock is not None:
+            return True
+        self.root.mkdir(parents=True, exist_ok=True)
+        f = open(self.root / LOCK_FILE, "a")  # held for the owner's life
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            if not self.standby_logged:
+                log.info("another process owns the MPS daemons under %s: standing by", self.root)
+                self.standby_logged = True
+            return False
+        os.set_inheritable(f.fileno(), False)
+        self._lock = f
+        log.info("owning the MPS daemons under %s", self.root)
+        return True
+
+    def wanted(self) -> list[str] | None:
+        try:
+            text = (self.root / WANTED_FILE).read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("cannot read %s: %s", self.root / WANTED_FILE, e)
+            return None
+        got = parse_wanted(text)
+        if got is None:
+            log.warning("%s is not a wanted-cards file of format %d: changing nothing", self.root / WANTED_FILE,
+                        FORMAT_VERSION)
+        return got
+
+    def round(self) -> Plan | None:
+        """One round (blocking); None when another process owns the daemons."""
+        if not self.owns():
+            return None
+        wanted = self.wanted()
+        if wanted is None:  # nothing decided yet: keep what runs, start and quit nothing
+            self.daemons.last = {u: self.daemons.alive(u) for u in self.daemons.found()}
+            p = Plan(keep=tuple(u for u, a in self.daemons.last.items() if a))
+        else:
+            p = self.daemons.sync_uuids(wanted)
+        _write_atomic(self.root / STATUS_FILE,
+                      status_text(Status(self.clock(), self.interval_s, dict(self.daemons.last))))
+        return p
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def run(self, stop: Callable[[], bool] = lambda: False, reap: bool = False) -> None:
+        """Rounds every ``interval_s`` until ``stop()``; the daemons stay when it returns.
+        ``reap``: also collect exited children after each round (as a container's PID 1 the
+        owner inherits every daemon ``-d`` detached, and must reap the dead ones)."""
+        while not stop():
+            try:
+                self.round()
+            except Exception:  # a full disk, a missing control program: retried next round
+                log.exception("MPS daemon round failed")
+            if reap:
+                reap_children()
+            deadline = time.monotonic() + self.interval_s
+            while not stop() and time.monotonic() < deadline:
+                time.sleep(min(0.2, self.interval_s))
+
+
+def reap_children() -> int:
+    """Collect every exited child (no waiting); how many."""
+    n = 0
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return n
+        if pid == 0:
+            return n
+        n += 1
+
+
 __all__ = [
     "CONTROL",
     "MAX_CLIENTS",
     "MpsDaemons",
+    "MpsOwner",
     "Plan",
+    "Status",
+    "check_ready",
     "client_env",
     "daemon_env",
     "mps_cards",
+    "mps_control_program",
+    "not_ready",
+    "parse_status",
+    "parse_wanted",
     "pipe_dir",
     "plan",
+    "read_status",
+    "reap_children",
     "start_argv",
+    "status_text",
     "thread_percentage",
+    "wanted_text",
+    "write_wanted",
 ]

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from kvgpu.cli.certs import certs_cmd
-from kvgpu.cli.main import agent_cmd, operator_cmd
+from kvgpu.cli.main import agent_cmd, mps_daemons_cmd, operator_cmd
 from kvgpu.extender.schedconfig import IGNORED_RESOURCES, MANIFEST_TLS, scheduler_configuration
 
 TARGET = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
@@ -58,6 +58,13 @@ def render() -> str:
         (agent_cmd.help or "").strip(),
         "",
         *_options(agent_cmd),
+        "",
+        "## `kvgpu mps-daemons`",
+        "",
+        " ".join((mps_daemons_cmd.help or "").split()) + " The chart runs it as the DaemonSet `kvgpu-mps` "
+        "(`devicePlugin.mps`); see docs/agent.md, \"MPS backend\".",
+        "",
+        *_options(mps_daemons_cmd),
         "",
         "## `kvgpu certs`",
         "",

@@ -2,6 +2,7 @@
 
     kvgpu operator [--leader-elect] ...    the operator (extender, webhook workers, reconcilers)
     kvgpu agent --node NAME [--simulated FILE]
+    kvgpu mps-daemons [--root DIR]         own the MPS control daemons of the node's mps cards
     kvgpu certs [--once] ...               issue and rotate the certificates (no cert-manager)
     kvgpu dev up [--run-dir DIR] [--nodes N --cards M]
     kvgpu dev down [--run-dir DIR]
@@ -176,11 +177,15 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, extender_cert: s
               help="where the container runtime reads CDI specs (containerd's cdi_spec_dirs)")
 @click.option("--dra-state-dir", default="/var/lib/kvgpu/dra", show_default=True,
               help="prepared ResourceClaims' claim files, regions and checkpoints")
+@click.option("--mps-daemons", type=click.Choice(["agent", "separate"]), default="agent", show_default=True,
+              help="who runs the MPS control daemons of mps cards: agent = this process (they end with its "
+                   "container); separate = `kvgpu mps-daemons` (the chart's kvgpu-mps DaemonSet), the agent "
+                   "only writes which cards are mps")
 def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: bool, interval: float,
               shim_source: str | None, metrics_port: int, no_device_plugin: bool, device_specs: bool,
               dev_root: str, host_dev_root: str | None, driver_root: str, ld_library_path: bool, mounts: str,
               visible_devices_from_ids: bool, pod_resources_socket: str, dra: bool, kubelet_root: str,
-              cdi_dir: str, dra_state_dir: str) -> None:
+              cdi_dir: str, dra_state_dir: str, mps_daemons: str) -> None:
     """Run the node agent: discovery, inventory, health, device plugin, shim install, usage metrics."""
     from kvgpu.agent.deviceplugin import PluginConfig
     from kvgpu.agent.devicespecs import resolve_driver_root
@@ -203,11 +208,40 @@ def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: b
                           visible_devices_from_ids=visible_devices_from_ids)
     cfg = AgentConfig(node=node, simulated=simulated, kubeconfig=kubeconfig, interval_s=interval,
                       shim_source=shim_source, metrics_port=metrics_port, device_plugin=not no_device_plugin,
-                      plugin=plugin, pod_resources_socket=pod_resources_socket,
+                      plugin=plugin, pod_resources_socket=pod_resources_socket, mps_daemons=mps_daemons,
                       dra=DraConfig(registry_dir=f"{kubelet_root}/plugins_registry",
                                     plugin_dir=f"{kubelet_root}/plugins/{DRIVER}", cdi_dir=cdi_dir,
                                     state_dir=dra_state_dir) if dra else None)
     asyncio.run(run(cfg))
+
+
+@main.command("mps-daemons")
+@click.option("--root", default="/var/run/kvgpu/mps", show_default=True,
+              help="the host folder of the daemons (the agent's wanted.json, status.json, one folder per card)")
+@click.option("--control", default="nvidia-cuda-mps-control", show_default=True,
+              help="the MPS control program: a path, or a name looked up in <driver root>/bin, then PATH")
+@click.option("--driver-root", default="/usr/local/nvidia", show_default=True,
+              help="driver folder whose bin/ holds the control program")
+@click.option("--interval", type=float, default=5.0, show_default=True,
+              help="round period, s: read wanted.json, start dead daemons, quit unwanted ones, write status.json")
+def mps_daemons_cmd(root: str, control: str, driver_root: str, interval: float) -> None:
+    """Own the MPS control daemons of the node's mps cards, apart from the agent (whose container
+    may restart without ending them): the agent writes which cards are mps, this keeps one daemon
+    per such card running and reports their liveness for the agent's Allocate."""
+    import os
+    import signal
+
+    from kvgpu.agent.mps import MpsDaemons, MpsOwner
+    from kvgpu.logs import configure_logging
+
+    configure_logging()
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda n, _f: stopping.append(n))
+    owner = MpsOwner(MpsDaemons(root, control, driver_root=driver_root), interval_s=interval)
+    # As its container's PID 1 it inherits the detached daemons: it reaps the dead ones. The daemons
+    # stay when it returns (outside a container a restarted owner reuses them).
+    owner.run(stop=lambda: bool(stopping), reap=os.getpid() == 1)
 
 
 @main.group()

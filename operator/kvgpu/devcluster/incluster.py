@@ -221,6 +221,24 @@ def _agent(doc: dict[str, Any], v: InClusterValues) -> None:
     _common(spec, v)
 
 
+def _mps(doc: dict[str, Any], v: InClusterValues) -> None:
+    """The MPS daemons' owner: the agent's image, no runtime class, the simulated node's driver
+    folder (``--driver-root`` of ``agent_args``, its control program) and host paths; rolled out
+    like the others."""
+    doc["spec"]["updateStrategy"] = {"type": "RollingUpdate"}  # OnDelete has no rollout status
+    spec = doc["spec"]["template"]["spec"]
+    spec.pop("runtimeClassName", None)
+    [c] = spec["containers"]
+    c["image"] = v.agent_image
+    c["imagePullPolicy"] = v.pull_policy
+    c["args"] = [*c["args"], *(a for a in v.agent_args if a.startswith("--driver-root="))]
+    for i, p in enumerate(v.agent_host_paths):
+        spec["volumes"].append({"name": f"node-{i}", "hostPath": {"path": p, "type": "Directory"}})
+        c["volumeMounts"].append({"name": f"node-{i}", "mountPath": p, "readOnly": True})
+    if v.strip_requests and "resources" in c:
+        c["resources"].pop("requests", None)
+
+
 def _scheduler_config(doc: dict[str, Any], v: InClusterValues) -> None:
     cfg = yaml.safe_load(doc["data"]["config.yaml"])
     for e in cfg.get("extenders", []):
@@ -236,6 +254,9 @@ def adapt_for_real_node(docs: Sequence[dict[str, Any]], v: InClusterValues, api_
     _operator(_find(out, "StatefulSet", "kvgpu-operator"), v)
     _scheduler(_find(out, "Deployment", "kvgpu-scheduler"), v)
     _agent(_find(out, "DaemonSet", "kvgpu-agent"), v)
+    mps = [d for d in out if d.get("kind") == "DaemonSet" and d["metadata"]["name"] == "kvgpu-mps"]
+    for d in mps:  # absent with devicePlugin.mps.enabled=false
+        _mps(d, v)
     _scheduler_config(_find(out, "ConfigMap", "kvgpu-scheduler-config"), v)
     ca = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": API_CA_CONFIGMAP, "namespace": NAMESPACE},
           "data": {"ca.crt": api_ca.decode()}}

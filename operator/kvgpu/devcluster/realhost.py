@@ -33,6 +33,7 @@ FIXED_DIRS = (  # host paths a real kubelet/containerd/agent use whatever their 
     Path("/var/lib/kubelet"), Path("/var/log/pods"), Path("/var/log/containers"),
     Path(f"/var/lib/cni/networks/{CNI_NETWORK}"), Path("/run/containerd/runc/k8s.io"),
     Path("/var/lib/kvgpu"), Path("/usr/local/kvgpu"), Path("/run/kvgpu-realnode"),
+    Path("/run/kvgpu"),  # the MPS daemons' root, /var/run/kvgpu/mps (the agent's wanted.json, status.json)
 )
 SOCKET_DIR = Path("/run/kvgpu-realnode")  # containerd's sockets: a unix socket path has at most 107 bytes,
 #                                           and a run directory under pytest's tmp dir is longer
