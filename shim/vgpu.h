@@ -272,6 +272,7 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
  * period, so saturating co-tenants take turns and do not stretch each other's batches. */
 #define VGPU_BATCH_NS 5000000ull    /* a batch of launches is measured at least this often */
 #define VGPU_CAL_NS (500 * VGPU_MS)     /* busy calibration interval */
+#define VGPU_CAL_MIN_WAIT_NS (2 * VGPU_MS) /* ... taken only in a wait at least this long */
 #define VGPU_CAL_POINT_NS (25 * VGPU_MS) /* measured-time series: a point at most this often */
 #define VGPU_CAL_POINTS 128             /* ... kept (at least 3.2 s) */
 #define VGPU_CAL_MIN_WORK_NS (20 * VGPU_MS) /* measured GPU time a span needs to count */

@@ -41,9 +41,10 @@ void vgpu_compute_setup(int d, CUdevice dev)
         g->batch_ns = margin;
 }
 
-/* Every 500 ms on the slow path: the card's busy time in NVML's newest utilization samples
- * against the GPU time measured in their span (vgpu_gate_calibrate; only a process alone on the
- * card is calibrated). NVML stamps samples with the wall clock: mapped to the gate's clock. */
+/* At most every 500 ms, when a launch is about to wait for credit: the card's busy time in
+ * NVML's newest utilization samples against the GPU time measured in their span
+ * (vgpu_gate_calibrate; only a process alone on the card is calibrated). NVML stamps samples
+ * with the wall clock: mapped to the gate's clock. */
 static void calibrate(int d, struct vgpu_gate *g, uint64_t now)
 {
     unsigned long long from_us = 0;
@@ -85,8 +86,6 @@ static void refresh_schedule(int d, uint64_t now)
     atomic_store_explicit(&rd->sched_heartbeat_ns, now, memory_order_relaxed);
     if (!g->last_sched_ns || now - g->last_sched_ns >= VGPU_SCHED_REFRESH_NS)
         atomic_store_explicit(&rd->sched_busy_pm, vgpu_gate_busy(g, now), memory_order_relaxed);
-    if (!g->measure_only && (!g->cal_last_ns || now - g->cal_last_ns >= VGPU_CAL_NS))
-        calibrate(d, g, now);
     if (g->measure_only) {
         g->last_sched_ns = now;
         return;
@@ -143,6 +142,11 @@ static void gate_slow(int d, CUstream s)
         if (!wake)
             break;
         g->throttles++;
+        /* Calibration matters only while the limit binds, and its NVML calls (up to ms under
+         * contention) then cost nothing: the launch waits anyway. */
+        if (!g->measure_only && wake - now >= VGPU_CAL_MIN_WAIT_NS &&
+            (!g->cal_last_ns || now - g->cal_last_ns >= VGPU_CAL_NS))
+            calibrate(d, g, now);
         if (vgpu.cfg.log_level >= 3)
             vgpu_log(3, "gate d%d: wait %llu us (credit %lld us, gaps %u pm, est %llu ns/launch, window %llu+%llu us of %llu, co-tenants %d)",
                      d, (unsigned long long)((wake - now) / 1000),

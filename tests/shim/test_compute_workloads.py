@@ -119,6 +119,19 @@ def test_requests_of_many_short_kernels_are_not_delayed(card, hidden) -> None:
     assert not_delayed(native, r), (native, r)
 
 
+def test_calibration_costs_a_tenant_under_its_share_nothing(card) -> None:
+    """Requests of 10 ms every 50 ms under a 30 % limit (two thirds of the share, never held
+    back), with an NVML whose utilization query takes 30 ms (under contention): the calibration's
+    calls are made only where a launch waits for credit anyway, so no request pays for them."""
+    native = work(card, card.env(shim=False), "req", "2", "2500", "4", "50")
+    env = alone(card, 30, "calcost")
+    env["STUB_NVML_DELAY_US"] = "30000"
+    r = work(card, env, "req", "4", "2500", "4", "50")
+    print("4 x 2.5 ms requests, NVML 30 ms: native p99", native["p99_ms"], "limited", r["p50_ms"], r["p99_ms"])
+    assert not_delayed(native, r), (native, r)
+    assert r["p99_ms"] < native["p99_ms"] + 25, (native, r)
+
+
 def test_a_tenant_under_its_share_is_not_delayed(card) -> None:
     """6 ms of GPU work every 50 ms (12 %) under a 30 % limit: before, every request waited for
     the tenant's window (p50 50 ms against 6 ms native)."""

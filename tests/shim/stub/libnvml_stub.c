@@ -5,7 +5,8 @@
  * (nvmlDeviceGetSamples, NVML_GPU_UTILIZATION_SAMPLES): one sample per call, the card's busy
  * share since this process's previous call from every process's GPU time, times
  * STUB_NVML_BUSY_PM / 1000 (default 1000: a card whose utilization counter counts exactly the
- * kernels' time; less: one that does not count the short gaps between kernels).
+ * kernels' time; less: one that does not count the short gaps between kernels);
+ * STUB_NVML_DELAY_US: each such call takes that long (NVML under contention).
  */
 #define _GNU_SOURCE
 #include <signal.h>
@@ -109,6 +110,9 @@ API nvmlReturn_t nvmlDeviceGetSamples(void *h, int type, unsigned long long last
     int d = idx(h);
     if (!inited) return 1;
     if (d < 0 || !n || !vtype || type != 1) return 2;
+    long delay = stub_env("STUB_NVML_DELAY_US", 0);
+    if (delay > 0)
+        usleep((useconds_t)delay);
     struct stub_state *s = stub_state();
     uint64_t now = stub_now(), busy = 0;
     for (int i = 0; i < STUB_MAXPROC; i++)
