@@ -29,7 +29,8 @@ EXPECTED = {
     "CustomResourceDefinition": 3, "VGPUPool": 1, "DeviceClass": len(device_classes()),
     "ServiceAccount": 3, "ClusterRole": 5, "ClusterRoleBinding": 3, "Role": 2, "RoleBinding": 3,
     "StatefulSet": 1, "Service": 2, "PodDisruptionBudget": 1, "ConfigMap": 1, "Deployment": 1,
-    "DaemonSet": 1, "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
+    "DaemonSet": 2,  # the agent; the MPS control daemons (kvgpu-mps: their own, kept across agent upgrades)
+    "MutatingWebhookConfiguration": 1, "ValidatingWebhookConfiguration": 1,
     # VGPUClaim writers (vgpuclaims.kvgpu.io) and the pod checks after every mutation (pods.kvgpu.io)
     "NetworkPolicy": 1, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
 }
