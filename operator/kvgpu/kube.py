@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import tenacity
@@ -107,6 +108,40 @@ async def _raw(resp: Any) -> Any:
     return json.loads(await read_checked(resp))
 
 
+def _seg(text: str) -> str:
+    """One URL path segment (a namespace or a name), escaped as the generated client does."""
+    return quote(text, safe="")
+
+
+#: No client-side timeout, as the generated client sends its calls (``aiohttp.ClientTimeout()``)
+NO_TIMEOUT = aiohttp.ClientTimeout()
+
+
+async def send(api: client.ApiClient, method: str, path: str, body: bytes | None = None,
+               content_type: str = "application/json") -> bytes:
+    """One API call through ``api``'s HTTP session (its connection pool, TLS and credentials),
+    without the generated client's layers: the body is sent as given (already JSON) and the
+    answer returned as bytes, ``ApiException`` outside 2xx. The bind writes go through here: the
+    generated client's parameter handling and ``sanitize_for_serialization`` of the body cost
+    about as much CPU as the HTTP request itself, in the process that answers kube-scheduler."""
+    cfg = api.configuration
+    headers = {**api.default_headers, "Accept": "application/json", "Content-Type": content_type}
+    if cfg.api_key:  # a bearer token (in-cluster: re-read by the configuration's refresh hook)
+        for auth in (await cfg.auth_settings()).values():
+            headers[auth["key"]] = auth["value"]
+    rest = api.rest_client
+    extra: dict[str, Any] = {}
+    if rest.proxy:
+        extra["proxy"] = rest.proxy
+        if rest.proxy_headers:
+            extra["proxy_headers"] = rest.proxy_headers
+    if rest.server_hostname:
+        extra["server_hostname"] = rest.server_hostname
+    resp = await rest.pool_manager.request(method, cfg.host + path, data=body, headers=headers,
+                                           timeout=NO_TIMEOUT, **extra)
+    return await read_checked(resp)
+
+
 async def get_pod(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
     try:
         resp = await client.CoreV1Api(api).read_namespaced_pod(name, namespace, _preload_content=False)
@@ -140,9 +175,8 @@ async def create_binding(
         "metadata": meta,
         "target": {"apiVersion": "v1", "kind": "Node", "name": node},
     }
-    # The generated client fails to deserialize the Status answer of pods/binding; ask for raw data.
-    await _discard(await client.CoreV1Api(api).create_namespaced_pod_binding(
-        name, namespace, body, _preload_content=False))
+    await send(api, "POST", f"/api/v1/namespaces/{_seg(namespace)}/pods/{_seg(name)}/binding",
+               json.dumps(body, separators=(",", ":")).encode())
 
 
 @retry_transient
@@ -187,9 +221,9 @@ async def get_path(api: client.ApiClient, path: str) -> dict[str, Any] | None:
 
 async def create_claim(api: client.ApiClient, namespace: str, body: dict[str, Any]) -> str:
     """Create a VGPUClaim; returns the new object's UID."""
-    co = client.CustomObjectsApi(api)
-    created = await _raw(await co.create_namespaced_custom_object(
-        keys.GROUP, keys.VERSION, namespace, "vgpuclaims", body, _preload_content=False))
+    created = json.loads(await send(
+        api, "POST", f"/apis/{keys.GROUP}/{keys.VERSION}/namespaces/{_seg(namespace)}/vgpuclaims",
+        json.dumps(body, separators=(",", ":")).encode()))
     return str((created.get("metadata") or {}).get("uid") or "")
 
 
