@@ -75,8 +75,4 @@ def best_node(scores: Mapping[str, float]) -> str:
     all land on one node). Raises ``ValueError`` when ``scores`` is empty."""
     if not scores:
         raise ValueError("best_node: no nodes")
-    best, top = "", float("-inf")
-    for name, s in scores.items():
-        if s > top:
-            best, top = name, s
-    return best
+    return max(scores, key=scores.__getitem__)  # the first of equal maxima; a C loop over ~500 names

@@ -67,6 +67,9 @@ class BindingArgs:
     node: str
 
 
+_IS_STR = str.__instancecheck__  # isinstance(x, str) without a Python frame per node name
+
+
 def parse_args(doc: Any) -> ExtenderArgs:
     if not isinstance(doc, dict):
         raise ProtocolError("extender args must be a JSON object")
@@ -76,7 +79,7 @@ def parse_args(doc: Any) -> ExtenderArgs:
     names = doc.get("nodenames") or doc.get("NodeNames")
     nodes = doc.get("nodes") or doc.get("Nodes")
     if names is not None:
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        if not isinstance(names, list) or not all(map(_IS_STR, names)):
             raise ProtocolError("extender args: 'nodenames' must be a list of strings")
         return ExtenderArgs(pod, list(names), None)
     if isinstance(nodes, dict) and isinstance(nodes.get("items"), list):
