@@ -246,6 +246,7 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
+int vgpu_gate_busy_rise(struct vgpu_gate *g, uint64_t now);
 void vgpu_gate_cal_note(struct vgpu_gate *g, uint64_t now);
 uint64_t vgpu_gate_cal_own(const struct vgpu_gate *g, uint64_t t0, uint64_t t1);
 void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns, int alone);

@@ -40,9 +40,10 @@
 
 /* Timing of the shim (ns of CLOCK_MONOTONIC). */
 #define VGPU_DEFAULT_PERIOD_NS (100 * VGPU_MS)  /* compute period without KVGPU_COMPUTE_PERIOD_MS */
-#define VGPU_SCHED_REFRESH_NS (250 * VGPU_MS)   /* schedule read, heartbeat and busy share */
-#define VGPU_GATE_MAX_SLEEP_NS (250 * VGPU_MS)  /* a waiting launch re-decides at least this often */
-#define VGPU_NO_WINDOW_WAIT_NS (250 * VGPU_MS)  /* a schedule leaving no time: wait, then look again */
+#define VGPU_SCHED_REFRESH_NS (100 * VGPU_MS)   /* schedule read, heartbeat and busy share */
+#define VGPU_GATE_MAX_SLEEP_NS (100 * VGPU_MS)  /* a waiting launch re-decides at least this often */
+#define VGPU_NO_WINDOW_WAIT_NS (100 * VGPU_MS)  /* a schedule leaving no time: wait, then look again */
+#define VGPU_BUSY_RISE_MIN_NS (20 * VGPU_MS)    /* a rising busy share is published once measured this long */
 #define VGPU_RECONCILE_NS (200 * VGPU_MS)       /* NVML reconciliation on allocation paths */
 #define VGPU_RECONCILE_NEAR_NS (10 * VGPU_MS)   /* ... within 10 % of the limit */
 #define VGPU_RECONCILE_REFUSE_NS (2 * VGPU_MS)  /* ... before a refusal (a container racing its
@@ -139,7 +140,7 @@ struct vgpu_region_dev {
     /* compute activity, the container's only say in the node-wide schedule (read by the agent,
      * which lays out the windows from the claims; see vgpu_sched_read): */
     _Atomic uint64_t sched_joined_ns;    /* CLOCK_MONOTONIC when the gate became active (again) */
-    _Atomic uint64_t sched_heartbeat_ns; /* last schedule refresh of the gate (every 250 ms) */
+    _Atomic uint64_t sched_heartbeat_ns; /* last schedule refresh of the gate (every 100 ms) */
     _Atomic uint64_t sched_busy_pm;      /* GPU time the container's work took, per mille of wall
                                           * time (measured, smoothed over ~1 s): what an uncapped
                                           * high-priority tenant leaves is 1000 minus this */
@@ -379,6 +380,9 @@ void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 /* Busy per mille published for the agent, from the measured GPU time since the last call. */
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
+/* Between those calls: 1 (and busy_pm raised) when the share measured over the current interval,
+ * at least VGPU_BUSY_RISE_MIN_NS long, is above the published one; else 0. Pure. */
+int vgpu_gate_busy_rise(struct vgpu_gate *g, uint64_t now);
 /* Record a point of the measured-time series at `now` (at most every VGPU_CAL_POINT_NS). */
 void vgpu_gate_cal_note(struct vgpu_gate *g, uint64_t now);
 /* The measured GPU ns settled in [t0, t1] (gate clock), read off the series by linear

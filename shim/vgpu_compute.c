@@ -267,11 +267,28 @@ uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now)
     uint64_t el = now - g->busy_since_ns, pm = g->busy_acc_ns * 1000 / el;
     if (pm > 1000)
         pm = 1000;
-    /* about one second of smoothing at the 250 ms refresh; rises at once */
-    g->busy_pm = pm > g->busy_pm ? (uint32_t)pm : (uint32_t)((g->busy_pm * 3 + pm) / 4);
+    /* rises at once (low priority must yield fast); falls over about a second at the 100 ms
+     * refresh (7/8 a step) */
+    g->busy_pm = pm > g->busy_pm ? (uint32_t)pm : (uint32_t)((g->busy_pm * 7 + pm) / 8);
     g->busy_acc_ns = 0;
     g->busy_since_ns = now;
     return g->busy_pm;
+}
+
+int vgpu_gate_busy_rise(struct vgpu_gate *g, uint64_t now)
+{
+    /* Between refreshes: a share measured over at least VGPU_BUSY_RISE_MIN_NS of the current
+     * interval that is above the published one is published at once (a high-priority tenant
+     * resuming after a pause: its refresh measured the pause) */
+    if (!g->busy_since_ns || now < g->busy_since_ns + VGPU_BUSY_RISE_MIN_NS)
+        return 0;
+    uint64_t pm = g->busy_acc_ns * 1000 / (now - g->busy_since_ns);
+    if (pm > 1000)
+        pm = 1000;
+    if (pm <= g->busy_pm)
+        return 0;
+    g->busy_pm = (uint32_t)pm;
+    return 1;
 }
 
 void vgpu_gate_cal_note(struct vgpu_gate *g, uint64_t now)

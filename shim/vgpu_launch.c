@@ -69,7 +69,7 @@ static void calibrate(int d, struct vgpu_gate *g, uint64_t now)
         vgpu_gate_calibrate(g, (uint64_t)t0, (uint64_t)t1, busy, 1);
 }
 
-/* Every 250 ms on the slow path: stamp the container's activity and busy share in its own
+/* Every 100 ms on the slow path: stamp the container's activity and busy share in its own
  * region (the agent reads them) and read the window the agent laid out for this card. A
  * missing, short or garbage schedule, or one that does not list us yet: our own share at
  * offset 0, alone (capped, never unlimited); retried on every slow path until listed. A window
@@ -77,9 +77,12 @@ static void calibrate(int d, struct vgpu_gate *g, uint64_t now)
 static void refresh_schedule(int d, uint64_t now)
 {
     struct vgpu_gate *g = &vgpu.gate[d];
-    if (g->last_sched_ns && now - g->last_sched_ns < VGPU_SCHED_REFRESH_NS)
-        return;
     struct vgpu_region_dev *rd = &vgpu.region.r->dev[d];
+    if (g->last_sched_ns && now - g->last_sched_ns < VGPU_SCHED_REFRESH_NS) {
+        if (g->measure_only && vgpu_gate_busy_rise(g, now)) /* low priority must yield now */
+            atomic_store_explicit(&rd->sched_busy_pm, g->busy_pm, memory_order_relaxed);
+        return;
+    }
     uint64_t hb = atomic_load_explicit(&rd->sched_heartbeat_ns, memory_order_relaxed);
     if (!hb || hb > now || now - hb >= VGPU_SCHED_STALE_NS)
         atomic_store_explicit(&rd->sched_joined_ns, now, memory_order_relaxed); /* (re)joins at the end */
@@ -153,7 +156,7 @@ static void gate_slow(int d, CUstream s)
                      ((long long)now - (long long)atomic_load(g->vt)) / 1000, g->gap_pm, (unsigned long long)g->est_ns,
                      (unsigned long long)(g->offset_ns / 1000), (unsigned long long)(g->len_ns / 1000),
                      (unsigned long long)(g->period_ns / 1000), g->cotenants);
-        /* Wake at least every 250 ms: the schedule may change, and the agent needs our heartbeat. */
+        /* Wake at least every 100 ms: the schedule may change, and the agent needs our heartbeat. */
         sleep_until(wake - now > VGPU_GATE_MAX_SLEEP_NS ? now + VGPU_GATE_MAX_SLEEP_NS : wake);
         vgpu_measure_poll(g, 0);
     }

@@ -93,10 +93,12 @@ def slug(s: str) -> str:
 class AgentSchedule:
     """The node agent's own Scheduler (kvgpu.agent.schedule) for the tenants of the current run:
     it reads their regions (activity, join time, measured busy share) and rewrites the card's
-    schedule file every 250 ms, as the agent does on a node."""
+    schedule file every ``INTERVAL_S`` (100 ms), as the agent does on a node."""
 
     def __init__(self, sched_dir: str, uuid: str) -> None:
-        from kvgpu.agent.schedule import Scheduler, TenantSource
+        from kvgpu.agent.schedule import INTERVAL_S, Scheduler, TenantSource
+
+        self._interval = INTERVAL_S
 
         self._ts = TenantSource
         self.uuid = uuid
@@ -130,7 +132,7 @@ class AgentSchedule:
             except Exception as e:  # keep scheduling; report it
                 if len(self.errors) < 5:
                     self.errors.append(repr(e))
-            self._stop.wait(0.25)
+            self._stop.wait(self._interval)
 
     def stop(self) -> None:
         self._stop.set()
@@ -405,7 +407,7 @@ def _run_suite(cfg: Config, sampler: NvmlSampler) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "card": sampler.name, "uuid": cfg.uuid,
         "secs": cfg.secs, "modes": cfg.modes, "parts": cfg.parts, "only": sorted(cfg.only),
         "kvgpu_lib": os.path.basename(cfg.kvgpu_lib), "hami_lib": os.path.basename(cfg.hami_lib),
-        "kvgpu_schedule": "the agent's Scheduler, every 250 ms" if runner.agent else
+        "kvgpu_schedule": "the agent's Scheduler, every 100 ms" if runner.agent else
         f"the agent's layout(), written once per run ({why})"},
         "runs": [], "_baseline": cfg.baseline}
     if "hami" in cfg.modes and not (cfg.hami_lib and os.path.exists(cfg.hami_lib)) and not cfg.fake:

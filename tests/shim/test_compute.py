@@ -145,9 +145,9 @@ def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
     wake = lib.vgpu_gate_decide(g, g.local_vt + MS)
     assert wake == 1000 * 100 * MS + 50 * MS
     assert lib.vgpu_gate_decide(g, wake) == 0 and g.open_until <= wake + 30 * MS
-    # the schedule leaves no time at all: wait (and re-read it) in 250 ms steps
+    # the schedule leaves no time at all: wait (and re-read it) in 100 ms steps
     lib.vgpu_gate_set_window(g, 0, 0, 1)
-    assert lib.vgpu_gate_decide(g, wake) == wake + 250 * MS
+    assert lib.vgpu_gate_decide(g, wake) == wake + 100 * MS
 
 
 def test_measure_only_gate_never_waits_and_publishes_its_busy_share(core) -> None:
@@ -160,6 +160,25 @@ def test_measure_only_gate_never_waits_and_publishes_its_busy_share(core) -> Non
     lib.vgpu_gate_settle(g, 100, 0, 200 * MS, 1)
     assert lib.vgpu_gate_decide(g, t + 1) == 0 and lib.vgpu_gate_fast(g, t + 2, t + 2, core.ffi.NULL) == 1
     assert lib.vgpu_gate_busy(g, t + 250 * MS) == 800
+
+
+def test_a_busy_share_rises_at_once_and_falls_over_a_second(core) -> None:
+    """An uncapped high-priority tenant resuming after a pause: its refresh measured the pause
+    (a low share, low priority gets a window); the rise is published as soon as 20 ms of the new
+    interval show it, not at the next 100 ms refresh. A fall is smoothed (7/8 a refresh)."""
+    lib = core.lib
+    g = gate(core, 0)
+    g.active = g.measure_only = 1
+    t = 500 * 100 * MS
+    lib.vgpu_gate_busy(g, t)
+    assert lib.vgpu_gate_busy(g, t + 1000 * MS) == 0  # a second without work
+    lib.vgpu_gate_settle(g, 4, 0, 9 * MS, 1)
+    assert lib.vgpu_gate_busy_rise(g, t + 1010 * MS) == 0 and g.busy_pm == 0  # under 20 ms: not yet
+    lib.vgpu_gate_settle(g, 4, 0, 18 * MS, 1)
+    assert lib.vgpu_gate_busy_rise(g, t + 1030 * MS) == 1 and g.busy_pm == 900
+    assert lib.vgpu_gate_busy_rise(g, t + 1060 * MS) == 0 and g.busy_pm == 900  # 27/60: no fall here
+    assert lib.vgpu_gate_busy(g, t + 1100 * MS) == (900 * 7 + 270) // 8  # the refresh: 27 of 100 ms
+    assert lib.vgpu_gate_busy(g, t + 1200 * MS) == 821 * 7 // 8  # nothing in 100 ms
 
 
 @pytest.mark.parametrize(

@@ -148,8 +148,9 @@ def test_several_streams_share_one_limit(card) -> None:
     assert abs(r["busy"] * 100 - 30) <= 6, r
 
 
-def tenants(box, specs: list[tuple[int, int]], args: list[str], secs: float = 3.2,
-            modes: list[tuple[str, list[str]]] | None = None) -> list[dict[str, Any]]:
+def tenants(box, specs: list[tuple[int, int]], args: list[str], secs: float | list[float] = 3.2,
+            modes: list[tuple[str, list[str]]] | None = None,
+            extra_env: list[dict[str, str]] | None = None) -> list[dict[str, Any]]:
     """Containers on card 0 at once, (cores, priority) each, with the node agent's schedule
     writer running in a thread (the real Scheduler over their claims and regions). The stub card
     time-slices between them as a GPU does between processes (STUB_TIMESLICE): a kernel running
@@ -162,16 +163,18 @@ def tenants(box, specs: list[tuple[int, int]], args: list[str], secs: float = 3.
         rd = region(box, f"t{i}")
         sources.append(TenantSource(f"ns/t{i}", prio, {uuid(0): cores}, rd / "vgpu.region"))
         envs.append(box.env(claim((0, 1000, cores), name=f"ns/t{i}", priority=prio),
-                            KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd, STUB_TIMESLICE="1"))
+                            KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd, STUB_TIMESLICE="1",
+                            **(extra_env[i] if extra_env else {})))
     writer = Scheduler(sched, lambda: sources, lambda: [uuid(0)])
     stop = threading.Event()
     t = threading.Thread(target=writer.serve, args=(stop, 0.1), daemon=True)
     t.start()
     try:
         runs = modes or [("sat", args)] * len(envs)
-        procs = [subprocess.Popen([str(box.kit.cuprog), "work", mode, str(secs), *margs], env=env,
+        each = secs if isinstance(secs, list) else [secs] * len(envs)
+        procs = [subprocess.Popen([str(box.kit.cuprog), "work", mode, str(sec), *margs], env=env,
                                   stdout=subprocess.PIPE, text=True)
-                 for env, (mode, margs) in zip(envs, runs, strict=True)]
+                 for env, (mode, margs), sec in zip(envs, runs, each, strict=True)]
         outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
         box.last_layout = writer.tick()
     finally:
@@ -199,6 +202,16 @@ def test_uncapped_high_priority_leaves_low_priority_only_the_rest(card) -> None:
     priority gets what it leaves: nothing while it saturates the card."""
     hi, lo = tenants(card, [(0, 0), (50, 1)], ["2000", "20"])
     assert hi["busy"] >= 0.85 and lo["busy"] <= 0.10, (hi, lo)
+
+
+def test_low_priority_yields_at_once_when_high_priority_wakes(card) -> None:
+    """An uncapped high-priority tenant in light use (listed with a small busy share, so low
+    priority has a window), then paused (no CUDA call: its next refresh measures the pause), then
+    saturating, as a job that set up, waited at a barrier and started: it takes the card back at
+    once. It measures its own saturating phase only; what low priority kept of it is missing."""
+    hi, lo = tenants(card, [(0, 0), (50, 1)], ["2000", "20"], secs=[3.0, 5.5],
+                     extra_env=[{"CUPROG_IDLE_MS": "1200", "CUPROG_PAUSE_MS": "500"}, {}])
+    assert hi["busy"] >= 0.9, (hi, lo)
 
 
 

@@ -64,6 +64,7 @@ from .podresources import DEFAULT_SOCKET as POD_RESOURCES_SOCKET
 from .podresources import PodResourcesClient
 from .pods import PodCache
 from .registration import Registrar
+from .schedule import INTERVAL_S as SCHEDULE_INTERVAL_S
 from .schedule import Scheduler, sources_of
 from .shimcheck import ShimCheck
 from .shiminstall import install_shim, prune_shims
@@ -118,7 +119,7 @@ class AgentConfig:
     #: the node-wide compute schedule (one file per card) this agent alone writes; 0 disables.
     #: Runs with the device plugin (a real kubelet's containers), not on fake nodes.
     sched_dir: str = keys.HOST_SCHED_DIR
-    sched_interval_s: float = 0.25
+    sched_interval_s: float = SCHEDULE_INTERVAL_S
     #: the MPS backend (with the device plugin): the mps cards written to ``<mps_root>/wanted.json``
     #: after each inventory and every ``mps_interval_s`` (0 disables); with ``mps_daemons="agent"``
     #: the agent also owns the daemons itself (kvgpu.agent.mps.MpsOwner rounds), with ``"separate"``

@@ -4,7 +4,7 @@ One file per card, ``<sched dir>/<UUID>.sched`` (host ``/var/lib/kvgpu/sched``, 
 at ``/var/run/kvgpu-sched`` in every sliced container), lists the compute window of each active
 co-tenant of that card: its claim name, the window's offset and its length, in per mille of the
 gate's period. The shim only reads it (``vgpu_sched_read`` in ``shim/vgpu_compute.c``) and
-re-reads it every 250 ms; this module replaces it atomically (temp file, rename), mode 0644.
+re-reads it every 100 ms; this module replaces it atomically (temp file, rename), mode 0644.
 
 Who asks for what comes from the claims (pod annotations from the API: priority and cores);
 each container's own region says only whether it is active: the shim stamps
@@ -49,6 +49,9 @@ HEADER = struct.Struct("<IIII")  # magic, version, entry size, count
 ENTRY = struct.Struct(f"<{KEY_LEN}sII")  # key, offset_pm, len_pm
 STALE_NS = 3_000_000_000  # an entry silent this long drops out
 UNCAPPED_WARMUP_NS = 1_000_000_000  # an uncapped high-priority tenant this new keeps the card
+#: Seconds between passes. With the shim's own 100 ms refresh, an uncapped high-priority tenant
+#: that starts to saturate takes the card back from low priority within about 0.3 s.
+INTERVAL_S = 0.1
 SUFFIX = ".sched"
 
 
@@ -277,13 +280,13 @@ class Scheduler:
                 log.warning("cannot write the compute schedule of %s: %s", uuid, e)
         return layouts
 
-    def serve(self, stop: threading.Event, interval_s: float = 0.25) -> None:
+    def serve(self, stop: threading.Event, interval_s: float = INTERVAL_S) -> None:
         """Tick until ``stop`` is set (a thread; the tests run the agent's writer this way)."""
         while not stop.is_set():
             self.tick()
             stop.wait(interval_s)
 
-    async def run(self, interval_s: float = 0.25) -> None:
+    async def run(self, interval_s: float = INTERVAL_S) -> None:
         while True:
             try:
                 await asyncio.to_thread(self.tick)
@@ -293,6 +296,7 @@ class Scheduler:
 
 
 __all__ = [
+    "INTERVAL_S",
     "Activity",
     "Scheduler",
     "Tenant",

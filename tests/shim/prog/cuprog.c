@@ -31,7 +31,9 @@
  *   cuprog work req SECS KERNEL_US NKERNELS PERIOD_MS     a request of NKERNELS kernels (then a
  *       stream sync) every PERIOD_MS; latency from the request's arrival to the sync's return
  *   (CUPROG_HIDDEN_SYNC=1: the waits go where the shim cannot see them, like cudart's;
- *   CUPROG_WARMUP_MS=N: a saturating loop for N ms first, not measured)
+ *   CUPROG_WARMUP_MS=N: a saturating loop for N ms first, not measured;
+ *   CUPROG_IDLE_MS=N: light use for N ms first, a kernel every 100 ms, not measured;
+ *   CUPROG_PAUSE_MS=N: after those, N ms without any CUDA call)
  *   (work: the stub driver with STUB_GRID_US=1 runs each kernel for gridDimX us; it prints the
  *   share of wall time its kernels ran, per second too, from the stub's stubDoneNs)
  */
@@ -356,6 +358,19 @@ static int cmd_work(int argc, char **argv)
         for (int i = 0; i < 10; i++)
             cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
         work_sync(NULL);
+    }
+    const char *idle = getenv("CUPROG_IDLE_MS"); /* light use first: a short kernel every 100 ms */
+    for (double e = now_s() + (idle ? atof(idle) : 0) / 1e3; idle && now_s() < e;) {
+        cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        work_sync(NULL);
+        struct timespec ts = {0, 100000000L};
+        nanosleep(&ts, NULL);
+    }
+    const char *pause = getenv("CUPROG_PAUSE_MS"); /* then no CUDA call at all for N ms */
+    if (pause) {
+        long ms = atol(pause);
+        struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
     }
     double per[64];
     int nper = 0;
