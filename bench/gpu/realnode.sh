@@ -7,6 +7,7 @@
 # Device call (carry [".ktp", ".rn"], from the repository root):
 #   bash bench/gpu/realnode.sh            # output in $OUT (or bench/results/raw)
 #   KVGPU_RN_PARTS=dra bash bench/gpu/realnode.sh   # DRA mode: the seed via a claim template
+#   KVGPU_RN_PARTS=mps bash bench/gpu/realnode.sh   # MPS: the kvgpu-mps owner as a pod, two clients
 # The scenario itself is bench/gpu/realnode_run.py; this script only unpacks what was carried.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -449,16 +449,17 @@ class RealNode:
     def pool_name(self) -> str:
         return f"realnode-{self.name}"
 
-    def apply_pool(self, split_count: int = 10, allocation: str = "extender") -> None:
+    def apply_pool(self, split_count: int = 10, allocation: str = "extender", mode: str = "hami-core") -> None:
         """A VGPUPool over this node's cards only (``kvgpu.io/gpu-node=true`` plus its hostname
         label: more specific than a fleet-wide pool, so it wins without a conflict); the agent
         offers devices only for pooled cards (``allocation``: ``extender``, the device plugin,
-        or ``dra``, the node's ResourceSlice). :meth:`stop` deletes it."""
+        or ``dra``, the node's ResourceSlice; ``mode``: ``hami-core``, ``exclusive`` or ``mps``).
+        :meth:`stop` deletes it."""
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps({
             "apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": self.pool_name},
             "spec": {"nodeSelector": {"matchLabels": {"kvgpu.io/gpu-node": "true",
                                                       "kubernetes.io/hostname": self.name}},
-                     "splitCount": split_count, "allocation": allocation}}))
+                     "splitCount": split_count, "allocation": allocation, "mode": mode}}))
 
     def stop_agent(self) -> None:
         if self.agent is not None and self.agent.poll() is None:
