@@ -297,8 +297,6 @@ struct vgpu_gate {
     int cotenants;              /* the schedule lists other tenants of this card */
     int bursting;               /* co-tenants: spending a full bucket outside the window */
     uint64_t waited_ns;         /* co-tenants: when a launch last had to wait (no burst for 2 P) */
-    uint64_t carry_ns;          /* co-tenants: what the last window left idle (< one launch)... */
-    uint64_t carry_for_ns;      /* ...extends the window starting here */
     uint64_t period_ns;
     uint64_t share_ns;          /* own share (the claim's cores) x period */
     uint64_t offset_ns;         /* own window inside the period (schedule) */

@@ -144,23 +144,13 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
         return 0;
     }
     uint64_t ws = window_at(g, t), we = ws + g->len_ns;
-    if (g->carry_for_ns + g->period_ns == ws && t < g->carry_for_ns + g->len_ns + g->carry_ns)
-        ws = g->carry_for_ns, we = ws + g->len_ns; /* still in the last window, by its carry */
     /* The work launched must end inside the window (what is queued, then one more launch):
      * work spilling into a co-tenant's window time-slices with its work, and both pairs of
-     * events would count both. A launch longer than the window still starts at its beginning.
-     * Deficit carry: the part of its last window a tenant left idle because its next launch
-     * would not have ended inside (less than one launch) extends this window's end, so over
-     * many windows it runs its share however its launch time divides the window. */
+     * events would count both. A launch longer than the window still starts at its beginning. */
     uint64_t need = g->queued_ns + g->est_ns;
-    we += g->carry_for_ns == ws ? g->carry_ns : 0;
     if (ws <= t && t + need > we && need < g->len_ns) {
-        uint64_t end = t + g->queued_ns, left = we > end ? we - end : 0;
         ws += g->period_ns;
-        we = ws + g->len_ns;
-        g->carry_for_ns = ws;
-        g->carry_ns = left < g->est_ns ? left : g->est_ns;
-        we += g->carry_ns;
+        we += g->period_ns;
     }
     if (ws <= t) { /* t is inside a window */
         if (t > now)
