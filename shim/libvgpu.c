@@ -76,6 +76,18 @@ static void at_exit(void)
                     (unsigned long long)(g->st_span[m] / 1000), (unsigned long long)(g->st_charged[m] / 1000),
                     (unsigned long long)(g->st_prov[m] / 1000), (unsigned long long)g->est_ns,
                     (unsigned long long)g->kern_ns, g->gap_pm, (unsigned long long)g->throttles);
+        uint64_t n = g->st_trace_n, i = n > VGPU_TRACE_LEN ? n - VGPU_TRACE_LEN : 0;
+        for (; g->active && i < n; i++) { /* times: us into the period (window: offset, len) */
+            const struct vgpu_trace_ent *e = &g->st_trace[i % VGPU_TRACE_LEN];
+            uint64_t P = g->period_ns;
+            fprintf(stderr, "vgpu-trace pid=%d dev=%d win=%llu+%llu t=%llu.%06llu ret=%lld queued=%llu est=%llu "
+                    "credit=%lld open=%lld\n", (int)getpid(), d, (unsigned long long)(g->offset_ns / 1000),
+                    (unsigned long long)(g->len_ns / 1000), (unsigned long long)(e->now / P),
+                    (unsigned long long)(e->now % P / 1000), e->ret ? (long long)(e->ret - e->now) / 1000 : 0LL,
+                    (unsigned long long)(e->queued / 1000), (unsigned long long)(e->est / 1000),
+                    (long long)(e->credit / 1000),
+                    e->open_until ? (long long)(e->open_until - e->now) / 1000 : 0LL);
+        }
     }
 #endif
     if (vgpu.region.r)

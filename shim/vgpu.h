@@ -43,6 +43,7 @@
 #define VGPU_SCHED_REFRESH_NS (100 * VGPU_MS)   /* schedule read, heartbeat and busy share */
 #define VGPU_GATE_MAX_SLEEP_NS (100 * VGPU_MS)  /* a waiting launch re-decides at least this often */
 #define VGPU_NO_WINDOW_WAIT_NS (100 * VGPU_MS)  /* a schedule leaving no time: wait, then look again */
+#define VGPU_TRACE_LEN 2048                     /* VGPU_STATS builds: slow-path decisions kept */
 #define VGPU_BUSY_RISE_MIN_NS (20 * VGPU_MS)    /* a rising busy share is published once measured this long */
 #define VGPU_RECONCILE_NS (200 * VGPU_MS)       /* NVML reconciliation on allocation paths */
 #define VGPU_RECONCILE_NEAR_NS (10 * VGPU_MS)   /* ... within 10 % of the limit */
@@ -352,6 +353,12 @@ struct vgpu_gate {
     /* a diagnostic build only (VGPU_CFLAGS=-DVGPU_STATS shim/build.py): per settle mode 0-4,
      * batches, their measured span, what they were charged, their provisional charge (ns) */
     uint64_t st_n[5], st_span[5], st_charged[5], st_prov[5], st_launches[5];
+    /* and the last VGPU_TRACE_LEN decisions of the slow path (printed at exit) */
+    struct vgpu_trace_ent {
+        uint64_t now, ret, queued, est, open_until;
+        int64_t credit; /* now - V, credit clock ns */
+    } st_trace[VGPU_TRACE_LEN];
+    uint64_t st_trace_n;
 #endif
 };
 

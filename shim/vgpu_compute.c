@@ -107,7 +107,7 @@ static uint64_t window_at(const struct vgpu_gate *g, uint64_t t)
     return ws;
 }
 
-uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
+static uint64_t gate_decide(struct vgpu_gate *g, uint64_t now)
 {
     uint64_t batch_end = now + g->batch_ns;
     if (g->measure_only) {
@@ -168,6 +168,17 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
     }
     g->waited_ns = now;
     return ws;
+}
+
+uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
+{
+    uint64_t r = gate_decide(g, now);
+#ifdef VGPU_STATS
+    struct vgpu_trace_ent *e = &g->st_trace[g->st_trace_n++ % VGPU_TRACE_LEN];
+    e->now = now, e->ret = r, e->queued = g->queued_ns, e->est = g->est_ns;
+    e->credit = (int64_t)now - (int64_t)atomic_load(g->vt), e->open_until = atomic_load(&g->open_until);
+#endif
+    return r;
 }
 
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns)
