@@ -1,10 +1,11 @@
 """The real node's stand-in for the NVIDIA runtime (kvgpu.devcluster.runtimeplugin) and the MPS
-daemons' owner pod bench/gpu/realnode_run.py runs with it: the chart's kvgpu-mps container."""
+daemons' owner pod bench/gpu/realnode_mps.py runs with it: the chart's kvgpu-mps container."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -25,8 +26,10 @@ def test_every_card_and_control_node_no_caps(tmp_path: Path) -> None:
     assert {s.permissions for s in specs} == {"rw"} and specs[0].host_path == str(tmp_path / "nvidia0")
 
 
-def _realnode_run() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("realnode_run", ROOT / "bench" / "gpu" / "realnode_run.py")
+def _realnode_mps(monkeypatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "gpu"))  # its sibling realnode_kit
+    monkeypatch.delitem(sys.modules, "realnode_kit", raising=False)
+    spec = importlib.util.spec_from_file_location("realnode_mps", ROOT / "bench" / "gpu" / "realnode_mps.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -39,7 +42,7 @@ class _Node:
 
 def test_the_realnode_mps_owner_runs_the_charts_container(monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "operator"), os.environ.get("PYTHONPATH", "")]))
-    rr = _realnode_run()
+    rr = _realnode_mps(monkeypatch)
     pod = rr.mps_owner_pod(_Node())
     [c] = pod["spec"]["containers"]
     [chart] = one(render(), "DaemonSet", "kvgpu-mps")["spec"]["template"]["spec"]["containers"]
