@@ -108,12 +108,21 @@ def load_average() -> float:
         return float(f.read().split()[0])
 
 
+#: The key of :func:`scrape_histogram`'s answer that holds ``kvgpu_extender_connections_total``
+#: (TLS connections the extender accepted), as ``{0.0: count}``.
+CONNECTIONS = "connections"
+
+
 def scrape_histogram(port: int) -> dict[str, dict[float, float]]:
-    """Cumulative bucket counts of kvgpu_extender_request_seconds per verb."""
+    """Cumulative bucket counts of kvgpu_extender_request_seconds per verb, and under
+    :data:`CONNECTIONS` the extender's TLS connections so far (one scrape: at 5,000 nodes a
+    scrape costs the operator ~0.3 s of CPU)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
         text = r.read().decode()
     out: dict[str, dict[float, float]] = {}
     for line in text.splitlines():
+        if line.startswith("kvgpu_extender_connections_total "):
+            out[CONNECTIONS] = {0.0: float(line.rsplit(" ", 1)[1])}
         if not line.startswith("kvgpu_extender_request_seconds_bucket{"):
             continue
         labels, value = line[line.index("{") + 1:line.index("}")], float(line.rsplit(" ", 1)[1])
@@ -179,6 +188,8 @@ def histogram_quantiles(before: dict[str, dict[float, float]], after: dict[str, 
     """p50/p99 (ms, linear inside the bucket) and the share ≤ 20 ms of each verb's delta."""
     res: dict[str, dict[str, float]] = {}
     for verb, buckets in after.items():
+        if verb == CONNECTIONS:
+            continue
         b0 = before.get(verb, {})
         les = sorted(buckets)
         cum = [buckets[le] - b0.get(le, 0.0) for le in les]
@@ -202,6 +213,11 @@ def histogram_quantiles(before: dict[str, dict[float, float]], after: dict[str, 
         res[verb] = {"count": int(total), "p50_ms": round(q(0.5), 2), "p99_ms": round(q(0.99), 2),
                      "share_le_20ms": round(le20 / total, 4)}
     return res
+
+
+def new_connections(before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]) -> float:
+    """TLS connections the extender accepted between two :func:`scrape_histogram` answers."""
+    return after.get(CONNECTIONS, {}).get(0.0, 0.0) - before.get(CONNECTIONS, {}).get(0.0, 0.0)
 
 
 def pct(xs: list[float], p: float) -> float:

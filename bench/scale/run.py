@@ -71,6 +71,7 @@ from bench.scale.probes import (  # noqa: E402
     apiserver_cpu_ms_per_pod,
     histogram_quantiles,
     load_average,
+    new_connections,
     pct,
     per_pod_requests,
     scrape_histogram,
@@ -284,6 +285,7 @@ class Bench:
             out["bound_curve_s"] = [round(b - ref, 3) for b in bound[:: max(1, len(bound) // 200)]]
         if gpu:
             out["extender"] = histogram_quantiles(hist0, hist1)
+            out["extender_connections_per_pod"] = round(new_connections(hist0, hist1) / size, 3)
         if kind == "dra":
             out["dra_allocations"] = dra.check_allocations(await dra.list_claims(api, ns), self.slices)
         out["operator"] = sampler.summary()
@@ -297,7 +299,8 @@ class Bench:
         log(f"{kind:8s} {phase:8s} {mode:6s} {size:5d} pods: bound {len(bound)}/{size}"
             f" {out.get('bound_per_s')} pods/s, running {out.get('running_per_s')} pods/s,"
             f" create {out['create_s']} s, errors {len(errors)}, operator {out['operator']}"
-            + (f", extender {out['extender']}" if gpu else "")
+            + (f", extender {out['extender']}, {out['extender_connections_per_pod']} new extender"
+               " connections per pod" if gpu else "")
             + (f", claims {out['dra_allocations']}" if kind == "dra" else "")
             + f", cpu {out['cpu_seconds_by_process']}"
             + f", API requests per pod {out['api_requests_per_pod']}"

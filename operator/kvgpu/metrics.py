@@ -46,6 +46,10 @@ class OperatorMetrics:
         self.bind_failures = Counter("kvgpu_bind_failures_total", "Binds that failed, by reason.", ["reason"],
                                      registry=r)
         self.binds = Counter("kvgpu_binds_total", "Pods bound by the extender.", registry=r)
+        self.extender_connections = Counter(
+            "kvgpu_extender_connections_total",
+            "TLS connections to the extender port whose handshake completed (each costs the operator "
+            "a handshake with a client-certificate check).", registry=r)
         self.ledger_rebuild = Gauge("kvgpu_ledger_rebuild_seconds", "Duration of the last ledger rebuild.",
                                     registry=r)
         # Per node, not per card: 5 per-card series x 40,000 cards cost the operator ~150 MiB and

@@ -112,6 +112,21 @@ def test_the_schedulers_certificate_is_answered(served: Served) -> None:
     assert served.post("prioritize", FILTER)[0] == 200
 
 
+def connections(served: Served) -> float:
+    return served.rt.metrics.registry.get_sample_value("kvgpu_extender_connections_total") or 0.0
+
+
+def test_each_tls_connection_is_counted(served: Served) -> None:
+    """``kvgpu_extender_connections_total``: one per completed handshake (each call here opens
+    its own connection); a refused handshake is not counted."""
+    assert connections(served) == 0
+    served.post("filter", FILTER)
+    served.post("bind", BIND)
+    assert connections(served) == 2
+    served.refused("bind", BIND, stem="other-client")
+    assert connections(served) == 2
+
+
 @pytest.mark.parametrize("verb,body", [("filter", FILTER), ("prioritize", FILTER), ("bind", BIND)])
 def test_no_client_certificate_is_refused(served: Served, verb: str, body: bytes) -> None:
     served.refused(verb, body, stem=None)

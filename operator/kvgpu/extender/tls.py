@@ -32,13 +32,19 @@ DEFAULT_ALLOWED_CLIENTS = ("kvgpu-scheduler",)
 RELOAD_INTERVAL_S = 10.0
 
 
-def server_context(cert: str, key: str, client_ca: str) -> ssl.SSLContext:
+def server_context(cert: str, key: str, client_ca: str, *,
+                   on_handshake: Callable[[], None] | None = None) -> ssl.SSLContext:
     """TLS >= 1.2 server context that requires a client certificate signed by ``client_ca``.
+    ``on_handshake`` is called after each completed handshake (each new connection: the
+    operator counts them, ``kvgpu_extender_connections_total``).
 
     No session tickets: kube-scheduler's extender client (Go ``net/http`` without a
-    ``ClientSessionCache``) never resumes a session, and it opens a connection per bind in
-    flight beyond its 25 idle ones, so a burst makes a handshake per call or so; issuing the
-    two TLS 1.3 tickets OpenSSL sends by default was ~30 % of the server's CPU per handshake
+    ``ClientSessionCache``) never resumes a session. It speaks HTTP/1.1 here (no ALPN is
+    offered), keeps at most 2 idle connections (Go's ``DefaultMaxIdleConnsPerHost``; the
+    extender configuration sets none) and dials one for every call that finds none idle, so
+    a burst, with its binds in flight, makes about 0.8 handshakes per GPU pod (bench/scale:
+    ``extender_connections_per_pod``; HTTP/2 was tried: docs/decisions.md). Issuing the two
+    TLS 1.3 tickets OpenSSL sends by default was ~30 % of the server's CPU per handshake
     (0.35 of 1.2 ms with the client-certificate check)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=client_ca)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -46,7 +52,22 @@ def server_context(cert: str, key: str, client_ca: str) -> ssl.SSLContext:
     ctx.num_tickets = 0  # TLS 1.3
     ctx.options |= ssl.OP_NO_TICKET  # TLS 1.2
     ctx.load_cert_chain(cert, key)
+    if on_handshake is not None:
+        ctx.sslobject_class = _handshake_hook(on_handshake)
     return ctx
+
+
+def _handshake_hook(on_handshake: Callable[[], None]) -> type[ssl.SSLObject]:
+    """An ``SSLObject`` class that calls ``on_handshake`` once its handshake completed. asyncio's
+    and uvloop's TLS transports make their ``SSLObject`` through ``SSLContext.wrap_bio``, which
+    builds ``SSLContext.sslobject_class`` (the documented way to give a context its own class)."""
+
+    class Hooked(ssl.SSLObject):
+        def do_handshake(self) -> None:
+            super().do_handshake()  # raises SSLWantReadError until the client's last flight
+            on_handshake()
+
+    return Hooked
 
 
 def identities(peercert: dict[str, Any] | None) -> set[str]:

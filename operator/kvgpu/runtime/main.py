@@ -81,7 +81,7 @@ class Runtime(Lease, Children, WatchHandlers, Background, RuntimeBase):
             if not (cert and key and ca):
                 raise ValueError("the extender needs --extender-cert, --extender-key and --extender-client-ca "
                                  "(mutual TLS), or --extender-insecure (plain HTTP, dev only)")
-            ssl_ctx = tls.server_context(cert, key, ca)
+            ssl_ctx = tls.server_context(cert, key, ca, on_handshake=self.metrics.extender_connections.inc)
             self._tls_reloader = tls.Reloader(ssl_ctx, cert, key, ca)
             allowed = self.cfg.extender_allowed_clients
         else:
