@@ -36,21 +36,13 @@ from kvgpu.devcluster.realnode import RealNode
 from realnode.conftest import RealPods
 from realnode.gpupods import claim_of, container, exec_in, gpu_pod, hami_limits, uuids_of, wait_for
 
+from tests.shim.test_mps import PROBE  # the client's MPS variables after cuInit
+
 pytestmark = pytest.mark.realnode
 
 MPS_CARDS = (2, 3)  # the indexes of the node's cards in the test's mps pool
 ROOT = Path(keys.HOST_MPS_ROOT)
 PIPE = keys.CONTAINER_MPS_DIR
-PROBE = r"""
-import ctypes, json
-cuda = ctypes.CDLL("libcuda.so.1")
-libc = ctypes.CDLL(None)
-libc.getenv.restype = ctypes.c_char_p
-rc = cuda.cuInit(0)
-get = lambda k: (libc.getenv(k.encode()) or b"").decode()
-print(json.dumps({"rc": rc, **{k: get(k) for k in ("CUDA_MPS_PIPE_DIRECTORY",
-      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")}}))
-"""
 FORGED = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mine", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100",
           "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=100G"}
 
