@@ -269,15 +269,20 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }
 
+/* Measured GPU time per mille of the wall time since busy_since_ns (now after it), at most 1000. */
+static uint64_t interval_pm(const struct vgpu_gate *g, uint64_t now)
+{
+    uint64_t pm = g->busy_acc_ns * 1000 / (now - g->busy_since_ns);
+    return pm > 1000 ? 1000 : pm;
+}
+
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now)
 {
     if (!g->busy_since_ns || now <= g->busy_since_ns) {
         g->busy_since_ns = now;
         return g->busy_pm;
     }
-    uint64_t el = now - g->busy_since_ns, pm = g->busy_acc_ns * 1000 / el;
-    if (pm > 1000)
-        pm = 1000;
+    uint64_t pm = interval_pm(g, now);
     /* rises at once (low priority must yield fast); falls over about a second at the 100 ms
      * refresh (7/8 a step) */
     g->busy_pm = pm > g->busy_pm ? (uint32_t)pm : (uint32_t)((g->busy_pm * 7 + pm) / 8);
@@ -293,9 +298,7 @@ int vgpu_gate_busy_rise(struct vgpu_gate *g, uint64_t now)
      * resuming after a pause: its refresh measured the pause) */
     if (!g->busy_since_ns || now < g->busy_since_ns + VGPU_BUSY_RISE_MIN_NS)
         return 0;
-    uint64_t pm = g->busy_acc_ns * 1000 / (now - g->busy_since_ns);
-    if (pm > 1000)
-        pm = 1000;
+    uint64_t pm = interval_pm(g, now);
     if (pm <= g->busy_pm)
         return 0;
     g->busy_pm = (uint32_t)pm;
