@@ -143,7 +143,7 @@ struct vgpu_region_dev {
     _Atomic uint64_t sched_joined_ns;    /* CLOCK_MONOTONIC when the gate became active (again) */
     _Atomic uint64_t sched_heartbeat_ns; /* last schedule refresh of the gate (every 100 ms) */
     _Atomic uint64_t sched_busy_pm;      /* GPU time the container's work took, per mille of wall
-                                          * time (measured, smoothed over ~1 s): what an uncapped
+                                          * time (measured; a rise at once, a fall over ~1 s): what an uncapped
                                           * high-priority tenant leaves is 1000 minus this */
     uint64_t reserved[1];
 };
