@@ -39,8 +39,10 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <sys/wait.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -318,6 +320,34 @@ static double done_s(void)
     return done ? done(0) * 1e-9 : 0;
 }
 
+/* The GPU time this process's kernels ran in each whole second of a run, read at each second's
+ * end by a thread of its own (the stub counts a running kernel's part): a mark taken by the
+ * work loop would be late whenever a launch waits in the shim, and count the next second's
+ * kernel in this one. */
+struct per_sec {
+    double t0, d0, v[64];
+    _Atomic int n, stop; /* seconds read; the run is over */
+};
+
+static void *per_sec_main(void *arg)
+{
+    struct per_sec *p = arg;
+    double prev = p->d0;
+    for (int k = 1; k <= 64 && !atomic_load(&p->stop); k++) {
+        double at = p->t0 + k;
+        struct timespec ts = {(time_t)at, (long)((at - (double)(time_t)at) * 1e9)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            ;
+        if (atomic_load(&p->stop))
+            break;
+        double d = done_s();
+        p->v[k - 1] = d - prev;
+        prev = d;
+        atomic_store(&p->n, k);
+    }
+    return NULL;
+}
+
 static int cmp_d(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -372,16 +402,13 @@ static int cmd_work(int argc, char **argv)
         struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
         nanosleep(&ts, NULL);
     }
-    double per[64];
-    int nper = 0;
-    double t0 = now_s(), d0 = done_s(), mark = t0 + 1, dmark = d0, next = t0, t;
+    static struct per_sec per;
+    double t0 = now_s(), d0 = done_s(), next = t0, t;
+    per.t0 = t0, per.d0 = d0;
+    pthread_t per_thread;
+    pthread_create(&per_thread, NULL, per_sec_main, &per);
     CUresult rc = 0;
     while ((t = now_s()) - t0 < secs) {
-        if (t >= mark && nper < 64) {
-            double d = done_s();
-            per[nper++] = d - dmark;
-            dmark = d, mark += 1;
-        }
         if (!strcmp(mode, "sat")) {
             rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[n % ns], NULL, NULL);
             if (++n % (a > 0 ? a : 1) == 0)
@@ -447,12 +474,16 @@ static int cmd_work(int argc, char **argv)
     cuCtxSynchronize();
     t = now_s() - t0;
     double busy = (done_s() - d0) / t;
+    atomic_store(&per.stop, 1);
+    pthread_cancel(per_thread); /* it sleeps until the next second: a cancellation point */
+    pthread_join(per_thread, NULL);
+    int nper = atomic_load(&per.n);
     qsort(lat, (size_t)nreq, sizeof lat[0], cmp_d);
     double p50 = nreq ? lat[nreq / 2] : 0, p99 = nreq ? lat[(nreq * 99) / 100 < nreq ? (nreq * 99) / 100 : nreq - 1] : 0;
     printf("{\"mode\": \"%s\", \"launches\": %ld, \"secs\": %.4f, \"busy\": %.4f, \"requests\": %ld, "
            "\"p50_ms\": %.3f, \"p99_ms\": %.3f, \"rc\": %d, \"per_sec\": [", mode, n, t, busy, nreq, p50, p99, rc);
     for (int i = 0; i < nper; i++)
-        printf("%s%.4f", i ? ", " : "", per[i]);
+        printf("%s%.4f", i ? ", " : "", per.v[i]);
     printf("]}\n");
     return rc != 0;
 }
