@@ -123,7 +123,11 @@ static uint64_t gate_decide(struct vgpu_gate *g, uint64_t now)
         ; /* credit is capped at one burst: idle time does not bank more */
     if (v + g->burst_ns < now)
         v = now - g->burst_ns;
-    uint64_t t = v > now ? v : now; /* when there is credit again */
+    /* When there is credit again. A launch that costs more than the bucket holds (a long kernel:
+     * 100 ms at 10 % is a second of credit) passes only on a full bucket: passing on any credit
+     * let the next one start a bucket early, so one second held two of them (20 %). */
+    uint64_t cost = atomic_load_explicit(&g->vt_cost, memory_order_relaxed);
+    uint64_t t = cost > g->burst_ns ? v + g->burst_ns : v > now ? v : now;
     if (v > now)
         g->bursting = 0;
     if (!g->cotenants) {

@@ -43,11 +43,14 @@ def test_gate_arithmetic(core) -> None:
     assert g.local_vt == vt + 51 * 500_000 * 100 // 30
     wake = lib.vgpu_gate_decide(g, t + 3)
     assert wake == g.local_vt  # wait until the credit is back
-    # a 100 ms kernel (measured) at 30 %: 333 ms of debt to wait out
+    # a 100 ms kernel (measured) at 30 %: 333 ms of debt to wait out; a launch dearer than the
+    # bucket passes on a full bucket only, so the next one waits the whole 333 ms, not 333 less
+    # the bucket (one second would then hold more than its share)
     g2 = gate(core, 30)
     lib.vgpu_gate_decide(g2, t)
     lib.vgpu_gate_settle(g2, 1, 0, 100 * MS, 1)
-    assert lib.vgpu_gate_decide(g2, t + 1) == t - 100 * MS + 100 * MS * 100 // 30
+    assert g2.local_vt == t - 100 * MS + 100 * MS * 100 // 30
+    assert lib.vgpu_gate_decide(g2, t + 1) == t + 100 * MS * 100 // 30
     # an upper bound (stream idle before the close) never charges more than the estimate
     lib.vgpu_gate_settle(g2, 1, 100 * MS, 900 * MS, 2)
     assert g2.est_ns == 100 * MS
@@ -138,7 +141,7 @@ def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
     lib.vgpu_gate_set_window(g, 50 * MS, 30 * MS, 1)  # window at 50..80 ms of each period
     t = 1000 * 100 * MS + 10 * MS  # outside the window, bucket full (idle): a burst at once
     assert lib.vgpu_gate_decide(g, t) == 0 and g.bursting == 1
-    lib.vgpu_gate_settle(g, 1, 0, 31 * MS, 1)  # the burst spent the bucket (and a bit more)
+    lib.vgpu_gate_settle(g, 10, 0, 31 * MS, 1)  # the burst spent the bucket (and a bit more)
     # out of credit until 13.3 ms, outside the window then: wait for the window at 50 ms
     assert lib.vgpu_gate_decide(g, t + MS) == 1000 * 100 * MS + 50 * MS and g.bursting == 0
     # credit back but outside the window: still the window, not another burst

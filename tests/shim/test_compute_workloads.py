@@ -65,11 +65,13 @@ def test_the_limit_is_a_share_of_the_cards_busy_time(card, nvml_pm, expect) -> N
 
 def test_long_kernels_with_a_sync_each_are_charged_their_duration(card) -> None:
     """~100 ms kernels, the app waits for each (cuStreamSynchronize): before, the drain never saw
-    them and the tenant ran at 98 % of native under a 10 % limit."""
+    them and the tenant ran at 98 % of native under a 10 % limit. Evenly: one kernel a second,
+    the first second included (a kernel that passed on part of a bucket let the next start a
+    bucket early: two in the first second, 16 % on the H200)."""
     r = work(card, alone(card, 10, "long"), "sat", "4.2", "100000", "1")
     print("100 ms kernels at 10 %:", r["busy"], r["per_sec"])
     assert abs(r["busy"] * 100 - 10) <= 5, r
-    assert all(x <= 0.25 for x in r["per_sec"]), r  # evenly: about one kernel a second
+    assert all(x <= 0.15 for x in r["per_sec"]), r
 
 
 def not_delayed(native: dict[str, Any], limited: dict[str, Any]) -> bool:
