@@ -273,6 +273,13 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
  * lists others), a tenant that has used up its burst runs only inside its own window of the
  * period, so saturating co-tenants take turns and do not stretch each other's batches. */
 #define VGPU_BATCH_NS 5000000ull    /* a batch of launches is measured at least this often */
+/* Kernels at least this long on average are measured one by one (an event before and after
+ * each launch: a few us of CPU against >= 200 us of GPU). The application's own waits cannot be
+ * relied on to end a batch: the CUDA runtime's cudaDeviceSynchronize reaches the driver through
+ * its private export table, not through a hook (measured on the H200), so a batch of a long
+ * kernel the application waited for would otherwise close at the next launch, idle time
+ * included. */
+#define LONG_KERNEL_NS 200000ull
 #define VGPU_CAL_NS (500 * VGPU_MS)     /* busy calibration interval */
 #define VGPU_CAL_MIN_WAIT_NS (2 * VGPU_MS) /* ... taken only in a wait at least this long */
 #define VGPU_CAL_POINT_NS (25 * VGPU_MS) /* measured-time series: a point at most this often */

@@ -64,13 +64,6 @@ CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
 /* The compute limiter's GPU time (vgpu_measure.c), for its gate (vgpu_launch.c); every
  * function taking a gate runs under its mutex. */
 #define CU_NOT_READY 600
-/* Kernels at least this long on average are measured one by one (an event before and after
- * each launch: a few us of CPU against >= 200 us of GPU). The application's own waits cannot be
- * relied on to end a batch: the CUDA runtime's cudaDeviceSynchronize reaches the driver through
- * its private export table, not through a hook (measured on the H200), so a batch of a long
- * kernel the application waited for would otherwise close at the next launch, idle time
- * included. */
-#define LONG_KERNEL_NS 200000ull
 /* A batch's launch count with this bit set: closed when its stream had gone idle, its span an
  * upper bound. */
 #define UPPER_BOUND (1ull << 63)

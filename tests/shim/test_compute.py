@@ -67,9 +67,10 @@ def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
     half = 500 * MS
 
     def run(t0: int, t1: int, measured_per_ms: int) -> None:
-        """Settle measured_per_ms ns of GPU time each ms of [t0, t1], noting the series."""
+        """Settle measured_per_ms ns of GPU time each ms of [t0, t1] (launches of 50 us at most),
+        noting the series."""
         for ms in range((t1 - t0) // MS):
-            lib.vgpu_gate_settle(g, 1, 0, measured_per_ms, 1)
+            lib.vgpu_gate_settle(g, 20, 0, measured_per_ms, 1)
             lib.vgpu_gate_cal_note(g, t0 + (ms + 1) * MS)
 
     lib.vgpu_gate_decide(g, t)
@@ -82,7 +83,7 @@ def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
     assert g.cal_pm == 900
     assert g.vt_cost == g.est_ns * 900 // 1000 * 100 // 30
     vt = g.local_vt
-    lib.vgpu_gate_settle(g, 1, 0, 30 * MS, 1)
+    lib.vgpu_gate_settle(g, 600, 0, 30 * MS, 1)
     assert g.local_vt == vt + 30 * MS * 900 // 1000 * 100 // 30
     # the next span weighs in with the decayed sums: 0.75 x 135 + 141 over 0.75 x 150 + 150
     lib.vgpu_gate_calibrate(g, t + 100 * MS, t + 600 * MS, 141 * MS, 1)
@@ -103,6 +104,15 @@ def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
     # NVML counts more than was measured: never charged above the measured time
     lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 400 * MS, 1)
     assert g.cal_pm == 1000
+    # long kernels (200 us or more) are measured one by one, exactly: no calibration (their
+    # settling lags the card's samples by up to a kernel, which swung the ratio)
+    for _ in range(8):
+        lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 30 * MS, 1)
+    assert g.cal_pm == 850
+    for _ in range(8):
+        lib.vgpu_gate_settle(g, 1, 0, 100 * MS, 1)
+    lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 30 * MS, 1)
+    assert g.est_ns >= 200_000 and g.cal_pm == 1000
     # co-tenants: the card's time is shared, no calibration
     lib.vgpu_gate_set_window(g, 0, 30 * MS, 1)
     lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 100 * MS, 1)
