@@ -285,7 +285,9 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #define VGPU_CAL_POINT_NS (25 * VGPU_MS) /* measured-time series: a point at most this often */
 #define VGPU_CAL_POINTS 128             /* ... kept (at least 3.2 s) */
 #define VGPU_CAL_MIN_WORK_NS (20 * VGPU_MS) /* measured GPU time a span needs to count */
+#ifndef VGPU_CAL_MIN_PM /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_CAL_MIN_PM 850u            /* the charge never falls below 85 % of the measured time */
+#endif
 #define VGPU_CAL_MAX_PM 1000u           /* nor rises above it */
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
 struct vgpu_batch {
