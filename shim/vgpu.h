@@ -281,7 +281,7 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
  * included. */
 #define LONG_KERNEL_NS 200000ull
 #define VGPU_CAL_NS (500 * VGPU_MS)     /* busy calibration interval */
-#define VGPU_CAL_MIN_WAIT_NS (2 * VGPU_MS) /* ... taken only in a wait at least this long */
+#define VGPU_CAL_MIN_WAIT_NS (2 * VGPU_MS) /* ... taken in a wait, once the waits since the last add up to this */
 #define VGPU_CAL_POINT_NS (25 * VGPU_MS) /* measured-time series: a point at most this often */
 #define VGPU_CAL_POINTS 128             /* ... kept (at least 3.2 s) */
 #define VGPU_CAL_MIN_WORK_NS (20 * VGPU_MS) /* measured GPU time a span needs to count */
@@ -349,6 +349,7 @@ struct vgpu_gate {
      * samples) per measured GPU ns, per mille; every charge is scaled by it. 1000 = none. */
     uint32_t cal_pm;
     uint64_t cal_last_ns;       /* the last calibration step (gate clock); 0 = none yet */
+    uint64_t cal_waited_ns;     /* the launches' waits for credit since then */
     unsigned long long cal_seen_us; /* NVML timestamp of the newest utilization sample read */
     /* decayed sums (x 3/4 per step, ~2 s) of the card's busy ns and of the measured GPU ns in
      * the same spans (the samples') */
