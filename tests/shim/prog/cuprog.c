@@ -326,20 +326,18 @@ static double done_s(void)
  * kernel in this one. */
 struct per_sec {
     double t0, d0, v[64];
-    _Atomic int n, stop; /* seconds read; the run is over */
+    _Atomic int n; /* seconds read */
 };
 
 static void *per_sec_main(void *arg)
 {
     struct per_sec *p = arg;
     double prev = p->d0;
-    for (int k = 1; k <= 64 && !atomic_load(&p->stop); k++) {
+    for (int k = 1; k <= 64; k++) {
         double at = p->t0 + k;
         struct timespec ts = {(time_t)at, (long)((at - (double)(time_t)at) * 1e9)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
             ;
-        if (atomic_load(&p->stop))
-            break;
         double d = done_s();
         p->v[k - 1] = d - prev;
         prev = d;
@@ -474,7 +472,6 @@ static int cmd_work(int argc, char **argv)
     cuCtxSynchronize();
     t = now_s() - t0;
     double busy = (done_s() - d0) / t;
-    atomic_store(&per.stop, 1);
     pthread_cancel(per_thread); /* it sleeps until the next second: a cancellation point */
     pthread_join(per_thread, NULL);
     int nper = atomic_load(&per.n);
