@@ -40,6 +40,12 @@
 
 /* Timing of the shim (ns of CLOCK_MONOTONIC). */
 #define VGPU_DEFAULT_PERIOD_NS (100 * VGPU_MS)  /* compute period without KVGPU_COMPUTE_PERIOD_MS */
+#ifndef VGPU_COTENANT_FRAME_MUL /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
+/* Beside co-tenants the windows repeat every this many periods (the frame). Each hand-over
+ * between two tenants leaves the card idle for about a kernel (the last launch must end inside
+ * the window, the next tenant wakes at its window's start): a longer frame has fewer of them. */
+#define VGPU_COTENANT_FRAME_MUL 2u
+#endif
 #define VGPU_SCHED_REFRESH_NS (100 * VGPU_MS)   /* schedule read, heartbeat and busy share */
 #define VGPU_GATE_MAX_SLEEP_NS (100 * VGPU_MS)  /* a waiting launch re-decides at least this often */
 #define VGPU_NO_WINDOW_WAIT_NS (100 * VGPU_MS)  /* a schedule leaving no time: wait, then look again */
@@ -306,10 +312,11 @@ struct vgpu_gate {
     int measure_only;           /* 1 = uncapped high priority: measure and publish, never wait */
     int cotenants;              /* the schedule lists other tenants of this card */
     int bursting;               /* co-tenants: spending a full bucket outside the window */
-    uint64_t waited_ns;         /* co-tenants: when a launch last had to wait (no burst for 2 P) */
-    uint64_t period_ns;
-    uint64_t share_ns;          /* own share (the claim's cores) x period */
-    uint64_t offset_ns;         /* own window inside the period (schedule) */
+    uint64_t waited_ns;         /* co-tenants: when a launch last had to wait (no burst for 2 frames) */
+    uint64_t base_period_ns;    /* KVGPU_COMPUTE_PERIOD_MS: the bucket of a tenant alone */
+    uint64_t period_ns;         /* the frame: base period, x VGPU_COTENANT_FRAME_MUL beside co-tenants */
+    uint64_t share_ns;          /* own share (the claim's cores) x base period */
+    uint64_t offset_ns;         /* own window inside the frame (schedule) */
     uint64_t len_ns;            /* own window length = the credit rate x period; 0 = no time */
     uint64_t burst_ns;          /* bucket depth (credit clock ns) */
     uint64_t batch_ns;          /* batch length (>= VGPU_BATCH_NS, >= 2 x coarse clock margin) */
@@ -373,7 +380,8 @@ struct vgpu_gate {
 };
 
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
-/* Own window from the schedule (or own share at offset 0) and whether others are listed. */
+/* Own window from the schedule (or own share at offset 0), offset and length in ns of the base
+ * period, and whether others are listed (the window then repeats every frame, scaled to it). */
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);
 /* Fast check: 1 if a launch may pass (it is then charged provisionally and counted), 0 = take
  * the slow path. The real time lies in [now_lo, now_hi] (a coarse clock: lo = coarse, hi =

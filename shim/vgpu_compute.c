@@ -16,7 +16,8 @@
  *     well above its launches at that kernel time is charged that time (vgpu_gate_sample);
  * Co-tenants of one card (the node agent's schedule lists more than one) would stretch each
  * other's batches if they ran at once, so a tenant that has spent its burst runs only inside
- * its own window of the period (time division, offsets from the agent), launches only what
+ * its own window of the frame (time division, offsets from the agent; the frame is
+ * VGPU_COTENANT_FRAME_MUL periods: fewer hand-overs, each of which idles the card), launches only what
  * ends inside it (queued work + one launch), and is charged at most a quarter above its
  * bracketed kernel time (the GPU time-slices contexts: event pairs span the others' slices); a tenant with a full
  * bucket still starts at once (a burst below its share). Uncapped high-priority tenants are
@@ -46,7 +47,7 @@ void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns)
 {
     memset(g, 0, sizeof *g);
     pthread_mutex_init(&g->mu, NULL);
-    g->period_ns = period_ns ? period_ns : VGPU_DEFAULT_PERIOD_NS;
+    g->base_period_ns = g->period_ns = period_ns ? period_ns : VGPU_DEFAULT_PERIOD_NS;
     g->active = cores > 0 && cores < 100;
     g->share_ns = g->period_ns * (uint64_t)(cores > 0 && cores < 100 ? cores : 100) / 100;
     g->batch_ns = VGPU_BATCH_NS;
@@ -65,10 +66,12 @@ static uint64_t vt_of(const struct vgpu_gate *g, uint64_t gpu_ns)
 
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants)
 {
-    g->offset_ns = offset_ns % g->period_ns;
-    g->len_ns = len_ns > g->period_ns ? g->period_ns : len_ns;
+    uint64_t mul = cotenants ? VGPU_COTENANT_FRAME_MUL : 1;
+    g->period_ns = g->base_period_ns * mul;
+    g->offset_ns = offset_ns * mul % g->period_ns;
+    g->len_ns = len_ns * mul > g->period_ns ? g->period_ns : len_ns * mul;
     g->cotenants = cotenants;
-    /* The bucket holds one window's worth of credit (in clock ns: a whole period). */
+    /* The bucket holds one window's worth of credit (in clock ns: a whole frame). */
     VGPU_POKE(g->burst_ns, g->len_ns ? g->period_ns : 0); /* the fast path reads it unlocked */
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }

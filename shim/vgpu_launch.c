@@ -97,9 +97,9 @@ static void refresh_schedule(int d, uint64_t now)
     uint32_t off = 0, len = 0, n = 0;
     if (vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0] &&
         vgpu_sched_read(vgpu.cfg.sched_dir, rd->uuid, vgpu.cfg.claim, &off, &len, &n) == 0) {
-        uint64_t l = g->period_ns * len / 1000;
+        uint64_t l = g->base_period_ns * len / 1000;
         g->last_sched_ns = now;
-        vgpu_gate_set_window(g, g->period_ns * off / 1000, l < g->share_ns ? l : g->share_ns, n > 1);
+        vgpu_gate_set_window(g, g->base_period_ns * off / 1000, l < g->share_ns ? l : g->share_ns, n > 1);
         return;
     }
     g->last_sched_ns = vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0] ? 0 : now;

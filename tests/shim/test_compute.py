@@ -148,19 +148,27 @@ def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
 def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
     lib = core.lib
     g = gate(core, 30)
-    lib.vgpu_gate_set_window(g, 50 * MS, 30 * MS, 1)  # window at 50..80 ms of each period
-    t = 1000 * 100 * MS + 10 * MS  # outside the window, bucket full (idle): a burst at once
+    assert g.period_ns == g.burst_ns == 100 * MS  # alone: the bucket is one period
+    lib.vgpu_gate_set_window(g, 50 * MS, 30 * MS, 1)  # window at 50..80 ms of each period ...
+    m = g.period_ns // (100 * MS)  # ... scaled to the co-tenants' frame of m periods
+    assert m >= 2 and g.period_ns == m * 100 * MS and g.burst_ns == g.period_ns
+    assert (g.offset_ns, g.len_ns) == (50 * MS * m, 30 * MS * m)
+    base = 1000 * 100 * MS * m  # a frame's start
+    t = base + 10 * MS  # outside the window, bucket full (idle): a burst at once
     assert lib.vgpu_gate_decide(g, t) == 0 and g.bursting == 1
-    lib.vgpu_gate_settle(g, 10, 0, 31 * MS, 1)  # the burst spent the bucket (and a bit more)
-    # out of credit until 13.3 ms, outside the window then: wait for the window at 50 ms
-    assert lib.vgpu_gate_decide(g, t + MS) == 1000 * 100 * MS + 50 * MS and g.bursting == 0
+    lib.vgpu_gate_settle(g, 10, 0, 31 * MS * m, 1)  # the burst spent the bucket (and a bit more)
+    # out of credit for a while, outside the window then: wait for the window
+    assert lib.vgpu_gate_decide(g, t + MS) == base + 50 * MS * m and g.bursting == 0
     # credit back but outside the window: still the window, not another burst
     wake = lib.vgpu_gate_decide(g, g.local_vt + MS)
-    assert wake == 1000 * 100 * MS + 50 * MS
-    assert lib.vgpu_gate_decide(g, wake) == 0 and g.open_until <= wake + 30 * MS
+    assert wake == base + 50 * MS * m
+    assert lib.vgpu_gate_decide(g, wake) == 0 and g.open_until <= wake + 30 * MS * m
     # the schedule leaves no time at all: wait (and re-read it) in 100 ms steps
     lib.vgpu_gate_set_window(g, 0, 0, 1)
     assert lib.vgpu_gate_decide(g, wake) == wake + 100 * MS
+    # alone again: the bucket is one period again
+    lib.vgpu_gate_set_window(g, 0, 30 * MS, 0)
+    assert (g.period_ns, g.burst_ns, g.len_ns) == (100 * MS, 100 * MS, 30 * MS)
 
 
 def test_measure_only_gate_never_waits_and_publishes_its_busy_share(core) -> None:
