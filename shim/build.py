@@ -231,7 +231,8 @@ void vgpu_region_oom_record(struct vgpu_region *r, int d, int32_t pid, uint64_t 
 uint64_t vgpu_proc_start_time(int32_t pid);
 size_t vgpu_py_region_size(void);
 
-struct vgpu_gate { int active; int measure_only; int cotenants; int bursting; uint64_t period_ns;
+struct vgpu_gate { int active; int measure_only; int cotenants; int bursting; uint64_t burst_v0;
+                   uint64_t period_ns;
                    uint64_t share_ns; uint64_t offset_ns; uint64_t len_ns; uint64_t burst_ns;
                    uint64_t batch_ns; uint64_t est_ns; uint64_t vt_cost; uint64_t local_vt;
                    uint64_t open_until; uint64_t batch_n; void *last_stream; uint32_t busy_pm;

@@ -46,6 +46,11 @@
  * the window, the next tenant wakes at its window's start): a longer frame has fewer of them. */
 #define VGPU_COTENANT_FRAME_MUL 2u
 #endif
+#ifndef VGPU_BURST_MAX_BUSY_PM /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
+/* A co-tenant starts a burst outside its window only while its measured busy share is under this
+ * per mille of its window's share (a tenant that wants about its share keeps to its window). */
+#define VGPU_BURST_MAX_BUSY_PM 750u
+#endif
 #define VGPU_SCHED_REFRESH_NS (100 * VGPU_MS)   /* schedule read, heartbeat and busy share */
 #define VGPU_GATE_MAX_SLEEP_NS (100 * VGPU_MS)  /* a waiting launch re-decides at least this often */
 #define VGPU_NO_WINDOW_WAIT_NS (100 * VGPU_MS)  /* a schedule leaving no time: wait, then look again */
@@ -312,6 +317,7 @@ struct vgpu_gate {
     int measure_only;           /* 1 = uncapped high priority: measure and publish, never wait */
     int cotenants;              /* the schedule lists other tenants of this card */
     int bursting;               /* co-tenants: spending a full bucket outside the window */
+    uint64_t burst_v0;          /* co-tenants: V when the burst began (it ends a bucket later) */
     uint64_t waited_ns;         /* co-tenants: when a launch last had to wait (no burst for 2 frames) */
     uint64_t base_period_ns;    /* KVGPU_COMPUTE_PERIOD_MS: the bucket of a tenant alone */
     uint64_t period_ns;         /* the frame: base period, x VGPU_COTENANT_FRAME_MUL beside co-tenants */

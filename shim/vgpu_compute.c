@@ -110,6 +110,62 @@ static uint64_t window_at(const struct vgpu_gate *g, uint64_t t)
     return ws;
 }
 
+/* Co-tenants: may a launch with credit (t == now) start at once, outside the window? A full
+ * bucket may (a tenant under its share is not delayed) until the bucket is spent. A tenant that
+ * had to wait within the last two frames is not under its share: it keeps to its window even
+ * with a full bucket (a burst beside a co-tenant's window time-slices with it and both tenants'
+ * event pairs over-measure). A burst spends one bucket at most, and a new one starts only while
+ * the tenant's measured busy share is under 3/4 of its window's (VGPU_BURST_MAX_BUSY_PM): a
+ * saturating tenant just under its share (its window's last kernel did not fit) never ran out
+ * of credit, so it stayed in its burst and launched in its neighbours' windows. */
+static int may_burst(struct vgpu_gate *g, uint64_t v, uint64_t t, uint64_t now)
+{
+    if (g->bursting && (int64_t)(v - g->burst_v0) >= (int64_t)g->burst_ns)
+        g->bursting = 0;
+    if (t != now)
+        return 0;
+    if (!g->bursting) {
+        int full = v + g->burst_ns <= now; /* less than the share used for a frame */
+        int waited = g->waited_ns && now - g->waited_ns < 2 * g->period_ns;
+        int light = (uint64_t)g->busy_pm * g->period_ns < VGPU_BURST_MAX_BUSY_PM * g->len_ns;
+        if (!full || waited || !light)
+            return 0;
+        g->burst_v0 = v;
+        g->bursting = 1;
+    }
+    return 1;
+}
+
+/* Co-tenants outside a burst: own window only. 0 = pass (open_until set), else when to retry. */
+static uint64_t window_decide(struct vgpu_gate *g, uint64_t v, uint64_t t, uint64_t now, uint64_t batch_end)
+{
+    uint64_t ws = window_at(g, t), we = ws + g->len_ns;
+    /* The work launched must end inside the window (what is queued, then one more launch):
+     * work spilling into a co-tenant's window time-slices with its work, and both pairs of
+     * events would count both. A launch longer than the window still starts at its beginning. */
+    uint64_t need = g->queued_ns + g->est_ns;
+    if (ws <= t && t + need > we && need < g->len_ns) {
+        ws += g->period_ns;
+        we += g->period_ns;
+    }
+    if (ws > t) {
+        g->waited_ns = now;
+        return ws;
+    }
+    if (t > now) /* t is inside a window */
+        return g->waited_ns = now, t;
+    /* Credit for no more than what still fits in the window: the fast path then stops queueing
+     * (an application that queues ten kernels before it waits) when the window is full,
+     * instead of spilling into the next tenant's. */
+    uint64_t room = we > now + g->queued_ns ? we - now - g->queued_ns : 0, floor = now - vt_of(g, room);
+    if (vt_of(g, room) < now)
+        while (v < floor && !atomic_compare_exchange_weak(g->vt, &v, floor))
+            ;
+    uint64_t stop = we > batch_end + g->est_ns ? batch_end : we - (g->est_ns < we - now ? g->est_ns : 0);
+    atomic_store(&g->open_until, stop > now ? stop : now + 1);
+    return 0;
+}
+
 static uint64_t gate_decide(struct vgpu_gate *g, uint64_t now)
 {
     uint64_t batch_end = now + g->batch_ns;
@@ -133,48 +189,12 @@ static uint64_t gate_decide(struct vgpu_gate *g, uint64_t now)
     uint64_t t = cost > g->burst_ns ? v + g->burst_ns : v > now ? v : now;
     if (v > now)
         g->bursting = 0;
-    if (!g->cotenants) {
-        if (t > now)
-            return t;
-        atomic_store(&g->open_until, batch_end);
-        return 0;
-    }
-    /* Co-tenants: a full bucket may start at once (a tenant under its share is not delayed);
-     * once it is spent, own window only. A tenant that had to wait within the last two periods
-     * is not under its share: it keeps to its window even with a full bucket (a burst beside a
-     * co-tenant's window time-slices with it and both tenants' event pairs over-measure). */
-    uint64_t full = v + g->burst_ns; /* a full bucket: less than the share used for a period */
-    int waited = g->waited_ns && now - g->waited_ns < 2 * g->period_ns;
-    if (t == now && (g->bursting || (full <= now && !waited))) {
-        g->bursting = 1;
-        atomic_store(&g->open_until, batch_end);
-        return 0;
-    }
-    uint64_t ws = window_at(g, t), we = ws + g->len_ns;
-    /* The work launched must end inside the window (what is queued, then one more launch):
-     * work spilling into a co-tenant's window time-slices with its work, and both pairs of
-     * events would count both. A launch longer than the window still starts at its beginning. */
-    uint64_t need = g->queued_ns + g->est_ns;
-    if (ws <= t && t + need > we && need < g->len_ns) {
-        ws += g->period_ns;
-        we += g->period_ns;
-    }
-    if (ws <= t) { /* t is inside a window */
-        if (t > now)
-            return g->waited_ns = now, t;
-        /* Credit for no more than what still fits in the window: the fast path then stops
-         * queueing (an application that queues ten kernels before it waits) when the window is
-         * full, instead of spilling into the next tenant's. */
-        uint64_t room = we > now + g->queued_ns ? we - now - g->queued_ns : 0, floor = now - vt_of(g, room);
-        if (vt_of(g, room) < now)
-            while (v < floor && !atomic_compare_exchange_weak(g->vt, &v, floor))
-                ;
-        uint64_t stop = we > batch_end + g->est_ns ? batch_end : we - (g->est_ns < we - now ? g->est_ns : 0);
-        atomic_store(&g->open_until, stop > now ? stop : now + 1);
-        return 0;
-    }
-    g->waited_ns = now;
-    return ws;
+    if (!g->cotenants && t > now)
+        return t;
+    if (g->cotenants && !may_burst(g, v, t, now))
+        return window_decide(g, v, t, now, batch_end);
+    atomic_store(&g->open_until, batch_end);
+    return 0;
 }
 
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
