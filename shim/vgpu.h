@@ -40,6 +40,10 @@
 
 /* Timing of the shim (ns of CLOCK_MONOTONIC). */
 #define VGPU_DEFAULT_PERIOD_NS (100 * VGPU_MS)  /* compute period without KVGPU_COMPUTE_PERIOD_MS */
+/* A tenant alone banks at most this much GPU time while idle: spent on top of its share in the
+ * next second, so that second holds at most 2.5 points more (a share x period bucket held 7 at
+ * 70 %). Beside co-tenants the bucket is a window's worth (its room is granted as credit). */
+#define VGPU_BUCKET_MAX_NS (25 * VGPU_MS)
 #ifndef VGPU_COTENANT_FRAME_MUL /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 /* Beside co-tenants the windows repeat every this many periods (the frame). Each hand-over
  * between two tenants leaves the card idle for about a kernel (the last launch must end inside

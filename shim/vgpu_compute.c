@@ -2,8 +2,9 @@
  * vgpu_compute.c - the compute limit: work-conserving credit on measured GPU time.
  *
  * Model (struct vgpu_gate in vgpu.h). A container with `cores` percent earns credit at that
- * rate of wall time, up to a bucket of one share of the period (burst). Credit is kept as a
- * clock V, container-wide in the region: credit = now - V, V >= now - burst. A launch passes
+ * rate of wall time, up to a bucket of one share of the period (alone, at most
+ * VGPU_BUCKET_MAX_NS of GPU time). Credit is kept as a clock V, container-wide in the region:
+ * credit = now - V, V >= now - burst. A launch passes
  * while V <= now, and advances V provisionally by its estimated cost at the share's rate
  * (GPU ns x P / len). Launches are grouped in batches (VGPU_BATCH_NS, or up to the app's own
  * wait); the launch path records a CUDA event before a batch and after it, and when both have
@@ -71,8 +72,12 @@ void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_
     g->offset_ns = offset_ns * mul % g->period_ns;
     g->len_ns = len_ns * mul > g->period_ns ? g->period_ns : len_ns * mul;
     g->cotenants = cotenants;
-    /* The bucket holds one window's worth of credit (in clock ns: a whole frame). */
-    VGPU_POKE(g->burst_ns, g->len_ns ? g->period_ns : 0); /* the fast path reads it unlocked */
+    /* The bucket holds one window's worth of credit (in clock ns: a whole frame); alone, at
+     * most VGPU_BUCKET_MAX_NS of GPU time. */
+    uint64_t burst = g->len_ns ? g->period_ns : 0;
+    if (!cotenants && g->len_ns > VGPU_BUCKET_MAX_NS)
+        burst = VGPU_BUCKET_MAX_NS * g->period_ns / g->len_ns;
+    VGPU_POKE(g->burst_ns, burst); /* the fast path reads it unlocked */
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }
 
@@ -178,10 +183,17 @@ static uint64_t gate_decide(struct vgpu_gate *g, uint64_t now)
         return now + VGPU_NO_WINDOW_WAIT_NS;
     }
     uint64_t v = atomic_load(g->vt);
-    while (v + g->burst_ns < now && !atomic_compare_exchange_weak(g->vt, &v, now - g->burst_ns))
-        ; /* credit is capped at one burst: idle time does not bank more */
-    if (v + g->burst_ns < now)
-        v = now - g->burst_ns;
+    /* A new container alone starts with half a bucket (its first second holds at most half a
+     * bucket more than its share); credit is capped at one bucket: idle time does not bank more. */
+    for (;;) {
+        uint64_t floor = now - (v || g->cotenants ? g->burst_ns : g->burst_ns / 2);
+        if (v >= floor)
+            break;
+        if (atomic_compare_exchange_weak(g->vt, &v, floor)) {
+            v = floor;
+            break;
+        }
+    }
     /* When there is credit again. A launch that costs more than the bucket holds (a long kernel:
      * 100 ms at 10 % is a second of credit) passes only on a full bucket: passing on any credit
      * let the next one start a bucket early, so one second held two of them (20 %). */

@@ -24,32 +24,37 @@ def test_gate_arithmetic(core) -> None:
     credit clock, a measured batch corrects them, a long kernel leaves debt to wait out."""
     lib = core.lib
     assert gate(core, 0).active == 0 and gate(core, 100).active == 0
-    g = gate(core, 30)
-    assert g.active == 1 and g.len_ns == 30 * MS and g.burst_ns == 100 * MS
+    assert gate(core, 20).burst_ns == 100 * MS  # a share x period bucket: 20 ms of GPU time
+    g = gate(core, 30)  # ... at most 25 ms of GPU time: 83.3 ms of credit clock at 30 %
+    B = 25 * MS * 100 // 30
+    assert g.active == 1 and g.len_ns == 30 * MS and g.burst_ns == B
     t = 1000 * 100 * MS + 7 * MS
-    assert lib.vgpu_gate_decide(g, t) == 0  # idle: the bucket is full, pass at once
-    assert g.local_vt == t - 100 * MS and g.open_until == t + g.batch_ns
+    assert lib.vgpu_gate_decide(g, t) == 0  # a new container: half a bucket, pass at once
+    assert g.local_vt == t - B // 2 and g.open_until == t + g.batch_ns
+    t += 2 * B
+    assert lib.vgpu_gate_decide(g, t) == 0 and g.local_vt == t - B  # idle since: a full bucket, no more
     assert lib.vgpu_gate_fast(g, t, t, core.ffi.NULL) == 1  # no estimate yet: free
     # a batch of 10 launches took 5 ms of GPU time: 16.7 ms of credit clock at 30 %
     lib.vgpu_gate_settle(g, 10, 0, 5 * MS, 1)
-    assert g.est_ns == 500_000 and g.local_vt == t - 100 * MS + 5 * MS * 100 // 30
+    assert g.est_ns == 500_000 and g.local_vt == t - B + 5 * MS * 100 // 30
     assert g.vt_cost == 500_000 * 100 // 30
     # each launch now advances the clock provisionally; out of credit -> slow path
     passed = sum(lib.vgpu_gate_fast(g, t + 2, t + 2, core.ffi.NULL) for _ in range(100))
-    assert passed == 51  # 83.3 ms of credit / 1.667 ms per launch, the last one into debt
+    assert passed == 41  # 66.7 ms of credit / 1.667 ms per launch, the last one into debt
     # the batch really took 2x the estimate: the correction is charged too
     vt = g.local_vt
-    lib.vgpu_gate_settle(g, 51, 51 * 500_000, 51 * 1_000_000, 1)
-    assert g.local_vt == vt + 51 * 500_000 * 100 // 30
+    lib.vgpu_gate_settle(g, 41, 41 * 500_000, 41 * 1_000_000, 1)
+    assert g.local_vt == vt + 41 * 500_000 * 100 // 30
     wake = lib.vgpu_gate_decide(g, t + 3)
     assert wake == g.local_vt  # wait until the credit is back
     # a 100 ms kernel (measured) at 30 %: 333 ms of debt to wait out; a launch dearer than the
     # bucket passes on a full bucket only, so the next one waits the whole 333 ms, not 333 less
     # the bucket (one second would then hold more than its share)
     g2 = gate(core, 30)
+    g2.local_vt = t - 10 * B  # a container idle for a while: a full bucket
     lib.vgpu_gate_decide(g2, t)
     lib.vgpu_gate_settle(g2, 1, 0, 100 * MS, 1)
-    assert g2.local_vt == t - 100 * MS + 100 * MS * 100 // 30
+    assert g2.local_vt == t - B + 100 * MS * 100 // 30
     assert lib.vgpu_gate_decide(g2, t + 1) == t + 100 * MS * 100 // 30
     # an upper bound (stream idle before the close) never charges more than the estimate
     lib.vgpu_gate_settle(g2, 1, 100 * MS, 900 * MS, 2)
@@ -148,7 +153,7 @@ def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
 def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
     lib = core.lib
     g = gate(core, 30)
-    assert g.period_ns == g.burst_ns == 100 * MS  # alone: the bucket is one period
+    assert g.period_ns == 100 * MS and g.burst_ns < g.period_ns  # alone: 25 ms of GPU time
     lib.vgpu_gate_set_window(g, 50 * MS, 30 * MS, 1)  # window at 50..80 ms of each period ...
     m = g.period_ns // (100 * MS)  # ... scaled to the co-tenants' frame of m periods
     assert m >= 2 and g.period_ns == m * 100 * MS and g.burst_ns == g.period_ns
@@ -166,9 +171,9 @@ def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
     # the schedule leaves no time at all: wait (and re-read it) in 100 ms steps
     lib.vgpu_gate_set_window(g, 0, 0, 1)
     assert lib.vgpu_gate_decide(g, wake) == wake + 100 * MS
-    # alone again: the bucket is one period again
+    # alone again: the bucket is 25 ms of GPU time again
     lib.vgpu_gate_set_window(g, 0, 30 * MS, 0)
-    assert (g.period_ns, g.burst_ns, g.len_ns) == (100 * MS, 100 * MS, 30 * MS)
+    assert (g.period_ns, g.burst_ns, g.len_ns) == (100 * MS, 25 * MS * 100 // 30, 30 * MS)
 
 
 def co_tenant_run(lib, g, t: int, frames: int, use_pct: int) -> tuple[int, int]:

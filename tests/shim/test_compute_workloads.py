@@ -48,6 +48,15 @@ def test_saturating_gets_its_share_evenly(card) -> None:
     assert all(abs(x * 100 - 30) <= 8 for x in r["per_sec"]), r
 
 
+def test_the_first_second_holds_its_share_too(card) -> None:
+    """A tenant starts with a full bucket (credit banked while idle), spent in its first second
+    on top of its share: at 70 % a bucket of a period's share made that second 77 %. Alone the
+    bucket is at most 25 ms of GPU time (2.5 points)."""
+    r = work(card, alone(card, 70, "sat70"), "sat", "3.2", "2000", "20")
+    print("saturating at 70 %:", r["busy"], r["per_sec"])
+    assert all(abs(x * 100 - 70) <= 5 for x in r["per_sec"]), r
+
+
 @pytest.mark.parametrize("nvml_pm, expect", [(880, 30 / 0.88), (800, 30 / 0.85), (1300, 30)])
 def test_the_limit_is_a_share_of_the_cards_busy_time(card, nvml_pm, expect) -> None:
     """The stub's NVML counts nvml_pm / 1000 of the kernels' time as busy (a real card does not
