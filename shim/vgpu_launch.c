@@ -166,8 +166,11 @@ static void gate_slow(int d, CUstream s)
         vgpu_measure_poll(g, 0);
     }
     vgpu_measure_open(g, s);
-    if (g->est_ns >= LONG_KERNEL_NS)
-        atomic_store(&g->open_until, 0); /* long kernels: one launch per batch */
+    /* Long kernels: one launch per batch. No estimate yet (a capped gate): the next launch takes
+     * the slow path, which waits for this one's measurement; the fast path charges nothing
+     * without an estimate, so a first burst of ten 100 ms kernels ran back to back. */
+    if (g->est_ns >= LONG_KERNEL_NS || (!g->est_ns && !g->measure_only))
+        atomic_store(&g->open_until, 0);
     else if (g->cur.ev_open)
         VGPU_POKE(g->probe_pending, 1); /* an event right after this launch: its kernel's own time */
     /* This launch: charged and counted like one of the fast path. */
