@@ -119,13 +119,19 @@ static uint64_t window_at(const struct vgpu_gate *g, uint64_t t)
  * bucket may (a tenant under its share is not delayed) until the bucket is spent. A tenant that
  * had to wait within the last two frames is not under its share: it keeps to its window even
  * with a full bucket (a burst beside a co-tenant's window time-slices with it and both tenants'
- * event pairs over-measure). A burst spends one bucket at most, and a new one starts only while
- * the tenant's measured busy share is under 3/4 of its window's (VGPU_BURST_MAX_BUSY_PM): a
- * saturating tenant just under its share (its window's last kernel did not fit) never ran out
- * of credit, so it stayed in its burst and launched in its neighbours' windows. */
+ * event pairs over-measure). A burst spends one bucket, at most 25 ms of GPU time, and a new
+ * one starts only while the tenant's measured busy share is under 3/4 of its window's
+ * (VGPU_BURST_MAX_BUSY_PM): a saturating tenant just under its share (its window's last kernel
+ * did not fit) never ran out of credit, so it stayed in its burst and launched in its
+ * neighbours' windows. */
 static int may_burst(struct vgpu_gate *g, uint64_t v, uint64_t t, uint64_t now)
 {
-    if (g->bursting && (int64_t)(v - g->burst_v0) >= (int64_t)g->burst_ns)
+    /* a burst beside co-tenants takes no more than a tenant alone banks (VGPU_BUCKET_MAX_NS of
+     * GPU time): the bucket holds a whole window, which a burst would spend in others' windows */
+    uint64_t most = g->burst_ns;
+    if (g->len_ns > VGPU_BUCKET_MAX_NS && VGPU_BUCKET_MAX_NS * g->period_ns / g->len_ns < most)
+        most = VGPU_BUCKET_MAX_NS * g->period_ns / g->len_ns;
+    if (g->bursting && (int64_t)(v - g->burst_v0) >= (int64_t)most)
         g->bursting = 0;
     if (t != now)
         return 0;

@@ -207,6 +207,19 @@ def test_a_saturating_co_tenant_keeps_to_its_window(core) -> None:
     assert g.bursting == 0 and g.busy_pm >= 600
     assert outside <= 2 * (g.period_ns - g.len_ns) // (10 * MS)  # the first bucket's burst only
     assert co_tenant_run(lib, g, t, 4, 95)[0] == 0  # then its window only
+    # a burst spends at most 25 ms of GPU time (35.7 ms of credit clock at 70 %, here 10 ms a
+    # step), not the window's whole bucket (200 ms): the rest of it would land in others' windows
+    b = gate(core, 70)
+    lib.vgpu_gate_set_window(b, 0, 70 * MS, 1)
+    u = 1000 * 100 * MS * (b.period_ns // (100 * MS)) + b.len_ns + MS
+    lib.vgpu_gate_busy(b, u)
+    assert lib.vgpu_gate_decide(b, u) == 0 and b.bursting == 1
+    v0, steps = b.burst_v0, 0
+    while b.bursting and b.burst_v0 == v0 and steps < 40:  # until it ends (or a new one begins)
+        u, steps = u + 10 * MS, steps + 1
+        lib.vgpu_gate_settle(b, 4, 0, 10 * MS * 70 * 95 // 100 // 100, 1)
+        lib.vgpu_gate_decide(b, u)
+    assert steps <= 4, steps
     # a light tenant (an inference server: 40 % of its share) still starts at once anywhere
     light = gate(core, 30)
     lib.vgpu_gate_set_window(light, 0, 30 * MS, 1)
