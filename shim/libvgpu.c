@@ -75,11 +75,13 @@ static void at_exit(void)
         struct vgpu_gate *g = &vgpu.gate[d];
         for (int m = 1; m < 5 && g->active; m++)
             fprintf(stderr, "vgpu-stats pid=%d dev=%d mode=%d batches=%llu launches=%llu span_us=%llu "
-                    "charged_us=%llu prov_us=%llu est_ns=%llu kern_ns=%llu gap_pm=%u cal_pm=%u throttles=%llu\n",
+                    "charged_us=%llu prov_us=%llu est_ns=%llu kern_ns=%llu gap_pm=%u cal_pm=%u cal_raw_pm=%llu throttles=%llu\n",
                     (int)getpid(), d, m, (unsigned long long)g->st_n[m], (unsigned long long)g->st_launches[m],
                     (unsigned long long)(g->st_span[m] / 1000), (unsigned long long)(g->st_charged[m] / 1000),
                     (unsigned long long)(g->st_prov[m] / 1000), (unsigned long long)g->est_ns,
-                    (unsigned long long)g->kern_ns, g->gap_pm, g->cal_pm, (unsigned long long)g->throttles);
+                    (unsigned long long)g->kern_ns, g->gap_pm, g->cal_pm,
+                    (unsigned long long)(g->cal_own_busy ? g->cal_card_busy * 1000 / g->cal_own_busy : 0),
+                    (unsigned long long)g->throttles);
         uint64_t n = g->st_trace_n, i = n > VGPU_TRACE_LEN ? n - VGPU_TRACE_LEN : 0;
         for (; g->active && i < n; i++) { /* times: us into the period (window: offset, len) */
             const struct vgpu_trace_ent *e = &g->st_trace[i % VGPU_TRACE_LEN];

@@ -303,7 +303,9 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #ifndef VGPU_CAL_MIN_PM /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_CAL_MIN_PM 850u            /* the charge never falls below 85 % of the measured time */
 #endif
+#ifndef VGPU_CAL_MAX_PM
 #define VGPU_CAL_MAX_PM 1000u           /* nor rises above it */
+#endif
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
 struct vgpu_batch {
     void *ev_open, *ev_close;   /* CUevent: recorded before its first and after its last launch */
