@@ -65,6 +65,7 @@ class Config:
     mps_dir: str = ""  # mode mps: the card's MPS control daemon (pipe/, log/), as the agent runs it
     fake: bool = False
     baseline: dict[str, Any] = field(default_factory=dict)
+    limits: dict[str, list[int]] = field(default_factory=dict)  # LIMITS: a single's own limits
 
     @classmethod
     def from_env(cls, out: Path, fake: bool = False) -> Config:
@@ -86,6 +87,7 @@ class Config:
             suite_cu=env.get("SUITE_CU", str(ROOT / "shim/_build/suite_cu")),
             fake=fake,
             baseline=base,
+            limits=parse_limits(env.get("LIMITS", "")),
         )
 
     def left_s(self) -> float:
@@ -94,6 +96,22 @@ class Config:
     def wanted(self, ident: str) -> bool:
         return not self.only or ident in self.only or ident.split("@")[0] in self.only
 
+
+
+def parse_limits(text: str) -> dict[str, list[int]]:
+    """LIMITS="gpt:30,50,80 conv:20" -> {"gpt": [30, 50, 80], "conv": [20]}: limits (percent of
+    the card, 1..99) that replace a single workload's own. ValueError names a bad item."""
+    out: dict[str, list[int]] = {}
+    for item in text.split():
+        ident, _, lims = item.partition(":")
+        try:
+            vals = [int(v) for v in lims.split(",")]
+        except ValueError:
+            vals = []
+        if ident not in {s[0] for s in SINGLES} or not vals or not all(0 < v < 100 for v in vals):
+            raise ValueError(f"LIMITS item {item!r}: use <single id>:<percent>[,<percent>...], 1..99")
+        out[ident] = vals
+    return out
 
 
 def plan(cfg: Config) -> list[tuple[str, Any]]:
@@ -112,7 +130,7 @@ def plan(cfg: Config) -> list[tuple[str, Any]]:
                 continue
             if "native" in cfg.modes:
                 items.append(("single", (ident, kind, "native", None)))
-            for lim in limits:
+            for lim in cfg.limits.get(ident, limits):
                 items += [("single", (ident, kind, m, lim)) for m in cfg.modes if m != "native"]
     if "group" in cfg.parts:
         if "native" in cfg.modes and "pair-native" in cfg.only:  # reference only: on request
