@@ -30,6 +30,11 @@
  *       more on it, repeated (rc: the first error, e.g. a capture the shim invalidated)
  *   cuprog work req SECS KERNEL_US NKERNELS PERIOD_MS     a request of NKERNELS kernels (then a
  *       stream sync) every PERIOD_MS; latency from the request's arrival to the sync's return
+ *   cuprog work waitval SECS KERNEL_US N SYNC_EVERY      first, not measured: stream A waits for
+ *       a value (cuStreamWaitValue32) that stream B writes (cuStreamWriteValue32) only after N
+ *       kernels on A and one on B, all from this thread, then A is synchronized ("pre_s": how
+ *       long that took; the stub takes the value's address as host memory); then a saturating
+ *       loop on A
  *   (CUPROG_HIDDEN_SYNC=1: the waits go where the shim cannot see them, like cudart's;
  *   CUPROG_WARMUP_MS=N: a saturating loop for N ms first, not measured;
  *   CUPROG_IDLE_MS=N: light use for N ms first, a kernel every 100 ms, not measured;
@@ -367,6 +372,31 @@ static CUresult work_sync(CUstream s)
     return hidden && fn ? fn(s) : cuStreamSynchronize(s);
 }
 
+/* Stream A waits for a value that stream B writes only after the next n + 1 launches, all from
+ * this thread (a kernel waiting for a peer's, a persistent kernel stopped later); then A is
+ * synchronized. Natively it runs through; a launch that waited for A's work would never return. */
+static CUresult wait_value_then_write(CUfunction f, unsigned kus, long n, CUstream *a)
+{
+    typedef CUresult (*memop_fn)(CUstream, CUdeviceptr, unsigned, unsigned);
+    memop_fn wait = (memop_fn)dlsym(RTLD_DEFAULT, "cuStreamWaitValue32_v2");
+    memop_fn write = (memop_fn)dlsym(RTLD_DEFAULT, "cuStreamWriteValue32_v2");
+    static unsigned value;
+    CUstream b;
+    CUresult rc;
+    if (!wait || !write)
+        return 997;
+    if ((rc = cuStreamCreate(a, 1)) || (rc = cuStreamCreate(&b, 1)) || /* non-blocking */
+        (rc = wait(*a, (CUdeviceptr)(uintptr_t)&value, 1, 0))) /* CU_STREAM_WAIT_VALUE_GEQ */
+        return rc;
+    for (long i = 0; i < n && !rc; i++)
+        rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, *a, NULL, NULL);
+    if (!rc)
+        rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, b, NULL, NULL);
+    if (!rc)
+        rc = write(b, (CUdeviceptr)(uintptr_t)&value, 1, 0);
+    return rc ? rc : cuStreamSynchronize(*a);
+}
+
 static int cmd_work(int argc, char **argv)
 {
     const char *mode = argv[2];
@@ -394,6 +424,9 @@ static int cmd_work(int argc, char **argv)
         struct timespec ts = {0, 100000000L};
         nanosleep(&ts, NULL);
     }
+    double pre = now_s();
+    CUresult prc = !strcmp(mode, "waitval") ? wait_value_then_write(f, kus, a, &st[0]) : 0;
+    pre = now_s() - pre;
     const char *pause = getenv("CUPROG_PAUSE_MS"); /* then no CUDA call at all for N ms */
     if (pause) {
         long ms = atol(pause);
@@ -405,12 +438,16 @@ static int cmd_work(int argc, char **argv)
     per.t0 = t0, per.d0 = d0;
     pthread_t per_thread;
     pthread_create(&per_thread, NULL, per_sec_main, &per);
-    CUresult rc = 0;
-    while ((t = now_s()) - t0 < secs) {
+    CUresult rc = prc;
+    while (!rc && (t = now_s()) - t0 < secs) {
         if (!strcmp(mode, "sat")) {
             rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[n % ns], NULL, NULL);
             if (++n % (a > 0 ? a : 1) == 0)
                 work_sync(st[n % ns]);
+        } else if (!strcmp(mode, "waitval")) {
+            rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[0], NULL, NULL);
+            if (++n % (b > 0 ? b : 1) == 0)
+                work_sync(st[0]);
         } else if (!strcmp(mode, "nbwait")) {
             static CUstream nb, other;
             if (!nb) {
@@ -478,7 +515,8 @@ static int cmd_work(int argc, char **argv)
     qsort(lat, (size_t)nreq, sizeof lat[0], cmp_d);
     double p50 = nreq ? lat[nreq / 2] : 0, p99 = nreq ? lat[(nreq * 99) / 100 < nreq ? (nreq * 99) / 100 : nreq - 1] : 0;
     printf("{\"mode\": \"%s\", \"launches\": %ld, \"secs\": %.4f, \"busy\": %.4f, \"requests\": %ld, "
-           "\"p50_ms\": %.3f, \"p99_ms\": %.3f, \"rc\": %d, \"per_sec\": [", mode, n, t, busy, nreq, p50, p99, rc);
+           "\"p50_ms\": %.3f, \"p99_ms\": %.3f, \"rc\": %d, \"pre_s\": %.3f, \"per_sec\": [", mode, n, t, busy, nreq,
+           p50, p99, rc, pre);
     for (int i = 0; i < nper; i++)
         printf("%s%.4f", i ? ", " : "", per.v[i]);
     printf("]}\n");

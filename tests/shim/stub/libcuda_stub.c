@@ -293,19 +293,39 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void
  * its own queue and the card time-slices between the processes that have work: a kernel that
  * starts while k-1 other processes have work queued takes k times its duration of wall time
  * (its GPU time, stubBusyNs, stays its duration). So an event pair around a tenant's kernel
- * measures its co-tenants' time slices too, as cuEventElapsedTime does on the GPU. */
+ * measures its co-tenants' time slices too, as cuEventElapsedTime does on the GPU.
+ * Held streams (cuStreamWaitValue32 below): work queued behind a wait for a value runs only once
+ * cuStreamWriteValue32 writes it. */
 #define STUB_STREAMS 32
 static _Atomic uint64_t last_done[STUB_MAXDEV][STUB_STREAMS];
 static _Atomic int next_stream = 2;
 static _Atomic int non_blocking[STUB_STREAMS]; /* CU_STREAM_NON_BLOCKING: the legacy stream does not wait for it */
 static pthread_mutex_t ring_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct { uint64_t end, dur, k; } ring[STUB_MAXDEV][4096]; /* this process's latest kernels */
+/* this process's latest kernels; `held`: slot + 1 of the held stream it waits on (end unknown) */
+static struct { uint64_t end, dur, k; int held; } ring[STUB_MAXDEV][4096];
 static unsigned ring_n[STUB_MAXDEV];
 
+/* A stream waiting for a value (cuStreamWaitValue32 on host memory, the only kind the stub
+ * has): its kernels and events are queued without a time (STUB_PENDING) and get one when
+ * cuStreamWriteValue32 writes the value; the card runs the others meanwhile. Under hold_mu,
+ * taken before ring_mu. */
+#define STUB_PENDING UINT64_MAX
+#define STUB_HOLD_GENS 64
+static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic int held[STUB_MAXDEV][STUB_STREAMS];
+static struct hold {
+    volatile uint32_t *addr;
+    uint32_t value, flags;
+    uint64_t after;  /* the stream's work queued before the wait ends then */
+    uint64_t queued; /* GPU ns queued behind the wait */
+    uint32_t gen;    /* waits so far on this stream */
+    uint64_t start[STUB_HOLD_GENS], k[STUB_HOLD_GENS]; /* per wait: when its work started (0: not yet) */
+} hold[STUB_MAXDEV][STUB_STREAMS];
+
 /* fork (cuprog fork cuda): the stub's locks are not held across it, as a driver's are not. */
-static void stub_fork_prepare(void) { pthread_mutex_lock(&mu); pthread_mutex_lock(&ring_mu); }
-static void stub_fork_parent(void) { pthread_mutex_unlock(&ring_mu); pthread_mutex_unlock(&mu); }
-static void stub_fork_child(void) { pthread_mutex_init(&ring_mu, NULL); pthread_mutex_init(&mu, NULL); }
+static void stub_fork_prepare(void) { pthread_mutex_lock(&mu); pthread_mutex_lock(&hold_mu); pthread_mutex_lock(&ring_mu); }
+static void stub_fork_parent(void) { pthread_mutex_unlock(&ring_mu); pthread_mutex_unlock(&hold_mu); pthread_mutex_unlock(&mu); }
+static void stub_fork_child(void) { pthread_mutex_init(&ring_mu, NULL); pthread_mutex_init(&hold_mu, NULL); pthread_mutex_init(&mu, NULL); }
 __attribute__((constructor)) static void stub_atfork(void)
 {
     pthread_atfork(stub_fork_prepare, stub_fork_parent, stub_fork_child);
@@ -337,6 +357,55 @@ static uint64_t stream_done(int phys, CUstream s)
     return t;
 }
 
+/* Work of `dur` GPU ns on card phys that may start at `after`: its place on the card (its end;
+ * *k: the processes sharing the card then, STUB_TIMESLICE). */
+static uint64_t run_at(int phys, uint64_t now, uint64_t after, uint64_t dur, uint64_t *k)
+{
+    struct stub_state *s = stub_state();
+    struct stub_proc *me = stub_me();
+    uint64_t start, end;
+    *k = 1;
+    if (timeslice) {
+        pthread_mutex_lock(&ring_mu);
+        uint64_t own = atomic_load(&me->busy_until[phys]);
+        start = own > now ? own : now;
+        if (start < after)
+            start = after;
+        for (int i = 0; i < STUB_MAXPROC; i++) /* the others with work at our start share the card */
+            if (&s->proc[i] != me && atomic_load(&s->proc[i].pid) &&
+                atomic_load(&s->proc[i].busy_until[phys]) > start)
+                ++*k;
+        end = start + dur * *k;
+        atomic_store(&me->busy_until[phys], end);
+        pthread_mutex_unlock(&ring_mu);
+    } else {
+        uint64_t bu = atomic_load(&s->busy_until[phys]);
+        do {
+            start = bu > now ? bu : now;
+            if (start < after)
+                start = after;
+            end = start + dur;
+        } while (!atomic_compare_exchange_weak(&s->busy_until[phys], &bu, end));
+    }
+    return end;
+}
+
+/* A kernel on a held stream: queued behind the wait (1), or 0 when the stream is not held. */
+static int hold_launch(int phys, int slot, uint64_t dur)
+{
+    pthread_mutex_lock(&hold_mu);
+    int h = atomic_load(&held[phys][slot]);
+    if (h) {
+        hold[phys][slot].queued += dur;
+        pthread_mutex_lock(&ring_mu);
+        unsigned i = ring_n[phys]++ % 4096;
+        ring[phys][i].end = STUB_PENDING, ring[phys][i].dur = dur, ring[phys][i].k = 1, ring[phys][i].held = slot + 1;
+        pthread_mutex_unlock(&ring_mu);
+    }
+    pthread_mutex_unlock(&hold_mu);
+    return h;
+}
+
 static CUresult launch(CUstream stream, unsigned gx)
 {
     if (__builtin_expect(null_launch < 0, 0)) {
@@ -347,38 +416,20 @@ static CUresult launch(CUstream stream, unsigned gx)
     if (null_launch)
         return OK; /* micro-benchmarks: a launch that costs a function call */
     NEED_CTX();
-    struct stub_state *s = stub_state();
     struct stub_proc *me = stub_me();
     uint64_t dur = grid_us ? (uint64_t)(gx ? gx : 1) * 1000 : (uint64_t)stub_env("STUB_KERNEL_US", 1000) * 1000;
+    if (atomic_load(&held[cur_ctx][slot_of(stream)]) && hold_launch(cur_ctx, slot_of(stream), dur)) {
+        atomic_fetch_add(&me->busy_ns[cur_ctx], dur);
+        atomic_fetch_add(&me->launches[cur_ctx], 1);
+        return OK;
+    }
     uint64_t now = stub_now();
     uint64_t after = stream_done(cur_ctx, stream); /* the legacy stream waits for all streams */
-    uint64_t start, end, k = 1;
-    if (timeslice) {
-        pthread_mutex_lock(&ring_mu);
-        uint64_t own = atomic_load(&me->busy_until[cur_ctx]);
-        start = own > now ? own : now;
-        if (start < after)
-            start = after;
-        for (int i = 0; i < STUB_MAXPROC; i++) /* the others with work at our start share the card */
-            if (&s->proc[i] != me && atomic_load(&s->proc[i].pid) &&
-                atomic_load(&s->proc[i].busy_until[cur_ctx]) > start)
-                k++;
-        end = start + dur * k;
-        atomic_store(&me->busy_until[cur_ctx], end);
-        pthread_mutex_unlock(&ring_mu);
-    } else {
-        uint64_t bu = atomic_load(&s->busy_until[cur_ctx]);
-        do {
-            start = bu > now ? bu : now;
-            if (start < after)
-                start = after;
-            end = start + dur;
-        } while (!atomic_compare_exchange_weak(&s->busy_until[cur_ctx], &bu, end));
-    }
+    uint64_t k, end = run_at(cur_ctx, now, after, dur, &k);
     atomic_store(&last_done[cur_ctx][slot_of(stream)], end);
     pthread_mutex_lock(&ring_mu);
     unsigned i = ring_n[cur_ctx]++ % 4096;
-    ring[cur_ctx][i].end = end, ring[cur_ctx][i].dur = dur, ring[cur_ctx][i].k = k;
+    ring[cur_ctx][i].end = end, ring[cur_ctx][i].dur = dur, ring[cur_ctx][i].k = k, ring[cur_ctx][i].held = 0;
     pthread_mutex_unlock(&ring_mu);
     atomic_fetch_add(&me->busy_ns[cur_ctx], dur);
     atomic_fetch_add(&me->launches[cur_ctx], 1);
@@ -403,6 +454,8 @@ static void sleep_until_ns(uint64_t t)
 static CUresult drain(CUstream s)
 {
     NEED_CTX();
+    while (stream_done(cur_ctx, s) == STUB_PENDING) /* held: until another thread writes the value */
+        sleep_until_ns(stub_now() + 1000000);
     sleep_until_ns(stream_done(cur_ctx, s));
     return OK;
 }
@@ -438,7 +491,27 @@ API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); if (hidden_capture_unsafe(s
 
 /* Events: recording one notes when the stream's work queued so far ends (the GPU reaches the
  * event then); query, synchronize and elapsed time follow from that timestamp. */
-struct stub_event { uint64_t t; int recorded; int phys; CUstream s; };
+struct stub_event {
+    uint64_t t; /* STUB_PENDING: recorded on a held stream, hoff GPU ns into the work of wait hgen */
+    int recorded, phys, hslot;
+    uint32_t hgen;
+    uint64_t hoff;
+    CUstream s;
+};
+
+/* When the GPU reaches the event (STUB_PENDING while its stream's wait has not been released). */
+static uint64_t event_time(struct stub_event *ev)
+{
+    if (ev->t == STUB_PENDING) {
+        pthread_mutex_lock(&hold_mu);
+        struct hold *h = &hold[ev->phys][ev->hslot];
+        uint64_t start = h->start[ev->hgen % STUB_HOLD_GENS];
+        if (start && h->gen - ev->hgen < STUB_HOLD_GENS)
+            ev->t = start + ev->hoff * h->k[ev->hgen % STUB_HOLD_GENS];
+        pthread_mutex_unlock(&hold_mu);
+    }
+    return ev->t;
+}
 API CUresult cuEventCreate(void **e, unsigned fl)
 {
     (void)fl;
@@ -462,6 +535,18 @@ API CUresult cuEventRecord(void *e, CUstream s)
     if (!ev) return E_INVALID_VALUE;
     if (__builtin_expect(event_gap_ns < 0, 0))
         event_gap_ns = (int64_t)stub_env("STUB_EVENT_GAP_US", 0) * 1000;
+    int slot = slot_of(s);
+    if (atomic_load(&held[cur_ctx][slot])) {
+        pthread_mutex_lock(&hold_mu);
+        int h = atomic_load(&held[cur_ctx][slot]);
+        if (h) {
+            ev->t = STUB_PENDING, ev->recorded = 1, ev->phys = cur_ctx, ev->s = s;
+            ev->hslot = slot, ev->hgen = hold[cur_ctx][slot].gen, ev->hoff = hold[cur_ctx][slot].queued;
+        }
+        pthread_mutex_unlock(&hold_mu);
+        if (h)
+            return OK;
+    }
     uint64_t now = stub_now(), t = stream_done(cur_ctx, s), half = (uint64_t)event_gap_ns / 2;
     int busy = t > now;
     ev->t = busy ? t + half : now, ev->recorded = 1, ev->phys = cur_ctx, ev->s = s;
@@ -479,12 +564,14 @@ API CUresult cuEventQuery(void *e)
     struct stub_event *ev = e;
     if (!ev) return E_INVALID_VALUE;
     if (ev->recorded && hidden_capture_unsafe(ev->s)) return 900; /* an event of a capturing stream */
-    return !ev->recorded || ev->t <= stub_now() ? OK : 600; /* CUDA_ERROR_NOT_READY */
+    return !ev->recorded || event_time(ev) <= stub_now() ? OK : 600; /* CUDA_ERROR_NOT_READY */
 }
 API CUresult cuEventSynchronize(void *e)
 {
     struct stub_event *ev = e;
     if (!ev) return E_INVALID_VALUE;
+    while (ev->recorded && event_time(ev) == STUB_PENDING) /* until another thread writes the value */
+        sleep_until_ns(stub_now() + 1000000);
     if (ev->recorded) sleep_until_ns(ev->t);
     return OK;
 }
@@ -494,11 +581,84 @@ API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
     if (!ms || !x || !y) return E_INVALID_VALUE;
     if (!x->recorded || !y->recorded) return 400; /* CUDA_ERROR_INVALID_HANDLE */
     uint64_t now = stub_now();
-    if (x->t > now || y->t > now) return 600;
+    if (event_time(x) > now || event_time(y) > now) return 600;
     *ms = (float)(((double)y->t - (double)x->t) / 1e6);
     return OK;
 }
 API CUresult cuEventElapsedTime_v2(float *ms, void *a, void *b) { return cuEventElapsedTime(ms, a, b); }
+
+/* Stream memory operations on host memory (the address is a host pointer, as a registered
+ * buffer's device pointer is under unified addressing): flags CU_STREAM_WAIT_VALUE_GEQ (0) or
+ * _EQ (1). A wait whose value is not there yet holds its stream (a created non-blocking one, so
+ * the legacy stream never follows it) until cuStreamWriteValue32 writes it; a wait that is
+ * satisfied is a no-op, and a host store alone releases nothing. */
+static int hold_met(const struct hold *h)
+{
+    uint32_t v = *h->addr;
+    return h->flags == 1 ? v == h->value : v >= h->value;
+}
+
+API CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags)
+{
+    NEED_CTX();
+    int k = slot_of(s);
+    if (!addr || flags > 1 || k < 2 || !atomic_load(&non_blocking[k]))
+        return E_INVALID_VALUE;
+    pthread_mutex_lock(&hold_mu);
+    struct hold *h = &hold[cur_ctx][k];
+    if (atomic_load(&held[cur_ctx][k])) { /* one wait at a time */
+        pthread_mutex_unlock(&hold_mu);
+        return E_INVALID_VALUE;
+    }
+    h->addr = (volatile uint32_t *)(uintptr_t)addr, h->value = value, h->flags = flags;
+    if (!hold_met(h)) {
+        h->after = stream_done(cur_ctx, s), h->queued = 0;
+        h->gen++;
+        h->start[h->gen % STUB_HOLD_GENS] = 0;
+        atomic_store(&last_done[cur_ctx][k], STUB_PENDING);
+        atomic_store(&held[cur_ctx][k], 1);
+    }
+    pthread_mutex_unlock(&hold_mu);
+    return OK;
+}
+
+/* The write lands when the stream's work before it is done (`at`); a held stream whose value
+ * is there then runs its queued work as one block on the card, from then on. */
+API CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags)
+{
+    (void)flags;
+    NEED_CTX();
+    uint64_t now = stub_now(), at = stream_done(cur_ctx, s);
+    if (!addr || at == STUB_PENDING) /* a write on a held stream would itself wait: not modelled */
+        return E_INVALID_VALUE;
+    at = at > now ? at : now;
+    pthread_mutex_lock(&hold_mu);
+    *(volatile uint32_t *)(uintptr_t)addr = value;
+    for (int phys = 0; phys < STUB_MAXDEV; phys++)
+        for (int k = 0; k < STUB_STREAMS; k++) {
+            struct hold *h = &hold[phys][k];
+            if (!atomic_load(&held[phys][k]) || !hold_met(h))
+                continue;
+            uint64_t after = h->after > at ? h->after : at, n = 1;
+            uint64_t end = h->queued ? run_at(phys, now, after, h->queued, &n) : after;
+            uint64_t start = end - h->queued * n, t = start;
+            h->start[h->gen % STUB_HOLD_GENS] = start, h->k[h->gen % STUB_HOLD_GENS] = n;
+            pthread_mutex_lock(&ring_mu);
+            unsigned total = ring_n[phys], first = total > 4096 ? total - 4096 : 0;
+            for (unsigned i = first; i < total; i++) /* its kernels, in launch order */
+                if (ring[phys][i % 4096].held == k + 1) {
+                    t += ring[phys][i % 4096].dur * n;
+                    ring[phys][i % 4096].end = t, ring[phys][i % 4096].k = n, ring[phys][i % 4096].held = 0;
+                }
+            pthread_mutex_unlock(&ring_mu);
+            atomic_store(&last_done[phys][k], end);
+            atomic_store(&held[phys][k], 0);
+        }
+    pthread_mutex_unlock(&hold_mu);
+    return OK;
+}
+API CUresult cuStreamWaitValue32(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags) { return cuStreamWaitValue32_v2(s, addr, value, flags); }
+API CUresult cuStreamWriteValue32(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags) { return cuStreamWriteValue32_v2(s, addr, value, flags); }
 
 /* ---- cuGetProcAddress: the driver's own name -> ABI table (subset) */
 static CUresult tramp_alloc(CUdeviceptr *p, size_t n) { return cuMemAlloc_v2(p, n); }
