@@ -307,6 +307,18 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #define VGPU_CAL_MAX_PM 1000u           /* nor rises above it */
 #endif
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
+/* The gate waits for the oldest batch's end, under its lock, in two places: a capped gate with
+ * no estimate yet before its next launch passes, and a full ring to make room. It polls
+ * cuEventQuery (sleeping 20 us, doubling to 1 ms) for at most this long, never in
+ * cuEventSynchronize. The oldest batch is the work the GPU runs now: it ends within the kernels
+ * queued ahead of it, so a 100 ms kernel behind a few others, even time-sliced beside a
+ * co-tenant (twice its wall time), is measured well within a second. A batch still running
+ * after a second most likely waits for something the application does next (a kernel waiting
+ * for a value a later launch writes, a persistent kernel the thread stops later, a peer kernel
+ * launched next on another card), which a wait would turn into a hang: it is given up (it keeps
+ * its provisional charge) and the gate waits no more (vgpu_measure_poll), so this costs a second
+ * once per card and process. */
+#define VGPU_MEASURE_WAIT_NS (1 * VGPU_SEC)
 struct vgpu_batch {
     void *ev_open, *ev_close;   /* CUevent: recorded before its first and after its last launch */
     uint64_t launches;
@@ -345,6 +357,7 @@ struct vgpu_gate {
     unsigned ring_head, ring_len;
     void *pool[4 * VGPU_BATCH_RING + 4];
     int npool;
+    int wait_gave_up;           /* a wait for a batch ran out: the gate never waits for one again */
     void *ev_ctx;               /* CUcontext the events belong to */
     uint64_t busy_acc_ns, busy_since_ns; /* measured GPU time since busy_since (publication) */
     uint32_t busy_pm;           /* smoothed per mille of wall time */

@@ -73,7 +73,10 @@ CUevent vgpu_measure_event(struct vgpu_gate *g);          /* from the pool, or n
 void vgpu_measure_put(struct vgpu_gate *g, void *event);  /* back to the pool */
 void vgpu_measure_open(struct vgpu_gate *g, CUstream s);  /* a batch starts before this launch */
 void vgpu_measure_close(struct vgpu_gate *g, int at_sync); /* ... ends behind the last */
-void vgpu_measure_poll(struct vgpu_gate *g, int wait);    /* settle completed batches */
+/* Settle completed batches; `wait`: 0, or wait for the oldest one (bounded, see the function) */
+#define VGPU_WAIT_FIRST 1 /* ... before a capped gate without an estimate queues more */
+#define VGPU_WAIT_ROOM 2  /* ... to make room in a full ring */
+void vgpu_measure_poll(struct vgpu_gate *g, int wait);
 void vgpu_track_before(struct vgpu_gate *g, CUstream s);  /* gap tracking around a launch */
 void vgpu_track_after(struct vgpu_gate *g, CUstream s);
 int vgpu_stream_capturing(CUstream s);                    /* 1: s is capturing a graph */

@@ -130,7 +130,8 @@ static void gate_slow(int d, CUstream s)
         return;
     }
     vgpu_measure_close(g, 0);
-    vgpu_measure_poll(g, !g->est_ns && g->ring_len); /* no estimate yet: measure before queuing more */
+    if (!g->est_ns && g->ring_len) /* no estimate yet: measure before queuing more */
+        vgpu_measure_poll(g, VGPU_WAIT_FIRST);
     for (;;) {
         now = vgpu_now_ns();
         refresh_schedule(d, now);

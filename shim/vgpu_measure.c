@@ -5,13 +5,16 @@
  * Batches: the gate's slow path records a CUDA event on the launching stream before a batch's
  * first launch and another after its last one (at the next slow path, VGPU_BATCH_NS later, or
  * before an application wait); cuEventElapsedTime of the pair, once both have completed
- * (cuEventQuery, never waited for except to bound the work queued before the first
- * measurement), is the batch's GPU time. A batch closed when its stream had already gone idle
- * (no wait of the application in between) is an upper bound (it includes the idle tail): it is
- * charged at most at the current per-launch estimate. Events are made in the context that was
- * current at the first measurement; launches in other contexts keep their provisional charge.
+ * (cuEventQuery; waited for only to bound the work queued before the first measurement and to
+ * make room in a full ring, at most VGPU_MEASURE_WAIT_NS), is the batch's GPU time. A batch
+ * closed when its stream had already gone idle (no wait of the application in between) is an
+ * upper bound (it includes the idle tail): it is charged at most at the current per-launch
+ * estimate. Events are made in the context that was current at the first measurement; launches
+ * in other contexts keep their provisional charge.
  */
 #include "vgpu_cuda.h"
+
+#include <time.h>
 
 #define DRV (&vgpu.drv)
 
@@ -62,27 +65,65 @@ static uint64_t segment_ns(float ms)
     return ns > 2 * SEG_OVERHEAD_NS ? ns - SEG_OVERHEAD_NS : ns / 2;
 }
 
-/* The oldest batch of the ring is settled: its events back to the pool. */
-static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b)
+/* The oldest batch of the ring is settled: its events back to the pool. Or, `pending`, given up
+ * while its work may still run: its events are destroyed (the driver frees them once the GPU
+ * has passed them), since a pooled one would be recorded again while the GPU still owes it. */
+static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending)
 {
-    vgpu_measure_put(g, b->ev_open);
-    vgpu_measure_put(g, b->ev_close);
-    vgpu_measure_put(g, b->ev_probe);
-    vgpu_measure_put(g, b->ev_seg);
+    void *ev[] = {b->ev_open, b->ev_close, b->ev_probe, b->ev_seg};
+    for (unsigned i = 0; i < sizeof ev / sizeof ev[0]; i++)
+        if (!pending)
+            vgpu_measure_put(g, ev[i]);
+        else if (ev[i])
+            DRV->event_destroy(ev[i]);
     g->ring_head = (g->ring_head + 1) % VGPU_BATCH_RING;
     VGPU_POKE(g->ring_len, g->ring_len - 1);
 }
 
-/* Settle completed batches, oldest first; `wait`: wait for the oldest one. */
+/* Wait for a batch's end: cuEventQuery, sleeping 20 us doubling to 1 ms in between, for at most
+ * VGPU_MEASURE_WAIT_NS. Never cuEventSynchronize: the batch may hold a kernel that ends only
+ * after this thread's next launch, and every thread of the process would wait on the lock. */
+static CUresult wait_end(struct vgpu_batch *b)
+{
+    uint64_t t0 = vgpu_now_ns(), pause = 20000, waited;
+    CUresult r;
+    while ((r = DRV->event_query(b->ev_close)) == CU_NOT_READY &&
+           (waited = vgpu_now_ns() - t0) < VGPU_MEASURE_WAIT_NS) {
+        struct timespec ts = {0, (long)(pause < VGPU_MEASURE_WAIT_NS - waited ? pause : VGPU_MEASURE_WAIT_NS - waited)};
+        nanosleep(&ts, NULL);
+        pause = pause < VGPU_MS / 2 ? pause * 2 : VGPU_MS;
+    }
+    return r;
+}
+
+/* Settle completed batches, oldest first. `wait` (VGPU_WAIT_FIRST, VGPU_WAIT_ROOM): wait for the
+ * oldest one, at most VGPU_MEASURE_WAIT_NS; one still running then is given up (it keeps its
+ * provisional charge) and the ring moves on. After that the gate never waits again: the process
+ * has shown that its work can wait for its own later calls (a persistent kernel, a stream
+ * waiting for a value), and a second's wait at each such batch would slow it to a launch a
+ * second. So VGPU_WAIT_FIRST then passes at once (launches before the first estimate are charged
+ * nothing until a batch completes), and VGPU_WAIT_ROOM gives the oldest batch up at once; every
+ * batch that completes is still measured. */
 void vgpu_measure_poll(struct vgpu_gate *g, int wait)
 {
     while (g->ring_len) {
         struct vgpu_batch *b = &g->ring[g->ring_head];
         CUresult r = DRV->event_query(b->ev_close);
-        CUresult (*ev_sync)(CUevent) = REAL(H_EVENTSYNC, CUresult(*)(CUevent));
-        if (r == CU_NOT_READY && wait && ev_sync) {
-            r = ev_sync(b->ev_close);
+        if (r == CU_NOT_READY && wait) {
+            if (!g->wait_gave_up)
+                r = wait_end(b);
+            if (r == CU_NOT_READY && (!g->wait_gave_up || wait == VGPU_WAIT_ROOM)) {
+                if (!g->wait_gave_up)
+                    vgpu_log(2, "gate d%d: a batch of %llu launches still runs after %llu ms: given up; no "
+                                "more waits for the GPU", (int)(g - vgpu.gate),
+                             (unsigned long long)(b->launches & ~(UPPER_BOUND | LOWER_BOUND)),
+                             (unsigned long long)(VGPU_MEASURE_WAIT_NS / VGPU_MS));
+                g->wait_gave_up = 1;
+                vgpu_gate_settle(g, b->launches & ~(UPPER_BOUND | LOWER_BOUND), b->prov_ns, 0, 0);
+                batch_release(g, b, 1);
+            }
             wait = 0;
+            continue;
         }
         if (r == CU_NOT_READY)
             break;
@@ -97,7 +138,7 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
              * not its GPU time alone: time-sliced beside low priority its kernels wait, and
              * its GPU time would hand that wait to the low-priority tenant. */
             vgpu_gate_settle(g, b->launches, b->prov_ns, g->measure_only ? (uint64_t)((double)ms * 1e6) : busy, 3);
-            batch_release(g, b);
+            batch_release(g, b, 0);
             continue;
         }
         /* The first kernel's own time (opened right before it, probed right after it), or a
@@ -117,7 +158,7 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
         vgpu_gate_settle(g, n, b->prov_ns,
                          ok ? (uint64_t)((double)ms * 1e6) : 0,
                          !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : 1);
-        batch_release(g, b);
+        batch_release(g, b, 0);
     }
 }
 
@@ -222,7 +263,7 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
     }
     track_stop(g);
     if (g->ring_len == VGPU_BATCH_RING)
-        vgpu_measure_poll(g, 1);
+        vgpu_measure_poll(g, VGPU_WAIT_ROOM); /* leaves room: waits, or gives the oldest up */
     if (b.tracked) {
         if (n) {
             g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;

@@ -268,3 +268,27 @@ def test_a_wait_on_another_stream_does_not_hide_non_blocking_work(card) -> None:
     assert abs(r["busy"] * 100 - 20) <= 5, r
     a, b = tenants(card, [(30, 1), (70, 1)], [], modes=[("nbwait", ["150", "20"]), ("sat", ["2000", "20"])])
     assert a["busy"] * 100 <= 30 + 6 and b["busy"] * 100 >= 70 - 8, (a, b)
+
+
+@pytest.mark.parametrize("warmup_ms", ["0", "300"])
+def test_a_kernel_waiting_for_a_later_launch_does_not_hang_the_gate(card, warmup_ms) -> None:
+    """Stream A waits for a value (cuStreamWaitValue32) that stream B writes only after 40 more
+    kernels on A and one on B, all launched by the same thread: a kernel waiting for its peer's
+    (NCCL over two cards), a persistent kernel the thread stops later. The gate waited for a
+    batch's end under its lock without a bound, before a capped gate's first estimate (a cold
+    start) and on a full ring of batches (warm: 2 ms kernels are batches of one), so the next
+    launch never returned, while natively the program runs through. A wait now ends after
+    VGPU_MEASURE_WAIT_NS (1 s), the batch is given up and the gate waits no more: one second
+    once, not one per launch; the limit holds afterwards."""
+    card.base_env["CUPROG_WARMUP_MS"] = warmup_ms
+    native = work(card, card.env(shim=False), "waitval", "1", "2000", "40", "20", timeout=20)
+    assert native["rc"] == 0 and native["pre_s"] < 0.5, native
+    try:
+        r = work(card, alone(card, 30, f"waitval{warmup_ms}"), "waitval", "3.2", "2000", "40", "20", timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("hung under a 30 % limit (natively the program runs through)")
+    print(f"wait for a later launch (warm-up {warmup_ms} ms) at 30 %: pattern {r['pre_s']} s "
+          f"(native {native['pre_s']} s), then {r['busy']}", r["per_sec"])
+    assert r["rc"] == 0 and r["pre_s"] < 3, r
+    assert abs(r["busy"] * 100 - 30) <= 5, r
+    assert all(abs(x * 100 - 30) <= 8 for x in r["per_sec"]), r
