@@ -110,20 +110,20 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
         struct vgpu_batch *b = &g->ring[g->ring_head];
         CUresult r = DRV->event_query(b->ev_close);
         if (r == CU_NOT_READY && wait) {
+            int room = wait == VGPU_WAIT_ROOM;
+            wait = 0;
             if (!g->wait_gave_up)
                 r = wait_end(b);
-            if (r == CU_NOT_READY && (!g->wait_gave_up || wait == VGPU_WAIT_ROOM)) {
+            if (r == CU_NOT_READY && (!g->wait_gave_up || room)) {
                 if (!g->wait_gave_up)
                     vgpu_log(2, "gate d%d: a batch of %llu launches still runs after %llu ms: given up; no "
                                 "more waits for the GPU", (int)(g - vgpu.gate),
                              (unsigned long long)(b->launches & ~(UPPER_BOUND | LOWER_BOUND)),
                              (unsigned long long)(VGPU_MEASURE_WAIT_NS / VGPU_MS));
                 g->wait_gave_up = 1;
-                vgpu_gate_settle(g, b->launches & ~(UPPER_BOUND | LOWER_BOUND), b->prov_ns, 0, 0);
-                batch_release(g, b, 1);
+                batch_release(g, b, 1); /* unsettled: its provisional charge stands */
+                continue;
             }
-            wait = 0;
-            continue;
         }
         if (r == CU_NOT_READY)
             break;
