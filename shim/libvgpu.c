@@ -82,6 +82,9 @@ static void at_exit(void)
                     (unsigned long long)g->kern_ns, g->gap_pm, g->cal_pm,
                     (unsigned long long)(g->cal_own_busy ? g->cal_card_busy * 1000 / g->cal_own_busy : 0),
                     (unsigned long long)g->throttles);
+        if (g->active)
+            fprintf(stderr, "vgpu-stats-track pid=%d dev=%d span_us=%llu cpu_in_gaps_us=%llu\n", (int)getpid(), d,
+                    (unsigned long long)(g->st_tspan / 1000), (unsigned long long)(g->st_tcpu / 1000));
         uint64_t n = g->st_trace_n, i = n > VGPU_TRACE_LEN ? n - VGPU_TRACE_LEN : 0;
         for (; g->active && i < n; i++) { /* times: us into the period (window: offset, len) */
             const struct vgpu_trace_ent *e = &g->st_trace[i % VGPU_TRACE_LEN];

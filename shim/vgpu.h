@@ -327,6 +327,8 @@ struct vgpu_batch {
     void *ev_seg;               /* gap-tracked: start of the batch's last busy segment (or NULL:
                                  * ev_open); the span from it to ev_close has no idle gap */
     uint64_t seg_busy_ns;       /* gap-tracked: GPU ns of the batch's earlier busy segments */
+    uint64_t track_gap_ns;      /* gap-tracked: the tracking's own CPU ns that delayed a launch
+                                 * the GPU was idle for (idle time an untracked batch lacks) */
     int tracked;                /* measured gap by gap (vgpu_launch.c): its GPU time is exact */
 };
 #define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
@@ -373,6 +375,7 @@ struct vgpu_gate {
      * ended there and a new one starts before this launch. */
     int tracking;               /* the open batch is gap-tracked (peeked unlocked by the launch path) */
     int tail_set;               /* tail recorded since the segment began */
+    uint64_t track_after_ns;    /* CPU ns of recording tail behind the last launch */
     void *tail;                 /* CUevent re-recorded behind every launch of a tracked batch */
     void *track_stream;         /* the one stream a tracked batch launches on */
     uint32_t track_rng;         /* which batches are tracked (xorshift) */
@@ -395,6 +398,7 @@ struct vgpu_gate {
     /* a diagnostic build only (VGPU_CFLAGS=-DVGPU_STATS shim/build.py): per settle mode 0-4,
      * batches, their measured span, what they were charged, their provisional charge (ns) */
     uint64_t st_n[5], st_span[5], st_charged[5], st_prov[5], st_launches[5];
+    uint64_t st_tspan, st_tcpu; /* gap-tracked batches: spans, the tracking's CPU time in their gaps */
     /* and the last VGPU_TRACE_LEN decisions of the slow path (printed at exit) */
     struct vgpu_trace_ent {
         uint64_t now, ret, queued, est, open_until;

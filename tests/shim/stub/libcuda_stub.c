@@ -559,10 +559,18 @@ API CUresult cuEventRecord(void *e, CUstream s)
     return OK;
 }
 API CUresult cuEventRecord_ptsz(void *e, CUstream s) { return cuEventRecord(e, s ? s : (CUstream)2); }
+/* STUB_QUERY_US=Q: cuEventQuery costs Q us of CPU, as a driver call does (a slow host's, scaled
+ * up so that the shim's own per-launch calls show against the stub's kernels). */
+static long query_us = -1;
+
 API CUresult cuEventQuery(void *e)
 {
     struct stub_event *ev = e;
     if (!ev) return E_INVALID_VALUE;
+    if (__builtin_expect(query_us < 0, 0))
+        query_us = stub_env("STUB_QUERY_US", 0);
+    for (uint64_t end = stub_now() + (uint64_t)query_us * 1000; query_us && stub_now() < end;)
+        ;
     if (ev->recorded && hidden_capture_unsafe(ev->s)) return 900; /* an event of a capturing stream */
     return !ev->recorded || event_time(ev) <= stub_now() ? OK : 600; /* CUDA_ERROR_NOT_READY */
 }
