@@ -50,7 +50,7 @@ class FakeSampler(NvmlSampler):
 
 
 def fake_busy(kind: str, mode: str, limit: int | None) -> float:
-    nat = {"gpt": 80, "conv": 90, "infer": 12, "graphs": 99, "compile": 97, "mm": 99}.get(kind, 99)
+    nat = {"gpt": 80, "conv": 90, "infer": 12, "graphs": 99, "compile": 97, "mm": 99, "streams": 90}.get(kind, 99)
     if mode == "native" or not limit:
         return nat
     if mode == "hami":
@@ -78,7 +78,7 @@ def fake_wl(kind: str, secs: float, calib: str | None, ready: str | None, go: st
             time.sleep(0.005)
     t0 = time.time()
     time.sleep(secs)
-    rate = {"gpt": 60, "conv": 40, "infer": 20, "graphs": 50, "compile": 80, "mm": 370, "spin1": 10,
+    rate = {"gpt": 60, "conv": 40, "infer": 20, "graphs": 50, "compile": 80, "mm": 370, "streams": 70, "spin1": 10,
             "spin10": 10}[kind]
     n = int(rate * secs)
     res: dict[str, Any] = {"kind": kind, "unit": "units", "t0": t0, "t1": t0 + secs, "n": n, "its": n / secs,

@@ -30,6 +30,7 @@ SINGLES: list[tuple[str, str, list[int]]] = [
     ("longk-sync10", "spin10", [10]),
     ("graphs", "graphs", [20]),
     ("compile", "compile", [30]),
+    ("streams", "streams", [30]),
     ("mm", "mm", []),  # native only: the co-tenants' baseline
 ]
 # id, tenants (priority, cores; cores 0 = no compute limit), all running the mm workload. A 100 %

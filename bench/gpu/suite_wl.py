@@ -160,6 +160,31 @@ def make_compile() -> tuple[Callable[[], None], int, int]:
     return run, 10, 2
 
 
+def make_streams() -> tuple[Callable[[], None], int, int]:
+    """Work on two of torch's side streams (non-blocking) at once, joined every step, as in
+    overlapped or pipelined training: chains of bf16 1536-wide products (about one wave of the
+    card's SMs each), so the two streams' kernels overlap on the GPU."""
+    n = 1536
+    xs = [torch.randn(n, n, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    w = torch.randn(n, n, device=DEV, dtype=torch.bfloat16) / 40
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    main = torch.cuda.current_stream()
+
+    def run() -> None:
+        for _ in range(4):
+            for s, x in zip(streams, xs, strict=True):
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    y = x
+                    for _ in range(8):
+                        y = torch.relu(y @ w)
+            for s in streams:
+                main.wait_stream(s)
+        torch.cuda.synchronize()
+
+    return run, 4, 2
+
+
 def make_mm() -> tuple[Callable[[], None], int, int]:
     torch.backends.cuda.matmul.allow_tf32 = False
     a = torch.randn(4096, 4096, device=DEV)
@@ -176,9 +201,10 @@ def make_mm() -> tuple[Callable[[], None], int, int]:
 
 MAKERS: dict[str, Callable[[], tuple[Callable[[], None], int, int]]] = {
     "gpt": make_gpt, "conv": make_conv, "graphs": make_graphs, "compile": make_compile, "mm": make_mm,
+    "streams": make_streams,
 }
 UNITS = {"gpt": "steps", "conv": "steps", "graphs": "replays", "compile": "calls", "mm": "products",
-         "infer": "requests"}
+         "streams": "steps", "infer": "requests"}
 
 
 def wait_go(ready: str | None, go: str | None) -> None:
