@@ -407,14 +407,17 @@ static int cmd_work(int argc, char **argv)
     CUfunction f = kernel();
     CUstream st[8] = {NULL};
     int ns = !strcmp(mode, "sat") && b > 1 ? (int)(b > 8 ? 8 : b) : 1;
+    const char *nb = getenv("CUPROG_NB_STREAMS"); /* 1: CU_STREAM_NON_BLOCKING, as torch's side streams */
     for (int i = 1; i < ns; i++)
-        cuStreamCreate(&st[i], 0);
+        cuStreamCreate(&st[i], nb && *nb == '1' ? 1 : 0);
     static double lat[100000];
     long n = 0, nreq = 0;
     const char *wu = getenv("CUPROG_WARMUP_MS"); /* a saturating warm-up before measuring */
+    const char *wk = getenv("CUPROG_WARMUP_KUS"); /* its kernels' length (default: kus) */
+    unsigned wkus = wk ? (unsigned)atol(wk) : kus;
     for (double e = now_s() + (wu ? atof(wu) : 0) / 1e3; wu && now_s() < e;) {
         for (int i = 0; i < 10; i++)
-            cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            cuLaunchKernel(f, wkus, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
         work_sync(NULL);
     }
     const char *idle = getenv("CUPROG_IDLE_MS"); /* light use first: a short kernel every 100 ms */
