@@ -73,7 +73,7 @@ static void at_exit(void)
 #ifdef VGPU_STATS
     for (int d = 0; d < vgpu.cfg.ndev; d++) {
         struct vgpu_gate *g = &vgpu.gate[d];
-        for (int m = 1; m < 5 && g->active; m++)
+        for (int m = 1; m < 6 && g->active; m++)
             fprintf(stderr, "vgpu-stats pid=%d dev=%d mode=%d batches=%llu launches=%llu span_us=%llu "
                     "charged_us=%llu prov_us=%llu est_ns=%llu kern_ns=%llu gap_pm=%u cal_pm=%u cal_raw_pm=%llu throttles=%llu\n",
                     (int)getpid(), d, m, (unsigned long long)g->st_n[m], (unsigned long long)g->st_launches[m],

@@ -307,6 +307,7 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #define VGPU_CAL_MAX_PM 1000u           /* nor rises above it */
 #endif
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
+#define VGPU_BATCH_STREAMS 4        /* streams one batch measures one by one */
 /* The gate waits for the oldest batch's end, under its lock, in two places: a capped gate with
  * no estimate yet before its next launch passes, and a full ring to make room. It polls
  * cuEventQuery (sleeping 20 us, doubling to 1 ms) for at most this long, never in
@@ -330,6 +331,12 @@ struct vgpu_batch {
     uint64_t track_gap_ns;      /* gap-tracked: the tracking's own CPU ns that delayed a launch
                                  * the GPU was idle for (idle time an untracked batch lacks) */
     int tracked;                /* measured gap by gap (vgpu_launch.c): its GPU time is exact */
+    /* Several streams: the batch's first stream is ev_open's and ev_close's; each other stream it
+     * launched on (up to VGPU_BATCH_STREAMS in all; beyond, the batch is only a lower bound) has
+     * its own pair, recorded before its first launch there and behind the batch. */
+    void *stream;               /* the open batch's first stream */
+    int nxs;
+    void *xs[VGPU_BATCH_STREAMS - 1], *xs_open[VGPU_BATCH_STREAMS - 1], *xs_close[VGPU_BATCH_STREAMS - 1];
 };
 #define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
 struct vgpu_gate {
@@ -357,7 +364,7 @@ struct vgpu_gate {
     struct vgpu_batch cur;      /* the open batch (cur.ev_open NULL: none) */
     struct vgpu_batch ring[VGPU_BATCH_RING];
     unsigned ring_head, ring_len;
-    void *pool[4 * VGPU_BATCH_RING + 4];
+    void *pool[(4 + 2 * (VGPU_BATCH_STREAMS - 1)) * VGPU_BATCH_RING + 4];
     int npool;
     int wait_gave_up;           /* a wait for a batch ran out: the gate never waits for one again */
     void *ev_ctx;               /* CUcontext the events belong to */
@@ -397,7 +404,7 @@ struct vgpu_gate {
 #ifdef VGPU_STATS
     /* a diagnostic build only (VGPU_CFLAGS=-DVGPU_STATS shim/build.py): per settle mode 0-4,
      * batches, their measured span, what they were charged, their provisional charge (ns) */
-    uint64_t st_n[5], st_span[5], st_charged[5], st_prov[5], st_launches[5];
+    uint64_t st_n[6], st_span[6], st_charged[6], st_prov[6], st_launches[6];
     uint64_t st_tspan, st_tcpu; /* gap-tracked batches: spans, the tracking's CPU time in their gaps */
     /* and the last VGPU_TRACE_LEN decisions of the slow path (printed at exit) */
     struct vgpu_trace_ent {
@@ -413,11 +420,17 @@ void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
  * period, and whether others are listed (the window then repeats every frame, scaled to it). */
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);
 /* Fast check: 1 if a launch may pass (it is then charged provisionally and counted), 0 = take
- * the slow path. The real time lies in [now_lo, now_hi] (a coarse clock: lo = coarse, hi =
- * coarse + margin; the precise one: lo = hi). */
+ * the slow path, which also a launch on another stream than the last one of a measured batch
+ * takes (the batch measures each stream). The real time lies in [now_lo, now_hi] (a coarse
+ * clock: lo = coarse, hi = coarse + margin; the precise one: lo = hi). */
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
 /* The stream of a launch counted in the open batch; a second stream marks the batch. */
 void vgpu_gate_note_stream(struct vgpu_gate *g, void *stream);
+/* 1 when a launch at a time in [now_lo, now_hi] may pass (the batch is open and, unless the gate
+ * only measures, there is credit), stream aside. Pure. */
+int vgpu_gate_open_at(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi);
+/* A launch that passes: charged its estimate (unless the gate only measures) and counted. */
+void vgpu_gate_count(struct vgpu_gate *g);
 /* The slow path's decision at `now`: 0 = pass (the fast path is open until g->open_until),
  * else the time to wait until before deciding again. Clamps the credit to the burst. Pure. */
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
@@ -425,8 +438,9 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
  * the credit clock and the per-launch estimate. measured: 0 = keep the provisional charge (the
  * span was not measurable), 1 = the span between its events (idle gaps included), 2 = an upper
  * bound (idle tail included), 3 = exact (gap-tracked: the sum of its busy segments), 4 = a lower
- * bound (several streams: the provisional charge stands unless the span is longer, and the
- * estimate is not moved). Pure. */
+ * bound (more streams than a batch measures: the provisional charge stands unless the span is
+ * longer, and the estimate is not moved), 5 = several streams, each measured (the union of their
+ * spans, at most their sum). Pure. */
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
 /* One gap-tracked batch: busy_ns of GPU time in a span of span_ns; the ratio charges the others. */
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);

@@ -81,26 +81,36 @@ void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }
 
-int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
+int vgpu_gate_open_at(struct vgpu_gate *g, uint64_t lo, uint64_t hi)
 {
     uint64_t until = atomic_load_explicit(&g->open_until, memory_order_relaxed);
     if (hi >= until)
         return 0;
-    if (g->measure_only) {
-        atomic_store_explicit(&g->batch_n, atomic_load_explicit(&g->batch_n, memory_order_relaxed) + 1,
-                              memory_order_relaxed);
-        vgpu_gate_note_stream(g, stream);
+    if (g->measure_only)
         return 1;
-    }
     uint64_t v = atomic_load_explicit(g->vt, memory_order_relaxed);
-    if (v > lo || v + VGPU_PEEK(g->burst_ns) < hi)
-        return 0; /* out of credit, or credit to clamp: the slow path */
-    atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
-                              memory_order_relaxed);
+    return v <= lo && v + VGPU_PEEK(g->burst_ns) >= hi; /* else out of credit, or credit to clamp */
+}
+
+void vgpu_gate_count(struct vgpu_gate *g)
+{
+    if (!g->measure_only)
+        atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
+                                  memory_order_relaxed);
     /* A plain add (no lock prefix): concurrent threads may lose a count, which only makes the
      * next estimate slightly high; the credit itself is the atomic above. */
     atomic_store_explicit(&g->batch_n, atomic_load_explicit(&g->batch_n, memory_order_relaxed) + 1,
                           memory_order_relaxed);
+}
+
+int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
+{
+    if (!vgpu_gate_open_at(g, lo, hi))
+        return 0;
+    /* another stream than the last launch's: the slow path adds it to the batch's streams */
+    if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != stream && VGPU_PEEK(g->cur.ev_open))
+        return 0;
+    vgpu_gate_count(g);
     vgpu_gate_note_stream(g, stream);
     return 1;
 }
@@ -274,7 +284,7 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
          * kernels; the gap-tracked batches say what share of a span is busy. (A batch of one
          * launch is charged to its own end, vgpu_measure.c: it has no gap.) */
         span_ns = span_ns * g->gap_pm / 1000;
-    } else if (g->kern_ns) {
+    } else if (g->kern_ns && (measured != 5 || g->cotenants)) {
         /* The batch's span counts the GPU's idle gaps between launches slower than their kernels
          * (CPU time) and, beside co-tenants, their time slices. A span well above its launches
          * at the bracketed kernel time is charged that time; beside co-tenants every batch is
@@ -282,6 +292,8 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
         uint64_t k = launches * g->kern_ns, floor = span_ns / 2;
         /* never below half the span: the bracketed kernel is the tenant's to pick (a tiny one
          * first in every batch), and one co-tenant's time slices at most double a span */
+        /* (Several streams alone: their kernels may run at once, so launches x kernel time
+         * says nothing about the union of their spans.) */
         if (g->cotenants && span_ns > k + k / 4)
             span_ns = k + k / 4 > floor ? k + k / 4 : floor;
         else if (!g->cotenants && launches > 1 && span_ns > k + k / 2)

@@ -77,6 +77,7 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync); /* ... ends behind th
 #define VGPU_WAIT_FIRST 1 /* ... before a capped gate without an estimate queues more */
 #define VGPU_WAIT_ROOM 2  /* ... to make room in a full ring */
 void vgpu_measure_poll(struct vgpu_gate *g, int wait);
+int vgpu_measure_join(struct vgpu_gate *g, CUstream s); /* another stream joins the open batch */
 void vgpu_track_before(struct vgpu_gate *g, CUstream s);  /* gap tracking around a launch */
 void vgpu_track_after(struct vgpu_gate *g, CUstream s);
 int vgpu_stream_capturing(CUstream s);                    /* 1: s is capturing a graph */

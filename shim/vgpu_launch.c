@@ -129,6 +129,11 @@ static void gate_slow(int d, CUstream s)
         pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
         return;
     }
+    if (vgpu_gate_open_at(g, now, now) && vgpu_measure_join(g, s)) {
+        vgpu_gate_count(g); /* a launch on another stream of the open batch: it passes */
+        pthread_mutex_unlock(&g->mu);
+        return;
+    }
     vgpu_measure_close(g, 0);
     if (!g->est_ns && g->ring_len) /* no estimate yet: measure before queuing more */
         vgpu_measure_poll(g, VGPU_WAIT_FIRST);
@@ -175,10 +180,7 @@ static void gate_slow(int d, CUstream s)
     else if (g->cur.ev_open)
         VGPU_POKE(g->probe_pending, 1); /* an event right after this launch: its kernel's own time */
     /* This launch: charged and counted like one of the fast path. */
-    if (!g->measure_only)
-        atomic_fetch_add_explicit(g->vt, atomic_load_explicit(&g->vt_cost, memory_order_relaxed),
-                                  memory_order_relaxed);
-    atomic_fetch_add_explicit(&g->batch_n, 1, memory_order_relaxed);
+    vgpu_gate_count(g);
     vgpu_gate_note_stream(g, s);
     pthread_mutex_unlock(&g->mu);
 }

@@ -70,7 +70,9 @@ static uint64_t segment_ns(float ms)
  * has passed them), since a pooled one would be recorded again while the GPU still owes it. */
 static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending)
 {
-    void *ev[] = {b->ev_open, b->ev_close, b->ev_probe, b->ev_seg};
+    void *ev[4 + 2 * (VGPU_BATCH_STREAMS - 1)] = {b->ev_open, b->ev_close, b->ev_probe, b->ev_seg};
+    for (int i = 0; i < b->nxs; i++)
+        ev[4 + 2 * i] = b->xs_open[i], ev[5 + 2 * i] = b->xs_close[i];
     for (unsigned i = 0; i < sizeof ev / sizeof ev[0]; i++)
         if (!pending)
             vgpu_measure_put(g, ev[i]);
@@ -83,17 +85,61 @@ static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending
 /* Wait for a batch's end: cuEventQuery, sleeping 20 us doubling to 1 ms in between, for at most
  * VGPU_MEASURE_WAIT_NS. Never cuEventSynchronize: the batch may hold a kernel that ends only
  * after this thread's next launch, and every thread of the process would wait on the lock. */
+static CUresult batch_query(const struct vgpu_batch *b)
+{
+    CUresult r = DRV->event_query(b->ev_close);
+    for (int i = 0; i < b->nxs && r == CUDA_SUCCESS; i++)
+        if (b->xs_close[i])
+            r = DRV->event_query(b->xs_close[i]);
+    return r;
+}
+
 static CUresult wait_end(struct vgpu_batch *b)
 {
     uint64_t t0 = vgpu_now_ns(), pause = 20000, waited;
     CUresult r;
-    while ((r = DRV->event_query(b->ev_close)) == CU_NOT_READY &&
+    while ((r = batch_query(b)) == CU_NOT_READY &&
            (waited = vgpu_now_ns() - t0) < VGPU_MEASURE_WAIT_NS) {
         struct timespec ts = {0, (long)(pause < VGPU_MEASURE_WAIT_NS - waited ? pause : VGPU_MEASURE_WAIT_NS - waited)};
         nanosleep(&ts, NULL);
         pause = pause < VGPU_MS / 2 ? pause * 2 : VGPU_MS;
     }
     return r;
+}
+
+/* Where event e lies after the batch's ev_open, in ms (negative: before it); 0 on failure. */
+static int offset_ms(const struct vgpu_batch *b, void *e, float *at)
+{
+    float ms = 0;
+    if (DRV->event_elapsed(&ms, b->ev_open, e) == CUDA_SUCCESS && ms >= 0) {
+        *at = ms;
+        return 1;
+    }
+    if (DRV->event_elapsed(&ms, e, b->ev_open) == CUDA_SUCCESS && ms >= 0) {
+        *at = -ms;
+        return 1;
+    }
+    return 0;
+}
+
+/* A batch on several streams, each measured (first_ms: its first stream's span): the union of
+ * the streams' spans (their kernels may run at once, and the card is busy while any runs), at
+ * most their sum (streams one after another, with idle time between them). ns; 0 when an event
+ * pair cannot be read. */
+static uint64_t streams_span(const struct vgpu_batch *b, float first_ms)
+{
+    double sum = first_ms, lo = 0, hi = first_ms;
+    for (int i = 0; i < b->nxs; i++) {
+        float start = 0, len = -1;
+        if (!offset_ms(b, b->xs_open[i], &start) ||
+            DRV->event_elapsed(&len, b->xs_open[i], b->xs_close[i]) != CUDA_SUCCESS || len < 0)
+            return 0;
+        sum += len;
+        lo = start < lo ? start : lo;
+        hi = start + len > hi ? start + len : hi;
+    }
+    double ms = hi - lo < sum ? hi - lo : sum;
+    return (uint64_t)(ms * 1e6);
 }
 
 /* Settle completed batches, oldest first. `wait` (VGPU_WAIT_FIRST, VGPU_WAIT_ROOM): wait for the
@@ -108,7 +154,7 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
 {
     while (g->ring_len) {
         struct vgpu_batch *b = &g->ring[g->ring_head];
-        CUresult r = DRV->event_query(b->ev_close);
+        CUresult r = batch_query(b);
         if (r == CU_NOT_READY && wait) {
             int room = wait == VGPU_WAIT_ROOM;
             wait = 0;
@@ -149,9 +195,15 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
             batch_release(g, b, 0);
             continue;
         }
+        uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
+        if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
+            uint64_t span = streams_span(b, ms);
+            vgpu_gate_settle(g, n, b->prov_ns, span, span ? 5 : 0);
+            batch_release(g, b, 0);
+            continue;
+        }
         /* The first kernel's own time (opened right before it, probed right after it), or a
          * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
-        uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
         if (ok && b->ev_probe && DRV->event_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0) {
             vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
             /* its only kernel: the probe is its end (uncapped high priority publishes its
@@ -266,16 +318,24 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
 {
     if (!g->cur.ev_open)
         return;
-    /* Behind the batch's work: on its stream when it used one (whatever stream the caller waits
-     * on: a wait on another stream must not close it where its kernels are not), else on the
-     * legacy stream, which follows every blocking stream but not the non-blocking ones, so the
-     * span of a batch on several streams is only a lower bound. */
+    /* Behind the batch's work: on its first stream (whatever stream the caller waits on: a wait
+     * on another stream must not close it where its kernels are not) and on each other stream
+     * it launched on. Past VGPU_BATCH_STREAMS streams (or an event that failed), on the legacy
+     * stream, which follows every blocking stream but not the non-blocking ones, so the span is
+     * then only a lower bound. */
     int multi = g->multi_stream;
     g->multi_stream = 0;
-    CUstream s = multi ? NULL : (CUstream)atomic_load_explicit(&g->last_stream, memory_order_relaxed);
     uint64_t n = atomic_exchange(&g->batch_n, 0);
     struct vgpu_batch b = {.ev_open = g->cur.ev_open, .launches = n, .prov_ns = n * g->est_ns,
-                           .ev_probe = g->cur.ev_probe};
+                           .ev_probe = g->cur.ev_probe, .nxs = g->cur.nxs};
+    for (int i = 0; i < b.nxs; i++) {
+        b.xs_open[i] = g->cur.xs_open[i], g->cur.xs_open[i] = NULL;
+        if (!multi && n && ((b.xs_close[i] = vgpu_measure_event(g)) == NULL ||
+                            DRV->event_record(b.xs_close[i], (CUstream)g->cur.xs[i]) != CUDA_SUCCESS))
+            multi = 1;
+    }
+    g->cur.nxs = 0;
+    CUstream s = multi ? NULL : (CUstream)g->cur.stream;
     VGPU_POKE(g->cur.ev_open, NULL);
     g->cur.ev_probe = NULL;
     VGPU_POKE(g->probe_pending, 0);
@@ -296,7 +356,7 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
         vgpu_measure_put(g, b.ev_seg);
         b.ev_seg = NULL;
     }
-    int idle = !at_sync && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
+    int idle = !at_sync && !b.nxs && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = vgpu_measure_event(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
         if (multi)
@@ -310,6 +370,34 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
     vgpu_measure_put(g, b.ev_close);
     vgpu_measure_put(g, b.ev_open);
     vgpu_measure_put(g, b.ev_probe);
+    for (int i = 0; i < b.nxs; i++) {
+        vgpu_measure_put(g, b.xs_open[i]);
+        vgpu_measure_put(g, b.xs_close[i]);
+    }
+}
+
+/* A launch on stream s (not capturing) while the batch is open and the launch may pass (under
+ * the gate's lock): s joins the batch's streams, with an event before its first launch there.
+ * 0 when no batch is open to join (the slow path then runs as usual). */
+int vgpu_measure_join(struct vgpu_gate *g, CUstream s)
+{
+    if (!g->cur.ev_open)
+        return 0;
+    int known = s == (CUstream)g->cur.stream;
+    for (int i = 0; i < g->cur.nxs && !known; i++)
+        known = s == (CUstream)g->cur.xs[i];
+    if (!known && !g->multi_stream) {
+        CUevent e = g->cur.nxs < VGPU_BATCH_STREAMS - 1 ? vgpu_measure_event(g) : NULL;
+        if (e && DRV->event_record(e, s) == CUDA_SUCCESS) {
+            g->cur.xs[g->cur.nxs] = s, g->cur.xs_open[g->cur.nxs] = e;
+            g->cur.nxs++;
+        } else {
+            vgpu_measure_put(g, e);
+            g->multi_stream = 1; /* one stream too many: a lower bound (vgpu_measure_close) */
+        }
+    }
+    atomic_store_explicit(&g->last_stream, s, memory_order_relaxed);
+    return 1;
 }
 
 void vgpu_measure_open(struct vgpu_gate *g, CUstream s)
@@ -322,6 +410,8 @@ void vgpu_measure_open(struct vgpu_gate *g, CUstream s)
         e = NULL;
     }
     VGPU_POKE(g->cur.ev_open, e);
+    g->cur.stream = s;
+    atomic_store_explicit(&g->last_stream, s, memory_order_relaxed);
     atomic_store(&g->batch_n, 0);
     track_start(g, s);
 }
