@@ -406,7 +406,9 @@ static int cmd_work(int argc, char **argv)
     setup(0);
     CUfunction f = kernel();
     CUstream st[8] = {NULL};
-    int ns = !strcmp(mode, "sat") && b > 1 ? (int)(b > 8 ? 8 : b) : 1;
+    const char *gs = getenv("CUPROG_GAP_STREAMS"); /* gap: launches round-robin on so many streams */
+    int ns = !strcmp(mode, "sat") && b > 1 ? (int)(b > 8 ? 8 : b) : !strcmp(mode, "gap") && gs ? atoi(gs) : 1;
+    ns = ns < 1 ? 1 : ns > 8 ? 8 : ns;
     const char *nb = getenv("CUPROG_NB_STREAMS"); /* 1: CU_STREAM_NON_BLOCKING, as torch's side streams */
     for (int i = 1; i < ns; i++)
         cuStreamCreate(&st[i], nb && *nb == '1' ? 1 : 0);
@@ -488,11 +490,12 @@ static int cmd_work(int argc, char **argv)
             if (mixed < 0)
                 mixed = getenv("CUPROG_MIX") && *getenv("CUPROG_MIX") == '1';
             unsigned k = mixed ? (kus * mix[n % 8] + 2) / 4 : kus;
-            rc = cuLaunchKernel(f, k ? k : 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            rc = cuLaunchKernel(f, k ? k : 1, 1, 1, 1, 1, 1, 0, st[n % ns], NULL, NULL);
             for (double e = now_s() + a / 1e6; now_s() < e;)
                 ; /* the CPU's share of each step */
             if (++n % (b > 0 ? b : 1) == 0)
-                work_sync(NULL);
+                for (int i = 0; i < ns; i++)
+                    work_sync(st[i]);
         } else {
             if (t < next) {
                 struct timespec ts = {0, (long)((next - t) * 1e9)};
