@@ -330,6 +330,8 @@ struct vgpu_batch {
     uint64_t seg_busy_ns;       /* gap-tracked: GPU ns of the batch's earlier busy segments */
     uint64_t track_gap_ns;      /* gap-tracked: the tracking's own CPU ns that delayed a launch
                                  * the GPU was idle for (idle time an untracked batch lacks) */
+    int ntails;                 /* gap-tracked: its streams' tails (it ends at the latest) */
+    void *tails[VGPU_BATCH_STREAMS];
     int tracked;                /* measured gap by gap (vgpu_launch.c): its GPU time is exact */
     /* Several streams: the batch's first stream is ev_open's and ev_close's; each other stream it
      * launched on (up to VGPU_BATCH_STREAMS in all; beyond, the batch is only a lower bound) has
@@ -377,14 +379,16 @@ struct vgpu_gate {
                                  * first of each batch, every long one): gaps excluded */
     uint64_t queued_ns;         /* GPU work queued and not yet measured (set before decide) */
     int probe_pending;          /* the next launch's end gets an event (ev_probe) */
-    /* Gap tracking of the open batch (alone on the card): before each launch the event behind
-     * the previous one (tail) is queried; complete means the GPU went idle, so the busy segment
-     * ended there and a new one starts before this launch. */
+    /* Gap tracking of the open batch (alone on the card): before each launch the events behind
+     * the latest launch on each of its streams (tails) are queried; all complete means the GPU
+     * went idle, so the busy segment ended at the latest of them and a new one starts before
+     * this launch. */
     int tracking;               /* the open batch is gap-tracked (peeked unlocked by the launch path) */
-    int tail_set;               /* tail recorded since the segment began */
-    uint64_t track_after_ns;    /* CPU ns of recording tail behind the last launch */
-    void *tail;                 /* CUevent re-recorded behind every launch of a tracked batch */
-    void *track_stream;         /* the one stream a tracked batch launches on */
+    int ntails;                 /* its streams so far, each with a tail */
+    void *tail[VGPU_BATCH_STREAMS];        /* CUevent re-recorded behind every launch on the stream */
+    void *tail_stream[VGPU_BATCH_STREAMS];
+    int tail_set[VGPU_BATCH_STREAMS];      /* recorded since the segment began */
+    uint64_t track_after_ns;    /* CPU ns of recording a tail behind the last launch */
     uint32_t track_rng;         /* which batches are tracked (xorshift) */
     uint32_t gap_pm;            /* busy / span of tracked batches, per mille (EWMA); 0 = unknown */
     /* Busy calibration (alone on the card): the card's own busy time (NVML's utilization

@@ -279,10 +279,11 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
          * so the span is a lower bound: the provisional charge stands unless it says more. */
         if (span_ns < prov_ns)
             span_ns = prov_ns;
-    } else if (!g->cotenants && !g->measure_only && g->gap_pm && measured == 1 && launches > 1) {
-        /* Alone: a batch's span counts the GPU's idle gaps between launches slower than their
-         * kernels; the gap-tracked batches say what share of a span is busy. (A batch of one
-         * launch is charged to its own end, vgpu_measure.c: it has no gap.) */
+    } else if (!g->cotenants && !g->measure_only && g->gap_pm && (measured == 1 || measured == 5) && launches > 1) {
+        /* Alone: a batch's span (several streams: the union of their spans) counts the GPU's
+         * idle gaps between launches slower than their kernels; the gap-tracked batches say
+         * what share of a span is busy. (A batch of one launch is charged to its own end,
+         * vgpu_measure.c: it has no gap.) */
         span_ns = span_ns * g->gap_pm / 1000;
     } else if (g->kern_ns && (measured != 5 || g->cotenants)) {
         /* The batch's span counts the GPU's idle gaps between launches slower than their kernels

@@ -70,9 +70,11 @@ static uint64_t segment_ns(float ms)
  * has passed them), since a pooled one would be recorded again while the GPU still owes it. */
 static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending)
 {
-    void *ev[4 + 2 * (VGPU_BATCH_STREAMS - 1)] = {b->ev_open, b->ev_close, b->ev_probe, b->ev_seg};
+    void *ev[4 + 2 * (VGPU_BATCH_STREAMS - 1) + VGPU_BATCH_STREAMS] = {b->ev_open, b->ev_close, b->ev_probe, b->ev_seg};
     for (int i = 0; i < b->nxs; i++)
         ev[4 + 2 * i] = b->xs_open[i], ev[5 + 2 * i] = b->xs_close[i];
+    for (int i = 0; i < b->ntails; i++)
+        ev[4 + 2 * (VGPU_BATCH_STREAMS - 1) + i] = b->tails[i];
     for (unsigned i = 0; i < sizeof ev / sizeof ev[0]; i++)
         if (!pending)
             vgpu_measure_put(g, ev[i]);
@@ -87,10 +89,12 @@ static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending
  * after this thread's next launch, and every thread of the process would wait on the lock. */
 static CUresult batch_query(const struct vgpu_batch *b)
 {
-    CUresult r = DRV->event_query(b->ev_close);
+    CUresult r = b->ev_close ? DRV->event_query(b->ev_close) : CUDA_SUCCESS;
     for (int i = 0; i < b->nxs && r == CUDA_SUCCESS; i++)
         if (b->xs_close[i])
             r = DRV->event_query(b->xs_close[i]);
+    for (int i = 0; i < b->ntails && r == CUDA_SUCCESS; i++)
+        r = DRV->event_query(b->tails[i]);
     return r;
 }
 
@@ -142,6 +146,44 @@ static uint64_t streams_span(const struct vgpu_batch *b, float first_ms)
     return (uint64_t)(ms * 1e6);
 }
 
+/* The latest of a tracked batch's tails after event `from`, in ms (-1: an event failed). */
+static float tails_end_ms(const struct vgpu_batch *b, void *from)
+{
+    float end = -1;
+    for (int i = 0; i < b->ntails; i++) {
+        float ms = -1;
+        if (DRV->event_elapsed(&ms, from, b->tails[i]) != CUDA_SUCCESS || ms < 0)
+            return -1;
+        end = ms > end ? ms : end;
+    }
+    return end;
+}
+
+/* A gap-tracked batch (done: all its events completed): the busy segments' own time, exact;
+ * its busy share is taken over the span an untracked batch would have had (less the tracking's
+ * CPU time in its gaps). */
+static void settle_tracked(struct vgpu_gate *g, const struct vgpu_batch *b, int done)
+{
+    float ms = done ? tails_end_ms(b, b->ev_open) : -1, seg = ms < 0 ? -1 : tails_end_ms(b, b->ev_seg ? b->ev_seg : b->ev_open);
+    if (seg < 0) {
+        vgpu_gate_settle(g, b->launches, b->prov_ns, 0, 0); /* unmeasured: the provisional charge stands */
+        return;
+    }
+    uint64_t busy = b->seg_busy_ns + segment_ns(seg), span = (uint64_t)((double)ms * 1e6);
+    uint64_t idle = span > busy ? span - busy : 0, cpu = b->track_gap_ns < idle ? b->track_gap_ns : idle;
+#ifdef VGPU_TRACK_CPU_IN_GAPS
+    cpu = 0; /* the earlier rule, for same-call A/B runs */
+#endif
+#ifdef VGPU_STATS
+    g->st_tspan += span, g->st_tcpu += cpu;
+#endif
+    vgpu_gate_tracked(g, busy, span - cpu);
+    /* Uncapped high priority publishes its demand (work queued or running: the span), not its
+     * GPU time alone: time-sliced beside low priority its kernels wait, and its GPU time would
+     * hand that wait to the low-priority tenant. */
+    vgpu_gate_settle(g, b->launches, b->prov_ns, g->measure_only ? span : busy, 3);
+}
+
 /* Settle completed batches, oldest first. `wait` (VGPU_WAIT_FIRST, VGPU_WAIT_ROOM): wait for the
  * oldest one, at most VGPU_MEASURE_WAIT_NS; one still running then is given up (it keeps its
  * provisional charge) and the ring moves on. After that the gate never waits again: the process
@@ -173,28 +215,13 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
         }
         if (r == CU_NOT_READY)
             break;
-        float ms = -1, pm = -1, seg = -1;
-        int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
-        if (ok && b->tracked &&
-            DRV->event_elapsed(&seg, b->ev_seg ? b->ev_seg : b->ev_open, b->ev_close) == CUDA_SUCCESS && seg >= 0) {
-            /* gap-tracked: the busy segments' own time, exact; its busy share is taken over the
-             * span an untracked batch would have had (less the tracking's CPU time in its gaps) */
-            uint64_t busy = b->seg_busy_ns + segment_ns(seg), span = (uint64_t)((double)ms * 1e6);
-            uint64_t idle = span > busy ? span - busy : 0, cpu = b->track_gap_ns < idle ? b->track_gap_ns : idle;
-#ifdef VGPU_TRACK_CPU_IN_GAPS
-            cpu = 0; /* the earlier rule, for same-call A/B runs */
-#endif
-#ifdef VGPU_STATS
-            g->st_tspan += span, g->st_tcpu += cpu;
-#endif
-            vgpu_gate_tracked(g, busy, span - cpu);
-            /* Uncapped high priority publishes its demand (work queued or running: the span),
-             * not its GPU time alone: time-sliced beside low priority its kernels wait, and
-             * its GPU time would hand that wait to the low-priority tenant. */
-            vgpu_gate_settle(g, b->launches, b->prov_ns, g->measure_only ? (uint64_t)((double)ms * 1e6) : busy, 3);
+        if (b->tracked) {
+            settle_tracked(g, b, r == CUDA_SUCCESS);
             batch_release(g, b, 0);
             continue;
         }
+        float ms = -1, pm = -1;
+        int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
         uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
         if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
             uint64_t span = streams_span(b, ms);
@@ -226,12 +253,14 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
  *
  * Alone on the card, a batch's span counts the GPU's idle time between launches that come
  * slower than their kernels (launch-bound training: the H200 was 48 % busy natively). In a
- * tracked batch (one in VGPU_TRACK_EVERY, at random, on one stream) an event, `tail`, is
- * re-recorded behind every launch, and queried before the next: complete means the GPU has run
- * everything and is idle, so the busy segment ended at `tail` (its time, from the segment's
- * start event, is added up) and a new segment starts with an event before this launch. The
- * batch's GPU time is then the sum of its segments, exact to the launch latency; the other
- * batches are charged their span times the busy share the tracked ones found (gap_pm).
+ * tracked batch (one in VGPU_TRACK_EVERY, at random, on up to VGPU_BATCH_STREAMS streams) an
+ * event per stream, its `tail`, is re-recorded behind every launch there, and the tails are
+ * queried before the next launch: all complete means the GPU has run everything and is idle,
+ * so the busy segment ended at the latest tail (its time, from the segment's start event, is
+ * added up) and a new segment starts with an event before this launch. The batch's GPU time is
+ * then the sum of its segments, exact to the launch latency; the other batches are charged
+ * their span (several streams: the union of their spans) times the busy share the tracked ones
+ * found (gap_pm).
  *
  * The tracking's own CPU time (recording tail, about 1.5 us a launch on the H200, and the query)
  * delays each launch, and where the GPU was idle for that launch it lengthens the gap: on a host
@@ -242,11 +271,12 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
 
 static void track_stop(struct vgpu_gate *g)
 {
-    vgpu_measure_put(g, g->tail);
+    for (int i = 0; i < g->ntails; i++)
+        vgpu_measure_put(g, g->tail[i]), g->tail[i] = NULL, g->tail_set[i] = 0;
+    g->ntails = 0;
     vgpu_measure_put(g, g->cur.ev_seg);
-    g->tail = g->cur.ev_seg = NULL;
+    g->cur.ev_seg = NULL;
     g->cur.seg_busy_ns = g->cur.track_gap_ns = 0;
-    g->tail_set = 0;
     VGPU_POKE(g->tracking, 0);
 }
 
@@ -257,12 +287,39 @@ static void track_start(struct vgpu_gate *g, CUstream s)
     g->track_rng = x;
     if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % VGPU_TRACK_EVERY)
         return;
-    if (!(g->tail = vgpu_measure_event(g)))
+    if (!(g->tail[0] = vgpu_measure_event(g)))
         return;
-    g->track_stream = s;
-    g->tail_set = 0;
+    g->tail_stream[0] = s, g->tail_set[0] = 0, g->ntails = 1;
     g->cur.seg_busy_ns = g->cur.track_gap_ns = 0;
     VGPU_POKE(g->tracking, 1);
+}
+
+/* The tracked batch's tail on stream s: found, or a new one (-1: one stream too many, or no
+ * event). */
+static int track_tail(struct vgpu_gate *g, CUstream s)
+{
+    for (int i = 0; i < g->ntails; i++)
+        if (g->tail_stream[i] == s)
+            return i;
+    if (g->ntails == VGPU_BATCH_STREAMS || !(g->tail[g->ntails] = vgpu_measure_event(g)))
+        return -1;
+    g->tail_stream[g->ntails] = s, g->tail_set[g->ntails] = 0;
+    return g->ntails++;
+}
+
+/* The GPU time from `start` to the latest of the set tails, in ms (-1: an event failed). */
+static float track_segment_ms(struct vgpu_gate *g, void *start)
+{
+    float end = -1;
+    for (int i = 0; i < g->ntails; i++) {
+        float ms = -1;
+        if (!g->tail_set[i])
+            continue;
+        if (DRV->event_elapsed(&ms, start, g->tail[i]) != CUDA_SUCCESS || ms < 0)
+            return -1;
+        end = ms > end ? ms : end;
+    }
+    return end;
 }
 
 /* A stream being captured (torch.cuda.graph warms up on its side stream, then captures on
@@ -279,24 +336,29 @@ void vgpu_track_before(struct vgpu_gate *g, CUstream s)
     if (!g->tracking)
         return;
     uint64_t t0 = vgpu_now_ns();
-    if (vgpu_stream_capturing(s)) {
-        track_stop(g);
+    if (vgpu_stream_capturing(s) || track_tail(g, s) < 0) {
+        track_stop(g); /* more streams than tracked, or an event failed: a plain batch */
         return;
     }
-    if (s == g->track_stream && (!g->tail_set || DRV->event_query(g->tail) != CUDA_SUCCESS))
-        return; /* the GPU is still busy with what came before: no gap */
-    float ms = -1;
+    int set = 0;
+    for (int i = 0; i < g->ntails; i++)
+        if (g->tail_set[i] && ++set && DRV->event_query(g->tail[i]) != CUDA_SUCCESS)
+            return; /* the GPU is still busy with what came before: no gap */
+    if (!set)
+        return;
     void *start = g->cur.ev_seg ? g->cur.ev_seg : g->cur.ev_open;
-    if (s != g->track_stream || DRV->event_elapsed(&ms, start, g->tail) != CUDA_SUCCESS || ms < 0 ||
-        (!g->cur.ev_seg && !(g->cur.ev_seg = vgpu_measure_event(g))) || DRV->event_record(g->cur.ev_seg, s) != CUDA_SUCCESS) {
-        track_stop(g); /* several streams, or an event failed: a plain batch */
+    float ms = track_segment_ms(g, start);
+    if (ms < 0 || (!g->cur.ev_seg && !(g->cur.ev_seg = vgpu_measure_event(g))) ||
+        DRV->event_record(g->cur.ev_seg, s) != CUDA_SUCCESS) {
+        track_stop(g); /* an event failed: a plain batch */
         return;
     }
     g->cur.seg_busy_ns += segment_ns(ms);
     /* the GPU waited for this launch, and for the tracking's CPU time behind the last one and
      * before this one */
     g->cur.track_gap_ns += g->track_after_ns + (vgpu_now_ns() - t0);
-    g->tail_set = 0;
+    for (int i = 0; i < g->ntails; i++)
+        g->tail_set[i] = 0;
 }
 
 /* After a launch of a tracked batch (under the gate's lock). */
@@ -305,10 +367,11 @@ void vgpu_track_after(struct vgpu_gate *g, CUstream s)
     if (!g->tracking)
         return;
     uint64_t t0 = vgpu_now_ns();
-    if (s != g->track_stream || DRV->event_record(g->tail, s) != CUDA_SUCCESS)
+    int k = track_tail(g, s);
+    if (k < 0 || DRV->event_record(g->tail[k], s) != CUDA_SUCCESS)
         track_stop(g);
     else
-        g->tail_set = 1, g->track_after_ns = vgpu_now_ns() - t0;
+        g->tail_set[k] = 1, g->track_after_ns = vgpu_now_ns() - t0;
 }
 
 /* Close the open batch behind its work (before a slow-path launch, after a long kernel, or
@@ -328,21 +391,21 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
     uint64_t n = atomic_exchange(&g->batch_n, 0);
     struct vgpu_batch b = {.ev_open = g->cur.ev_open, .launches = n, .prov_ns = n * g->est_ns,
                            .ev_probe = g->cur.ev_probe, .nxs = g->cur.nxs};
-    for (int i = 0; i < b.nxs; i++) {
+    for (int i = 0; i < b.nxs; i++)
         b.xs_open[i] = g->cur.xs_open[i], g->cur.xs_open[i] = NULL;
-        if (!multi && n && ((b.xs_close[i] = vgpu_measure_event(g)) == NULL ||
-                            DRV->event_record(b.xs_close[i], (CUstream)g->cur.xs[i]) != CUDA_SUCCESS))
-            multi = 1;
-    }
     g->cur.nxs = 0;
-    CUstream s = multi ? NULL : (CUstream)g->cur.stream;
     VGPU_POKE(g->cur.ev_open, NULL);
     g->cur.ev_probe = NULL;
     VGPU_POKE(g->probe_pending, 0);
-    if (g->tracking && g->tail_set) { /* exact: closed right behind its last launch */
-        b.ev_close = g->tail, b.ev_seg = g->cur.ev_seg, b.seg_busy_ns = g->cur.seg_busy_ns, b.tracked = 1;
-        b.track_gap_ns = g->cur.track_gap_ns;
-        g->tail = g->cur.ev_seg = NULL;
+    if (g->tracking && !multi) { /* exact: closed right behind the last launch on each stream */
+        for (int i = 0; i < g->ntails; i++)
+            if (g->tail_set[i])
+                b.tails[b.ntails++] = g->tail[i], g->tail[i] = NULL;
+        if (b.ntails) {
+            b.ev_seg = g->cur.ev_seg, b.seg_busy_ns = g->cur.seg_busy_ns, b.tracked = 1;
+            b.track_gap_ns = g->cur.track_gap_ns;
+            g->cur.ev_seg = NULL;
+        }
     }
     track_stop(g);
     if (g->ring_len == VGPU_BATCH_RING)
@@ -354,8 +417,15 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
             return;
         }
         vgpu_measure_put(g, b.ev_seg);
-        b.ev_seg = NULL;
+        for (int i = 0; i < b.ntails; i++)
+            vgpu_measure_put(g, b.tails[i]);
+        b.ev_seg = NULL, b.ntails = 0, b.tracked = 0;
     }
+    for (int i = 0; i < b.nxs && !multi && n; i++)
+        if ((b.xs_close[i] = vgpu_measure_event(g)) == NULL ||
+            DRV->event_record(b.xs_close[i], (CUstream)g->cur.xs[i]) != CUDA_SUCCESS)
+            multi = 1;
+    CUstream s = multi ? NULL : (CUstream)g->cur.stream;
     int idle = !at_sync && !b.nxs && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = vgpu_measure_event(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
