@@ -146,15 +146,16 @@ static uint64_t streams_span(const struct vgpu_batch *b, float first_ms)
     return (uint64_t)(ms * 1e6);
 }
 
-/* The latest of a tracked batch's tails after event `from`, in ms (-1: an event failed). */
+/* The latest of a tracked batch's tails after event `from`, in ms, 0 when all lie before it
+ * (-1: an event failed). */
 static float tails_end_ms(const struct vgpu_batch *b, void *from)
 {
-    float end = -1;
+    float end = 0;
     for (int i = 0; i < b->ntails; i++) {
-        float ms = -1;
-        if (DRV->event_elapsed(&ms, from, b->tails[i]) != CUDA_SUCCESS || ms < 0)
+        float ms = 0;
+        if (DRV->event_elapsed(&ms, from, b->tails[i]) != CUDA_SUCCESS)
             return -1;
-        end = ms > end ? ms : end;
+        end = ms > end ? ms : end; /* a tail before `from` (its stream ran ahead) ends nothing after it */
     }
     return end;
 }
@@ -307,17 +308,18 @@ static int track_tail(struct vgpu_gate *g, CUstream s)
     return g->ntails++;
 }
 
-/* The GPU time from `start` to the latest of the set tails, in ms (-1: an event failed). */
+/* The GPU time from `start` to the latest of the set tails, in ms, 0 when all lie before it
+ * (-1: an event failed). */
 static float track_segment_ms(struct vgpu_gate *g, void *start)
 {
-    float end = -1;
+    float end = 0;
     for (int i = 0; i < g->ntails; i++) {
-        float ms = -1;
+        float ms = 0;
         if (!g->tail_set[i])
             continue;
-        if (DRV->event_elapsed(&ms, start, g->tail[i]) != CUDA_SUCCESS || ms < 0)
+        if (DRV->event_elapsed(&ms, start, g->tail[i]) != CUDA_SUCCESS)
             return -1;
-        end = ms > end ? ms : end;
+        end = ms > end ? ms : end; /* a tail before `start` (its stream ran ahead) ends nothing after it */
     }
     return end;
 }
