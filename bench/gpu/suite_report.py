@@ -52,7 +52,9 @@ def markdown(doc: dict[str, Any]) -> str:
     L.append("## Compute, one tenant\n")
     L.append("busy = the card's busy share (NVML GPU-utilization samples, time-weighted over the measured "
              "window); share = throughput as % of native; target = min(limit, native busy); err = busy − "
-             "target in points; per-second = busy share of each whole second (min/max/sd).\n")
+             "target in points; per-second = busy share of each whole second (min/max/sd). Goal: busy "
+             "within ± 3 points of the limit; for a tenant that wants less (native busy < limit), "
+             "busy between native busy − 3 and limit + 3 and share ≥ 97 %.\n")
     L.append("| workload | limit | native its (busy %) | mode | share % | busy % | target | err pts | "
              "per-second busy min/max/sd | goal met (mean / every s) | note |")
     L.append("|---|---|---|---|---|---|---|---|---|---|---|")
