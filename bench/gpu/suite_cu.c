@@ -14,8 +14,10 @@
  *                                           CU_LIMIT_MALLOC_HEAP_SIZE=HEAP, a kernel whose 4224
  *                                           threads malloc PER_THREAD each, NCTX more contexts,
  *                                           then cuMemAlloc CHUNK until refused (or MAXN)
- *   suite_cu racer CHUNK CAP SECS GO_FILE   after GO_FILE exists: allocate CHUNK until refused or
- *                                           CAP bytes, free all, repeat for SECS
+ *   suite_cu racer CHUNK CAP SECS GO_FILE RESERVE
+ *                                           after GO_FILE exists: allocate CHUNK until refused, CAP
+ *                                           bytes, or cuMemGetInfo's free below RESERVE bytes (room
+ *                                           kept for a newcomer's context), free all, repeat for SECS
  *   suite_cu newcomer SPAWN_T CHUNK         times cuInit, the context, the first cuMemAlloc
  *   suite_cu evlat ITERS N                  one-block kernels of ITERS FMAs: their time back to
  *                                           back and bracketed one by one by an event pair on an
@@ -360,7 +362,13 @@ static int cmd_heap(size_t heap, unsigned long long per_thread, int nctx, size_t
 
 /* ------------------------------------------------------------------ start-up under contention */
 
-static int cmd_racer(size_t chunk, size_t cap, double secs, const char *go)
+static int racer_room(size_t reserve)
+{
+    size_t f = 0, t = 0;
+    return reserve == 0 || CALL(cuMemGetInfo_v2, &f, &t) != 0 || f >= reserve;
+}
+
+static int cmd_racer(size_t chunk, size_t cap, double secs, const char *go, size_t reserve)
 {
     setup();
     printf("{\"ready\": %.6f}\n", wall());
@@ -372,7 +380,7 @@ static int cmd_racer(size_t chunk, size_t cap, double secs, const char *go)
     double m0 = mono();
     while (mono() - m0 < secs) {
         long n = 0;
-        while (n < 4096 && (size_t)(n + 1) * chunk <= cap) {
+        while (n < 4096 && (size_t)(n + 1) * chunk <= cap && racer_room(reserve + chunk)) {
             if (CALL(cuMemAlloc_v2, &held[n], chunk)) {
                 refused++;
                 break;
@@ -488,7 +496,8 @@ int main(int argc, char **argv)
         return cmd_heap(strtoull(argv[2], NULL, 0), strtoull(argv[3], NULL, 0), atoi(argv[4]),
                         strtoull(argv[5], NULL, 0), atol(argv[6]), atof(argv[7]));
     if (!strcmp(cmd, "racer") && argc >= 6)
-        return cmd_racer(strtoull(argv[2], NULL, 0), strtoull(argv[3], NULL, 0), atof(argv[4]), argv[5]);
+        return cmd_racer(strtoull(argv[2], NULL, 0), strtoull(argv[3], NULL, 0), atof(argv[4]), argv[5],
+                         argc >= 7 ? strtoull(argv[6], NULL, 0) : 0);
     if (!strcmp(cmd, "newcomer") && argc >= 4)
         return cmd_newcomer(atof(argv[2]), strtoull(argv[3], NULL, 0));
     fprintf(stderr, "bad command\n");

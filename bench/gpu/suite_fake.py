@@ -102,7 +102,7 @@ def fake_cu(args: list[str]) -> None:
     elif args[0] == "newcomer":
         print(json.dumps({"kind": "newcomer", "spawn_to_main_s": time.time() - float(args[1]), "init_s": 0.2,
                           "ctx_s": 0.1, "init_ctx_s": 0.3, "first_alloc_s": 0.001, "to_first_answer_s": 0.35,
-                          "alloc_rc": 0}))
+                          "ctx_rc": 0, "alloc_rc": 0}))
     else:
         time.sleep(1.2)
         print(json.dumps({"kind": args[0], "chunks": 3, "chunk_mib": 256, "last_rc": 2, "launch_rc": 0}))

@@ -31,6 +31,7 @@ from suite_plan import (
     ROOT,
     START_LIMIT,
     START_RACERS,
+    START_RESERVE,
     START_ROUNDS,
     TREE,
     Config,
@@ -327,7 +328,8 @@ class Runner:
         racers = []
         for i in range(START_RACERS):
             tag = f"startup-{mode}-racer{i}"
-            p, out = self.spawn(tag, self.cu_cmd("racer", str(64 * MIB), str(cap), str(racer_secs), str(go)), mode, t)
+            p, out = self.spawn(tag, self.cu_cmd("racer", str(64 * MIB), str(cap), str(racer_secs), str(go),
+                                                   str(START_RESERVE * MIB)), mode, t)
             racers.append((tag, p, out))
         deadline = time.time() + 60
         while time.time() < deadline:

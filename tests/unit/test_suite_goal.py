@@ -43,3 +43,23 @@ def test_a_tenant_that_wants_less_must_be_neither_held_back_nor_over(analysis, b
 
 def test_no_whole_second_is_no_steadiness(analysis) -> None:
     assert analysis.single_goal(30.0, [], None, 30.0, 80.0) == (True, False)
+
+
+def _newcomer(ctx_rc: int, answer_s: float) -> dict[str, float | int]:
+    keys = ("spawn_to_main_s", "init_s", "ctx_s", "init_ctx_s", "first_alloc_s")
+    return {**dict.fromkeys(keys, 0.01), "to_first_answer_s": answer_s, "ctx_rc": ctx_rc, "alloc_rc": 0}
+
+
+def test_a_refused_context_is_counted_not_timed(analysis) -> None:
+    native = {"metrics": {"to_first_answer_s": 0.3, "init_ctx_s": 0.3}}
+    rec = {"mode": "kvgpu", "racers": [], "rounds": [_newcomer(2, 0.08), _newcomer(0, 0.33), _newcomer(0, 0.35)]}
+    m = analysis.analyze_startup(rec, native)
+    assert (m["contexts"], m["rounds"], m["met"]) == (2, 3, True)
+    assert m["to_first_answer_s"] == pytest.approx(0.34)
+
+
+def test_no_context_granted_is_not_a_start_up_met(analysis) -> None:
+    native = {"metrics": {"to_first_answer_s": 0.3, "init_ctx_s": 0.3}}
+    rec = {"mode": "kvgpu", "racers": [], "rounds": [_newcomer(2, 0.08), _newcomer(2, 0.09)]}
+    m = analysis.analyze_startup(rec, native)
+    assert (m["contexts"], m["to_first_answer_s"], m["met"]) == (0, None, False)
