@@ -370,6 +370,8 @@ struct vgpu_gate {
     int npool;
     int wait_gave_up;           /* a wait for a batch ran out: the gate never waits for one again */
     void *ev_ctx;               /* CUcontext the events belong to */
+    void *prev_end;             /* CUevent: the latest end of the settled batches' charged work;
+                                 * a batch is charged from no earlier (vgpu_measure.c) */
     uint64_t busy_acc_ns, busy_since_ns; /* measured GPU time since busy_since (publication) */
     uint32_t busy_pm;           /* smoothed per mille of wall time */
     pthread_mutex_t mu;
@@ -442,9 +444,12 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
  * the credit clock and the per-launch estimate. measured: 0 = keep the provisional charge (the
  * span was not measurable), 1 = the span between its events (idle gaps included), 2 = an upper
  * bound (idle tail included), 3 = exact (gap-tracked: the sum of its busy segments), 4 = a lower
- * bound (more streams than a batch measures: the provisional charge stands unless the span is
+ * bound (a stream whose events failed: the provisional charge stands unless the span is
  * longer, and the estimate is not moved), 5 = several streams, each measured (the union of their
- * spans, at most their sum). Pure. */
+ * spans, at most their sum); | VGPU_SETTLE_CLIPPED: the span starts where the earlier batches'
+ * work ended, after the batch's open (the overlap is theirs), so it may raise the estimate but
+ * not lower it. Pure. */
+#define VGPU_SETTLE_CLIPPED 0x10
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
 /* One gap-tracked batch: busy_ns of GPU time in a span of span_ns; the ratio charges the others. */
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);

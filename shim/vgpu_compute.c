@@ -265,6 +265,8 @@ void vgpu_gate_sample(struct vgpu_gate *g, uint64_t ns)
 
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured)
 {
+    int clipped = measured & VGPU_SETTLE_CLIPPED;
+    measured &= ~VGPU_SETTLE_CLIPPED;
     if (!measured || !launches)
         return;
 #ifdef VGPU_STATS
@@ -309,7 +311,7 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
             span_ns = launches * g->est_ns;
         else
             VGPU_POKE(g->est_ns, (g->est_ns + span_ns / launches) / 2); /* peeked unlocked */
-    } else {
+    } else if (!clipped || span_ns / launches > g->est_ns) {
         uint64_t sample = span_ns / launches;
         VGPU_POKE(g->est_ns, g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample);
     }

@@ -126,24 +126,61 @@ static int offset_ms(const struct vgpu_batch *b, void *e, float *at)
     return 0;
 }
 
-/* A batch on several streams, each measured (first_ms: its first stream's span): the union of
- * the streams' spans (their kernels may run at once, and the card is busy while any runs), at
- * most their sum (streams one after another, with idle time between them). ns; 0 when an event
- * pair cannot be read. */
-static uint64_t streams_span(const struct vgpu_batch *b, float first_ms)
+/* Where the earlier batches' charged work ended, in ms after the batch's ev_open; 0 when before
+ * it (or unknown). A batch opened on another stream while the last one's work still ran has its
+ * open event pass before that work ends: its span would count the overlap a second time (on
+ * the stub, 2 ms kernels round-robin on 5 streams ran at 25 % under 30 %). The card is busy
+ * while any of a tenant's work runs, so the overlap is already charged to the earlier batch. */
+static float clip_ms(const struct vgpu_gate *g, const struct vgpu_batch *b)
 {
-    double sum = first_ms, lo = 0, hi = first_ms;
-    for (int i = 0; i < b->nxs; i++) {
-        float start = 0, len = -1;
-        if (!offset_ms(b, b->xs_open[i], &start) ||
-            DRV->event_elapsed(&len, b->xs_open[i], b->xs_close[i]) != CUDA_SUCCESS || len < 0)
+    float at = 0;
+    return g->prev_end && offset_ms(b, g->prev_end, &at) && at > 0 ? at : 0;
+}
+
+/* The end of a settled batch's charged work (event e) becomes prev_end if it lies later; e is
+ * taken out of the batch (*slot = NULL), the one it replaces goes back to the pool. */
+static void note_end(struct vgpu_gate *g, void **slot)
+{
+    float ms = 0;
+    if (!*slot)
+        return;
+    if (!g->prev_end)
+        ;
+    else if (DRV->event_elapsed(&ms, g->prev_end, *slot) != CUDA_SUCCESS)
+        DRV->event_destroy(g->prev_end); /* unreadable (its context gone?): replaced, not pooled */
+    else if (ms <= 0)
+        return;
+    else
+        vgpu_measure_put(g, g->prev_end);
+    g->prev_end = *slot;
+    *slot = NULL;
+}
+
+/* A batch on several streams, each measured (first_ms: its first stream's span), charged from
+ * `clip` ms after its open: the union of the streams' spans (their kernels may run at once, and
+ * the card is busy while any runs), at most their sum (streams one after another, with idle time
+ * between them), in *ns. *last: the slot of the event that ends the latest (NULL: all clipped).
+ * 0 when an event pair cannot be read. */
+static int streams_span(const struct vgpu_batch *b, float first_ms, float clip, uint64_t *ns, void *const **last)
+{
+    double lo = 1e30, hi = -1e30, sum = 0;
+    *last = NULL;
+    for (int i = -1; i < b->nxs; i++) {
+        float start = 0, len = first_ms;
+        if (i >= 0 && (!offset_ms(b, b->xs_open[i], &start) ||
+                       DRV->event_elapsed(&len, b->xs_open[i], b->xs_close[i]) != CUDA_SUCCESS || len < 0))
             return 0;
-        sum += len;
-        lo = start < lo ? start : lo;
-        hi = start + len > hi ? start + len : hi;
+        double s = start > clip ? start : clip, e = start + len;
+        if (e <= s)
+            continue;
+        sum += e - s;
+        lo = s < lo ? s : lo;
+        if (e > hi)
+            hi = e, *last = (void *const *)(i < 0 ? &b->ev_close : &b->xs_close[i]);
     }
-    double ms = hi - lo < sum ? hi - lo : sum;
-    return (uint64_t)(ms * 1e6);
+    double ms = !*last ? 0 : hi - lo < sum ? hi - lo : sum;
+    *ns = (uint64_t)(ms * 1e6);
+    return 1;
 }
 
 /* The latest of a tracked batch's tails after event `from`, in ms, 0 when all lie before it
@@ -222,11 +259,18 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
             continue;
         }
         float ms = -1, pm = -1;
+        void **end = &b->ev_close;
         int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
         uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
+        float clip = ok && !(b->launches & LOWER_BOUND) ? clip_ms(g, b) : 0;
+        int clipped = clip > 0 ? VGPU_SETTLE_CLIPPED : 0;
         if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
-            uint64_t span = streams_span(b, ms);
-            vgpu_gate_settle(g, n, b->prov_ns, span, span ? 5 : 0);
+            void *const *last = NULL;
+            uint64_t span = 0;
+            int got = streams_span(b, ms, clip, &span, &last);
+            vgpu_gate_settle(g, n, b->prov_ns, span, got ? 5 | clipped : 0);
+            if (last)
+                note_end(g, (void **)last);
             batch_release(g, b, 0);
             continue;
         }
@@ -239,13 +283,19 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
             if (n == 1 && !(b->launches & LOWER_BOUND) && !g->measure_only) {
                 ms = pm;
                 b->launches = 1;
+                end = &b->ev_probe;
             }
         } else if (ok && !b->ev_probe && b->launches == 1)
             vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
-        /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest */
-        vgpu_gate_settle(g, n, b->prov_ns,
-                         ok ? (uint64_t)((double)ms * 1e6) : 0,
-                         !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : 1);
+        /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest.
+         * Charged to its close, or to the probe (its only kernel), from prev_end at the earliest:
+         * that end becomes prev_end (a bound's is not known to be where the work ended). */
+        int upper = (b->launches & UPPER_BOUND) != 0, lower = (b->launches & LOWER_BOUND) != 0;
+        ms = ms > clip ? ms - clip : 0;
+        vgpu_gate_settle(g, n, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
+                         !ok ? 0 : lower ? 4 : (upper ? 2 : 1) | clipped);
+        if (ok && !lower && !upper)
+            note_end(g, end);
         batch_release(g, b, 0);
     }
 }
@@ -450,7 +500,9 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
 
 /* A launch on stream s (not capturing) while the batch is open and the launch may pass (under
  * the gate's lock): s joins the batch's streams, with an event before its first launch there.
- * 0 when no batch is open to join (the slow path then runs as usual). */
+ * 0 when no batch is open to join, or s would be one stream more than a batch measures: the slow
+ * path then closes the batch and opens the next on s (a lower bound at the estimate instead let
+ * a tenant that kept the estimate low run heavy kernels on many streams nearly free). */
 int vgpu_measure_join(struct vgpu_gate *g, CUstream s)
 {
     if (!g->cur.ev_open)
@@ -458,14 +510,16 @@ int vgpu_measure_join(struct vgpu_gate *g, CUstream s)
     int known = s == (CUstream)g->cur.stream;
     for (int i = 0; i < g->cur.nxs && !known; i++)
         known = s == (CUstream)g->cur.xs[i];
+    if (!known && !g->multi_stream && g->cur.nxs == VGPU_BATCH_STREAMS - 1)
+        return 0;
     if (!known && !g->multi_stream) {
-        CUevent e = g->cur.nxs < VGPU_BATCH_STREAMS - 1 ? vgpu_measure_event(g) : NULL;
+        CUevent e = vgpu_measure_event(g);
         if (e && DRV->event_record(e, s) == CUDA_SUCCESS) {
             g->cur.xs[g->cur.nxs] = s, g->cur.xs_open[g->cur.nxs] = e;
             g->cur.nxs++;
         } else {
             vgpu_measure_put(g, e);
-            g->multi_stream = 1; /* one stream too many: a lower bound (vgpu_measure_close) */
+            g->multi_stream = 1; /* no event: a lower bound (vgpu_measure_close) */
         }
     }
     atomic_store_explicit(&g->last_stream, s, memory_order_relaxed);

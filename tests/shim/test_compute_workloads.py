@@ -277,6 +277,22 @@ def test_work_on_several_non_blocking_streams_is_measured(card) -> None:
     assert all(abs(x * 100 - 30) <= 8 for x in r["per_sec"]), r
 
 
+@pytest.mark.parametrize("streams", ["3", "6", "8"])
+def test_work_on_more_streams_than_a_batch_measures_is_measured(card, streams) -> None:
+    """A batch measures at most VGPU_BATCH_STREAMS streams. Past that it was closed on the legacy
+    stream, a lower bound that never moves the estimate: a tenant that trained the estimate on
+    5 us kernels, then ran 2 ms kernels round-robin on more streams than that (a 5 us kernel
+    first after each sync of five, which keeps the first-kernel samples low), was charged at the
+    5 us estimate: 98 % busy under 30 % on 7 side streams. A launch on one stream too many now
+    closes the batch and opens the next."""
+    card.base_env.update(CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5",
+                         CUPROG_LEAD_KUS="5")
+    r = work(card, alone(card, 30, f"nb{streams}"), "sat", "3.2", "2000", "5", streams)
+    print(f"{streams} streams after 5 us kernels, at 30 %:", r["busy"], r["per_sec"])
+    assert abs(r["busy"] * 100 - 30) <= 4, r
+    assert all(abs(x * 100 - 30) <= 8 for x in r["per_sec"]), r
+
+
 @pytest.mark.parametrize("kus, gap_us, mix", [(10, 15, "0"), (20, 30, "1"), (16, 30, "0")])
 def test_launch_bound_work_on_two_streams_is_charged_its_gpu_time(card, kus, gap_us, mix) -> None:
     """Launch-bound work on two non-blocking streams (torch's side streams): the union of the

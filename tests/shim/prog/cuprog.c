@@ -446,9 +446,21 @@ static int cmd_work(int argc, char **argv)
     CUresult rc = prc;
     while (!rc && (t = now_s()) - t0 < secs) {
         if (!strcmp(mode, "sat")) {
-            rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[n % ns], NULL, NULL);
+            /* CUPROG_SIDE_ONLY=1: round-robin on the created streams only, never the legacy one */
+            static int side = -1;
+            if (side < 0)
+                side = ns > 1 && getenv("CUPROG_SIDE_ONLY") && *getenv("CUPROG_SIDE_ONLY") == '1';
+            CUstream sn = side ? st[1 + n % (ns - 1)] : st[n % ns];
+            /* CUPROG_LEAD_KUS: a kernel that long first after each sync (a batch's first kernel) */
+            static long lead = -1;
+            if (lead < 0)
+                lead = getenv("CUPROG_LEAD_KUS") ? atol(getenv("CUPROG_LEAD_KUS")) : 0;
+            if (lead && n % (a > 0 ? a : 1) == 0)
+                rc = cuLaunchKernel(f, (unsigned)lead, 1, 1, 1, 1, 1, 0, sn, NULL, NULL);
+            rc = rc ? rc : cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, sn, NULL, NULL);
             if (++n % (a > 0 ? a : 1) == 0)
-                work_sync(st[n % ns]);
+                for (int i = side; i < (side ? ns : 1); i++)
+                    work_sync(side ? st[i] : st[n % ns]);
         } else if (!strcmp(mode, "waitval")) {
             rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[0], NULL, NULL);
             if (++n % (b > 0 ? b : 1) == 0)
