@@ -4,7 +4,8 @@
  * Units (all names prefixed vgpu_):
  *   vgpu_config.c   claim string (KVGPU_CLAIM v1) and HAMi-core env parsing      [pure]
  *   vgpu_region.c   shared per-container region: slots, robust lock, quota      [pure + POSIX]
- *   vgpu_compute.c  compute limiter: credit on measured GPU time, schedule      [pure + POSIX]
+ *   vgpu_compute.c  compute limiter: credit on measured GPU time                [pure]
+ *   vgpu_sched.c    the node agent's compute schedule file and window layout    [pure + POSIX]
  *   vgpu_symbols.c  real libcuda/libnvidia-ml binding, dlsym, cuGetProcAddress
  *   vgpu_cuda.c     CUDA driver hooks: device map, cuInit, the CUDA hook table (vgpu_cuda.h)
  *   vgpu_hooks.h    the hook list (X-macros): indices, prototypes, accessors, the tables' entries

@@ -3,7 +3,7 @@
 One file per card, ``<sched dir>/<UUID>.sched`` (host ``/var/lib/kvgpu/sched``, mounted read-only
 at ``/var/run/kvgpu-sched`` in every sliced container), lists the compute window of each active
 co-tenant of that card: its claim name, the window's offset and its length, in per mille of the
-gate's period. The shim only reads it (``vgpu_sched_read`` in ``shim/vgpu_compute.c``) and
+gate's period. The shim only reads it (``vgpu_sched_read`` in ``shim/vgpu_sched.c``) and
 re-reads it every 100 ms; this module replaces it atomically (temp file, rename), mode 0644.
 
 Who asks for what comes from the claims (pod annotations from the API: priority and cores);
