@@ -48,6 +48,7 @@ LIB_SOURCES = [
     "vgpu_mem_ctx.c",
     "vgpu_launch.c",
     "vgpu_measure.c",
+    "vgpu_track.c",
     "vgpu_nvml.c",
 ]
 CORE_SOURCES = ["vgpu_config.c", "vgpu_region.c", "vgpu_compute.c", "vgpu_sched.c", "vgpu_pycore.c"]

@@ -78,6 +78,11 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync); /* ... ends behind th
 #define VGPU_WAIT_ROOM 2  /* ... to make room in a full ring */
 void vgpu_measure_poll(struct vgpu_gate *g, int wait);
 int vgpu_measure_join(struct vgpu_gate *g, CUstream s); /* another stream joins the open batch */
+/* Gap tracking (vgpu_track.c): a batch opened (tracked at random), ended or given up, settled
+ * (done: all its events completed). */
+void vgpu_track_start(struct vgpu_gate *g, CUstream s);
+void vgpu_track_stop(struct vgpu_gate *g);
+void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done);
 void vgpu_track_before(struct vgpu_gate *g, CUstream s);  /* gap tracking around a launch */
 void vgpu_track_after(struct vgpu_gate *g, CUstream s);
 int vgpu_stream_capturing(CUstream s);                    /* 1: s is capturing a graph */

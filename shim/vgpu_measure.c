@@ -10,7 +10,8 @@
  * closed when its stream had already gone idle (no wait of the application in between) is an
  * upper bound (it includes the idle tail): it is charged at most at the current per-launch
  * estimate. Events are made in the context that was current at the first measurement; launches
- * in other contexts keep their provisional charge.
+ * in other contexts keep their provisional charge. Gap tracking, which measures a sampled batch
+ * launch by launch, is vgpu_track.c.
  */
 #include "vgpu_cuda.h"
 
@@ -50,19 +51,6 @@ void vgpu_measure_put(struct vgpu_gate *g, void *e)
         g->pool[g->npool++] = e;
     else
         DRV->event_destroy(e);
-}
-
-/* An event pair around a busy segment on an idle stream adds the GPU's time from the event to
- * its first kernel and after its last one: 4.9-5.3 us over the kernels' back-to-back time on the
- * H200 with driver 580 (bench/gpu/suite_cu.c evlat: 10.0 us kernels bracketed 14.9 us, 43.3 ->
- * 48.1, 209.9 -> 215.2), an empty pair 1.3 us. Launch-bound training has a segment per kernel
- * or two, so this is taken off each segment (never more than half of it). */
-#define SEG_OVERHEAD_NS 4500ull
-
-static uint64_t segment_ns(float ms)
-{
-    uint64_t ns = (uint64_t)((double)ms * 1e6);
-    return ns > 2 * SEG_OVERHEAD_NS ? ns - SEG_OVERHEAD_NS : ns / 2;
 }
 
 /* The oldest batch of the ring is settled: its events back to the pool. Or, `pending`, given up
@@ -183,45 +171,6 @@ static int streams_span(const struct vgpu_batch *b, float first_ms, float clip, 
     return 1;
 }
 
-/* The latest of a tracked batch's tails after event `from`, in ms, 0 when all lie before it
- * (-1: an event failed). */
-static float tails_end_ms(const struct vgpu_batch *b, void *from)
-{
-    float end = 0;
-    for (int i = 0; i < b->ntails; i++) {
-        float ms = 0;
-        if (DRV->event_elapsed(&ms, from, b->tails[i]) != CUDA_SUCCESS)
-            return -1;
-        end = ms > end ? ms : end; /* a tail before `from` (its stream ran ahead) ends nothing after it */
-    }
-    return end;
-}
-
-/* A gap-tracked batch (done: all its events completed): the busy segments' own time, exact;
- * its busy share is taken over the span an untracked batch would have had (less the tracking's
- * CPU time in its gaps). */
-static void settle_tracked(struct vgpu_gate *g, const struct vgpu_batch *b, int done)
-{
-    float ms = done ? tails_end_ms(b, b->ev_open) : -1, seg = ms < 0 ? -1 : tails_end_ms(b, b->ev_seg ? b->ev_seg : b->ev_open);
-    if (seg < 0) {
-        vgpu_gate_settle(g, b->launches, b->prov_ns, 0, 0); /* unmeasured: the provisional charge stands */
-        return;
-    }
-    uint64_t busy = b->seg_busy_ns + segment_ns(seg), span = (uint64_t)((double)ms * 1e6);
-    uint64_t idle = span > busy ? span - busy : 0, cpu = b->track_gap_ns < idle ? b->track_gap_ns : idle;
-#ifdef VGPU_TRACK_CPU_IN_GAPS
-    cpu = 0; /* the earlier rule, for same-call A/B runs */
-#endif
-#ifdef VGPU_STATS
-    g->st_tspan += span, g->st_tcpu += cpu;
-#endif
-    vgpu_gate_tracked(g, busy, span - cpu);
-    /* Uncapped high priority publishes its demand (work queued or running: the span), not its
-     * GPU time alone: time-sliced beside low priority its kernels wait, and its GPU time would
-     * hand that wait to the low-priority tenant. */
-    vgpu_gate_settle(g, b->launches, b->prov_ns, g->measure_only ? span : busy, 3);
-}
-
 /* Settle completed batches, oldest first. `wait` (VGPU_WAIT_FIRST, VGPU_WAIT_ROOM): wait for the
  * oldest one, at most VGPU_MEASURE_WAIT_NS; one still running then is given up (it keeps its
  * provisional charge) and the ring moves on. After that the gate never waits again: the process
@@ -254,7 +203,7 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
         if (r == CU_NOT_READY)
             break;
         if (b->tracked) {
-            settle_tracked(g, b, r == CUDA_SUCCESS);
+            vgpu_track_settle(g, b, r == CUDA_SUCCESS);
             batch_release(g, b, 0);
             continue;
         }
@@ -300,132 +249,6 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
     }
 }
 
-/* ------------------------------------------------------------------ gap tracking
- *
- * Alone on the card, a batch's span counts the GPU's idle time between launches that come
- * slower than their kernels (launch-bound training: the H200 was 48 % busy natively). In a
- * tracked batch (one in VGPU_TRACK_EVERY, at random, on up to VGPU_BATCH_STREAMS streams) an
- * event per stream, its `tail`, is re-recorded behind every launch there, and the tails are
- * queried before the next launch: all complete means the GPU has run everything and is idle,
- * so the busy segment ended at the latest tail (its time, from the segment's start event, is
- * added up) and a new segment starts with an event before this launch. The batch's GPU time is
- * then the sum of its segments, exact to the launch latency; the other batches are charged
- * their span (several streams: the union of their spans) times the busy share the tracked ones
- * found (gap_pm).
- *
- * The tracking's own CPU time (recording tail, about 1.5 us a launch on the H200, and the query)
- * delays each launch, and where the GPU was idle for that launch it lengthens the gap: on a host
- * that feeds the card fast (kernels of 12-17 us every ~20 us) a tracked batch's busy share came
- * out below an untracked one's, which were then charged too little. So the tracking's CPU time
- * before each launch that found the GPU idle is counted (track_gap_ns) and taken off the span
- * the share is taken over. */
-
-static void track_stop(struct vgpu_gate *g)
-{
-    for (int i = 0; i < g->ntails; i++)
-        vgpu_measure_put(g, g->tail[i]), g->tail[i] = NULL, g->tail_set[i] = 0;
-    g->ntails = 0;
-    vgpu_measure_put(g, g->cur.ev_seg);
-    g->cur.ev_seg = NULL;
-    g->cur.seg_busy_ns = g->cur.track_gap_ns = 0;
-    VGPU_POKE(g->tracking, 0);
-}
-
-static void track_start(struct vgpu_gate *g, CUstream s)
-{
-    uint32_t x = g->track_rng ? g->track_rng : (uint32_t)vgpu_now_ns() | 1u;
-    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
-    g->track_rng = x;
-    if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % VGPU_TRACK_EVERY)
-        return;
-    if (!(g->tail[0] = vgpu_measure_event(g)))
-        return;
-    g->tail_stream[0] = s, g->tail_set[0] = 0, g->ntails = 1;
-    g->cur.seg_busy_ns = g->cur.track_gap_ns = 0;
-    VGPU_POKE(g->tracking, 1);
-}
-
-/* The tracked batch's tail on stream s: found, or a new one (-1: one stream too many, or no
- * event). */
-static int track_tail(struct vgpu_gate *g, CUstream s)
-{
-    for (int i = 0; i < g->ntails; i++)
-        if (g->tail_stream[i] == s)
-            return i;
-    if (g->ntails == VGPU_BATCH_STREAMS || !(g->tail[g->ntails] = vgpu_measure_event(g)))
-        return -1;
-    g->tail_stream[g->ntails] = s, g->tail_set[g->ntails] = 0;
-    return g->ntails++;
-}
-
-/* The GPU time from `start` to the latest of the set tails, in ms, 0 when all lie before it
- * (-1: an event failed). */
-static float track_segment_ms(struct vgpu_gate *g, void *start)
-{
-    float end = 0;
-    for (int i = 0; i < g->ntails; i++) {
-        float ms = 0;
-        if (!g->tail_set[i])
-            continue;
-        if (DRV->event_elapsed(&ms, start, g->tail[i]) != CUDA_SUCCESS)
-            return -1;
-        end = ms > end ? ms : end; /* a tail before `start` (its stream ran ahead) ends nothing after it */
-    }
-    return end;
-}
-
-/* A stream being captured (torch.cuda.graph warms up on its side stream, then captures on
- * it): querying its work would invalidate the capture, and what is captured does not run now. */
-int vgpu_stream_capturing(CUstream s)
-{
-    int st = 0;
-    return DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0;
-}
-
-/* Before a launch of a tracked batch (under the gate's lock). */
-void vgpu_track_before(struct vgpu_gate *g, CUstream s)
-{
-    if (!g->tracking)
-        return;
-    uint64_t t0 = vgpu_now_ns();
-    if (vgpu_stream_capturing(s) || track_tail(g, s) < 0) {
-        track_stop(g); /* more streams than tracked, or an event failed: a plain batch */
-        return;
-    }
-    int set = 0;
-    for (int i = 0; i < g->ntails; i++)
-        if (g->tail_set[i] && ++set && DRV->event_query(g->tail[i]) != CUDA_SUCCESS)
-            return; /* the GPU is still busy with what came before: no gap */
-    if (!set)
-        return;
-    void *start = g->cur.ev_seg ? g->cur.ev_seg : g->cur.ev_open;
-    float ms = track_segment_ms(g, start);
-    if (ms < 0 || (!g->cur.ev_seg && !(g->cur.ev_seg = vgpu_measure_event(g))) ||
-        DRV->event_record(g->cur.ev_seg, s) != CUDA_SUCCESS) {
-        track_stop(g); /* an event failed: a plain batch */
-        return;
-    }
-    g->cur.seg_busy_ns += segment_ns(ms);
-    /* the GPU waited for this launch, and for the tracking's CPU time behind the last one and
-     * before this one */
-    g->cur.track_gap_ns += g->track_after_ns + (vgpu_now_ns() - t0);
-    for (int i = 0; i < g->ntails; i++)
-        g->tail_set[i] = 0;
-}
-
-/* After a launch of a tracked batch (under the gate's lock). */
-void vgpu_track_after(struct vgpu_gate *g, CUstream s)
-{
-    if (!g->tracking)
-        return;
-    uint64_t t0 = vgpu_now_ns();
-    int k = track_tail(g, s);
-    if (k < 0 || DRV->event_record(g->tail[k], s) != CUDA_SUCCESS)
-        track_stop(g);
-    else
-        g->tail_set[k] = 1, g->track_after_ns = vgpu_now_ns() - t0;
-}
-
 /* Close the open batch behind its work (before a slow-path launch, after a long kernel, or
  * at_sync: the application waits for it next, so the close marks its end, or the stream is
  * idle and the host time before the wait follows: the one-kernel batch's probe, above). */
@@ -459,7 +282,7 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
             g->cur.ev_seg = NULL;
         }
     }
-    track_stop(g);
+    vgpu_track_stop(g);
     if (g->ring_len == VGPU_BATCH_RING)
         vgpu_measure_poll(g, VGPU_WAIT_ROOM); /* leaves room: waits, or gives the oldest up */
     if (b.tracked) {
@@ -539,6 +362,6 @@ void vgpu_measure_open(struct vgpu_gate *g, CUstream s)
     g->cur.stream = s;
     atomic_store_explicit(&g->last_stream, s, memory_order_relaxed);
     atomic_store(&g->batch_n, 0);
-    track_start(g, s);
+    vgpu_track_start(g, s);
 }
 
