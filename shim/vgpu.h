@@ -362,8 +362,7 @@ struct vgpu_gate {
     _Atomic uint64_t local_vt;
     _Atomic uint64_t open_until; /* the fast path may pass before this time (0 = slow path) */
     _Atomic uint64_t batch_n;   /* launches in the open batch */
-    void *_Atomic last_stream;  /* stream of the latest launch (the batch closes behind it) */
-    int multi_stream;           /* the open batch launched on more than one stream */
+    int multi_stream;           /* a stream of the open batch has no events: a lower bound */
     struct vgpu_batch cur;      /* the open batch (cur.ev_open NULL: none) */
     struct vgpu_batch ring[VGPU_BATCH_RING];
     unsigned ring_head, ring_len;
@@ -371,8 +370,6 @@ struct vgpu_gate {
     int npool;
     int wait_gave_up;           /* a wait for a batch ran out: the gate never waits for one again */
     void *ev_ctx;               /* CUcontext the events belong to */
-    void *prev_end;             /* CUevent: the latest end of the settled batches' charged work;
-                                 * a batch is charged from no earlier (vgpu_measure.c) */
     uint64_t busy_acc_ns, busy_since_ns; /* measured GPU time since busy_since (publication) */
     uint32_t busy_pm;           /* smoothed per mille of wall time */
     pthread_mutex_t mu;
@@ -427,12 +424,10 @@ void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
  * period, and whether others are listed (the window then repeats every frame, scaled to it). */
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);
 /* Fast check: 1 if a launch may pass (it is then charged provisionally and counted), 0 = take
- * the slow path, which also a launch on another stream than the last one of a measured batch
- * takes (the batch measures each stream). The real time lies in [now_lo, now_hi] (a coarse
+ * the slow path, which also a launch on a stream the open batch does not measure yet takes
+ * (the batch measures each stream). The real time lies in [now_lo, now_hi] (a coarse
  * clock: lo = coarse, hi = coarse + margin; the precise one: lo = hi). */
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
-/* The stream of a launch counted in the open batch; a second stream marks the batch. */
-void vgpu_gate_note_stream(struct vgpu_gate *g, void *stream);
 /* 1 when a launch at a time in [now_lo, now_hi] may pass (the batch is open and, unless the gate
  * only measures, there is credit), stream aside. Pure. */
 int vgpu_gate_open_at(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi);
@@ -447,10 +442,7 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
  * bound (idle tail included), 3 = exact (gap-tracked: the sum of its busy segments), 4 = a lower
  * bound (a stream whose events failed: the provisional charge stands unless the span is
  * longer, and the estimate is not moved), 5 = several streams, each measured (the union of their
- * spans, at most their sum); | VGPU_SETTLE_CLIPPED: the span starts where the earlier batches'
- * work ended, after the batch's open (the overlap is theirs), so it may raise the estimate but
- * not lower it. Pure. */
-#define VGPU_SETTLE_CLIPPED 0x10
+ * spans, at most their sum). Pure. */
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
 /* One gap-tracked batch: busy_ns of GPU time in a span of span_ns; the ratio charges the others. */
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);

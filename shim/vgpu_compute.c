@@ -32,14 +32,6 @@
 
 #include <string.h>
 
-void vgpu_gate_note_stream(struct vgpu_gate *g, void *stream)
-{
-    if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != stream) {
-        g->multi_stream = 1; /* a plain store: any thread's mark is the same mark */
-        atomic_store_explicit(&g->last_stream, stream, memory_order_relaxed);
-    }
-}
-
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns)
 {
     memset(g, 0, sizeof *g);
@@ -99,15 +91,27 @@ void vgpu_gate_count(struct vgpu_gate *g)
                           memory_order_relaxed);
 }
 
+/* Whether s is one of the open batch's streams (unlocked peeks, written under the gate's lock:
+ * a stale answer sends a launch to the slow path, which decides under the lock). */
+static int stream_known(struct vgpu_gate *g, void *s)
+{
+    if (VGPU_PEEK(g->cur.stream) == s)
+        return 1;
+    int n = VGPU_PEEK(g->cur.nxs);
+    for (int i = 0; i < n && i < VGPU_BATCH_STREAMS - 1; i++)
+        if (VGPU_PEEK(g->cur.xs[i]) == s)
+            return 1;
+    return 0;
+}
+
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
 {
     if (!vgpu_gate_open_at(g, lo, hi))
         return 0;
-    /* another stream than the last launch's: the slow path adds it to the batch's streams */
-    if (atomic_load_explicit(&g->last_stream, memory_order_relaxed) != stream && VGPU_PEEK(g->cur.ev_open))
+    /* a stream the open batch does not measure yet: the slow path adds it (or closes the batch) */
+    if (VGPU_PEEK(g->cur.ev_open) && !stream_known(g, stream))
         return 0;
     vgpu_gate_count(g);
-    vgpu_gate_note_stream(g, stream);
     return 1;
 }
 
@@ -261,8 +265,6 @@ void vgpu_gate_sample(struct vgpu_gate *g, uint64_t ns)
 
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured)
 {
-    int clipped = measured & VGPU_SETTLE_CLIPPED;
-    measured &= ~VGPU_SETTLE_CLIPPED;
     if (!measured || !launches)
         return;
 #ifdef VGPU_STATS
@@ -307,7 +309,7 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
             span_ns = launches * g->est_ns;
         else
             VGPU_POKE(g->est_ns, (g->est_ns + span_ns / launches) / 2); /* peeked unlocked */
-    } else if (!clipped || span_ns / launches > g->est_ns) {
+    } else {
         uint64_t sample = span_ns / launches;
         VGPU_POKE(g->est_ns, g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample);
     }

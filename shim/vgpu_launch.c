@@ -181,7 +181,6 @@ static void gate_slow(int d, CUstream s)
         VGPU_POKE(g->probe_pending, 1); /* an event right after this launch: its kernel's own time */
     /* This launch: charged and counted like one of the fast path. */
     vgpu_gate_count(g);
-    vgpu_gate_note_stream(g, s);
     pthread_mutex_unlock(&g->mu);
 }
 

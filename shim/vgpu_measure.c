@@ -114,61 +114,24 @@ static int offset_ms(const struct vgpu_batch *b, void *e, float *at)
     return 0;
 }
 
-/* Where the earlier batches' charged work ended, in ms after the batch's ev_open; 0 when before
- * it (or unknown). A batch opened on another stream while the last one's work still ran has its
- * open event pass before that work ends: its span would count the overlap a second time (on
- * the stub, 2 ms kernels round-robin on 5 streams ran at 25 % under 30 %). The card is busy
- * while any of a tenant's work runs, so the overlap is already charged to the earlier batch. */
-static float clip_ms(const struct vgpu_gate *g, const struct vgpu_batch *b)
+/* A batch on several streams, each measured (first_ms: its first stream's span): the union of
+ * the streams' spans (their kernels may run at once, and the card is busy while any runs), at
+ * most their sum (streams one after another, with idle time between them). ns; 0 when an event
+ * pair cannot be read. */
+static uint64_t streams_span(const struct vgpu_batch *b, float first_ms)
 {
-    float at = 0;
-    return g->prev_end && offset_ms(b, g->prev_end, &at) && at > 0 ? at : 0;
-}
-
-/* The end of a settled batch's charged work (event e) becomes prev_end if it lies later; e is
- * taken out of the batch (*slot = NULL), the one it replaces goes back to the pool. */
-static void note_end(struct vgpu_gate *g, void **slot)
-{
-    float ms = 0;
-    if (!*slot)
-        return;
-    if (!g->prev_end)
-        ;
-    else if (DRV->event_elapsed(&ms, g->prev_end, *slot) != CUDA_SUCCESS)
-        DRV->event_destroy(g->prev_end); /* unreadable (its context gone?): replaced, not pooled */
-    else if (ms <= 0)
-        return;
-    else
-        vgpu_measure_put(g, g->prev_end);
-    g->prev_end = *slot;
-    *slot = NULL;
-}
-
-/* A batch on several streams, each measured (first_ms: its first stream's span), charged from
- * `clip` ms after its open: the union of the streams' spans (their kernels may run at once, and
- * the card is busy while any runs), at most their sum (streams one after another, with idle time
- * between them), in *ns. *last: the slot of the event that ends the latest (NULL: all clipped).
- * 0 when an event pair cannot be read. */
-static int streams_span(const struct vgpu_batch *b, float first_ms, float clip, uint64_t *ns, void *const **last)
-{
-    double lo = 1e30, hi = -1e30, sum = 0;
-    *last = NULL;
-    for (int i = -1; i < b->nxs; i++) {
-        float start = 0, len = first_ms;
-        if (i >= 0 && (!offset_ms(b, b->xs_open[i], &start) ||
-                       DRV->event_elapsed(&len, b->xs_open[i], b->xs_close[i]) != CUDA_SUCCESS || len < 0))
+    double sum = first_ms, lo = 0, hi = first_ms;
+    for (int i = 0; i < b->nxs; i++) {
+        float start = 0, len = -1;
+        if (!offset_ms(b, b->xs_open[i], &start) ||
+            DRV->event_elapsed(&len, b->xs_open[i], b->xs_close[i]) != CUDA_SUCCESS || len < 0)
             return 0;
-        double s = start > clip ? start : clip, e = start + len;
-        if (e <= s)
-            continue;
-        sum += e - s;
-        lo = s < lo ? s : lo;
-        if (e > hi)
-            hi = e, *last = (void *const *)(i < 0 ? &b->ev_close : &b->xs_close[i]);
+        sum += len;
+        lo = start < lo ? start : lo;
+        hi = start + len > hi ? start + len : hi;
     }
-    double ms = !*last ? 0 : hi - lo < sum ? hi - lo : sum;
-    *ns = (uint64_t)(ms * 1e6);
-    return 1;
+    double ms = hi - lo < sum ? hi - lo : sum;
+    return (uint64_t)(ms * 1e6);
 }
 
 /* Settle completed batches, oldest first. `wait` (VGPU_WAIT_FIRST, VGPU_WAIT_ROOM): wait for the
@@ -208,18 +171,11 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
             continue;
         }
         float ms = -1, pm = -1;
-        void **end = &b->ev_close;
         int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
         uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
-        float clip = ok && !(b->launches & LOWER_BOUND) ? clip_ms(g, b) : 0;
-        int clipped = clip > 0 ? VGPU_SETTLE_CLIPPED : 0;
         if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
-            void *const *last = NULL;
-            uint64_t span = 0;
-            int got = streams_span(b, ms, clip, &span, &last);
-            vgpu_gate_settle(g, n, b->prov_ns, span, got ? 5 | clipped : 0);
-            if (last)
-                note_end(g, (void **)last);
+            uint64_t span = streams_span(b, ms);
+            vgpu_gate_settle(g, n, b->prov_ns, span, span ? 5 : 0);
             batch_release(g, b, 0);
             continue;
         }
@@ -232,19 +188,13 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
             if (n == 1 && !(b->launches & LOWER_BOUND) && !g->measure_only) {
                 ms = pm;
                 b->launches = 1;
-                end = &b->ev_probe;
             }
         } else if (ok && !b->ev_probe && b->launches == 1)
             vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
-        /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest.
-         * Charged to its close, or to the probe (its only kernel), from prev_end at the earliest:
-         * that end becomes prev_end (a bound's is not known to be where the work ended). */
-        int upper = (b->launches & UPPER_BOUND) != 0, lower = (b->launches & LOWER_BOUND) != 0;
-        ms = ms > clip ? ms - clip : 0;
-        vgpu_gate_settle(g, n, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
-                         !ok ? 0 : lower ? 4 : (upper ? 2 : 1) | clipped);
-        if (ok && !lower && !upper)
-            note_end(g, end);
+        /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest */
+        vgpu_gate_settle(g, n, b->prov_ns,
+                         ok ? (uint64_t)((double)ms * 1e6) : 0,
+                         !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : 1);
         batch_release(g, b, 0);
     }
 }
@@ -268,7 +218,7 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
                            .ev_probe = g->cur.ev_probe, .nxs = g->cur.nxs};
     for (int i = 0; i < b.nxs; i++)
         b.xs_open[i] = g->cur.xs_open[i], g->cur.xs_open[i] = NULL;
-    g->cur.nxs = 0;
+    VGPU_POKE(g->cur.nxs, 0);
     VGPU_POKE(g->cur.ev_open, NULL);
     g->cur.ev_probe = NULL;
     VGPU_POKE(g->probe_pending, 0);
@@ -338,14 +288,14 @@ int vgpu_measure_join(struct vgpu_gate *g, CUstream s)
     if (!known && !g->multi_stream) {
         CUevent e = vgpu_measure_event(g);
         if (e && DRV->event_record(e, s) == CUDA_SUCCESS) {
-            g->cur.xs[g->cur.nxs] = s, g->cur.xs_open[g->cur.nxs] = e;
-            g->cur.nxs++;
+            VGPU_POKE(g->cur.xs[g->cur.nxs], (void *)s); /* peeked by the fast path */
+            g->cur.xs_open[g->cur.nxs] = e;
+            VGPU_POKE(g->cur.nxs, g->cur.nxs + 1);
         } else {
             vgpu_measure_put(g, e);
             g->multi_stream = 1; /* no event: a lower bound (vgpu_measure_close) */
         }
     }
-    atomic_store_explicit(&g->last_stream, s, memory_order_relaxed);
     return 1;
 }
 
@@ -359,8 +309,7 @@ void vgpu_measure_open(struct vgpu_gate *g, CUstream s)
         e = NULL;
     }
     VGPU_POKE(g->cur.ev_open, e);
-    g->cur.stream = s;
-    atomic_store_explicit(&g->last_stream, s, memory_order_relaxed);
+    VGPU_POKE(g->cur.stream, (void *)s);
     atomic_store(&g->batch_n, 0);
     vgpu_track_start(g, s);
 }

@@ -284,13 +284,30 @@ def test_work_on_more_streams_than_a_batch_measures_is_measured(card, streams) -
     5 us kernels, then ran 2 ms kernels round-robin on more streams than that (a 5 us kernel
     first after each sync of five, which keeps the first-kernel samples low), was charged at the
     5 us estimate: 98 % busy under 30 % on 7 side streams. A launch on one stream too many now
-    closes the batch and opens the next."""
+    closes the batch and opens the next. The limit holds; consecutive batches on different
+    streams overlap on the GPU and the overlap is charged to both, so such work runs at 25-26 %
+    (the same on 2 side streams, within a batch's 4): an over-charge, bounded here."""
     card.base_env.update(CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5",
                          CUPROG_LEAD_KUS="5")
     r = work(card, alone(card, 30, f"nb{streams}"), "sat", "3.2", "2000", "5", streams)
     print(f"{streams} streams after 5 us kernels, at 30 %:", r["busy"], r["per_sec"])
-    assert abs(r["busy"] * 100 - 30) <= 4, r
-    assert all(abs(x * 100 - 30) <= 8 for x in r["per_sec"]), r
+    assert 22 <= r["busy"] * 100 <= 30 + 4, r
+    assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
+
+
+def test_threads_on_streams_of_their_own_are_measured(card) -> None:
+    """Two threads, each launching 2 ms kernels on a non-blocking stream of its own, after 5 us
+    kernels that set the estimate (and a 5 us kernel first after each sync): the limit holds.
+    (A review found that the fast path, which passed a launch on the stream of the last launch
+    and marked the batch when another thread had changed that stream meanwhile, could make such
+    a batch a lower bound at the estimate; the stub does not reproduce that race, before or
+    after the fast path came to check the batch's streams instead. This guards the class.)"""
+    card.base_env.update(CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5",
+                         CUPROG_LEAD_KUS="5", CUPROG_THREADS="2")
+    r = work(card, alone(card, 30, "threads2"), "sat", "3.2", "2000", "5", "2")
+    print("two threads on streams of their own after 5 us kernels, at 30 %:", r["busy"], r["per_sec"])
+    assert 22 <= r["busy"] * 100 <= 30 + 4, r
+    assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
 
 
 @pytest.mark.parametrize("kus, gap_us, mix", [(10, 15, "0"), (20, 30, "1"), (16, 30, "0")])

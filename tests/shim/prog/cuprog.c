@@ -397,6 +397,36 @@ static CUresult wait_value_then_write(CUfunction f, unsigned kus, long n, CUstre
     return rc ? rc : cuStreamSynchronize(*a);
 }
 
+/* CUPROG_THREADS=N in sat mode: N - 1 more threads, each launching KERNEL_US kernels on a
+ * non-blocking stream of its own (CUPROG_LEAD_KUS first after each sync, a sync every SYNC_EVERY)
+ * until `end`, beside the main thread's loop. */
+struct sat_thread {
+    CUcontext ctx;
+    CUfunction f;
+    unsigned kus;
+    long every, lead;
+    double end;
+    pthread_t t;
+};
+
+static void *sat_thread_main(void *arg)
+{
+    struct sat_thread *a = arg;
+    CUstream s;
+    cuCtxSetCurrent(a->ctx);
+    if (cuStreamCreate(&s, 1))
+        return NULL;
+    for (long k = 0; now_s() < a->end; k++) {
+        if (a->lead && k % a->every == 0)
+            cuLaunchKernel(a->f, (unsigned)a->lead, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        cuLaunchKernel(a->f, a->kus, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        if ((k + 1) % a->every == 0)
+            work_sync(s);
+    }
+    work_sync(s);
+    return NULL;
+}
+
 static int cmd_work(int argc, char **argv)
 {
     const char *mode = argv[2];
@@ -440,6 +470,15 @@ static int cmd_work(int argc, char **argv)
     }
     static struct per_sec per;
     double t0 = now_s(), d0 = done_s(), next = t0, t;
+    static struct sat_thread more[7];
+    int nmore = !strcmp(mode, "sat") && getenv("CUPROG_THREADS") ? atoi(getenv("CUPROG_THREADS")) - 1 : 0;
+    nmore = nmore < 0 ? 0 : nmore > 7 ? 7 : nmore;
+    for (int i = 0; i < nmore; i++) {
+        more[i] = (struct sat_thread){.f = f, .kus = kus, .every = a > 0 ? a : 1, .end = t0 + secs,
+                                      .lead = getenv("CUPROG_LEAD_KUS") ? atol(getenv("CUPROG_LEAD_KUS")) : 0};
+        cuCtxGetCurrent(&more[i].ctx);
+        pthread_create(&more[i].t, NULL, sat_thread_main, &more[i]);
+    }
     per.t0 = t0, per.d0 = d0;
     pthread_t per_thread;
     pthread_create(&per_thread, NULL, per_sec_main, &per);
@@ -524,6 +563,8 @@ static int cmd_work(int argc, char **argv)
         if (rc)
             break;
     }
+    for (int i = 0; i < nmore; i++)
+        pthread_join(more[i].t, NULL);
     cuCtxSynchronize();
     t = now_s() - t0;
     double busy = (done_s() - d0) / t;
