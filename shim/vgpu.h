@@ -428,6 +428,10 @@ void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_
  * (the batch measures each stream). The real time lies in [now_lo, now_hi] (a coarse
  * clock: lo = coarse, hi = coarse + margin; the precise one: lo = hi). */
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
+/* Whether stream s is one of the open batch's measured streams (its first one or one it joined).
+ * Peeked, so the fast path may call it unlocked (the fields are written under the gate's lock: a
+ * stale answer sends a launch to the slow path, which asks again under the lock). Pure. */
+int vgpu_gate_measures(struct vgpu_gate *g, void *s);
 /* 1 when a launch at a time in [now_lo, now_hi] may pass (the batch is open and, unless the gate
  * only measures, there is credit), stream aside. Pure. */
 int vgpu_gate_open_at(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi);

@@ -91,9 +91,7 @@ void vgpu_gate_count(struct vgpu_gate *g)
                           memory_order_relaxed);
 }
 
-/* Whether s is one of the open batch's streams (unlocked peeks, written under the gate's lock:
- * a stale answer sends a launch to the slow path, which decides under the lock). */
-static int stream_known(struct vgpu_gate *g, void *s)
+int vgpu_gate_measures(struct vgpu_gate *g, void *s)
 {
     if (VGPU_PEEK(g->cur.stream) == s)
         return 1;
@@ -109,7 +107,7 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
     if (!vgpu_gate_open_at(g, lo, hi))
         return 0;
     /* a stream the open batch does not measure yet: the slow path adds it (or closes the batch) */
-    if (VGPU_PEEK(g->cur.ev_open) && !stream_known(g, stream))
+    if (VGPU_PEEK(g->cur.ev_open) && !vgpu_gate_measures(g, stream))
         return 0;
     vgpu_gate_count(g);
     return 1;

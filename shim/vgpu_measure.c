@@ -280,21 +280,18 @@ int vgpu_measure_join(struct vgpu_gate *g, CUstream s)
 {
     if (!g->cur.ev_open)
         return 0;
-    int known = s == (CUstream)g->cur.stream;
-    for (int i = 0; i < g->cur.nxs && !known; i++)
-        known = s == (CUstream)g->cur.xs[i];
-    if (!known && !g->multi_stream && g->cur.nxs == VGPU_BATCH_STREAMS - 1)
+    if (g->multi_stream || vgpu_gate_measures(g, (void *)s))
+        return 1;
+    if (g->cur.nxs == VGPU_BATCH_STREAMS - 1)
         return 0;
-    if (!known && !g->multi_stream) {
-        CUevent e = vgpu_measure_event(g);
-        if (e && DRV->event_record(e, s) == CUDA_SUCCESS) {
-            VGPU_POKE(g->cur.xs[g->cur.nxs], (void *)s); /* peeked by the fast path */
-            g->cur.xs_open[g->cur.nxs] = e;
-            VGPU_POKE(g->cur.nxs, g->cur.nxs + 1);
-        } else {
-            vgpu_measure_put(g, e);
-            g->multi_stream = 1; /* no event: a lower bound (vgpu_measure_close) */
-        }
+    CUevent e = vgpu_measure_event(g);
+    if (e && DRV->event_record(e, s) == CUDA_SUCCESS) {
+        VGPU_POKE(g->cur.xs[g->cur.nxs], (void *)s); /* peeked by the fast path */
+        g->cur.xs_open[g->cur.nxs] = e;
+        VGPU_POKE(g->cur.nxs, g->cur.nxs + 1);
+    } else {
+        vgpu_measure_put(g, e);
+        g->multi_stream = 1; /* no event: a lower bound (vgpu_measure_close) */
     }
     return 1;
 }
