@@ -73,6 +73,7 @@ CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
 CUresult cuCtxSetCurrent(CUcontext);
 CUresult cuCtxGetCurrent(CUcontext *);
+CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
@@ -409,11 +410,20 @@ struct sat_thread {
     pthread_t t;
 };
 
+/* CUPROG_CTX2=1: a context of its own (cuCtxCreate) instead of the process's primary one. */
+static int own_ctx(void)
+{
+    const char *v = getenv("CUPROG_CTX2");
+    return v && *v == '1';
+}
+
 static void *sat_thread_main(void *arg)
 {
     struct sat_thread *a = arg;
     CUstream s;
-    cuCtxSetCurrent(a->ctx);
+    CUcontext mine;
+    if (own_ctx() ? cuCtxCreate_v2(&mine, 0, 0) : cuCtxSetCurrent(a->ctx))
+        return NULL;
     if (cuStreamCreate(&s, 1))
         return NULL;
     for (long k = 0; now_s() < a->end; k++) {
@@ -494,8 +504,19 @@ static int cmd_work(int argc, char **argv)
             static long lead = -1;
             if (lead < 0)
                 lead = getenv("CUPROG_LEAD_KUS") ? atol(getenv("CUPROG_LEAD_KUS")) : 0;
-            if (lead && n % (a > 0 ? a : 1) == 0)
+            /* CUPROG_CTX2=1 (one stream): the lead kernel in the primary context, the others in a
+             * second context of the card, switched to and back around them */
+            static CUcontext ctx_a, ctx_b;
+            if (own_ctx() && ns == 1 && !ctx_b && (cuCtxGetCurrent(&ctx_a) || cuCtxCreate_v2(&ctx_b, 0, 0) ||
+                                                   cuCtxSetCurrent(ctx_a)))
+                rc = 996;
+            if (!rc && lead && n % (a > 0 ? a : 1) == 0) {
+                if (ctx_b)
+                    cuCtxSetCurrent(ctx_a);
                 rc = cuLaunchKernel(f, (unsigned)lead, 1, 1, 1, 1, 1, 0, sn, NULL, NULL);
+            }
+            if (ctx_b)
+                cuCtxSetCurrent(ctx_b);
             rc = rc ? rc : cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, sn, NULL, NULL);
             if (++n % (a > 0 ? a : 1) == 0)
                 for (int i = side; i < (side ? ns : 1); i++)

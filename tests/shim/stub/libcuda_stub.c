@@ -39,6 +39,17 @@ typedef struct { unsigned gx, gy, gz, bx, by, bz, shm; CUstream hStream; void *a
 
 static int inited, nvis, vis[STUB_MAXDEV];
 static __thread int cur_ctx = -1; /* physical index of the current context's card */
+/* The current context's handle: a card's primary context is 0x1000 + phys, a created one
+ * 0x1000 + phys + 16 x serial. Contexts of one card share its timeline (they take turns on a
+ * real card); events and created streams belong to the context current when they were made. */
+static __thread void *cur_handle;
+static __thread void *ctx_stack[16];
+static __thread int ctx_depth;
+static void set_current(void *c)
+{
+    cur_handle = c;
+    cur_ctx = c ? (int)(((uintptr_t)c - 0x1000) % 16) : -1;
+}
 static int ctx_made[STUB_MAXDEV];
 static _Atomic uint64_t next_addr = 0;
 
@@ -168,8 +179,22 @@ API CUresult cuDeviceGetName(char *n, int len, CUdevice d) { if (phys_of(d) < 0)
 API CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { if (!inited) return E_NOT_INIT; if (!b) return E_INVALID_VALUE; if (phys_of(d) < 0) return E_INVALID_DEVICE; *b = mem_total(); return OK; }
 API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { int p = phys_of(d); if (p < 0) return E_INVALID_DEVICE; make_ctx(p); *c = (CUcontext)(uintptr_t)(0x1000 + p); return OK; }
 API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d) { (void)f; return hidden_ctx_create(c, d); }
-API CUresult cuCtxSetCurrent(CUcontext c) { cur_ctx = c ? (int)(((uintptr_t)c - 0x1000) % 16) : -1; return OK; }
-API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_ctx < 0 ? NULL : (CUcontext)(uintptr_t)(0x1000 + cur_ctx); return OK; }
+API CUresult cuCtxSetCurrent(CUcontext c) { set_current(c); return OK; }
+API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_handle; return OK; }
+API CUresult cuCtxPushCurrent_v2(CUcontext c)
+{
+    if (!c || ctx_depth == 16) return E_INVALID_VALUE;
+    ctx_stack[ctx_depth++] = cur_handle;
+    set_current(c);
+    return OK;
+}
+API CUresult cuCtxPopCurrent_v2(CUcontext *c)
+{
+    if (!ctx_depth) return E_INVALID_CONTEXT;
+    if (c) *c = cur_handle;
+    set_current(ctx_stack[--ctx_depth]);
+    return OK;
+}
 API CUresult cuCtxGetDevice(CUdevice *d)
 {
     NEED_CTX();
@@ -300,6 +325,7 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void
 static _Atomic uint64_t last_done[STUB_MAXDEV][STUB_STREAMS];
 static _Atomic int next_stream = 2;
 static _Atomic int non_blocking[STUB_STREAMS]; /* CU_STREAM_NON_BLOCKING: the legacy stream does not wait for it */
+static void *stream_ctx[STUB_STREAMS];          /* the context a created stream belongs to */
 static pthread_mutex_t ring_mu = PTHREAD_MUTEX_INITIALIZER;
 /* this process's latest kernels; `held`: slot + 1 of the held stream it waits on (end unknown) */
 static struct { uint64_t end, dur, k; int held; } ring[STUB_MAXDEV][4096];
@@ -497,7 +523,23 @@ struct stub_event {
     uint32_t hgen;
     uint64_t hoff;
     CUstream s;
+    void *ctx; /* the context it was made in: it is recorded only on that context's streams */
 };
+
+/* The context stream s belongs to: a created stream's own, the current one for the legacy and
+ * per-thread handles. */
+static void *ctx_of_stream(CUstream s)
+{
+    int k = slot_of(s);
+    return k >= 2 && stream_ctx[k] ? stream_ctx[k] : cur_handle;
+}
+API CUresult cuStreamGetCtx(CUstream s, CUcontext *c)
+{
+    NEED_CTX();
+    if (!c) return E_INVALID_VALUE;
+    *c = ctx_of_stream(s);
+    return OK;
+}
 
 /* When the GPU reaches the event (STUB_PENDING while its stream's wait has not been released). */
 static uint64_t event_time(struct stub_event *ev)
@@ -515,8 +557,10 @@ static uint64_t event_time(struct stub_event *ev)
 API CUresult cuEventCreate(void **e, unsigned fl)
 {
     (void)fl;
+    NEED_CTX();
     if (!e) return E_INVALID_VALUE;
     struct stub_event *ev = calloc(1, sizeof *ev);
+    if (ev) ev->ctx = cur_handle;
     *e = ev;
     return ev ? OK : E_OOM;
 }
@@ -533,6 +577,7 @@ API CUresult cuEventRecord(void *e, CUstream s)
     NEED_CTX();
     struct stub_event *ev = e;
     if (!ev) return E_INVALID_VALUE;
+    if (ev->ctx != ctx_of_stream(s)) return 400; /* CUDA_ERROR_INVALID_HANDLE: another context's */
     if (__builtin_expect(event_gap_ns < 0, 0))
         event_gap_ns = (int64_t)stub_env("STUB_EVENT_GAP_US", 0) * 1000;
     int slot = slot_of(s);
@@ -587,7 +632,7 @@ API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
 {
     struct stub_event *x = a, *y = b;
     if (!ms || !x || !y) return E_INVALID_VALUE;
-    if (!x->recorded || !y->recorded) return 400; /* CUDA_ERROR_INVALID_HANDLE */
+    if (!x->recorded || !y->recorded || x->ctx != y->ctx) return 400; /* CUDA_ERROR_INVALID_HANDLE */
     uint64_t now = stub_now();
     if (event_time(x) > now || event_time(y) > now) return 600;
     *ms = (float)(((double)y->t - (double)x->t) / 1e6);
@@ -747,6 +792,7 @@ API CUresult cuStreamCreate(CUstream *s, unsigned fl)
     int k = atomic_fetch_add(&next_stream, 1);
     if (k >= STUB_STREAMS) return E_OOM;
     atomic_store(&non_blocking[k], (fl & 1) != 0);
+    stream_ctx[k] = cur_handle;
     *s = (CUstream)(uintptr_t)(0x100 + k);
     return OK;
 }
