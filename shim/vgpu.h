@@ -323,6 +323,7 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #define VGPU_MEASURE_WAIT_NS (1 * VGPU_SEC)
 struct vgpu_batch {
     void *ev_open, *ev_close;   /* CUevent: recorded before its first and after its last launch */
+    void *ctx;                  /* CUcontext its events belong to (the gate's when it was closed) */
     uint64_t launches;
     uint64_t prov_ns;           /* GPU ns charged provisionally (launches x estimate) */
     void *ev_probe;             /* CUevent right after the first launch: that kernel's own time */
@@ -369,7 +370,8 @@ struct vgpu_gate {
     void *pool[(4 + 2 * (VGPU_BATCH_STREAMS - 1)) * VGPU_BATCH_RING + 4];
     int npool;
     int wait_gave_up;           /* a wait for a batch ran out: the gate never waits for one again */
-    void *ev_ctx;               /* CUcontext the events belong to */
+    void *ev_ctx;               /* CUcontext of the open batch and the pooled events: the one of
+                                 * the last slow-path launch (peeked by the fast path) */
     uint64_t busy_acc_ns, busy_since_ns; /* measured GPU time since busy_since (publication) */
     uint32_t busy_pm;           /* smoothed per mille of wall time */
     pthread_mutex_t mu;
@@ -497,6 +499,8 @@ struct vgpu_drv {
     CUresult (*ctx_get_device)(CUdevice *);
     CUresult (*ctx_get_current)(CUcontext *);
     CUresult (*ctx_get_limit)(size_t *, int);
+    CUresult (*ctx_push)(CUcontext);                          /* _v2 */
+    CUresult (*ctx_pop)(CUcontext *);                         /* _v2 */
     CUresult (*primary_ctx_release)(CUdevice);               /* _v2 */
     CUresult (*stream_is_capturing)(CUstream, int *);
     CUresult (*stream_query)(CUstream);
@@ -589,6 +593,7 @@ void vgpu_compute_setup(int d, CUdevice dev);
 void vgpu_compute_gate(CUstream stream);
 void vgpu_compute_sync(CUstream stream, int whole_ctx); /* before an app's wait: close the batch */
 void vgpu_compute_synced(void);                         /* after it: settle what completed */
+void vgpu_compute_ctx_destroy(CUcontext c);              /* before cuCtxDestroy: its events go */
 uint64_t vgpu_nvml_process_used(int d, int *found); /* bytes NVML reports for this process */
 /* The card's busy time in ns in NVML's utilization samples newer than *seen_us (each sample:
  * the percent of its period a kernel ran) and the span they cover, [*from_us, *seen_us] (NVML's

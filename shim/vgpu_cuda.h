@@ -78,6 +78,12 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync); /* ... ends behind th
 #define VGPU_WAIT_ROOM 2  /* ... to make room in a full ring */
 void vgpu_measure_poll(struct vgpu_gate *g, int wait);
 int vgpu_measure_join(struct vgpu_gate *g, CUstream s); /* another stream joins the open batch */
+/* A slow-path launch in context ctx (the current one; a kernel runs only on a stream of the
+ * current context): the gate measures in one context at a time, so a launch in another one
+ * closes the open batch (in its own context) and makes ctx the gate's. */
+void vgpu_measure_follow(struct vgpu_gate *g, CUcontext ctx);
+/* Context ctx is about to be destroyed: batches and events of it are released first. */
+void vgpu_measure_ctx_gone(struct vgpu_gate *g, CUcontext ctx);
 /* Gap tracking (vgpu_track.c): a batch opened (tracked at random), ended or given up, settled
  * (done: all its events completed). */
 void vgpu_track_start(struct vgpu_gate *g, CUstream s);

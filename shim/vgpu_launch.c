@@ -115,11 +115,27 @@ static void sleep_until(uint64_t t)
         ;
 }
 
+/* Whether a launch on stream s runs in the context the gate measures in (or the gate has none
+ * yet), peeked: a created stream the open batch measures is one of that context's (a kernel
+ * runs only on a stream of the current context), while the legacy and per-thread handles name
+ * the current context's stream, so for them the current context is asked. */
+static inline int in_gate_ctx(struct vgpu_gate *g, CUstream s)
+{
+    void *want = VGPU_PEEK(g->ev_ctx);
+    CUcontext cur = NULL;
+    if ((uintptr_t)s > (uintptr_t)CU_STREAM_PER_THREAD || !want || !DRV->ctx_get_current)
+        return 1;
+    return DRV->ctx_get_current(&cur) == CUDA_SUCCESS && cur == want;
+}
+
 static void gate_slow(int d, CUstream s)
 {
     vgpu_symbols_bind();
     struct vgpu_gate *g = &vgpu.gate[d];
     pthread_mutex_lock(&g->mu);
+    CUcontext ctx = NULL;
+    if (DRV->ctx_get_current && DRV->ctx_get_current(&ctx) == CUDA_SUCCESS)
+        vgpu_measure_follow(g, ctx); /* a launch in another context: the gate follows it */
     uint64_t now = vgpu_now_ns();
     if (vgpu_gate_fast(g, now, now, s)) { /* another thread opened it meanwhile */
         pthread_mutex_unlock(&g->mu);
@@ -207,7 +223,9 @@ void vgpu_compute_gate(CUstream s)
     uint64_t margin = vgpu.coarse_margin; /* set with the device map, before any gate is active */
     struct vgpu_gate *g = &vgpu.gate[d];
     uint64_t c = vgpu_coarse_ns();
-    if (__builtin_expect(!vgpu_gate_fast(g, c, c + margin, s), 0)) {
+    if (__builtin_expect(!in_gate_ctx(g, s), 0))
+        gate_slow(d, s);
+    else if (__builtin_expect(!vgpu_gate_fast(g, c, c + margin, s), 0)) {
         uint64_t now = vgpu_now_ns();
         if (!vgpu_gate_fast(g, now, now, s))
             gate_slow(d, s);
@@ -258,7 +276,8 @@ void vgpu_compute_sync(CUstream s, int whole_ctx)
     struct vgpu_gate *g = &vgpu.gate[d];
     vgpu_symbols_bind();
     pthread_mutex_lock(&g->mu);
-    if (!vgpu_stream_capturing(whole_ctx ? NULL : s)) {
+    /* a wait in another context than the batch's does not wait for the batch */
+    if (!vgpu_stream_capturing(whole_ctx ? NULL : s) && in_gate_ctx(g, whole_ctx ? NULL : s)) {
         vgpu_measure_close(g, 1);
         atomic_store(&g->open_until, 0); /* the next launch opens a new batch */
     }
@@ -276,6 +295,21 @@ void vgpu_compute_synced(void)
     pthread_mutex_lock(&g->mu);
     vgpu_measure_poll(g, 0);
     pthread_mutex_unlock(&g->mu);
+}
+
+/* Before cuCtxDestroy(c): the gates' batches and events of c are released while it exists. */
+void vgpu_compute_ctx_destroy(CUcontext c)
+{
+    if (!vgpu.compute_limited || !c)
+        return;
+    for (int d = 0; d < VGPU_MAX_DEV; d++) {
+        struct vgpu_gate *g = &vgpu.gate[d];
+        if (!g->active)
+            continue;
+        pthread_mutex_lock(&g->mu);
+        vgpu_measure_ctx_gone(g, c);
+        pthread_mutex_unlock(&g->mu);
+    }
 }
 
 /* ------------------------------------------------------------------ launches */

@@ -9,9 +9,15 @@
  * make room in a full ring, at most VGPU_MEASURE_WAIT_NS), is the batch's GPU time. A batch
  * closed when its stream had already gone idle (no wait of the application in between) is an
  * upper bound (it includes the idle tail): it is charged at most at the current per-launch
- * estimate. Events are made in the context that was current at the first measurement; launches
- * in other contexts keep their provisional charge. Gap tracking, which measures a sampled batch
- * launch by launch, is vgpu_track.c.
+ * estimate. Gap tracking, which measures a sampled batch launch by launch, is vgpu_track.c.
+ *
+ * Contexts: an event belongs to the context it was made in and is recorded only on that
+ * context's streams, and the legacy and per-thread stream handles name the current context's
+ * stream. The gate measures in one context at a time (ev_ctx, the pool's): a slow-path launch in
+ * another context closes the open batch in its own context and moves the gate to the new one
+ * (vgpu_measure_follow); the fast path sends a launch on those handles from another context to
+ * the slow path (vgpu_launch.c). Batches closed in a context settle as before; their events are
+ * destroyed, not pooled, once the gate has moved on.
  */
 #include "vgpu_cuda.h"
 
@@ -34,7 +40,7 @@ CUevent vgpu_measure_event(struct vgpu_gate *g)
     if (!vgpu_can_measure() || DRV->ctx_get_current(&ctx) != CUDA_SUCCESS || !ctx)
         return NULL;
     if (!g->ev_ctx)
-        g->ev_ctx = ctx;
+        VGPU_POKE(g->ev_ctx, (void *)ctx);
     if (ctx != g->ev_ctx)
         return NULL;
     if (g->npool)
@@ -58,6 +64,7 @@ void vgpu_measure_put(struct vgpu_gate *g, void *e)
  * has passed them), since a pooled one would be recorded again while the GPU still owes it. */
 static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending)
 {
+    pending = pending || b->ctx != g->ev_ctx; /* another context's events: never pooled */
     void *ev[4 + 2 * (VGPU_BATCH_STREAMS - 1) + VGPU_BATCH_STREAMS] = {b->ev_open, b->ev_close, b->ev_probe, b->ev_seg};
     for (int i = 0; i < b->nxs; i++)
         ev[4 + 2 * i] = b->xs_open[i], ev[5 + 2 * i] = b->xs_close[i];
@@ -202,10 +209,8 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
 /* Close the open batch behind its work (before a slow-path launch, after a long kernel, or
  * at_sync: the application waits for it next, so the close marks its end, or the stream is
  * idle and the host time before the wait follows: the one-kernel batch's probe, above). */
-void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
+static void close_batch(struct vgpu_gate *g, int at_sync)
 {
-    if (!g->cur.ev_open)
-        return;
     /* Behind the batch's work: on its first stream (whatever stream the caller waits on: a wait
      * on another stream must not close it where its kernels are not) and on each other stream
      * it launched on. Past VGPU_BATCH_STREAMS streams (or an event that failed), on the legacy
@@ -214,7 +219,7 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
     int multi = g->multi_stream;
     g->multi_stream = 0;
     uint64_t n = atomic_exchange(&g->batch_n, 0);
-    struct vgpu_batch b = {.ev_open = g->cur.ev_open, .launches = n, .prov_ns = n * g->est_ns,
+    struct vgpu_batch b = {.ev_open = g->cur.ev_open, .ctx = g->ev_ctx, .launches = n, .prov_ns = n * g->est_ns,
                            .ev_probe = g->cur.ev_probe, .nxs = g->cur.nxs};
     for (int i = 0; i < b.nxs; i++)
         b.xs_open[i] = g->cur.xs_open[i], g->cur.xs_open[i] = NULL;
@@ -269,6 +274,66 @@ void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
         vgpu_measure_put(g, b.xs_open[i]);
         vgpu_measure_put(g, b.xs_close[i]);
     }
+}
+
+/* Make the gate's context current on this thread when another one is: 1 if it was pushed
+ * (leave() pops it). */
+static int enter(struct vgpu_gate *g)
+{
+    CUcontext cur = NULL;
+    if (!g->ev_ctx || !DRV->ctx_push || !DRV->ctx_pop || !DRV->ctx_get_current ||
+        DRV->ctx_get_current(&cur) != CUDA_SUCCESS || cur == g->ev_ctx)
+        return 0;
+    return DRV->ctx_push((CUcontext)g->ev_ctx) == CUDA_SUCCESS;
+}
+
+static void leave(int pushed)
+{
+    CUcontext c;
+    if (pushed)
+        DRV->ctx_pop(&c);
+}
+
+void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
+{
+    if (!g->cur.ev_open)
+        return;
+    int pushed = enter(g); /* a wait, or a launch, in another context may close it */
+    close_batch(g, at_sync);
+    leave(pushed);
+}
+
+void vgpu_measure_follow(struct vgpu_gate *g, CUcontext ctx)
+{
+    if (!ctx || !g->ev_ctx || ctx == g->ev_ctx)
+        return;
+    vgpu_measure_close(g, 0);
+    while (g->npool)
+        DRV->event_destroy(g->pool[--g->npool]);
+    VGPU_POKE(g->ev_ctx, (void *)ctx);
+    atomic_store(&g->open_until, 0); /* no launch passes before a batch opens in ctx */
+}
+
+void vgpu_measure_ctx_gone(struct vgpu_gate *g, CUcontext ctx)
+{
+    int mine = g->ev_ctx == (void *)ctx;
+    if (mine)
+        vgpu_measure_close(g, 0);
+    vgpu_measure_poll(g, 0);
+    /* what is left of it may still run (cuCtxDestroy waits for it): released, with the batches
+     * before it, keeping their provisional charge */
+    int last = -1;
+    for (unsigned i = 0; i < g->ring_len; i++)
+        if (g->ring[(g->ring_head + i) % VGPU_BATCH_RING].ctx == (void *)ctx)
+            last = (int)i;
+    for (; last >= 0; last--)
+        batch_release(g, &g->ring[g->ring_head], 1);
+    if (!mine)
+        return;
+    while (g->npool)
+        DRV->event_destroy(g->pool[--g->npool]);
+    VGPU_POKE(g->ev_ctx, NULL);
+    atomic_store(&g->open_until, 0);
 }
 
 /* A launch on stream s (not capturing) while the batch is open and the launch may pass (under

@@ -162,6 +162,7 @@ VGPU_API CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, 
 VGPU_API CUresult cuCtxDestroy_v2(CUcontext c)
 {
     BROKEN_GUARD();
+    vgpu_compute_ctx_destroy(c); /* the compute limiter's events of c */
     CUresult rc = ctx_destroy_real(c);
     if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
         ctx_forget(c);

@@ -141,6 +141,8 @@ static void bind_cuda(void)
     SYM(lib, ctx_get_device, "cuCtxGetDevice");
     SYM(lib, ctx_get_current, "cuCtxGetCurrent");
     SYM(lib, ctx_get_limit, "cuCtxGetLimit");
+    SYM(lib, ctx_push, "cuCtxPushCurrent_v2");
+    SYM(lib, ctx_pop, "cuCtxPopCurrent_v2");
     SYM(lib, primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
     SYM(lib, stream_is_capturing, "cuStreamIsCapturing");
     SYM(lib, stream_query, "cuStreamQuery");

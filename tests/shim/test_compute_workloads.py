@@ -310,6 +310,45 @@ def test_threads_on_streams_of_their_own_are_measured(card) -> None:
     assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
 
 
+def test_work_in_a_second_context_is_measured(card) -> None:
+    """A tenant keeps the per-launch estimate low in its primary context (a 5 us kernel first
+    after each sync) and runs 2 ms kernels on the legacy stream of a second context of the card,
+    switching to it and back around them. The batch's events belong to the context they were
+    made in: before, launches in another context passed the fast path (the legacy stream's
+    handle is the same in every context) and were charged the first context's estimate, 97 %
+    busy under 30 %."""
+    card.base_env.update(CUPROG_CTX2="1", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5", CUPROG_LEAD_KUS="5")
+    r = work(card, alone(card, 30, "ctx2"), "sat", "3.2", "2000", "5")
+    print("2 ms kernels in a second context after 5 us kernels in the first, at 30 %:", r["busy"], r["per_sec"])
+    assert r["rc"] == 0, r
+    assert 30 - 5 <= r["busy"] * 100 <= 30 + 4, r
+    assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
+
+
+def test_a_destroyed_context_takes_its_events_along(card) -> None:
+    """The second context is destroyed and made anew every 4 syncs while its batches may still
+    be unsettled: the gate releases that context's events before it goes (a later query or
+    destroy of them would touch freed handles; the sanitizer runs of this file catch that), and
+    the limit holds across the renewals."""
+    card.base_env.update(CUPROG_CTX2="1", CUPROG_CTX2_RENEW="4", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5",
+                         CUPROG_LEAD_KUS="5")
+    r = work(card, alone(card, 30, "ctx2renew"), "sat", "3.2", "2000", "5")
+    print("a second context renewed every 4 syncs, at 30 %:", r["busy"], r["per_sec"])
+    assert r["rc"] == 0, r
+    assert 30 - 5 <= r["busy"] * 100 <= 30 + 4, r
+
+
+def test_threads_in_contexts_of_their_own_are_measured(card) -> None:
+    """Three threads, each in a context of its own on the card (cuCtxCreate), launching 2 ms
+    kernels after 5 us ones: the gate follows whichever context launches, and the limit holds."""
+    card.base_env.update(CUPROG_CTX2="1", CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300",
+                         CUPROG_WARMUP_KUS="5", CUPROG_LEAD_KUS="5", CUPROG_THREADS="3")
+    r = work(card, alone(card, 30, "ctxthreads"), "sat", "3.2", "2000", "5", "2")
+    print("three threads in contexts of their own, at 30 %:", r["busy"], r["per_sec"])
+    assert 30 - 5 <= r["busy"] * 100 <= 30 + 4, r
+    assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
+
+
 @pytest.mark.parametrize("kus, gap_us, mix", [(10, 15, "0"), (20, 30, "1"), (16, 30, "0")])
 def test_launch_bound_work_on_two_streams_is_charged_its_gpu_time(card, kus, gap_us, mix) -> None:
     """Launch-bound work on two non-blocking streams (torch's side streams): the union of the

@@ -74,6 +74,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
 CUresult cuCtxSetCurrent(CUcontext);
 CUresult cuCtxGetCurrent(CUcontext *);
 CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
+CUresult cuCtxDestroy_v2(CUcontext);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
@@ -510,6 +511,13 @@ static int cmd_work(int argc, char **argv)
             if (own_ctx() && ns == 1 && !ctx_b && (cuCtxGetCurrent(&ctx_a) || cuCtxCreate_v2(&ctx_b, 0, 0) ||
                                                    cuCtxSetCurrent(ctx_a)))
                 rc = 996;
+            /* CUPROG_CTX2_RENEW=N: every N syncs the second context is destroyed and made anew */
+            static long renew = -1;
+            if (renew < 0)
+                renew = getenv("CUPROG_CTX2_RENEW") ? atol(getenv("CUPROG_CTX2_RENEW")) : 0;
+            if (!rc && ctx_b && renew > 0 && n && n % ((a > 0 ? a : 1) * renew) == 0 &&
+                (cuCtxDestroy_v2(ctx_b) || cuCtxCreate_v2(&ctx_b, 0, 0) || cuCtxSetCurrent(ctx_a)))
+                rc = 995;
             if (!rc && lead && n % (a > 0 ? a : 1) == 0) {
                 if (ctx_b)
                     cuCtxSetCurrent(ctx_a);

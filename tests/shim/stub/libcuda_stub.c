@@ -181,9 +181,11 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { int p = phys_o
 API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d) { (void)f; return hidden_ctx_create(c, d); }
 API CUresult cuCtxSetCurrent(CUcontext c) { set_current(c); return OK; }
 API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_handle; return OK; }
+static int ctx_dead(void *c);
 API CUresult cuCtxPushCurrent_v2(CUcontext c)
 {
     if (!c || ctx_depth == 16) return E_INVALID_VALUE;
+    if (ctx_dead(c)) return E_INVALID_CONTEXT;
     ctx_stack[ctx_depth++] = cur_handle;
     set_current(c);
     return OK;
@@ -526,6 +528,26 @@ struct stub_event {
     void *ctx; /* the context it was made in: it is recorded only on that context's streams */
 };
 
+/* Destroyed contexts (the last 64): their events are gone with them, as on a real driver, where
+ * a later call on such an event touches a freed handle. The stub makes that loud. */
+static void *dead_ctx[64];
+static _Atomic unsigned ndead;
+static int ctx_dead(void *c)
+{
+    unsigned n = atomic_load(&ndead);
+    for (unsigned i = 0; c && i < n && i < 64; i++)
+        if (dead_ctx[i] == c)
+            return 1;
+    return 0;
+}
+static void check_live(const struct stub_event *ev)
+{
+    if (ctx_dead(ev->ctx)) {
+        fprintf(stderr, "stub: an event of a destroyed context was used\n");
+        abort();
+    }
+}
+
 /* The context stream s belongs to: a created stream's own, the current one for the legacy and
  * per-thread handles. */
 static void *ctx_of_stream(CUstream s)
@@ -564,7 +586,7 @@ API CUresult cuEventCreate(void **e, unsigned fl)
     *e = ev;
     return ev ? OK : E_OOM;
 }
-API CUresult cuEventDestroy_v2(void *e) { free(e); return OK; }
+API CUresult cuEventDestroy_v2(void *e) { if (e) check_live(e); free(e); return OK; }
 API CUresult cuEventDestroy(void *e) { return cuEventDestroy_v2(e); }
 /* STUB_EVENT_GAP_US=G: an event pair adds G us around the work it brackets, as on the H200 with
  * driver 580 (10.0 us kernels bracketed one by one measure 14.9 us: bench/results/gpu/
@@ -577,6 +599,7 @@ API CUresult cuEventRecord(void *e, CUstream s)
     NEED_CTX();
     struct stub_event *ev = e;
     if (!ev) return E_INVALID_VALUE;
+    check_live(ev);
     if (ev->ctx != ctx_of_stream(s)) return 400; /* CUDA_ERROR_INVALID_HANDLE: another context's */
     if (__builtin_expect(event_gap_ns < 0, 0))
         event_gap_ns = (int64_t)stub_env("STUB_EVENT_GAP_US", 0) * 1000;
@@ -616,6 +639,7 @@ API CUresult cuEventQuery(void *e)
         query_us = stub_env("STUB_QUERY_US", 0);
     for (uint64_t end = stub_now() + (uint64_t)query_us * 1000; query_us && stub_now() < end;)
         ;
+    check_live(ev);
     if (ev->recorded && hidden_capture_unsafe(ev->s)) return 900; /* an event of a capturing stream */
     return !ev->recorded || event_time(ev) <= stub_now() ? OK : 600; /* CUDA_ERROR_NOT_READY */
 }
@@ -632,6 +656,7 @@ API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
 {
     struct stub_event *x = a, *y = b;
     if (!ms || !x || !y) return E_INVALID_VALUE;
+    check_live(x), check_live(y);
     if (!x->recorded || !y->recorded || x->ctx != y->ctx) return 400; /* CUDA_ERROR_INVALID_HANDLE */
     uint64_t now = stub_now();
     if (event_time(x) > now || event_time(y) > now) return 600;
