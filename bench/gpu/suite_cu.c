@@ -8,6 +8,9 @@
  *   suite_cu spin ITERS SECS SYNC_EVERY     kernels of ITERS dependent FMAs, one 32-thread block
  *                                           per SM; sync every SYNC_EVERY kernels; ITERS 0:
  *                                           calibrate ITERS for a 100 ms kernel first
+ *   suite_cu ctx2 ITERS SECS                five kernels of ITERS FMAs (0: calibrated for 2 ms), one
+ *                                           block per SM, in a second context, after a tiny kernel in
+ *                                           the primary one, each round waited for (spin's output)
  *   suite_cu graphmem BYTES CHUNK MAXN HOLD graph with one memory-alloc node of BYTES, launched,
  *                                           then cuMemAlloc CHUNK until refused (or MAXN)
  *   suite_cu heap HEAP PER_THREAD NCTX CHUNK MAXN HOLD
@@ -21,7 +24,8 @@
  *   suite_cu newcomer SPAWN_T CHUNK         times cuInit, the context, the first cuMemAlloc
  *   suite_cu evlat ITERS N                  one-block kernels of ITERS FMAs: their time back to
  *                                           back and bracketed one by one by an event pair on an
- *                                           idle stream, an empty pair, a record's and a query's CPU cost
+ *                                           idle stream, an empty pair, a record's, a query's and a
+ *                                           cuCtxGetCurrent's CPU cost
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -57,6 +61,7 @@ static CUresult (*p_cuDeviceGet)(CUdevice *, int);
 static CUresult (*p_cuDeviceGetAttribute)(int *, int, CUdevice);
 static CUresult (*p_cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
 static CUresult (*p_cuCtxSetCurrent)(CUcontext);
+static CUresult (*p_cuCtxGetCurrent)(CUcontext *);
 static CUresult (*p_cuCtxSynchronize)(void);
 static CUresult (*p_cuCtxSetLimit)(int, size_t);
 static CUresult (*p_cuCtxCreate_v4)(CUcontext *, void *, unsigned, CUdevice);
@@ -93,7 +98,7 @@ static void resolve(void)
         exit(3);
     }
 #define R(fn) *(void **)&p_##fn = dlsym(h, #fn)
-    R(cuInit); R(cuDeviceGet); R(cuDeviceGetAttribute); R(cuDevicePrimaryCtxRetain); R(cuCtxSetCurrent);
+    R(cuInit); R(cuDeviceGet); R(cuDeviceGetAttribute); R(cuDevicePrimaryCtxRetain); R(cuCtxSetCurrent); R(cuCtxGetCurrent);
     R(cuCtxSynchronize); R(cuCtxSetLimit); R(cuCtxCreate_v4); R(cuCtxCreate_v2); R(cuMemAlloc_v2);
     R(cuMemFree_v2); R(cuMemGetInfo_v2); R(cuMemsetD32_v2); R(cuMemcpyDtoH_v2); R(cuModuleLoadData); R(cuModuleGetFunction);
     R(cuLaunchKernel); R(cuEventCreate); R(cuEventRecord); R(cuEventQuery); R(cuEventSynchronize);
@@ -197,6 +202,31 @@ static CUresult spin_launch(CUfunction f, int grid, unsigned long long iters, CU
 
 #define MAXK 4096
 
+/* ITERS for a kernel of about target_ms (one block per SM): 2e6 iterations timed, then twice
+ * rescaled and timed (ev[0], ev[1]); *ms: the last one's time. */
+static unsigned long long calibrate(CUfunction f, int grid, CUdeviceptr out, double target_ms, CUevent *ev,
+                                    double *ms_out)
+{
+    unsigned long long it = 2000000ull;
+    for (int round = 0; round < 3; round++) {
+        float ms = 0;
+        CALL(cuEventRecord, ev[0], NULL);
+        spin_launch(f, grid, it, out);
+        CALL(cuEventRecord, ev[1], NULL);
+        CALL(cuEventSynchronize, ev[1]);
+        CALL(cuEventElapsedTime, &ms, ev[0], ev[1]);
+        if (ms <= 0)
+            ms = 1;
+        *ms_out = ms;
+        if (round < 2)
+            it = (unsigned long long)((double)it * target_ms / ms);
+    }
+    return it ? it : 1;
+}
+
+static int spin_report(unsigned long long iters, int grid, double calib_ms, long n, CUresult rc, double t0,
+                       CUevent *ev);
+
 static int cmd_spin(unsigned long long iters, double secs, long sync_every)
 {
     setup();
@@ -209,24 +239,8 @@ static int cmd_spin(unsigned long long iters, double secs, long sync_every)
     for (int i = 0; i <= MAXK; i++)
         if ((rc = CALL(cuEventCreate, &ev[i], 0))) { printf("{\"error\": \"cuEventCreate\", \"rc\": %d}\n", rc); return 3; }
     double calib_ms = 0;
-    if (iters == 0) {
-        /* two rounds: 2e6 iterations, then the estimate for 100 ms, rescaled */
-        unsigned long long it = 2000000ull;
-        for (int round = 0; round < 3; round++) {
-            float ms = 0;
-            CALL(cuEventRecord, ev[0], NULL);
-            spin_launch(f, grid, it, out);
-            CALL(cuEventRecord, ev[1], NULL);
-            CALL(cuEventSynchronize, ev[1]);
-            CALL(cuEventElapsedTime, &ms, ev[0], ev[1]);
-            if (ms <= 0)
-                ms = 1;
-            calib_ms = ms;
-            if (round < 2)
-                it = (unsigned long long)((double)it * 100.0 / ms);
-        }
-        iters = it;
-    }
+    if (iters == 0)
+        iters = calibrate(f, grid, out, 100.0, ev, &calib_ms);
     /* ev[0] marks the start on the GPU's timeline, ev[i] the end of kernel i */
     CALL(cuCtxSynchronize);
     double t0 = wall(), m0 = mono();
@@ -240,9 +254,16 @@ static int cmd_spin(unsigned long long iters, double secs, long sync_every)
         if (n % sync_every == 0)
             CALL(cuCtxSynchronize);
     }
+    return spin_report(iters, grid, calib_ms, n, rc, t0, ev);
+}
+
+/* The spin output: completed kernels' ends on the GPU's timeline (ev[0] its start). Kernels
+ * still queued after the window are not waited for (with a 10 % limit and a sync every 10
+ * kernels that could take seconds): only completed kernels count. */
+static int spin_report(unsigned long long iters, int grid, double calib_ms, long n, CUresult rc, double t0,
+                       CUevent *ev)
+{
     double t1 = wall();
-    /* kernels still queued after the window are not waited for (with a 10 % limit and a sync
-     * every 10 kernels that could take seconds): only completed kernels count */
     usleep(200000);
     printf("{\"kind\": \"spin\", \"unit\": \"kernels\", \"iters\": %llu, \"grid\": %d, \"calib_ms\": %.3f, "
            "\"launched\": %ld, \"rc\": %d, \"t0\": %.6f, \"t1\": %.6f, \"done_ms\": [",
@@ -260,6 +281,55 @@ static int cmd_spin(unsigned long long iters, double secs, long sync_every)
     printf("], \"completed\": %ld}\n", done);
     fflush(stdout);
     _exit(0);
+}
+
+/* ------------------------------------------------------------------ a second context */
+
+/* A tenant that keeps the limiter's per-launch estimate low in one context and does its work in
+ * another: each round a one-iteration kernel in the primary context, waited for, then five
+ * kernels of ITERS FMAs (0: calibrated for 2 ms) on one block per SM in a second context of the
+ * card (cuCtxCreate), waited for. Output as spin's (the events are the second context's). */
+static int cmd_ctx2(unsigned long long iters, double secs)
+{
+    setup();
+    CUfunction fa = function("spin"), fb = NULL;
+    CUdeviceptr outa = 0, outb = 0;
+    CUcontext b = NULL;
+    CUmodule mb = NULL;
+    static CUevent ev[MAXK + 1];
+    CUresult rc = CALL(cuMemAlloc_v2, &outa, 64);
+    if (!rc) /* CUDA 13's cuCtxCreate is _v4 (params may be NULL); older drivers: _v2 */
+        rc = p_cuCtxCreate_v4 && !p_cuCtxCreate_v4(&b, NULL, 0, dev0) ? 0 : CALL(cuCtxCreate_v2, &b, 0, dev0);
+    if (!rc)
+        rc = CALL(cuModuleLoadData, &mb, PTX);
+    if (!rc)
+        rc = CALL(cuModuleGetFunction, &fb, mb, "spin");
+    if (!rc)
+        rc = CALL(cuMemAlloc_v2, &outb, 64);
+    for (int i = 0; i <= MAXK && !rc; i++)
+        rc = CALL(cuEventCreate, &ev[i], 0);
+    if (rc) { printf("{\"error\": \"second context\", \"rc\": %d}\n", rc); return 3; }
+    int grid = sm_count();
+    double calib_ms = 0;
+    if (iters == 0)
+        iters = calibrate(fb, grid, outb, 2.0, ev, &calib_ms);
+    CALL(cuCtxSynchronize);
+    double t0 = wall(), m0 = mono();
+    CALL(cuEventRecord, ev[0], NULL);
+    long n = 0;
+    while (n + 5 <= MAXK && mono() - m0 < secs && !rc) {
+        CALL(cuCtxSetCurrent, primary);
+        if ((rc = spin_launch(fa, 1, 1, outa)) || (rc = CALL(cuCtxSynchronize)))
+            break;
+        CALL(cuCtxSetCurrent, b);
+        for (int k = 0; k < 5 && !rc; k++)
+            if (!(rc = spin_launch(fb, grid, iters, outb)))
+                CALL(cuEventRecord, ev[++n], NULL);
+        if (!rc)
+            rc = CALL(cuCtxSynchronize);
+    }
+    CALL(cuCtxSetCurrent, b);
+    return spin_report(iters, grid, calib_ms, n, rc, t0, ev);
 }
 
 /* ------------------------------------------------------------------ memory cases */
@@ -475,9 +545,14 @@ static int cmd_evlat(unsigned long long iters, int n)
     for (int i = 0; i < 10000; i++)
         CALL(cuEventQuery, a);
     double qry = (mono() - t0) / 10000;
+    CUcontext c; /* what the shim's fast path asks on launches on the legacy or per-thread stream */
+    t0 = mono();
+    for (int i = 0; i < 1000000; i++)
+        CALL(cuCtxGetCurrent, &c);
+    double cur = (mono() - t0) / 1000000;
     printf("{\"iters\": %llu, \"kernel_us\": %.3f, \"bracketed_p50_us\": %.3f, \"bracketed_p10_us\": %.3f, "
-           "\"pair_p50_us\": %.3f, \"record_cpu_us\": %.3f, \"query_cpu_us\": %.3f}\n",
-           iters, back * 1e3 / n, br[n / 2] * 1e3, br[n / 10] * 1e3, pair[n / 2] * 1e3, rec * 1e6, qry * 1e6);
+           "\"pair_p50_us\": %.3f, \"record_cpu_us\": %.3f, \"query_cpu_us\": %.3f, \"ctx_get_current_ns\": %.1f}\n",
+           iters, back * 1e3 / n, br[n / 2] * 1e3, br[n / 10] * 1e3, pair[n / 2] * 1e3, rec * 1e6, qry * 1e6, cur * 1e9);
     return 0;
 }
 
@@ -488,6 +563,8 @@ int main(int argc, char **argv)
     const char *cmd = argv[1];
     if (!strcmp(cmd, "spin") && argc >= 5)
         return cmd_spin(strtoull(argv[2], NULL, 0), atof(argv[3]), atol(argv[4]) > 0 ? atol(argv[4]) : 1);
+    if (!strcmp(cmd, "ctx2") && argc >= 4)
+        return cmd_ctx2(strtoull(argv[2], NULL, 0), atof(argv[3]));
     if (!strcmp(cmd, "evlat") && argc >= 4)
         return cmd_evlat(strtoull(argv[2], NULL, 0), atoi(argv[3]));
     if (!strcmp(cmd, "graphmem") && argc >= 6)
