@@ -17,6 +17,7 @@ import pytest
 from clusterkit import free_port, temporarily_applied, wait_port
 from kvgpu.admission.config import webhook_configurations
 from kvgpu.admission.server import PoolView, serve
+from kvgpu.api.pools import SliceMinimum
 from kvgpu.devcluster import Cluster
 
 OPERATOR_USER = "kvgpu-operator"
@@ -186,3 +187,6 @@ def test_minimum_slice_comes_from_the_pools(cluster: Cluster, namespace: str, we
             assert _create(cluster, _pod(namespace, "small", {"kvgpu.io/gpumem": "128"})).returncode == 0
     finally:
         cluster.kubectl("delete", "vgpupool", POOL, "--ignore-not-found")
+    # the workers watch the pools: the deletion counts as soon as it is delivered too
+    rest = json.loads(cluster.kubectl("get", "vgpupools", "-o", "json").stdout)["items"]
+    _wait_minimum(webhooks, min((p["spec"]["minSliceMemory"] for p in rest), default=SliceMinimum().mib))

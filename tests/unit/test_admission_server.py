@@ -409,3 +409,28 @@ def test_start_workers_refuses_a_port_someone_else_holds() -> None:
         other.listen()
         with pytest.raises(OSError):
             start_workers(1, "127.0.0.1", other.getsockname()[1], "unused.crt", "unused.key", [])
+
+
+def _pool(uid: str, name: str, mib: Any) -> dict[str, Any]:
+    return {"apiVersion": "kvgpu.io/v1alpha1", "kind": "VGPUPool", "metadata": {"name": name, "uid": uid},
+            "spec": {"minSliceMemory": mib}}
+
+
+def test_the_pool_view_follows_added_changed_and_deleted_pools() -> None:
+    """The webhook workers' minimum slice, fed by the VGPUPool watch's events: the smallest valid
+    pool's, kvgpu's default again once every pool is gone; a pool that does not validate
+    counts for nothing, and a deletion carries only the metadata (a relist's synthesized one)."""
+    view = srv.PoolView()
+    default = view.minimum
+    view.on_event("ADDED", _pool("u1", "big", 1024))
+    view.on_event("ADDED", _pool("u2", "small", 512))
+    assert (view.minimum.mib, view.minimum.pool) == (512, "small")
+    view.on_event("MODIFIED", _pool("u2", "small", 2048))
+    assert (view.minimum.mib, view.minimum.pool) == (1024, "big")
+    view.on_event("ADDED", _pool("u3", "broken", "lots"))
+    assert view.minimum.pool == "big"
+    view.on_event("DELETED", {"metadata": {"name": "big", "uid": "u1"}})
+    assert (view.minimum.mib, view.minimum.pool) == (2048, "small")
+    view.on_event("DELETED", {"metadata": {"name": "small", "uid": "u2"}})
+    view.on_event("DELETED", {"metadata": {"name": "broken", "uid": "u3"}})
+    assert view.minimum == default

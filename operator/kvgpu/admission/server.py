@@ -9,7 +9,7 @@ Why worker processes: every GPU pod is admitted twice (mutate, validate), and se
 the operator's single asyncio thread — TLS, HTTP, JSON — cost about a quarter of the operator's
 CPU during bursts, on the same core as the scheduler extender that bind latency depends on.
 The workers need no API access for the decisions (the review carries the object; each lists
-the VGPUPools every 5 s only for their minimum slice, :class:`PoolView`), so ``--webhook-workers N``
+the VGPUPools only for their minimum slice, :class:`PoolView`), so ``--webhook-workers N``
 processes share the port through ``SO_REUSEPORT`` (the kernel spreads connections over them);
 each dies with the operator (``PR_SET_PDEATHSIG``). They run on every replica, leader or not;
 with the shipped manifests the webhook Service sends calls to ready replicas only, i.e. the
@@ -41,8 +41,9 @@ from kvgpu.api.pools import SliceMinimum, slice_minimum
 
 log = logging.getLogger("kvgpu.admission")
 MAX_REVIEW_BYTES = 8 * 1024 * 1024
-#: How often each worker lists the VGPUPools for their minimum slice (a change applies within it).
-POOL_REFRESH_S = 5.0
+#: How long a worker waits before it tries again to reach the API, or to list VGPUPools while
+#: their CRD is missing (a change of a pool applies as soon as the watch delivers it).
+POOL_RETRY_S = 5.0
 
 
 def response_body(request: dict[str, Any], allowed: bool, *, patch: list[dict[str, Any]] | None = None,
@@ -60,30 +61,46 @@ def response_body(request: dict[str, Any], allowed: bool, *, patch: list[dict[st
 
 
 class PoolView:
-    """The smallest slice the cluster's VGPUPools allow, as last listed (:meth:`refresh`);
-    kvgpu's default until a list succeeds."""
+    """The smallest slice the cluster's VGPUPools allow, kept current by a watch of them
+    (:meth:`watch`); kvgpu's default until the first list succeeds."""
 
     def __init__(self) -> None:
         self.minimum = SliceMinimum()
+        self._pools: dict[str, dict[str, Any]] = {}  # UID -> pool object
 
-    async def refresh(self, kubeconfig: str | None, every_s: float = POOL_REFRESH_S) -> None:
-        """List the pools every ``every_s`` seconds forever (``kubeconfig`` None: in-cluster).
-        A failed list keeps the last answer and is logged once until a list succeeds again."""
+    def on_event(self, etype: str, obj: dict[str, Any]) -> None:
+        """One event of the VGPUPool stream (``ADDED``/``MODIFIED``/``DELETED`` and the pool):
+        the pool kept or dropped, the minimum taken again."""
+        uid = str((obj.get("metadata") or {}).get("uid", ""))
+        if etype == "DELETED":
+            self._pools.pop(uid, None)
+        else:
+            self._pools[uid] = obj
+        self.minimum = slice_minimum(self._pools.values())
+
+    async def watch(self, kubeconfig: str | None, retry_s: float = POOL_RETRY_S) -> None:
+        """List and watch the pools forever (``kubeconfig`` None: in-cluster): one request per
+        change and one watch a few minutes, where a list every few seconds cost every worker a
+        request per interval. Until the API answers (down, no RBAC, no CRD yet) the last answer
+        stays; a failing stream is logged and retried by :class:`kvgpu.watch.ListWatch`."""
         from kvgpu import kube
+        from kvgpu.core import keys
+        from kvgpu.watch import ListWatch
 
-        api = None
         failing = False
         while True:
             try:
-                api = api or await kube.connect(kubeconfig)
-                self.minimum = slice_minimum(await kube.list_all(api, "vgpupools"))
-                failing = False
-            except Exception as e:  # API down, no RBAC, no CRD yet: keep the last answer
+                api = await kube.connect(kubeconfig)
+                break
+            except Exception as e:  # no kubeconfig or service account yet: the default stays
                 if not failing:
-                    log.warning("kvgpu admission: cannot list VGPUPools, minimum slice stays %d MiB: %s",
-                                self.minimum.mib, e)
+                    log.warning("kvgpu admission: cannot reach the API for VGPUPools, minimum slice stays "
+                                "%d MiB: %s", self.minimum.mib, e)
                 failing = True
-            await asyncio.sleep(every_s)
+                await asyncio.sleep(retry_s)
+        stream = ListWatch(api, f"/apis/{keys.GROUP}/{keys.VERSION}/vgpupools", self.on_event,
+                           name="vgpupools", missing_retry_s=retry_s)
+        await stream.run()
 
 
 def make_app(operator_usernames: Collection[str], pools: PoolView | None = None) -> web.Application:
@@ -159,7 +176,7 @@ async def serve(host: str, port: int, certfile: str, keyfile: str, operator_user
                 app: web.Application | None = None, pools: PoolView | None = None,
                 kubeconfig: str | None = None) -> None:
     """Serve until ``stop`` is set (forever when None). With ``pools`` (the same view ``app`` was
-    made with, if given) the VGPUPools are listed through ``kubeconfig`` (None: in-cluster)."""
+    made with, if given) the VGPUPools are watched through ``kubeconfig`` (None: in-cluster)."""
     runner = web.AppRunner(app or make_app(operator_usernames, pools), access_log=None)
     await runner.setup()
     ctx = ssl_context(certfile, keyfile)
@@ -167,7 +184,7 @@ async def serve(host: str, port: int, certfile: str, keyfile: str, operator_user
     await site.start()
     tasks = [asyncio.create_task(_reload_certificate(ctx, certfile, keyfile))]
     if pools is not None:
-        tasks.append(asyncio.create_task(pools.refresh(kubeconfig)))
+        tasks.append(asyncio.create_task(pools.watch(kubeconfig)))
     try:
         await (stop or asyncio.Event()).wait()
     finally:
