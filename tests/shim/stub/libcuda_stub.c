@@ -361,13 +361,22 @@ __attribute__((constructor)) static void stub_atfork(void)
 
 static int null_launch = -1, grid_us = -1, timeslice = -1;
 
+/* Each thread's per-thread default stream (CU_STREAM_PER_THREAD) is a stream of its own, a
+ * blocking one, taken from the created streams' slots at its first use (slot 1 when they are
+ * all taken). */
+static __thread int pts_slot;
 static int slot_of(CUstream s)
 {
     uintptr_t v = (uintptr_t)s;
     if (v == 0 || v == 1)
         return 0;
-    if (v == 2)
-        return 1;
+    if (v == 2) {
+        if (!pts_slot) {
+            int k = atomic_fetch_add(&next_stream, 1);
+            pts_slot = k < STUB_STREAMS ? k : 1;
+        }
+        return pts_slot;
+    }
     if (v >= 0x100 && v < 0x100 + STUB_STREAMS)
         return (int)(v - 0x100);
     return 0;
