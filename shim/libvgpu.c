@@ -85,6 +85,15 @@ static void at_exit(void)
         if (g->active)
             fprintf(stderr, "vgpu-stats-track pid=%d dev=%d span_us=%llu cpu_in_gaps_us=%llu\n", (int)getpid(), d,
                     (unsigned long long)(g->st_tspan / 1000), (unsigned long long)(g->st_tcpu / 1000));
+        for (int k = 1, last = 0; g->active && g->len_ns && k < 64; k++) { /* V's advance x len/P */
+            if (!g->st_sec_vt[k])
+                continue; /* no slow path in that second */
+            fprintf(stderr, "vgpu-sec pid=%d dev=%d s=%d wait_ms=%.1f charged_ms=%.1f over_s=%d\n", (int)getpid(), d,
+                    k, g->st_sec_wait[k] / 1e6,
+                    g->st_sec_vt[last] ? (double)(g->st_sec_vt[k] - g->st_sec_vt[last]) * g->len_ns / g->period_ns / 1e6 : 0,
+                    k - last);
+            last = k;
+        }
         uint64_t n = g->st_trace_n, i = n > VGPU_TRACE_LEN ? n - VGPU_TRACE_LEN : 0;
         for (; g->active && i < n; i++) { /* times: us into the period (window: offset, len) */
             const struct vgpu_trace_ent *e = &g->st_trace[i % VGPU_TRACE_LEN];

@@ -418,6 +418,9 @@ struct vgpu_gate {
         int64_t credit; /* now - V, credit clock ns */
     } st_trace[VGPU_TRACE_LEN];
     uint64_t st_trace_n;
+    /* and per second of the gate's life (from its first slow path): the launches' waits for
+     * credit, and the credit clock's advance converted to GPU ns charged (ns) */
+    uint64_t st_sec0, st_sec_wait[64], st_sec_vt[64];
 #endif
 };
 

@@ -151,6 +151,12 @@ static void gate_slow(int d, CUstream s)
         return;
     }
     vgpu_measure_close(g, 0);
+#ifdef VGPU_STATS
+    if (!g->st_sec0)
+        g->st_sec0 = now;
+    if ((now - g->st_sec0) / VGPU_SEC < 64) /* the latest V seen in this second */
+        g->st_sec_vt[(now - g->st_sec0) / VGPU_SEC] = atomic_load(g->vt);
+#endif
     if (!g->est_ns && g->ring_len) /* no estimate yet: measure before queuing more */
         vgpu_measure_poll(g, VGPU_WAIT_FIRST);
     for (;;) {
@@ -168,6 +174,10 @@ static void gate_slow(int d, CUstream s)
         if (!wake)
             break;
         g->throttles++;
+#ifdef VGPU_STATS
+        if (now >= g->st_sec0 && (now - g->st_sec0) / VGPU_SEC < 64)
+            g->st_sec_wait[(now - g->st_sec0) / VGPU_SEC] += wake - now;
+#endif
         /* Calibration matters only while the limit binds, and its NVML calls (up to ms under
          * contention) then cost little: the launch waits anyway. The waits are summed: a
          * saturating tenant of short kernels waits one launch's cost at a time (0.3 ms for
