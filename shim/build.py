@@ -244,6 +244,7 @@ struct vgpu_gate { int active; int measure_only; int cotenants; int bursting; ui
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
+void vgpu_gate_clamp(struct vgpu_gate *g, uint64_t now_hi);
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);

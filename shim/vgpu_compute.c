@@ -76,8 +76,14 @@ int vgpu_gate_open_at(struct vgpu_gate *g, uint64_t lo, uint64_t hi)
         return 0;
     if (g->measure_only)
         return 1;
-    uint64_t v = atomic_load_explicit(g->vt, memory_order_relaxed);
-    return v <= lo && v + VGPU_PEEK(g->burst_ns) >= hi; /* else out of credit, or credit to clamp */
+    return atomic_load_explicit(g->vt, memory_order_relaxed) <= lo; /* else out of credit */
+}
+
+void vgpu_gate_clamp(struct vgpu_gate *g, uint64_t hi)
+{
+    uint64_t v = atomic_load_explicit(g->vt, memory_order_relaxed), burst = VGPU_PEEK(g->burst_ns);
+    while (v + burst < hi && !atomic_compare_exchange_weak(g->vt, &v, hi - burst))
+        ;
 }
 
 void vgpu_gate_count(struct vgpu_gate *g)
@@ -109,6 +115,8 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t lo, uint64_t hi, void *stream)
     /* a stream the open batch does not measure yet: the slow path adds it (or closes the batch) */
     if (VGPU_PEEK(g->cur.ev_open) && !vgpu_gate_measures(g, stream))
         return 0;
+    if (!g->measure_only)
+        vgpu_gate_clamp(g, hi);
     vgpu_gate_count(g);
     return 1;
 }

@@ -146,6 +146,8 @@ static void gate_slow(int d, CUstream s)
         return;
     }
     if (vgpu_gate_open_at(g, now, now) && vgpu_measure_join(g, s)) {
+        if (!g->measure_only)
+            vgpu_gate_clamp(g, now);
         vgpu_gate_count(g); /* a launch on another stream of the open batch: it passes */
         pthread_mutex_unlock(&g->mu);
         return;
