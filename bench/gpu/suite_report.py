@@ -14,6 +14,12 @@ from suite_plan import GRAPH_LIMIT, GROUPS, HEAP_LIMIT, SINGLES, START_LIMIT, ST
 # ------------------------------------------------------------------------------------ reports
 
 
+
+def single_limits(doc: dict[str, Any]) -> list[tuple[str, list[int]]]:
+    """Each single workload and the limits it ran at: its own, or the run's LIMITS for it."""
+    chosen = doc.get("env", {}).get("limits") or {}
+    return [(ident, list(chosen.get(ident, limits))) for ident, _kind, limits in SINGLES]
+
 def f(x: Any, n: int = 1, suffix: str = "") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
@@ -58,7 +64,7 @@ def markdown(doc: dict[str, Any]) -> str:
     L.append("| workload | limit | native its (busy %) | mode | share % | busy % | target | err pts | "
              "per-second busy min/max/sd | goal met (mean / every s) | note |")
     L.append("|---|---|---|---|---|---|---|---|---|---|---|")
-    for ident, _kind, limits in SINGLES:
+    for ident, limits in single_limits(doc):
         nat = pick(runs, "single", ident, "native")
         nm = (nat or {}).get("metrics", {})
         ntxt = f"{f(nm.get('its'), 2)} {nm.get('unit') or ''}/s ({f(nm.get('busy'))} %)" if nat else "–"
@@ -151,7 +157,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     labels: list[str] = []
     x = 0
     a = ax[0][0]
-    for ident, _, limits in SINGLES:
+    for ident, limits in single_limits(doc):
         for lim in limits:
             nat = pick(runs, "single", ident, "native")
             nb = (nat or {}).get("metrics", {}).get("busy")
@@ -174,7 +180,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         a.legend()
     # (b) per-second busy share, kvgpu and HAMi
     b = ax[0][1]
-    for ident, _, limits in SINGLES:
+    for ident, limits in single_limits(doc):
         for lim in limits:
             for mode in modes:
                 r = pick(runs, "single", f"{ident}@{lim}", mode)

@@ -418,7 +418,7 @@ def _run_suite(cfg: Config, sampler: NvmlSampler, mps: MpsDaemon | None = None) 
         runner.agent = AgentSchedule(cfg.sched_dir, cfg.uuid)
     doc: dict[str, Any] = {"env": {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "card": sampler.name, "uuid": cfg.uuid,
-        "secs": cfg.secs, "modes": cfg.modes, "parts": cfg.parts, "only": sorted(cfg.only),
+        "secs": cfg.secs, "modes": cfg.modes, "parts": cfg.parts, "only": sorted(cfg.only), "limits": cfg.limits,
         "kvgpu_lib": os.path.basename(cfg.kvgpu_lib), "hami_lib": os.path.basename(cfg.hami_lib),
         "kvgpu_schedule": "the agent's Scheduler, every 100 ms" if runner.agent else
         f"the agent's layout(), written once per run ({why})"},
