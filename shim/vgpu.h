@@ -363,6 +363,8 @@ struct vgpu_gate {
     _Atomic uint64_t local_vt;
     _Atomic uint64_t open_until; /* the fast path may pass before this time (0 = slow path) */
     _Atomic uint64_t batch_n;   /* launches in the open batch */
+    _Atomic int inflight;       /* launches counted that have not returned from the driver yet
+                                 * (a close waits for them: vgpu_measure_close) */
     int multi_stream;           /* a stream of the open batch has no events: a lower bound */
     struct vgpu_batch cur;      /* the open batch (cur.ev_open NULL: none) */
     struct vgpu_batch ring[VGPU_BATCH_RING];

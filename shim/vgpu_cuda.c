@@ -52,8 +52,10 @@ void vgpu_cuda_fork_child(void)
     /* The forking thread holds every lock (prepare): nothing is half-updated, and the child,
      * single-threaded, starts with fresh locks. */
     pthread_mutex_init(&map_mu, NULL);
-    for (int d = 0; d < VGPU_MAX_DEV; d++)
+    for (int d = 0; d < VGPU_MAX_DEV; d++) {
         pthread_mutex_init(&vgpu.gate[d].mu, NULL);
+        atomic_store(&vgpu.gate[d].inflight, 0); /* the other threads' launches stayed behind */
+    }
     vgpu_nvml_fork_lock(2);
     vgpu_cuda_mem_fork_lock(4);
 }

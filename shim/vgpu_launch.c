@@ -128,7 +128,19 @@ static inline int in_gate_ctx(struct vgpu_gate *g, CUstream s)
     return DRV->ctx_get_current(&cur) == CUDA_SUCCESS && cur == want;
 }
 
-static void gate_slow(int d, CUstream s)
+/* The gate (index + 1) this thread's current launch was counted in and is in flight for, from
+ * its count to the driver's return (compute_after): 0 = none. */
+static __thread int launch_in_flight;
+
+/* Count a passing launch as in flight before it is charged (a close that comes between must
+ * see it: vgpu_measure_close). */
+static inline void flight_begin(struct vgpu_gate *g)
+{
+    atomic_fetch_add(&g->inflight, 1);
+}
+
+/* 1 when the launch is counted (it passes), 0 when it is not gated (a capturing stream). */
+static int gate_slow(int d, CUstream s)
 {
     vgpu_symbols_bind();
     struct vgpu_gate *g = &vgpu.gate[d];
@@ -137,20 +149,23 @@ static void gate_slow(int d, CUstream s)
     if (DRV->ctx_get_current && DRV->ctx_get_current(&ctx) == CUDA_SUCCESS)
         vgpu_measure_follow(g, ctx); /* a launch in another context: the gate follows it */
     uint64_t now = vgpu_now_ns();
+    flight_begin(g);
     if (vgpu_gate_fast(g, now, now, s)) { /* another thread opened it meanwhile */
         pthread_mutex_unlock(&g->mu);
-        return;
+        return 1;
     }
+    atomic_fetch_sub(&g->inflight, 1);
     if (vgpu_stream_capturing(s)) {
         pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
-        return;
+        return 0;
     }
     if (vgpu_gate_open_at(g, now, now) && vgpu_measure_join(g, s)) {
         if (!g->measure_only)
             vgpu_gate_clamp(g, now);
+        flight_begin(g);
         vgpu_gate_count(g); /* a launch on another stream of the open batch: it passes */
         pthread_mutex_unlock(&g->mu);
-        return;
+        return 1;
     }
     vgpu_measure_close(g, 0);
 #ifdef VGPU_STATS
@@ -208,8 +223,10 @@ static void gate_slow(int d, CUstream s)
     else if (g->cur.ev_open)
         VGPU_POKE(g->probe_pending, 1); /* an event right after this launch: its kernel's own time */
     /* This launch: charged and counted like one of the fast path. */
+    flight_begin(g);
     vgpu_gate_count(g);
     pthread_mutex_unlock(&g->mu);
+    return 1;
 }
 
 static inline int gate_of_current(void)
@@ -235,13 +252,18 @@ void vgpu_compute_gate(CUstream s)
     uint64_t margin = vgpu.coarse_margin; /* set with the device map, before any gate is active */
     struct vgpu_gate *g = &vgpu.gate[d];
     uint64_t c = vgpu_coarse_ns();
-    if (__builtin_expect(!in_gate_ctx(g, s), 0))
-        gate_slow(d, s);
-    else if (__builtin_expect(!vgpu_gate_fast(g, c, c + margin, s), 0)) {
+    int counted = in_gate_ctx(g, s);
+    flight_begin(g); /* before the count: a close that sees the count sees this too */
+    if (counted && __builtin_expect(!vgpu_gate_fast(g, c, c + margin, s), 0)) {
         uint64_t now = vgpu_now_ns();
-        if (!vgpu_gate_fast(g, now, now, s))
-            gate_slow(d, s);
+        counted = vgpu_gate_fast(g, now, now, s);
     }
+    if (__builtin_expect(!counted, 0)) {
+        atomic_fetch_sub(&g->inflight, 1);
+        counted = gate_slow(d, s);
+    }
+    if (counted)
+        launch_in_flight = d + 1;
     if (VGPU_PEEK(g->tracking)) { /* a hint, re-checked under the lock */
         pthread_mutex_lock(&g->mu);
         vgpu_track_before(g, s);
@@ -254,6 +276,10 @@ static inline void compute_after(CUstream s)
 {
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
+    if (launch_in_flight) { /* it reached the driver: a close need not wait for it any more */
+        atomic_fetch_sub(&vgpu.gate[launch_in_flight - 1].inflight, 1);
+        launch_in_flight = 0;
+    }
     int d = gate_of_current();
     if (d < 0)
         return;

@@ -21,6 +21,7 @@
  */
 #include "vgpu_cuda.h"
 
+#include <sched.h>
 #include <time.h>
 
 #define DRV (&vgpu.drv)
@@ -209,7 +210,7 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
 /* Close the open batch behind its work (before a slow-path launch, after a long kernel, or
  * at_sync: the application waits for it next, so the close marks its end, or the stream is
  * idle and the host time before the wait follows: the one-kernel batch's probe, above). */
-static void close_batch(struct vgpu_gate *g, int at_sync)
+static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
 {
     /* Behind the batch's work: on its first stream (whatever stream the caller waits on: a wait
      * on another stream must not close it where its kernels are not) and on each other stream
@@ -218,6 +219,8 @@ static void close_batch(struct vgpu_gate *g, int at_sync)
      * then only a lower bound. */
     int multi = g->multi_stream;
     g->multi_stream = 0;
+    if (inflight)
+        VGPU_POKE(g->tracking, 0); /* what is still in flight misses its tails too: a plain batch */
     uint64_t n = atomic_exchange(&g->batch_n, 0);
     struct vgpu_batch b = {.ev_open = g->cur.ev_open, .ctx = g->ev_ctx, .launches = n, .prov_ns = n * g->est_ns,
                            .ev_probe = g->cur.ev_probe, .nxs = g->cur.nxs};
@@ -259,8 +262,9 @@ static void close_batch(struct vgpu_gate *g, int at_sync)
     int idle = !at_sync && !b.nxs && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = vgpu_measure_event(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
-        if (multi)
-            b.launches |= LOWER_BOUND; /* the close may not follow every stream it used */
+        if (multi || inflight)
+            b.launches |= LOWER_BOUND; /* the close may not follow every stream it used, or
+                                        * every launch it counted */
         else if (idle)
             b.launches |= UPPER_BOUND; /* the stream was idle before the close */
         g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;
@@ -294,20 +298,42 @@ static void leave(int pushed)
         DRV->ctx_pop(&c);
 }
 
-void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
+/* Whether launches other threads counted are still on their way to the driver, after the fast
+ * path was stopped and (wait) up to VGPU_INFLIGHT_WAIT_NS with the gate's lock released. */
+static int still_in_flight(struct vgpu_gate *g, int wait)
+{
+    atomic_store(&g->open_until, 0);
+    if (!atomic_load(&g->inflight) || !wait)
+        return atomic_load(&g->inflight) != 0;
+    pthread_mutex_unlock(&g->mu);
+    for (uint64_t t0 = vgpu_now_ns(); atomic_load(&g->inflight) && vgpu_now_ns() - t0 < VGPU_INFLIGHT_WAIT_NS;)
+        sched_yield();
+    pthread_mutex_lock(&g->mu);
+    return atomic_load(&g->inflight) != 0;
+}
+
+static void close_now(struct vgpu_gate *g, int at_sync, int wait)
 {
     if (!g->cur.ev_open)
         return;
+    int inflight = still_in_flight(g, wait);
+    if (!g->cur.ev_open) /* closed by another thread while this one waited */
+        return;
     int pushed = enter(g); /* a wait, or a launch, in another context may close it */
-    close_batch(g, at_sync);
+    close_batch(g, at_sync, inflight);
     leave(pushed);
+}
+
+void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
+{
+    close_now(g, at_sync, 1);
 }
 
 void vgpu_measure_follow(struct vgpu_gate *g, CUcontext ctx)
 {
     if (!ctx || !g->ev_ctx || ctx == g->ev_ctx)
         return;
-    vgpu_measure_close(g, 0);
+    close_now(g, 0, 0); /* no wait: the switch below must follow the close under the lock */
     while (g->npool)
         DRV->event_destroy(g->pool[--g->npool]);
     VGPU_POKE(g->ev_ctx, (void *)ctx);
@@ -318,7 +344,7 @@ void vgpu_measure_ctx_gone(struct vgpu_gate *g, CUcontext ctx)
 {
     int mine = g->ev_ctx == (void *)ctx;
     if (mine)
-        vgpu_measure_close(g, 0);
+        close_now(g, 0, 0);
     vgpu_measure_poll(g, 0);
     /* what is left of it may still run (cuCtxDestroy waits for it): released, with the batches
      * before it, keeping their provisional charge */
