@@ -73,10 +73,8 @@ CUevent vgpu_measure_event(struct vgpu_gate *g);          /* from the pool, or n
 void vgpu_measure_put(struct vgpu_gate *g, void *event);  /* back to the pool */
 void vgpu_measure_open(struct vgpu_gate *g, CUstream s);  /* a batch starts before this launch */
 /* ... ends behind the last. Launches other threads have counted but not yet handed to the
- * driver would land behind the close's events, unmeasured, in a batch settled without them: the
- * close stops the fast path and waits for them (the gate's lock released meanwhile) up to
- * VGPU_INFLIGHT_WAIT_NS; a batch closed with launches still in flight is only a lower bound. */
-#define VGPU_INFLIGHT_WAIT_NS (2 * VGPU_MS)
+ * driver would land behind the close's events, unmeasured, in a batch settled without them: a
+ * batch closed with launches in flight is only a lower bound. */
 void vgpu_measure_close(struct vgpu_gate *g, int at_sync);
 /* Settle completed batches; `wait`: 0, or wait for the oldest one (bounded, see the function) */
 #define VGPU_WAIT_FIRST 1 /* ... before a capped gate without an estimate queues more */

@@ -276,19 +276,22 @@ static inline void compute_after(CUstream s)
 {
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
-    if (launch_in_flight) { /* it reached the driver: a close need not wait for it any more */
-        atomic_fetch_sub(&vgpu.gate[launch_in_flight - 1].inflight, 1);
-        launch_in_flight = 0;
-    }
+    /* It reached the driver: no longer in flight, once its tail (gap tracking) is recorded, so
+     * that a close that sees none in flight also sees its tail. */
+    int held = launch_in_flight;
+    launch_in_flight = 0;
     int d = gate_of_current();
-    if (d < 0)
-        return;
-    struct vgpu_gate *g = &vgpu.gate[d];
+    struct vgpu_gate *g = d < 0 ? NULL : &vgpu.gate[d];
     /* unlocked peeks: the common case (nothing to do) costs no lock; re-checked under it */
-    if (!VGPU_PEEK(g->probe_pending) && !VGPU_PEEK(g->tracking) &&
-        (VGPU_PEEK(g->est_ns) < LONG_KERNEL_NS || !VGPU_PEEK(g->cur.ev_open)))
+    if (!g || (!VGPU_PEEK(g->probe_pending) && !VGPU_PEEK(g->tracking) &&
+               (VGPU_PEEK(g->est_ns) < LONG_KERNEL_NS || !VGPU_PEEK(g->cur.ev_open)))) {
+        if (held)
+            atomic_fetch_sub(&vgpu.gate[held - 1].inflight, 1);
         return;
+    }
     pthread_mutex_lock(&g->mu);
+    if (held && held - 1 != d)
+        atomic_fetch_sub(&vgpu.gate[held - 1].inflight, 1), held = 0;
     vgpu_track_after(g, s);
     if (g->probe_pending) {
         VGPU_POKE(g->probe_pending, 0);
@@ -299,8 +302,13 @@ static inline void compute_after(CUstream s)
             else
                 vgpu_measure_put(g, e);
         }
-    } else if (g->est_ns >= LONG_KERNEL_NS && g->cur.ev_open && !vgpu_stream_capturing(s))
+    } else if (g->est_ns >= LONG_KERNEL_NS && g->cur.ev_open && !vgpu_stream_capturing(s)) {
+        if (held) /* its own launch, behind which the close goes */
+            atomic_fetch_sub(&g->inflight, 1), held = 0;
         vgpu_measure_close(g, 0);
+    }
+    if (held)
+        atomic_fetch_sub(&g->inflight, 1);
     pthread_mutex_unlock(&g->mu);
 }
 

@@ -21,7 +21,6 @@
  */
 #include "vgpu_cuda.h"
 
-#include <sched.h>
 #include <time.h>
 
 #define DRV (&vgpu.drv)
@@ -298,27 +297,16 @@ static void leave(int pushed)
         DRV->ctx_pop(&c);
 }
 
-/* Whether launches other threads counted are still on their way to the driver, after the fast
- * path was stopped and (wait) up to VGPU_INFLIGHT_WAIT_NS with the gate's lock released. */
-static int still_in_flight(struct vgpu_gate *g, int wait)
-{
-    atomic_store(&g->open_until, 0);
-    if (!atomic_load(&g->inflight) || !wait)
-        return atomic_load(&g->inflight) != 0;
-    pthread_mutex_unlock(&g->mu);
-    for (uint64_t t0 = vgpu_now_ns(); atomic_load(&g->inflight) && vgpu_now_ns() - t0 < VGPU_INFLIGHT_WAIT_NS;)
-        sched_yield();
-    pthread_mutex_lock(&g->mu);
-    return atomic_load(&g->inflight) != 0;
-}
-
-static void close_now(struct vgpu_gate *g, int at_sync, int wait)
+/* Close the open batch. Launches other threads have counted may not have reached the driver yet
+ * (g->inflight): the close stops the fast path, and a batch closed with launches in flight is
+ * only a lower bound (its provisional charge stands). The lock is never released here: a wait
+ * with it released let another thread close and reopen meanwhile. */
+static void close_now(struct vgpu_gate *g, int at_sync)
 {
     if (!g->cur.ev_open)
         return;
-    int inflight = still_in_flight(g, wait);
-    if (!g->cur.ev_open) /* closed by another thread while this one waited */
-        return;
+    atomic_store(&g->open_until, 0);
+    int inflight = atomic_load(&g->inflight) != 0;
     int pushed = enter(g); /* a wait, or a launch, in another context may close it */
     close_batch(g, at_sync, inflight);
     leave(pushed);
@@ -326,14 +314,14 @@ static void close_now(struct vgpu_gate *g, int at_sync, int wait)
 
 void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
 {
-    close_now(g, at_sync, 1);
+    close_now(g, at_sync);
 }
 
 void vgpu_measure_follow(struct vgpu_gate *g, CUcontext ctx)
 {
     if (!ctx || !g->ev_ctx || ctx == g->ev_ctx)
         return;
-    close_now(g, 0, 0); /* no wait: the switch below must follow the close under the lock */
+    close_now(g, 0);
     while (g->npool)
         DRV->event_destroy(g->pool[--g->npool]);
     VGPU_POKE(g->ev_ctx, (void *)ctx);
@@ -344,8 +332,11 @@ void vgpu_measure_ctx_gone(struct vgpu_gate *g, CUcontext ctx)
 {
     int mine = g->ev_ctx == (void *)ctx;
     if (mine)
-        close_now(g, 0, 0);
-    vgpu_measure_poll(g, 0);
+        close_now(g, 0);
+    /* its work runs to its end anyway (cuCtxDestroy waits for it): each batch is waited for
+     * (bounded) and settled, so destroying a context never drops what it ran */
+    for (unsigned k = g->ring_len; k > 0 && g->ring_len; k--)
+        vgpu_measure_poll(g, VGPU_WAIT_ROOM);
     /* what is left of it may still run (cuCtxDestroy waits for it): released, with the batches
      * before it, keeping their provisional charge */
     int last = -1;
