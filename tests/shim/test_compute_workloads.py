@@ -262,7 +262,9 @@ def test_the_gap_trackings_own_cpu_time_is_not_charged_as_idle(card, kus, gap_us
     r = work(card, alone(card, 30, f"track{kus}"), "gap", "3.2", str(kus), str(gap_us), "50")
     target = min(30.0, native["busy"] * 100)
     print(f"tracked at {kus}/{gap_us} us: native {native['busy']:.3f}, at 30 %: {r['busy']:.3f}", r["per_sec"])
-    assert abs(r["busy"] * 100 - target) <= 3, (native, r)
+    # over the target is what this guards against (tracking time taken for idle time); under it,
+    # a loaded CI machine's stalls are charged as the 120 us queries' CPU time (25.1 once in CI)
+    assert target - 6 <= r["busy"] * 100 <= target + 3, (native, r)
 
 
 def test_work_on_several_non_blocking_streams_is_measured(card) -> None:
