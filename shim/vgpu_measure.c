@@ -301,7 +301,7 @@ static void leave(int pushed)
  * (g->inflight): the close stops the fast path, and a batch closed with launches in flight is
  * only a lower bound (its provisional charge stands). The lock is never released here: a wait
  * with it released let another thread close and reopen meanwhile. */
-static void close_now(struct vgpu_gate *g, int at_sync)
+void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
 {
     if (!g->cur.ev_open)
         return;
@@ -312,16 +312,11 @@ static void close_now(struct vgpu_gate *g, int at_sync)
     leave(pushed);
 }
 
-void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
-{
-    close_now(g, at_sync);
-}
-
 void vgpu_measure_follow(struct vgpu_gate *g, CUcontext ctx)
 {
     if (!ctx || !g->ev_ctx || ctx == g->ev_ctx)
         return;
-    close_now(g, 0);
+    vgpu_measure_close(g, 0);
     while (g->npool)
         DRV->event_destroy(g->pool[--g->npool]);
     VGPU_POKE(g->ev_ctx, (void *)ctx);
@@ -332,19 +327,12 @@ void vgpu_measure_ctx_gone(struct vgpu_gate *g, CUcontext ctx)
 {
     int mine = g->ev_ctx == (void *)ctx;
     if (mine)
-        close_now(g, 0);
+        vgpu_measure_close(g, 0);
     /* its work runs to its end anyway (cuCtxDestroy waits for it): each batch is waited for
-     * (bounded) and settled, so destroying a context never drops what it ran */
+     * (bounded) and settled, or given up at its provisional charge; every call empties at least
+     * one slot of the ring, so none is left */
     for (unsigned k = g->ring_len; k > 0 && g->ring_len; k--)
         vgpu_measure_poll(g, VGPU_WAIT_ROOM);
-    /* what is left of it may still run (cuCtxDestroy waits for it): released, with the batches
-     * before it, keeping their provisional charge */
-    int last = -1;
-    for (unsigned i = 0; i < g->ring_len; i++)
-        if (g->ring[(g->ring_head + i) % VGPU_BATCH_RING].ctx == (void *)ctx)
-            last = (int)i;
-    for (; last >= 0; last--)
-        batch_release(g, &g->ring[g->ring_head], 1);
     if (!mine)
         return;
     while (g->npool)
