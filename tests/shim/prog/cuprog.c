@@ -80,6 +80,9 @@ CUresult cuCtxSetCurrent(CUcontext);
 CUresult cuCtxGetCurrent(CUcontext *);
 CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
 CUresult cuCtxDestroy_v2(CUcontext);
+CUresult cuCtxDestroy(CUcontext);
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice);
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
@@ -443,6 +446,20 @@ static void *sat_thread_main(void *arg)
     return NULL;
 }
 
+/* The primary context of card 0 reset (or released for the last time), retained and made
+ * current again. */
+static CUresult primary_renew(void)
+{
+    const char *how = getenv("CUPROG_PRIMARY_HOW");
+    CUcontext c;
+    CUresult rc = how && !strcmp(how, "release") ? cuDevicePrimaryCtxRelease_v2(0) : cuDevicePrimaryCtxReset_v2(0);
+    if (!rc)
+        rc = cuDevicePrimaryCtxRetain(&c, 0);
+    if (!rc && how && !strcmp(how, "release"))
+        rc = cuCtxSetCurrent(c);
+    return rc ? 994 : 0;
+}
+
 static int cmd_work(int argc, char **argv)
 {
     const char *mode = argv[2];
@@ -516,13 +533,25 @@ static int cmd_work(int argc, char **argv)
             if (own_ctx() && ns == 1 && !ctx_b && (cuCtxGetCurrent(&ctx_a) || cuCtxCreate_v2(&ctx_b, 0, 0) ||
                                                    cuCtxSetCurrent(ctx_a)))
                 rc = 996;
-            /* CUPROG_CTX2_RENEW=N: every N syncs the second context is destroyed and made anew */
+            /* CUPROG_CTX2_RENEW=N: every N syncs the second context is destroyed and made anew
+             * (CUPROG_CTX2_V1=1: by the CUDA < 4.0 name, cuCtxDestroy) */
             static long renew = -1;
-            if (renew < 0)
+            static CUresult (*destroy)(CUcontext);
+            if (renew < 0) {
                 renew = getenv("CUPROG_CTX2_RENEW") ? atol(getenv("CUPROG_CTX2_RENEW")) : 0;
+                destroy = getenv("CUPROG_CTX2_V1") && *getenv("CUPROG_CTX2_V1") == '1' ? cuCtxDestroy : cuCtxDestroy_v2;
+            }
             if (!rc && ctx_b && renew > 0 && n && n % ((a > 0 ? a : 1) * renew) == 0 &&
-                (cuCtxDestroy_v2(ctx_b) || cuCtxCreate_v2(&ctx_b, 0, 0) || cuCtxSetCurrent(ctx_a)))
+                (destroy(ctx_b) || cuCtxCreate_v2(&ctx_b, 0, 0) || cuCtxSetCurrent(ctx_a)))
                 rc = 995;
+            /* CUPROG_PRIMARY_RESET=N: every N syncs the primary context is reset (cudaDeviceReset),
+             * or with CUPROG_PRIMARY_HOW=release released for the last time, then retained again
+             * (the driver hands back the same handle) */
+            static long reset = -1;
+            if (reset < 0)
+                reset = getenv("CUPROG_PRIMARY_RESET") ? atol(getenv("CUPROG_PRIMARY_RESET")) : 0;
+            if (!rc && reset > 0 && n && n % ((a > 0 ? a : 1) * reset) == 0)
+                rc = primary_renew();
             if (!rc && lead && n % (a > 0 ? a : 1) == 0) {
                 if (ctx_b)
                     cuCtxSetCurrent(ctx_a);

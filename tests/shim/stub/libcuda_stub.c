@@ -177,7 +177,12 @@ API CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d) { int p = phys_of(d); if (p 
 API CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) { return cuDeviceGetUuid(u, d); }
 API CUresult cuDeviceGetName(char *n, int len, CUdevice d) { if (phys_of(d) < 0) return E_INVALID_DEVICE; snprintf(n, (size_t)len, "Stub GPU"); return OK; }
 API CUresult cuDeviceTotalMem_v2(size_t *b, CUdevice d) { if (!inited) return E_NOT_INIT; if (!b) return E_INVALID_VALUE; if (phys_of(d) < 0) return E_INVALID_DEVICE; *b = mem_total(); return OK; }
-API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { int p = phys_of(d); if (p < 0) return E_INVALID_DEVICE; make_ctx(p); *c = (CUcontext)(uintptr_t)(0x1000 + p); return OK; }
+/* A card's primary context keeps its handle (0x1000 + card) across a reset or its last release,
+ * as the driver may hand back the same one: its generation tells an event of the old one apart. */
+static _Atomic unsigned prim_gen[16];
+static _Atomic int prim_refs[16];
+static int prim_of(const void *c) { uintptr_t v = (uintptr_t)c; return v >= 0x1000 && v < 0x1000 + 16 ? (int)(v - 0x1000) : -1; }
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { int p = phys_of(d); if (p < 0) return E_INVALID_DEVICE; make_ctx(p); atomic_fetch_add(&prim_refs[p], 1); *c = (CUcontext)(uintptr_t)(0x1000 + p); return OK; }
 API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d) { (void)f; return hidden_ctx_create(c, d); }
 API CUresult cuCtxSetCurrent(CUcontext c) { set_current(c); return OK; }
 API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_handle; return OK; }
@@ -535,6 +540,7 @@ struct stub_event {
     uint64_t hoff;
     CUstream s;
     void *ctx; /* the context it was made in: it is recorded only on that context's streams */
+    unsigned gen; /* a primary context's generation when it was made */
 };
 
 /* Destroyed contexts (the last 64): their events are gone with them, as on a real driver, where
@@ -551,7 +557,8 @@ static int ctx_dead(void *c)
 }
 static void check_live(const struct stub_event *ev)
 {
-    if (ctx_dead(ev->ctx)) {
+    int p = prim_of(ev->ctx);
+    if (ctx_dead(ev->ctx) || (p >= 0 && ev->gen != atomic_load(&prim_gen[p]))) {
         fprintf(stderr, "stub: an event of a destroyed context was used\n");
         abort();
     }
@@ -591,7 +598,7 @@ API CUresult cuEventCreate(void **e, unsigned fl)
     NEED_CTX();
     if (!e) return E_INVALID_VALUE;
     struct stub_event *ev = calloc(1, sizeof *ev);
-    if (ev) ev->ctx = cur_handle;
+    if (ev) ev->ctx = cur_handle, ev->gen = prim_of(cur_handle) >= 0 ? atomic_load(&prim_gen[prim_of(cur_handle)]) : 0;
     *e = ev;
     return ev ? OK : E_OOM;
 }
@@ -833,6 +840,25 @@ API CUresult cuStreamCreate(CUstream *s, unsigned fl)
 API CUresult cuStreamDestroy_v2(CUstream s) { (void)s; return OK; }
 API CUresult cuGraphCreate(void **g, unsigned fl) { (void)fl; return hidden_graph_create(g); }
 API CUresult cuDeviceGetDefaultMemPool(void **p, CUdevice d) { if (phys_of(d) < 0) return E_INVALID_DEVICE; *p = (void *)(uintptr_t)(0x500 + d); return OK; }
-API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }
+/* A reset destroys the primary context's state (its events with it) whoever retains it; the
+ * last release destroys it too. Either way the next retain hands back the same handle. */
+API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
+{
+    int p = phys_of(d);
+    if (p < 0) return E_INVALID_DEVICE;
+    atomic_fetch_add(&prim_gen[p], 1);
+    return OK;
+}
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
+{
+    int p = phys_of(d);
+    if (p < 0) return E_INVALID_DEVICE;
+    if (atomic_load(&prim_refs[p]) <= 0) return E_INVALID_CONTEXT;
+    if (atomic_fetch_sub(&prim_refs[p], 1) == 1)
+        atomic_fetch_add(&prim_gen[p], 1);
+    return OK;
+}
+API CUresult cuDevicePrimaryCtxReset(CUdevice d) { return cuDevicePrimaryCtxReset_v2(d); }
+API CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return cuDevicePrimaryCtxRelease_v2(d); }
 
 #include "stub_hidden.inc"
