@@ -563,6 +563,8 @@ struct vgpu_state {
     /* contexts (vgpu_mem_ctx.c; atomic) */
     uint64_t ctx_learnt[VGPU_MAX_DEV];  /* bytes a context took on a region device (first one) */
     int primary_charged[VGPU_MAX_DEV];  /* by CUDA ordinal: its primary context is charged */
+    void *primary_ctx[VGPU_MAX_DEV];     /* by CUDA ordinal: the handle its last retain returned */
+    int primary_refs[VGPU_MAX_DEV];      /* by CUDA ordinal: retains seen less releases */
 };
 extern struct vgpu_state vgpu;
 

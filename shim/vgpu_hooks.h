@@ -95,8 +95,17 @@ typedef struct CUgraphNode_st *CUgraphNode;
     X(H_CTX_CREATE_V4, cuCtxCreate_v4, "cuCtxCreate", 12050, 0, CUresult,                                \
       (CUcontext *, void *, unsigned, CUdevice))                                                         \
     X(H_CTX_DESTROY, cuCtxDestroy_v2, "cuCtxDestroy", 4000, 0, CUresult, (CUcontext))                    \
+    X(H_CTX_DESTROY_V1, cuCtxDestroy, "cuCtxDestroy", 2000, 0, CUresult, (CUcontext))                    \
     X(H_PRIMARY_RETAIN, cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 7000, 0, CUresult,         \
       (CUcontext *, CUdevice))                                                                           \
+    X(H_PRIMARY_RELEASE, cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", 11000, 0, CUresult,  \
+      (CUdevice))                                                                                        \
+    X(H_PRIMARY_RELEASE_V1, cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease", 7000, 0, CUresult,   \
+      (CUdevice))                                                                                        \
+    X(H_PRIMARY_RESET, cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", 11000, 0, CUresult,        \
+      (CUdevice))                                                                                        \
+    X(H_PRIMARY_RESET_V1, cuDevicePrimaryCtxReset, "cuDevicePrimaryCtxReset", 7000, 0, CUresult,         \
+      (CUdevice))                                                                                        \
     X(H_CTX_SET_LIMIT, cuCtxSetLimit, "cuCtxSetLimit", 3010, 0, CUresult, (int, size_t))                 \
     /* waits (vgpu_launch.c: the compute limiter measures what the application waits for) */           \
     X(H_STREAMSYNC, cuStreamSynchronize, "cuStreamSynchronize", 2000, 0, CUresult, (CUstream))           \

@@ -1,6 +1,8 @@
 /*
  * vgpu_mem_ctx.c - contexts as memory: cuCtxCreate*, the first cuDevicePrimaryCtxRetain of a
  * card and cuCtxSetLimit are charged what they take on the card; cuCtxDestroy_v2 returns it.
+ * Destroying a context (cuCtxDestroy_v2, a primary context's reset or last release) first hands
+ * the compute limiter's events of it back.
  */
 #include "vgpu_mem.h"
 
@@ -159,13 +161,38 @@ VGPU_API CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, 
     return ctx_commit(real(pctx, params, flags, dev), pctx, d, est, before, dev, 0);
 }
 
+static CUresult ctx_destroy_with(CUresult (*real)(CUcontext), CUcontext c)
+{
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    vgpu_compute_ctx_destroy(c); /* the compute limiter's events of c */
+    CUresult rc = real(c);
+    if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
+        ctx_forget(c);
+    return rc;
+}
+
 VGPU_API CUresult cuCtxDestroy_v2(CUcontext c)
 {
     BROKEN_GUARD();
-    vgpu_compute_ctx_destroy(c); /* the compute limiter's events of c */
-    CUresult rc = ctx_destroy_real(c);
-    if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
-        ctx_forget(c);
+    return ctx_destroy_with(REAL_FN(cuCtxDestroy_v2), c);
+}
+
+/* The CUDA < 4.0 name, still exported: the same destruction. */
+VGPU_API CUresult cuCtxDestroy(CUcontext c)
+{
+    BROKEN_GUARD();
+    return ctx_destroy_with(REAL_FN(cuCtxDestroy), c);
+}
+
+/* A retain's handle and count (the compute limiter's events of it go when it is reset or
+ * released for the last time, below). */
+static CUresult primary_retained(CUresult rc, CUcontext *pctx, CUdevice dev)
+{
+    if (rc == CUDA_SUCCESS && pctx && dev >= 0 && dev < VGPU_MAX_DEV) {
+        __atomic_store_n(&vgpu.primary_ctx[dev], (void *)*pctx, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&vgpu.primary_refs[dev], 1, __ATOMIC_ACQ_REL);
+    }
     return rc;
 }
 
@@ -178,11 +205,11 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     vgpu_fn_cuDevicePrimaryCtxRetain real = REAL_FN(cuDevicePrimaryCtxRetain);
     if (mode() != M_LIMITED || dev < 0 || dev >= VGPU_MAX_DEV ||
         __atomic_load_n(&vgpu.primary_charged[dev], __ATOMIC_ACQUIRE))
-        return real(pctx, dev);
+        return primary_retained(real(pctx, dev), pctx, dev);
     pthread_mutex_lock(&vgpu_primary_mu);
     if (vgpu.primary_charged[dev]) {
         pthread_mutex_unlock(&vgpu_primary_mu);
-        return real(pctx, dev);
+        return primary_retained(real(pctx, dev), pctx, dev);
     }
     int d = vgpu_map_cuda_device(dev);
     uint64_t est, before;
@@ -194,8 +221,39 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     if (rc == CUDA_SUCCESS && pctx)
         __atomic_store_n(&vgpu.primary_charged[dev], 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&vgpu_primary_mu);
+    return primary_retained(rc, pctx, dev);
+}
+
+/* Before a reset (cudaDeviceReset) or the last release of a card's primary context, which
+ * destroy it: the compute limiter releases its events and batches while it exists (the driver
+ * may hand back the same handle at the next retain, and a pooled event of the old context would
+ * then fail, or worse, be a freed handle). The count is the shim's own (a retain it did not see
+ * makes it release the events early, which only costs new ones). */
+static CUresult primary_end(CUresult (*real)(CUdevice), CUdevice dev, int reset)
+{
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    if (dev < 0 || dev >= VGPU_MAX_DEV)
+        return real(dev);
+    int last = reset || __atomic_sub_fetch(&vgpu.primary_refs[dev], 1, __ATOMIC_ACQ_REL) <= 0;
+    if (last)
+        vgpu_compute_ctx_destroy((CUcontext)__atomic_load_n(&vgpu.primary_ctx[dev], __ATOMIC_ACQUIRE));
+    CUresult rc = real(dev);
+    if (rc != CUDA_SUCCESS && !reset)
+        __atomic_add_fetch(&vgpu.primary_refs[dev], 1, __ATOMIC_ACQ_REL);
     return rc;
 }
+
+#define PRIMARY_END_HOOK(name, reset)                                                              \
+    VGPU_API CUresult name(CUdevice dev)                                                          \
+    {                                                                                             \
+        BROKEN_GUARD();                                                                           \
+        return primary_end(REAL_FN(name), dev, reset);                                            \
+    }
+PRIMARY_END_HOOK(cuDevicePrimaryCtxRelease_v2, 0)
+PRIMARY_END_HOOK(cuDevicePrimaryCtxRelease, 0)
+PRIMARY_END_HOOK(cuDevicePrimaryCtxReset_v2, 1)
+PRIMARY_END_HOOK(cuDevicePrimaryCtxReset, 1)
 
 /* cuCtxSetLimit: the malloc heap (device malloc), the printf FIFO and the per-thread stack are
  * device memory of the context. Raising one above the driver's value at our first look (its

@@ -101,6 +101,8 @@ void vgpu_cuda_mem_fork_lock(int op)
         free(tab);
         tab = NULL, tab_cap = tab_used = 0;
         memset(vgpu.primary_charged, 0, sizeof vgpu.primary_charged);
+        memset(vgpu.primary_ctx, 0, sizeof vgpu.primary_ctx);
+        memset(vgpu.primary_refs, 0, sizeof vgpu.primary_refs);
         break;
     }
 }
