@@ -509,6 +509,9 @@ static int cmd_work(int argc, char **argv)
     for (int i = 0; i < nmore; i++) {
         more[i] = (struct sat_thread){.f = f, .kus = kus, .every = a > 0 ? a : 1, .end = t0 + secs,
                                       .lead = getenv("CUPROG_LEAD_KUS") ? atol(getenv("CUPROG_LEAD_KUS")) : 0};
+        /* CUPROG_TINY_THREADS=k: the last k of them launch 5 us kernels only, each waited for */
+        if (getenv("CUPROG_TINY_THREADS") && i >= nmore - atoi(getenv("CUPROG_TINY_THREADS")))
+            more[i].kus = 5, more[i].every = 1, more[i].lead = 0;
         cuCtxGetCurrent(&more[i].ctx);
         pthread_create(&more[i].t, NULL, sat_thread_main, &more[i]);
     }
