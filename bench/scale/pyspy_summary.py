@@ -24,7 +24,7 @@ ACTIVITIES = [
     ("Kopf watch machinery (streams, queues, diffs)", "worker"),
     ("Kopf watch machinery (streams, queues, diffs)", "continuous_watch"),
     ("Kopf watch machinery (streams, queues, diffs)", "watch_objs"),
-    ("background: flush (node annotations, pool status, metrics)", "Runtime.flush"),
+    ("background: flush (pool status, metrics)", "Runtime.flush"),
     ("background: orphan sweep", "Runtime.sweep"),
     ("background: requeue", "Runtime._requeue_loop"),
     ("aiohttp server (request parsing, responses)", "RequestHandler"),

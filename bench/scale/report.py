@@ -299,8 +299,8 @@ def summary(data: dict[str, Any]) -> list[str]:
 
 
 def _shared(b: dict[str, Any]) -> float:
-    """Requests per pod of a burst that belong to no pod: the operator's writes of node
-    annotations and pool status, amortised."""
+    """Requests per pod of a burst that belong to no pod: writes of Nodes and of VGPUPool
+    status, amortised."""
     return sum(v for k, v in (b.get("api_requests_per_pod") or {}).items()
                if k in ("PATCH nodes", "PATCH vgpupools/status"))
 
@@ -330,8 +330,8 @@ def cost_summary(runs: list[dict[str, Any]]) -> list[str]:
                 cpu = (f"; kube-apiserver CPU {_span2([x for x, _ in ms])} ms per GPU pod against "
                        f"{_span2([y for _, y in ms])} ms per no-GPU pod")
             req_met.append(max(gv) <= COST_GOALS["requests_per_pod"])
-            req_parts.append(f"{title}: {min(gv):g}-{max(gv):g} per GPU pod (of which node annotations and pool "
-                             f"status, amortised: {min(shared):g}-{max(shared):g}) against {min(bv):g}-{max(bv):g} "
+            req_parts.append(f"{title}: {min(gv):g}-{max(gv):g} per GPU pod (of which Node and VGPUPool status "
+                             f"writes, amortised: {min(shared):g}-{max(shared):g}) against {min(bv):g}-{max(bv):g} "
                              f"per no-GPU pod{cpu}")
         hv = [webhook_calls(g) for _, g in pairs]
         if all(h is not None for h in hv):
@@ -430,8 +430,8 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
                 f"- Command: `{run.get('via') or run.get('command')}`"
                 + (f" (code `{run['code']}`)" if run.get("code") else ""),
                 f"- Nodes created in {_f(s.get('create_s'))} s ({_f(s.get('create_per_s'))}/s, 64 in flight); the "
-                f"operator had written every node's allocation annotation {_f(s.get('operator_synced_s'))} s after "
-                f"the first create; operator RSS then {_f(s.get('operator_rss_mib_after_sync'))} MiB, at the end "
+                f"operator had every node in its ledger {_f(s.get('operator_synced_s'))} s after the first "
+                f"create; operator RSS then {_f(s.get('operator_rss_mib_after_sync'))} MiB, at the end "
                 f"{_f(run.get('operator_rss_mib_end'))} MiB."]
         if run.get("skipped_bursts"):
             out.append(f"- Not run (`--time-budget` spent): {', '.join(run['skipped_bursts'])}.")

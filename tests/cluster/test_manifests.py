@@ -381,12 +381,16 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
                             "-p", json.dumps({"status": {"phase": "Succeeded"}}))
         gpu.wait(lambda: gpu.claims()[0].get("status", {}).get("phase") == "Released", 30,
                  "claim Released (the claim-phase worker runs)")
-        def summarised() -> bool:
+        # An earlier version's usage annotation on the node: the operator removes it (its RBAC
+        # lets it patch nodes), and writes nothing per allocation there.
+        cluster.kubectl("annotate", "node", node, 'kvgpu.io/allocation={"version":1}')
+
+        def stale_gone() -> bool:
             node_obj = json.loads(cluster.kubectl("get", "node", node, "-o", "json").stdout)
-            return "kvgpu.io/allocation" in node_obj["metadata"]["annotations"]
+            return "kvgpu.io/allocation" not in node_obj["metadata"]["annotations"]
 
         try:
-            gpu.wait(summarised, 15, "the node's allocation summary")
+            gpu.wait(stale_gone, 15, "the old allocation annotation removed")
         except AssertionError as e:
             raise AssertionError(f"{e}\n{log.read_text(errors='replace')[-3000:]}") from None
         gpu.delete_pod("seed")

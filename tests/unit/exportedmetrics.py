@@ -1,7 +1,7 @@
 """Real exporters with real in-memory state, scraped as Prometheus text: the agent's
 :class:`UsageCollector` over a REAL shim region (the shim's C code through ``kvgpu.shimcore``),
-pods decoded from claim annotations, this node's allocation annotation as the operator's
-``NodeUsage.to_json`` writes it; the operator's :class:`OperatorMetrics` with a real
+pods decoded from claim annotations, this node's allocation per card counted from them and the
+inventory (``hamiview.node_allocation``); the operator's :class:`OperatorMetrics` with a real
 :class:`QuotaBook`. NVML is faked (:class:`FakeNvml`): no GPU on the test machine.
 """
 
@@ -13,9 +13,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvgpu.agent.exporter import UsageCollector, containers_of_pod, default_reader, make_registry
-from kvgpu.agent.hamiview import nvml_host_cards
+from kvgpu.agent.hamiview import node_allocation, nvml_host_cards
 from kvgpu.allocator.quota import Amounts, Limit, Quota, QuotaBook
-from kvgpu.allocator.usage import CardUsage, NodeUsage
 from kvgpu.core import keys
 from kvgpu.core.inventory import Card, NodeInventory, Slicing
 from kvgpu.metrics import OperatorMetrics
@@ -71,16 +70,6 @@ def pod(name: str = "nb", uid: str = "pod-uid-1") -> dict[str, Any]:
     }
 
 
-def allocation() -> dict[str, Any]:
-    """The node's ``kvgpu.io/allocation`` as the operator writes it: 3000 MiB and 30 cores of U0."""
-    def card(uuid: str, index: int, used: tuple[int, int, int]) -> CardUsage:
-        return CardUsage(uuid, index, "NVIDIA H200", "default", "shim", True, "", used[0], 10, used[1], 143771,
-                         used[2], 100, used[0], False)
-
-    cards = (card(U0, 0, (1, 3000, 30)), card(U1, 1, (0, 0, 0)))
-    return NodeUsage(NODE, cards, 1, 20, 3000, 2 * 143771, 30, 200).to_json()
-
-
 def agent_collector(region_root: Path, nvml: FakeNvml | None = None) -> UsageCollector:
     """The agent's collector over the pods above; regions under ``region_root``."""
     containers = containers_of_pod(pod())
@@ -88,7 +77,8 @@ def agent_collector(region_root: Path, nvml: FakeNvml | None = None) -> UsageCol
     return UsageCollector(
         NODE, lambda: containers, lambda: INV, reader=default_reader(), region_root=str(region_root),
         processes=lambda: [], utilization=lambda: {},  # NVML mode: no GPU process running
-        allocation=allocation, host=lambda: nvml_host_cards(nv, [(c.uuid, c.index, c.model) for c in INV.cards]),
+        allocation=lambda: node_allocation(INV, containers),
+        host=lambda: nvml_host_cards(nv, [(c.uuid, c.index, c.model) for c in INV.cards]),
     )
 
 

@@ -1,29 +1,31 @@
-"""The operator's flush (Runtime.flush): node allocation annotations at most every
-node_annotation_interval_s per node (the first at once), VGPUPool status at once for pool or
+"""The operator's flush (Runtime.flush): nothing written per node for allocations (a node's use
+is derived from the claims; the per-node metrics follow the ledger), the annotation earlier
+versions wrote removed once per node that still has it, VGPUPool status at once for pool or
 inventory changes and at most every pool_status_interval_s for allocations alone (it sums
 every node and reservation, in the loop that answers filter)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import pytest
 from kvgpu import kube
 from kvgpu.api.requests import parse_pod
+from kvgpu.core import keys
+from kvgpu.devcluster.fakenodes import node_manifest
 from kvgpu.runtime import OperatorConfig, Runtime
 
-from tests.unit.extender_helpers import NODES, make_state
+from tests.unit.extender_helpers import make_state
 
 
 class Writes:
     def __init__(self) -> None:
-        self.nodes: list[str] = []
+        self.nodes: list[tuple[str, dict[str, Any]]] = []
         self.pools: list[dict[str, Any]] = []
 
     async def patch_node_annotations(self, api: Any, name: str, annotations: dict[str, Any]) -> None:
-        self.nodes.append(name)
+        self.nodes.append((name, annotations))
 
     async def patch_pool_status(self, api: Any, name: str, status: dict[str, Any]) -> None:
         self.pools.append(status)
@@ -45,7 +47,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Started:
     """A runtime on the three-node fake state, with a clock the test moves (seconds)."""
     clock = [1000.0]
     monkeypatch.setattr("kvgpu.runtime.background.time.monotonic", lambda: clock[0])
-    rt = Runtime(OperatorConfig(pool_status_interval_s=5.0, node_annotation_interval_s=0.5))
+    rt = Runtime(OperatorConfig(pool_status_interval_s=5.0))
     rt.state = make_state()
     return rt, clock
 
@@ -60,14 +62,13 @@ def _reserve(rt: Runtime, uid: str, node: str) -> None:
 
 def test_pool_status_for_allocations_waits_for_its_interval(writes: Writes, started: Started) -> None:
     rt, clock = started
-    asyncio.run(rt.flush())  # start: every node and the pool written
-    assert sorted(writes.nodes) == NODES and len(writes.pools) == 1
+    asyncio.run(rt.flush())  # start: the pool written
+    assert len(writes.pools) == 1
     assert writes.pools[-1]["slotsUsed"] == 0
 
     _reserve(rt, "a", "n0")
     clock[0] += 1.0
     asyncio.run(rt.flush())
-    assert writes.nodes[-1] == "n0", "node annotations are written every flush"
     assert len(writes.pools) == 1, "pool status rewritten 1 s after the last write"
 
     _reserve(rt, "b", "n1")
@@ -84,28 +85,54 @@ def test_pool_status_for_allocations_waits_for_its_interval(writes: Writes, star
     assert len(writes.pools) == 2
 
 
-def test_a_node_changing_again_soon_is_written_once_its_interval_passed(writes: Writes,
-                                                                      started: Started) -> None:
+def test_allocations_write_nothing_per_node_and_the_metrics_follow_them(writes: Writes,
+                                                                         started: Started) -> None:
+    """A burst of reservations on n0 and n1: no Node is written (the per-pod path stays at the
+    claim and the Binding); the per-node gauges show the ledger after each flush."""
     rt, clock = started
-    rt.cfg = OperatorConfig(pool_status_interval_s=5.0, node_annotation_interval_s=5.0)
-    asyncio.run(rt.flush())  # the first write of every node: at once
-    assert sorted(writes.nodes) == NODES
-    writes.nodes.clear()
-    for step in range(4):  # a burst: n0 changes before every flush, n1 once
+    asyncio.run(rt.flush())
+    for step in range(4):
         _reserve(rt, f"a{step}", "n0")
         if step == 1:
             _reserve(rt, "b", "n1")
         clock[0] += 1.0
         asyncio.run(rt.flush())
-    assert writes.nodes == [], "written 4 s ago: not yet"
-    clock[0] += 1.0
+        assert rt.metrics.slots_used.labels("n0")._value.get() == step + 1
+    assert writes.nodes == []
+    assert rt.metrics.slots_used.labels("n1")._value.get() == 1
+    assert rt.metrics.memory_used.labels("n0")._value.get() == 4 * 1000 * 1024 * 1024
+    rt.state.release_pod("a0")
     asyncio.run(rt.flush())
-    assert writes.nodes == ["n0", "n1"], "5 s after the last write: both, with everything since"
-    now = json.dumps(rt.state.ledger.node_usage("n0").to_json(), sort_keys=True, separators=(",", ":"))
-    assert rt._written_nodes["n0"] == now  # the four reservations
-    clock[0] += 10.0
+    assert rt.metrics.slots_used.labels("n0")._value.get() == 3 and writes.nodes == []
+
+
+def test_the_annotation_of_earlier_versions_is_removed_once(writes: Writes, started: Started) -> None:
+    """A node that still carries ``kvgpu.io/allocation`` gets it removed at the next flush, once;
+    a node without it, or one deleted before the flush, is not written."""
+    rt, _ = started
+    old = node_manifest_named("n0")
+    old["metadata"]["annotations"][keys.NODE_ALLOCATION] = '{"version":1}'
+    rt.on_node("MODIFIED", old)
+    rt.on_node("MODIFIED", node_manifest_named("n1"))
+    gone = node_manifest_named("n2")
+    gone["metadata"]["annotations"][keys.NODE_ALLOCATION] = '{"version":1}'
+    rt.on_node("MODIFIED", gone)
+    rt.on_node("DELETED", gone)
     asyncio.run(rt.flush())
-    assert writes.nodes == ["n0", "n1"], "nothing changed since: nothing written"
+    assert writes.nodes == [("n0", {keys.NODE_ALLOCATION: None})]
+    asyncio.run(rt.flush())
+    assert len(writes.nodes) == 1, "removed once"
+    fixed = node_manifest_named("n0")  # the node as the removal left it
+    rt.on_node("MODIFIED", fixed)
+    asyncio.run(rt.flush())
+    assert len(writes.nodes) == 1
+
+
+def node_manifest_named(name: str) -> dict[str, Any]:
+    """The fake node ``name`` of :func:`make_state`, as the node watch delivers it."""
+    from kvgpu.core.inventory import SimulatedCardSpec, SimulatedNode
+
+    return node_manifest(SimulatedNode(name, (SimulatedCardSpec(memory_mib=20000, count=2),)))
 
 
 def test_pool_status_at_once_when_a_pool_or_inventory_changes(writes: Writes, started: Started) -> None:
@@ -123,69 +150,30 @@ def test_pool_status_at_once_when_a_pool_or_inventory_changes(writes: Writes, st
     assert len(writes.pools) == 3 and writes.pools[-1]["slotsUsed"] == 1
 
 
-def test_pool_status_recovers_from_a_reservation_released_within_one_flush(
-        started: Started, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bind's early reservation lands while a node patch is awaited, so the pool total counts
-    it; the bind fails and releases it, leaving the node's text as already written. The pool
-    status must still come back to the truth (found in review; older than the 5 s interval)."""
-    rt, clock = started
-    pools: list[dict[str, Any]] = []
-    during_patch: list[Any] = []
-
-    async def patch_node(api: Any, name: str, annotations: dict[str, Any]) -> None:
-        while during_patch:
-            during_patch.pop()()  # a bind's early reservation lands while the patch is awaited
-
-    async def patch_pool(api: Any, name: str, status: dict[str, Any]) -> None:
-        pools.append(status)
-
-    monkeypatch.setattr(kube, "patch_node_annotations", patch_node)
-    monkeypatch.setattr(kube, "patch_pool_status", patch_pool)
-
-    asyncio.run(rt.flush())
-    _reserve(rt, "a", "n0")
-    during_patch.append(lambda: _reserve(rt, "b", "n0"))
-    clock[0] += 10
-    asyncio.run(rt.flush())  # n0 written with a; the pool status summed with a and b
-    assert pools[-1]["slotsUsed"] == 2
-    rt.state.release_pod("b")  # b's bind failed: n0 is back to what its annotation says
-    for _ in range(3):
-        clock[0] += 10
-        asyncio.run(rt.flush())
-    assert rt.state.ledger.pool_usage()["default"].slots_used == 1
-    assert pools[-1]["slotsUsed"] == 1, "the pool status still counts the released reservation"
-
-
 def test_a_node_refused_by_the_api_does_not_hold_up_the_others(started: Started,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A node the API refuses (403/404/422: not a transient error) is skipped; the other
-    nodes and the pool status are written in the same flush."""
+    """Removing the old annotation: a node the API refuses (403/404/422: not a transient error)
+    is skipped and not retried; a transient error (the API server away) stops the flush and
+    keeps the node for the next round."""
     from kubernetes_asyncio.client.exceptions import ApiException
 
-    rt, clock = started
-    written: list[str] = []
+    rt, _ = started
     pools: list[dict[str, Any]] = []
+    status = [403]
 
     async def patch_node(api: Any, name: str, annotations: dict[str, Any]) -> None:
-        if name == "n0":
-            raise ApiException(status=403, reason="Forbidden")
-        written.append(name)
+        raise ApiException(status=status[0], reason="refused")
 
     async def patch_pool(api: Any, name: str, status: dict[str, Any]) -> None:
         pools.append(status)
 
     monkeypatch.setattr(kube, "patch_node_annotations", patch_node)
     monkeypatch.setattr(kube, "patch_pool_status", patch_pool)
+    rt.stale_allocation_nodes.add("n0")
     asyncio.run(rt.flush())
-    assert written == ["n1", "n2"] and len(pools) == 1
-    # A transient error (the API server away) still stops the flush and keeps the rest dirty.
-    async def unavailable(api: Any, name: str, annotations: dict[str, Any]) -> None:
-        raise ApiException(status=503, reason="Unavailable")
-
-    monkeypatch.setattr(kube, "patch_node_annotations", unavailable)
-    _reserve(rt, "a", "n1")
-    clock[0] += 1.0  # past n1's interval
+    assert len(pools) == 1 and not rt.stale_allocation_nodes
+    status[0] = 503
+    rt.stale_allocation_nodes.add("n1")
     with pytest.raises(ApiException):
         asyncio.run(rt.flush())
-    assert "n1" in rt.state.dirty_nodes
-
+    assert rt.stale_allocation_nodes == {"n1"}

@@ -32,8 +32,7 @@ def _pod(name: str, ann: dict[str, str], uid: str | None = None, ns: str = "team
 
 
 def _world(cards: int = 2, memory_mib: int = 10000) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Two fake nodes; one pod of 6000 MiB / 30 % bound to card 0 of n0. Returns (nodes, claims)
-    with the allocation annotation the operator would write."""
+    """Two fake nodes; one pod of 6000 MiB / 30 % bound to card 0 of n0. Returns (nodes, claims)."""
     spec = SimulatedCardSpec(memory_mib=memory_mib, count=cards)
     sims = [SimulatedNode(f"n{i}", (spec,)) for i in range(2)]
     nodes = [node_manifest(s) for s in sims]
@@ -48,10 +47,6 @@ def _world(cards: int = 2, memory_mib: int = 10000) -> tuple[list[dict[str, Any]
     claim = claim_body(pod, alloc, "main", "default")
     claim["metadata"]["creationTimestamp"] = "2026-01-02T03:00:00Z"
     claim["status"] = {"phase": "Running"}
-    st.rebuild(nodes, [POOL], [claim])
-    for n in nodes:
-        usage = st.ledger.node_usage(n["metadata"]["name"])
-        n["metadata"]["annotations"][keys.NODE_ALLOCATION] = json.dumps(usage.to_json())
     return nodes, [claim]
 
 
@@ -74,9 +69,12 @@ def test_age_like_kubectl() -> None:
 # --------------------------------------------------------------------------- nodes
 
 
-def test_card_rows_from_operator_summary_and_agent_inventory() -> None:
-    nodes, _ = _world()
-    rows = views.card_rows(nodes)
+def test_card_rows_from_the_claims_and_agent_inventory() -> None:
+    """Used amounts are the claims' as the operator's allocator counts them: nothing on the
+    Node says them."""
+    nodes, claims = _world()
+    assert all(keys.NODE_ALLOCATION not in n["metadata"]["annotations"] for n in nodes)
+    rows = views.card_rows(nodes, views.node_allocations(nodes, [POOL], claims))
     assert [(r.node, r.index) for r in rows] == [("n0", 0), ("n0", 1), ("n1", 0), ("n1", 1)]
     used = rows[0]
     assert used.slots == (1, 10) and used.memory_mib == (6000, 10000) and used.cores == (30, 100)
@@ -90,18 +88,18 @@ def test_card_rows_from_operator_summary_and_agent_inventory() -> None:
         "n0", "0", "NVIDIA", "H200", "default", "1/10", "6000/10000", "10000", "30/100", "Healthy", "-"]
 
 
-def test_card_rows_unhealthy_card_and_missing_summary() -> None:
+def test_card_rows_unhealthy_card_and_claims_not_listed() -> None:
     nodes, _ = _world()
     inv = json.loads(nodes[1]["metadata"]["annotations"][keys.NODE_INVENTORY])
     inv["cards"][1].update(healthy=False, reason="XID 79 (fell off the bus)")
     inv["cards"][0]["slicing"] = {"pool": "default", "splitCount": 4, "memoryScaling": 1.5,
                                   "coreScaling": 1.0}
-    # The operator has not written its summary yet.
     nodes[1]["metadata"]["annotations"] = {keys.NODE_INVENTORY: json.dumps(inv)}
-    rows = [r for r in views.card_rows(nodes) if r.node == "n1"]
+    rows = [r for r in views.card_rows(nodes, None) if r.node == "n1"]  # claims could not be listed
     assert rows[0].slots == (None, 4) and rows[0].memory_mib == (None, 15000) and rows[0].pods is None
     assert rows[0].cells()[4:8] == ["-/4", "-/15000", "10000", "-/100"]
     assert rows[1].health == "Unhealthy: XID 79 (fell off the bus)"
+    assert rows[0].note == "claims not listed"
     assert rows[1].note == "no VGPUPool covers the card" and rows[1].cells()[4] == "-/-"
     wide = rows[1].cells(wide=True)
     assert wide[3] == rows[1].uuid and wide[-1] == rows[1].note
@@ -109,8 +107,8 @@ def test_card_rows_unhealthy_card_and_missing_summary() -> None:
 
 def test_card_rows_skip_plain_nodes_and_bad_annotations() -> None:
     plain = {"metadata": {"name": "cpu", "annotations": {}}}
-    broken = {"metadata": {"name": "b", "annotations": {keys.NODE_ALLOCATION: "{not json"}}}
-    assert views.card_rows([plain, broken]) == []
+    broken = {"metadata": {"name": "b", "annotations": {keys.NODE_INVENTORY: "{not json"}}}
+    assert views.card_rows([plain, broken], views.node_allocations([plain, broken], [POOL], [])) == []
 
 
 def test_card_rows_note_unusable_and_exclusive() -> None:
@@ -120,8 +118,8 @@ def test_card_rows_note_unusable_and_exclusive() -> None:
          "slots": [1, 10], "memoryMiB": [100, 100], "cores": [100, 100], "pods": 1, "exclusive": True},
         {"uuid": "GPU-b", "index": 1, "model": "M", "pool": "", "usable": False, "reason": "MIG mode",
          "slots": [0, 0], "memoryMiB": [0, 0], "cores": [0, 0], "pods": 0, "exclusive": False}]}
-    node = {"metadata": {"name": "x", "annotations": {keys.NODE_ALLOCATION: json.dumps(alloc)}}}
-    rows = views.card_rows([node])
+    node = {"metadata": {"name": "x", "annotations": {}}}
+    rows = views.card_rows([node], {"x": alloc})
     assert [r.note for r in rows] == ["exclusive", "MIG mode"]
     assert rows[0].health == "Unknown"  # no inventory from the agent
 

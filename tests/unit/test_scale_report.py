@@ -39,12 +39,12 @@ def test_cost_goals_are_judged_on_every_burst() -> None:
     rows = report.cost_summary([_run(cheap, {"pods.mutate.kvgpu.io": 1.0}, 160.0)])
     assert [r.split("|")[2].split(":")[0].strip() for r in rows] == ["**yes**"] * 3
     assert "10.0-10.0 ms per GPU pod against 4.0-4.0 ms" in rows[1]
-    assert "(of which node annotations and pool status, amortised: 0-0)" in rows[1]
+    assert "(of which Node and VGPUPool status writes, amortised: 0-0)" in rows[1]
 
     dear = {**cheap, "PATCH vgpuclaims/status": 2.0, "PATCH nodes": 0.25}
     rows = report.cost_summary([_run(dear, {"pods.mutate.kvgpu.io": 1.0, "pods.validate.kvgpu.io": 1.0}, 100.0)])
     assert [r.split("|")[2].split(":")[0].strip() for r in rows] == ["**no**"] * 3
-    assert "7.25-7.25 per GPU pod (of which node annotations and pool status, amortised: 0.25-0.25) " \
+    assert "7.25-7.25 per GPU pod (of which Node and VGPUPool status writes, amortised: 0.25-0.25) " \
         "against 4-4 per no-GPU pod" in rows[1]
 
 

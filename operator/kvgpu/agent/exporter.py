@@ -36,9 +36,10 @@ container series; bytes and percent):
 With ``hami_compat`` HAMi's names are exported too (:mod:`kvgpu.agent.hamiview`): its monitor
 view per container (``hami_vgpu_memory_used_bytes``, ``vGPU_device_memory_usage_in_bytes`` ...,
 with a real container index instead of HAMi's constant 0), its scheduler view per card of this
-node from the node's ``kvgpu.io/allocation`` annotation (``allocation``) and per container from
-the claims (``hami_gpu_memory_allocated_bytes``, ``GPUDeviceMemoryAllocated`` ...), and NVML's
-per-card figures (``host``: ``hami_host_gpu_memory_used_bytes``, ``HostGPUMemoryUsage`` ...).
+node counted as the operator's ledger counts it (``allocation``:
+:func:`kvgpu.agent.hamiview.node_allocation`) and per container from the claims
+(``hami_gpu_memory_allocated_bytes``, ``GPUDeviceMemoryAllocated`` ...), and NVML's per-card
+figures (``host``: ``hami_host_gpu_memory_used_bytes``, ``HostGPUMemoryUsage`` ...).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class UsageCollector(Collector):
         self.hami_compat = hami_compat
         self.processes = processes  # -> enforcement.ProcessView snapshot
         self.utilization = utilization  # -> {(pod uid, container, uuid): SM percent} measured by NVML
-        self.allocation = allocation  # -> this node's kvgpu.io/allocation annotation, parsed
+        self.allocation = allocation  # -> this node's allocation per card (hamiview.node_allocation)
         self.host = host  # -> NVML's figures per card (HAMi's host series)
         self.read_errors = 0
 

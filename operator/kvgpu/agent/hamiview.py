@@ -17,10 +17,12 @@ breakdown (``hami_vgpu_memory_context_bytes``/``_module_bytes``/``_buffer_bytes`
 ``Device_last_kernel_of_container``) and MIG (``hami_mig_device_info``, ``MigInfo``,
 ``hami_node_gpu_mig_instance_info``, ``nodeGPUMigInstance``): the shim's region has none of them.
 
-The scheduler view of a card comes from the node's ``kvgpu.io/allocation`` annotation (the
-operator's ledger, the figure its scheduler extender decides with — HAMi's scheduler exports what
-its scheduler believes, too); the operator writes it, the agent renders it, so the per-card series
-are spread over the agents instead of one operator scrape of every card in the cluster.
+The scheduler view of a card is the operator's ledger for this node, counted by the same
+allocator (:func:`node_allocation`) from what the agent already has: its own inventory (the
+cards with their pools' slicing) and the slices of the pods bound here (their claim annotations,
+which the Binding wrote) and of the prepared DRA claims. Nothing is written per allocation for
+it, and the per-card series are spread over the agents instead of one operator scrape of every
+card in the cluster.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
+
+from kvgpu.allocator.ledger import Ledger
+from kvgpu.allocator.usage import AllocationError
+from kvgpu.core.inventory import NodeInventory
+from kvgpu.core.requests import ContainerAllocation, DeviceGrant, PodAllocation
 
 from .usage import MIB, BoundContainer
 
@@ -60,8 +67,39 @@ class HostCard:
     memory_util: float | None
 
 
+def node_allocation(inventory: NodeInventory | None,
+                    containers: Iterable[BoundContainer]) -> dict[str, Any] | None:
+    """This node's allocation per card, counted as the operator's ledger counts it
+    (:meth:`kvgpu.allocator.usage.NodeUsage.to_json`: ``[used, total]`` of slots, memory and
+    cores, pods, exclusivity), from the node's sliced ``inventory`` and the ``containers`` bound
+    here. A prepared DRA claim several containers or pods share is one slice. ``None`` before
+    the first inventory."""
+    if inventory is None:
+        return None
+    ledger = Ledger()
+    ledger.set_node(inventory)
+    cards = {c.uuid: c for c in inventory.cards}
+    seen: set[str] = set()
+    for c in containers:
+        # a prepared DRA claim is held by the claim (its region), whichever pods consume it
+        holder, name = (f"dra:{c.region_dir}", "claim") if c.region_dir else (c.pod_uid, c.container)
+        key = f"{holder}/{name}"
+        if key in seen or not c.devices:
+            continue
+        seen.add(key)
+        grants = tuple(DeviceGrant(d.uuid, cards[d.uuid].index if d.uuid in cards else -1,
+                                   cards[d.uuid].model if d.uuid in cards else "", d.memory_mib, d.cores)
+                       for d in c.devices)
+        alloc = PodAllocation(holder, inventory.node, (ContainerAllocation(name, grants, c.priority, c.init),))
+        try:
+            ledger.reserve(key, alloc, force=True)  # the claims are the truth, as at the operator's rebuild
+        except AllocationError:  # a card granted twice to one container: not a claim the binder writes
+            continue
+    return ledger.node_usage(inventory.node).to_json()
+
+
 def _pair(v: Any) -> tuple[int, int]:
-    """``[used, total]`` of the allocation annotation; ``(0, 0)`` for anything else."""
+    """``[used, total]`` of the allocation; ``(0, 0)`` for anything else."""
     if isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(x, int | float) for x in v):
         return int(v[0]), int(v[1])
     return 0, 0
@@ -72,9 +110,9 @@ def _g(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
 
 
 def scheduler_card_families(node: str, allocation: Mapping[str, Any] | None) -> Iterator[GaugeMetricFamily]:
-    """HAMi's per-card scheduler families from the node's allocation annotation (parsed JSON,
-    ``kvgpu.allocator.usage.NodeUsage.to_json``). No annotation (the operator has not written
-    it yet): no series. Values: bytes, percent of a card's SMs (100 per card), containers."""
+    """HAMi's per-card scheduler families from the node's allocation (:func:`node_allocation`,
+    ``kvgpu.allocator.usage.NodeUsage.to_json``). ``None`` (no inventory yet): no series.
+    Values: bytes, percent of a card's SMs (100 per card), containers."""
     f = {
         "mem_limit": _g("hami_gpu_memory_limit_bytes", "Device memory limit for a certain GPU", CARD),
         "core_limit": _g("hami_gpu_core_limit_ratio", "Device core limit for a certain GPU", CARD),

@@ -68,10 +68,6 @@ class KubeApi:
         self.api_calls = 0  # GET/LIST fallbacks made (for tests)
         self.events = EventRecorder()  # client-go's correlation: repeats patch one Event's count
 
-    def cached_node(self, name: str) -> dict[str, Any] | None:
-        """The watched Node as last seen (not a copy: do not change it), or ``None``. No I/O."""
-        return self._nodes.get(name)
-
     async def get_node(self, name: str) -> dict[str, Any]:
         if self._node_cached(name):
             return copy.deepcopy(self._nodes[name])

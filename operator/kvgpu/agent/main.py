@@ -45,7 +45,7 @@ from .enforcement import (
     set_region_sm_util,
 )
 from .exporter import UsageCollector, make_registry, serve
-from .hamiview import HostCard, nvml_host_cards
+from .hamiview import HostCard, node_allocation, nvml_host_cards
 from .health import (
     APPLICATION_XIDS,
     HealthChange,
@@ -307,19 +307,10 @@ class Agent:
         )
 
     def _node_allocation(self) -> dict[str, Any] | None:
-        """This node's ``kvgpu.io/allocation`` annotation (the operator's ledger), parsed, from the
-        node watch's cache (no API call: a scrape runs in the exporter's thread); ``None`` when
-        not cached, absent or not JSON."""
-        import json
-
-        cached = getattr(self.api, "cached_node", None)
-        node = cached(self.cfg.node) if cached is not None else None
-        text = ((node or {}).get("metadata") or {}).get("annotations", {}).get(keys.NODE_ALLOCATION)
-        try:
-            parsed = json.loads(text) if text else None
-        except ValueError:
-            return None
-        return parsed if isinstance(parsed, dict) else None
+        """This node's allocation per card (HAMi's scheduler view), counted from the inventory
+        and the slices of the pods bound here; ``None`` before the first inventory. No API call:
+        a scrape runs in the exporter's thread."""
+        return node_allocation(self.registrar.inventory, self._claimed_containers())
 
     def _host_cards(self) -> Callable[[], list[HostCard]] | None:
         """NVML's per-card figures for HAMi's host series; ``None`` without NVML (simulated)."""

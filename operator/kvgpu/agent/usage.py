@@ -47,6 +47,7 @@ class BoundContainer:
     #: the host directory of its region where it is not ``<region root>/<pod UID>/<container>``:
     #: a prepared DRA claim's, shared by every container of the claim (:mod:`kvgpu.agent.draregions`)
     region_dir: str = ""
+    init: bool = False  # an init container (its slices count as the ledger counts init containers')
 
 
 def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
@@ -66,6 +67,7 @@ def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
         if cs.get("containerID")
     }
     out = []
+    inits = len(spec.get("initContainers") or [])
     for position, c in enumerate((spec.get("initContainers") or []) + (spec.get("containers") or [])):
         name = c.get("name", "")
         text = ann.get(keys.claim_annotation(name))
@@ -94,6 +96,7 @@ def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
                 started=name in ids,
                 container_id=ids.get(name, ""),
                 index=position,
+                init=position < inits,
             )
         )
     return out

@@ -101,8 +101,8 @@ class NodeUsage:
     cores_total: int
 
     def to_json(self) -> dict[str, Any]:
-        """Compact JSON form (``[used, total]`` pairs), e.g. for the ``kvgpu.io/allocation``
-        node annotation: about 200 bytes per card."""
+        """Compact JSON form (``[used, total]`` pairs), what the agent's HAMi scheduler view and
+        ``kubectl vgpu nodes`` read: about 200 bytes per card."""
         return {
             "version": 1,
             "node": self.node,

@@ -155,6 +155,18 @@ async def _list_custom(api: Any, plural: str, namespace: str | None) -> list[dic
     return list(res.get("items") or [])
 
 
+async def _optional(coro: Any, default: Any) -> Any:
+    """``coro``'s result, or ``default`` where the API refuses it (403: no right; 404: no CRD)."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    try:
+        return await coro
+    except ApiException as e:
+        if e.status in (403, 404):
+            return default
+        raise
+
+
 async def agent_usage(api: Any, nodes: set[str], namespace: str = AGENT_NAMESPACE,
                       timeout_s: float = USAGE_TIMEOUT_S) -> dict[views.UsageKey, views.Usage]:
     """Scrape the agents of ``nodes`` through the API server's pod proxy. Best effort: an agent
@@ -205,7 +217,9 @@ def nodes_cmd(obj: KubeOptions, names: tuple[str, ...], selector: str | None, **
     async def run() -> list[views.CardRow]:
         async with connect(opts) as api:
             try:
-                nodes = await _list_nodes(api, selector)
+                nodes, pools, claims = await asyncio.gather(
+                    _list_nodes(api, selector), _optional(_list_custom(api, "vgpupools", None), []),
+                    _optional(_list_custom(api, "vgpuclaims", None), None))
             except Exception as e:
                 raise _api_error(e, "listing nodes") from e
         if names:
@@ -213,14 +227,17 @@ def nodes_cmd(obj: KubeOptions, names: tuple[str, ...], selector: str | None, **
             if missing:
                 raise click.ClickException(f"node(s) not found: {', '.join(sorted(missing))}")
             nodes = [n for n in nodes if n["metadata"]["name"] in names]
-        return views.card_rows(nodes)
+        # each node's use, counted from the claims by the operator's allocator (nothing per node is
+        # written for it); claims not readable: only the cards and their totals
+        allocations = None if claims is None else views.node_allocations(nodes, pools, claims)
+        return views.card_rows(nodes, allocations)
 
     rows = asyncio.run(run())
     if opts.output == "json":
         _emit_json([r.to_json() for r in rows])
         return
     if not rows:
-        click.echo("No GPU nodes found (no node has a kvgpu inventory or allocation annotation).", err=True)
+        click.echo("No GPU nodes found (no node has a kvgpu inventory).", err=True)
         return
     wide = opts.output == "wide"
     click.echo(views.table(views.CARD_HEADERS_WIDE if wide else views.CARD_HEADERS,
@@ -298,18 +315,10 @@ def why_cmd(obj: KubeOptions, pod: str, **kw: Any) -> None:
                 except Exception:
                     return []
 
-            async def optional(coro: Any, default: Any) -> Any:
-                try:
-                    return await coro
-                except ApiException as e:
-                    if e.status in (403, 404):
-                        return default
-                    raise
-
             try:
                 evs, nodes, pools, claims = await asyncio.gather(
-                    events(), _list_nodes(api), optional(_list_custom(api, "vgpupools", None), []),
-                    optional(_list_custom(api, "vgpuclaims", None), None))
+                    events(), _list_nodes(api), _optional(_list_custom(api, "vgpupools", None), []),
+                    _optional(_list_custom(api, "vgpuclaims", None), None))
             except Exception as e:
                 raise _api_error(e, "listing nodes, pools and claims") from e
         return views.explain_pod(body, events=evs, nodes=nodes, pools=pools, claims=claims, now=_now())

@@ -20,7 +20,7 @@ OPERATOR_USERNAME_ENV = "KVGPU_OPERATOR_USERNAME"
 
 # Node annotations.
 NODE_INVENTORY = f"{GROUP}/inventory"  # written by the agent (JSON, see core.inventory)
-NODE_ALLOCATION = f"{GROUP}/allocation"  # written by the operator (JSON summary)
+NODE_ALLOCATION = f"{GROUP}/allocation"  # written by earlier operators (a usage summary); now removed
 NODE_LABEL_GPU = f"{GROUP}/gpu-node"  # "true" on nodes that run the agent
 #: written by the agent: the installed shim and whether it loads (JSON, see agent.shimcheck)
 NODE_SHIM = f"{GROUP}/shim"

@@ -8,7 +8,6 @@ these methods without awaiting in between, so the single asyncio thread serialis
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -83,7 +82,7 @@ class OperatorState:
     pools: dict[str, VGPUPool] = field(default_factory=dict)
     # pending kvgpu pods not yet bound: uid -> (namespace, name)
     pending: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # nodes whose allocation annotation must be rewritten
+    # nodes whose allocations changed since the last flush (their metrics are refreshed)
     dirty_nodes: set[str] = field(default_factory=set)
     # each node's inventory with the slicing of its cards, as given to the ledger
     sliced: dict[str, NodeInventory] = field(default_factory=dict)
@@ -279,13 +278,9 @@ class OperatorState:
         self.ready = False
 
     def take_dirty_nodes(self) -> set[str]:
-        """The nodes whose allocation annotation must be rewritten, handed over and forgotten;
-        those the caller could not write go back with :meth:`mark_nodes_dirty`."""
+        """The nodes whose allocations changed since the last call, handed over and forgotten."""
         dirty, self.dirty_nodes = self.dirty_nodes, set()
         return dirty
-
-    def mark_nodes_dirty(self, names: Iterable[str]) -> None:
-        self.dirty_nodes.update(names)
 
     def take_topology_change(self) -> bool:
         """Whether nodes' cards or pools changed since the last call (pool coverage and conflicts

@@ -1,11 +1,10 @@
-"""The main process's background tasks while it leads: flush (node allocation annotations,
-VGPUPool status, metrics), sweep (re-reserve claims the ledger lacks) and the requeue of
+"""The main process's background tasks while it leads: flush (VGPUPool status, metrics, the
+removal of the node annotation earlier versions wrote), sweep (re-reserve claims the ledger lacks) and the requeue of
 pending pods."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
@@ -39,52 +38,23 @@ class Background(RuntimeBase):
             await asyncio.sleep(interval)
 
     async def flush(self) -> None:
-        """Write changed node allocation annotations (each node at most every
-        ``node_annotation_interval_s``; a node that changed sooner stays dirty) and VGPUPool status."""
+        """Refresh the per-node metrics of nodes whose allocations changed, write VGPUPool status
+        and the VGPUQuotas' usage. Nothing is written per node: a node's use is derived from the
+        claims by whoever shows it (the agent's HAMi series, ``kubectl vgpu nodes``)."""
         now = time.monotonic()
-        todo, early = [], []
         for name in sorted(self.state.take_dirty_nodes()):
-            if now - self._node_written_at.get(name, -1e18) < self.cfg.node_annotation_interval_s:
-                early.append(name)  # written a moment ago: the next round after the interval
-            else:
-                todo.append(name)
-        self.state.mark_nodes_dirty(early)
-        for i, name in enumerate(todo):
             if name not in self.state.nodes:
                 self.metrics.forget_node(name)
             if name not in self.state.ledger:
                 continue
-            # The pool totals are summed from the live ledger, which may have changed during
-            # the awaits below even where this node's text ends up as already written.
             self._pool_usage_dirty = True
-            usage = self.state.ledger.node_usage(name)
-            text = json.dumps(usage.to_json(), sort_keys=True, separators=(",", ":"))
-            cards = usage.cards
+            cards = self.state.ledger.node_usage(name).cards
             self.metrics.slots_used.labels(name).set(sum(c.slots_used for c in cards))
             self.metrics.slots_total.labels(name).set(sum(c.slots_total for c in cards))
             self.metrics.memory_used.labels(name).set(sum(c.memory_used_mib for c in cards) * MIB)
             self.metrics.memory_total.labels(name).set(sum(c.memory_total_mib for c in cards) * MIB)
             self.metrics.cores_used.labels(name).set(sum(c.cores_used for c in cards))
-            if self._written_nodes.get(name) == text:
-                continue
-            try:
-                await kube.patch_node_annotations(self.api, name, {keys.NODE_ALLOCATION: text})
-            except ApiException as e:
-                if e.status is None or e.status >= 500 or e.status == 429:
-                    self.state.mark_nodes_dirty(todo[i:])
-                    raise
-                # Refused for this node alone (gone: 404; 403, 422): the others and the pool
-                # status are still written; the node is tried again when it changes.
-                log.warning("node allocation annotation not written", node=name, status=e.status,
-                            reason=e.reason)
-                continue
-            except BaseException:
-                # Not written (API server away): this node and the rest stay dirty for the next
-                # round; dropping them left annotations stale until the node changed again.
-                self.state.mark_nodes_dirty(todo[i:])
-                raise
-            self._written_nodes[name] = text
-            self._node_written_at[name] = now
+        await self._drop_stale_allocation_annotations()
         self.metrics.pending.set(len(self.state.pending))
         # Pool status sums every node and reservation: written at once when a pool, an
         # inventory or the leadership changed, at most every pool_status_interval_s for
@@ -100,6 +70,24 @@ class Background(RuntimeBase):
                 self.pools_dirty = True
                 raise
         await self.quotas().flush(self.api)  # VGPUQuota status of namespaces whose usage changed
+
+    async def _drop_stale_allocation_annotations(self) -> None:
+        """Remove the ``kvgpu.io/allocation`` annotation that earlier versions wrote on every
+        node (a usage summary rewritten during bursts), once per node that still has it, so no
+        stale figure stays on the Node."""
+        while self.stale_allocation_nodes:
+            name = self.stale_allocation_nodes.pop()
+            try:
+                await kube.patch_node_annotations(self.api, name, {keys.NODE_ALLOCATION: None})
+            except ApiException as e:
+                if e.status is None or e.status >= 500 or e.status == 429:
+                    self.stale_allocation_nodes.add(name)
+                    raise
+                log.warning("old allocation annotation not removed", node=name, status=e.status,
+                            reason=e.reason)
+            except BaseException:
+                self.stale_allocation_nodes.add(name)  # the API server away: the next round
+                raise
 
     def _pool_topology(self) -> dict[str, tuple[int, int, frozenset[str]]]:
         """Per pool: (covered cards, healthy covered cards, pools it conflicts with). Recomputed

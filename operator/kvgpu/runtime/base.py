@@ -56,9 +56,6 @@ class OperatorConfig:
     sweep_interval_s: float = 15.0
     flush_interval_s: float = 0.5
     pool_status_interval_s: float = 5.0  # allocation totals in VGPUPool status, at most this often
-    # a node's allocation annotation, at most this often (the first write at once): during a burst
-    # a busy node changes at every flush, and each write is a Node update every watcher receives
-    node_annotation_interval_s: float = 5.0
     orphan_grace_s: float = 30.0
     bind_events: bool = False  # a GPUSlicesBound Event per pod (posted by the claim-phase worker)
     node_choice: NodeChoice = NodeChoice.EXTENDER  # who picks a GPU pod's node (kvgpu.extender.choice)
@@ -94,8 +91,8 @@ class RuntimeBase:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _checks: set[asyncio.Task[None]] = field(default_factory=set)  # releases waiting on a pod read
     _nudge: asyncio.Event = field(default_factory=asyncio.Event)
-    _written_nodes: dict[str, str] = field(default_factory=dict)
-    _node_written_at: dict[str, float] = field(default_factory=dict)  # time.monotonic() of the last write
+    # nodes that still carry the kvgpu.io/allocation annotation of an earlier version (removed by the flush)
+    stale_allocation_nodes: set[str] = field(default_factory=set)
     _written_pools: dict[str, dict[str, Any]] = field(default_factory=dict)
     _phase_worker: Any = None  # the claim-phase worker process while leading
     _topology: dict[str, tuple[int, int, frozenset[str]]] | None = None

@@ -21,10 +21,15 @@ class WatchHandlers(RuntimeBase):
     def on_node(self, etype: str, node: dict[str, Any]) -> None:
         name = node["metadata"]["name"]
         if etype == "DELETED":
+            self.stale_allocation_nodes.discard(name)
             if name in self.state.nodes:
                 self.state.remove_node(name)
                 self.claims_on_lost_node(name)
             return
+        if keys.NODE_ALLOCATION in ((node.get("metadata") or {}).get("annotations") or {}):
+            self.stale_allocation_nodes.add(name)
+        else:
+            self.stale_allocation_nodes.discard(name)
         if self.state.set_node(node):
             self.nudge_pending("node inventory changed")
         self._advertise(name, node)

@@ -1,7 +1,8 @@
 """What ``kubectl vgpu`` shows, as pure functions of API objects (plain dicts): no client here.
 
-- :func:`card_rows`: one row per physical card from the nodes' ``kvgpu.io/inventory`` (agent) and
-  ``kvgpu.io/allocation`` (operator) annotations;
+- :func:`card_rows`: one row per physical card from the nodes' ``kvgpu.io/inventory`` (agent)
+  annotations and each node's use as the operator's allocator counts it from the VGPUClaims
+  (:func:`node_allocations`);
 - :func:`claim_rows`: one row per VGPUClaim and card, with the usage the node agents export when
   it is known (:func:`parse_usage` reads their Prometheus text);
 - :func:`explain_pod`: why a pod is (not) pending — its request as kvgpu parses it, the events
@@ -158,17 +159,30 @@ def card_state(slots: tuple[int | None, int | None], mem: tuple[int | None, int 
     return ""
 
 
-def card_rows(nodes: Iterable[Mapping[str, Any]]) -> list[CardRow]:
-    """A row per card of every node that has an inventory or an allocation summary, sorted by
-    node and card index. Used amounts come from the operator's summary (``-`` without one);
-    health and physical memory from the agent's inventory; ``state`` from :func:`card_state`; a
-    card the allocator does not slice says why in ``note``."""
+def node_allocations(nodes: Sequence[Mapping[str, Any]], pools: Sequence[Mapping[str, Any]],
+                     claims: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each known node's use per card (``kvgpu.allocator.usage.NodeUsage.to_json``), counted by
+    the operator's own allocator rebuilt from the nodes, pools and claims, as at its start-up."""
+    from kvgpu.reconcile.state import OperatorState
+
+    state = OperatorState()
+    state.rebuild([dict(n) for n in nodes], [dict(p) for p in pools], [dict(c) for c in claims])
+    return {n: state.ledger.node_usage(n).to_json() for n in state.ledger.nodes()}
+
+
+def card_rows(nodes: Iterable[Mapping[str, Any]],
+              allocations: Mapping[str, Mapping[str, Any]] | None) -> list[CardRow]:
+    """A row per card of every node that has an inventory or an allocation, sorted by node and
+    card index. Used amounts come from ``allocations`` (:func:`node_allocations`; ``None``: the
+    claims could not be listed, used amounts ``-``); health and physical memory from the agent's
+    inventory; ``state`` from :func:`card_state`; a card the allocator does not slice says why
+    in ``note``."""
     rows: list[CardRow] = []
     for node in nodes:
         name = str((node.get("metadata") or {}).get("name", ""))
         ann = _annotations(node)
         inv = _json(ann.get(keys.NODE_INVENTORY))
-        alloc = _json(ann.get(keys.NODE_ALLOCATION))
+        alloc = (allocations or {}).get(name)
         inv_cards = {str(c.get("uuid")): c for c in (inv or {}).get("cards") or [] if isinstance(c, dict)}
         alloc_cards = {str(c.get("uuid")): c for c in (alloc or {}).get("cards") or [] if isinstance(c, dict)}
         for uuid in sorted(set(inv_cards) | set(alloc_cards)):
@@ -190,7 +204,8 @@ def card_rows(nodes: Iterable[Mapping[str, Any]]) -> list[CardRow]:
                 slots, mem, cores = (None, ts), (None, tm), (None, tc)
                 pool = str((ic.get("slicing") or {}).get("pool") or "")
                 pods = None
-                note = "no allocation summary yet" if ic.get("slicing") else "no VGPUPool covers the card"
+                note = ("no VGPUPool covers the card" if not ic.get("slicing")
+                        else "claims not listed" if allocations is None else "inventory not readable")
             phys = int(ic["memoryMiB"]) if ic is not None and isinstance(ic.get("memoryMiB"), int) else None
             rows.append(CardRow(
                 node=name, index=int(base.get("index", -1)), uuid=uuid, model=str(base.get("model", "")),
