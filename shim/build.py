@@ -233,6 +233,7 @@ void vgpu_region_oom_record(struct vgpu_region *r, int d, int32_t pid, uint64_t 
 uint64_t vgpu_proc_start_time(int32_t pid);
 size_t vgpu_py_region_size(void);
 
+struct vgpu_batch { void *ev_open; void *stream; uintptr_t pt_owner; ...; };
 struct vgpu_gate { int active; int measure_only; int cotenants; int bursting; uint64_t burst_v0;
                    uint64_t period_ns;
                    uint64_t share_ns; uint64_t offset_ns; uint64_t len_ns; uint64_t burst_ns;
@@ -240,10 +241,12 @@ struct vgpu_gate { int active; int measure_only; int cotenants; int bursting; ui
                    uint64_t open_until; uint64_t batch_n; uint32_t busy_pm;
                    uint64_t throttles; uint64_t kern_ns; uint64_t queued_ns; uint32_t gap_pm;
                    uint32_t cal_pm; uint64_t cal_last_ns; uint64_t cal_card_busy; uint64_t cal_own_busy;
-                   uint64_t cal_total_ns; ...; };
+                   uint64_t cal_total_ns; struct vgpu_batch cur; ...; };
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);
 int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *stream);
+int vgpu_gate_measures(struct vgpu_gate *g, void *stream);
+uintptr_t vgpu_thread_token(void);
 void vgpu_gate_clamp(struct vgpu_gate *g, uint64_t now_hi);
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);

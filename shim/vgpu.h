@@ -339,6 +339,9 @@ struct vgpu_batch {
      * launched on (up to VGPU_BATCH_STREAMS in all; beyond, the batch is only a lower bound) has
      * its own pair, recorded before its first launch there and behind the batch. */
     void *stream;               /* the open batch's first stream */
+    /* CU_STREAM_PER_THREAD names each thread's own stream: the thread (vgpu_thread_token) whose
+     * per-thread stream the batch measures, 0 if it has none (peeked by the fast path) */
+    uintptr_t pt_owner;
     int nxs;
     void *xs[VGPU_BATCH_STREAMS - 1], *xs_open[VGPU_BATCH_STREAMS - 1], *xs_close[VGPU_BATCH_STREAMS - 1];
 };
@@ -439,6 +442,10 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *
  * Peeked, so the fast path may call it unlocked (the fields are written under the gate's lock: a
  * stale answer sends a launch to the slow path, which asks again under the lock). Pure. */
 int vgpu_gate_measures(struct vgpu_gate *g, void *s);
+/* This thread, as the owner of its per-thread default stream (an address in its TLS). */
+extern __thread char vgpu_thread_anchor;
+static inline uintptr_t vgpu_thread_token(void) { return (uintptr_t)&vgpu_thread_anchor; }
+#define VGPU_STREAM_PER_THREAD ((void *)0x2) /* CU_STREAM_PER_THREAD */
 /* 1 when a launch at a time in [now_lo, now_hi] may pass (the batch is open and, unless the gate
  * only measures, there is credit), stream aside. Pure. */
 int vgpu_gate_open_at(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi);

@@ -100,8 +100,13 @@ void vgpu_gate_count(struct vgpu_gate *g)
                           memory_order_relaxed);
 }
 
+__thread char vgpu_thread_anchor;
+
 int vgpu_gate_measures(struct vgpu_gate *g, void *s)
 {
+    /* the per-thread handle of another thread than the batch's names another stream */
+    if (s == VGPU_STREAM_PER_THREAD && VGPU_PEEK(g->cur.pt_owner) != vgpu_thread_token())
+        return 0;
     if (VGPU_PEEK(g->cur.stream) == s)
         return 1;
     int n = VGPU_PEEK(g->cur.nxs);

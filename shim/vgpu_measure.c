@@ -218,6 +218,11 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
      * then only a lower bound. */
     int multi = g->multi_stream;
     g->multi_stream = 0;
+    /* Closed by another thread than the one whose per-thread stream it measures: the handle
+     * names this thread's stream here. The legacy stream follows every per-thread one (they are
+     * blocking streams), so the close goes there, a lower bound (what is still in flight there). */
+    int foreign = g->cur.pt_owner && g->cur.pt_owner != vgpu_thread_token();
+    VGPU_POKE(g->cur.pt_owner, 0);
     if (inflight)
         VGPU_POKE(g->tracking, 0); /* what is still in flight misses its tails too: a plain batch */
     uint64_t n = atomic_exchange(&g->batch_n, 0);
@@ -253,6 +258,7 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
             vgpu_measure_put(g, b.tails[i]);
         b.ev_seg = NULL, b.ntails = 0, b.tracked = 0;
     }
+    multi = multi || foreign; /* the gap-tracked tails above were recorded by their threads */
     for (int i = 0; i < b.nxs && !multi && n; i++)
         if ((b.xs_close[i] = vgpu_measure_event(g)) == NULL ||
             DRV->event_record(b.xs_close[i], (CUstream)g->cur.xs[i]) != CUDA_SUCCESS)
@@ -352,10 +358,13 @@ int vgpu_measure_join(struct vgpu_gate *g, CUstream s)
         return 0;
     if (g->multi_stream || vgpu_gate_measures(g, (void *)s))
         return 1;
-    if (g->cur.nxs == VGPU_BATCH_STREAMS - 1)
+    /* another thread's per-thread stream, or one stream too many: a batch of its own */
+    if (g->cur.nxs == VGPU_BATCH_STREAMS - 1 || ((void *)s == VGPU_STREAM_PER_THREAD && g->cur.pt_owner))
         return 0;
     CUevent e = vgpu_measure_event(g);
     if (e && DRV->event_record(e, s) == CUDA_SUCCESS) {
+        if ((void *)s == VGPU_STREAM_PER_THREAD)
+            VGPU_POKE(g->cur.pt_owner, vgpu_thread_token());
         VGPU_POKE(g->cur.xs[g->cur.nxs], (void *)s); /* peeked by the fast path */
         g->cur.xs_open[g->cur.nxs] = e;
         VGPU_POKE(g->cur.nxs, g->cur.nxs + 1);
@@ -375,6 +384,7 @@ void vgpu_measure_open(struct vgpu_gate *g, CUstream s)
         vgpu_measure_put(g, e);
         e = NULL;
     }
+    VGPU_POKE(g->cur.pt_owner, (void *)s == VGPU_STREAM_PER_THREAD ? vgpu_thread_token() : 0);
     VGPU_POKE(g->cur.ev_open, e);
     VGPU_POKE(g->cur.stream, (void *)s);
     atomic_store(&g->batch_n, 0);

@@ -5,6 +5,7 @@ workload classes of issue 21 are in test_compute_workloads.py."""
 from __future__ import annotations
 
 import subprocess
+import threading
 
 import pytest
 
@@ -463,3 +464,33 @@ def test_no_limit_no_throttle(stub2ms) -> None:
     kept = box.env(claim((0, 1000, 30)), GPU_CORE_UTILIZATION_POLICY="disable",
                    KVGPU_REGION_DIR=own_region(box, "kept"))
     assert rate(box, kept, secs=1.0) <= 0.6 * native
+
+
+def test_another_threads_per_thread_stream_is_not_the_batchs(core) -> None:
+    """CU_STREAM_PER_THREAD (0x2) is one handle naming each thread's own stream. A batch open on
+    this thread's per-thread stream measures that stream only: the same handle from another
+    thread is another stream, which the fast path must send to the slow path (before, it passed
+    as a launch on the batch's stream, and on a card that runs the two at once its work was
+    outside the batch's events)."""
+    lib, ffi = core.lib, core.ffi
+    g = gate(core, 30)
+    t = 1000 * 100 * MS
+    assert lib.vgpu_gate_decide(g, t) == 0
+    g.cur.ev_open = ffi.cast("void *", 0x99)
+    g.cur.stream = ffi.cast("void *", 0x2)
+    g.cur.pt_owner = lib.vgpu_thread_token()
+    per_thread = ffi.cast("void *", 0x2)
+    assert lib.vgpu_gate_measures(g, per_thread) == 1
+    assert lib.vgpu_gate_fast(g, t + 1, t + 1, per_thread) == 1
+    seen: dict[str, int] = {}
+
+    def other() -> None:
+        seen["token_differs"] = int(lib.vgpu_thread_token() != g.cur.pt_owner)
+        seen["measures"] = lib.vgpu_gate_measures(g, per_thread)
+        seen["fast"] = lib.vgpu_gate_fast(g, t + 2, t + 2, per_thread)
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert seen == {"token_differs": 1, "measures": 0, "fast": 0}, seen
+
