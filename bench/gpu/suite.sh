@@ -65,7 +65,7 @@ fi
 
 hdr "BUILD suite_cu"
 export SUITE_CU=$W/suite_cu
-gcc -O2 -Wall -o "$SUITE_CU" bench/gpu/suite_cu.c -ldl || exit 1
+gcc -O2 -Wall -pthread -o "$SUITE_CU" bench/gpu/suite_cu.c -ldl || exit 1
 
 export HAMI_LIB=""
 if [[ " $MODES " == *" hami "* ]]; then

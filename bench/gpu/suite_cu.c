@@ -11,6 +11,10 @@
  *   suite_cu ctx2 ITERS SECS                five kernels of ITERS FMAs (0: calibrated for 2 ms), one
  *                                           block per SM, in a second context, after a tiny kernel in
  *                                           the primary one, each round waited for (spin's output)
+ *   suite_cu ptds ITERS SECS                five kernels of ITERS FMAs (0: calibrated for 2 ms), one
+ *                                           block per SM, on a second thread's per-thread default
+ *                                           stream, while the main thread launches tiny kernels on
+ *                                           its own, each waited for (spin's output)
  *   suite_cu graphmem BYTES CHUNK MAXN HOLD graph with one memory-alloc node of BYTES, launched,
  *                                           then cuMemAlloc CHUNK until refused (or MAXN)
  *   suite_cu heap HEAP PER_THREAD NCTX CHUNK MAXN HOLD
@@ -29,6 +33,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -194,10 +199,15 @@ static int sm_count(void)
 
 /* ------------------------------------------------------------------ long kernels, small grid */
 
-static CUresult spin_launch(CUfunction f, int grid, unsigned long long iters, CUdeviceptr out)
+static CUresult spin_launch_on(CUfunction f, int grid, unsigned long long iters, CUdeviceptr out, CUstream s)
 {
     void *args[] = {&iters, &out};
-    return CALL(cuLaunchKernel, f, grid, 1, 1, 32, 1, 1, 0, NULL, args, NULL);
+    return CALL(cuLaunchKernel, f, grid, 1, 1, 32, 1, 1, 0, s, args, NULL);
+}
+
+static CUresult spin_launch(CUfunction f, int grid, unsigned long long iters, CUdeviceptr out)
+{
+    return spin_launch_on(f, grid, iters, out, NULL);
 }
 
 #define MAXK 4096
@@ -330,6 +340,69 @@ static int cmd_ctx2(unsigned long long iters, double secs)
     }
     CALL(cuCtxSetCurrent, b);
     return spin_report(iters, grid, calib_ms, n, rc, t0, ev);
+}
+
+/* ------------------------------------------------------------------ per-thread default streams */
+
+#define PER_THREAD ((CUstream)0x2) /* CU_STREAM_PER_THREAD: each thread's own default stream */
+
+/* A tenant that keeps the limiter's estimate low on one thread's per-thread default stream and
+ * works on another thread's (CU_STREAM_PER_THREAD is one handle for both): the main thread
+ * launches a one-iteration kernel on its per-thread stream and waits for that stream, over and
+ * over; a second thread launches five kernels of ITERS FMAs (0: calibrated for 2 ms, one block
+ * per SM) on its own per-thread stream and waits for it, each round. Output as spin's (the
+ * second thread's events). */
+struct ptds {
+    CUfunction f;
+    int grid;
+    unsigned long long iters;
+    CUdeviceptr out;
+    double end;
+    long n;
+    CUresult rc;
+    CUevent *ev;
+};
+
+static void *ptds_worker(void *arg)
+{
+    struct ptds *p = arg;
+    p->rc = CALL(cuCtxSetCurrent, primary);
+    if (!p->rc)
+        p->rc = CALL(cuEventRecord, p->ev[0], PER_THREAD);
+    while (!p->rc && p->n + 5 <= MAXK && mono() < p->end) {
+        for (int k = 0; k < 5 && !p->rc; k++)
+            if (!(p->rc = spin_launch_on(p->f, p->grid, p->iters, p->out, PER_THREAD)))
+                CALL(cuEventRecord, p->ev[++p->n], PER_THREAD);
+        if (!p->rc)
+            p->rc = CALL(cuStreamSynchronize, PER_THREAD);
+    }
+    return NULL;
+}
+
+static int cmd_ptds(unsigned long long iters, double secs)
+{
+    setup();
+    static CUevent ev[MAXK + 1];
+    struct ptds w = {.f = function("spin"), .grid = sm_count(), .ev = ev};
+    CUdeviceptr tiny = 0;
+    CUresult rc = CALL(cuMemAlloc_v2, &w.out, 64);
+    if (!rc)
+        rc = CALL(cuMemAlloc_v2, &tiny, 64);
+    for (int i = 0; i <= MAXK && !rc; i++)
+        rc = CALL(cuEventCreate, &ev[i], 0);
+    if (rc) { printf("{\"error\": \"set-up\", \"rc\": %d}\n", rc); return 3; }
+    double calib_ms = 0;
+    w.iters = iters ? iters : calibrate(w.f, w.grid, w.out, 2.0, ev, &calib_ms);
+    CALL(cuCtxSynchronize);
+    double t0 = wall();
+    w.end = mono() + secs;
+    pthread_t t;
+    if (pthread_create(&t, NULL, ptds_worker, &w)) { printf("{\"error\": \"pthread_create\"}\n"); return 3; }
+    while (!rc && mono() < w.end)
+        if (!(rc = spin_launch_on(w.f, 1, 1, tiny, PER_THREAD)))
+            rc = CALL(cuStreamSynchronize, PER_THREAD);
+    pthread_join(t, NULL);
+    return spin_report(w.iters, w.grid, calib_ms, w.n, rc ? rc : w.rc, t0, ev);
 }
 
 /* ------------------------------------------------------------------ memory cases */
@@ -565,6 +638,8 @@ int main(int argc, char **argv)
         return cmd_spin(strtoull(argv[2], NULL, 0), atof(argv[3]), atol(argv[4]) > 0 ? atol(argv[4]) : 1);
     if (!strcmp(cmd, "ctx2") && argc >= 4)
         return cmd_ctx2(strtoull(argv[2], NULL, 0), atof(argv[3]));
+    if (!strcmp(cmd, "ptds") && argc >= 4)
+        return cmd_ptds(strtoull(argv[2], NULL, 0), atof(argv[3]));
     if (!strcmp(cmd, "evlat") && argc >= 4)
         return cmd_evlat(strtoull(argv[2], NULL, 0), atoi(argv[3]));
     if (!strcmp(cmd, "graphmem") && argc >= 6)

@@ -22,7 +22,8 @@ MIB = 1 << 20
 # ------------------------------------------------------------------------------------ the plan
 
 # id, kind (suite_wl.py kind, "spin1"/"spin10" for suite_cu spin, "spinctx2" for suite_cu ctx2:
-# 2 ms kernels in a second context after tiny ones in the first), limits (percent of the card)
+# 2 ms kernels in a second context after tiny ones in the first, "spinptds" for suite_cu ptds:
+# the same on two threads' per-thread default streams), limits (percent of the card)
 SINGLES: list[tuple[str, str, list[int]]] = [
     ("gpt", "gpt", [30, 50]),
     ("conv", "conv", [30]),
@@ -33,6 +34,7 @@ SINGLES: list[tuple[str, str, list[int]]] = [
     ("compile", "compile", [30]),
     ("streams", "streams", [30]),
     ("ctx2", "spinctx2", [30]),
+    ("ptds", "spinptds", [30]),
     ("mm", "mm", []),  # native only: the co-tenants' baseline
 ]
 # id, tenants (priority, cores; cores 0 = no compute limit), all running the mm workload. A 100 %

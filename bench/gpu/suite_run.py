@@ -168,8 +168,8 @@ class Runner:
     def wl_cmd(self, kind: str, secs: float, calib: Any, ready: str = "", go: str = "") -> list[str]:
         if self.cfg.fake:
             cmd = [self.cfg.py, str(HERE / "suite.py"), "--fake-wl", kind, str(secs)]
-        elif kind == "spinctx2":
-            return [self.cfg.suite_cu, "ctx2", str(int(calib or 0)), str(secs)]
+        elif kind in ("spinctx2", "spinptds"):
+            return [self.cfg.suite_cu, kind[4:], str(int(calib or 0)), str(secs)]
         elif kind.startswith("spin"):
             return [self.cfg.suite_cu, "spin", str(int(calib or 0)), str(secs), kind[4:]]
         else:
