@@ -311,7 +311,7 @@ class Bench:
     async def apiserver_profile(self, api: client.ApiClient, name: str) -> None:
         """A CPU profile of kube-apiserver (Go pprof, ``/debug/pprof/profile``) over the first
         ``--apiserver-profile`` seconds of the burst, saved in the run directory; read it with
-        ``go tool pprof -top <file>``."""
+        ``bench/scale/pprof_summary.py <files>`` (share per activity) or ``go tool pprof -top <file>``."""
         secs = int(self.args.apiserver_profile)
         resp = await api.call_api("/debug/pprof/profile", "GET", query_params=[("seconds", secs)],
                                   auth_settings=["BearerToken"], _preload_content=False,
