@@ -213,12 +213,10 @@ static uint64_t gate_decide(struct vgpu_gate *g, uint64_t now)
         return now + VGPU_NO_WINDOW_WAIT_NS;
     }
     uint64_t v = atomic_load(g->vt);
-    /* Credit is capped at one bucket: idle time does not bank more. A new container starts with
-     * a full one (it was idle before it started): a server's warm-up burst (~26 ms of GPU time
-     * for the suite's inference tenant) then does not delay its first request; that first
-     * second holds at most a bucket (2.5 points) more than the share. */
+    /* A new container alone starts with half a bucket (its first second holds at most half a
+     * bucket more than its share); credit is capped at one bucket: idle time does not bank more. */
     for (;;) {
-        uint64_t floor = now - g->burst_ns;
+        uint64_t floor = now - (v || g->cotenants ? g->burst_ns : g->burst_ns / 2);
         if (v >= floor)
             break;
         if (atomic_compare_exchange_weak(g->vt, &v, floor)) {

@@ -30,8 +30,8 @@ def test_gate_arithmetic(core) -> None:
     B = 25 * MS * 100 // 30
     assert g.active == 1 and g.len_ns == 30 * MS and g.burst_ns == B
     t = 1000 * 100 * MS + 7 * MS
-    assert lib.vgpu_gate_decide(g, t) == 0  # a new container: a full bucket, pass at once
-    assert g.local_vt == t - B and g.open_until == t + g.batch_ns
+    assert lib.vgpu_gate_decide(g, t) == 0  # a new container: half a bucket, pass at once
+    assert g.local_vt == t - B // 2 and g.open_until == t + g.batch_ns
     t += 2 * B
     assert lib.vgpu_gate_decide(g, t) == 0 and g.local_vt == t - B  # idle since: a full bucket, no more
     assert lib.vgpu_gate_fast(g, t, t, core.ffi.NULL) == 1  # no estimate yet: free

@@ -134,20 +134,6 @@ def test_requests_of_many_short_kernels_are_not_delayed(card, hidden) -> None:
     assert not_delayed(native, r), (native, r)
 
 
-def test_a_warm_up_at_start_does_not_delay_the_first_requests(card) -> None:
-    """A server warms up right at start (30 ms of 600 us kernels back to back, as the suite's
-    inference tenant runs ~26 ms of GPU work before its first request on the H200), then serves
-    6 ms requests every 50 ms under a 30 % limit. A new container started with half a bucket
-    (12.5 ms of GPU time): the warm-up left debt, and the first request waited ~14 ms (p99 20 ms
-    against 8 natively; 21.4 against 7.7 on the H200). It now starts with a full one."""
-    native = work(card, card.env(shim=False), "req", "2", "600", "10", "50")
-    card.base_env.update(CUPROG_WARMUP_MS="30", CUPROG_WARMUP_KUS="600")
-    r = work(card, alone(card, 30, "warmreq"), "req", "3", "600", "10", "50")
-    print("30 ms warm-up, then 10 x 600 us requests: native p99", native["p99_ms"], "limited", r["p50_ms"],
-          r["p99_ms"])
-    assert not_delayed(native, r) and r["p99_ms"] <= native["p99_ms"] + 8, (native, r)
-
-
 def test_calibration_costs_a_tenant_under_its_share_nothing(card) -> None:
     """Requests of 10 ms every 50 ms under a 30 % limit (two thirds of the share, never held
     back), with an NVML whose utilization query takes 30 ms (under contention): the calibration's
