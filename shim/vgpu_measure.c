@@ -206,6 +206,13 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
     }
 }
 
+/* Where a batch's stream s is closed: on itself, but another thread's per-thread stream
+ * (`foreign`) on the legacy stream, which follows it. */
+static CUstream closing_stream(void *s, int foreign)
+{
+    return foreign && s == VGPU_STREAM_PER_THREAD ? NULL : (CUstream)s;
+}
+
 /* Close the open batch behind its work (before a slow-path launch, after a long kernel, or
  * at_sync: the application waits for it next, so the close marks its end, or the stream is
  * idle and the host time before the wait follows: the one-kernel batch's probe, above). */
@@ -220,7 +227,8 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
     g->multi_stream = 0;
     /* Closed by another thread than the one whose per-thread stream it measures: the handle
      * names this thread's stream here. The legacy stream follows every per-thread one (they are
-     * blocking streams), so the close goes there, a lower bound (what is still in flight there). */
+     * blocking streams), so that stream's close goes there (at or after its end: never less);
+     * the batch's other streams close on themselves as always. */
     int foreign = g->cur.pt_owner && g->cur.pt_owner != vgpu_thread_token();
     VGPU_POKE(g->cur.pt_owner, 0);
     if (inflight)
@@ -258,13 +266,12 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
             vgpu_measure_put(g, b.tails[i]);
         b.ev_seg = NULL, b.ntails = 0, b.tracked = 0;
     }
-    multi = multi || foreign; /* the gap-tracked tails above were recorded by their threads */
     for (int i = 0; i < b.nxs && !multi && n; i++)
         if ((b.xs_close[i] = vgpu_measure_event(g)) == NULL ||
-            DRV->event_record(b.xs_close[i], (CUstream)g->cur.xs[i]) != CUDA_SUCCESS)
+            DRV->event_record(b.xs_close[i], closing_stream(g->cur.xs[i], foreign)) != CUDA_SUCCESS)
             multi = 1;
-    CUstream s = multi ? NULL : (CUstream)g->cur.stream;
-    int idle = !at_sync && !b.nxs && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
+    CUstream s = multi ? NULL : closing_stream(g->cur.stream, foreign);
+    int idle = !at_sync && !foreign && !b.nxs && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = vgpu_measure_event(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
         if (multi || inflight)

@@ -402,6 +402,20 @@ def test_a_thread_of_tiny_kernels_in_its_own_context_does_not_hide_the_others(ca
     assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
 
 
+def test_a_wait_by_another_thread_keeps_the_side_streams_measured(card) -> None:
+    """Review finding (an attack on the per-thread-stream change): after 5 us kernels, each round
+    a 5 us kernel on the main thread's per-thread stream opens a batch, one launch into a
+    capturing stream keeps it untracked, five 2 ms kernels on a non-blocking stream join it, and
+    a second thread's wait on that stream closes it. A close by another thread than the
+    per-thread stream's skipped the other streams' closes and settled the batch as a lower bound
+    at the estimate: 91-98 % busy under 30 %. Only the per-thread stream's close moves to the
+    legacy stream now."""
+    r = card.json("hostile", "ptforeign", "3", "2000", "5", env=alone(card, 30, "ptforeign"), timeout=30)[0]
+    print("side-stream work closed by another thread's wait, at 30 %:", r)
+    assert r["rc"] == 0 and r["launches"] > 50, r
+    assert r["busy"] * 100 <= 30 + 4, r
+
+
 @pytest.mark.parametrize("loaded", [False, True])
 def test_threads_in_contexts_of_their_own_are_measured(card, loaded) -> None:
     """Three threads, each in a context of its own on the card (cuCtxCreate), launching 2 ms

@@ -911,6 +911,130 @@ static int cmd_fork(const char *kind, int n, int busy, const char *self)
     return stuck || failed;
 }
 
+/* ------------------------------------------------------------------ hostile tenants */
+
+/* cuprog hostile VARIANT SECS HEAVY_US K: after 0.3 s of 5 us kernels on the
+ * per-thread stream (a low estimate), for SECS:
+ *   ptforeign: the main thread launches a 5 us kernel on its per-thread stream (a batch opens
+ *       there), one into a stream it keeps capturing (no gap tracking for this batch), then K
+ *       kernels of HEAVY_US on a non-blocking stream; a second thread then waits for that stream
+ *       (its wait closes the batch: a close by another thread than the per-thread stream's).
+ *   gaveup: first a kernel of 1.5 s (the first batch's wait runs out: the gate never waits
+ *       again), then K kernels of HEAVY_US on one stream and a wait on another, idle, stream
+ *       (each closes a batch), never a wait for the work itself.
+ *   primrace: a second thread releases the primary context for the last time and retains it
+ *       again in a loop while the main thread launches 5 us kernels and waits for each.
+ * "busy": the share of wall time this process's kernels ran. */
+struct hostile {
+    pthread_barrier_t step;
+    CUcontext ctx;
+    CUstream nb;
+    _Atomic int stop;
+    long rounds;
+};
+
+static void *hostile_closer(void *arg)
+{
+    struct hostile *h = arg;
+    cuCtxSetCurrent(h->ctx);
+    for (;;) {
+        pthread_barrier_wait(&h->step); /* the batch is launched */
+        if (atomic_load(&h->stop))
+            return NULL;
+        cuStreamSynchronize(h->nb); /* closes the main thread's batch, then waits */
+        pthread_barrier_wait(&h->step);
+    }
+}
+
+static void *hostile_releaser(void *arg)
+{
+    struct hostile *h = arg;
+    while (!atomic_load(&h->stop)) {
+        CUcontext c;
+        if (cuDevicePrimaryCtxRelease_v2(0) == 0 && cuDevicePrimaryCtxRetain(&c, 0) == 0)
+            h->rounds++;
+        cuCtxSetCurrent(c);
+    }
+    return NULL;
+}
+
+static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
+{
+    setup(0);
+    static struct hostile h;
+    CUfunction f = kernel();
+    cuCtxGetCurrent(&h.ctx);
+    cuStreamCreate(&h.nb, 1); /* CU_STREAM_NON_BLOCKING */
+    CUstream other, cap;
+    cuStreamCreate(&other, 0);
+    cuStreamCreate(&cap, 1);
+    CUresult rc = 0;
+    long n = 0;
+    typedef CUresult (*memop_fn)(CUstream, CUdeviceptr, unsigned, unsigned);
+    memop_fn waitv = (memop_fn)dlsym(RTLD_DEFAULT, "cuStreamWaitValue32_v2");
+    memop_fn writev = (memop_fn)dlsym(RTLD_DEFAULT, "cuStreamWriteValue32_v2");
+    static unsigned value;
+    for (double e = now_s() + 0.3; now_s() < e;) {
+        for (int i = 0; i < 10; i++)
+            cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, CU_STREAM_PER_THREAD, NULL, NULL);
+        cuStreamSynchronize(CU_STREAM_PER_THREAD);
+    }
+    cuCtxSynchronize();
+    pthread_t t;
+    int two = strcmp(variant, "gaveup") != 0;
+    if (!strcmp(variant, "gaveup") && (!waitv || !writev))
+        return 6;
+    if (!strcmp(variant, "ptforeign")) {
+        pthread_barrier_init(&h.step, NULL, 2);
+        pthread_create(&t, NULL, hostile_closer, &h);
+        if (cuStreamBeginCapture_v2(cap, 0))
+            return 5;
+    } else if (!strcmp(variant, "primrace"))
+        pthread_create(&t, NULL, hostile_releaser, &h);
+    double t0 = now_s(), d0 = done_s();
+    while (!rc && now_s() - t0 < secs) {
+        if (!strcmp(variant, "ptforeign")) {
+            rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, CU_STREAM_PER_THREAD, NULL, NULL);
+            cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, cap, NULL, NULL);
+            for (long i = 0; i < k && !rc; i++, n++)
+                rc = cuLaunchKernel(f, heavy, 1, 1, 1, 1, 1, 0, h.nb, NULL, NULL);
+            pthread_barrier_wait(&h.step);
+            pthread_barrier_wait(&h.step);
+        } else if (!strcmp(variant, "gaveup")) {
+            /* the stream held until the value is written: K batches of one kernel queue behind
+             * it (a wait on another, idle, stream closes each), then the value is written */
+            unsigned v = ++value;
+            rc = waitv(h.nb, (CUdeviceptr)(uintptr_t)&value + 0 * v, v + 1000000, 0);
+            for (long i = 0; i < k && !rc; i++, n++) {
+                rc = cuLaunchKernel(f, heavy, 1, 1, 1, 1, 1, 0, h.nb, NULL, NULL);
+                cuStreamSynchronize(other);
+            }
+            for (int i = 0; i < 20 && !rc; i++) { /* the ring's last batches: tiny ones */
+                rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, h.nb, NULL, NULL);
+                cuStreamSynchronize(other);
+            }
+            if (!rc)
+                rc = writev(other, (CUdeviceptr)(uintptr_t)&value, v + 1000000, 0);
+            if (!rc)
+                rc = cuStreamSynchronize(h.nb);
+            value = v;
+        } else {
+            rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            cuStreamSynchronize(NULL);
+            n++;
+        }
+    }
+    atomic_store(&h.stop, 1);
+    if (!strcmp(variant, "ptforeign"))
+        pthread_barrier_wait(&h.step);
+    if (two)
+        pthread_join(t, NULL);
+    double t1 = now_s() - t0, d1 = done_s() - d0; /* the kernels' time in the window */
+    printf("{\"variant\": \"%s\", \"launches\": %ld, \"secs\": %.4f, \"busy\": %.4f, \"rounds\": %ld, \"rc\": %d}\n",
+           variant, n, t1, d1 / t1, h.rounds, rc);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -936,6 +1060,8 @@ int main(int argc, char **argv)
                a, t, b, f, c, d);
         return 0;
     }
+    if (!strcmp(cmd, "hostile") && argc >= 6)
+        return cmd_hostile(argv[2], atof(argv[3]), (unsigned)atol(argv[4]), atol(argv[5]));
     if (!strcmp(cmd, "relay") && argc >= 5)
         return cmd_relay(atof(argv[2]), (unsigned)atol(argv[3]), atol(argv[4]));
     if (!strcmp(cmd, "fill") && argc >= 4)
