@@ -321,6 +321,10 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
  * its provisional charge) and the gate waits no more (vgpu_measure_poll), so this costs a second
  * once per card and process. */
 #define VGPU_MEASURE_WAIT_NS (1 * VGPU_SEC)
+/* A launch in a context another thread is destroying waits for the driver's return, in pauses
+ * of VGPU_DYING_PAUSE_NS, at most VGPU_DYING_WAITS of them (then it runs unmeasured). */
+#define VGPU_DYING_PAUSE_NS (50 * 1000ull)
+#define VGPU_DYING_WAITS 2000
 struct vgpu_batch {
     void *ev_open, *ev_close;   /* CUevent: recorded before its first and after its last launch */
     void *ctx;                  /* CUcontext its events belong to (the gate's when it was closed) */
@@ -377,6 +381,8 @@ struct vgpu_gate {
     int wait_gave_up;           /* a wait for a batch ran out: the gate never waits for one again */
     void *ev_ctx;               /* CUcontext of the open batch and the pooled events: the one of
                                  * the last slow-path launch (peeked by the fast path) */
+    void *ctx_dying;            /* CUcontext being destroyed (between the release of its events
+                                 * and the driver's return): no event is made in it meanwhile */
     uint64_t busy_acc_ns, busy_since_ns; /* measured GPU time since busy_since (publication) */
     uint32_t busy_pm;           /* smoothed per mille of wall time */
     pthread_mutex_t mu;
@@ -614,6 +620,7 @@ void vgpu_compute_gate(CUstream stream);
 void vgpu_compute_sync(CUstream stream, int whole_ctx); /* before an app's wait: close the batch */
 void vgpu_compute_synced(void);                         /* after it: settle what completed */
 void vgpu_compute_ctx_destroy(CUcontext c);              /* before cuCtxDestroy: its events go */
+void vgpu_compute_ctx_destroyed(CUcontext c);            /* after it: events may be made again */
 uint64_t vgpu_nvml_process_used(int d, int *found); /* bytes NVML reports for this process */
 /* The card's busy time in ns in NVML's utilization samples newer than *seen_us (each sample:
  * the percent of its period a kernel ran) and the span they cover, [*from_us, *seen_us] (NVML's

@@ -148,6 +148,13 @@ static int gate_slow(int d, CUstream s)
     CUcontext ctx = NULL;
     if (DRV->ctx_get_current && DRV->ctx_get_current(&ctx) == CUDA_SUCCESS)
         vgpu_measure_follow(g, ctx); /* a launch in another context: the gate follows it */
+    /* its context is being destroyed by another thread: wait for the driver's return (bounded) */
+    for (int i = 0; ctx && g->ctx_dying == (void *)ctx && i < VGPU_DYING_WAITS; i++) {
+        pthread_mutex_unlock(&g->mu);
+        sleep_until(vgpu_now_ns() + VGPU_DYING_PAUSE_NS);
+        pthread_mutex_lock(&g->mu);
+        vgpu_measure_follow(g, ctx);
+    }
     uint64_t now = vgpu_now_ns();
     flight_begin(g);
     if (vgpu_gate_fast(g, now, now, s)) { /* another thread opened it meanwhile */
@@ -343,8 +350,8 @@ void vgpu_compute_synced(void)
     pthread_mutex_unlock(&g->mu);
 }
 
-/* Before cuCtxDestroy(c): the gates' batches and events of c are released while it exists. */
-void vgpu_compute_ctx_destroy(CUcontext c)
+/* fn(g, c) on every active gate, under its lock. */
+static void each_gate(void (*fn)(struct vgpu_gate *, CUcontext), CUcontext c)
 {
     if (!vgpu.compute_limited || !c)
         return;
@@ -353,9 +360,35 @@ void vgpu_compute_ctx_destroy(CUcontext c)
         if (!g->active)
             continue;
         pthread_mutex_lock(&g->mu);
-        vgpu_measure_ctx_gone(g, c);
+        fn(g, c);
         pthread_mutex_unlock(&g->mu);
     }
+}
+
+static void ctx_dying(struct vgpu_gate *g, CUcontext c)
+{
+    VGPU_POKE(g->ctx_dying, (void *)c);
+    vgpu_measure_ctx_gone(g, c);
+}
+
+static void ctx_dead(struct vgpu_gate *g, CUcontext c)
+{
+    if (g->ctx_dying == (void *)c)
+        VGPU_POKE(g->ctx_dying, NULL);
+}
+
+/* Before cuCtxDestroy(c): the gates' batches and events of c are released while it exists, and
+ * c is marked dying until vgpu_compute_ctx_destroyed(c): another thread's launch in c meanwhile
+ * would make events in it that the driver then destroys (the slow path waits for the mark to
+ * go, vgpu_measure_event refuses it). */
+void vgpu_compute_ctx_destroy(CUcontext c)
+{
+    each_gate(ctx_dying, c);
+}
+
+void vgpu_compute_ctx_destroyed(CUcontext c)
+{
+    each_gate(ctx_dead, c);
 }
 
 /* ------------------------------------------------------------------ launches */

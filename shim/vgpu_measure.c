@@ -39,6 +39,8 @@ CUevent vgpu_measure_event(struct vgpu_gate *g)
     CUcontext ctx = NULL;
     if (!vgpu_can_measure() || DRV->ctx_get_current(&ctx) != CUDA_SUCCESS || !ctx)
         return NULL;
+    if (ctx == g->ctx_dying) /* its events would go with it */
+        return NULL;
     if (!g->ev_ctx)
         VGPU_POKE(g->ev_ctx, (void *)ctx);
     if (ctx != g->ev_ctx)

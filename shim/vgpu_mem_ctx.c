@@ -167,6 +167,7 @@ static CUresult ctx_destroy_with(CUresult (*real)(CUcontext), CUcontext c)
         return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_ctx_destroy(c); /* the compute limiter's events of c */
     CUresult rc = real(c);
+    vgpu_compute_ctx_destroyed(c);
     if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
         ctx_forget(c);
     return rc;
@@ -236,9 +237,12 @@ static CUresult primary_end(CUresult (*real)(CUdevice), CUdevice dev, int reset)
     if (dev < 0 || dev >= VGPU_MAX_DEV)
         return real(dev);
     int last = reset || __atomic_sub_fetch(&vgpu.primary_refs[dev], 1, __ATOMIC_ACQ_REL) <= 0;
+    CUcontext c = (CUcontext)__atomic_load_n(&vgpu.primary_ctx[dev], __ATOMIC_ACQUIRE);
     if (last)
-        vgpu_compute_ctx_destroy((CUcontext)__atomic_load_n(&vgpu.primary_ctx[dev], __ATOMIC_ACQUIRE));
+        vgpu_compute_ctx_destroy(c);
     CUresult rc = real(dev);
+    if (last)
+        vgpu_compute_ctx_destroyed(c);
     if (rc != CUDA_SUCCESS && !reset)
         __atomic_add_fetch(&vgpu.primary_refs[dev], 1, __ATOMIC_ACQ_REL);
     return rc;

@@ -416,6 +416,17 @@ def test_a_wait_by_another_thread_keeps_the_side_streams_measured(card) -> None:
     assert r["busy"] * 100 <= 30 + 4, r
 
 
+def test_a_context_released_while_another_thread_launches(card) -> None:
+    """Review finding: a thread releases the primary context for the last time and retains it
+    again in a loop while another launches and waits. Between the release of the gate's events
+    and the driver's destruction of the context, the launching thread made new events in it,
+    which the stub then finds destroyed (abort). The context is now marked dying meanwhile: no
+    event is made in it, and a launch in it waits for the driver's return."""
+    r = card.json("hostile", "primrace", "3", "5", "1", env=alone(card, 30, "primrace"), timeout=60)[0]
+    print("primary context released and retained in a loop beside launches:", r)
+    assert r["rc"] == 0 and r["rounds"] > 100 and r["launches"] > 100, r
+
+
 @pytest.mark.parametrize("loaded", [False, True])
 def test_threads_in_contexts_of_their_own_are_measured(card, loaded) -> None:
     """Three threads, each in a context of its own on the card (cuCtxCreate), launching 2 ms
