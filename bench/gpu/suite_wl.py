@@ -6,8 +6,9 @@ KIND:
   gpt      GPT-style decoder training step (bf16 autocast, AdamW), loss.item() every 4 steps
   conv     convolutional network training step (bf16 autocast, channels_last, SGD), sync every 4
   infer    latency-sensitive inference: one request (a chain of bf16 4096-wide layers sized to
-           ~6 ms on the card, calibrated by the native run: --calib layers) every 50 ms; the
-           latency of a request runs from its scheduled start to its synchronize
+           ~6 ms on the card, calibrated by the native run: --calib layers) every 50 ms, the
+           first 0.5 s after the warm-up; the latency of a request runs from its scheduled
+           start to its synchronize
   graphs   CUDA graph (torch.cuda.CUDAGraph) of 10 bf16 4096^2 products + relu, sync every 5
   compile  torch.compile'd (Inductor: Triton kernels + cuBLAS) MLP block, sync every 10
   mm       4096^2 fp32 matmul (TF32 off), sync every 10 (the co-tenant workload)
@@ -256,6 +257,11 @@ def infer(secs: float, calib: int | None, ready: str | None, go: str | None) -> 
         out["calib_per16_ms"] = per16 * 1e3
     for _ in range(3):
         request(calib)
+    # A server that has warmed up waits for its first request. Served right away, that request
+    # followed ~26 ms of back-to-back warm-up work, past a 30 % share's bucket (25 ms of GPU
+    # time), and waited for credit (20.8 ms against 6.6 natively on the H200): a burst above
+    # the share, not the steady 12 % tenant this case measures.
+    time.sleep(0.5)
     wait_go(ready, go)
     period = 0.05
     lat, marks = [], []
