@@ -1,7 +1,8 @@
 """``kubectl vgpu`` — a kubectl plugin (the ``kubectl-vgpu`` executable on PATH) for kvgpu.
 
     kubectl vgpu nodes [NODE ...] [-l SELECTOR] [-o wide|json]
-        per card: slots, memory and cores used/total, health
+        per card: slots, memory and cores used/total (counted from the VGPUClaims as the
+        operator's allocator counts them), health
     kubectl vgpu claims [-n NS | -A] [--no-usage] [-o wide|json]
         VGPUClaims like `kubectl get vgpuclaims`, plus memory used and SM utilisation per card
         from the node agents' exporters (through the API server's pod proxy; "-" when unknown)
@@ -211,7 +212,7 @@ def main(ctx: click.Context, **kw: Any) -> None:
 @_kube_options
 @click.pass_obj
 def nodes_cmd(obj: KubeOptions, names: tuple[str, ...], selector: str | None, **kw: Any) -> None:
-    """Per card: slots, memory and cores used/total, health."""
+    """Per card: slots, memory and cores used/total (counted from the VGPUClaims), health."""
     opts = obj.merged(**kw)
 
     async def run() -> list[views.CardRow]:
