@@ -308,6 +308,7 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #define VGPU_CAL_MAX_PM 1000u           /* nor rises above it */
 #endif
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
+#define VGPU_BATCH_OVERFLOW 32      /* given-up batches still awaited (vgpu_measure.c) */
 #define VGPU_BATCH_STREAMS 4        /* streams one batch measures one by one */
 /* The gate waits for the oldest batch's end, under its lock, in two places: a capped gate with
  * no estimate yet before its next launch passes, and a full ring to make room. It polls
@@ -376,6 +377,9 @@ struct vgpu_gate {
     struct vgpu_batch cur;      /* the open batch (cur.ev_open NULL: none) */
     struct vgpu_batch ring[VGPU_BATCH_RING];
     unsigned ring_head, ring_len;
+    struct vgpu_batch over[VGPU_BATCH_OVERFLOW]; /* given up while running, still awaited */
+    int nover;
+    uint64_t forfeits;          /* batches pushed out of a full overflow (vgpu_gate_forfeit) */
     void *pool[(4 + 2 * (VGPU_BATCH_STREAMS - 1)) * VGPU_BATCH_RING + 4];
     int npool;
     int wait_gave_up;           /* a wait for a batch ran out: the gate never waits for one again */
@@ -478,6 +482,7 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);
 /* One kernel's own GPU time (an event right before and right after it). */
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
+void vgpu_gate_forfeit(struct vgpu_gate *g); /* a batch whose work is unknown: a bucket of GPU time */
 /* Busy per mille published for the agent, from the measured GPU time since the last call. */
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
 /* Between those calls: 1 (and busy_pm raised) when the share measured over the current interval,

@@ -263,6 +263,15 @@ void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns)
     g->gap_pm = g->gap_pm ? (g->gap_pm * 3 + pm) / 4 : pm;
 }
 
+void vgpu_gate_forfeit(struct vgpu_gate *g)
+{
+    /* a batch given up for good, whose GPU time will never be known: charged the most a tenant
+     * alone may bank (VGPU_BUCKET_MAX_NS of GPU time), on top of its provisional charge */
+    if (!g->measure_only && g->len_ns)
+        atomic_fetch_add(g->vt, vt_of(g, VGPU_BUCKET_MAX_NS));
+    g->forfeits++;
+}
+
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t ns)
 {
     /* Beside co-tenants a kernel's event pair also spans the time slices the GPU gave the other

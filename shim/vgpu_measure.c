@@ -21,6 +21,7 @@
  */
 #include "vgpu_cuda.h"
 
+#include <string.h>
 #include <time.h>
 
 #define DRV (&vgpu.drv)
@@ -61,10 +62,10 @@ void vgpu_measure_put(struct vgpu_gate *g, void *e)
         DRV->event_destroy(e);
 }
 
-/* The oldest batch of the ring is settled: its events back to the pool. Or, `pending`, given up
- * while its work may still run: its events are destroyed (the driver frees them once the GPU
- * has passed them), since a pooled one would be recorded again while the GPU still owes it. */
-static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending)
+/* A batch's events: back to the pool once it is settled. Or, `pending`, given up while its work
+ * may still run: destroyed (the driver frees them once the GPU has passed them), since a pooled
+ * one would be recorded again while the GPU still owes it. */
+static void batch_free(struct vgpu_gate *g, struct vgpu_batch *b, int pending)
 {
     pending = pending || b->ctx != g->ev_ctx; /* another context's events: never pooled */
     void *ev[4 + 2 * (VGPU_BATCH_STREAMS - 1) + VGPU_BATCH_STREAMS] = {b->ev_open, b->ev_close, b->ev_probe, b->ev_seg};
@@ -77,8 +78,19 @@ static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending
             vgpu_measure_put(g, ev[i]);
         else if (ev[i])
             DRV->event_destroy(ev[i]);
+}
+
+static void ring_pop(struct vgpu_gate *g)
+{
     g->ring_head = (g->ring_head + 1) % VGPU_BATCH_RING;
     VGPU_POKE(g->ring_len, g->ring_len - 1);
+}
+
+/* The oldest batch of the ring is settled (or, `pending`, given up): its events go, it leaves. */
+static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending)
+{
+    batch_free(g, b, pending);
+    ring_pop(g);
 }
 
 /* Wait for a batch's end: cuEventQuery, sleeping 20 us doubling to 1 ms in between, for at most
@@ -143,16 +155,95 @@ static uint64_t streams_span(const struct vgpu_batch *b, float first_ms)
     return (uint64_t)(ms * 1e6);
 }
 
+/* Settle batch b, whose end was queried (r): its GPU time replaces its provisional charge. */
+static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
+{
+    if (b->tracked) {
+        vgpu_track_settle(g, b, r == CUDA_SUCCESS);
+        return;
+    }
+    float ms = -1, pm = -1;
+    int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
+    uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
+    if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
+        uint64_t span = streams_span(b, ms);
+        vgpu_gate_settle(g, n, b->prov_ns, span, span ? 5 : 0);
+        return;
+    }
+    /* The first kernel's own time (opened right before it, probed right after it), or a
+     * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
+    if (ok && b->ev_probe && DRV->event_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0) {
+        vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
+        /* its only kernel: the probe is its end (uncapped high priority publishes its
+         * demand, the span, see above) */
+        if (n == 1 && !(b->launches & LOWER_BOUND) && !g->measure_only) {
+            ms = pm;
+            b->launches = 1;
+        }
+    } else if (ok && !b->ev_probe && b->launches == 1)
+        vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
+    /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest */
+    vgpu_gate_settle(g, n, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
+                     !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : 1);
+}
+
+/* Given-up batches (still running when the ring needed their room) wait in the overflow with
+ * their events and are settled whenever they complete; one pushed out of a full overflow is
+ * charged VGPU_BUCKET_MAX_NS of GPU time (vgpu_gate_forfeit): its work is unknown, and a
+ * tenant that keeps batches running behind a wait it releases later would otherwise have them
+ * go at the estimate. */
+static void overflow_push(struct vgpu_gate *g, struct vgpu_batch *b)
+{
+    if (g->nover == VGPU_BATCH_OVERFLOW) {
+        batch_free(g, &g->over[0], 1);
+        vgpu_gate_forfeit(g);
+        memmove(&g->over[0], &g->over[1], sizeof g->over[0] * (VGPU_BATCH_OVERFLOW - 1));
+        g->nover--;
+    }
+    g->over[g->nover++] = *b;
+}
+
+static void overflow_poll(struct vgpu_gate *g)
+{
+    for (int i = 0; i < g->nover;) {
+        CUresult r = batch_query(&g->over[i]);
+        if (r == CU_NOT_READY) {
+            i++;
+            continue;
+        }
+        batch_settle(g, &g->over[i], r);
+        batch_free(g, &g->over[i], 0);
+        g->over[i] = g->over[--g->nover];
+    }
+}
+
+/* The overflow's batches of context ctx, which goes: settled if they completed, else forfeited. */
+static void overflow_ctx_gone(struct vgpu_gate *g, CUcontext ctx)
+{
+    overflow_poll(g);
+    for (int i = 0; i < g->nover;) {
+        if (g->over[i].ctx != (void *)ctx) {
+            i++;
+            continue;
+        }
+        batch_free(g, &g->over[i], 1);
+        vgpu_gate_forfeit(g);
+        g->over[i] = g->over[--g->nover];
+    }
+}
+
 /* Settle completed batches, oldest first. `wait` (VGPU_WAIT_FIRST, VGPU_WAIT_ROOM): wait for the
- * oldest one, at most VGPU_MEASURE_WAIT_NS; one still running then is given up (it keeps its
- * provisional charge) and the ring moves on. After that the gate never waits again: the process
- * has shown that its work can wait for its own later calls (a persistent kernel, a stream
- * waiting for a value), and a second's wait at each such batch would slow it to a launch a
- * second. So VGPU_WAIT_FIRST then passes at once (launches before the first estimate are charged
- * nothing until a batch completes), and VGPU_WAIT_ROOM gives the oldest batch up at once; every
- * batch that completes is still measured. */
+ * oldest one, at most VGPU_MEASURE_WAIT_NS; one still running then is given up (it moves to the
+ * overflow, settled when it completes) and the ring moves on. After that the gate never waits
+ * again: the process has shown that its work can wait for its own later calls (a persistent
+ * kernel, a stream waiting for a value), and a second's wait at each such batch would slow it to
+ * a launch a second. So VGPU_WAIT_FIRST then passes at once (launches before the first estimate
+ * are charged nothing until a batch completes), and VGPU_WAIT_ROOM gives the oldest batch up at
+ * once; every batch that completes is still measured. */
 void vgpu_measure_poll(struct vgpu_gate *g, int wait)
 {
+    if (g->nover)
+        overflow_poll(g);
     while (g->ring_len) {
         struct vgpu_batch *b = &g->ring[g->ring_head];
         CUresult r = batch_query(b);
@@ -168,42 +259,14 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
                              (unsigned long long)(b->launches & ~(UPPER_BOUND | LOWER_BOUND)),
                              (unsigned long long)(VGPU_MEASURE_WAIT_NS / VGPU_MS));
                 g->wait_gave_up = 1;
-                batch_release(g, b, 1); /* unsettled: its provisional charge stands */
+                overflow_push(g, b); /* settled when it completes */
+                ring_pop(g);
                 continue;
             }
         }
         if (r == CU_NOT_READY)
             break;
-        if (b->tracked) {
-            vgpu_track_settle(g, b, r == CUDA_SUCCESS);
-            batch_release(g, b, 0);
-            continue;
-        }
-        float ms = -1, pm = -1;
-        int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
-        uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
-        if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
-            uint64_t span = streams_span(b, ms);
-            vgpu_gate_settle(g, n, b->prov_ns, span, span ? 5 : 0);
-            batch_release(g, b, 0);
-            continue;
-        }
-        /* The first kernel's own time (opened right before it, probed right after it), or a
-         * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
-        if (ok && b->ev_probe && DRV->event_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0) {
-            vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
-            /* its only kernel: the probe is its end (uncapped high priority publishes its
-             * demand, the span, see above) */
-            if (n == 1 && !(b->launches & LOWER_BOUND) && !g->measure_only) {
-                ms = pm;
-                b->launches = 1;
-            }
-        } else if (ok && !b->ev_probe && b->launches == 1)
-            vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
-        /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest */
-        vgpu_gate_settle(g, n, b->prov_ns,
-                         ok ? (uint64_t)((double)ms * 1e6) : 0,
-                         !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : 1);
+        batch_settle(g, b, r);
         batch_release(g, b, 0);
     }
 }
@@ -348,6 +411,7 @@ void vgpu_measure_ctx_gone(struct vgpu_gate *g, CUcontext ctx)
      * one slot of the ring, so none is left */
     for (unsigned k = g->ring_len; k > 0 && g->ring_len; k--)
         vgpu_measure_poll(g, VGPU_WAIT_ROOM);
+    overflow_ctx_gone(g, ctx);
     if (!mine)
         return;
     while (g->npool)

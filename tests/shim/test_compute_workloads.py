@@ -416,6 +416,20 @@ def test_a_wait_by_another_thread_keeps_the_side_streams_measured(card) -> None:
     assert r["busy"] * 100 <= 30 + 4, r
 
 
+def test_batches_left_running_behind_a_wait_are_charged(card) -> None:
+    """Review finding: after 5 us kernels, a stream is held by cuStreamWaitValue32 while 200
+    batches of one 2 ms kernel queue behind it (each closed by a wait on another, idle, stream),
+    then 20 of 5 us, then the value is written. The first full ring waits a second and gives its
+    oldest batch up; after that every batch pushed out of a full ring was dropped at its
+    provisional charge, at the estimate: 67 % busy under 30 % over 3 s, the one-second wait
+    included. Given-up batches now wait in an overflow and are settled when they complete; one
+    pushed out of a full overflow is charged a bucket of GPU time."""
+    r = card.json("hostile", "gaveup", "3", "2000", "200", env=alone(card, 30, "gaveup"), timeout=60)[0]
+    print("batches held behind a wait value, then released, at 30 %:", r)
+    assert r["rc"] == 0 and r["launches"] >= 200, r
+    assert r["busy"] * 100 <= 30 + 4, r
+
+
 def test_a_context_released_while_another_thread_launches(card) -> None:
     """Review finding: a thread releases the primary context for the last time and retains it
     again in a loop while another launches and waits. Between the release of the gate's events
