@@ -8,10 +8,12 @@ Tolerances are for a loaded 2-core CI machine: ±5 points where the GPU goal is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,19 @@ def region(box, tag: str) -> Path:
 
 def alone(box, cores: int, tag: str, prio: int = 1) -> dict[str, str]:
     return box.env(claim((0, 1000, cores), name=f"ns/{tag}", priority=prio), KVGPU_REGION_DIR=region(box, tag))
+
+
+@contextlib.contextmanager
+def busy_cores(on: bool = True) -> Iterator[None]:
+    """A busy loop on every core meanwhile (on): launching threads get preempted between the gate
+    and the driver."""
+    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count() or 2)] if on else []
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 def test_saturating_gets_its_share_evenly(card) -> None:
@@ -308,13 +323,8 @@ def test_threads_on_streams_of_their_own_are_measured(card, loaded) -> None:
     2-core CI machine); a close now waits for launches in flight."""
     card.base_env.update(CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5",
                          CUPROG_LEAD_KUS="5", CUPROG_THREADS="2")
-    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count() or 2)] if loaded else []
-    try:
+    with busy_cores(loaded):
         r = work(card, alone(card, 30, "threads2-loaded" if loaded else "threads2"), "sat", "3.2", "2000", "5", "2")
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
     print("two threads on streams of their own after 5 us kernels, at 30 %:", r["busy"], r["per_sec"])
     assert 22 <= r["busy"] * 100 <= 30 + 4, r
     assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
@@ -389,13 +399,8 @@ def test_a_thread_of_tiny_kernels_in_its_own_context_does_not_hide_the_others(ca
     the estimate, which the 5 us batches keep low: the limit must still hold."""
     card.base_env.update(CUPROG_CTX2="1", CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300",
                          CUPROG_WARMUP_KUS="5", CUPROG_THREADS="4", CUPROG_TINY_THREADS="1")
-    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count() or 2)]
-    try:
+    with busy_cores():
         r = work(card, alone(card, 30, "ctxtiny"), "sat", "3.2", "2000", "5", "2")
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
     print("a thread of 5 us kernels beside threads of 2 ms kernels, contexts of their own, at 30 %:",
           r["busy"], r["per_sec"])
     assert r["busy"] * 100 <= 30 + 4, r
@@ -449,13 +454,8 @@ def test_threads_in_contexts_of_their_own_are_measured(card, loaded) -> None:
     driver while another one's launch moves the gate to its own context and closes the batch."""
     card.base_env.update(CUPROG_CTX2="1", CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300",
                          CUPROG_WARMUP_KUS="5", CUPROG_LEAD_KUS="5", CUPROG_THREADS="3")
-    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count() or 2)] if loaded else []
-    try:
+    with busy_cores(loaded):
         r = work(card, alone(card, 30, "ctxthreads-loaded" if loaded else "ctxthreads"), "sat", "3.2", "2000", "5", "2")
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
     print("three threads in contexts of their own, at 30 %:", r["busy"], r["per_sec"])
     assert 30 - 5 <= r["busy"] * 100 <= 30 + 4, r
     assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
