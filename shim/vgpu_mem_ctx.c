@@ -1,7 +1,7 @@
 /*
  * vgpu_mem_ctx.c - contexts as memory: cuCtxCreate*, the first cuDevicePrimaryCtxRetain of a
  * card and cuCtxSetLimit are charged what they take on the card; cuCtxDestroy_v2 returns it.
- * Destroying a context (cuCtxDestroy_v2, a primary context's reset or last release) first hands
+ * Destroying a context (cuCtxDestroy(_v2), a primary context's reset or last release) first hands
  * the compute limiter's events of it back.
  */
 #include "vgpu_mem.h"
