@@ -75,6 +75,37 @@
 #define VGPU_PEEK(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
 #define VGPU_POKE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELAXED)
 
+/* ------------------------------------------------------------------ locks and cancellation */
+
+/* The shim holds its locks across cancellation points (the gate's sleep, a driver or NVML call):
+ * a thread cancelled there (pthread_cancel) would end with the lock held, and every other thread
+ * of the process (of the container, for the region's lock: a robust mutex, whose next holder
+ * would then repair a half-done update) would wait or recount. Cancellation is held off from a
+ * lock to its release, nested; a request that comes meanwhile acts at the thread's next
+ * cancellation point after the last release. Defined in vgpu_region.c. */
+extern __thread int vgpu_nocancel_depth;
+extern __thread int vgpu_nocancel_saved;
+static inline void vgpu_nocancel_enter(void)
+{
+    if (vgpu_nocancel_depth++ == 0)
+        pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &vgpu_nocancel_saved);
+}
+static inline void vgpu_nocancel_leave(void)
+{
+    if (vgpu_nocancel_depth > 0 && --vgpu_nocancel_depth == 0)
+        pthread_setcancelstate(vgpu_nocancel_saved, NULL);
+}
+static inline void vgpu_lock(pthread_mutex_t *m)
+{
+    vgpu_nocancel_enter();
+    pthread_mutex_lock(m);
+}
+static inline void vgpu_unlock(pthread_mutex_t *m)
+{
+    pthread_mutex_unlock(m);
+    vgpu_nocancel_leave();
+}
+
 /* ------------------------------------------------------------------ config (pure) */
 
 enum vgpu_source { VGPU_SRC_NONE = 0, VGPU_SRC_CLAIM = 1, VGPU_SRC_HAMI = 2 };

@@ -140,10 +140,10 @@ static void map_devices(void)
 {
     if (__atomic_load_n(&vgpu.cuda_mapped, __ATOMIC_ACQUIRE))
         return;
-    pthread_mutex_lock(&map_mu);
+    vgpu_lock(&map_mu);
     if (!vgpu.cuda_mapped)
         map_devices_locked();
-    pthread_mutex_unlock(&map_mu);
+    vgpu_unlock(&map_mu);
 }
 
 int vgpu_map_cuda_device(CUdevice dev)

@@ -144,26 +144,26 @@ static int gate_slow(int d, CUstream s)
 {
     vgpu_symbols_bind();
     struct vgpu_gate *g = &vgpu.gate[d];
-    pthread_mutex_lock(&g->mu);
+    vgpu_lock(&g->mu);
     CUcontext ctx = NULL;
     if (DRV->ctx_get_current && DRV->ctx_get_current(&ctx) == CUDA_SUCCESS)
         vgpu_measure_follow(g, ctx); /* a launch in another context: the gate follows it */
     /* its context is being destroyed by another thread: wait for the driver's return (bounded) */
     for (int i = 0; ctx && g->ctx_dying == (void *)ctx && i < VGPU_DYING_WAITS; i++) {
-        pthread_mutex_unlock(&g->mu);
+        vgpu_unlock(&g->mu);
         sleep_until(vgpu_now_ns() + VGPU_DYING_PAUSE_NS);
-        pthread_mutex_lock(&g->mu);
+        vgpu_lock(&g->mu);
         vgpu_measure_follow(g, ctx);
     }
     uint64_t now = vgpu_now_ns();
     flight_begin(g);
     if (vgpu_gate_fast(g, now, now, s)) { /* another thread opened it meanwhile */
-        pthread_mutex_unlock(&g->mu);
+        vgpu_unlock(&g->mu);
         return 1;
     }
     atomic_fetch_sub(&g->inflight, 1);
     if (vgpu_stream_capturing(s)) {
-        pthread_mutex_unlock(&g->mu); /* captured work does not run now: not gated */
+        vgpu_unlock(&g->mu); /* captured work does not run now: not gated */
         return 0;
     }
     if (vgpu_gate_open_at(g, now, now) && vgpu_measure_join(g, s)) {
@@ -171,7 +171,7 @@ static int gate_slow(int d, CUstream s)
             vgpu_gate_clamp(g, now);
         flight_begin(g);
         vgpu_gate_count(g); /* a launch on another stream of the open batch: it passes */
-        pthread_mutex_unlock(&g->mu);
+        vgpu_unlock(&g->mu);
         return 1;
     }
     vgpu_measure_close(g, 0);
@@ -236,7 +236,7 @@ static int gate_slow(int d, CUstream s)
     /* This launch: charged and counted like one of the fast path. */
     flight_begin(g);
     vgpu_gate_count(g);
-    pthread_mutex_unlock(&g->mu);
+    vgpu_unlock(&g->mu);
     return 1;
 }
 
@@ -276,9 +276,9 @@ void vgpu_compute_gate(CUstream s)
     if (counted)
         launch_in_flight = d + 1;
     if (VGPU_PEEK(g->tracking)) { /* a hint, re-checked under the lock */
-        pthread_mutex_lock(&g->mu);
+        vgpu_lock(&g->mu);
         vgpu_track_before(g, s);
-        pthread_mutex_unlock(&g->mu);
+        vgpu_unlock(&g->mu);
     }
 }
 
@@ -300,7 +300,7 @@ static inline void compute_after(CUstream s)
             atomic_fetch_sub(&vgpu.gate[held - 1].inflight, 1);
         return;
     }
-    pthread_mutex_lock(&g->mu);
+    vgpu_lock(&g->mu);
     if (held && held - 1 != d)
         atomic_fetch_sub(&vgpu.gate[held - 1].inflight, 1), held = 0;
     vgpu_track_after(g, s);
@@ -320,7 +320,7 @@ static inline void compute_after(CUstream s)
     }
     if (held)
         atomic_fetch_sub(&g->inflight, 1);
-    pthread_mutex_unlock(&g->mu);
+    vgpu_unlock(&g->mu);
 }
 
 void vgpu_compute_sync(CUstream s, int whole_ctx)
@@ -332,13 +332,13 @@ void vgpu_compute_sync(CUstream s, int whole_ctx)
         return;
     struct vgpu_gate *g = &vgpu.gate[d];
     vgpu_symbols_bind();
-    pthread_mutex_lock(&g->mu);
+    vgpu_lock(&g->mu);
     /* a wait in another context than the batch's does not wait for the batch */
     if (!vgpu_stream_capturing(whole_ctx ? NULL : s) && in_gate_ctx(g, whole_ctx ? NULL : s)) {
         vgpu_measure_close(g, 1);
         atomic_store(&g->open_until, 0); /* the next launch opens a new batch */
     }
-    pthread_mutex_unlock(&g->mu);
+    vgpu_unlock(&g->mu);
 }
 
 void vgpu_compute_synced(void)
@@ -349,9 +349,9 @@ void vgpu_compute_synced(void)
     if (d < 0 || !VGPU_PEEK(vgpu.gate[d].ring_len)) /* a hint */
         return;
     struct vgpu_gate *g = &vgpu.gate[d];
-    pthread_mutex_lock(&g->mu);
+    vgpu_lock(&g->mu);
     vgpu_measure_poll(g, 0);
-    pthread_mutex_unlock(&g->mu);
+    vgpu_unlock(&g->mu);
 }
 
 /* fn(g, c) on every active gate, under its lock. */
@@ -363,9 +363,9 @@ static void each_gate(void (*fn)(struct vgpu_gate *, CUcontext), CUcontext c)
         struct vgpu_gate *g = &vgpu.gate[d];
         if (!g->active)
             continue;
-        pthread_mutex_lock(&g->mu);
+        vgpu_lock(&g->mu);
         fn(g, c);
-        pthread_mutex_unlock(&g->mu);
+        vgpu_unlock(&g->mu);
     }
 }
 

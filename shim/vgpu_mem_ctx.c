@@ -207,21 +207,21 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     if (mode() != M_LIMITED || dev < 0 || dev >= VGPU_MAX_DEV ||
         __atomic_load_n(&vgpu.primary_charged[dev], __ATOMIC_ACQUIRE))
         return primary_retained(real(pctx, dev), pctx, dev);
-    pthread_mutex_lock(&vgpu_primary_mu);
+    vgpu_lock(&vgpu_primary_mu);
     if (vgpu.primary_charged[dev]) {
-        pthread_mutex_unlock(&vgpu_primary_mu);
+        vgpu_unlock(&vgpu_primary_mu);
         return primary_retained(real(pctx, dev), pctx, dev);
     }
     int d = vgpu_map_cuda_device(dev);
     uint64_t est, before;
     if (ctx_begin(d, &est, &before)) {
-        pthread_mutex_unlock(&vgpu_primary_mu);
+        vgpu_unlock(&vgpu_primary_mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUresult rc = ctx_commit(real(pctx, dev), pctx, d, est, before, dev, 1);
     if (rc == CUDA_SUCCESS && pctx)
         __atomic_store_n(&vgpu.primary_charged[dev], 1, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&vgpu_primary_mu);
+    vgpu_unlock(&vgpu_primary_mu);
     return primary_retained(rc, pctx, dev);
 }
 

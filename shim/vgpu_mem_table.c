@@ -46,7 +46,7 @@ static void tab_grow(void)
 
 void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev)
 {
-    pthread_mutex_lock(&tab_mu);
+    vgpu_lock(&tab_mu);
     if ((tab_used + 1) * 2 >= tab_cap)
         tab_grow();
     if (tab_cap) {
@@ -57,13 +57,13 @@ void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev)
             tab_used++;
         tab[j] = (struct aent){key, size, dev, kind};
     }
-    pthread_mutex_unlock(&tab_mu);
+    vgpu_unlock(&tab_mu);
 }
 
 int vgpu_tab_take(int kind, uint64_t key, uint64_t *size, int *dev)
 {
     int found = 0;
-    pthread_mutex_lock(&tab_mu);
+    vgpu_lock(&tab_mu);
     if (tab_cap) {
         size_t j = slot_of(key, kind, tab_cap);
         while (tab[j].kind) {
@@ -76,7 +76,7 @@ int vgpu_tab_take(int kind, uint64_t key, uint64_t *size, int *dev)
             j = (j + 1) & (tab_cap - 1);
         }
     }
-    pthread_mutex_unlock(&tab_mu);
+    vgpu_unlock(&tab_mu);
     return found;
 }
 
@@ -113,7 +113,7 @@ void vgpu_ensure_slot(void)
 {
     if (__atomic_load_n(&vgpu.region.slot, __ATOMIC_ACQUIRE) >= 0)
         return;
-    pthread_mutex_lock(&join_mu);
+    vgpu_lock(&join_mu);
     if (vgpu.region.slot < 0) {
         int32_t pid = (int32_t)getpid();
         static int told; /* under join_mu */
@@ -121,7 +121,7 @@ void vgpu_ensure_slot(void)
             vgpu_log(0, "shared region has no free slot (%d processes): allocations are refused",
                      VGPU_MAX_SLOTS);
     }
-    pthread_mutex_unlock(&join_mu);
+    vgpu_unlock(&join_mu);
 }
 
 /* 0: charged (or nothing to charge), -1: refuse with CUDA_ERROR_OUT_OF_MEMORY. */

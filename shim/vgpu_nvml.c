@@ -57,14 +57,14 @@ static nvmlReturn_t own_nvml_init_locked(void)
 /* Region device index of an NVML handle, -1 if none. Small cache: handles are stable. */
 static int nvml_map(nvmlDevice_t h)
 {
-    pthread_mutex_lock(&nvml_mu);
+    vgpu_lock(&nvml_mu);
     for (int i = 0; i < vgpu.nvml_nmap; i++)
         if (vgpu.nvml_map[i].h == h) {
             int d = vgpu.nvml_map[i].d;
-            pthread_mutex_unlock(&nvml_mu);
+            vgpu_unlock(&nvml_mu);
             return d;
         }
-    pthread_mutex_unlock(&nvml_mu);
+    vgpu_unlock(&nvml_mu);
     int d = -1;
     const struct vgpu_drv *drv = vgpu_nvml_drv();
     if (vgpu.cfg.source == VGPU_SRC_HAMI) {
@@ -76,18 +76,18 @@ static int nvml_map(nvmlDevice_t h)
         if (drv->nvml_device_uuid && drv->nvml_device_uuid(h, s, sizeof s) == NVML_SUCCESS)
             d = vgpu_map_uuid(s);
     }
-    pthread_mutex_lock(&nvml_mu);
+    vgpu_lock(&nvml_mu);
     if (vgpu.nvml_nmap < VGPU_MAX_DEV) {
         vgpu.nvml_map[vgpu.nvml_nmap].h = h, vgpu.nvml_map[vgpu.nvml_nmap].d = d;
         vgpu.nvml_nmap++;
     }
-    pthread_mutex_unlock(&nvml_mu);
+    vgpu_unlock(&nvml_mu);
     return d;
 }
 
 static nvmlDevice_t handle_of(int d)
 {
-    pthread_mutex_lock(&nvml_mu);
+    vgpu_lock(&nvml_mu);
     nvmlDevice_t h = vgpu.nvml_handle[d];
     if (!h && own_nvml_init_locked() == NVML_SUCCESS) {
         const char *uuid = vgpu.region.r->dev[d].uuid;
@@ -97,7 +97,7 @@ static nvmlDevice_t handle_of(int d)
         else
             h = NULL;
     }
-    pthread_mutex_unlock(&nvml_mu);
+    vgpu_unlock(&nvml_mu);
     return h;
 }
 

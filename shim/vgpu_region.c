@@ -121,8 +121,13 @@ static void recompute_locked(struct vgpu_region *r)
     }
 }
 
+__thread int vgpu_nocancel_depth;
+__thread int vgpu_nocancel_saved;
+
+/* Cancellation is held off from the lock to vgpu_region_unlock (or a failed lock's return). */
 int vgpu_region_lock(struct vgpu_region *r)
 {
+    vgpu_nocancel_enter();
     int rc = pthread_mutex_lock(&r->lock.m);
     if (rc == EOWNERDEAD) {
         /* The holder died inside a critical section: its partial update is repaired by
@@ -134,14 +139,17 @@ int vgpu_region_lock(struct vgpu_region *r)
     }
     if (rc == ENOTRECOVERABLE) {
         init_mutex(&r->lock.m);
-        return pthread_mutex_lock(&r->lock.m) == 0 ? 0 : -1;
+        rc = pthread_mutex_lock(&r->lock.m);
     }
+    if (rc != 0)
+        vgpu_nocancel_leave();
     return rc == 0 ? 0 : -1;
 }
 
 void vgpu_region_unlock(struct vgpu_region *r)
 {
     pthread_mutex_unlock(&r->lock.m);
+    vgpu_nocancel_leave();
 }
 
 static void clear_slot_locked(struct vgpu_region *r, int s)

@@ -446,6 +446,18 @@ def test_a_context_released_while_another_thread_launches(card) -> None:
     assert r["rc"] == 0 and r["rounds"] > 100 and r["launches"] > 100, r
 
 
+def test_a_thread_cancelled_while_the_gate_holds_it_back(card) -> None:
+    """Review finding: pthread_cancel of a thread that the gate holds back (it sleeps under the
+    gate's lock, a cancellation point) ended the thread with the lock held, and the next launch
+    of any other thread of the process waited for ever. A second thread launches 2 ms kernels
+    at 30 % and is cancelled after 2-20 ms, again and again, while the main thread launches
+    and waits between cancellations: every launch returns and the limit holds."""
+    r = card.json("hostile", "cancel", "3", "2000", "4", env=alone(card, 30, "cancel"), timeout=60)[0]
+    print("a throttled thread cancelled again and again beside launches, at 30 %:", r)
+    assert r["rc"] == 0 and r["rounds"] > 50 and r["launches"] == r["rounds"], r
+    assert r["busy"] * 100 <= 30 + 4, r
+
+
 @pytest.mark.parametrize("loaded", [False, True])
 def test_threads_in_contexts_of_their_own_are_measured(card, loaded) -> None:
     """Three threads, each in a context of its own on the card (cuCtxCreate), launching 2 ms

@@ -924,6 +924,10 @@ static int cmd_fork(const char *kind, int n, int busy, const char *self)
  *       (each closes a batch), never a wait for the work itself.
  *   primrace: a second thread releases the primary context for the last time and retains it
  *       again in a loop while the main thread launches 5 us kernels and waits for each.
+ *   cancel: a second thread launches kernels of HEAVY_US on a stream of its own, waiting for
+ *       every K-th (throttled: it sleeps in the gate); the main thread cancels it
+ *       (pthread_cancel) after 2-20 ms, joins it, starts another, and between two launches a
+ *       5 us kernel of its own and waits for it ("rounds": threads cancelled).
  * "busy": the share of wall time this process's kernels ran. */
 struct hostile {
     pthread_barrier_t step;
@@ -954,6 +958,21 @@ static void *hostile_releaser(void *arg)
         if (cuDevicePrimaryCtxRelease_v2(0) == 0 && cuDevicePrimaryCtxRetain(&c, 0) == 0)
             h->rounds++;
         cuCtxSetCurrent(c);
+    }
+    return NULL;
+}
+
+static struct { CUfunction f; unsigned heavy; long k; } canc;
+
+static void *hostile_cancelled(void *arg)
+{
+    struct hostile *h = arg;
+    cuCtxSetCurrent(h->ctx);
+    for (long i = 1;; i++) {
+        cuLaunchKernel(canc.f, canc.heavy, 1, 1, 1, 1, 1, 0, h->nb, NULL, NULL);
+        if (i % canc.k == 0)
+            cuStreamSynchronize(h->nb);
+        pthread_testcancel(); /* a launch that never sleeps still ends here */
     }
     return NULL;
 }
@@ -991,6 +1010,10 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
             return 5;
     } else if (!strcmp(variant, "primrace"))
         pthread_create(&t, NULL, hostile_releaser, &h);
+    else if (!strcmp(variant, "cancel")) {
+        canc.f = f, canc.heavy = heavy, canc.k = k > 0 ? k : 1;
+        two = 0;
+    }
     double t0 = now_s(), d0 = done_s();
     while (!rc && now_s() - t0 < secs) {
         if (!strcmp(variant, "ptforeign")) {
@@ -1018,6 +1041,15 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
             if (!rc)
                 rc = cuStreamSynchronize(h.nb);
             value = v;
+        } else if (!strcmp(variant, "cancel")) {
+            pthread_create(&t, NULL, hostile_cancelled, &h);
+            usleep(2000 + (unsigned)(h.rounds * 7919 % 18000));
+            pthread_cancel(t);
+            pthread_join(t, NULL);
+            h.rounds++;
+            rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            cuStreamSynchronize(NULL);
+            n++;
         } else {
             rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
             cuStreamSynchronize(NULL);
