@@ -71,7 +71,8 @@ CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
 #define LOWER_BOUND (1ull << 62)
 CUevent vgpu_measure_event(struct vgpu_gate *g);          /* from the pool, or new; NULL: none */
 void vgpu_measure_put(struct vgpu_gate *g, void *event);  /* back to the pool */
-void vgpu_measure_open(struct vgpu_gate *g, CUstream s);  /* a batch starts before this launch */
+/* A batch starts before this launch: 1, or 0 when its opening event failed (nothing measures it). */
+int vgpu_measure_open(struct vgpu_gate *g, CUstream s);
 /* ... ends behind the last. Launches other threads have counted but not yet handed to the
  * driver would land behind the close's events, unmeasured, in a batch settled without them: a
  * batch closed with launches in flight is only a lower bound. */

@@ -224,8 +224,10 @@ static int gate_slow(int d, CUstream s)
     /* The decision opened the gate (open_until); the batch opens before the fast path may pass
      * again: a launch counted in between (no batch: any stream passed) went unmeasured. */
     uint64_t until = atomic_exchange(&g->open_until, 0);
-    vgpu_measure_open(g, s);
-    atomic_store(&g->open_until, until);
+    if (vgpu_measure_open(g, s))
+        atomic_store(&g->open_until, until);
+    else if (!g->measure_only) /* nothing measures it: a bucket, and the next launch asks again */
+        vgpu_gate_forfeit(g);
     /* Long kernels: one launch per batch. No estimate yet (a capped gate): the next launch takes
      * the slow path, which waits for this one's measurement; the fast path charges nothing
      * without an estimate, so a first burst of ten 100 ms kernels ran back to back. */

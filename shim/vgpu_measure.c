@@ -138,15 +138,18 @@ static int offset_ms(const struct vgpu_batch *b, void *e, float *at)
 /* A batch on several streams, each measured (first_ms: its first stream's span): the union of
  * the streams' spans (their kernels may run at once, and the card is busy while any runs), at
  * most their sum (streams one after another, with idle time between them). ns; 0 when an event
- * pair cannot be read. */
-static uint64_t streams_span(const struct vgpu_batch *b, float first_ms)
+ * pair cannot be read, unless `partial` (a lower bound: the pairs that can be read). */
+static uint64_t streams_span(const struct vgpu_batch *b, float first_ms, int partial)
 {
     double sum = first_ms, lo = 0, hi = first_ms;
     for (int i = 0; i < b->nxs; i++) {
         float start = 0, len = -1;
-        if (!offset_ms(b, b->xs_open[i], &start) ||
-            DRV->event_elapsed(&len, b->xs_open[i], b->xs_close[i]) != CUDA_SUCCESS || len < 0)
+        if (!b->xs_close[i] || !offset_ms(b, b->xs_open[i], &start) ||
+            DRV->event_elapsed(&len, b->xs_open[i], b->xs_close[i]) != CUDA_SUCCESS || len < 0) {
+            if (partial)
+                continue;
             return 0;
+        }
         sum += len;
         lo = start < lo ? start : lo;
         hi = start + len > hi ? start + len : hi;
@@ -166,9 +169,13 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
     int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
     uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
     if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
-        uint64_t span = streams_span(b, ms);
+        uint64_t span = streams_span(b, ms, 0);
         vgpu_gate_settle(g, n, b->prov_ns, span, span ? 5 : 0);
         return;
+    }
+    if (ok && b->nxs) { /* a lower bound: the streams whose spans can be read count too */
+        uint64_t span = streams_span(b, ms, 1);
+        ms = span > (uint64_t)((double)ms * 1e6) ? (float)((double)span / 1e6) : ms;
     }
     /* The first kernel's own time (opened right before it, probed right after it), or a
      * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
@@ -331,10 +338,15 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
             vgpu_measure_put(g, b.tails[i]);
         b.ev_seg = NULL, b.ntails = 0, b.tracked = 0;
     }
-    for (int i = 0; i < b.nxs && !multi && n; i++)
+    /* every stream it measures is closed, also when the batch is only a lower bound: the spans
+     * that can be read then raise it (the legacy stream's close misses non-blocking streams) */
+    for (int i = 0; i < b.nxs && n; i++)
         if ((b.xs_close[i] = vgpu_measure_event(g)) == NULL ||
-            DRV->event_record(b.xs_close[i], closing_stream(g->cur.xs[i], foreign)) != CUDA_SUCCESS)
+            DRV->event_record(b.xs_close[i], closing_stream(g->cur.xs[i], foreign)) != CUDA_SUCCESS) {
+            vgpu_measure_put(g, b.xs_close[i]);
+            b.xs_close[i] = NULL;
             multi = 1;
+        }
     CUstream s = multi ? NULL : closing_stream(g->cur.stream, foreign);
     int idle = !at_sync && !foreign && !b.nxs && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = vgpu_measure_event(g)) &&
@@ -348,6 +360,12 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
         VGPU_POKE(g->ring_len, g->ring_len + 1);
         return;
     }
+    /* No close could be recorded (an event that failed): its work stays unknown, and its
+     * provisional charge at the estimate is what a tenant that keeps the estimate low would
+     * want. Charged a bucket of GPU time on top, as a given-up batch: measurement that fails
+     * throttles, it never frees. */
+    if (n)
+        vgpu_gate_forfeit(g);
     vgpu_measure_put(g, b.ev_close);
     vgpu_measure_put(g, b.ev_open);
     vgpu_measure_put(g, b.ev_probe);
@@ -448,10 +466,10 @@ int vgpu_measure_join(struct vgpu_gate *g, CUstream s)
     return 1;
 }
 
-void vgpu_measure_open(struct vgpu_gate *g, CUstream s)
+int vgpu_measure_open(struct vgpu_gate *g, CUstream s)
 {
     if (g->cur.ev_open)
-        return;
+        return 1;
     CUevent e = vgpu_measure_event(g);
     if (e && DRV->event_record(e, s) != CUDA_SUCCESS) {
         vgpu_measure_put(g, e);
@@ -462,5 +480,6 @@ void vgpu_measure_open(struct vgpu_gate *g, CUstream s)
     VGPU_POKE(g->cur.stream, (void *)s);
     atomic_store(&g->batch_n, 0);
     vgpu_track_start(g, s);
+    return e != NULL;
 }
 

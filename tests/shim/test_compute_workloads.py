@@ -295,6 +295,22 @@ def test_work_on_several_non_blocking_streams_is_measured(card) -> None:
     assert all(abs(x * 100 - 30) <= 8 for x in r["per_sec"]), r
 
 
+@pytest.mark.parametrize("every", ["3", "7", "50"])
+def test_event_records_that_fail_keep_the_limit(card, every) -> None:
+    """Every N-th cuEventRecord of the process fails (the stub's STUB_EVENT_FAIL): a batch whose
+    join event failed was closed on the legacy stream alone, which does not follow non-blocking
+    streams, and settled at that span or the estimate: a tenant that trained the estimate on 5 us
+    kernels and then ran 2 ms kernels on two non-blocking streams went past its limit. Every
+    measured stream of such a batch is now closed too, and the spans that can be read raise the
+    lower bound."""
+    card.base_env.update(CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5",
+                         CUPROG_LEAD_KUS="5", CUPROG_THREADS="2", CUPROG_TINY_THREADS="1", STUB_EVENT_FAIL=every)
+    r = work(card, alone(card, 30, f"evfail{every}"), "sat", "3.2", "2000", "5", "2")
+    print(f"every {every}th event record failing, two non-blocking streams, at 30 %:", r["busy"], r["per_sec"])
+    assert r["busy"] * 100 <= 30 + 4, r
+    assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
+
+
 @pytest.mark.parametrize("streams", ["3", "6", "8"])
 def test_work_on_more_streams_than_a_batch_measures_is_measured(card, streams) -> None:
     """A batch measures at most VGPU_BATCH_STREAMS streams. Past that it was closed on the legacy

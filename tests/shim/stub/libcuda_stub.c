@@ -609,6 +609,10 @@ API CUresult cuEventDestroy(void *e) { return cuEventDestroy_v2(e); }
  * evlat-h200-2026-12-01.jsonl): an event on an idle stream holds the stream's next kernel back
  * G/2, one behind queued work completes G/2 after it. */
 static int64_t event_gap_ns = -1;
+/* STUB_EVENT_FAIL=N: every N-th cuEventRecord of the process fails (CUDA_ERROR_UNKNOWN, 999),
+ * recording nothing: the shim's measurement must then fall back without losing the limit. */
+static long event_fail_every = -1;
+static _Atomic unsigned long event_records;
 
 API CUresult cuEventRecord(void *e, CUstream s)
 {
@@ -617,6 +621,10 @@ API CUresult cuEventRecord(void *e, CUstream s)
     if (!ev) return E_INVALID_VALUE;
     check_live(ev);
     if (ev->ctx != ctx_of_stream(s)) return 400; /* CUDA_ERROR_INVALID_HANDLE: another context's */
+    if (__builtin_expect(event_fail_every < 0, 0))
+        event_fail_every = stub_env("STUB_EVENT_FAIL", 0);
+    if (event_fail_every > 0 && (atomic_fetch_add(&event_records, 1) + 1) % (unsigned long)event_fail_every == 0)
+        return 999;
     if (__builtin_expect(event_gap_ns < 0, 0))
         event_gap_ns = (int64_t)stub_env("STUB_EVENT_GAP_US", 0) * 1000;
     int slot = slot_of(s);
