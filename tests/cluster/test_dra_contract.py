@@ -55,8 +55,9 @@ def test_kube_scheduler_shares_one_card_by_capacity(gpu: GpuEnv, dra_node: str) 
     t = f"seed-{uuid.uuid4().hex[:6]}"
     gpu.apply(_template(gpu.ns, t, "3000Mi", "30"),
               _pod(gpu.ns, "a", dra_node, t), _pod(gpu.ns, "b", dra_node, t), _pod(gpu.ns, "c", dra_node, t))
-    gpu.wait_bound("a")
-    gpu.wait_bound("b")
+    # the scheduler takes the three pods in any order: whichever two come first get the two shares
+    bound = gpu.wait(lambda: (b := [p for p in gpu.pods() if p["spec"].get("nodeName")]) and len(b) == 2 and b,
+                     30, "two of three pods bound")
     claims = gpu.get("resourceclaims")["items"]
     allocated = [c for c in claims if (c.get("status") or {}).get("allocation")]
     assert len(allocated) == 2, claims
@@ -65,7 +66,8 @@ def test_kube_scheduler_shares_one_card_by_capacity(gpu: GpuEnv, dra_node: str) 
         assert res["driver"] == DRIVER and res["device"] == "gpu-0" and res["pool"] == dra_node
         assert res["consumedCapacity"] == {"memory": "3000Mi", "cores": "30", "shares": "1"}
         assert res.get("shareID")
+    assert len({(c["status"]["allocation"]["devices"]["results"][0]["shareID"]) for c in allocated}) == 2
     # splitCount 2: the third pod finds no share left and stays pending with the scheduler's reason
-    pod_c = gpu.get("pod", "c")
-    assert not pod_c["spec"].get("nodeName")
-    gpu.wait(lambda: any("FailedScheduling" in e for e in gpu.events("c")), 30, "FailedScheduling of c")
+    (pending,) = {"a", "b", "c"} - {p["metadata"]["name"] for p in bound}
+    assert not gpu.get("pod", pending)["spec"].get("nodeName")
+    gpu.wait(lambda: any("FailedScheduling" in e for e in gpu.events(pending)), 30, f"FailedScheduling of {pending}")
