@@ -78,11 +78,14 @@ def test_chart_renders_without_cert_manager(cluster: Cluster) -> None:
 @pytest.fixture
 def stand_in_cert_manager(cluster: Cluster) -> Any:
     crds = [_stand_in_crd("Issuer"), _stand_in_crd("Certificate")]
+    # an apply over CRDs still terminating passes, and then no object of their kinds may be made
+    cluster.kubectl("wait", "--for=delete", "crd", "-l", f"kvgpu.io/test={STAND_IN}", "--timeout=60s", check=False)
     cluster.kubectl("apply", "--server-side", "-f", "-", input=_as_list(crds))
     cluster.kubectl("wait", "--for=condition=Established", "crd", "-l", f"kvgpu.io/test={STAND_IN}",
                     "--timeout=60s")
     yield
-    cluster.kubectl("delete", "crd", "-l", f"kvgpu.io/test={STAND_IN}", "--wait=false", check=False)
+    # waited for: the next test's apply would otherwise land on the terminating CRDs
+    cluster.kubectl("delete", "crd", "-l", f"kvgpu.io/test={STAND_IN}", "--timeout=60s", check=False)
 
 
 @pytest.mark.parametrize("values", [None, CERT_MANAGER_VALUES], ids=["operator-certs", "cert-manager"])
