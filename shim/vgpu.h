@@ -382,6 +382,7 @@ struct vgpu_batch {
     void *xs[VGPU_BATCH_STREAMS - 1], *xs_open[VGPU_BATCH_STREAMS - 1], *xs_close[VGPU_BATCH_STREAMS - 1];
 };
 #define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
+#define VGPU_GAP_SPAN_NS (5 * VGPU_MS) /* a tracked batch this long moves the gap ratio a quarter */
 struct vgpu_gate {
     int active;                 /* 0 = no gate: launches pass untouched */
     int measure_only;           /* 1 = uncapped high priority: measure and publish, never wait */

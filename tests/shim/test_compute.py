@@ -151,6 +151,25 @@ def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
         assert c.local_vt - vt >= 40 * MS * 100 // 30  # at least half of the 80 ms span
 
 
+def test_short_batches_do_not_set_the_gap_ratio_of_long_ones(core) -> None:
+    """The gap ratio multiplies spans, so a tracked batch weighs on it by its span: twenty short
+    batches a round, half idle (15 us busy in 30 us), and one dense 8 ms batch leave it near the
+    long batch's; per batch (a quarter each) the short ones set it to about a half, and the
+    untracked long batches went at half their time. A run of long launch-bound batches still
+    moves it as fast as before."""
+    lib = core.lib
+    g = gate(core, 30)
+    for _ in range(10):
+        for _ in range(20):
+            lib.vgpu_gate_tracked(g, 15_000, 30_000)
+        lib.vgpu_gate_tracked(g, 8 * MS, 8 * MS)
+    # spans: 8 ms dense against 0.6 ms half idle a round: about 96 % busy
+    assert g.gap_pm >= 900, g.gap_pm
+    for _ in range(40):  # a launch-bound phase of 5 ms batches: 0.5 % busy
+        lib.vgpu_gate_tracked(g, 25_000, 5 * MS)
+    assert g.gap_pm <= 10, g.gap_pm
+
+
 def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
     lib = core.lib
     g = gate(core, 30)
