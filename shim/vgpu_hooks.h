@@ -111,7 +111,9 @@ typedef struct CUgraphNode_st *CUgraphNode;
     X(H_STREAMSYNC, cuStreamSynchronize, "cuStreamSynchronize", 2000, 0, CUresult, (CUstream))           \
     X(H_STREAMSYNC_PTSZ, cuStreamSynchronize_ptsz, "cuStreamSynchronize", 7000, 1, CUresult, (CUstream)) \
     X(H_CTXSYNC, cuCtxSynchronize, "cuCtxSynchronize", 2000, 0, CUresult, (void))                        \
-    X(H_EVENTSYNC, cuEventSynchronize, "cuEventSynchronize", 2000, 0, CUresult, (CUevent))
+    X(H_EVENTSYNC, cuEventSynchronize, "cuEventSynchronize", 2000, 0, CUresult, (CUevent))             \
+    X(H_STREAM_DESTROY, cuStreamDestroy_v2, "cuStreamDestroy", 4000, 0, CUresult, (CUstream))           \
+    X(H_STREAM_DESTROY_V1, cuStreamDestroy, "cuStreamDestroy", 2000, 0, CUresult, (CUstream))
 
 #define VGPU_NVML_HOOKS(X)                                                                               \
     X(N_INIT, nvmlInit, "nvmlInit", 0, 0, nvmlReturn_t, (void))                                          \

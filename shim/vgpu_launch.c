@@ -356,6 +356,26 @@ void vgpu_compute_synced(void)
     vgpu_unlock(&g->mu);
 }
 
+/* Stream s is about to be destroyed: an open batch that measures it closes first, while its
+ * events can still be recorded there (after the destroy the close would fail, and the handle may
+ * name the next stream created). Its work runs on to its end, and the close follows it. */
+static void stream_gone(CUstream s)
+{
+    if (!vgpu.compute_limited || (uintptr_t)s <= (uintptr_t)CU_STREAM_PER_THREAD)
+        return;
+    for (int d = 0; d < VGPU_MAX_DEV; d++) {
+        struct vgpu_gate *g = &vgpu.gate[d];
+        if (!g->active || !VGPU_PEEK(g->cur.ev_open) || !vgpu_gate_measures(g, s)) /* hints */
+            continue;
+        vgpu_lock(&g->mu);
+        if (g->cur.ev_open && vgpu_gate_measures(g, s)) {
+            vgpu_measure_close(g, 0);
+            atomic_store(&g->open_until, 0);
+        }
+        vgpu_unlock(&g->mu);
+    }
+}
+
 /* fn(g, c) on every active gate, under its lock. */
 static void each_gate(void (*fn)(struct vgpu_gate *, CUcontext), CUcontext c)
 {
@@ -520,4 +540,20 @@ VGPU_API CUresult cuEventSynchronize(CUevent e)
     CUresult rc = REAL(H_EVENTSYNC, CUresult(*)(CUevent))(e);
     vgpu_compute_synced();
     return rc;
+}
+
+/* ------------------------------------------------------------------ stream lifetime */
+
+VGPU_API CUresult cuStreamDestroy_v2(CUstream s)
+{
+    BROKEN_GUARD();
+    stream_gone(s);
+    return REAL(H_STREAM_DESTROY, CUresult(*)(CUstream))(s);
+}
+
+VGPU_API CUresult cuStreamDestroy(CUstream s)
+{
+    BROKEN_GUARD();
+    stream_gone(s);
+    return REAL(H_STREAM_DESTROY_V1, CUresult(*)(CUstream))(s);
 }

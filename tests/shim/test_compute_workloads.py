@@ -462,6 +462,20 @@ def test_a_context_released_while_another_thread_launches(card) -> None:
     assert r["rc"] == 0 and r["rounds"] > 100 and r["launches"] > 100, r
 
 
+def test_streams_destroyed_with_work_queued_are_measured(card) -> None:
+    """A tenant creates a non-blocking stream, queues four 2 ms kernels on it, destroys it at
+    once (the work runs on), sleeps as long as that work, then launches 5 us kernels on the
+    legacy stream and waits for each (which keeps the per-launch estimate low), round after
+    round. The batch was closed only at the next wait, on a stream that no longer existed: the
+    record failed (charged a bucket: 14 % under 30 %), and on a real driver it could land on the
+    next stream given the same handle. The destroy now closes the batch first: the tenant gets
+    its share, neither more nor much less."""
+    r = card.json("hostile", "sdestroy", "3", "2000", "4", env=alone(card, 30, "sdestroy"), timeout=60)[0]
+    print("streams destroyed with 2 ms kernels queued, at 30 %:", r)
+    assert r["rc"] == 0 and r["rounds"] > 20, r
+    assert 30 - 5 <= r["busy"] * 100 <= 30 + 4, r
+
+
 def test_a_thread_cancelled_while_the_gate_holds_it_back(card) -> None:
     """Review finding: pthread_cancel of a thread that the gate holds back (it sleeps under the
     gate's lock, a cancellation point) ended the thread with the lock held, and the next launch

@@ -928,6 +928,9 @@ static int cmd_fork(const char *kind, int n, int busy, const char *self)
  *       every K-th (throttled: it sleeps in the gate); the main thread cancels it
  *       (pthread_cancel) after 2-20 ms, joins it, starts another, and between two launches a
  *       5 us kernel of its own and waits for it ("rounds": threads cancelled).
+ *   sdestroy: a non-blocking stream is created, K kernels of HEAVY_US go on it, and it is
+ *       destroyed at once (its work runs on); after a sleep as long as that work, 20 times a
+ *       5 us kernel on the legacy stream and a wait for it (which waits for nothing of the destroyed stream's), and the next one.
  * "busy": the share of wall time this process's kernels ran. */
 struct hostile {
     pthread_barrier_t step;
@@ -1041,6 +1044,20 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
             if (!rc)
                 rc = cuStreamSynchronize(h.nb);
             value = v;
+        } else if (!strcmp(variant, "sdestroy")) {
+            CUstream st;
+            if ((rc = cuStreamCreate(&st, 1)))
+                break;
+            for (long i = 0; i < k && !rc; i++, n++)
+                rc = cuLaunchKernel(f, heavy, 1, 1, 1, 1, 1, 0, st, NULL, NULL);
+            if (!rc)
+                rc = cuStreamDestroy_v2(st);
+            h.rounds++;
+            usleep((useconds_t)(k * heavy + 1000)); /* the destroyed stream's work ends meanwhile */
+            for (int i = 0; i < 20 && !rc; i++) { /* tiny batches: the estimate stays low */
+                rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+                cuStreamSynchronize(NULL);
+            }
         } else if (!strcmp(variant, "cancel")) {
             pthread_create(&t, NULL, hostile_cancelled, &h);
             usleep(2000 + (unsigned)(h.rounds * 7919 % 18000));

@@ -331,6 +331,10 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void
 #define STUB_STREAMS 32
 static _Atomic uint64_t last_done[STUB_MAXDEV][STUB_STREAMS];
 static _Atomic int next_stream = 2;
+/* A destroyed stream's slot is handed out again by the next create (a real driver may hand back
+ * the same handle too); meanwhile an event record on it fails (CUDA_ERROR_INVALID_HANDLE). */
+static _Atomic int stream_dead[STUB_STREAMS];
+
 static _Atomic int non_blocking[STUB_STREAMS]; /* CU_STREAM_NON_BLOCKING: the legacy stream does not wait for it */
 static void *stream_ctx[STUB_STREAMS];          /* the context a created stream belongs to */
 static pthread_mutex_t ring_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -625,6 +629,7 @@ API CUresult cuEventRecord(void *e, CUstream s)
         event_fail_every = stub_env("STUB_EVENT_FAIL", 0);
     if (event_fail_every > 0 && (atomic_fetch_add(&event_records, 1) + 1) % (unsigned long)event_fail_every == 0)
         return 999;
+    if (slot_of(s) >= 2 && atomic_load(&stream_dead[slot_of(s)])) return 400;
     if (__builtin_expect(event_gap_ns < 0, 0))
         event_gap_ns = (int64_t)stub_env("STUB_EVENT_GAP_US", 0) * 1000;
     int slot = slot_of(s);
@@ -838,14 +843,28 @@ API CUresult cuModuleLoadData(void **m, const void *img) { (void)img; if (!inite
 API CUresult cuModuleGetFunction(CUfunction *f, void *m, const char *name) { (void)m; (void)name; *f = (CUfunction)0x78; return OK; }
 API CUresult cuStreamCreate(CUstream *s, unsigned fl)
 {
-    int k = atomic_fetch_add(&next_stream, 1);
+    int k = -1;
+    for (int i = 2, n = atomic_load(&next_stream); i < n && i < STUB_STREAMS && k < 0; i++) {
+        int one = 1;
+        if (atomic_compare_exchange_strong(&stream_dead[i], &one, 0))
+            k = i;
+    }
+    if (k < 0)
+        k = atomic_fetch_add(&next_stream, 1);
     if (k >= STUB_STREAMS) return E_OOM;
     atomic_store(&non_blocking[k], (fl & 1) != 0);
     stream_ctx[k] = cur_handle;
     *s = (CUstream)(uintptr_t)(0x100 + k);
     return OK;
 }
-API CUresult cuStreamDestroy_v2(CUstream s) { (void)s; return OK; }
+API CUresult cuStreamDestroy_v2(CUstream s)
+{
+    uintptr_t v = (uintptr_t)s;
+    if (v < 0x100 + 2 || v >= 0x100 + STUB_STREAMS || atomic_load(&stream_dead[v - 0x100])) return 400;
+    atomic_store(&stream_dead[v - 0x100], 1);
+    return OK;
+}
+API CUresult cuStreamDestroy(CUstream s) { return cuStreamDestroy_v2(s); }
 API CUresult cuGraphCreate(void **g, unsigned fl) { (void)fl; return hidden_graph_create(g); }
 API CUresult cuDeviceGetDefaultMemPool(void **p, CUdevice d) { if (phys_of(d) < 0) return E_INVALID_DEVICE; *p = (void *)(uintptr_t)(0x500 + d); return OK; }
 /* A reset destroys the primary context's state (its events with it) whoever retains it; the
