@@ -103,10 +103,14 @@ void vgpu_track_start(struct vgpu_gate *g, CUstream s)
     VGPU_POKE(g->tracking, 1);
 }
 
-/* The tracked batch's tail on stream s: found, or a new one (-1: one stream too many, or no
- * event). */
+/* The tracked batch's tail on stream s: found, or a new one (-1: one stream too many, no event,
+ * or another thread's per-thread stream: the handle names the calling thread's own stream, so
+ * a tail kept by handle would move between streams; such a launch, counted before the batch
+ * changed hands and reaching its after-hook now, is not this batch's). */
 static int track_tail(struct vgpu_gate *g, CUstream s)
 {
+    if ((void *)s == VGPU_STREAM_PER_THREAD && g->cur.pt_owner != vgpu_thread_token())
+        return -1;
     for (int i = 0; i < g->ntails; i++)
         if (g->tail_stream[i] == s)
             return i;
