@@ -393,8 +393,9 @@ static void each_gate(void (*fn)(struct vgpu_gate *, CUcontext), CUcontext c)
 
 static void ctx_dying(struct vgpu_gate *g, CUcontext c)
 {
-    VGPU_POKE(g->ctx_dying, (void *)c);
+    /* its batches first, while events can still be made in it (the mark refuses them) */
     vgpu_measure_ctx_gone(g, c);
+    VGPU_POKE(g->ctx_dying, (void *)c);
 }
 
 static void ctx_dead(struct vgpu_gate *g, CUcontext c)

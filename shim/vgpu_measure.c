@@ -62,6 +62,14 @@ void vgpu_measure_put(struct vgpu_gate *g, void *e)
         DRV->event_destroy(e);
 }
 
+/* An event whose record failed: destroyed, never pooled (the pool hands back the last event put,
+ * so one that cannot be recorded would fail every later batch, each then charged a bucket). */
+static void event_failed(void *e)
+{
+    if (e)
+        DRV->event_destroy(e);
+}
+
 /* A batch's events: back to the pool once it is settled. Or, `pending`, given up while its work
  * may still run: destroyed (the driver frees them once the GPU has passed them), since a pooled
  * one would be recorded again while the GPU still owes it. */
@@ -171,6 +179,8 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
     if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
         uint64_t span = streams_span(b, ms, 0);
         vgpu_gate_settle(g, n, b->prov_ns, span, span ? 5 : 0);
+        if (!span && n) /* a stream's events cannot be read */
+            vgpu_gate_forfeit(g);
         return;
     }
     if (ok && b->nxs) { /* a lower bound: the streams whose spans can be read count too */
@@ -192,6 +202,8 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
     /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest */
     vgpu_gate_settle(g, n, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
                      !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : 1);
+    if (!ok && n) /* its events cannot be read (an error, or a close recorded into a capture) */
+        vgpu_gate_forfeit(g);
 }
 
 /* Given-up batches (still running when the ring needed their room) wait in the overflow with
@@ -343,7 +355,7 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
     for (int i = 0; i < b.nxs && n; i++)
         if ((b.xs_close[i] = vgpu_measure_event(g)) == NULL ||
             DRV->event_record(b.xs_close[i], closing_stream(g->cur.xs[i], foreign)) != CUDA_SUCCESS) {
-            vgpu_measure_put(g, b.xs_close[i]);
+            event_failed(b.xs_close[i]);
             b.xs_close[i] = NULL;
             multi = 1;
         }
@@ -366,7 +378,7 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
      * throttles, it never frees. */
     if (n)
         vgpu_gate_forfeit(g);
-    vgpu_measure_put(g, b.ev_close);
+    event_failed(b.ev_close); /* made, so its record failed */
     vgpu_measure_put(g, b.ev_open);
     vgpu_measure_put(g, b.ev_probe);
     for (int i = 0; i < b.nxs; i++) {
@@ -460,7 +472,7 @@ int vgpu_measure_join(struct vgpu_gate *g, CUstream s)
         g->cur.xs_open[g->cur.nxs] = e;
         VGPU_POKE(g->cur.nxs, g->cur.nxs + 1);
     } else {
-        vgpu_measure_put(g, e);
+        event_failed(e);
         g->multi_stream = 1; /* no event: a lower bound (vgpu_measure_close) */
     }
     return 1;
@@ -472,7 +484,7 @@ int vgpu_measure_open(struct vgpu_gate *g, CUstream s)
         return 1;
     CUevent e = vgpu_measure_event(g);
     if (e && DRV->event_record(e, s) != CUDA_SUCCESS) {
-        vgpu_measure_put(g, e);
+        event_failed(e);
         e = NULL;
     }
     VGPU_POKE(g->cur.pt_owner, (void *)s == VGPU_STREAM_PER_THREAD ? vgpu_thread_token() : 0);
