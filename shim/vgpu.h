@@ -440,6 +440,7 @@ struct vgpu_gate {
     uint64_t track_after_ns;    /* CPU ns of recording a tail behind the last launch */
     uint32_t track_rng;         /* which batches are tracked (xorshift) */
     uint32_t gap_pm;            /* busy / span of tracked batches, per mille (EWMA); 0 = unknown */
+    uint32_t gap_ppm;           /* the same in parts per million: the average's own precision */
     /* Busy calibration (alone on the card): the card's own busy time (NVML's utilization
      * samples) per measured GPU ns, per mille; every charge is scaled by it. 1000 = none. */
     uint32_t cal_pm;

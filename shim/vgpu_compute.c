@@ -261,18 +261,15 @@ void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns)
         busy_ns = span_ns;
     if (!span_ns)
         return;
-    uint32_t pm = (uint32_t)(busy_ns * 1000 / span_ns);
-    if (pm < 1)
-        pm = 1;
+    uint32_t ppm = (uint32_t)(busy_ns * 1000000 / span_ns);
     if (!g->gap_pm) {
-        g->gap_pm = pm;
-        return;
+        g->gap_ppm = ppm;
+    } else { /* kept in ppm: a short batch's step is a small fraction of a per mille */
+        uint64_t w = span_ns < VGPU_GAP_SPAN_NS ? span_ns : VGPU_GAP_SPAN_NS;
+        int64_t step = ((int64_t)ppm - (int64_t)g->gap_ppm) * (int64_t)w / (int64_t)(4 * VGPU_GAP_SPAN_NS);
+        g->gap_ppm = (uint32_t)((int64_t)g->gap_ppm + step);
     }
-    uint64_t w = span_ns < VGPU_GAP_SPAN_NS ? span_ns : VGPU_GAP_SPAN_NS;
-    int64_t step = ((int64_t)pm - (int64_t)g->gap_pm) * (int64_t)w / (int64_t)(4 * VGPU_GAP_SPAN_NS);
-    g->gap_pm = (uint32_t)((int64_t)g->gap_pm + step);
-    if (g->gap_pm < 1)
-        g->gap_pm = 1;
+    g->gap_pm = g->gap_ppm < 1000 ? 1 : (g->gap_ppm + 500) / 1000;
 }
 
 void vgpu_gate_forfeit(struct vgpu_gate *g)

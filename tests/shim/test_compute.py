@@ -168,6 +168,10 @@ def test_short_batches_do_not_set_the_gap_ratio_of_long_ones(core) -> None:
     for _ in range(40):  # a launch-bound phase of 5 ms batches: 0.5 % busy
         lib.vgpu_gate_tracked(g, 25_000, 5 * MS)
     assert g.gap_pm <= 10, g.gap_pm
+    # short batches alone still move it all the way, however small each step (100 us, half busy)
+    for _ in range(2000):
+        lib.vgpu_gate_tracked(g, 50_000, 100_000)
+    assert 450 <= g.gap_pm <= 550, g.gap_pm
 
 
 def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
