@@ -358,11 +358,13 @@ void vgpu_compute_synced(void)
 
 /* Stream s is about to be destroyed: an open batch that measures it closes first, while its
  * events can still be recorded there (after the destroy the close would fail, and the handle may
- * name the next stream created). Its work runs on to its end, and the close follows it. */
-static void stream_gone(CUstream s)
+ * name the next stream created). Its work runs on to its end, and the close follows it. The
+ * gate that closed stays locked until the driver has destroyed the stream (stream_gone_end),
+ * so no launch joins the batch on it meanwhile. */
+static struct vgpu_gate *stream_gone(CUstream s)
 {
     if (!vgpu.compute_limited || (uintptr_t)s <= (uintptr_t)CU_STREAM_PER_THREAD)
-        return;
+        return NULL;
     for (int d = 0; d < VGPU_MAX_DEV; d++) {
         struct vgpu_gate *g = &vgpu.gate[d];
         if (!g->active || !VGPU_PEEK(g->cur.ev_open) || !vgpu_gate_measures(g, s)) /* hints */
@@ -371,9 +373,17 @@ static void stream_gone(CUstream s)
         if (g->cur.ev_open && vgpu_gate_measures(g, s)) {
             vgpu_measure_close(g, 0);
             atomic_store(&g->open_until, 0);
+            return g; /* a stream is one context's: no other gate measures it */
         }
         vgpu_unlock(&g->mu);
     }
+    return NULL;
+}
+
+static void stream_gone_end(struct vgpu_gate *g)
+{
+    if (g)
+        vgpu_unlock(&g->mu);
 }
 
 /* fn(g, c) on every active gate, under its lock. */
@@ -548,13 +558,17 @@ VGPU_API CUresult cuEventSynchronize(CUevent e)
 VGPU_API CUresult cuStreamDestroy_v2(CUstream s)
 {
     BROKEN_GUARD();
-    stream_gone(s);
-    return REAL(H_STREAM_DESTROY, CUresult(*)(CUstream))(s);
+    struct vgpu_gate *g = stream_gone(s);
+    CUresult rc = REAL(H_STREAM_DESTROY, CUresult(*)(CUstream))(s);
+    stream_gone_end(g);
+    return rc;
 }
 
 VGPU_API CUresult cuStreamDestroy(CUstream s)
 {
     BROKEN_GUARD();
-    stream_gone(s);
-    return REAL(H_STREAM_DESTROY_V1, CUresult(*)(CUstream))(s);
+    struct vgpu_gate *g = stream_gone(s);
+    CUresult rc = REAL(H_STREAM_DESTROY_V1, CUresult(*)(CUstream))(s);
+    stream_gone_end(g);
+    return rc;
 }
