@@ -371,6 +371,9 @@ struct vgpu_batch {
     int ntails;                 /* gap-tracked: its streams' tails (it ends at the latest) */
     void *tails[VGPU_BATCH_STREAMS];
     int tracked;                /* measured gap by gap (vgpu_launch.c): its GPU time is exact */
+    int untracked;              /* its gap tracking stopped mid-batch (a launch into a capture,
+                                 * a stream too many, an event that failed): charged its whole
+                                 * span, never the gap ratio's share of it */
     /* Several streams: the batch's first stream is ev_open's and ev_close's; each other stream it
      * launched on (up to VGPU_BATCH_STREAMS in all; beyond, the batch is only a lower bound) has
      * its own pair, recorded before its first launch there and behind the batch. */

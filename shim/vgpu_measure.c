@@ -178,7 +178,9 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
     uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
     if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
         uint64_t span = streams_span(b, ms, 0);
-        vgpu_gate_settle(g, n, b->prov_ns, span, span ? 5 : 0);
+        if (span && b->untracked) /* as below */
+            vgpu_gate_tracked(g, span, span);
+        vgpu_gate_settle(g, n, b->prov_ns, span, !span ? 0 : b->untracked ? 3 : 5);
         if (!span && n) /* a stream's events cannot be read */
             vgpu_gate_forfeit(g);
         return;
@@ -200,8 +202,13 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
     } else if (ok && !b->ev_probe && b->launches == 1)
         vgpu_gate_sample(g, (uint64_t)((double)ms * 1e6));
     /* bits 63 and 62 of `launches` flag an upper or a lower bound; the count is the rest */
+    /* An abandoned tracking: the whole span, exact as measured (3), not a share of it; and into
+     * the gap ratio as all busy (a tracked batch was a random pick: dropped, it would leave the
+     * ratio to the batches the tenant lets be tracked). */
+    if (ok && b->untracked && !(b->launches & (LOWER_BOUND | UPPER_BOUND)))
+        vgpu_gate_tracked(g, (uint64_t)((double)ms * 1e6), (uint64_t)((double)ms * 1e6));
     vgpu_gate_settle(g, n, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
-                     !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : 1);
+                     !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : b->untracked ? 3 : 1);
     if (!ok && n) /* its events cannot be read (an error, or a close recorded into a capture) */
         vgpu_gate_forfeit(g);
 }
@@ -319,7 +326,8 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
         VGPU_POKE(g->tracking, 0); /* what is still in flight misses its tails too: a plain batch */
     uint64_t n = atomic_exchange(&g->batch_n, 0);
     struct vgpu_batch b = {.ev_open = g->cur.ev_open, .ctx = g->ev_ctx, .launches = n, .prov_ns = n * g->est_ns,
-                           .ev_probe = g->cur.ev_probe, .nxs = g->cur.nxs};
+                           .ev_probe = g->cur.ev_probe, .nxs = g->cur.nxs, .untracked = g->cur.untracked};
+    g->cur.untracked = 0;
     for (int i = 0; i < b.nxs; i++)
         b.xs_open[i] = g->cur.xs_open[i], g->cur.xs_open[i] = NULL;
     VGPU_POKE(g->cur.nxs, 0);
@@ -490,6 +498,7 @@ int vgpu_measure_open(struct vgpu_gate *g, CUstream s)
     VGPU_POKE(g->cur.pt_owner, (void *)s == VGPU_STREAM_PER_THREAD ? vgpu_thread_token() : 0);
     VGPU_POKE(g->cur.ev_open, e);
     VGPU_POKE(g->cur.stream, (void *)s);
+    g->cur.untracked = 0;
     atomic_store(&g->batch_n, 0);
     vgpu_track_start(g, s);
     return e != NULL;

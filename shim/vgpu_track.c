@@ -122,6 +122,16 @@ static int track_tail(struct vgpu_gate *g, CUstream s)
     return g->ntails++;
 }
 
+/* Tracking stops mid-batch: the batch is charged its whole span (vgpu_measure.c), never the gap
+ * ratio's share. A tenant could otherwise stop it in its dense batches (one launch into a stream
+ * it keeps capturing) and leave only its idle ones tracked, lowering the ratio its dense batches
+ * are charged by. */
+static void abandon(struct vgpu_gate *g)
+{
+    g->cur.untracked = 1;
+    vgpu_track_stop(g);
+}
+
 /* A stream being captured (torch.cuda.graph warms up on its side stream, then captures on
  * it): querying its work would invalidate the capture, and what is captured does not run now. */
 int vgpu_stream_capturing(CUstream s)
@@ -137,7 +147,7 @@ void vgpu_track_before(struct vgpu_gate *g, CUstream s)
         return;
     uint64_t t0 = vgpu_now_ns();
     if (vgpu_stream_capturing(s) || track_tail(g, s) < 0) {
-        vgpu_track_stop(g); /* more streams than tracked, or an event failed: a plain batch */
+        abandon(g); /* more streams than tracked, or an event failed */
         return;
     }
     int set = 0;
@@ -150,7 +160,7 @@ void vgpu_track_before(struct vgpu_gate *g, CUstream s)
     float ms = tails_end_ms(start, g->tail, g->tail_set, g->ntails);
     if (ms < 0 || (!g->cur.ev_seg && !(g->cur.ev_seg = vgpu_measure_event(g))) ||
         DRV->event_record(g->cur.ev_seg, s) != CUDA_SUCCESS) {
-        vgpu_track_stop(g); /* an event failed: a plain batch */
+        abandon(g); /* an event failed */
         return;
     }
     g->cur.seg_busy_ns += segment_ns(ms);
@@ -169,7 +179,7 @@ void vgpu_track_after(struct vgpu_gate *g, CUstream s)
     uint64_t t0 = vgpu_now_ns();
     int k = track_tail(g, s);
     if (k < 0 || DRV->event_record(g->tail[k], s) != CUDA_SUCCESS)
-        vgpu_track_stop(g);
+        abandon(g);
     else
         g->tail_set[k] = 1, g->track_after_ns = vgpu_now_ns() - t0;
 }

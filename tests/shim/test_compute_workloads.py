@@ -476,6 +476,18 @@ def test_streams_destroyed_with_work_queued_are_measured(card) -> None:
     assert 30 - 5 <= r["busy"] * 100 <= 30 + 4, r
 
 
+def test_a_tenant_cannot_keep_only_its_idle_batches_tracked(card) -> None:
+    """Review finding: rounds of an idle batch (ten 5 us kernels 300 us apart) and a dense one
+    (2 ms kernels back to back, with one launch into a stream the tenant keeps capturing, which
+    ends the batch's gap tracking). Only the idle batches stayed tracked, the gap ratio fell to
+    their busy share, and the dense batches were charged that share of their span. A batch whose
+    tracking stopped is now charged its whole span."""
+    r = card.json("hostile", "gapbias", "3", "2000", "5", env=alone(card, 30, "gapbias"), timeout=60)[0]
+    print("dense batches with their tracking stopped beside idle tracked ones, at 30 %:", r)
+    assert r["rc"] == 0 and r["rounds"] > 20, r
+    assert r["busy"] * 100 <= 30 + 4, r
+
+
 def test_a_thread_cancelled_while_the_gate_holds_it_back(card) -> None:
     """Review finding: pthread_cancel of a thread that the gate holds back (it sleeps under the
     gate's lock, a cancellation point) ended the thread with the lock held, and the next launch

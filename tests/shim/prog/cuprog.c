@@ -931,6 +931,10 @@ static int cmd_fork(const char *kind, int n, int busy, const char *self)
  *   sdestroy: a non-blocking stream is created, K kernels of HEAVY_US go on it, and it is
  *       destroyed at once (its work runs on); after a sleep as long as that work, 20 times a
  *       5 us kernel on the legacy stream and a wait for it (which waits for nothing of the destroyed stream's), and the next one.
+ *   gapbias: rounds of an idle batch (ten 5 us kernels on the legacy stream, 300 us apart, and
+ *       a wait) and a dense one (a kernel of HEAVY_US on a created stream, one launch into a
+ *       stream it keeps capturing, K-1 more of HEAVY_US, and a wait): the capture launch ends
+ *       the dense batch's gap tracking, so only idle batches stay tracked.
  * "busy": the share of wall time this process's kernels ran. */
 struct hostile {
     pthread_barrier_t step;
@@ -1006,6 +1010,8 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
     int two = strcmp(variant, "gaveup") != 0;
     if (!strcmp(variant, "gaveup") && (!waitv || !writev))
         return 6;
+    if (!strcmp(variant, "gapbias") && cuStreamBeginCapture_v2(cap, 2))
+        return 5;
     if (!strcmp(variant, "ptforeign")) {
         pthread_barrier_init(&h.step, NULL, 2);
         pthread_create(&t, NULL, hostile_closer, &h);
@@ -1058,6 +1064,19 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
                 rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
                 cuStreamSynchronize(NULL);
             }
+        } else if (!strcmp(variant, "gapbias")) {
+            for (int i = 0; i < 10 && !rc; i++) {
+                rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+                usleep(300);
+            }
+            cuStreamSynchronize(NULL);
+            rc = rc ? rc : cuLaunchKernel(f, heavy, 1, 1, 1, 1, 1, 0, other, NULL, NULL);
+            cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, cap, NULL, NULL);
+            for (long i = 1; i < k && !rc; i++)
+                rc = cuLaunchKernel(f, heavy, 1, 1, 1, 1, 1, 0, other, NULL, NULL);
+            cuStreamSynchronize(other);
+            n += k;
+            h.rounds++;
         } else if (!strcmp(variant, "cancel")) {
             pthread_create(&t, NULL, hostile_cancelled, &h);
             usleep(2000 + (unsigned)(h.rounds * 7919 % 18000));
