@@ -326,6 +326,7 @@ static int cmd_launch(const char *mode, double secs, long sync_every)
 CUresult cuStreamCreate(CUstream *, unsigned);
 CUresult cuStreamBeginCapture_v2(CUstream, int);
 CUresult cuStreamEndCapture(CUstream, void **);
+CUresult cuStreamDestroy_v2(CUstream);
 
 static double done_s(void)
 {
@@ -1007,7 +1008,7 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
     }
     cuCtxSynchronize();
     pthread_t t;
-    int two = strcmp(variant, "gaveup") != 0;
+    int two = !strcmp(variant, "ptforeign") || !strcmp(variant, "primrace"); /* a second thread to join */
     if (!strcmp(variant, "gaveup") && (!waitv || !writev))
         return 6;
     if (!strcmp(variant, "gapbias") && cuStreamBeginCapture_v2(cap, 2))
@@ -1021,7 +1022,6 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
         pthread_create(&t, NULL, hostile_releaser, &h);
     else if (!strcmp(variant, "cancel")) {
         canc.f = f, canc.heavy = heavy, canc.k = k > 0 ? k : 1;
-        two = 0;
     }
     double t0 = now_s(), d0 = done_s();
     while (!rc && now_s() - t0 < secs) {
