@@ -113,7 +113,16 @@ typedef struct CUgraphNode_st *CUgraphNode;
     X(H_CTXSYNC, cuCtxSynchronize, "cuCtxSynchronize", 2000, 0, CUresult, (void))                        \
     X(H_EVENTSYNC, cuEventSynchronize, "cuEventSynchronize", 2000, 0, CUresult, (CUevent))             \
     X(H_STREAM_DESTROY, cuStreamDestroy_v2, "cuStreamDestroy", 4000, 0, CUresult, (CUstream))           \
-    X(H_STREAM_DESTROY_V1, cuStreamDestroy, "cuStreamDestroy", 2000, 0, CUresult, (CUstream))
+    X(H_STREAM_DESTROY_V1, cuStreamDestroy, "cuStreamDestroy", 2000, 0, CUresult, (CUstream))           \
+    X(H_CAPTURE, cuStreamBeginCapture, "cuStreamBeginCapture", 10000, 0, CUresult, (CUstream))          \
+    X(H_CAPTURE_PTSZ, cuStreamBeginCapture_ptsz, "cuStreamBeginCapture", 10000, 1, CUresult, (CUstream)) \
+    X(H_CAPTURE_V2, cuStreamBeginCapture_v2, "cuStreamBeginCapture", 10010, 0, CUresult, (CUstream, int)) \
+    X(H_CAPTURE_V2_PTSZ, cuStreamBeginCapture_v2_ptsz, "cuStreamBeginCapture", 10010, 1, CUresult,      \
+      (CUstream, int))                                                                                   \
+    X(H_CAPTURE_TO_GRAPH, cuStreamBeginCaptureToGraph, "cuStreamBeginCaptureToGraph", 12030, 0, CUresult, \
+      (CUstream, void *, const void *, const void *, size_t, int))                                       \
+    X(H_CAPTURE_TO_GRAPH_PTSZ, cuStreamBeginCaptureToGraph_ptsz, "cuStreamBeginCaptureToGraph", 12030, 1, \
+      CUresult, (CUstream, void *, const void *, const void *, size_t, int))
 
 #define VGPU_NVML_HOOKS(X)                                                                               \
     X(N_INIT, nvmlInit, "nvmlInit", 0, 0, nvmlReturn_t, (void))                                          \

@@ -356,15 +356,16 @@ void vgpu_compute_synced(void)
     vgpu_unlock(&g->mu);
 }
 
-/* Stream s is about to be destroyed: an open batch that measures it closes first, while its
- * events can still be recorded there (after the destroy the close would fail, and the handle may
- * name the next stream created). Its work runs on to its end, and the close follows it. The
- * gate that closed stays locked until the driver has destroyed the stream (stream_gone_end),
+/* Stream s is about to be destroyed, or to begin capturing: an open batch that measures it
+ * closes first, while its events can still be recorded there (after the destroy the close would
+ * fail, and the handle may name the next stream created; during a capture the close would be
+ * captured, never run, and the batch unreadable). Its work runs on to its end, and the close
+ * follows it. The gate that closed stays locked until the driver has returned (stream_gone_end),
  * so no launch joins the batch on it meanwhile. */
 static struct vgpu_gate *stream_gone(CUstream s)
 {
-    if (!vgpu.compute_limited || (uintptr_t)s <= (uintptr_t)CU_STREAM_PER_THREAD)
-        return NULL;
+    if (!vgpu.compute_limited || (uintptr_t)s < (uintptr_t)CU_STREAM_PER_THREAD)
+        return NULL; /* the legacy stream is neither destroyed nor captured */
     for (int d = 0; d < VGPU_MAX_DEV; d++) {
         struct vgpu_gate *g = &vgpu.gate[d];
         if (!g->active || !VGPU_PEEK(g->cur.ev_open) || !vgpu_gate_measures(g, s)) /* hints */
@@ -572,3 +573,25 @@ VGPU_API CUresult cuStreamDestroy(CUstream s)
     stream_gone_end(g);
     return rc;
 }
+
+/* A capture that begins on a stream of the open batch: the batch closes first (stream_gone). */
+#define CAPTURE_HOOK(idx, name, ptsz, params, args)                   \
+    VGPU_API CUresult name params                                     \
+    {                                                                 \
+        BROKEN_GUARD();                                               \
+        struct vgpu_gate *g = stream_gone(ptsz && !s ? CU_STREAM_PER_THREAD : s); \
+        CUresult rc = REAL(idx, CUresult(*) params) args;             \
+        stream_gone_end(g);                                           \
+        return rc;                                                    \
+    }
+
+CAPTURE_HOOK(H_CAPTURE, cuStreamBeginCapture, 0, (CUstream s), (s))
+CAPTURE_HOOK(H_CAPTURE_PTSZ, cuStreamBeginCapture_ptsz, 1, (CUstream s), (s))
+CAPTURE_HOOK(H_CAPTURE_V2, cuStreamBeginCapture_v2, 0, (CUstream s, int cmode), (s, cmode))
+CAPTURE_HOOK(H_CAPTURE_V2_PTSZ, cuStreamBeginCapture_v2_ptsz, 1, (CUstream s, int cmode), (s, cmode))
+CAPTURE_HOOK(H_CAPTURE_TO_GRAPH, cuStreamBeginCaptureToGraph, 0,
+             (CUstream s, void *graph, const void *deps, const void *data, size_t n, int cmode),
+             (s, graph, deps, data, n, cmode))
+CAPTURE_HOOK(H_CAPTURE_TO_GRAPH_PTSZ, cuStreamBeginCaptureToGraph_ptsz, 1,
+             (CUstream s, void *graph, const void *deps, const void *data, size_t n, int cmode),
+             (s, graph, deps, data, n, cmode))

@@ -486,6 +486,17 @@ def test_a_tenant_cannot_keep_only_its_idle_batches_tracked(card) -> None:
     print("dense batches with their tracking stopped beside idle tracked ones, at 30 %:", r)
     assert r["rc"] == 0 and r["rounds"] > 20, r
     assert r["busy"] * 100 <= 30 + 4, r
+def test_a_capture_begun_on_a_stream_of_the_batch_does_not_hide_its_work(card) -> None:
+    """Review finding: a tenant that keeps the estimate low opens a batch with a 5 us kernel,
+    queues twenty 2 ms kernels on a non-blocking stream that joins it, begins a capture on that
+    stream and launches again once they have run: the close on the capturing stream was
+    captured (it never runs), the batch could not be read, and forty milliseconds of GPU time
+    went for a bucket of 25 ms. A capture that begins on a stream of the open batch now closes
+    it first."""
+    r = card.json("hostile", "capture", "3", "2000", "20", env=alone(card, 30, "capture"), timeout=60)[0]
+    print("a capture begun on a stream of the batch, at 30 %:", r)
+    assert r["rc"] == 0 and r["rounds"] > 5, r
+    assert 30 - 6 <= r["busy"] * 100 <= 30 + 4, r
 
 
 def test_a_thread_cancelled_while_the_gate_holds_it_back(card) -> None:

@@ -931,11 +931,16 @@ static int cmd_fork(const char *kind, int n, int busy, const char *self)
  *       5 us kernel of its own and waits for it ("rounds": threads cancelled).
  *   sdestroy: a non-blocking stream is created, K kernels of HEAVY_US go on it, and it is
  *       destroyed at once (its work runs on); after a sleep as long as that work, 20 times a
- *       5 us kernel on the legacy stream and a wait for it (which waits for nothing of the destroyed stream's), and the next one.
+ *       5 us kernel on the legacy stream and a wait for it, and the next one.
  *   gapbias: rounds of an idle batch (ten 5 us kernels on the legacy stream, 300 us apart, and
  *       a wait) and a dense one (a kernel of HEAVY_US on a created stream, one launch into a
  *       stream it keeps capturing, K-1 more of HEAVY_US, and a wait): the capture launch ends
  *       the dense batch's gap tracking, so only idle batches stay tracked.
+ *   capture: a 5 us kernel on a blocking stream opens a batch, K kernels of HEAVY_US on a
+ *       non-blocking one join it, a capture begins on that one, and once that work has run a
+ *       5 us kernel on the first stream (its slow path closes the batch: the close on the
+ *       capturing stream would be captured); the capture ends, everything is waited for, then
+ *       20 times a 5 us kernel and a wait (a low estimate).
  * "busy": the share of wall time this process's kernels ran. */
 struct hostile {
     pthread_barrier_t step;
@@ -1077,6 +1082,23 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
             cuStreamSynchronize(other);
             n += k;
             h.rounds++;
+        } else if (!strcmp(variant, "capture")) {
+            void *graph = NULL;
+            rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, other, NULL, NULL);
+            for (long i = 0; i < k && !rc; i++, n++)
+                rc = cuLaunchKernel(f, heavy, 1, 1, 1, 1, 1, 0, h.nb, NULL, NULL);
+            if (rc || (rc = cuStreamBeginCapture_v2(h.nb, 2))) /* CU_STREAM_CAPTURE_MODE_RELAXED */
+                break;
+            usleep((useconds_t)(k * heavy + 5000)); /* the heavy work ends meanwhile */
+            rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, other, NULL, NULL);
+            CUresult ec = cuStreamEndCapture(h.nb, &graph);
+            rc = rc ? rc : ec;
+            cuCtxSynchronize();
+            h.rounds++;
+            for (int i = 0; i < 20 && !rc; i++) {
+                rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+                cuStreamSynchronize(NULL);
+            }
         } else if (!strcmp(variant, "cancel")) {
             pthread_create(&t, NULL, hostile_cancelled, &h);
             usleep(2000 + (unsigned)(h.rounds * 7919 % 18000));

@@ -540,6 +540,7 @@ API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); if (hidden_capture_unsafe(s
 struct stub_event {
     uint64_t t; /* STUB_PENDING: recorded on a held stream, hoff GPU ns into the work of wait hgen */
     int recorded, phys, hslot;
+    int captured; /* recorded into a capturing stream: a node of the graph, never reached now */
     uint32_t hgen;
     uint64_t hoff;
     CUstream s;
@@ -630,6 +631,11 @@ API CUresult cuEventRecord(void *e, CUstream s)
     if (event_fail_every > 0 && (atomic_fetch_add(&event_records, 1) + 1) % (unsigned long)event_fail_every == 0)
         return 999;
     if (slot_of(s) >= 2 && atomic_load(&stream_dead[slot_of(s)])) return 400;
+    ev->captured = 0;
+    if (hidden_capturing(s)) { /* as the driver: the record joins the capture */
+        ev->recorded = 1, ev->captured = 1, ev->s = s, ev->phys = cur_ctx;
+        return OK;
+    }
     if (__builtin_expect(event_gap_ns < 0, 0))
         event_gap_ns = (int64_t)stub_env("STUB_EVENT_GAP_US", 0) * 1000;
     int slot = slot_of(s);
@@ -669,7 +675,10 @@ API CUresult cuEventQuery(void *e)
     for (uint64_t end = stub_now() + (uint64_t)query_us * 1000; query_us && stub_now() < end;)
         ;
     check_live(ev);
-    if (ev->recorded && hidden_capture_unsafe(ev->s)) return 900; /* an event of a capturing stream */
+    /* An event recorded into a capture (CUDA_ERROR_CAPTURED_EVENT; querying it while the capture
+     * goes on invalidates it); one recorded on the stream before its capture began is work
+     * queued outside the capture and may be queried. */
+    if (ev->captured) { hidden_capture_unsafe(ev->s); return 907; }
     return !ev->recorded || event_time(ev) <= stub_now() ? OK : 600; /* CUDA_ERROR_NOT_READY */
 }
 API CUresult cuEventSynchronize(void *e)
@@ -687,6 +696,7 @@ API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
     if (!ms || !x || !y) return E_INVALID_VALUE;
     check_live(x), check_live(y);
     if (!x->recorded || !y->recorded || x->ctx != y->ctx) return 400; /* CUDA_ERROR_INVALID_HANDLE */
+    if (x->captured || y->captured) return 907;
     uint64_t now = stub_now();
     if (event_time(x) > now || event_time(y) > now) return 600;
     *ms = (float)(((double)y->t - (double)x->t) / 1e6);
