@@ -556,42 +556,28 @@ VGPU_API CUresult cuEventSynchronize(CUevent e)
 
 /* ------------------------------------------------------------------ stream lifetime */
 
-VGPU_API CUresult cuStreamDestroy_v2(CUstream s)
-{
-    BROKEN_GUARD();
-    struct vgpu_gate *g = stream_gone(s);
-    CUresult rc = REAL(H_STREAM_DESTROY, CUresult(*)(CUstream))(s);
-    stream_gone_end(g);
-    return rc;
-}
-
-VGPU_API CUresult cuStreamDestroy(CUstream s)
-{
-    BROKEN_GUARD();
-    struct vgpu_gate *g = stream_gone(s);
-    CUresult rc = REAL(H_STREAM_DESTROY_V1, CUresult(*)(CUstream))(s);
-    stream_gone_end(g);
-    return rc;
-}
-
-/* A capture that begins on a stream of the open batch: the batch closes first (stream_gone). */
-#define CAPTURE_HOOK(idx, name, ptsz, params, args)                   \
-    VGPU_API CUresult name params                                     \
-    {                                                                 \
-        BROKEN_GUARD();                                               \
-        struct vgpu_gate *g = stream_gone(ptsz && !s ? CU_STREAM_PER_THREAD : s); \
-        CUresult rc = REAL(idx, CUresult(*) params) args;             \
-        stream_gone_end(g);                                           \
-        return rc;                                                    \
+/* A stream destroyed, or beginning a capture: an open batch that measures it closes first
+ * (stream_gone), and the gate stays locked until the driver returns. `ptsz`: a NULL stream is the
+ * calling thread's per-thread one. */
+#define STREAM_HOOK(idx, name, ptsz, params, args)                                    \
+    VGPU_API CUresult name params                                                     \
+    {                                                                                 \
+        BROKEN_GUARD();                                                               \
+        struct vgpu_gate *g = stream_gone(ptsz && !s ? CU_STREAM_PER_THREAD : s);     \
+        CUresult rc = REAL(idx, CUresult(*) params) args;                             \
+        stream_gone_end(g);                                                           \
+        return rc;                                                                    \
     }
 
-CAPTURE_HOOK(H_CAPTURE, cuStreamBeginCapture, 0, (CUstream s), (s))
-CAPTURE_HOOK(H_CAPTURE_PTSZ, cuStreamBeginCapture_ptsz, 1, (CUstream s), (s))
-CAPTURE_HOOK(H_CAPTURE_V2, cuStreamBeginCapture_v2, 0, (CUstream s, int cmode), (s, cmode))
-CAPTURE_HOOK(H_CAPTURE_V2_PTSZ, cuStreamBeginCapture_v2_ptsz, 1, (CUstream s, int cmode), (s, cmode))
-CAPTURE_HOOK(H_CAPTURE_TO_GRAPH, cuStreamBeginCaptureToGraph, 0,
-             (CUstream s, void *graph, const void *deps, const void *data, size_t n, int cmode),
-             (s, graph, deps, data, n, cmode))
-CAPTURE_HOOK(H_CAPTURE_TO_GRAPH_PTSZ, cuStreamBeginCaptureToGraph_ptsz, 1,
-             (CUstream s, void *graph, const void *deps, const void *data, size_t n, int cmode),
-             (s, graph, deps, data, n, cmode))
+STREAM_HOOK(H_STREAM_DESTROY, cuStreamDestroy_v2, 0, (CUstream s), (s))
+STREAM_HOOK(H_STREAM_DESTROY_V1, cuStreamDestroy, 0, (CUstream s), (s))
+STREAM_HOOK(H_CAPTURE, cuStreamBeginCapture, 0, (CUstream s), (s))
+STREAM_HOOK(H_CAPTURE_PTSZ, cuStreamBeginCapture_ptsz, 1, (CUstream s), (s))
+STREAM_HOOK(H_CAPTURE_V2, cuStreamBeginCapture_v2, 0, (CUstream s, int cmode), (s, cmode))
+STREAM_HOOK(H_CAPTURE_V2_PTSZ, cuStreamBeginCapture_v2_ptsz, 1, (CUstream s, int cmode), (s, cmode))
+STREAM_HOOK(H_CAPTURE_TO_GRAPH, cuStreamBeginCaptureToGraph, 0,
+            (CUstream s, void *graph, const void *deps, const void *data, size_t n, int cmode),
+            (s, graph, deps, data, n, cmode))
+STREAM_HOOK(H_CAPTURE_TO_GRAPH_PTSZ, cuStreamBeginCaptureToGraph_ptsz, 1,
+            (CUstream s, void *graph, const void *deps, const void *data, size_t n, int cmode),
+            (s, graph, deps, data, n, cmode))
