@@ -507,8 +507,8 @@ void vgpu_gate_count(struct vgpu_gate *g);
  * else the time to wait until before deciding again. Clamps the credit to the burst. Pure. */
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
 /* A batch of `launches`, charged `prov_ns` provisionally, took `span_ns` of GPU time: correct
- * the credit clock and the per-launch estimate. measured: 0 = keep the provisional charge (the
- * span was not measurable), 1 = the span between its events (idle gaps included), 2 = an upper
+ * the credit clock and the per-launch estimate. measured: 0 = its events could not be read: the
+ * provisional charge stands and a bucket is added (vgpu_gate_forfeit), 1 = the span between its events (idle gaps included), 2 = an upper
  * bound (idle tail included), 3 = exact (gap-tracked: the sum of its busy segments), 4 = a lower
  * bound (a stream whose events failed: the provisional charge stands unless the span is
  * longer, and the estimate is not moved), 5 = several streams, each measured (the union of their

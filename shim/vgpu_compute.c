@@ -297,8 +297,12 @@ void vgpu_gate_sample(struct vgpu_gate *g, uint64_t ns)
 
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured)
 {
-    if (!measured || !launches)
+    if (!launches)
         return;
+    if (!measured) { /* its events cannot be read: its work is unknown */
+        vgpu_gate_forfeit(g);
+        return;
+    }
 #ifdef VGPU_STATS
     g->st_n[measured]++, g->st_span[measured] += span_ns, g->st_prov[measured] += prov_ns;
     g->st_launches[measured] += launches;

@@ -181,8 +181,6 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
         if (span && b->untracked) /* as below */
             vgpu_gate_tracked(g, span, span);
         vgpu_gate_settle(g, n, b->prov_ns, span, !span ? 0 : b->untracked ? 3 : 5);
-        if (!span && n) /* a stream's events cannot be read */
-            vgpu_gate_forfeit(g);
         return;
     }
     if (ok && b->nxs) { /* a lower bound: the streams whose spans can be read count too */
@@ -205,12 +203,12 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
     /* An abandoned tracking: the whole span, exact as measured (3), not a share of it; and into
      * the gap ratio as all busy (a tracked batch was a random pick: dropped, it would leave the
      * ratio to the batches the tenant lets be tracked). */
-    if (ok && b->untracked && !(b->launches & (LOWER_BOUND | UPPER_BOUND)))
-        vgpu_gate_tracked(g, (uint64_t)((double)ms * 1e6), (uint64_t)((double)ms * 1e6));
-    vgpu_gate_settle(g, n, b->prov_ns, ok ? (uint64_t)((double)ms * 1e6) : 0,
+    uint64_t span = ok ? (uint64_t)((double)ms * 1e6) : 0;
+    if (span && b->untracked && !(b->launches & (LOWER_BOUND | UPPER_BOUND)))
+        vgpu_gate_tracked(g, span, span);
+    /* not ok: its events cannot be read (an error, or a close recorded into a capture) */
+    vgpu_gate_settle(g, n, b->prov_ns, span,
                      !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : b->untracked ? 3 : 1);
-    if (!ok && n) /* its events cannot be read (an error, or a close recorded into a capture) */
-        vgpu_gate_forfeit(g);
 }
 
 /* Given-up batches (still running when the ring needed their room) wait in the overflow with

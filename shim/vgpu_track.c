@@ -59,10 +59,8 @@ void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done
 {
     float ms = done ? tails_end_ms(b->ev_open, b->tails, NULL, b->ntails) : -1;
     float seg = ms < 0 ? -1 : tails_end_ms(b->ev_seg ? b->ev_seg : b->ev_open, b->tails, NULL, b->ntails);
-    if (seg < 0) { /* its events cannot be read: charged a bucket on top, as an unmeasured batch */
+    if (seg < 0) { /* its events cannot be read */
         vgpu_gate_settle(g, b->launches, b->prov_ns, 0, 0);
-        if (b->launches)
-            vgpu_gate_forfeit(g);
         return;
     }
     uint64_t busy = b->seg_busy_ns + segment_ns(seg), span = (uint64_t)((double)ms * 1e6);

@@ -174,6 +174,21 @@ def test_short_batches_do_not_set_the_gap_ratio_of_long_ones(core) -> None:
     assert 450 <= g.gap_pm <= 550, g.gap_pm
 
 
+def test_a_batch_whose_events_cannot_be_read_is_charged_a_bucket(core) -> None:
+    """Settled unmeasured (its events failed or cannot be read), a batch of launches keeps its
+    provisional charge and is charged a bucket on top (VGPU_BUCKET_MAX_NS, 25 ms of GPU time):
+    a tenant that keeps the estimate low must not run unmeasured work at that estimate. An empty
+    batch costs nothing."""
+    lib = core.lib
+    g = gate(core, 30)
+    lib.vgpu_gate_decide(g, 1000 * 100 * MS)
+    vt = g.local_vt
+    lib.vgpu_gate_settle(g, 0, 0, 0, 0)
+    assert g.local_vt == vt
+    lib.vgpu_gate_settle(g, 20, 20 * 5_000, 0, 0)
+    assert abs((g.local_vt - vt) - 25 * MS * 100 // 30) <= 1, g.local_vt - vt
+
+
 def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
     lib = core.lib
     g = gate(core, 30)
