@@ -384,7 +384,9 @@ struct vgpu_batch {
     int nxs;
     void *xs[VGPU_BATCH_STREAMS - 1], *xs_open[VGPU_BATCH_STREAMS - 1], *xs_close[VGPU_BATCH_STREAMS - 1];
 };
+#ifndef VGPU_TRACK_EVERY /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
+#endif
 #define VGPU_GAP_SPAN_NS (5 * VGPU_MS) /* a tracked batch this long moves the gap ratio a quarter */
 struct vgpu_gate {
     int active;                 /* 0 = no gate: launches pass untouched */

@@ -4,25 +4,29 @@
 #
 # Device call (carry [".hami"]: baseline.json, wheels/), from the repository root:
 #   AB_A="" AB_B="-DVGPU_CAL_MIN_PM=700u" bash bench/gpu/limiter_ab.sh
-# Env: AB_A / AB_B (VGPU_CFLAGS of each build of this working tree, B required: e.g. a
-# compile-time switch that keeps the earlier rule), AB_RUNS (2 of each), AB_PARTS ("group"), AB_ONLY (suite ids, all
-# groups by default), AB_STATS=1 (build both with -DVGPU_STATS: vgpu-stats/vgpu-trace lines in
-# each run's logs), SECS (3), BASELINE (.hami/baseline.json: the native numbers).
+# Env: AB_A / AB_B (VGPU_CFLAGS of each build, e.g. a compile-time switch that keeps the
+# earlier rule), AB_A_TAR / AB_B_TAR (build that side from a `git archive` tarball of shim/ and
+# operator/kvgpu instead of this working tree: another commit, e.g.
+# `git archive 62a8e62 shim operator/kvgpu | xz >.hami/old.tar.xz`; AB_B or AB_B_TAR required),
+# AB_RUNS (2 of each), AB_PARTS ("group"), AB_ONLY (suite ids, all groups by default),
+# AB_STATS=1 (build both with -DVGPU_STATS: vgpu-stats/vgpu-trace lines in each run's logs),
+# SECS (3), BASELINE (.hami/baseline.json: the native numbers), LIMITS (suite.py's).
 # Results: $OUT/ab.json and one suite directory per run ($OUT/A1, $OUT/B1, ...).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/raw/limiter-ab}
 mkdir -p "$OUT"
 AB_A=${AB_A-}
-AB_B=${AB_B:?set AB_B to the VGPU_CFLAGS of the second build}
+AB_B=${AB_B-}
+[ -n "$AB_B" ] || [ -n "${AB_B_TAR:-}" ] || { echo "set AB_B (VGPU_CFLAGS) or AB_B_TAR (another tree)" >&2; exit 2; }
 STATS=""
 [ "${AB_STATS:-0}" = 1 ] && STATS="-DVGPU_STATS"
 for i in $(seq 1 "${AB_RUNS:-2}"); do
     for v in A B; do
-        flags=$AB_A
-        [ "$v" = B ] && flags=$AB_B
-        echo "=== run $v$i: VGPU_CFLAGS='$flags $STATS' ($(date -u +%T)) ==="
-        OUT=$OUT/$v$i KVGPU_TREE_TAR="" VGPU_CFLAGS="$flags $STATS" MODES=kvgpu SECS=${SECS:-3} \
+        flags=$AB_A tar=${AB_A_TAR:-}
+        [ "$v" = B ] && flags=$AB_B tar=${AB_B_TAR:-}
+        echo "=== run $v$i: ${tar:-this tree}, VGPU_CFLAGS='$flags $STATS' ($(date -u +%T)) ==="
+        OUT=$OUT/$v$i KVGPU_TREE_TAR="$tar" VGPU_CFLAGS="$flags $STATS" MODES=kvgpu SECS=${SECS:-3} \
             PARTS=${AB_PARTS:-group} ONLY=${AB_ONLY:-} BASELINE=${BASELINE:-.hami/baseline.json} \
             bash bench/gpu/suite.sh >"$OUT/$v$i.log" 2>&1
         tail -3 "$OUT/$v$i.log"
