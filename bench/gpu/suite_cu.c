@@ -30,6 +30,11 @@
  *                                           back and bracketed one by one by an event pair on an
  *                                           idle stream, an empty pair, a record's, a query's and a
  *                                           cuCtxGetCurrent's CPU cost
+ *   suite_cu trackcost ITERS N              the CPU cost per launch of gap tracking's parts: N
+ *                                           launches of ITERS-FMA one-block kernels alone, each with
+ *                                           a timing event recorded behind it, with a query of the
+ *                                           last one before it too, the same with an event without
+ *                                           timing; and a cuStreamIsCapturing
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -91,6 +96,7 @@ static CUresult (*p_cuGraphAddMemAllocNode)(CUgraphNode *, CUgraph, const CUgrap
 static CUresult (*p_cuGraphInstantiateWithFlags)(CUgraphExec *, CUgraph, unsigned long long);
 static CUresult (*p_cuGraphLaunch)(CUgraphExec, CUstream);
 static CUresult (*p_cuStreamSynchronize)(CUstream);
+static CUresult (*p_cuStreamIsCapturing)(CUstream, int *);
 
 #define MISSING 990 /* our code for "the driver does not export it" */
 #define CALL(fn, ...) (p_##fn ? p_##fn(__VA_ARGS__) : MISSING)
@@ -108,7 +114,7 @@ static void resolve(void)
     R(cuMemFree_v2); R(cuMemGetInfo_v2); R(cuMemsetD32_v2); R(cuMemcpyDtoH_v2); R(cuModuleLoadData); R(cuModuleGetFunction);
     R(cuLaunchKernel); R(cuEventCreate); R(cuEventRecord); R(cuEventQuery); R(cuEventSynchronize);
     R(cuEventElapsedTime); R(cuGraphCreate); R(cuGraphAddMemAllocNode); R(cuGraphInstantiateWithFlags);
-    R(cuGraphLaunch); R(cuStreamSynchronize);
+    R(cuGraphLaunch); R(cuStreamSynchronize); R(cuStreamIsCapturing);
 #undef R
 }
 
@@ -629,6 +635,54 @@ static int cmd_evlat(unsigned long long iters, int n)
     return 0;
 }
 
+#define EVENT_DISABLE_TIMING 2
+
+/* us of CPU per launch of N launches, each followed by what `mode` asks: 0 nothing, 1 a record
+ * of ev, 2 a query of ev before the launch and a record of it after */
+static double per_launch_us(CUfunction f, unsigned long long iters, CUdeviceptr out, int n, int mode, CUevent ev)
+{
+    CALL(cuCtxSynchronize);
+    double t0 = mono();
+    for (int i = 0; i < n; i++) {
+        if (mode == 2)
+            CALL(cuEventQuery, ev);
+        spin_launch(f, 1, iters, out);
+        if (mode)
+            CALL(cuEventRecord, ev, NULL);
+    }
+    double us = (mono() - t0) * 1e6 / n;
+    CALL(cuCtxSynchronize);
+    return us;
+}
+
+/* `trackcost ITERS N`: what gap tracking adds to a launch, part by part (legacy stream). */
+static int cmd_trackcost(unsigned long long iters, int n)
+{
+    setup();
+    CUfunction f = function("spin");
+    CUdeviceptr out = 0;
+    CALL(cuMemAlloc_v2, &out, 4096);
+    CUevent timed, plain;
+    CALL(cuEventCreate, &timed, 0);
+    CALL(cuEventCreate, &plain, EVENT_DISABLE_TIMING);
+    per_launch_us(f, iters, out, n / 10 + 1, 2, timed); /* warm-up */
+    double alone = per_launch_us(f, iters, out, n, 0, NULL);
+    double rec = per_launch_us(f, iters, out, n, 1, timed);
+    double both = per_launch_us(f, iters, out, n, 2, timed);
+    double plain_both = per_launch_us(f, iters, out, n, 2, plain);
+    double alone2 = per_launch_us(f, iters, out, n, 0, NULL);
+    int st = 0;
+    double t0 = mono();
+    for (int i = 0; i < 1000000; i++)
+        CALL(cuStreamIsCapturing, NULL, &st);
+    double cap = (mono() - t0) * 1e3; /* ns per call over 1e6 calls */
+    printf("{\"iters\": %llu, \"n\": %d, \"launch_us\": %.3f, \"launch_again_us\": %.3f, "
+           "\"launch_record_us\": %.3f, \"launch_query_record_us\": %.3f, "
+           "\"launch_query_record_untimed_us\": %.3f, \"is_capturing_ns\": %.1f}\n",
+           iters, n, alone, alone2, rec, both, plain_both, cap);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOFBF, 1 << 20);
@@ -640,6 +694,8 @@ int main(int argc, char **argv)
         return cmd_ctx2(strtoull(argv[2], NULL, 0), atof(argv[3]));
     if (!strcmp(cmd, "ptds") && argc >= 4)
         return cmd_ptds(strtoull(argv[2], NULL, 0), atof(argv[3]));
+    if (!strcmp(cmd, "trackcost") && argc >= 4)
+        return cmd_trackcost(strtoull(argv[2], NULL, 0), atoi(argv[3]));
     if (!strcmp(cmd, "evlat") && argc >= 4)
         return cmd_evlat(strtoull(argv[2], NULL, 0), atoi(argv[3]));
     if (!strcmp(cmd, "graphmem") && argc >= 6)
