@@ -490,9 +490,16 @@ int vgpu_gate_fast(struct vgpu_gate *g, uint64_t now_lo, uint64_t now_hi, void *
  * Peeked, so the fast path may call it unlocked (the fields are written under the gate's lock: a
  * stale answer sends a launch to the slow path, which asks again under the lock). Pure. */
 int vgpu_gate_measures(struct vgpu_gate *g, void *s);
-/* This thread, as the owner of its per-thread default stream (an address in its TLS). */
-extern __thread char vgpu_thread_anchor;
-static inline uintptr_t vgpu_thread_token(void) { return (uintptr_t)&vgpu_thread_anchor; }
+/* This thread, as the owner of its per-thread default stream: a number no other thread of the
+ * process gets, taken on first use (not a TLS address: the C library hands an exited thread's
+ * TLS block to the next thread it starts). Never 0. */
+extern __thread uintptr_t vgpu_thread_tok;
+uintptr_t vgpu_thread_token_new(void);
+static inline uintptr_t vgpu_thread_token(void)
+{
+    uintptr_t t = vgpu_thread_tok;
+    return __builtin_expect(t != 0, 1) ? t : vgpu_thread_token_new();
+}
 #define VGPU_STREAM_PER_THREAD ((void *)0x2) /* CU_STREAM_PER_THREAD */
 /* 1 when a launch at a time in [now_lo, now_hi] may pass (the batch is open and, unless the gate
  * only measures, there is credit), stream aside. Pure. */

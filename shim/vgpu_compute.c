@@ -100,7 +100,13 @@ void vgpu_gate_count(struct vgpu_gate *g)
                           memory_order_relaxed);
 }
 
-__thread char vgpu_thread_anchor;
+__thread uintptr_t vgpu_thread_tok;
+static _Atomic uintptr_t thread_tok_next;
+
+uintptr_t vgpu_thread_token_new(void)
+{
+    return vgpu_thread_tok = atomic_fetch_add(&thread_tok_next, 1) + 1;
+}
 
 int vgpu_gate_measures(struct vgpu_gate *g, void *s)
 {
