@@ -1,7 +1,7 @@
 /*
  * vgpu_cuda.c - CUDA driver API hooks: the device map, cuInit and the hook table. The memory
- * hooks are in vgpu_cuda_mem.c and vgpu_mem_*.c (vgpu_mem.h), the launch and wait hooks (the compute limit's
- * CUDA side) in vgpu_launch.c.
+ * hooks are in vgpu_cuda_mem.c and vgpu_mem_*.c (vgpu_mem.h), the launch hooks (the compute
+ * limit's CUDA side) in vgpu_launch.c, the wait, stream-end and context-end hooks in vgpu_waits.c.
  */
 #include "vgpu_cuda.h"
 

@@ -1,7 +1,7 @@
 /*
  * vgpu_cuda.h - what the CUDA hook units share (vgpu_cuda.c: devices, cuInit, the hook table;
- * vgpu_cuda_mem.c and vgpu_mem_*.c: the memory hooks, see vgpu_mem.h; vgpu_launch.c: launches,
- * waits, the compute limit's CUDA side). Internal to those units.
+ * vgpu_cuda_mem.c and vgpu_mem_*.c: the memory hooks, see vgpu_mem.h; vgpu_launch.c and
+ * vgpu_waits.c: launches, waits, the compute limit's CUDA side). Internal to those units.
  */
 #ifndef VGPU_CUDA_H
 #define VGPU_CUDA_H
@@ -54,6 +54,31 @@ static inline int mode(void)
 
 int vgpu_cur_dev(void);               /* region device of the current context, -1/-2 */
 extern int vgpu_single_gate;          /* the only card with a compute gate, or -1 */
+/* Whether a launch on stream s runs in the context the gate measures in (or the gate has none
+ * yet), peeked: a created stream the open batch measures is one of that context's (a kernel
+ * runs only on a stream of the current context), while the legacy and per-thread handles name
+ * the current context's stream, so for them the current context is asked. */
+static inline int vgpu_in_gate_ctx(struct vgpu_gate *g, CUstream s)
+{
+    void *want = VGPU_PEEK(g->ev_ctx);
+    CUcontext cur = NULL;
+    if ((uintptr_t)s > (uintptr_t)VGPU_STREAM_PER_THREAD || !want || !vgpu.drv.ctx_get_current)
+        return 1;
+    return vgpu.drv.ctx_get_current(&cur) == CUDA_SUCCESS && cur == want;
+}
+
+/* The card whose gate this thread's current context launches through, or -1 (no gate). */
+static inline int vgpu_gate_of_current(void)
+{
+    int d = vgpu_single_gate;
+    if (d < 0) {
+        d = vgpu_cur_dev();
+        if (d < 0 || !vgpu.gate[d].active)
+            return -1;
+    }
+    return d;
+}
+
 /* The memory units' locks across fork (vgpu_mem_table.c): 0 lock primary_mu, 1 lock join_mu,
  * 2 lock tab_mu, 3 unlock all three (parent), 4 re-initialise them and forget the parent's
  * allocations (child). */

@@ -1,13 +1,11 @@
 /*
- * vgpu_launch.c - the launch and wait hooks and the gate of the compute limiter (arithmetic:
- * vgpu_compute.c; measuring the GPU time: vgpu_measure.c).
+ * vgpu_launch.c - the launch hooks and the gate of the compute limiter (arithmetic:
+ * vgpu_compute.c; measuring the GPU time: vgpu_measure.c; the hooks that close a batch before
+ * a wait, a stream's destroy or capture, or a context's destroy: vgpu_waits.c).
  *
  * Launch hooks (cuLaunchKernel(_ptsz), cuLaunchKernelEx(_ptsz), cuLaunchCooperativeKernel
  * (_ptsz), cuGraphLaunch(_ptsz)) pass through vgpu_compute_gate; a graph launch then goes
- * through vgpu_mem_graph_launch (graph memory, vgpu_mem_graph.c). Wait hooks
- * (cuStreamSynchronize(_ptsz), cuCtxSynchronize, cuEventSynchronize) close the batch being
- * measured before the application waits, so the GPU time of work the application waits for is
- * measured exactly, and settle it after.
+ * through vgpu_mem_graph_launch (graph memory, vgpu_mem_graph.c).
  */
 #include "vgpu_cuda.h"
 
@@ -113,19 +111,6 @@ static void sleep_until(uint64_t t)
     struct timespec ts = {(time_t)(t / VGPU_SEC), (long)(t % VGPU_SEC)};
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
         ;
-}
-
-/* Whether a launch on stream s runs in the context the gate measures in (or the gate has none
- * yet), peeked: a created stream the open batch measures is one of that context's (a kernel
- * runs only on a stream of the current context), while the legacy and per-thread handles name
- * the current context's stream, so for them the current context is asked. */
-static inline int in_gate_ctx(struct vgpu_gate *g, CUstream s)
-{
-    void *want = VGPU_PEEK(g->ev_ctx);
-    CUcontext cur = NULL;
-    if ((uintptr_t)s > (uintptr_t)CU_STREAM_PER_THREAD || !want || !DRV->ctx_get_current)
-        return 1;
-    return DRV->ctx_get_current(&cur) == CUDA_SUCCESS && cur == want;
 }
 
 /* The gate (index + 1) this thread's current launch was counted in and is in flight for, from
@@ -242,22 +227,11 @@ static int gate_slow(int d, CUstream s)
     return 1;
 }
 
-static inline int gate_of_current(void)
-{
-    int d = vgpu_single_gate;
-    if (d < 0) {
-        d = vgpu_cur_dev();
-        if (d < 0 || !vgpu.gate[d].active)
-            return -1;
-    }
-    return d;
-}
-
 void vgpu_compute_gate(CUstream s)
 {
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
-    int d = gate_of_current();
+    int d = vgpu_gate_of_current();
     if (d < 0)
         return;
     /* The coarse clock (a few ns) decides while the batch is clearly open and the credit
@@ -265,7 +239,7 @@ void vgpu_compute_gate(CUstream s)
     uint64_t margin = vgpu.coarse_margin; /* set with the device map, before any gate is active */
     struct vgpu_gate *g = &vgpu.gate[d];
     uint64_t c = vgpu_coarse_ns();
-    int counted = in_gate_ctx(g, s);
+    int counted = vgpu_in_gate_ctx(g, s);
     flight_begin(g); /* before the count: a close that sees the count sees this too */
     if (counted && __builtin_expect(!vgpu_gate_fast(g, c, c + margin, s), 0)) {
         uint64_t now = vgpu_now_ns();
@@ -293,7 +267,7 @@ static inline void compute_after(CUstream s)
      * that a close that sees none in flight also sees its tail. */
     int held = launch_in_flight;
     launch_in_flight = 0;
-    int d = gate_of_current();
+    int d = vgpu_gate_of_current();
     struct vgpu_gate *g = d < 0 ? NULL : &vgpu.gate[d];
     /* unlocked peeks: the common case (nothing to do) costs no lock; re-checked under it */
     if (!g || (!VGPU_PEEK(g->probe_pending) && !VGPU_PEEK(g->tracking) &&
@@ -323,110 +297,6 @@ static inline void compute_after(CUstream s)
     if (held)
         atomic_fetch_sub(&g->inflight, 1);
     vgpu_unlock(&g->mu);
-}
-
-void vgpu_compute_sync(CUstream s, int whole_ctx)
-{
-    if (__builtin_expect(!vgpu.compute_limited, 1))
-        return;
-    int d = gate_of_current();
-    if (d < 0 || !VGPU_PEEK(vgpu.gate[d].cur.ev_open)) /* a hint, re-checked under the lock */
-        return;
-    struct vgpu_gate *g = &vgpu.gate[d];
-    vgpu_symbols_bind();
-    vgpu_lock(&g->mu);
-    /* a wait in another context than the batch's does not wait for the batch */
-    if (!vgpu_stream_capturing(whole_ctx ? NULL : s) && in_gate_ctx(g, whole_ctx ? NULL : s)) {
-        vgpu_measure_close(g, 1);
-        atomic_store(&g->open_until, 0); /* the next launch opens a new batch */
-    }
-    vgpu_unlock(&g->mu);
-}
-
-void vgpu_compute_synced(void)
-{
-    if (__builtin_expect(!vgpu.compute_limited, 1))
-        return;
-    int d = gate_of_current();
-    if (d < 0 || !VGPU_PEEK(vgpu.gate[d].ring_len)) /* a hint */
-        return;
-    struct vgpu_gate *g = &vgpu.gate[d];
-    vgpu_lock(&g->mu);
-    vgpu_measure_poll(g, 0);
-    vgpu_unlock(&g->mu);
-}
-
-/* Stream s is about to be destroyed, or to begin capturing: an open batch that measures it
- * closes first, while its events can still be recorded there (after the destroy the close would
- * fail, and the handle may name the next stream created; during a capture the close would be
- * captured, never run, and the batch unreadable). Its work runs on to its end, and the close
- * follows it. The gate that closed stays locked until the driver has returned (stream_gone_end),
- * so no launch joins the batch on it meanwhile. */
-static struct vgpu_gate *stream_gone(CUstream s)
-{
-    if (!vgpu.compute_limited || (uintptr_t)s < (uintptr_t)CU_STREAM_PER_THREAD)
-        return NULL; /* the legacy stream is neither destroyed nor captured */
-    for (int d = 0; d < VGPU_MAX_DEV; d++) {
-        struct vgpu_gate *g = &vgpu.gate[d];
-        if (!g->active || !VGPU_PEEK(g->cur.ev_open) || !vgpu_gate_measures(g, s)) /* hints */
-            continue;
-        vgpu_lock(&g->mu);
-        if (g->cur.ev_open && vgpu_gate_measures(g, s)) {
-            vgpu_measure_close(g, 0);
-            atomic_store(&g->open_until, 0);
-            return g; /* a stream is one context's: no other gate measures it */
-        }
-        vgpu_unlock(&g->mu);
-    }
-    return NULL;
-}
-
-static void stream_gone_end(struct vgpu_gate *g)
-{
-    if (g)
-        vgpu_unlock(&g->mu);
-}
-
-/* fn(g, c) on every active gate, under its lock. */
-static void each_gate(void (*fn)(struct vgpu_gate *, CUcontext), CUcontext c)
-{
-    if (!vgpu.compute_limited || !c)
-        return;
-    for (int d = 0; d < VGPU_MAX_DEV; d++) {
-        struct vgpu_gate *g = &vgpu.gate[d];
-        if (!g->active)
-            continue;
-        vgpu_lock(&g->mu);
-        fn(g, c);
-        vgpu_unlock(&g->mu);
-    }
-}
-
-static void ctx_dying(struct vgpu_gate *g, CUcontext c)
-{
-    /* its batches first, while events can still be made in it (the mark refuses them) */
-    vgpu_measure_ctx_gone(g, c);
-    VGPU_POKE(g->ctx_dying, (void *)c);
-}
-
-static void ctx_dead(struct vgpu_gate *g, CUcontext c)
-{
-    if (g->ctx_dying == (void *)c)
-        VGPU_POKE(g->ctx_dying, NULL);
-}
-
-/* Before cuCtxDestroy(c): the gates' batches and events of c are released while it exists, and
- * c is marked dying until vgpu_compute_ctx_destroyed(c): another thread's launch in c meanwhile
- * would make events in it that the driver then destroys (the slow path waits for the mark to
- * go, vgpu_measure_event refuses it). */
-void vgpu_compute_ctx_destroy(CUcontext c)
-{
-    each_gate(ctx_dying, c);
-}
-
-void vgpu_compute_ctx_destroyed(CUcontext c)
-{
-    each_gate(ctx_dead, c);
 }
 
 /* ------------------------------------------------------------------ launches */
@@ -515,69 +385,3 @@ VGPU_API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
     BROKEN_GUARD();
     return graph_launch(H_GRAPH_PTSZ, g, s ? s : CU_STREAM_PER_THREAD);
 }
-
-/* ------------------------------------------------------------------ waits */
-
-VGPU_API CUresult cuStreamSynchronize(CUstream s)
-{
-    BROKEN_GUARD();
-    vgpu_compute_sync(s, 0);
-    CUresult rc = REAL(H_STREAMSYNC, CUresult(*)(CUstream))(s);
-    vgpu_compute_synced();
-    return rc;
-}
-
-VGPU_API CUresult cuStreamSynchronize_ptsz(CUstream s)
-{
-    BROKEN_GUARD();
-    vgpu_compute_sync(s ? s : CU_STREAM_PER_THREAD, 0);
-    CUresult rc = REAL(H_STREAMSYNC_PTSZ, CUresult(*)(CUstream))(s);
-    vgpu_compute_synced();
-    return rc;
-}
-
-VGPU_API CUresult cuCtxSynchronize(void)
-{
-    BROKEN_GUARD();
-    vgpu_compute_sync(NULL, 1);
-    CUresult rc = REAL(H_CTXSYNC, CUresult(*)(void))();
-    vgpu_compute_synced();
-    return rc;
-}
-
-VGPU_API CUresult cuEventSynchronize(CUevent e)
-{
-    BROKEN_GUARD();
-    vgpu_compute_sync(NULL, 1);
-    CUresult rc = REAL(H_EVENTSYNC, CUresult(*)(CUevent))(e);
-    vgpu_compute_synced();
-    return rc;
-}
-
-/* ------------------------------------------------------------------ stream lifetime */
-
-/* A stream destroyed, or beginning a capture: an open batch that measures it closes first
- * (stream_gone), and the gate stays locked until the driver returns. `ptsz`: a NULL stream is the
- * calling thread's per-thread one. */
-#define STREAM_HOOK(idx, name, ptsz, params, args)                                    \
-    VGPU_API CUresult name params                                                     \
-    {                                                                                 \
-        BROKEN_GUARD();                                                               \
-        struct vgpu_gate *g = stream_gone(ptsz && !s ? CU_STREAM_PER_THREAD : s);     \
-        CUresult rc = REAL(idx, CUresult(*) params) args;                             \
-        stream_gone_end(g);                                                           \
-        return rc;                                                                    \
-    }
-
-STREAM_HOOK(H_STREAM_DESTROY, cuStreamDestroy_v2, 0, (CUstream s), (s))
-STREAM_HOOK(H_STREAM_DESTROY_V1, cuStreamDestroy, 0, (CUstream s), (s))
-STREAM_HOOK(H_CAPTURE, cuStreamBeginCapture, 0, (CUstream s), (s))
-STREAM_HOOK(H_CAPTURE_PTSZ, cuStreamBeginCapture_ptsz, 1, (CUstream s), (s))
-STREAM_HOOK(H_CAPTURE_V2, cuStreamBeginCapture_v2, 0, (CUstream s, int cmode), (s, cmode))
-STREAM_HOOK(H_CAPTURE_V2_PTSZ, cuStreamBeginCapture_v2_ptsz, 1, (CUstream s, int cmode), (s, cmode))
-STREAM_HOOK(H_CAPTURE_TO_GRAPH, cuStreamBeginCaptureToGraph, 0,
-            (CUstream s, void *graph, const void *deps, const void *data, size_t n, int cmode),
-            (s, graph, deps, data, n, cmode))
-STREAM_HOOK(H_CAPTURE_TO_GRAPH_PTSZ, cuStreamBeginCaptureToGraph_ptsz, 1,
-            (CUstream s, void *graph, const void *deps, const void *data, size_t n, int cmode),
-            (s, graph, deps, data, n, cmode))
