@@ -117,41 +117,23 @@ void vgpu_compute_ctx_destroyed(CUcontext c)
 
 /* ------------------------------------------------------------------ waits */
 
-VGPU_API CUresult cuStreamSynchronize(CUstream s)
-{
-    BROKEN_GUARD();
-    vgpu_compute_sync(s, 0);
-    CUresult rc = REAL(H_STREAMSYNC, CUresult(*)(CUstream))(s);
-    vgpu_compute_synced();
-    return rc;
-}
+/* An application's wait: the open batch closes before it (measured exactly: the application
+ * waits for its end), and what completed settles after. `ws`: the stream waited for (NULL and
+ * `whole` 1: the whole context). */
+#define WAIT_HOOK(idx, name, params, args, ws, whole)                                 \
+    VGPU_API CUresult name params                                                     \
+    {                                                                                 \
+        BROKEN_GUARD();                                                               \
+        vgpu_compute_sync(ws, whole);                                                 \
+        CUresult rc = REAL(idx, CUresult(*) params) args;                             \
+        vgpu_compute_synced();                                                        \
+        return rc;                                                                    \
+    }
 
-VGPU_API CUresult cuStreamSynchronize_ptsz(CUstream s)
-{
-    BROKEN_GUARD();
-    vgpu_compute_sync(s ? s : CU_STREAM_PER_THREAD, 0);
-    CUresult rc = REAL(H_STREAMSYNC_PTSZ, CUresult(*)(CUstream))(s);
-    vgpu_compute_synced();
-    return rc;
-}
-
-VGPU_API CUresult cuCtxSynchronize(void)
-{
-    BROKEN_GUARD();
-    vgpu_compute_sync(NULL, 1);
-    CUresult rc = REAL(H_CTXSYNC, CUresult(*)(void))();
-    vgpu_compute_synced();
-    return rc;
-}
-
-VGPU_API CUresult cuEventSynchronize(CUevent e)
-{
-    BROKEN_GUARD();
-    vgpu_compute_sync(NULL, 1);
-    CUresult rc = REAL(H_EVENTSYNC, CUresult(*)(CUevent))(e);
-    vgpu_compute_synced();
-    return rc;
-}
+WAIT_HOOK(H_STREAMSYNC, cuStreamSynchronize, (CUstream s), (s), s, 0)
+WAIT_HOOK(H_STREAMSYNC_PTSZ, cuStreamSynchronize_ptsz, (CUstream s), (s), s ? s : CU_STREAM_PER_THREAD, 0)
+WAIT_HOOK(H_CTXSYNC, cuCtxSynchronize, (void), (), NULL, 1)
+WAIT_HOOK(H_EVENTSYNC, cuEventSynchronize, (CUevent e), (e), NULL, 1)
 
 /* ------------------------------------------------------------------ stream lifetime */
 

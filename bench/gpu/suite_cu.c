@@ -580,12 +580,19 @@ static int cmp_f(const void *a, const void *b)
 /* What an event pair around one kernel on an idle stream adds to the kernel's own time (the
  * shim's gap tracker pays it once per busy segment), and the CPU cost of a record and a query:
  * `evlat ITERS N` with spin kernels of ITERS loop steps on one block. */
-static int cmd_evlat(unsigned long long iters, int n)
+/* The context, the spin kernel and the 4 KiB it writes its result to (*out). */
+static CUfunction spin_setup(CUdeviceptr *out)
 {
     setup();
-    CUfunction f = function("spin");
-    CUdeviceptr out = 0;
-    CALL(cuMemAlloc_v2, &out, 4096);
+    *out = 0;
+    CALL(cuMemAlloc_v2, out, 4096);
+    return function("spin");
+}
+
+static int cmd_evlat(unsigned long long iters, int n)
+{
+    CUdeviceptr out;
+    CUfunction f = spin_setup(&out);
     CUevent a, b;
     CALL(cuEventCreate, &a, 0);
     CALL(cuEventCreate, &b, 0);
@@ -658,10 +665,8 @@ static double per_launch_us(CUfunction f, unsigned long long iters, CUdeviceptr 
 /* `trackcost ITERS N`: what gap tracking adds to a launch, part by part (legacy stream). */
 static int cmd_trackcost(unsigned long long iters, int n)
 {
-    setup();
-    CUfunction f = function("spin");
-    CUdeviceptr out = 0;
-    CALL(cuMemAlloc_v2, &out, 4096);
+    CUdeviceptr out;
+    CUfunction f = spin_setup(&out);
     CUevent timed, plain;
     CALL(cuEventCreate, &timed, 0);
     CALL(cuEventCreate, &plain, EVENT_DISABLE_TIMING);

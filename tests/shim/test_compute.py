@@ -504,20 +504,26 @@ def test_no_limit_no_throttle(stub2ms) -> None:
     assert rate(box, kept, secs=1.0) <= 0.6 * native
 
 
+def per_thread_batch(core) -> tuple[object, int, object]:
+    """A 30 % gate with a batch open on a per-thread stream (no owner set): (gate, its time in
+    ns, the CU_STREAM_PER_THREAD handle)."""
+    g = gate(core, 30)
+    t = 1000 * 100 * MS
+    assert core.lib.vgpu_gate_decide(g, t) == 0
+    g.cur.ev_open = core.ffi.cast("void *", 0x99)
+    g.cur.stream = core.ffi.cast("void *", 0x2)
+    return g, t, core.ffi.cast("void *", 0x2)
+
+
 def test_another_threads_per_thread_stream_is_not_the_batchs(core) -> None:
     """CU_STREAM_PER_THREAD (0x2) is one handle naming each thread's own stream. A batch open on
     this thread's per-thread stream measures that stream only: the same handle from another
     thread is another stream, which the fast path must send to the slow path (before, it passed
     as a launch on the batch's stream, and on a card that runs the two at once its work was
     outside the batch's events)."""
-    lib, ffi = core.lib, core.ffi
-    g = gate(core, 30)
-    t = 1000 * 100 * MS
-    assert lib.vgpu_gate_decide(g, t) == 0
-    g.cur.ev_open = ffi.cast("void *", 0x99)
-    g.cur.stream = ffi.cast("void *", 0x2)
+    lib = core.lib
+    g, t, per_thread = per_thread_batch(core)
     g.cur.pt_owner = lib.vgpu_thread_token()
-    per_thread = ffi.cast("void *", 0x2)
     assert lib.vgpu_gate_measures(g, per_thread) == 1
     assert lib.vgpu_gate_fast(g, t + 1, t + 1, per_thread) == 1
     seen: dict[str, int] = {}
@@ -538,13 +544,8 @@ def test_a_new_thread_is_not_an_exited_owner(core) -> None:
     that one exited get its TLS block back from the C library (5 addresses for 200 threads in a
     row here): a token taken from a TLS address then named a new thread the owner, and its own
     per-thread stream passed as the batch's (work outside the batch's events)."""
-    lib, ffi = core.lib, core.ffi
-    g = gate(core, 30)
-    t = 1000 * 100 * MS
-    assert lib.vgpu_gate_decide(g, t) == 0
-    g.cur.ev_open = ffi.cast("void *", 0x99)
-    g.cur.stream = ffi.cast("void *", 0x2)
-    per_thread = ffi.cast("void *", 0x2)
+    lib = core.lib
+    g, _, per_thread = per_thread_batch(core)
     tokens: list[int] = []
     measured: list[int] = []
 
