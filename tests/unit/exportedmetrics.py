@@ -77,7 +77,7 @@ def agent_collector(region_root: Path, nvml: FakeNvml | None = None) -> UsageCol
     return UsageCollector(
         NODE, lambda: containers, lambda: INV, reader=default_reader(), region_root=str(region_root),
         processes=lambda: [], utilization=lambda: {},  # NVML mode: no GPU process running
-        allocation=lambda: node_allocation(INV, containers),
+        allocation=lambda cs: node_allocation(INV, cs),
         host=lambda: nvml_host_cards(nv, [(c.uuid, c.index, c.model) for c in INV.cards]),
     )
 

@@ -60,6 +60,20 @@ def test_scheduler_view_per_card_and_per_container(tmp_path):
     assert one(s, "vGPUMemoryAllocated", podnamespace="team", nodename=NODE, containeridx="2") == 3000 * MIB
 
 
+def test_one_scrape_counts_cards_and_containers_from_one_snapshot(tmp_path):
+    """The pods bound here change while a scrape runs (the scrape is the exporter's thread, the
+    pod cache the agent's loop): a pod deleted between the per-container series and the card
+    series showed its grant in vGPUMemoryAllocated beside GPUDeviceSharedNum 0. The card series
+    are counted from the containers the scrape read once."""
+    c = agent_collector(tmp_path)
+    snapshots = [list(c.containers()), []]  # the pod, then gone
+    c.containers = lambda: snapshots.pop(0) if len(snapshots) > 1 else snapshots[0]
+    s = scrape(agent_registry(c))
+    assert one(s, "vGPUMemoryAllocated", podnamespace="team", nodename=NODE, containeridx="2") == 3000 * MIB
+    assert one(s, "GPUDeviceSharedNum", deviceuuid=U0) == 1
+    assert one(s, "GPUDeviceMemoryAllocated", deviceuuid=U0) == 3000 * MIB
+
+
 def test_no_inventory_no_card_series():
     assert node_allocation(None, []) is None
     assert all(f.samples == [] for f in scheduler_card_families(NODE, node_allocation(None, [])))

@@ -97,7 +97,7 @@ class UsageCollector(Collector):
         hami_compat: bool = True,
         processes: Callable[[], Sequence[Any]] | None = None,
         utilization: Callable[[], Mapping[tuple[str, str, str], float]] | None = None,
-        allocation: Callable[[], Mapping[str, Any] | None] | None = None,
+        allocation: Callable[[list[BoundContainer]], Mapping[str, Any] | None] | None = None,
         host: Callable[[], Iterable[HostCard]] | None = None,
     ) -> None:
         self.node = node
@@ -108,7 +108,10 @@ class UsageCollector(Collector):
         self.hami_compat = hami_compat
         self.processes = processes  # -> enforcement.ProcessView snapshot
         self.utilization = utilization  # -> {(pod uid, container, uuid): SM percent} measured by NVML
-        self.allocation = allocation  # -> this node's allocation per card (hamiview.node_allocation)
+        # (the scrape's containers) -> this node's allocation per card (hamiview.node_allocation):
+        # counted from the same snapshot as the per-container series, so one scrape never shows
+        # a pod in one and not in the other
+        self.allocation = allocation
         self.host = host  # -> NVML's figures per card (HAMi's host series)
         self.read_errors = 0
 
@@ -140,7 +143,7 @@ class UsageCollector(Collector):
     def _hami_families(self, fams: _ContainerFamilies, containers: list[BoundContainer]) -> Iterator[Any]:
         """HAMi's monitor, scheduler and host families (see :mod:`kvgpu.agent.hamiview`)."""
         yield from fams.h.families()
-        yield from scheduler_card_families(self.node, self.allocation() if self.allocation else None)
+        yield from scheduler_card_families(self.node, self.allocation(containers) if self.allocation else None)
         yield from scheduler_container_families(self.node, containers)
         if self.host is not None:
             yield from host_families(self.node, self.host())

@@ -306,11 +306,11 @@ class Agent:
             lambda: [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())],
         )
 
-    def _node_allocation(self) -> dict[str, Any] | None:
+    def _node_allocation(self, containers: list[BoundContainer]) -> dict[str, Any] | None:
         """This node's allocation per card (HAMi's scheduler view), counted from the inventory
-        and the slices of the pods bound here; ``None`` before the first inventory. No API call:
-        a scrape runs in the exporter's thread."""
-        return node_allocation(self.registrar.inventory, self._claimed_containers())
+        and ``containers``, the scrape's snapshot of the slices bound here; ``None`` before the
+        first inventory. No API call: a scrape runs in the exporter's thread."""
+        return node_allocation(self.registrar.inventory, containers)
 
     def _host_cards(self) -> Callable[[], list[HostCard]] | None:
         """NVML's per-card figures for HAMi's host series; ``None`` without NVML (simulated)."""
