@@ -52,6 +52,7 @@ static inline int mode(void)
             return CUDA_ERROR_NOT_INITIALIZED;                                                  \
     } while (0)
 
+#define CU_STREAM_PER_THREAD ((CUstream)VGPU_STREAM_PER_THREAD) /* each thread's own stream */
 int vgpu_cur_dev(void);               /* region device of the current context, -1/-2 */
 extern int vgpu_single_gate;          /* the only card with a compute gate, or -1 */
 /* Whether a launch on stream s runs in the context the gate measures in (or the gate has none

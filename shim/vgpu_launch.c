@@ -14,7 +14,6 @@
 #include <string.h>
 #include <time.h>
 
-#define CU_STREAM_PER_THREAD ((CUstream)0x2)
 /* The driver's event, stream and context functions (vgpu.drv, resolved at bind time) and the
  * real cuEventSynchronize (the hook table's). */
 #define DRV (&vgpu.drv)

@@ -7,8 +7,6 @@
  */
 #include "vgpu_cuda.h"
 
-#define CU_STREAM_PER_THREAD ((CUstream)0x2)
-
 /* ------------------------------------------------------------------ the open batch */
 
 void vgpu_compute_sync(CUstream s, int whole_ctx)

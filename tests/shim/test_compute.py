@@ -563,4 +563,3 @@ def test_a_new_thread_is_not_an_exited_owner(core) -> None:
         th.join()
     assert tokens[0] != 0 and len(set(tokens)) == len(tokens), (len(set(tokens)), len(tokens))
     assert measured == [0] * 50, measured
-
