@@ -26,8 +26,8 @@ run() { # label, then env assignments
 run native | tee "$OUT/trackcost.txt"
 for v in shipped:"" every:"-DVGPU_TRACK_EVERY=1u" none:"-DVGPU_TRACK_EVERY=1000000u"; do
     name=${v%%:*} flags=${v#*:}
-    rm -rf "$W/tree" && mkdir -p "$W/tree" && git archive HEAD shim operator/kvgpu | tar -x -C "$W/tree"
-    cp -r shim/. "$W/tree/shim/" # this working tree's shim, committed or not
+    rm -rf "$W/tree" && mkdir -p "$W/tree" && git archive HEAD operator/kvgpu | tar -x -C "$W/tree"
+    cp -r shim "$W/tree/" # this working tree's shim, committed or not
     (cd "$W/tree" && VGPU_CFLAGS="$flags" python3 shim/build.py --plain-gcc >/dev/null) || { echo "build $name failed"; continue; }
     mkdir -p "$W/region-$name"
     run "kvgpu-$name" LD_PRELOAD="$W/tree/shim/_build/libvgpu.so" KVGPU_REGION_DIR="$W/region-$name" \
