@@ -347,10 +347,10 @@ def test_operator_and_scheduler_work_with_only_their_roles(gpu: Any, rbac: Any, 
             f"--ready-file={ready}"]
     sched_cfg = yaml.safe_load(next(d for d in _chart()
                                     if d["kind"] == "ConfigMap")["data"]["config.yaml"])
-    ext = sched_cfg["extenders"][0]
-    assert ext["enableHTTPS"] is True and set(ext["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
-    # the same files as the chart mounts, from the dev PKI
-    ext["urlPrefix"], ext["tlsConfig"] = system.extender_url, system.scheduler_tls().config()  # type: ignore[union-attr]
+    for ext in sched_cfg["extenders"]:  # filter and prioritize, then bind
+        assert ext["enableHTTPS"] is True and set(ext["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
+        # the same files as the chart mounts, from the dev PKI
+        ext["urlPrefix"], ext["tlsConfig"] = system.extender_url, system.scheduler_tls().config()  # type: ignore[union-attr]
     sched_cfg["clientConnection"]["kubeconfig"] = str(
         _sa_kubeconfig(cluster, "kvgpu-scheduler", tmp_path / "scheduler.kubeconfig"))
     sched_path = tmp_path / "scheduler.yaml"

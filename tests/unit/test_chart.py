@@ -136,10 +136,10 @@ def test_scheduler_lease_is_scoped() -> None:
     cfg = yaml.safe_load(_one(docs, "ConfigMap", "kvgpu-scheduler-config")["data"]["config.yaml"])
     assert cfg["leaderElection"] == {"leaderElect": True, "resourceNamespace": "kvgpu-system",
                                      "resourceName": "kvgpu-scheduler"}
-    [ext] = cfg["extenders"]
     svc = _one(docs, "Service", "kvgpu-operator")
     port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "extender")
-    assert ext["urlPrefix"] == f"https://kvgpu-operator.kvgpu-system.svc:{port}/scheduler"
+    url = f"https://kvgpu-operator.kvgpu-system.svc:{port}/scheduler"
+    assert [e["urlPrefix"] for e in cfg["extenders"]] == [url, url]  # filter and prioritize, then bind
     dep = _one(docs, "Deployment", "kvgpu-scheduler")
     [c] = dep["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "registry.k8s.io/kube-scheduler:v1.36.3"
@@ -299,15 +299,16 @@ def test_extender_is_mutual_tls_end_to_end(mode: str) -> None:
     assert client_cn in ",".join(ctx.params["extender_allowed_clients"]).split(",")
     # kube-scheduler's side
     cfg = yaml.safe_load(_one(docs, "ConfigMap", "kvgpu-scheduler-config")["data"]["config.yaml"])
-    [ext] = cfg["extenders"]
-    assert ext["enableHTTPS"] is True and ext["urlPrefix"].startswith("https://")
     dep = _one(docs, "Deployment", "kvgpu-scheduler")
     dep_spec = dep["spec"]["template"]["spec"]
     [sched] = dep_spec["containers"]
-    tls = ext["tlsConfig"]
-    assert not tls.get("insecure")
-    for key in ("certFile", "keyFile", "caFile"):
-        assert _mounted_secret(dep_spec, sched, tls[key]) == "kvgpu-scheduler-extender-client"
+    assert len(cfg["extenders"]) == 2  # filter and prioritize, then bind: both over mutual TLS
+    for ext in cfg["extenders"]:
+        assert ext["enableHTTPS"] is True and ext["urlPrefix"].startswith("https://")
+        tls = ext["tlsConfig"]
+        assert not tls.get("insecure")
+        for key in ("certFile", "keyFile", "caFile"):
+            assert _mounted_secret(dep_spec, sched, tls[key]) == "kvgpu-scheduler-extender-client"
     assert tls["certFile"].endswith("/tls.crt") and tls["caFile"].endswith("/ca.crt")
     # probes and Prometheus: the plain port, never the extender's
     ports = {p["name"]: p["containerPort"] for p in op["ports"]}

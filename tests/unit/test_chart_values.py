@@ -155,8 +155,8 @@ def test_values_reach_the_container_arguments() -> None:
     sched = one(docs, "Deployment", "kvgpu-scheduler")
     assert sched["spec"]["replicas"] == 1 and sched["spec"]["template"]["spec"]["hostNetwork"] is True
     cfg = yaml.safe_load(one(docs, "ConfigMap", "kvgpu-scheduler-config")["data"]["config.yaml"])
-    assert cfg["extenders"][0]["urlPrefix"] == \
-        "https://kvgpu-operator.kvgpu-system.svc.cluster.local:18888/scheduler"
+    assert [e["urlPrefix"] for e in cfg["extenders"]] == \
+        ["https://kvgpu-operator.kvgpu-system.svc.cluster.local:18888/scheduler"] * 2
     policy = one(docs, "ValidatingAdmissionPolicy", "vgpuclaims.kvgpu.io")
     expr = policy["spec"]["validations"][0]["expression"]
     assert "'system:serviceaccount:ops:kvgpu-admin', 'system:serviceaccount:kvgpu-system:kvgpu-operator'" in expr

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from kvgpu import kube
 from kvgpu.devcluster.pki import issue_leaf, make_ca, make_extender_pki
-from kvgpu.extender.schedconfig import ExtenderTLS, extender_entry, scheduler_configuration
+from kvgpu.extender.schedconfig import ExtenderTLS, extender_entries, scheduler_configuration
 from kvgpu.extender.server import Extender
 from kvgpu.extender.tls import parse_allowed
 from kvgpu.metrics import OperatorMetrics
@@ -222,14 +222,28 @@ def test_renewed_certificates_are_reloaded(served: Served) -> None:
 
 def test_scheduler_configuration_carries_its_tls() -> None:
     tls = ExtenderTLS(cert_file="/c/tls.crt", key_file="/c/tls.key", ca_file="/c/ca.crt")
-    [ext] = scheduler_configuration("https://op:8888/scheduler", tls=tls)["extenders"]
-    assert ext["enableHTTPS"] is True
-    assert ext["tlsConfig"] == {"certFile": "/c/tls.crt", "keyFile": "/c/tls.key", "caFile": "/c/ca.crt"}
-    assert "tlsConfig" not in extender_entry("http://op:8888/scheduler")
+    exts = scheduler_configuration("https://op:8888/scheduler", tls=tls)["extenders"]
+    assert len(exts) == 2
+    for ext in exts:
+        assert ext["enableHTTPS"] is True
+        assert ext["tlsConfig"] == {"certFile": "/c/tls.crt", "keyFile": "/c/tls.key", "caFile": "/c/ca.crt"}
+    assert all("tlsConfig" not in e for e in extender_entries("http://op:8888/scheduler"))
     with pytest.raises(ValueError):
-        extender_entry("https://op:8888/scheduler")  # https without a client certificate
+        extender_entries("https://op:8888/scheduler")  # https without a client certificate
     with pytest.raises(ValueError):
-        extender_entry("http://op:8888/scheduler", tls=tls)
+        extender_entries("http://op:8888/scheduler", tls=tls)
+
+
+def test_filter_and_bind_are_separate_extenders_of_one_server() -> None:
+    """kube-scheduler keeps one connection pool per extender entry: filter (serial) and bind
+    (many at once) must not share one, and kube-scheduler accepts only one binder."""
+    placing, binding = scheduler_configuration("http://op:8888/scheduler")["extenders"]
+    assert placing["urlPrefix"] == binding["urlPrefix"] == "http://op:8888/scheduler"
+    assert (placing["filterVerb"], placing["prioritizeVerb"]) == ("filter", "prioritize")
+    assert "bindVerb" not in placing and placing["weight"] > 0 and placing["nodeCacheCapable"] is True
+    assert binding["bindVerb"] == "bind"
+    assert not {"filterVerb", "prioritizeVerb"} & binding.keys()
+    assert placing["ignorable"] is binding["ignorable"] is False
 
 
 def _handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> ssl.SSLObject:

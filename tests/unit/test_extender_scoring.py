@@ -38,7 +38,7 @@ def weights(cfg: dict[str, Any] = CFG) -> tuple[dict[str, int], int]:
     w = dict(DEFAULTS)
     for p in prof.get("plugins", {}).get("score", {}).get("enabled", []):
         w[p["name"]] = p.get("weight", 1)
-    [ext] = cfg["extenders"]
+    [ext] = [e for e in cfg["extenders"] if e.get("prioritizeVerb")]  # kube-scheduler weighs only it
     return w, ext["weight"]
 
 

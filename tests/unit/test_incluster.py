@@ -45,7 +45,7 @@ def test_chart_values_reach_the_workloads(rendered: list[dict[str, Any]]) -> Non
     sched = _spec(rendered, "Deployment", "kvgpu-scheduler")
     assert sched["containers"][0]["image"] == V.scheduler_image
     cfg = yaml.safe_load(incluster._find(rendered, "ConfigMap", "kvgpu-scheduler-config")["data"]["config.yaml"])
-    assert [e["urlPrefix"] for e in cfg["extenders"]] == [V.extender_url]
+    assert [e["urlPrefix"] for e in cfg["extenders"]] == [V.extender_url] * 2  # filter, bind
     assert not [d for d in rendered if d["kind"] == "VGPUPool"]  # the fixture's pool is the node's
 
 

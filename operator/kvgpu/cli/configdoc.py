@@ -78,6 +78,11 @@ def render() -> str:
         "A separate kube-scheduler instance whose only profile is `kvgpu-scheduler` (the mutating",
         "webhook points GPU pods at it). Resources kube-scheduler must not count (the extender does): "
         + ", ".join(f"`{r}`" for r in IGNORED_RESOURCES) + ".",
+        "The operator is named twice under `extenders`, at the same URL: once for filter and",
+        "prioritize, once for bind. kube-scheduler keeps one connection pool per entry, so the",
+        "filter calls of its serial scheduling cycle keep one warm connection while many binds run",
+        "at once on others (with one entry, about one filter call in twenty had to open a new TLS",
+        "connection during a burst: docs/benchmarks.md).",
         "",
         "```json",
         json.dumps(scheduler_configuration("https://kvgpu-operator.kvgpu-system.svc:8888/scheduler",

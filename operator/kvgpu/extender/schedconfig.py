@@ -6,6 +6,12 @@ its own plugins filter cpu, memory, affinity, taints and spread as usual; for GP
 extender's filter answers one node, so they score only pods with soft preferences
 (:mod:`kvgpu.extender.choice`, ``--node-choice``).
 
+- two extender entries on the same server: filter and prioritize, then bind
+  (:func:`extender_entries`). kube-scheduler gives each entry its own HTTP client, so its own
+  pool of kept-alive connections (two idle ones: Go's default, not configurable). Filter calls
+  come one at a time from the scheduling cycle and keep reusing one warm connection; binds
+  run many at a time in the binding cycle and would otherwise take those connections, so a
+  filter had to open a new one (a TLS handshake inside the serial cycle);
 - ``nodeCacheCapable: true``: the scheduler sends node names, not Node objects;
 - no ``managedResources``: every pod of this profile goes to the extender (annotation-form
   pods admitted before the webhook added ``nvidia.com/gpu`` to them request none);
@@ -118,33 +124,32 @@ MANIFEST_TLS = ExtenderTLS(cert_file=f"{MANIFEST_CLIENT_DIR}/tls.crt", key_file=
                            ca_file=f"{MANIFEST_CLIENT_DIR}/ca.crt")
 
 
-def extender_entry(url_prefix: str, *, tls: ExtenderTLS | None = None, http_timeout_s: int = 30,
-                   weight: int = EXTENDER_WEIGHT) -> dict[str, Any]:
-    """One extender entry. ``http_timeout_s``: binds run in kube-scheduler's binding goroutines,
+def extender_entries(url_prefix: str, *, tls: ExtenderTLS | None = None, http_timeout_s: int = 30,
+                     weight: int = EXTENDER_WEIGHT) -> list[dict[str, Any]]:
+    """The two extender entries, both at ``url_prefix``: filter + prioritize (the scheduling
+    cycle), then bind (the binding cycle), so that each has its own connection pool in
+    kube-scheduler. ``http_timeout_s``: binds run in kube-scheduler's binding goroutines,
     so a long timeout costs no throughput, while a short one makes a burst's queued binds time
     out and be retried towards other nodes although the first attempt still completes (at 10 s,
     a 2,000-pod burst on 2 cores retried about every second bind).
 
     ``tls``: required for an ``https://`` URL (the extender answers only kube-scheduler's
-    client certificate); not allowed with ``http://`` (``--extender-insecure``)."""
+    client certificate); not allowed with ``http://`` (``--extender-insecure``). Raises
+    ``ValueError`` for a mismatch, or when ``weight`` lets kvgpu's score outweigh a soft
+    preference (:func:`check_preferences_first`)."""
     check_preferences_first(weight)
     https = url_prefix.startswith("https:")
     if https != (tls is not None):
         raise ValueError("an https:// extender URL needs tls (client certificate and CA), http:// none")
-    entry: dict[str, Any] = {
-        "urlPrefix": url_prefix,
-        "filterVerb": "filter",
-        "prioritizeVerb": "prioritize",
-        "bindVerb": "bind",
-        "weight": weight,
-        "nodeCacheCapable": True,
-        "enableHTTPS": https,
-        "httpTimeout": f"{http_timeout_s}s",
-        "ignorable": False,
-    }
-    if tls is not None:
-        entry["tlsConfig"] = tls.config()
-    return entry
+    def entry(**verbs: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"urlPrefix": url_prefix, "enableHTTPS": https,
+                               "httpTimeout": f"{http_timeout_s}s", "ignorable": False}
+        if tls is not None:
+            out["tlsConfig"] = tls.config()  # a dict per entry: no YAML anchor in the manifests
+        return {**out, **verbs}
+
+    return [entry(filterVerb="filter", prioritizeVerb="prioritize", weight=weight, nodeCacheCapable=True),
+            entry(bindVerb="bind")]
 
 
 def profile(scheduler_name: str = keys.SCHEDULER_NAME) -> dict[str, Any]:
@@ -192,7 +197,7 @@ def scheduler_configuration(
         "podInitialBackoffSeconds": 1,
         "podMaxBackoffSeconds": 1,
         "profiles": [profile()],
-        "extenders": [extender_entry(url_prefix, tls=tls)],
+        "extenders": extender_entries(url_prefix, tls=tls),
     }
     if kubeconfig:
         cfg["clientConnection"]["kubeconfig"] = kubeconfig

@@ -1,0 +1,3 @@
+module kvgpu.io/bench/extender_pools
+
+go 1.22
