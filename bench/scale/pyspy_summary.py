@@ -27,7 +27,11 @@ ACTIVITIES = [
     ("background: flush (pool status, metrics)", "Runtime.flush"),
     ("background: orphan sweep", "Runtime.sweep"),
     ("background: requeue", "Runtime._requeue_loop"),
+    ("TLS handshakes (new extender connections)", "_handshake_hook.<locals>.Hooked.do_handshake"),
+    ("TLS handshakes (new extender connections)", "SSLObject.do_handshake"),
+    ("HTTP/2 server (frames, HPACK, flow control)", "H2Server."),
     ("aiohttp server (request parsing, responses)", "RequestHandler"),
+    ("watch events: claims and nodes (ListWatch)", "ListWatch."),
     ("executor threads (aiohttp netrc/proxy lookups)", "_worker"),
 ]
 IDLE = ("EpollSelector.select", "select (selectors.py", "_worker (concurrent", "Condition.wait", "Event.wait")

@@ -50,6 +50,9 @@ class OperatorMetrics:
             "kvgpu_extender_connections_total",
             "TLS connections to the extender port whose handshake completed (each costs the operator "
             "a handshake with a client-certificate check).", registry=r)
+        self.extender_http2_connections = Counter(
+            "kvgpu_extender_http2_connections_total",
+            "Extender connections that chose HTTP/2 (every call a stream of the connection).", registry=r)
         self.ledger_rebuild = Gauge("kvgpu_ledger_rebuild_seconds", "Duration of the last ledger rebuild.",
                                     registry=r)
         # Per node, not per card: 5 per-card series x 40,000 cards cost the operator ~150 MiB and

@@ -1,8 +1,9 @@
 """Issue 14 on the real API server: the session's kvgpu kube-scheduler schedules GPU pods over
-the extender's mutual TLS, and a process without kube-scheduler's client certificate cannot
-use the extender to bind a pending pod to a node of its choice (skipping its nodeSelector):
-plain HTTP, HTTPS without a certificate and HTTPS with a certificate of the cluster's own CA
-(the admin's) are all refused; the pod stays unbound, no claim is made and kvgpu posts no Event."""
+the extender's mutual TLS (HTTP/2, which it chooses by ALPN), and a process without
+kube-scheduler's client certificate cannot use the extender to bind a pending pod to a node of
+its choice (skipping its nodeSelector): plain HTTP, HTTPS without a certificate and HTTPS with a
+certificate of the cluster's own CA (the admin's) are all refused; the pod stays unbound, no
+claim is made and kvgpu posts no Event."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def test_gpu_pod_is_scheduled_over_mutual_tls(gpu: Any) -> None:
     assert pod["spec"]["nodeName"] == node
     [claim] = gpu.claims()
     assert claim["spec"]["devices"][0]["memory"] == 2000
+    # kube-scheduler chose HTTP/2 (ALPN) for its extender calls: each a stream, not a connection
+    with urllib.request.urlopen(f"{system.metrics_url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("kvgpu_extender_") and "_total " in line}
+    assert counts["kvgpu_extender_http2_connections_total"] >= 1  # kube-scheduler is the suite's only h2 client
 
 
 def test_no_client_certificate_cannot_bind_a_pending_pod(gpu: Any) -> None:

@@ -120,14 +120,6 @@ def test_cli_hypothetical_cluster(tmp_path: Any) -> None:
 # --------------------------------------------------------------------------- simulate == extender
 
 
-class _Req:
-    def __init__(self, body: dict[str, Any]) -> None:
-        self._b = json.dumps(body).encode()
-
-    async def read(self) -> bytes:
-        return self._b
-
-
 def _extender_places(state: OperatorState, pods: list[dict[str, Any]]) -> list[tuple[str, Any]]:
     """Each pod through the extender's real filter, then its real bind (fake API), in order."""
     ext = Extender(state, api=None, metrics=OperatorMetrics(), node_choice=NodeChoice.EXTENDER)
@@ -136,8 +128,8 @@ def _extender_places(state: OperatorState, pods: list[dict[str, Any]]) -> list[t
     async def go() -> None:
         for p in pods:
             names = [n for n in state.ledger.nodes()]
-            resp = await ext.filter(_Req({"pod": p, "nodenames": names}))  # type: ignore[arg-type]
-            res = json.loads(resp.body)  # type: ignore[union-attr]
+            status, res = await ext.filter(json.dumps({"pod": p, "nodenames": names}).encode())
+            assert status == 200
             assert not res.get("error"), res
             if not res["nodenames"]:
                 out.append(("", None))

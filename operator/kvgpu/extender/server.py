@@ -4,7 +4,9 @@ Routes (prefix ``/scheduler``): ``POST filter``, ``POST prioritize``, ``POST bin
 ``GET /healthz``; ``GET /readyz`` (200 once the ledger is rebuilt); ``GET /metrics``.
 :meth:`Extender.app` serves them all; the runtime serves it over mutual TLS with
 :func:`kvgpu.extender.tls.require_client` (only kube-scheduler's certificate is answered) unless
-``--extender-insecure``. :meth:`Extender.probe_app` serves only the read-only ``/healthz``,
+``--extender-insecure``, and the scheduler verbs over HTTP/2 on the same port as well
+(:meth:`Extender.answer`, :mod:`kvgpu.extender.http2`: the client identity is checked once per
+connection there). :meth:`Extender.probe_app` serves only the read-only ``/healthz``,
 ``/readyz`` and ``/metrics`` (plain HTTP, ``--metrics-address``: kubelet probes, Prometheus).
 Filter answers only the best node for a GPU pod unless ``--node-choice scheduler`` or the pod
 states soft preferences (:mod:`kvgpu.extender.choice`); kube-scheduler then calls neither its
@@ -43,6 +45,7 @@ from kvgpu.reconcile.state import OperatorState
 
 log = structlog.get_logger("kvgpu.extender")
 MAX_BODY = 64 * 1024 * 1024
+JSON = "application/json"
 NOT_READY = "kvgpu operator not ready: starting (ledger not rebuilt yet) or a standby replica"
 
 
@@ -57,6 +60,8 @@ class Extender:
         self.preemption = Preemption(state, api)  # GPU preemption for pods filter rejects
         # last reasons per pod uid, for Events (posted when they change) and `kubectl vgpu why`
         self.last_reasons: dict[str, str] = {}
+        self._verbs = {"/scheduler/filter": self.filter, "/scheduler/prioritize": self.prioritize,
+                       "/scheduler/bind": self.bind}
 
     def app(self, allowed_clients: tuple[str, ...] | None = None) -> web.Application:
         """Every route. ``allowed_clients``: answer only TLS clients whose verified certificate
@@ -64,9 +69,7 @@ class Extender:
         middlewares = [] if allowed_clients is None else [require_client(allowed_clients)]
         app = web.Application(client_max_size=MAX_BODY, middlewares=middlewares)
         app.add_routes([
-            web.post("/scheduler/filter", self.filter),
-            web.post("/scheduler/prioritize", self.prioritize),
-            web.post("/scheduler/bind", self.bind),
+            *(web.post(path, self._route(verb)) for path, verb in self._verbs.items()),
             web.get("/healthz", self.healthz),
             web.get("/readyz", self.readyz),
             web.get("/metrics", self.metrics_endpoint),
@@ -83,32 +86,50 @@ class Extender:
         ])
         return app
 
-    async def _json(self, request: web.Request) -> Any:
+    @staticmethod
+    def _json(body: bytes) -> Any:
         try:
-            return json.loads(await request.read())
+            return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise ProtocolError(f"request body is not JSON: {e}") from e
 
-    async def filter(self, request: web.Request) -> web.Response:
+    async def answer(self, method: str, path: str, body: bytes) -> tuple[int, str, bytes]:
+        """A scheduler verb (``POST /scheduler/<verb>``) as bytes in and out: the HTTP/2 side
+        (:mod:`kvgpu.extender.http2`) calls it; aiohttp's routes call the same verbs."""
+        verb = self._verbs.get(path)
+        if verb is None or method != "POST":
+            return 404, "text/plain", b"not found"
+        status, out = await verb(body)
+        return status, JSON, out if isinstance(out, bytes) else json.dumps(out).encode()
+
+    @staticmethod
+    def _route(verb: Any) -> Any:
+        async def handler(request: web.Request) -> web.Response:
+            status, out = await verb(await request.read())
+            body = out if isinstance(out, bytes) else json.dumps(out).encode()
+            return web.Response(body=body, status=status, content_type=JSON)
+        return handler
+
+    async def filter(self, body: bytes) -> tuple[int, Any]:
         t0 = time.perf_counter()
         try:
-            args = parse_args(await self._json(request))
+            args = parse_args(self._json(body))
         except ProtocolError as e:
-            return web.json_response(error_result(str(e)))
+            return 200, error_result(str(e))
         try:
             if not self.state.ready:
-                return web.json_response(filter_result(args, [], {}, NOT_READY))
+                return 200, filter_result(args, [], {}, NOT_READY)
             try:
                 req = parse_pod(args.pod, self.state.default_pool_spec())
             except RequestError as e:
                 failed = dict.fromkeys(args.node_names, f"invalid GPU request: {e}")
-                return web.json_response(filter_result(args, [], failed))
+                return 200, filter_result(args, [], failed)
             if req is None:  # not ours: every node passes
-                return web.json_response(filter_result(args, list(args.node_names), {}))
+                return 200, filter_result(args, list(args.node_names), {})
             if not keys.webhook_admitted(args.pod):
-                return web.json_response(filter_result(args, [], dict.fromkeys(args.node_names, keys.NOT_ADMITTED)))
+                return 200, filter_result(args, [], dict.fromkeys(args.node_names, keys.NOT_ADMITTED))
             if (over := self.state.quota_refusal(req)) is not None:  # before preemption: no eviction for it
-                return web.json_response(await self._over_quota(args, over))
+                return 200, await self._over_quota(args, over)
             req, feasible, reasons = self.preemption.filter(args.pod, req, args.node_names)
             if notes := self.state.conflict_notes:  # pools in conflict: the real cause, on those nodes
                 reasons = {n: r + notes.get(n, "") for n, r in reasons.items()}
@@ -124,10 +145,10 @@ class Extender:
                 self.metrics.pending.set(len(self.state.pending))
                 self.preemption.rejected(args.pod, req, args.node_names)
                 await self._explain(args.pod, reasons)
-            return web.json_response(filter_result(args, feasible, reasons))
+            return 200, filter_result(args, feasible, reasons)
         except Exception as e:  # never crash the scheduler's request: report it
             log.exception("filter failed")
-            return web.json_response(filter_result(args, [], {}, f"kvgpu filter failed: {e!r}"))
+            return 200, filter_result(args, [], {}, f"kvgpu filter failed: {e!r}")
         finally:
             self.metrics.extender_latency.labels(verb="filter").observe(time.perf_counter() - t0)
 
@@ -159,34 +180,33 @@ class Extender:
         await kube.post_event(self.api, {"apiVersion": "v1", "kind": "Pod", "metadata": pod["metadata"]},
                               reason="NoGPUCapacity", message=msg, type_="Warning")
 
-    async def prioritize(self, request: web.Request) -> web.Response:
+    async def prioritize(self, body: bytes) -> tuple[int, Any]:
         t0 = time.perf_counter()
         try:
-            args = parse_args(await self._json(request))
+            args = parse_args(self._json(body))
             # filter parsed this pod's request a moment ago (a pod's request cannot change)
             req = self.binder.hint(str(args.pod["metadata"].get("uid", ""))) or parse_pod(
                 args.pod, self.state.default_pool_spec())
             if req is None or not self.state.ready:
-                return web.json_response([{"host": n, "score": 0} for n in args.node_names])
-            return web.Response(body=priority_json(self.state.ledger.score(req, args.node_names)),
-                                content_type="application/json")
+                return 200, [{"host": n, "score": 0} for n in args.node_names]
+            return 200, priority_json(self.state.ledger.score(req, args.node_names))
         except (ProtocolError, RequestError) as e:
-            return web.json_response(error_result(str(e)), status=400)
+            return 400, error_result(str(e))
         finally:
             self.metrics.extender_latency.labels(verb="prioritize").observe(time.perf_counter() - t0)
 
-    async def bind(self, request: web.Request) -> web.Response:
+    async def bind(self, body: bytes) -> tuple[int, Any]:
         try:
-            args = parse_binding(await self._json(request))
+            args = parse_binding(self._json(body))
         except ProtocolError as e:
-            return web.json_response(error_result(str(e)))
+            return 200, error_result(str(e))
         if not self.state.ready:
-            return web.json_response(error_result(NOT_READY))
+            return 200, error_result(NOT_READY)
         err = await self.binder.bind(args)
         if not err:
             self.metrics.binds.inc()
             self.last_reasons.pop(args.pod_uid, None)
-        return web.json_response(error_result(err) if err else {})
+        return 200, error_result(err) if err else {}
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")

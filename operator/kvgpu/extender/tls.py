@@ -39,13 +39,13 @@ def server_context(cert: str, key: str, client_ca: str, *,
     operator counts them, ``kvgpu_extender_connections_total``).
 
     No session tickets: kube-scheduler's extender client (Go ``net/http`` without a
-    ``ClientSessionCache``) never resumes a session. It speaks HTTP/1.1 here (no ALPN is
-    offered), keeps at most 2 idle connections (Go's ``DefaultMaxIdleConnsPerHost``; the
-    extender configuration sets none) and dials one for every call that finds none idle, so
-    a burst, with its binds in flight, makes about 0.8 handshakes per GPU pod (bench/scale:
-    ``extender_connections_per_pod``; HTTP/2 was tried: docs/decisions.md). Issuing the two
-    TLS 1.3 tickets OpenSSL sends by default was ~30 % of the server's CPU per handshake
-    (0.35 of 1.2 ms with the client-certificate check)."""
+    ``ClientSessionCache``) never resumes a session. The runtime adds ALPN (HTTP/2 and HTTP/1.1,
+    :func:`kvgpu.extender.http2.offer_h2`): over HTTP/2 kube-scheduler makes every call a stream
+    of one connection per extender entry; over HTTP/1.1 it keeps at most 2 idle connections
+    (Go's ``DefaultMaxIdleConnsPerHost``) and dials one for every call that finds none idle,
+    about 0.85 handshakes per GPU pod in a burst. Issuing the two TLS 1.3 tickets OpenSSL sends
+    by default was ~30 % of the server's CPU per handshake (0.35 of 1.2 ms with the
+    client-certificate check)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=client_ca)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.verify_mode = ssl.CERT_REQUIRED

@@ -15,8 +15,8 @@ from aiohttp import web
 
 from kvgpu import kube
 from kvgpu.core import keys
-from kvgpu.extender import tls
-from kvgpu.extender.server import Extender
+from kvgpu.extender import http2, tls
+from kvgpu.extender.server import MAX_BODY, Extender
 from kvgpu.reconcile import handlers
 from kvgpu.runtime.background import Background
 from kvgpu.runtime.base import OperatorConfig, RuntimeBase, log
@@ -89,7 +89,14 @@ class Runtime(Lease, Children, WatchHandlers, Background, RuntimeBase):
                         "any pod that reaches the port can bind GPU pods")
         self._runner = web.AppRunner(self.extender.app(allowed), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.extender_host, self.cfg.extender_port, ssl_context=ssl_ctx)
+        site: web.TCPSite
+        if ssl_ctx is None:
+            site = web.TCPSite(self._runner, self.cfg.extender_host, self.cfg.extender_port)
+        else:  # HTTP/2 by ALPN beside HTTP/1.1: kube-scheduler's calls share one connection
+            http2.offer_h2(ssl_ctx)
+            site = http2.ALPNSite(self._runner, self.cfg.extender_host, self.cfg.extender_port, ssl_context=ssl_ctx,
+                                  handle=self.extender.answer, allowed=allowed, max_body=MAX_BODY,
+                                  on_http2=self.metrics.extender_http2_connections.inc)
         await site.start()
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         self.extender_port = int(sock.getsockname()[1])
