@@ -22,7 +22,9 @@ What a connection gets:
   concurrently as tasks, their answers sent as they finish;
 * flow control both ways: received data is acknowledged as it is taken into the body; an answer
   larger than the peer's window waits for its window updates;
-* a stream the client resets, or a connection that closes, cancels its requests' tasks.
+* a stream the client resets, or a connection that closes, drops its answers but lets its
+  requests finish, as aiohttp does for HTTP/1.1: a bind cut off half-way would leave a claim
+  without its Binding (kube-scheduler retries a bind that timed out; the retry finds it done).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class H2Server(asyncio.Protocol):
         self._conn = h2.connection.H2Connection(_CONFIG)
         self._transport: Any = None  # asyncio's or uvloop's TLS transport
         self._streams: dict[int, _Stream] = {}
+        self._running: set[asyncio.Task[None]] = set()  # asyncio keeps only weak references
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -118,10 +121,7 @@ class H2Server(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        for s in self._streams.values():
-            if s.task is not None:
-                s.task.cancel()
-        self._streams.clear()
+        self._streams.clear()  # requests still running finish; their answers go nowhere
 
     # ---------------------------------------------------------------- events
 
@@ -136,19 +136,22 @@ class H2Server(asyncio.Protocol):
             if s is not None and s.task is None:
                 s.body += ev.data
                 if len(s.body) > self._max_body:
-                    s.task = asyncio.ensure_future(self._answer(ev.stream_id, s, too_large=True))
+                    self._start(ev.stream_id, s, too_large=True)
         elif isinstance(ev, h2.events.StreamEnded):
             s = self._streams.get(ev.stream_id)
             if s is not None and s.task is None:
-                s.task = asyncio.ensure_future(self._answer(ev.stream_id, s))
+                self._start(ev.stream_id, s)
         elif isinstance(ev, h2.events.StreamReset):
-            s = self._streams.pop(ev.stream_id, None)
-            if s is not None and s.task is not None:
-                s.task.cancel()
+            self._streams.pop(ev.stream_id, None)  # its request finishes; the answer goes nowhere
         elif isinstance(ev, h2.events.WindowUpdated):
             self._send_pending(ev.stream_id)
         elif isinstance(ev, h2.events.ConnectionTerminated):
             self.close()
+
+    def _start(self, stream_id: int, s: _Stream, too_large: bool = False) -> None:
+        s.task = asyncio.ensure_future(self._answer(stream_id, s, too_large))
+        self._running.add(s.task)
+        s.task.add_done_callback(self._running.discard)
 
     async def _answer(self, stream_id: int, s: _Stream, too_large: bool = False) -> None:
         if too_large:
