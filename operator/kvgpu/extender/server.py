@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -46,6 +47,12 @@ from kvgpu.reconcile.state import OperatorState
 log = structlog.get_logger("kvgpu.extender")
 MAX_BODY = 64 * 1024 * 1024
 JSON = "application/json"
+#: A scheduler verb: the request body in, (HTTP status, a JSON-able answer or its bytes) out.
+Verb = Callable[[bytes], Awaitable[tuple[int, Any]]]
+
+
+def _encode(out: Any) -> bytes:
+    return out if isinstance(out, bytes) else json.dumps(out).encode()
 NOT_READY = "kvgpu operator not ready: starting (ledger not rebuilt yet) or a standby replica"
 
 
@@ -60,7 +67,7 @@ class Extender:
         self.preemption = Preemption(state, api)  # GPU preemption for pods filter rejects
         # last reasons per pod uid, for Events (posted when they change) and `kubectl vgpu why`
         self.last_reasons: dict[str, str] = {}
-        self._verbs = {"/scheduler/filter": self.filter, "/scheduler/prioritize": self.prioritize,
+        self._verbs: dict[str, Verb] = {"/scheduler/filter": self.filter, "/scheduler/prioritize": self.prioritize,
                        "/scheduler/bind": self.bind}
 
     def app(self, allowed_clients: tuple[str, ...] | None = None) -> web.Application:
@@ -100,14 +107,14 @@ class Extender:
         if verb is None or method != "POST":
             return 404, "text/plain", b"not found"
         status, out = await verb(body)
-        return status, JSON, out if isinstance(out, bytes) else json.dumps(out).encode()
+        return status, JSON, _encode(out)
 
     @staticmethod
-    def _route(verb: Any) -> Any:
+    def _route(verb: Verb) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """The aiohttp handler of a verb (HTTP/1.1)."""
         async def handler(request: web.Request) -> web.Response:
             status, out = await verb(await request.read())
-            body = out if isinstance(out, bytes) else json.dumps(out).encode()
-            return web.Response(body=body, status=status, content_type=JSON)
+            return web.Response(body=_encode(out), status=status, content_type=JSON)
         return handler
 
     async def filter(self, body: bytes) -> tuple[int, Any]:
