@@ -44,9 +44,11 @@ import json
 import os
 import random
 import shutil
+import ssl
 import sys
 import tempfile
 import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -98,7 +100,7 @@ class Bench:
         self.args = args
         self.rng = random.Random(args.seed)
         self.run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvgpu-scale-"))
-        self.cluster = Cluster(self.run_dir)
+        self.cluster = Cluster(self.run_dir, open_scheduler_pprof=bool(args.scheduler_profile))
         self.system = KvgpuSystem(self.cluster, operator_args=(f"--node-choice={args.node_choice}",))
         self.result: dict[str, Any] = {}
         self.node_bodies: list[dict[str, Any]] = []
@@ -228,6 +230,9 @@ class Bench:
         pprof = None
         if kind != "baseline" and self.args.apiserver_profile:
             pprof = asyncio.create_task(self.apiserver_profile(api, f"apiserver-{kind}-{mode}-{size}.pprof"))
+        sched_pprof = None
+        if kind == "gpu" and self.args.scheduler_profile and mode != "queued":
+            sched_pprof = asyncio.create_task(self.scheduler_profile(sched, f"scheduler-{kind}-{mode}-{size}.pprof"))
         with sampler:
             if mode == "queued":
                 self.cluster.stop_component(sched)
@@ -240,6 +245,9 @@ class Bench:
                 await asyncio.to_thread(self._start_scheduler, gpu)
                 short = sched.replace("kube-scheduler-", "scheduler-")
                 sampler.add(short, self.cluster.components[sched].pid)
+                if kind == "gpu" and self.args.scheduler_profile:
+                    sched_pprof = asyncio.create_task(
+                        self.scheduler_profile(sched, f"scheduler-{kind}-{mode}-{size}.pprof"))
             try:
                 await asyncio.wait_for(done.wait(), timeout=self.args.burst_timeout)
                 timed_out = False
@@ -249,8 +257,9 @@ class Bench:
             await asyncio.gather(*kubelet, return_exceptions=True)
         for w in watches:
             await w.stop()
-        if pprof is not None:
-            await pprof
+        for task in (pprof, sched_pprof):
+            if task is not None:
+                await task
         hist1 = scrape_histogram(self.metrics_port)
         req1 = await api_requests(api)
 
@@ -321,6 +330,22 @@ class Bench:
         finally:
             resp.release()
         log(f"kube-apiserver CPU profile: {self.run_dir / name}")
+
+    async def scheduler_profile(self, component: str, name: str) -> None:
+        """A CPU profile of the kvgpu kube-scheduler (Go pprof) over the first
+        ``--scheduler-profile`` seconds of its work in the burst, saved in the run directory; read
+        it with ``go tool pprof -top <file>``. Its serving certificate is self-signed: not verified."""
+        secs = int(self.args.scheduler_profile)
+        url = f"https://127.0.0.1:{self.cluster.components[component].port}/debug/pprof/profile?seconds={secs}"
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+
+        def fetch() -> bytes:
+            with urllib.request.urlopen(url, timeout=secs + 60, context=ctx) as r:
+                return bytes(r.read())
+
+        (self.run_dir / name).write_bytes(await asyncio.to_thread(fetch))
+        log(f"kube-scheduler CPU profile: {self.run_dir / name}")
 
     def pids(self) -> dict[str, int]:
         """The processes whose CPU a burst accounts: control plane, operator, this bench."""
@@ -471,6 +496,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the operator's --node-choice: who picks a GPU pod's node (kvgpu.extender.choice)")
     p.add_argument("--apiserver-profile", type=int, default=0, metavar="SECONDS",
                    help="record kube-apiserver's CPU (Go pprof) for SECONDS at the start of each GPU burst")
+    p.add_argument("--scheduler-profile", type=int, default=0, metavar="SECONDS",
+                   help="record the kvgpu kube-scheduler's CPU (Go pprof) for SECONDS of each GPU burst "
+                        "(from its start; queued: from the scheduler's start)")
     p.add_argument("--profile", action="store_true",
                    help="record the operator with py-spy during the bursts (needs py-spy on PATH)")
     return p.parse_args(argv)

@@ -81,6 +81,9 @@ class Cluster:
     bin_dir: Path = field(default_factory=ensure_binaries)
     with_controller_manager: bool = True
     detached: bool = False  # True: components outlive this process (kvgpu dev up)
+    #: kube-schedulers answer ``/debug/pprof`` without authentication (loopback only; for
+    #: ``bench/scale/run.py --scheduler-profile``)
+    open_scheduler_pprof: bool = False
     api_port: int = 0
     components: dict[str, Component] = field(default_factory=dict)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
@@ -201,7 +204,8 @@ class Cluster:
         c = self._spawn(
             comp,
             ["kube-scheduler", f"--config={cfg_path}", "--bind-address=127.0.0.1", f"--secure-port={port}",
-             "--v=1"],
+             "--v=1", *(["--authorization-always-allow-paths=/healthz,/readyz,/livez,/debug/pprof/*"]
+                        if self.open_scheduler_pprof else [])],
             port=port,
         )
         self._wait_http(f"https://127.0.0.1:{port}/healthz", comp, tls=True, verify=False)
