@@ -231,8 +231,9 @@ class Bench:
         if kind != "baseline" and self.args.apiserver_profile:
             pprof = asyncio.create_task(self.apiserver_profile(api, f"apiserver-{kind}-{mode}-{size}.pprof"))
         sched_pprof = None
-        if kind == "gpu" and self.args.scheduler_profile and mode != "queued":
-            sched_pprof = asyncio.create_task(self.scheduler_profile(sched, f"scheduler-{kind}-{mode}-{size}.pprof"))
+        sched_file = f"scheduler-{kind}-{mode}-{size}.pprof" if kind == "gpu" and self.args.scheduler_profile else ""
+        if sched_file and mode != "queued":  # queued: once the scheduler starts, below
+            sched_pprof = asyncio.create_task(self.scheduler_profile(sched, sched_file))
         with sampler:
             if mode == "queued":
                 self.cluster.stop_component(sched)
@@ -245,9 +246,8 @@ class Bench:
                 await asyncio.to_thread(self._start_scheduler, gpu)
                 short = sched.replace("kube-scheduler-", "scheduler-")
                 sampler.add(short, self.cluster.components[sched].pid)
-                if kind == "gpu" and self.args.scheduler_profile:
-                    sched_pprof = asyncio.create_task(
-                        self.scheduler_profile(sched, f"scheduler-{kind}-{mode}-{size}.pprof"))
+                if sched_file:
+                    sched_pprof = asyncio.create_task(self.scheduler_profile(sched, sched_file))
             try:
                 await asyncio.wait_for(done.wait(), timeout=self.args.burst_timeout)
                 timed_out = False

@@ -81,18 +81,22 @@ class _Client:
         return sid
 
     def answer(self, sid: int) -> tuple[int, bytes, bool]:
-        """(status, body so far, ended) of stream ``sid``."""
-        status, body, ended = 0, b"", False
-        for ev in self.events:
-            if getattr(ev, "stream_id", None) != sid:
-                continue
-            if isinstance(ev, h2.events.ResponseReceived):
-                status = int(dict(ev.headers)[b":status"])
-            elif isinstance(ev, h2.events.DataReceived):
-                body += ev.data
-            elif isinstance(ev, h2.events.StreamEnded):
-                ended = True
-        return status, body, ended
+        return _answer(self.events, sid)
+
+
+def _answer(events: list[Any], sid: int) -> tuple[int, bytes, bool]:
+    """(status, body so far, ended) of stream ``sid`` from a client's ``events``."""
+    status, body, ended = 0, b"", False
+    for ev in events:
+        if getattr(ev, "stream_id", None) != sid:
+            continue
+        if isinstance(ev, h2.events.ResponseReceived):
+            status = int(dict(ev.headers)[b":status"])
+        elif isinstance(ev, h2.events.DataReceived):
+            body += ev.data
+        elif isinstance(ev, h2.events.StreamEnded):
+            ended = True
+    return status, body, ended
 
 
 async def _settle(c: _Client) -> None:
@@ -262,22 +266,16 @@ async def _h2_calls(port: int, ctx: ssl.SSLContext, calls: list[tuple[str, bytes
                                 (b":authority", b"localhost")])
         conn.send_data(sid, body, end_stream=True)
     writer.write(conn.data_to_send())
-    status: dict[int, int] = {}
-    got: dict[int, bytes] = {sid: b"" for sid in sids}
-    ended: set[int] = set()
+    events: list[Any] = []
     try:
-        while len(ended) < len(sids):
+        while not all(_answer(events, sid)[2] for sid in sids):
             data = await asyncio.wait_for(reader.read(65536), 10)
             if not data:
                 break
             for ev in conn.receive_data(data):
-                if isinstance(ev, h2.events.ResponseReceived):
-                    status[ev.stream_id] = int(dict(ev.headers)[b":status"])
-                elif isinstance(ev, h2.events.DataReceived):
-                    got[ev.stream_id] += ev.data
+                events.append(ev)
+                if isinstance(ev, h2.events.DataReceived):
                     conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-                elif isinstance(ev, h2.events.StreamEnded):
-                    ended.add(ev.stream_id)
                 elif isinstance(ev, h2.events.ConnectionTerminated):
                     return [(0, None)] * len(sids)
             writer.write(conn.data_to_send())
@@ -285,10 +283,11 @@ async def _h2_calls(port: int, ctx: ssl.SSLContext, calls: list[tuple[str, bytes
         writer.close()
     out: list[tuple[int, Any]] = []
     for sid in sids:
+        status, body, _ = _answer(events, sid)
         try:
-            out.append((status.get(sid, 0), json.loads(got[sid])))
+            out.append((status, json.loads(body)))
         except ValueError:
-            out.append((status.get(sid, 0), got[sid].decode()))
+            out.append((status, body.decode()))
     return out
 
 
