@@ -228,7 +228,7 @@ class Bench:
         load0 = load_average()
         t_sched_start = None
         pprof = None
-        if kind != "baseline" and self.args.apiserver_profile:
+        if self.args.apiserver_profile:
             pprof = asyncio.create_task(self.apiserver_profile(api, f"apiserver-{kind}-{mode}-{size}.pprof"))
         sched_pprof = None
         sched_file = f"scheduler-{kind}-{mode}-{size}.pprof" if kind == "gpu" and self.args.scheduler_profile else ""
@@ -495,7 +495,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--node-choice", choices=["extender", "scheduler"], default="extender",
                    help="the operator's --node-choice: who picks a GPU pod's node (kvgpu.extender.choice)")
     p.add_argument("--apiserver-profile", type=int, default=0, metavar="SECONDS",
-                   help="record kube-apiserver's CPU (Go pprof) for SECONDS at the start of each GPU burst")
+                   help="record kube-apiserver's CPU (Go pprof) for SECONDS at the start of each burst "
+                        "(GPU and no-GPU, to compare)")
     p.add_argument("--scheduler-profile", type=int, default=0, metavar="SECONDS",
                    help="record the kvgpu kube-scheduler's CPU (Go pprof) for SECONDS of each GPU burst "
                         "(from its start; queued: from the scheduler's start)")
