@@ -43,16 +43,19 @@ def history_row(run: dict[str, Any], note: str = "") -> dict[str, Any]:
     return {**row, "note": note} if note else row
 
 
-def record(data: dict[str, Any], remote: dict[str, Any], code: str | None, note: str = "") -> list[str]:
+def record(data: dict[str, Any], remote: dict[str, Any], code: str | None, note: str = "",
+           *, override: bool = False) -> list[str]:
     """Merge ``remote``'s runs into ``data`` (both shaped as ``bench/results/scale.json``) in
-    place; returns the keys recorded. Raises ``ValueError`` for a file without runs."""
+    place; returns the keys recorded. ``code`` fills a run's missing ``code``; with ``override``
+    it replaces the one the remote wrote (its copy of the tree may carry a stale git state, e.g.
+    ``<older commit>+changes``). Raises ``ValueError`` for a file without runs."""
     runs = remote.get("runs") or {}
     if not runs:
         raise ValueError("scale.json: no 'runs' in the file (is it the one device.sh wrote into $OUT?)")
     keys = []
     for run in runs.values():
         run = dict(run)
-        if code and not run.get("code"):
+        if code and (override or not run.get("code")):
             run["code"] = code
         cores = run.get("machine", {}).get("cores")
         if (cores or 0) >= 16:
@@ -70,7 +73,9 @@ def record(data: dict[str, Any], remote: dict[str, Any], code: str | None, note:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("scale_json", type=Path, help="the scale.json device.sh wrote into $OUT")
-    p.add_argument("--code", default=None, help="the commit the bundle was made from (default: HEAD here)")
+    p.add_argument("--code", default=None,
+                   help="the commit the bundle was made from (default: HEAD here, where the remote "
+                        "did not name one; given, it replaces the remote's)")
     p.add_argument("--note", default="", help="a note for the run-to-run spread table")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         p.error(f"{args.scale_json}: not a readable scale.json ({e})")
     try:
-        keys = record(data, remote, args.code or code_version(), args.note)
+        keys = record(data, remote, args.code or code_version(), args.note, override=args.code is not None)
     except ValueError as e:
         p.error(str(e))
     args.out.write_text(json.dumps(data, indent=1) + "\n")

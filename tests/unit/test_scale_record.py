@@ -36,6 +36,16 @@ def test_device_runs_get_code_machine_and_command_and_a_spread_row() -> None:
     assert [b["kind"] for b in data["history_16c"][1]["bursts"]] == ["baseline", "gpu"]
 
 
+def test_a_given_code_replaces_the_one_the_remote_wrote() -> None:
+    remote = {"runs": {"1000n-16c": _run(1000, 16, code="aaa+changes")}}
+    data: dict[str, Any] = {}
+    record.record(data, remote, "bbb")
+    assert data["runs"]["1000n-16c"]["code"] == "aaa+changes"  # a default only fills a gap
+    record.record(data, remote, "bbb", override=True)
+    assert data["runs"]["1000n-16c"]["code"] == "bbb"
+    assert [h["code"] for h in data["history_16c"]] == ["bbb"]
+
+
 def test_a_file_without_runs_is_refused() -> None:
     with pytest.raises(ValueError, match="no 'runs'"):
         record.record({}, {"notes": []}, "x")
