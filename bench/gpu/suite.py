@@ -7,7 +7,7 @@
 
 Environment: OUT (results folder), MODES (default "native hami kvgpu"), PARTS (default
 "memory startup single group"), ONLY (workload or group ids, default all), LIMITS (a single
-workload's limits instead of its own, e.g. "gpt:30,50,80"), SECS (measured
+workload's limits instead of its own, e.g. "gpt:30,50,80"; 100: no compute limit), SECS (measured
 seconds per workload, default 4), SUITE_BUDGET_S with SUITE_T0 (skip what no longer fits, default
 unlimited), BASELINE (results.json of an earlier run whose native runs serve when MODES has no
 native), KVGPU_TREE (the kvgpu tree under test, default this one), KVGPU_LIB, HAMI_LIB, SUITE_CU

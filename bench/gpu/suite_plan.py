@@ -109,7 +109,9 @@ class Config:
 
 def parse_limits(text: str) -> dict[str, list[int]]:
     """LIMITS="gpt:30,50,80 conv:20" -> {"gpt": [30, 50, 80], "conv": [20]}: limits (percent of
-    the card, 1..99) that replace a single workload's own. ValueError names a bad item."""
+    the card, 1..100) that replace a single workload's own. 100 is a claim with no compute limit
+    (its memory limit only: what the shim's hooks cost a tenant the gate never holds). ValueError
+    names a bad item."""
     out: dict[str, list[int]] = {}
     for item in text.split():
         ident, _, lims = item.partition(":")
@@ -117,8 +119,8 @@ def parse_limits(text: str) -> dict[str, list[int]]:
             vals = [int(v) for v in lims.split(",")]
         except ValueError:
             vals = []
-        if ident not in {s[0] for s in SINGLES} or not vals or not all(0 < v < 100 for v in vals):
-            raise ValueError(f"LIMITS item {item!r}: use <single id>:<percent>[,<percent>...], 1..99")
+        if ident not in {s[0] for s in SINGLES} or not vals or not all(0 < v <= 100 for v in vals):
+            raise ValueError(f"LIMITS item {item!r}: use <single id>:<percent>[,<percent>...], 1..100")
         out[ident] = vals
     return out
 

@@ -63,3 +63,26 @@ def test_no_context_granted_is_not_a_start_up_met(analysis) -> None:
     rec = {"mode": "kvgpu", "racers": [], "rounds": [_newcomer(2, 0.08), _newcomer(2, 0.09)]}
     m = analysis.analyze_startup(rec, native)
     assert (m["contexts"], m["to_first_answer_s"], m["met"]) == (0, None, False)
+
+
+@pytest.fixture
+def plan(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "gpu"))
+    monkeypatch.delitem(sys.modules, "suite_plan", raising=False)
+    return importlib.import_module("suite_plan")
+
+
+def test_limits_take_1_to_100_per_single_workload(plan) -> None:
+    assert plan.parse_limits("gpt:30,100 conv:1") == {"gpt": [30, 100], "conv": [1]}
+
+
+@pytest.mark.parametrize("item", ["gpt:0", "gpt:101", "gpt:", "gpt:x", "nope:30"])
+def test_a_limit_outside_1_to_100_or_of_no_workload_is_refused(plan, item) -> None:
+    with pytest.raises(ValueError, match="1..100"):
+        plan.parse_limits(item)
+
+
+def test_a_100_percent_limit_is_judged_as_a_tenant_that_wants_less(analysis) -> None:
+    """No compute limit: the tenant must keep its native speed (what the hooks cost it)."""
+    assert analysis.single_goal(63.6, [60.0, 66.0], 80.1, 100.0, 75.2) == (False, False)
+    assert analysis.single_goal(74.0, [73.0, 75.0], 98.0, 100.0, 75.2) == (True, True)
