@@ -78,7 +78,7 @@ def test_limits_take_1_to_100_per_single_workload(plan) -> None:
 
 @pytest.mark.parametrize("item", ["gpt:0", "gpt:101", "gpt:", "gpt:x", "nope:30"])
 def test_a_limit_outside_1_to_100_or_of_no_workload_is_refused(plan, item) -> None:
-    with pytest.raises(ValueError, match="1..100"):
+    with pytest.raises(ValueError, match=r"1\.\.100"):
         plan.parse_limits(item)
 
 
