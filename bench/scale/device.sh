@@ -6,7 +6,7 @@
 # Arguments go to bench/scale/run.py; `--` separates the arguments of runs made one after the
 # other (the setup is done once). Writes into $OUT (default /tmp/kvgpu-out): scale.json (every
 # run merged, keyed as bench/results/scale.json), and per run run.log and logs.tar.gz (the run
-# directory's component logs, each cut to its last 5 MB, and the CPU profiles asked for; one
+# directory's component logs, each cut to its last 5 MB, and the profiles and traces asked for; one
 # archive because only a few files come back from $OUT), named run-<k>.log and logs-<k>.tar.gz
 # (k = 1, 2, ...) when there are several runs. Exit status: the first non-zero run.py's, else 0.
 set -euo pipefail
@@ -79,13 +79,13 @@ for g in "${groups[@]}"; do
     tee "$OUT/run$sfx.log" || r=$?
   [ "$rc" -ne 0 ] || rc=$r
   # Logs of every component (operator, both schedulers, apiserver, etcd), partial results and
-  # the CPU profiles asked for.
+  # the profiles and traces asked for.
   if [ -d "$RUN" ]; then
     rm -rf /tmp/kvgpu-logs && mkdir -p /tmp/kvgpu-logs
     for f in "$RUN"/logs/* "$RUN"/*.json "$RUN"/*.txt; do
       [ -f "$f" ] && tail -c 5000000 "$f" >"/tmp/kvgpu-logs/$(basename "$f")"
     done
-    for f in "$RUN"/*.pprof; do  # --apiserver-profile / --scheduler-profile: whole, or unreadable
+    for f in "$RUN"/*.pprof "$RUN"/*.trace; do  # --*-profile, --scheduler-trace: whole, or unreadable
       [ -f "$f" ] && cp "$f" /tmp/kvgpu-logs/
     done
     tar -C /tmp -czf "$OUT/logs$sfx.tar.gz" kvgpu-logs

@@ -100,7 +100,8 @@ class Bench:
         self.args = args
         self.rng = random.Random(args.seed)
         self.run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvgpu-scale-"))
-        self.cluster = Cluster(self.run_dir, open_scheduler_pprof=bool(args.scheduler_profile))
+        self.cluster = Cluster(self.run_dir,
+                               open_scheduler_pprof=bool(args.scheduler_profile or args.scheduler_trace))
         self.system = KvgpuSystem(self.cluster, operator_args=(f"--node-choice={args.node_choice}",))
         self.result: dict[str, Any] = {}
         self.node_bodies: list[dict[str, Any]] = []
@@ -230,10 +231,10 @@ class Bench:
         pprof = None
         if self.args.apiserver_profile:
             pprof = asyncio.create_task(self.apiserver_profile(api, f"apiserver-{kind}-{mode}-{size}.pprof"))
-        sched_pprof = None
-        sched_file = f"scheduler-{kind}-{mode}-{size}.pprof" if kind == "gpu" and self.args.scheduler_profile else ""
-        if sched_file and mode != "queued":  # queued: once the scheduler starts, below
-            sched_pprof = asyncio.create_task(self.scheduler_profile(sched, sched_file))
+        sched_tasks: list[asyncio.Task[None]] = []
+        sched_debug = self.scheduler_debug_asked(kind, mode, size)
+        if mode != "queued":  # queued: once the scheduler starts, below
+            sched_tasks = [asyncio.create_task(self.scheduler_debug(sched, *d)) for d in sched_debug]
         with sampler:
             if mode == "queued":
                 self.cluster.stop_component(sched)
@@ -246,8 +247,7 @@ class Bench:
                 await asyncio.to_thread(self._start_scheduler, gpu)
                 short = sched.replace("kube-scheduler-", "scheduler-")
                 sampler.add(short, self.cluster.components[sched].pid)
-                if sched_file:
-                    sched_pprof = asyncio.create_task(self.scheduler_profile(sched, sched_file))
+                sched_tasks = [asyncio.create_task(self.scheduler_debug(sched, *d)) for d in sched_debug]
             try:
                 await asyncio.wait_for(done.wait(), timeout=self.args.burst_timeout)
                 timed_out = False
@@ -257,7 +257,7 @@ class Bench:
             await asyncio.gather(*kubelet, return_exceptions=True)
         for w in watches:
             await w.stop()
-        for task in (pprof, sched_pprof):
+        for task in (pprof, *sched_tasks):
             if task is not None:
                 await task
         hist1 = scrape_histogram(self.metrics_port)
@@ -331,12 +331,23 @@ class Bench:
             resp.release()
         log(f"kube-apiserver CPU profile: {self.run_dir / name}")
 
-    async def scheduler_profile(self, component: str, name: str) -> None:
-        """A CPU profile of the kvgpu kube-scheduler (Go pprof) over the first
-        ``--scheduler-profile`` seconds of its work in the burst, saved in the run directory; read
-        it with ``go tool pprof -top <file>``. Its serving certificate is self-signed: not verified."""
-        secs = int(self.args.scheduler_profile)
-        url = f"https://127.0.0.1:{self.cluster.components[component].port}/debug/pprof/profile?seconds={secs}"
+    def scheduler_debug_asked(self, kind: str, mode: str, size: int) -> list[tuple[str, str, int]]:
+        """What ``--scheduler-profile`` / ``--scheduler-trace`` ask of this burst (GPU bursts
+        only): ``(pprof endpoint, file name, seconds)`` each."""
+        if kind != "gpu":
+            return []
+        stem = f"scheduler-{kind}-{mode}-{size}"
+        asked = [("profile", f"{stem}.pprof", self.args.scheduler_profile),
+                 ("trace", f"{stem}.trace", self.args.scheduler_trace)]
+        return [a for a in asked if a[2]]
+
+    async def scheduler_debug(self, component: str, endpoint: str, name: str, secs: int) -> None:
+        """A Go CPU profile (``profile``: where its CPU goes) or execution trace (``trace``: where
+        its goroutines wait, e.g. the scheduling cycle on the extender's answer) of the kvgpu
+        kube-scheduler over ``secs`` seconds of its work in the burst, saved in the run
+        directory; read it with ``go tool pprof -top`` or ``go tool trace``. Its serving
+        certificate is self-signed: not verified."""
+        url = f"https://127.0.0.1:{self.cluster.components[component].port}/debug/pprof/{endpoint}?seconds={secs}"
         ctx = ssl.create_default_context()
         ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
 
@@ -345,7 +356,7 @@ class Bench:
                 return bytes(r.read())
 
         (self.run_dir / name).write_bytes(await asyncio.to_thread(fetch))
-        log(f"kube-scheduler CPU profile: {self.run_dir / name}")
+        log(f"kube-scheduler {endpoint}: {self.run_dir / name}")
 
     def pids(self) -> dict[str, int]:
         """The processes whose CPU a burst accounts: control plane, operator, this bench."""
@@ -500,6 +511,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scheduler-profile", type=int, default=0, metavar="SECONDS",
                    help="record the kvgpu kube-scheduler's CPU (Go pprof) for SECONDS of each GPU burst "
                         "(from its start; queued: from the scheduler's start)")
+    p.add_argument("--scheduler-trace", type=int, default=0, metavar="SECONDS",
+                   help="record the kvgpu kube-scheduler's Go execution trace (where its goroutines wait) "
+                        "for SECONDS of each GPU burst, as --scheduler-profile")
     p.add_argument("--profile", action="store_true",
                    help="record the operator with py-spy during the bursts (needs py-spy on PATH)")
     return p.parse_args(argv)
