@@ -23,9 +23,11 @@ MIB = 1 << 20
 
 # id, kind (suite_wl.py kind, "spin1"/"spin10" for suite_cu spin, "spinctx2" for suite_cu ctx2:
 # 2 ms kernels in a second context after tiny ones in the first, "spinptds" for suite_cu ptds:
-# the same on two threads' per-thread default streams), limits (percent of the card)
+# the same on two threads' per-thread default streams), limits (percent of the card). gpt at
+# 90 % wants less than its limit on every host seen (natively 36-79 % busy): a launch-bound
+# tenant under its share, which must keep its native speed.
 SINGLES: list[tuple[str, str, list[int]]] = [
-    ("gpt", "gpt", [30, 50]),
+    ("gpt", "gpt", [30, 50, 90]),
     ("conv", "conv", [30]),
     ("infer", "infer", [30]),
     ("longk-sync1", "spin1", [10]),
