@@ -61,8 +61,11 @@ async def test_mig_profiles_are_plain_extended_resources(gpu: GpuEnv, tmp_path: 
                     await asyncio.sleep(0.3)
                 raise AssertionError(f"timed out waiting for {what}")
 
-            alloc = await wait(lambda: (a := allocatable()).get("nvidia.com/mig-1g.18gb") == "2" and a,
-                               "the MIG resources on the node")
+            # The agent writes each resource of the node with a patch of its own (as each device
+            # plugin registers with a kubelet): wait until all three are there, then check them.
+            names = ("nvidia.com/mig-1g.18gb", "nvidia.com/mig-3g.71gb", "nvidia.com/gpu")
+            alloc = await wait(lambda: (a := allocatable()).get("nvidia.com/mig-1g.18gb") == "2"
+                               and all(r in a for r in names) and a, "the MIG resources on the node")
             assert alloc["nvidia.com/mig-3g.71gb"] == "1"
             assert alloc["nvidia.com/gpu"] == "10"  # the whole card's splitCount only: no slices of the MIG card
 
