@@ -47,13 +47,14 @@ from kvgpu.reconcile.state import OperatorState
 log = structlog.get_logger("kvgpu.extender")
 MAX_BODY = 64 * 1024 * 1024
 JSON = "application/json"
+NOT_READY = "kvgpu operator not ready: starting (ledger not rebuilt yet) or a standby replica"
 #: A scheduler verb: the request body in, (HTTP status, a JSON-able answer or its bytes) out.
 Verb = Callable[[bytes], Awaitable[tuple[int, Any]]]
 
 
 def _encode(out: Any) -> bytes:
+    """A verb's answer as the response body (bytes pass through, anything else as JSON)."""
     return out if isinstance(out, bytes) else json.dumps(out).encode()
-NOT_READY = "kvgpu operator not ready: starting (ledger not rebuilt yet) or a standby replica"
 
 
 class Extender:
@@ -67,8 +68,9 @@ class Extender:
         self.preemption = Preemption(state, api)  # GPU preemption for pods filter rejects
         # last reasons per pod uid, for Events (posted when they change) and `kubectl vgpu why`
         self.last_reasons: dict[str, str] = {}
-        self._verbs: dict[str, Verb] = {"/scheduler/filter": self.filter, "/scheduler/prioritize": self.prioritize,
-                       "/scheduler/bind": self.bind}
+        self._verbs: dict[str, Verb] = {"/scheduler/filter": self.filter,
+                                        "/scheduler/prioritize": self.prioritize,
+                                        "/scheduler/bind": self.bind}
 
     def app(self, allowed_clients: tuple[str, ...] | None = None) -> web.Application:
         """Every route. ``allowed_clients``: answer only TLS clients whose verified certificate
