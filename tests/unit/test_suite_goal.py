@@ -13,12 +13,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _fresh(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
+    """bench/gpu's ``name`` imported anew (with suite_plan, which suite_analysis imports)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "gpu"))
+    for mod in ("suite_analysis", "suite_plan"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    return importlib.import_module(name)
+
+
 @pytest.fixture
 def analysis(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "bench" / "gpu"))
-    for name in ("suite_analysis", "suite_plan"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    return importlib.import_module("suite_analysis")
+    return _fresh(monkeypatch, "suite_analysis")
 
 
 @pytest.mark.parametrize(("busy", "secs", "ok"), [
@@ -67,9 +72,7 @@ def test_no_context_granted_is_not_a_start_up_met(analysis) -> None:
 
 @pytest.fixture
 def plan(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "bench" / "gpu"))
-    monkeypatch.delitem(sys.modules, "suite_plan", raising=False)
-    return importlib.import_module("suite_plan")
+    return _fresh(monkeypatch, "suite_plan")
 
 
 def test_limits_take_1_to_100_per_single_workload(plan) -> None:
