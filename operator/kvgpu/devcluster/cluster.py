@@ -82,7 +82,7 @@ class Cluster:
     with_controller_manager: bool = True
     detached: bool = False  # True: components outlive this process (kvgpu dev up)
     #: kube-schedulers answer ``/debug/pprof`` without authentication (loopback only; for
-    #: ``bench/scale/run.py --scheduler-profile``)
+    #: ``bench/scale/run.py --scheduler-profile`` and ``--scheduler-trace``)
     open_scheduler_pprof: bool = False
     api_port: int = 0
     components: dict[str, Component] = field(default_factory=dict)
