@@ -371,12 +371,6 @@ struct vgpu_batch {
     int ntails;                 /* gap-tracked: its streams' tails (it ends at the latest) */
     void *tails[VGPU_BATCH_STREAMS];
     int tracked;                /* measured gap by gap (vgpu_launch.c): its GPU time is exact */
-    /* A tracking window (VGPU_TRACK_WINDOW_NS): the part of the batch measured gap by gap, from
-     * ev_wopen (recorded before its first launch) to ev_wclose (before the first launch after
-     * it, or at the batch's close); ev_seg, seg_busy_ns, track_gap_ns and tails are the
-     * window's. Its busy share goes into the gap ratio; the batch is charged as untracked. */
-    void *ev_wopen, *ev_wclose;
-    int windowed;
     int untracked;              /* its gap tracking stopped mid-batch (a launch into a capture,
                                  * a stream too many, an event that failed): charged its whole
                                  * span, never the gap ratio's share of it */
@@ -392,11 +386,6 @@ struct vgpu_batch {
 };
 #ifndef VGPU_TRACK_EVERY /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
-#endif
-#ifndef VGPU_TRACK_WINDOW_NS
-/* 0: a tracked batch is tracked whole (one in VGPU_TRACK_EVERY). Else every batch has one
- * tracking window this long, at a random place (vgpu_track.c). */
-#define VGPU_TRACK_WINDOW_NS 0ull
 #endif
 #define VGPU_GAP_SPAN_NS (5 * VGPU_MS) /* a tracked batch this long moves the gap ratio a quarter */
 struct vgpu_gate {
@@ -428,7 +417,7 @@ struct vgpu_gate {
     struct vgpu_batch over[VGPU_BATCH_OVERFLOW]; /* given up while running, still awaited */
     int nover;
     uint64_t forfeits;          /* batches pushed out of a full overflow (vgpu_gate_forfeit) */
-    void *pool[(6 + 2 * (VGPU_BATCH_STREAMS - 1) + VGPU_BATCH_STREAMS) * VGPU_BATCH_RING + 4];
+    void *pool[(4 + 2 * (VGPU_BATCH_STREAMS - 1)) * VGPU_BATCH_RING + 4];
     int npool;
     int wait_gave_up;           /* a wait for a batch ran out: the gate never waits for one again */
     void *ev_ctx;               /* CUcontext of the open batch and the pooled events: the one of
@@ -455,9 +444,6 @@ struct vgpu_gate {
     int tail_set[VGPU_BATCH_STREAMS];      /* recorded since the segment began */
     uint64_t track_after_ns;    /* CPU ns of recording a tail behind the last launch */
     uint32_t track_rng;         /* which batches are tracked (xorshift) */
-    uint64_t track_at;          /* the open batch's tracking window begins at the first launch
-                                 * at or after this time (peeked by the launch path; 0: none) */
-    uint64_t track_until;       /* ... and ends at the first launch at or after this one */
     uint32_t gap_pm;            /* busy / span of tracked batches, per mille (EWMA); 0 = unknown */
     uint32_t gap_ppm;           /* the same in parts per million: the average's own precision */
     /* Busy calibration (alone on the card): the card's own busy time (NVML's utilization

@@ -121,13 +121,6 @@ void vgpu_track_stop(struct vgpu_gate *g);
 void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done);
 void vgpu_track_before(struct vgpu_gate *g, CUstream s);  /* gap tracking around a launch */
 void vgpu_track_after(struct vgpu_gate *g, CUstream s);
-/* Tracking windows (VGPU_TRACK_WINDOW_NS): one begins before a launch that finds its time come
- * (s: the launch's stream); at the batch's close an open one ends (s: where the close goes;
- * keep 0: dropped) and the window moves into the closed batch b; once b's events completed, its
- * busy share goes into the gap ratio. */
-void vgpu_track_begin(struct vgpu_gate *g, CUstream s);
-void vgpu_track_close(struct vgpu_gate *g, struct vgpu_batch *b, CUstream s, int keep);
-void vgpu_track_window(struct vgpu_gate *g, const struct vgpu_batch *b);
 int vgpu_stream_capturing(CUstream s);                    /* 1: s is capturing a graph */
 
 /* ACTIVE_OOM_KILLER: after a reconciliation of device d (vgpu_nvml.c), end the process with the

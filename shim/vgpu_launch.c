@@ -250,12 +250,6 @@ void vgpu_compute_gate(CUstream s)
     }
     if (counted)
         launch_in_flight = d + 1;
-    uint64_t at = VGPU_TRACK_WINDOW_NS && counted ? VGPU_PEEK(g->track_at) : 0;
-    if (__builtin_expect(at != 0, 0) && c >= at) { /* the batch's tracking window begins */
-        vgpu_lock(&g->mu);
-        vgpu_track_begin(g, s);
-        vgpu_unlock(&g->mu);
-    }
     if (VGPU_PEEK(g->tracking)) { /* a hint, re-checked under the lock */
         vgpu_lock(&g->mu);
         vgpu_track_before(g, s);

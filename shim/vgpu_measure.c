@@ -76,12 +76,11 @@ static void event_failed(void *e)
 static void batch_free(struct vgpu_gate *g, struct vgpu_batch *b, int pending)
 {
     pending = pending || b->ctx != g->ev_ctx; /* another context's events: never pooled */
-    void *ev[6 + 2 * (VGPU_BATCH_STREAMS - 1) + VGPU_BATCH_STREAMS] = {b->ev_open, b->ev_close, b->ev_probe,
-                                                                       b->ev_seg, b->ev_wopen, b->ev_wclose};
+    void *ev[4 + 2 * (VGPU_BATCH_STREAMS - 1) + VGPU_BATCH_STREAMS] = {b->ev_open, b->ev_close, b->ev_probe, b->ev_seg};
     for (int i = 0; i < b->nxs; i++)
-        ev[6 + 2 * i] = b->xs_open[i], ev[7 + 2 * i] = b->xs_close[i];
+        ev[4 + 2 * i] = b->xs_open[i], ev[5 + 2 * i] = b->xs_close[i];
     for (int i = 0; i < b->ntails; i++)
-        ev[6 + 2 * (VGPU_BATCH_STREAMS - 1) + i] = b->tails[i];
+        ev[4 + 2 * (VGPU_BATCH_STREAMS - 1) + i] = b->tails[i];
     for (unsigned i = 0; i < sizeof ev / sizeof ev[0]; i++)
         if (!pending)
             vgpu_measure_put(g, ev[i]);
@@ -108,8 +107,6 @@ static void batch_release(struct vgpu_gate *g, struct vgpu_batch *b, int pending
 static CUresult batch_query(const struct vgpu_batch *b)
 {
     CUresult r = b->ev_close ? DRV->event_query(b->ev_close) : CUDA_SUCCESS;
-    if (r == CUDA_SUCCESS && b->ev_wclose)
-        r = DRV->event_query(b->ev_wclose);
     for (int i = 0; i < b->nxs && r == CUDA_SUCCESS; i++)
         if (b->xs_close[i])
             r = DRV->event_query(b->xs_close[i]);
@@ -176,8 +173,6 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
         vgpu_track_settle(g, b, r == CUDA_SUCCESS);
         return;
     }
-    if (b->windowed && r == CUDA_SUCCESS) /* its window's busy share, before it is charged by it */
-        vgpu_track_window(g, b);
     float ms = -1, pm = -1;
     int ok = r == CUDA_SUCCESS && DRV->event_elapsed(&ms, b->ev_open, b->ev_close) == CUDA_SUCCESS && ms >= 0;
     uint64_t n = b->launches & ~(UPPER_BOUND | LOWER_BOUND);
@@ -337,9 +332,7 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
     VGPU_POKE(g->cur.ev_open, NULL);
     g->cur.ev_probe = NULL;
     VGPU_POKE(g->probe_pending, 0);
-    if (VGPU_TRACK_WINDOW_NS) /* a window open until now ends here, and goes with the batch */
-        vgpu_track_close(g, &b, closing_stream(g->cur.stream, foreign), !inflight);
-    else if (g->tracking && !multi) { /* exact: closed right behind the last launch on each stream */
+    if (g->tracking && !multi) { /* exact: closed right behind the last launch on each stream */
         for (int i = 0; i < g->ntails; i++)
             if (g->tail_set[i])
                 b.tails[b.ntails++] = g->tail[i], g->tail[i] = NULL;
@@ -394,11 +387,6 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
     event_failed(b.ev_close); /* made, so its record failed */
     vgpu_measure_put(g, b.ev_open);
     vgpu_measure_put(g, b.ev_probe);
-    vgpu_measure_put(g, b.ev_seg); /* its tracking window's */
-    vgpu_measure_put(g, b.ev_wopen);
-    vgpu_measure_put(g, b.ev_wclose);
-    for (int i = 0; i < b.ntails; i++)
-        vgpu_measure_put(g, b.tails[i]);
     for (int i = 0; i < b.nxs; i++) {
         vgpu_measure_put(g, b.xs_open[i]);
         vgpu_measure_put(g, b.xs_close[i]);

@@ -52,19 +52,19 @@ static float tails_end_ms(void *from, void *const *tails, const int *set, int n)
     return end;
 }
 
-/* Where the batch's current busy segment began: the last gap's end, else its window's start,
- * else the batch's. */
-static void *seg_start(const struct vgpu_batch *b)
+/* A gap-tracked batch (done: all its events completed): the busy segments' own time, exact;
+ * its busy share is taken over the span an untracked batch would have had (less the tracking's
+ * CPU time in its gaps). */
+void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done)
 {
-    return b->ev_seg ? b->ev_seg : b->ev_wopen ? b->ev_wopen : b->ev_open;
-}
-
-/* busy_ns of GPU time in a tracked span of span_ns, whose gaps held track_gap_ns of the
- * tracking's own CPU time: its busy share, over the span an untracked batch would have had,
- * into the gap ratio. */
-static void track_sample(struct vgpu_gate *g, uint64_t busy, uint64_t span, uint64_t track_gap_ns)
-{
-    uint64_t idle = span > busy ? span - busy : 0, cpu = track_gap_ns < idle ? track_gap_ns : idle;
+    float ms = done ? tails_end_ms(b->ev_open, b->tails, NULL, b->ntails) : -1;
+    float seg = ms < 0 ? -1 : tails_end_ms(b->ev_seg ? b->ev_seg : b->ev_open, b->tails, NULL, b->ntails);
+    if (seg < 0) { /* its events cannot be read */
+        vgpu_gate_settle(g, b->launches, b->prov_ns, 0, 0);
+        return;
+    }
+    uint64_t busy = b->seg_busy_ns + segment_ns(seg), span = (uint64_t)((double)ms * 1e6);
+    uint64_t idle = span > busy ? span - busy : 0, cpu = b->track_gap_ns < idle ? b->track_gap_ns : idle;
 #ifdef VGPU_TRACK_CPU_IN_GAPS
     cpu = 0; /* the earlier rule, for same-call A/B runs */
 #endif
@@ -72,36 +72,10 @@ static void track_sample(struct vgpu_gate *g, uint64_t busy, uint64_t span, uint
     g->st_tspan += span, g->st_tcpu += cpu;
 #endif
     vgpu_gate_tracked(g, busy, span - cpu);
-}
-
-/* A gap-tracked batch (done: all its events completed): the busy segments' own time, exact. */
-void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done)
-{
-    float ms = done ? tails_end_ms(b->ev_open, b->tails, NULL, b->ntails) : -1;
-    float seg = ms < 0 ? -1 : tails_end_ms(seg_start(b), b->tails, NULL, b->ntails);
-    if (seg < 0) { /* its events cannot be read */
-        vgpu_gate_settle(g, b->launches, b->prov_ns, 0, 0);
-        return;
-    }
-    uint64_t busy = b->seg_busy_ns + segment_ns(seg), span = (uint64_t)((double)ms * 1e6);
-    track_sample(g, busy, span, b->track_gap_ns);
     /* Uncapped high priority publishes its demand (work queued or running: the span), not its
      * GPU time alone: time-sliced beside low priority its kernels wait, and its GPU time would
      * hand that wait to the low-priority tenant. */
     vgpu_gate_settle(g, b->launches, b->prov_ns, g->measure_only ? span : busy, 3);
-}
-
-/* A batch's tracking window (its events completed): from its start to its end event or its
- * latest tail, whichever is later. Events that cannot be read give no sample (the batch's own
- * settle charges what its events say). */
-void vgpu_track_window(struct vgpu_gate *g, const struct vgpu_batch *b)
-{
-    float w = -1, end = tails_end_ms(b->ev_wopen, b->tails, NULL, b->ntails);
-    float seg = end < 0 ? -1 : tails_end_ms(seg_start(b), b->tails, NULL, b->ntails);
-    if (seg < 0 || DRV->event_elapsed(&w, b->ev_wopen, b->ev_wclose) != CUDA_SUCCESS || w < 0)
-        return;
-    uint64_t span = (uint64_t)((double)(w > end ? w : end) * 1e6);
-    track_sample(g, b->seg_busy_ns + segment_ns(seg), span, b->track_gap_ns);
 }
 
 void vgpu_track_stop(struct vgpu_gate *g)
@@ -109,34 +83,10 @@ void vgpu_track_stop(struct vgpu_gate *g)
     for (int i = 0; i < g->ntails; i++)
         vgpu_measure_put(g, g->tail[i]), g->tail[i] = NULL, g->tail_set[i] = 0;
     g->ntails = 0;
-    for (int i = 0; i < g->cur.ntails; i++) /* an ended window's, not taken by a batch */
-        vgpu_measure_put(g, g->cur.tails[i]), g->cur.tails[i] = NULL;
-    g->cur.ntails = 0;
     vgpu_measure_put(g, g->cur.ev_seg);
-    vgpu_measure_put(g, g->cur.ev_wopen);
-    vgpu_measure_put(g, g->cur.ev_wclose);
-    g->cur.ev_seg = g->cur.ev_wopen = g->cur.ev_wclose = NULL;
+    g->cur.ev_seg = NULL;
     g->cur.seg_busy_ns = g->cur.track_gap_ns = 0;
-    g->cur.windowed = 0;
-    VGPU_POKE(g->track_at, 0);
-    g->track_until = 0;
     VGPU_POKE(g->tracking, 0);
-}
-
-/* A tracking window somewhere in the batch opened at `now`: its start uniform in [-W, batch
- * length) from the batch's open, cut at the open, so every instant of a batch is as likely to be
- * tracked (W / (batch length + W)) and a batch closed early (an application wait) is sampled as
- * evenly as a long one; a start at or before the open begins it before this launch. */
-static void window_arm(struct vgpu_gate *g, uint32_t x, CUstream s)
-{
-    int64_t w = (int64_t)VGPU_TRACK_WINDOW_NS, off = (int64_t)(x % (g->batch_ns + (uint64_t)w)) - w;
-    if (off + w <= 0)
-        return;
-    uint64_t now = vgpu_now_ns();
-    g->track_until = (uint64_t)((int64_t)now + off + w);
-    VGPU_POKE(g->track_at, off > 0 ? now + (uint64_t)off : now);
-    if (off <= 0)
-        vgpu_track_begin(g, s);
 }
 
 void vgpu_track_start(struct vgpu_gate *g, CUstream s)
@@ -144,13 +94,7 @@ void vgpu_track_start(struct vgpu_gate *g, CUstream s)
     uint32_t x = g->track_rng ? g->track_rng : (uint32_t)vgpu_now_ns() | 1u;
     x ^= x << 13, x ^= x >> 17, x ^= x << 5;
     g->track_rng = x;
-    if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open)
-        return;
-    if (VGPU_TRACK_WINDOW_NS) {
-        window_arm(g, x, s);
-        return;
-    }
-    if (x % VGPU_TRACK_EVERY)
+    if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % VGPU_TRACK_EVERY)
         return;
     if (!(g->tail[0] = vgpu_measure_event(g)))
         return;
@@ -186,73 +130,6 @@ static void abandon(struct vgpu_gate *g)
     vgpu_track_stop(g);
 }
 
-/* The window begins before this launch on stream s (under the gate's lock): an event marks its
- * start, and the launch's tail follows it. A start into a capture or an event that fails
- * abandons the batch's tracking, as mid-window (whole span charged). */
-void vgpu_track_begin(struct vgpu_gate *g, CUstream s)
-{
-    if (!VGPU_PEEK(g->track_at) || g->tracking || !g->cur.ev_open)
-        return;
-    VGPU_POKE(g->track_at, 0);
-    CUevent e = vgpu_stream_capturing(s) ? NULL : vgpu_measure_event(g);
-    if (e && DRV->event_record(e, s) != CUDA_SUCCESS) {
-        DRV->event_destroy(e); /* never pooled: vgpu_measure.c */
-        e = NULL;
-    }
-    g->cur.ev_wopen = e;
-    g->ntails = 0;
-    g->cur.ev_seg = NULL;
-    g->cur.seg_busy_ns = g->cur.track_gap_ns = 0;
-    if (!e || track_tail(g, s) < 0) {
-        abandon(g);
-        return;
-    }
-    VGPU_POKE(g->tracking, 1);
-}
-
-/* The open window ends (under the gate's lock) before a launch on stream s, or at the batch's
- * close on the close's stream: an event there is its end, and its tails stay with the batch.
- * 0 when it cannot end cleanly (no tail recorded yet, or an event that failed). */
-static int window_end(struct vgpu_gate *g, CUstream s)
-{
-    int set = 0;
-    for (int i = 0; i < g->ntails; i++)
-        set += g->tail_set[i];
-    CUevent e = set ? vgpu_measure_event(g) : NULL;
-    if (e && DRV->event_record(e, s) != CUDA_SUCCESS) {
-        DRV->event_destroy(e);
-        e = NULL;
-    }
-    if (!e)
-        return 0;
-    g->cur.ev_wclose = e;
-    for (int i = 0; i < g->ntails; i++)
-        if (g->tail_set[i])
-            g->cur.tails[g->cur.ntails++] = g->tail[i], g->tail[i] = NULL, g->tail_set[i] = 0;
-    for (int i = 0; i < g->ntails; i++)
-        vgpu_measure_put(g, g->tail[i]), g->tail[i] = NULL;
-    g->ntails = 0;
-    g->cur.windowed = 1;
-    g->track_until = 0;
-    VGPU_POKE(g->tracking, 0);
-    return 1;
-}
-
-void vgpu_track_close(struct vgpu_gate *g, struct vgpu_batch *b, CUstream s, int keep)
-{
-    if (g->tracking && keep && !window_end(g, s))
-        b->untracked = 1; /* as an abandoned one: its whole span, never the ratio's share */
-    if (!g->cur.windowed || b->untracked)
-        return; /* (keep 0: launches still in flight miss their tails: the window is dropped) */
-    b->ev_wopen = g->cur.ev_wopen, b->ev_wclose = g->cur.ev_wclose, b->ev_seg = g->cur.ev_seg;
-    b->seg_busy_ns = g->cur.seg_busy_ns, b->track_gap_ns = g->cur.track_gap_ns;
-    for (int i = 0; i < g->cur.ntails; i++)
-        b->tails[i] = g->cur.tails[i], g->cur.tails[i] = NULL;
-    b->ntails = g->cur.ntails, b->windowed = 1;
-    g->cur.ntails = 0, g->cur.windowed = 0;
-    g->cur.ev_wopen = g->cur.ev_wclose = g->cur.ev_seg = NULL;
-}
-
 /* A stream being captured (torch.cuda.graph warms up on its side stream, then captures on
  * it): querying its work would invalidate the capture, and what is captured does not run now. */
 int vgpu_stream_capturing(CUstream s)
@@ -267,11 +144,6 @@ void vgpu_track_before(struct vgpu_gate *g, CUstream s)
     if (!g->tracking)
         return;
     uint64_t t0 = vgpu_now_ns();
-    if (VGPU_TRACK_WINDOW_NS && g->track_until && t0 >= g->track_until) {
-        if (!window_end(g, s))
-            abandon(g);
-        return;
-    }
     if (vgpu_stream_capturing(s) || track_tail(g, s) < 0) {
         abandon(g); /* more streams than tracked, or an event failed */
         return;
@@ -282,7 +154,8 @@ void vgpu_track_before(struct vgpu_gate *g, CUstream s)
             return; /* the GPU is still busy with what came before: no gap */
     if (!set)
         return;
-    float ms = tails_end_ms(seg_start(&g->cur), g->tail, g->tail_set, g->ntails);
+    void *start = g->cur.ev_seg ? g->cur.ev_seg : g->cur.ev_open;
+    float ms = tails_end_ms(start, g->tail, g->tail_set, g->ntails);
     if (ms < 0 || (!g->cur.ev_seg && !(g->cur.ev_seg = vgpu_measure_event(g))) ||
         DRV->event_record(g->cur.ev_seg, s) != CUDA_SUCCESS) {
         abandon(g); /* an event failed */
