@@ -2,8 +2,9 @@
 # CPU time per launch that gap tracking adds, on a GPU machine: suite_cu's `trackcost` natively
 # (the driver's parts: a launch, an event record behind it, a query before it, an untimed event,
 # cuStreamIsCapturing), then under the kvgpu shim at a 95 % limit (alone on the card, so the
-# limit never binds) built three ways: as shipped (one batch in two gap-tracked), every batch
-# tracked, none tracked. The shim's "launch_us" is then the whole hooked launch.
+# limit never binds) built four ways: as shipped (one batch in two gap-tracked), every batch
+# tracked, none tracked, one batch in four tracked. The shim's "launch_us" is then the whole
+# hooked launch.
 #
 # Device call, from the repository root:  bash bench/gpu/trackcost.sh     (results in $OUT)
 # Env: ITERS (1: ~2 us kernels, a launch-bound loop), N (20000 launches per measurement), ROUNDS (3).
@@ -24,7 +25,8 @@ run() { # label, then env assignments
     done
 }
 run native | tee "$OUT/trackcost.txt"
-for v in shipped:"" every:"-DVGPU_TRACK_EVERY=1u" none:"-DVGPU_TRACK_EVERY=1000000u"; do
+for v in shipped:"" every:"-DVGPU_TRACK_EVERY=1u" none:"-DVGPU_TRACK_EVERY=1000000u" \
+    quarter:"-DVGPU_TRACK_EVERY=4u"; do
     name=${v%%:*} flags=${v#*:}
     rm -rf "$W/tree" && mkdir -p "$W/tree" && git archive HEAD operator/kvgpu | tar -x -C "$W/tree"
     cp -r shim "$W/tree/" # this working tree's shim, committed or not
