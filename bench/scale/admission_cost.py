@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,21 +81,27 @@ async def measure(cluster: Cluster, pods: int, rounds: int) -> list[dict[str, An
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cli(doc: str, prefix: str, measure: Callable[..., Awaitable[Any]]) -> int:
+    """The A/B benches' command line: ``--pods``, ``--rounds``; ``measure(cluster, system, pods,
+    rounds)`` on a fresh local control plane with kvgpu installed; its result printed as JSON."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--pods", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    cluster = Cluster(Path(tempfile.mkdtemp(prefix="kvgpu-admission-cost-")))
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix=prefix)))
     cluster.start()
     system = KvgpuSystem(cluster).start()
     try:
-        rows = asyncio.run(measure(cluster, args.pods, args.rounds))
+        result = asyncio.run(measure(cluster, system, args.pods, args.rounds))
     finally:
         system.stop()
         cluster.stop()
-    print(json.dumps(rows, indent=1))
+    print(json.dumps(result, indent=1))
     return 0
+
+
+def main() -> int:
+    return cli(__doc__ or "", "kvgpu-admission-cost-", lambda c, _s, pods, rounds: measure(c, pods, rounds))
 
 
 if __name__ == "__main__":

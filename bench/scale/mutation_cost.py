@@ -19,12 +19,10 @@ Prints one line per round and variant, then JSON.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,7 @@ from kvgpu.core import keys
 from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.system import KvgpuSystem
 
-from bench.scale.admission_cost import cpu_seconds
+from bench.scale.admission_cost import cli, cpu_seconds
 from bench.scale.probes import webhook_workers
 from bench.scale.workload import pod_body
 
@@ -207,20 +205,7 @@ async def measure(cluster: Cluster, system: KvgpuSystem, pods: int, rounds: int)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pods", type=int, default=3000)
-    p.add_argument("--rounds", type=int, default=2)
-    args = p.parse_args()
-    cluster = Cluster(Path(tempfile.mkdtemp(prefix="kvgpu-mutation-cost-")))
-    cluster.start()
-    system = KvgpuSystem(cluster).start()
-    try:
-        result = asyncio.run(measure(cluster, system, args.pods, args.rounds))
-    finally:
-        system.stop()
-        cluster.stop()
-    print(json.dumps(result, indent=1))
-    return 0
+    return cli(__doc__ or "", "kvgpu-mutation-cost-", measure)
 
 
 if __name__ == "__main__":
