@@ -35,6 +35,7 @@ FIXED_DIRS = (  # host paths a real kubelet/containerd/agent use whatever their 
     Path("/var/lib/kvgpu"), Path("/usr/local/kvgpu"), Path("/run/kvgpu-realnode"),
     Path("/run/kvgpu"),  # the MPS daemons' root, /var/run/kvgpu/mps (the agent's wanted.json, status.json)
 )
+MPS_ROOTS = (Path("/run/kvgpu/mps"), Path("/var/run/kvgpu/mps"))  # the agent's HOST_MPS_ROOT, either spelling
 SOCKET_DIR = Path("/run/kvgpu-realnode")  # containerd's sockets: a unix socket path has at most 107 bytes,
 #                                           and a run directory under pytest's tmp dir is longer
 KUBE_CHAINS = (("mangle", "KUBE-IPTABLES-HINT"), ("filter", "KUBE-FIREWALL"), ("mangle", "KUBE-KUBELET-CANARY"),
@@ -244,6 +245,30 @@ def _flush_chains() -> None:
             subprocess.run([tool, "-w", "-t", table, "-X", chain], capture_output=True, check=False)
 
 
+def mps_daemons(roots: Sequence[Path] = MPS_ROOTS) -> list[int]:
+    """PIDs of MPS control daemons whose pipe folder is under ``roots`` (the node's MPS root:
+    the agent starts them detached, in their own session, so they outlive it by design)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit() or b"nvidia-cuda-mps-control" not in (d / "cmdline").read_bytes():
+                continue
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        pipes = [v.split(b"=", 1)[1].decode(errors="replace") for v in env if v.startswith(b"CUDA_MPS_PIPE_DIRECTORY=")]
+        if any(_under(p, roots) for p in pipes):
+            out.append(int(d.name))
+    return out
+
+
+def stop_mps_daemons(roots: Sequence[Path] = MPS_ROOTS) -> None:
+    """End the real node's MPS control daemons (before their root is removed: without their pipe
+    nothing could reach them any more)."""
+    for pid in mps_daemons(roots):
+        _stop_pid(pid, _exe(pid), timeout=5)
+
+
 def clean_host(state: dict[str, Any] | None = None) -> None:
     """Remove what a real node leaves on the host (section 7 of the recipe). ``state`` is the
     record of the run (HOST_STATE): its processes are stopped by PID (after checking their
@@ -273,6 +298,7 @@ def clean_host(state: dict[str, Any] | None = None) -> None:
     for netns_dir in (Path("/run/netns"),):
         for ns in netns_dir.glob("cni-*"):
             ns.unlink(missing_ok=True)
+    stop_mps_daemons()
     for d in FIXED_DIRS:
         shutil.rmtree(d, ignore_errors=True)
     for pattern in (f"{CNI_NETWORK}-*", "cni-loopback-*"):  # libcni's result cache (pod network, loopback)
@@ -303,6 +329,7 @@ def leftovers(state: dict[str, Any] | None = None) -> list[str]:
             left.append(f"process {name} pid {p['pid']}")
     if state.get("shim"):
         left += [f"process containerd-shim pid {pid}" for pid in _pids_of(Path(state["shim"]))]
+    left += [f"process nvidia-cuda-mps-control pid {pid}" for pid in mps_daemons()]
     left += [f"path {d}" for d in FIXED_DIRS if d.exists()]
     left += [f"netns {ns}" for ns in Path("/run/netns").glob("cni-*")]
     left += [f"cni result {f}" for f in Path("/var/lib/cni/results").glob(f"{CNI_NETWORK}-*")]
