@@ -75,12 +75,21 @@ class ProcSampler:
                 "rss_mib_peak": round(max(s[2] for s in ss) / 2**20, 1),
                 "rss_mib_end": round(ss[-1][2] / 2**20, 1)}
 
-    def cpu_by_process(self) -> dict[str, float]:
-        """CPU seconds per sampled process over the sampling window."""
+    def mark(self) -> float:
+        """Read every process now (between the periodic samples) and return that reading's
+        time: :meth:`cpu_by_process` ``since`` it counts from this reading exactly."""
+        self._sample()
+        return max((ss[-1][0] for ss in self.samples.values() if ss), default=time.monotonic())
+
+    def cpu_by_process(self, since: float | None = None) -> dict[str, float]:
+        """CPU seconds per sampled process over the sampling window, or from its last reading at
+        or before ``since`` (a :meth:`mark`; a process first read later counts from its first)."""
         out = {}
         for name, ss in self.samples.items():
-            if len(ss) >= 2:
-                out[name] = round(ss[-1][1] - ss[0][1], 2)
+            before = [s for s in ss if since is not None and s[0] <= since]
+            first = before[-1] if before else (ss[0] if ss else None)
+            if first is not None and len(ss) >= 2:
+                out[name] = round(ss[-1][1] - first[1], 2)
         return out
 
 
@@ -181,6 +190,14 @@ def apiserver_cpu_ms_per_pod(cpu_by_process: dict[str, float], pods: int) -> flo
     window (from the first create to the last pod done) divided by the pods."""
     cpu = cpu_by_process.get("kube-apiserver")
     return None if cpu is None else round(cpu * 1000 / max(pods, 1), 2)
+
+
+def cpu_ms_per_pod(cpu_by_process: dict[str, float], pods: int, *, each: bool = False
+                   ) -> float | dict[str, float]:
+    """All sampled processes' CPU time per pod (ms); ``each``: per process, with ``total``."""
+    per = {k: round(v * 1000 / max(pods, 1), 2) for k, v in cpu_by_process.items()}
+    total = round(sum(cpu_by_process.values()) * 1000 / max(pods, 1), 2)
+    return {**per, "total": total} if each else total
 
 
 def histogram_quantiles(before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]

@@ -173,6 +173,24 @@ def cpu_table(run: dict[str, Any]) -> list[str]:
     return rows
 
 
+def drain_table(run: dict[str, Any]) -> list[str]:
+    """What placing one already-created pod cost all processes (queued bursts, from the
+    scheduler's start to the last pod Running: creation and admission left out), ms per pod."""
+    pairs = [(b, g) for b, g in _pairs(run) if g.get("drain_cpu_ms_per_pod") and b.get("drain_cpu_ms_per_pod")]
+    if not pairs:
+        return []
+    rows = ["| burst | all processes: baseline / kvgpu | kvgpu by process | baseline by process |",
+            "|---|---:|---|---|"]
+
+    def each(d: dict[str, float]) -> str:
+        return _breakdown({k: v for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if k != "total" and v})
+
+    for base, g in pairs:
+        bd, gd = base["drain_cpu_ms_per_pod"], g["drain_cpu_ms_per_pod"]
+        rows.append(f"| {g['mode']} {g['pods']} | {_f(bd['total'])} / {_f(gd['total'])} | {each(gd)} | {each(bd)} |")
+    return rows
+
+
 def plot(data: dict[str, Any]) -> bool:
     """Left: pods/s per burst, one row each (grey: no GPU, blue: GPU slices, green: DRA claims
     where the run has a DRA phase). Right: pods Bound
@@ -454,6 +472,12 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
         if cost:
             out += ["What a pod cost the API server in each burst (kube-apiserver's own request counts, watches "
                     "left out; the bench's create and its status patch, as a kubelet's, included):", "", *cost, ""]
+        drain = drain_table(run)
+        if drain:
+            out += ["What placing a created pod cost every process together (queued bursts: CPU from the "
+                    "scheduler's start to the last pod Running, per pod, ms; creation and admission left out): "
+                    "on a machine whose cores are all busy, the ratio of these totals bounds the ratio of pods/s.",
+                    "", *drain, ""]
         dt = dra_table(run)
         if dt:
             d = run.get("dra_setup") or {}

@@ -71,6 +71,7 @@ from bench.scale.probes import (  # noqa: E402
     ProcSampler,
     api_requests,
     apiserver_cpu_ms_per_pod,
+    cpu_ms_per_pod,
     histogram_quantiles,
     load_average,
     new_connections,
@@ -227,7 +228,7 @@ class Bench:
         req0 = await api_requests(api)
         sampler = ProcSampler(self.pids())
         load0 = load_average()
-        t_sched_start = None
+        t_sched_start = t_drain = None
         pprof = None
         if self.args.apiserver_profile:
             pprof = asyncio.create_task(self.apiserver_profile(api, f"apiserver-{kind}-{mode}-{size}.pprof"))
@@ -243,6 +244,7 @@ class Bench:
             t_created = time.monotonic()
             errors = [r for r in res if isinstance(r, Exception)]
             if mode == "queued":
+                t_drain = sampler.mark()
                 t_sched_start = time.monotonic()
                 await asyncio.to_thread(self._start_scheduler, gpu)
                 short = sched.replace("kube-scheduler-", "scheduler-")
@@ -302,6 +304,9 @@ class Bench:
         out["api_requests_per_pod_total"] = round(sum(out["api_requests_per_pod"].values()), 2)
         out["webhook_calls_per_pod"] = per_pod_requests(req0, req1, size, webhooks=True)
         out["apiserver_cpu_ms_per_pod"] = apiserver_cpu_ms_per_pod(out["cpu_seconds_by_process"], size)
+        out["cpu_ms_per_pod_all"] = cpu_ms_per_pod(out["cpu_seconds_by_process"], size)
+        if t_drain is not None:  # queued: what placing the created pods cost, creation left out
+            out["drain_cpu_ms_per_pod"] = cpu_ms_per_pod(sampler.cpu_by_process(since=t_drain), size, each=True)
         out["load_average_1m"] = [load0, load_average()]
         out["wall_s"] = round(t_end - t0, 2)
         log(f"{kind:8s} {phase:8s} {mode:6s} {size:5d} pods: bound {len(bound)}/{size}"

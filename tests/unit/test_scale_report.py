@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bench.scale import report
+from bench.scale.probes import ProcSampler, cpu_ms_per_pod
 from bench.scale.run import apiserver_cpu_ms_per_pod, per_pod_requests
 
 
@@ -51,3 +52,34 @@ def test_cost_goals_are_judged_on_every_burst() -> None:
 def test_cost_table_shows_both_kinds_side_by_side() -> None:
     rows = report.cost_table(_run({"POST pods": 1.0, "POST vgpuclaims": 1.0}, {"pods.mutate.kvgpu.io": 1.0}, 160.0))
     assert rows[2].startswith("| stream 500 | 4 / 2 | 1 (pods.mutate.kvgpu.io 1) | 4.0 / 10.0 |")
+
+
+def test_cpu_since_a_mark_counts_from_the_reading_at_the_mark() -> None:
+    sampler = ProcSampler({"a": 1, "b": 2})
+    sampler.samples = {"a": [(0.0, 1.0, 0), (1.0, 3.0, 0), (2.0, 7.0, 0)],
+                       "b": [(1.5, 2.0, 0), (2.0, 2.5, 0)]}  # b first read after the mark
+    assert sampler.cpu_by_process() == {"a": 6.0, "b": 0.5}
+    assert sampler.cpu_by_process(since=1.0) == {"a": 4.0, "b": 0.5}
+    assert cpu_ms_per_pod({"a": 4.0, "b": 0.5}, 500) == 9.0
+    assert cpu_ms_per_pod({"a": 4.0, "b": 0.5}, 500, each=True) == {"a": 8.0, "b": 1.0, "total": 9.0}
+
+
+def test_a_mark_reads_every_process_now() -> None:
+    import os
+
+    sampler = ProcSampler({"me": os.getpid()})
+    t = sampler.mark()
+    assert [s[0] for s in sampler.samples["me"]] == [t]
+    assert sampler.samples["me"][0][1] > 0
+
+
+def test_drain_table_sets_each_kinds_total_beside_its_processes() -> None:
+    run = _run({"POST pods": 1.0}, {"pods.mutate.kvgpu.io": 1.0}, 160.0)
+    base, gpu = run["bursts"]  # type: ignore[misc]
+    base["drain_cpu_ms_per_pod"] = {"kube-apiserver": 3.0, "scheduler-default-scheduler": 1.5, "total": 4.5}
+    gpu["drain_cpu_ms_per_pod"] = {"kube-apiserver": 7.0, "operator": 2.5, "etcd": 0.0, "total": 9.5}
+    rows = report.drain_table(run)
+    assert rows[2] == ("| stream 500 | 4.5 / 9.5 | kube-apiserver 7, operator 2.5 "
+                       "| kube-apiserver 3, scheduler-default-scheduler 1.5 |")
+    del gpu["drain_cpu_ms_per_pod"]
+    assert report.drain_table(run) == []
