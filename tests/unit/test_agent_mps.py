@@ -37,8 +37,11 @@ if sys.argv[1:] == ["-d"]:
         log.write(f"{os.getpid()} {os.environ['CUDA_VISIBLE_DEVICES']}\n")
     while True:
         c, _ = s.accept()
-        cmd = c.recv(100).decode().strip()
-        c.sendall(b"" if cmd == "get_server_list" else b"ok")
+        try:  # a client that gave up (timed out) is gone: the daemon goes on, as the real one does
+            cmd = c.recv(100).decode().strip()
+            c.sendall(b"" if cmd == "get_server_list" else b"ok")
+        except OSError:
+            cmd = ""
         c.close()
         if cmd == "quit":
             os.unlink(path)
@@ -275,3 +278,19 @@ def test_a_control_program_that_appears_later_is_found(fake, tmp_path, monkeypat
     shutil.copy(real, tmp_path / "driver" / "bin" / "nvidia-cuda-mps-control")
     assert owner.round().start == (A,) and mps.check_ready(fake, A) is None
     owner.daemons.stop_all()
+
+
+def test_a_daemon_slow_to_answer_is_not_replaced_by_a_second_one(fake):
+    d = MpsDaemons(str(fake), timeout_s=0.5)
+    d.sync(cards(MPS))
+    first = pid_of(fake, A)
+    os.kill(first, signal.SIGSTOP)  # accepts connections (the kernel's backlog) but answers nothing
+    try:
+        assert not d.alive(A)
+        p = d.sync(cards(MPS))
+        assert p.start == (A,) and d.last[A] is False and d.started[A] == 1
+        assert (fake / A / "pipe" / "control").exists()
+    finally:
+        os.kill(first, signal.SIGCONT)
+    assert d.alive(A) and pid_of(fake, A) == first
+    assert len((fake / A / "log" / "control.log").read_text().split("\n")) == 2  # one daemon ever

@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -280,8 +281,14 @@ class MpsDaemons:
             return []
 
     def start(self, uuid: str) -> bool:
-        """Start card ``uuid``'s daemon, detached; True once it answers."""
+        """Start card ``uuid``'s daemon, detached; True once it answers. False, starting none,
+        while a daemon still accepts connections on the pipe (alive but slow to answer: removing
+        its socket would orphan it and its MPS server beside a second daemon)."""
         pipe, logs = pipe_dir(self.root, uuid), log_dir(self.root, uuid)
+        if listening(pipe / "control"):
+            log.warning("MPS control daemon of %s accepts connections but did not answer: not starting "
+                        "a second one", uuid)
+            return False
         for d in (pipe, logs):
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o755)
@@ -340,6 +347,21 @@ class MpsDaemons:
         for u in self.found():
             if self.alive(u):
                 self.stop(u)
+
+
+def listening(sock: Path) -> bool:
+    """Whether some process accepts connections on the unix socket ``sock`` (the kernel
+    completes a connection to a listening socket even while its owner is busy or stopped; a dead
+    owner's socket file refuses it)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 def _write_atomic(path: Path, text: str) -> None:
