@@ -476,7 +476,8 @@ def section(data: dict[str, Any], with_plot: bool) -> str:
         if drain:
             out += ["What placing a created pod cost every process together (queued bursts: CPU from the "
                     "scheduler's start to the last pod Running, per pod, ms; creation and admission left out): "
-                    "on a machine whose cores are all busy, the ratio of these totals bounds the ratio of pods/s.",
+                    "with every core busy, the cores divided by a total is the rate at which pods of that kind can be "
+                    "placed and started (the operator's children are `webhook-N`; the last is the claim-phase worker).",
                     "", *drain, ""]
         dt = dra_table(run)
         if dt:
