@@ -12,6 +12,10 @@
  *
  *   cuMemAlloc_v2, cuMemAllocAsync(_ptsz), cuMemAllocFromPoolAsync(_ptsz): the size asked
  *   cuMemAllocPitch_v2: pitch returned by the driver x height (estimate reserved first)
+ *   the CUDA < 3.2 entry points (32-bit: cuMemAlloc, cuMemAllocPitch, cuArrayCreate,
+ *       cuArray3DCreate, cuCtxCreate; a program reaches them through cuGetProcAddress with an
+ *       old cudaVersion): charged as their v2 forms; cuMemGetInfo and cuDeviceTotalMem v1
+ *       report the v2 figures cut to 4 GiB - 1
  *   cuMemAllocManaged: the size asked, on the current device (policy: managed memory may
  *       migrate to the host, but it can always fault back, so it counts in full)
  *   cuMemCreate (location type device): the size asked, on prop->location.id
@@ -70,6 +74,39 @@ VGPU_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     return rc;
 }
 
+/* The CUDA < 3.2 ABI (32-bit sizes): the same figures as the v2 entry points, cut to 4 GiB - 1. */
+static unsigned clamp32(size_t v) { return v > 0xffffffffu ? 0xffffffffu : (unsigned)v; }
+
+VGPU_API CUresult cuMemGetInfo(unsigned *free_b, unsigned *total_b)
+{
+    BROKEN_GUARD();
+    if (mode() != M_LIMITED) {
+        vgpu_fn_cuMemGetInfo real = REAL_FN(cuMemGetInfo);
+        return real ? real(free_b, total_b) : CUDA_ERROR_NOT_FOUND;
+    }
+    size_t f = 0, t = 0;
+    CUresult rc = cuMemGetInfo_v2(free_b ? &f : NULL, total_b ? &t : NULL);
+    if (rc == CUDA_SUCCESS) {
+        if (free_b) *free_b = clamp32(f);
+        if (total_b) *total_b = clamp32(t);
+    }
+    return rc;
+}
+
+VGPU_API CUresult cuDeviceTotalMem(unsigned *bytes, CUdevice dev)
+{
+    BROKEN_GUARD();
+    if (mode() != M_LIMITED) {
+        vgpu_fn_cuDeviceTotalMem real = REAL_FN(cuDeviceTotalMem);
+        return real ? real(bytes, dev) : CUDA_ERROR_NOT_FOUND;
+    }
+    size_t t = 0;
+    CUresult rc = cuDeviceTotalMem_v2(bytes ? &t : NULL, dev);
+    if (rc == CUDA_SUCCESS && bytes)
+        *bytes = clamp32(t);
+    return rc;
+}
+
 /* ------------------------------------------------------------------ linear allocations */
 
 VGPU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
@@ -98,6 +135,31 @@ VGPU_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned fla
     return vgpu_alloc_end(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
 }
 
+/* A pitched allocation's estimate: rows of `width` rounded up to 512 B. */
+static uint64_t pitch_est(uint64_t width, uint64_t height) { return ((width + 511) & ~(uint64_t)511) * height; }
+
+/* After a pitched allocation that charged `est` (`made`: it succeeded and gave its pointer and
+ * pitch): settle the charge to `actual` = pitch x height and record `ptr`; when that does not fit
+ * the memory is freed again (`v1`: through the 32-bit cuMemFree) and the call refused. On failure
+ * the charge returns. */
+static CUresult pitch_end(CUresult rc, int d, uint64_t est, int made, uint64_t ptr, uint64_t actual, int v1)
+{
+    if (!made || d < 0) {
+        vgpu_uncharge(d, est);
+        return rc;
+    }
+    if (vgpu_settle(d, est, actual)) {
+        vgpu_fn_cuMemFree free_v1 = v1 ? REAL_FN(cuMemFree) : NULL;
+        if (free_v1)
+            free_v1((unsigned)ptr);
+        else
+            REAL_FN(cuMemFree_v2)(ptr);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    vgpu_tab_put(K_PTR, ptr, actual, d);
+    return rc;
+}
+
 VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
                                      unsigned elem)
 {
@@ -106,21 +168,12 @@ VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wi
     if (mode() != M_LIMITED)
         return real(dptr, pitch, width, height, elem);
     int d = vgpu_cur_dev();
-    uint64_t est = ((width + 511) & ~(size_t)511) * (uint64_t)height;
+    uint64_t est = pitch_est(width, height);
     if (vgpu_charge(d, est))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, pitch, width, height, elem);
-    if (rc != CUDA_SUCCESS || d < 0 || !dptr || !pitch) {
-        vgpu_uncharge(d, est);
-        return rc;
-    }
-    uint64_t actual = (uint64_t)*pitch * height;
-    if (vgpu_settle(d, est, actual)) {
-        REAL_FN(cuMemFree_v2)(*dptr);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    vgpu_tab_put(K_PTR, *dptr, actual, d);
-    return rc;
+    int made = rc == CUDA_SUCCESS && dptr && pitch;
+    return pitch_end(rc, d, est, made, made ? *dptr : 0, made ? (uint64_t)*pitch * height : 0, 0);
 }
 
 VGPU_API CUresult cuMemFree_v2(CUdeviceptr p)
@@ -162,6 +215,23 @@ VGPU_API CUresult cuMemFree(unsigned p)
     if (!vgpu_release_begin(K_PTR, p, &size, &d))
         return real(p);
     return vgpu_release_end(real(p), K_PTR, p, size, d);
+}
+
+VGPU_API CUresult cuMemAllocPitch(unsigned *dptr, unsigned *pitch, unsigned width, unsigned height, unsigned elem)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMemAllocPitch real = REAL_FN(cuMemAllocPitch);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    if (mode() != M_LIMITED)
+        return real(dptr, pitch, width, height, elem);
+    int d = vgpu_cur_dev();
+    uint64_t est = pitch_est(width, height);
+    if (vgpu_charge(d, est))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(dptr, pitch, width, height, elem);
+    int made = rc == CUDA_SUCCESS && dptr && pitch;
+    return pitch_end(rc, d, est, made, made ? *dptr : 0, made ? (uint64_t)*pitch * height : 0, 1);
 }
 
 /* ------------------------------------------------------------------ stream-ordered */

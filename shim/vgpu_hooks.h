@@ -77,6 +77,14 @@ typedef struct CUgraphNode_st *CUgraphNode;
     /* the CUDA < 3.2 ABI (32-bit sizes and pointers) */                                                 \
     X(H_ALLOC_V1, cuMemAlloc, "cuMemAlloc", 2000, 0, CUresult, (unsigned *, unsigned))                   \
     X(H_FREE_V1, cuMemFree, "cuMemFree", 2000, 0, CUresult, (unsigned))                                  \
+    X(H_PITCH_V1, cuMemAllocPitch, "cuMemAllocPitch", 2000, 0, CUresult,                                 \
+      (unsigned *, unsigned *, unsigned, unsigned, unsigned))                                            \
+    X(H_ARRAY_V1, cuArrayCreate, "cuArrayCreate", 2000, 0, CUresult,                                     \
+      (CUarray *, const CUDA_ARRAY_DESCRIPTOR_v1 *))                                                     \
+    X(H_ARRAY3D_V1, cuArray3DCreate, "cuArray3DCreate", 2000, 0, CUresult,                               \
+      (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR_v1 *))                                                   \
+    X(H_GETINFO_V1, cuMemGetInfo, "cuMemGetInfo", 2000, 0, CUresult, (unsigned *, unsigned *))           \
+    X(H_TOTALMEM_V1, cuDeviceTotalMem, "cuDeviceTotalMem", 2000, 0, CUresult, (unsigned *, CUdevice))    \
     /* memory the allocation paths do not see (vgpu_mem_graph.c, vgpu_mem_ctx.c: "hidden consumers") */ \
     X(H_GINST, cuGraphInstantiate, "cuGraphInstantiate", 10000, 0, CUresult,                             \
       (CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t))                                           \
@@ -90,6 +98,8 @@ typedef struct CUgraphNode_st *CUgraphNode;
     X(H_GUPLOAD_PTSZ, cuGraphUpload_ptsz, "cuGraphUpload", 11010, 1, CUresult, (CUgraphExec, CUstream))  \
     X(H_GEXEC_DESTROY, cuGraphExecDestroy, "cuGraphExecDestroy", 10000, 0, CUresult, (CUgraphExec))      \
     X(H_CTX_CREATE, cuCtxCreate_v2, "cuCtxCreate", 3020, 0, CUresult, (CUcontext *, unsigned, CUdevice)) \
+    /* the CUDA < 3.2 name, same arguments: after _v2, so a driver that aliases the two gets _v2's */ \
+    X(H_CTX_CREATE_V1, cuCtxCreate, "cuCtxCreate", 2000, 0, CUresult, (CUcontext *, unsigned, CUdevice)) \
     X(H_CTX_CREATE_V3, cuCtxCreate_v3, "cuCtxCreate", 11040, 0, CUresult,                                \
       (CUcontext *, void *, int, unsigned, CUdevice))                                                    \
     X(H_CTX_CREATE_V4, cuCtxCreate_v4, "cuCtxCreate", 12050, 0, CUresult,                                \

@@ -1,5 +1,5 @@
 /*
- * vgpu_mem_array.c - CUDA array hooks: cuArrayCreate_v2, cuArray3DCreate_v2,
+ * vgpu_mem_array.c - CUDA array hooks: cuArrayCreate(_v2), cuArray3DCreate(_v2),
  * cuMipmappedArrayCreate and their destroys. An element-size estimate is charged before the
  * driver is asked, then settled to the driver's own figure (cu*GetMemoryRequirements); the
  * accounting rule: vgpu_cuda_mem.c.
@@ -54,20 +54,14 @@ static CUresult array_end(CUresult rc, int kind, void *arr, int made, uint64_t e
     return rc;
 }
 
-static CUresult array_common(CUarray *arr, const void *desc, int three_d)
+/* Hook `idx` (an array creation of any ABI) for a descriptor whose estimate is `est`. */
+static CUresult array_common(int idx, CUarray *arr, const void *desc, uint64_t est)
 {
-    int idx = three_d ? H_ARRAY3D : H_ARRAY;
     CUresult (*real)(CUarray *, const void *) = REAL(idx, CUresult(*)(CUarray *, const void *));
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
     if (mode() != M_LIMITED || !desc)
         return real(arr, desc);
-    uint64_t est;
-    if (three_d) {
-        const CUDA_ARRAY3D_DESCRIPTOR *a = desc;
-        est = array_est(a->Width, a->Height, a->Depth, a->Format, a->NumChannels);
-    } else {
-        const CUDA_ARRAY_DESCRIPTOR *a = desc;
-        est = array_est(a->Width, a->Height, 1, a->Format, a->NumChannels);
-    }
     int d = vgpu_cur_dev();
     if (vgpu_charge(d, est))
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -78,13 +72,32 @@ static CUresult array_common(CUarray *arr, const void *desc, int three_d)
 VGPU_API CUresult cuArrayCreate_v2(CUarray *arr, const CUDA_ARRAY_DESCRIPTOR *desc)
 {
     BROKEN_GUARD();
-    return array_common(arr, desc, 0);
+    return array_common(H_ARRAY, arr, desc,
+                        desc ? array_est(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels) : 0);
 }
 
 VGPU_API CUresult cuArray3DCreate_v2(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc)
 {
     BROKEN_GUARD();
-    return array_common(arr, desc, 1);
+    return array_common(H_ARRAY3D, arr, desc,
+                        desc ? array_est(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels)
+                             : 0);
+}
+
+/* The CUDA < 3.2 ABI (32-bit extents): charged as the v2 forms. */
+VGPU_API CUresult cuArrayCreate(CUarray *arr, const CUDA_ARRAY_DESCRIPTOR_v1 *desc)
+{
+    BROKEN_GUARD();
+    return array_common(H_ARRAY_V1, arr, desc,
+                        desc ? array_est(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels) : 0);
+}
+
+VGPU_API CUresult cuArray3DCreate(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR_v1 *desc)
+{
+    BROKEN_GUARD();
+    return array_common(H_ARRAY3D_V1, arr, desc,
+                        desc ? array_est(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels)
+                             : 0);
 }
 
 VGPU_API CUresult cuArrayDestroy(CUarray arr)

@@ -1,6 +1,7 @@
 /*
- * vgpu_mem_ctx.c - contexts as memory: cuCtxCreate*, the first cuDevicePrimaryCtxRetain of a
- * card and cuCtxSetLimit are charged what they take on the card; cuCtxDestroy_v2 returns it.
+ * vgpu_mem_ctx.c - contexts as memory: cuCtxCreate* (the CUDA < 3.2 name too), the first
+ * cuDevicePrimaryCtxRetain of a card and cuCtxSetLimit are charged what they take on the card;
+ * cuCtxDestroy_v2 returns it.
  * Destroying a context (cuCtxDestroy(_v2), a primary context's reset or last release) first hands
  * the compute limiter's events of it back.
  */
@@ -122,10 +123,11 @@ static CUresult ctx_commit(CUresult rc, CUcontext *pctx, int d, uint64_t est, ui
     return rc;
 }
 
-VGPU_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev)
+/* cuCtxCreate_v2 and its CUDA < 3.2 name (same arguments) through the driver's `real`. */
+static CUresult ctx_create_with(vgpu_fn_cuCtxCreate_v2 real, CUcontext *pctx, unsigned flags, CUdevice dev)
 {
-    BROKEN_GUARD();
-    vgpu_fn_cuCtxCreate_v2 real = REAL_FN(cuCtxCreate_v2);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
     if (mode() != M_LIMITED)
         return real(pctx, flags, dev);
     int d = vgpu_map_cuda_device(dev);
@@ -133,6 +135,18 @@ VGPU_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev)
     if (ctx_begin(d, &est, &before))
         return CUDA_ERROR_OUT_OF_MEMORY;
     return ctx_commit(real(pctx, flags, dev), pctx, d, est, before, dev, 0);
+}
+
+VGPU_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned flags, CUdevice dev)
+{
+    BROKEN_GUARD();
+    return ctx_create_with(REAL_FN(cuCtxCreate_v2), pctx, flags, dev);
+}
+
+VGPU_API CUresult cuCtxCreate(CUcontext *pctx, unsigned flags, CUdevice dev)
+{
+    BROKEN_GUARD();
+    return ctx_create_with(REAL_FN(cuCtxCreate), pctx, flags, dev);
 }
 
 VGPU_API CUresult cuCtxCreate_v3(CUcontext *pctx, void *params, int n, unsigned flags, CUdevice dev)

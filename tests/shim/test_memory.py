@@ -19,7 +19,7 @@ import pytest
 from .conftest import MIB, claim, uuid
 
 PATHS = ["alloc", "managed", "pitch", "async", "pool", "vmm", "array", "array3d", "mipmap", "gpa",
-         "gpa_v1", "dlsym", "v1abi"]
+         "gpa_v1", "dlsym", "v1abi", "pitch_v1", "array_v1", "array3d_v1"]
 CHUNK = 64 * MIB
 
 
@@ -47,6 +47,15 @@ def test_pitch_is_charged_with_the_real_pitch(box) -> None:
     assert box.json("pitch", "1100", "130000", env=box.env(shim=False))[0] == {"rc": 0, "pitch": 2048}
     assert box.json("pitch", "1100", "130000", env=box.env(claim((0, 300, 0))))[0]["rc"] == 2
     assert box.json("pitch", "1100", "100000", env=box.env(claim((0, 300, 0))))[0]["rc"] == 0
+
+
+def test_the_pre_3_2_memory_info_reports_the_slice(box) -> None:
+    """cuMemGetInfo / cuDeviceTotalMem of the 32-bit ABI, reached through cuGetProcAddress with
+    an old cudaVersion, show the slice as the v2 entry points do (the physical card: 4 GiB - 1)."""
+    native = box.json("info_v1", env=box.env(shim=False))[0]
+    assert native["rc"] == 0 and native["total"] == native["totalmem"] == 2**32 - 1
+    out = box.json("info_v1", env=box.env(claim((0, 1000, 0))))[0]
+    assert out == {"rc": 0, "free": 936 * MIB, "total": 1000 * MIB, "totalmem_rc": 0, "totalmem": 1000 * MIB}
 
 
 def test_small_limit_300_mib_works(box) -> None:

@@ -53,9 +53,11 @@ def test_graph_launch_over_the_limit_is_refused(box, mode: str) -> None:
     assert o["more"] == 14 and o["after"] == 14
 
 
-def test_extra_contexts_are_charged_and_refused(box) -> None:
-    # 300 MiB: the primary context (64) and 3 more fit, the 5th and 6th do not
-    o = last(memprog(box, "ctx", "5", str(16 * MIB), env=box.env(claim((0, 300, 0)))))
+@pytest.mark.parametrize("abi", ["v2", "v1"])
+def test_extra_contexts_are_charged_and_refused(box, abi: str) -> None:
+    # 300 MiB: the primary context (64) and 3 more fit, the 5th and 6th do not (v1: the CUDA
+    # < 3.2 cuCtxCreate a program reaches through cuGetProcAddress with an old cudaVersion)
+    o = last(memprog(box, "ctx", "5", str(16 * MIB), abi, env=box.env(claim((0, 300, 0)))))
     assert o["ctx_rc"] == [0, 0, 0, 2, 2]
     assert o["more"] == 2  # (300 - 4 x 64) / 16
     assert o["after"] == 14  # destroyed contexts give their memory back: (300 - 64) / 16

@@ -8,6 +8,8 @@
  *   cuprog null                            NULL out-pointers to cuMemGetInfo_v2
  *   cuprog fill PATH CHUNK [MAX_N] [HOLD_S] allocate CHUNK bytes until failure (or MAX_N)
  *       PATH: alloc managed pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym v1abi
+ *       pitch_v1 array_v1 array3d_v1 (the last four: the CUDA < 3.2 ABI through cuGetProcAddress)
+ *   cuprog info_v1                         cuMemGetInfo and cuDeviceTotalMem of the CUDA < 3.2 ABI
  *   cuprog pitch WIDTH HEIGHT              cuMemAllocPitch_v2: pitch and result
  *   cuprog race CHUNK GO_FILE              wait for GO_FILE, fill with cuMemAlloc, hold 1 s
  *   cuprog launch MODE SECONDS SYNC_EVERY  launch loop; MODE kernel ex coop graph ptsz gpa
@@ -69,6 +71,8 @@ typedef struct { char bytes[16]; } CUuuid;
 typedef struct { int type; int requestedHandleTypes; struct { int type; int id; } location; void *w; unsigned char f[8]; } CUmemAllocationProp;
 typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR;
 typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR;
+typedef struct { unsigned Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR_v1;
+typedef struct { unsigned Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR_v1;
 typedef struct { unsigned gx, gy, gz, bx, by, bz, shm; CUstream hStream; void *attrs; unsigned n; } CUlaunchConfig;
 
 CUresult cuInit(unsigned);
@@ -156,6 +160,29 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
         rc = fn(&p32, (unsigned)chunk);
         h->kind = 6, h->v = p32;
         (void)fr;
+    } else if (!strcmp(path, "pitch_v1")) {
+        CUresult (*fn)(unsigned *, unsigned *, unsigned, unsigned, unsigned) = NULL;
+        unsigned p32 = 0, pitch = 0;
+        if ((rc = cuGetProcAddress("cuMemAllocPitch", (void **)&fn, 3010, 0)) || !fn)
+            return 900 + rc;
+        rc = fn(&p32, &pitch, (unsigned)(chunk / 64), 64, 4);
+        h->kind = 6, h->v = p32;
+    } else if (!strcmp(path, "array_v1") || !strcmp(path, "array3d_v1")) {
+        CUarray arr = NULL;
+        if (path[5] == '_') {
+            CUresult (*fn)(CUarray *, const CUDA_ARRAY_DESCRIPTOR_v1 *) = NULL;
+            CUDA_ARRAY_DESCRIPTOR_v1 a = {(unsigned)(chunk / 4 / 1024), 1024, 0x20, 1};
+            if ((rc = cuGetProcAddress("cuArrayCreate", (void **)&fn, 3010, 0)) || !fn)
+                return 900 + rc;
+            rc = fn(&arr, &a);
+        } else {
+            CUresult (*fn)(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR_v1 *) = NULL;
+            CUDA_ARRAY3D_DESCRIPTOR_v1 a = {(unsigned)(chunk / 4 / 1024 / 4), 1024, 4, 0x20, 1, 0};
+            if ((rc = cuGetProcAddress("cuArray3DCreate", (void **)&fn, 3010, 0)) || !fn)
+                return 900 + rc;
+            rc = fn(&arr, &a);
+        }
+        h->kind = 4, h->v = (uintptr_t)arr;
     } else if (!strcmp(path, "alloc") || !strcmp(path, "gpa") || !strcmp(path, "gpa_v1") || !strcmp(path, "dlsym")) {
         static CUresult (*fn)(CUdeviceptr *, size_t);
         if (!fn) {
@@ -1139,6 +1166,20 @@ int main(int argc, char **argv)
         unsigned char *b = (unsigned char *)u.bytes;
         printf("{\"rc\": %d, \"free\": %zu, \"total\": %zu, \"totalmem_rc\": %d, \"totalmem\": %zu, \"uuid_last\": %d}\n",
                r1, f, t, r2, tm, b[15]);
+        return 0;
+    }
+    if (!strcmp(cmd, "info_v1")) {
+        CUdevice d = setup(0);
+        CUresult (*info)(unsigned *, unsigned *) = NULL;
+        CUresult (*total)(unsigned *, CUdevice) = NULL;
+        unsigned f = 0, t = 0, tm = 0;
+        CUresult g1 = cuGetProcAddress("cuMemGetInfo", (void **)&info, 3010, 0);
+        CUresult g2 = cuGetProcAddress("cuDeviceTotalMem", (void **)&total, 3010, 0);
+        if (g1 || g2 || !info || !total)
+            return 4;
+        CUresult r1 = info(&f, &t), r2 = total(&tm, d);
+        printf("{\"rc\": %d, \"free\": %u, \"total\": %u, \"totalmem_rc\": %d, \"totalmem\": %u}\n",
+               r1, f, t, r2, tm);
         return 0;
     }
     if (!strcmp(cmd, "null")) {

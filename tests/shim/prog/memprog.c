@@ -5,8 +5,9 @@
  *   memprog graph MODE MIB CHUNK   a graph with a MIB memory node (MODE add: cuGraphAddMemAllocNode,
  *       capture: cuMemAllocAsync in a capturing stream, child: inside a child graph), instantiated
  *       and launched twice, then CHUNK allocations until refused; the exec destroyed, again
- *   memprog ctx N CHUNK            N extra contexts (cuCtxCreate_v2), then CHUNK allocations until
- *       refused; the contexts destroyed, again
+ *   memprog ctx N CHUNK [v1]       N extra contexts (cuCtxCreate_v2; v1: the CUDA < 3.2 cuCtxCreate
+ *       through cuGetProcAddress at 3010), then CHUNK allocations until refused; the contexts
+ *       destroyed, again
  *   memprog limit WHICH VALUE CHUNK  cuCtxSetLimit(WHICH, VALUE), then CHUNK allocations
  *   memprog hidden N CHUNK MIB HOLD_S  N chunks, then MIB of memory without an allocation call
  *       (the stub's stubHidden; a device malloc on a GPU), a cuMemGetInfo and one more chunk,
@@ -34,6 +35,7 @@ CUresult cuDeviceGet(CUdevice *, int);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
 CUresult cuCtxSetCurrent(CUcontext);
 CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
+CUresult cuGetProcAddress(const char *, void **, int, unsigned long long);
 CUresult cuCtxDestroy_v2(CUcontext);
 CUresult cuCtxSetLimit(int, size_t);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
@@ -141,9 +143,12 @@ int main(int argc, char **argv)
         size_t chunk = strtoull(argv[3], NULL, 0);
         CUcontext c[16];
         int made = 0;
+        CUresult (*create)(CUcontext *, unsigned, CUdevice) = cuCtxCreate_v2;
+        if (argc > 4 && !strcmp(argv[4], "v1") && cuGetProcAddress("cuCtxCreate", (void **)&create, 3010, 0))
+            return 4;
         printf("{\"ctx_rc\": [");
         for (int i = 0; i < n && i < 16; i++) {
-            CUresult rc = cuCtxCreate_v2(&c[made], 0, dev);
+            CUresult rc = create(&c[made], 0, dev);
             printf("%s%d", i ? ", " : "", rc);
             if (!rc) made++;
         }

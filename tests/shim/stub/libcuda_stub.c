@@ -23,6 +23,8 @@ typedef struct { char bytes[16]; } CUuuid;
 typedef struct { int type; int requestedHandleTypes; struct { int type; int id; } location; void *w; unsigned char f[8]; } CUmemAllocationProp;
 typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR;
 typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR;
+typedef struct { unsigned Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR_v1;
+typedef struct { unsigned Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR_v1;
 typedef struct { size_t size, alignment; unsigned reserved[4]; } CUDA_ARRAY_MEMORY_REQUIREMENTS;
 typedef struct { unsigned gx, gy, gz, bx, by, bz, shm; CUstream hStream; void *attrs; unsigned n; } CUlaunchConfig;
 
@@ -184,6 +186,7 @@ static _Atomic int prim_refs[16];
 static int prim_of(const void *c) { uintptr_t v = (uintptr_t)c; return v >= 0x1000 && v < 0x1000 + 16 ? (int)(v - 0x1000) : -1; }
 API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { int p = phys_of(d); if (p < 0) return E_INVALID_DEVICE; make_ctx(p); atomic_fetch_add(&prim_refs[p], 1); *c = (CUcontext)(uintptr_t)(0x1000 + p); return OK; }
 API CUresult cuCtxCreate_v2(CUcontext *c, unsigned f, CUdevice d) { (void)f; return hidden_ctx_create(c, d); }
+API CUresult cuCtxCreate(CUcontext *c, unsigned f, CUdevice d) { return cuCtxCreate_v2(c, f, d); } /* < 3.2 name */
 API CUresult cuCtxSetCurrent(CUcontext c) { set_current(c); return OK; }
 API CUresult cuCtxGetCurrent(CUcontext *c) { *c = cur_handle; return OK; }
 static int ctx_dead(void *c);
@@ -221,16 +224,17 @@ API CUresult cuMemGetInfo_v2(size_t *f, size_t *t)
 
 API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { NEED_CTX(); if (!p) return E_INVALID_VALUE; return phys_alloc(cur_ctx, n, p, 1, 0); }
 /* The CUDA 3.1 ABI (32-bit size): what cuGetProcAddress("cuMemAlloc", 3010) resolves to. */
-API CUresult cuMemAlloc(unsigned *p, unsigned n)
+static CUresult low_alloc(unsigned *p, uint64_t n) /* 32-bit addresses for the v1 ABI */
 {
     static unsigned next = 0x10000000u;
     NEED_CTX();
     if (!p) return E_INVALID_VALUE;
     unsigned long long a = next;
     CUresult rc = phys_alloc(cur_ctx, n, &a, 1, next);
-    if (rc == OK) { *p = (unsigned)a; next += (n + (2u << 20) - 1) & ~((2u << 20) - 1); }
+    if (rc == OK) { *p = (unsigned)a; next += (unsigned)((n + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1)); }
     return rc;
 }
+API CUresult cuMemAlloc(unsigned *p, unsigned n) { return low_alloc(p, n); }
 API CUresult cuMemFree_v2(CUdeviceptr p);
 API CUresult cuMemFree(unsigned p) { return cuMemFree_v2(p); }
 API CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned fl) { (void)fl; return cuMemAlloc_v2(p, n); }
@@ -244,6 +248,29 @@ API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t 
     return rc;
 }
 API CUresult cuMemFree_v2(CUdeviceptr p) { if (!inited) return E_NOT_INIT; return phys_free(p, 1); }
+/* The CUDA < 3.2 ABI (32-bit): pitch, memory info and total, as a driver still exports them. */
+API CUresult cuMemAllocPitch(unsigned *p, unsigned *pitch, unsigned w, unsigned h, unsigned e)
+{
+    if (!p || !pitch || (e != 4 && e != 8 && e != 16)) return E_INVALID_VALUE;
+    unsigned pt = (w + 2047) & ~2047u; /* rows padded to 2 KiB, as cuMemAllocPitch_v2 here */
+    CUresult rc = low_alloc(p, (uint64_t)pt * h);
+    if (rc == OK) *pitch = pt;
+    return rc;
+}
+API CUresult cuMemGetInfo(unsigned *f, unsigned *t)
+{
+    size_t F = 0, T = 0;
+    CUresult rc = cuMemGetInfo_v2(&F, &T);
+    if (rc == OK) { if (f) *f = F > 0xffffffffu ? 0xffffffffu : (unsigned)F; if (t) *t = T > 0xffffffffu ? 0xffffffffu : (unsigned)T; }
+    return rc;
+}
+API CUresult cuDeviceTotalMem(unsigned *b, CUdevice d)
+{
+    size_t T = 0;
+    CUresult rc = cuDeviceTotalMem_v2(b ? &T : NULL, d);
+    if (rc == OK && b) *b = T > 0xffffffffu ? 0xffffffffu : (unsigned)T;
+    return rc;
+}
 API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { if (hidden_capturing(s)) return hidden_capture_alloc(s, p, n); return cuMemAlloc_v2(p, n); }
 API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { return cuMemAllocAsync(p, n, s); }
 API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { if (!pool) return E_INVALID_VALUE; return cuMemAllocAsync(p, n, s); }
@@ -282,6 +309,18 @@ API CUresult cuArray3DCreate_v2(CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR *d)
     CUresult rc = phys_alloc(cur_ctx, arr_bytes(d->Width, d->Height, d->Depth, d->NumChannels), &addr, 3, 0);
     if (rc == OK) *a = (CUarray)(uintptr_t)addr;
     return rc;
+}
+API CUresult cuArrayCreate(CUarray *a, const CUDA_ARRAY_DESCRIPTOR_v1 *d)
+{
+    if (!d) return E_INVALID_VALUE;
+    CUDA_ARRAY_DESCRIPTOR v2 = {d->Width, d->Height, d->Format, d->NumChannels};
+    return cuArrayCreate_v2(a, &v2);
+}
+API CUresult cuArray3DCreate(CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d)
+{
+    if (!d) return E_INVALID_VALUE;
+    CUDA_ARRAY3D_DESCRIPTOR v2 = {d->Width, d->Height, d->Depth, d->Format, d->NumChannels, d->Flags};
+    return cuArray3DCreate_v2(a, &v2);
 }
 API CUresult cuArrayDestroy(CUarray a) { return phys_free((uint64_t)(uintptr_t)a, 3); }
 API CUresult cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUarray a, CUdevice d)
@@ -791,12 +830,22 @@ static const struct pa table[] = {
     {"cuGetProcAddress", "cuGetProcAddress_v2", 12000, 0, (void *)cuGetProcAddress_v2, NULL},
     {"cuDeviceGet", "cuDeviceGet", 2000, 0, (void *)cuDeviceGet, NULL},
     {"cuDeviceGetCount", "cuDeviceGetCount", 2000, 0, (void *)cuDeviceGetCount, NULL},
+    {"cuCtxCreate", "cuCtxCreate", 2000, 0, (void *)cuCtxCreate, NULL},
     {"cuCtxCreate", "cuCtxCreate_v2", 3020, 0, (void *)cuCtxCreate_v2, NULL},
     {"cuMemAlloc", "cuMemAlloc", 2000, 0, (void *)cuMemAlloc, NULL},
     {"cuMemAlloc", "cuMemAlloc_v2", 3020, 0, (void *)cuMemAlloc_v2, (void *)tramp_alloc},
     {"cuMemFree", "cuMemFree", 2000, 0, (void *)cuMemFree, NULL},
     {"cuMemFree", "cuMemFree_v2", 3020, 0, (void *)cuMemFree_v2, (void *)tramp_free},
+    {"cuMemGetInfo", "cuMemGetInfo", 2000, 0, (void *)cuMemGetInfo, NULL},
     {"cuMemGetInfo", "cuMemGetInfo_v2", 3020, 0, (void *)cuMemGetInfo_v2, (void *)tramp_info},
+    {"cuDeviceTotalMem", "cuDeviceTotalMem", 2000, 0, (void *)cuDeviceTotalMem, NULL},
+    {"cuDeviceTotalMem", "cuDeviceTotalMem_v2", 3020, 0, (void *)cuDeviceTotalMem_v2, NULL},
+    {"cuMemAllocPitch", "cuMemAllocPitch", 2000, 0, (void *)cuMemAllocPitch, NULL},
+    {"cuMemAllocPitch", "cuMemAllocPitch_v2", 3020, 0, (void *)cuMemAllocPitch_v2, NULL},
+    {"cuArrayCreate", "cuArrayCreate", 2000, 0, (void *)cuArrayCreate, NULL},
+    {"cuArrayCreate", "cuArrayCreate_v2", 3020, 0, (void *)cuArrayCreate_v2, NULL},
+    {"cuArray3DCreate", "cuArray3DCreate", 2000, 0, (void *)cuArray3DCreate, NULL},
+    {"cuArray3DCreate", "cuArray3DCreate_v2", 3020, 0, (void *)cuArray3DCreate_v2, NULL},
     {"cuMemAllocAsync", "cuMemAllocAsync", 11020, 0, (void *)cuMemAllocAsync, NULL},
     {"cuMemAllocAsync", "cuMemAllocAsync_ptsz", 11020, 1, (void *)cuMemAllocAsync_ptsz, NULL},
     {"cuMemFreeAsync", "cuMemFreeAsync", 11020, 0, (void *)cuMemFreeAsync, NULL},
