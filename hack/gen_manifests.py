@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 
 from kvgpu.admission.config import claim_policy, webhook_configurations  # noqa: E402
 from kvgpu.admission.podpolicy import pod_policy  # noqa: E402
+from kvgpu.agent.escapes import ACTIONS as ESCAPE_ACTIONS  # noqa: E402
 from kvgpu.api.vgpupool import VGPUPoolSpec  # noqa: E402
 from kvgpu.dra.slices import device_classes  # noqa: E402
 from kvgpu.extender.schedconfig import MANIFEST_TLS, scheduler_configuration  # noqa: E402
@@ -201,6 +202,7 @@ def values_schema() -> dict[str, Any]:
                 "deviceCoreScaling": bounds(props["coreScaling"]),
                 "metricsPort": port, "deviceSpecs": {"type": "boolean"},
                 "interval": {"type": "number", "exclusiveMinimum": 0},
+                "unenforced": {"enum": list(ESCAPE_ACTIONS)}, "unenforcedGrace": {"type": "number", "minimum": 0},
                 "dra": _obj({"enabled": {"type": "boolean"}, "cdiDir": {"type": "string", "pattern": "^/"}}),
                 "mps": _obj({"enabled": {"type": "boolean"}, "interval": {"type": "number", "exclusiveMinimum": 0},
                              "updateStrategy": _obj({"type": {"enum": ["OnDelete", "RollingUpdate"]}})}),

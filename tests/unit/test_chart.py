@@ -482,3 +482,19 @@ def test_tenant_roles_read_claims_pools_and_quotas_only(name: str, aggregate: st
         assert _verbs(role, "kvgpu.io", resource) == {"get", "list", "watch"}
     assert {res for r in role["rules"] for res in r["resources"]} == {"vgpuclaims", "vgpupools", "vgpuquotas"}
     assert not [d for d in render({"rbac": {"tenantRoles": False}}) if d["metadata"]["name"] == name]
+
+
+def test_the_agent_kills_escaped_processes_unless_told_to_report() -> None:
+    agent_cmd = _agent_command()
+    assert agent_cmd is not None
+
+    def params(values: dict[str, Any] | None) -> dict[str, Any]:
+        [c] = one(render(values), "DaemonSet", "kvgpu-agent")["spec"]["template"]["spec"]["containers"]
+        return agent_cmd.make_context("agent", _strip_paths(list(c["args"][1:]))).params
+
+    default = params(None)
+    assert default["unenforced"] == "kill" and default["unenforced_grace"] == 10.0
+    told = params({"devicePlugin": {"unenforced": "report", "unenforcedGrace": 30}})
+    assert told["unenforced"] == "report" and told["unenforced_grace"] == 30.0
+    with pytest.raises(RuntimeError, match="unenforced"):
+        render({"devicePlugin": {"unenforced": "ignore"}})

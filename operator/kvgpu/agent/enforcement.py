@@ -15,7 +15,8 @@ compute process NVML reports on a card is attributed to a pod and container thro
 :class:`EnforcementMonitor` takes a snapshot every ``interval_s``; the exporter reads it
 (``kvgpu_container_unenforced_processes``, ``kvgpu_container_nvml_memory_bytes``,
 ``kvgpu_card_foreign_memory_bytes``, ...) and a Warning Event ``GPUUnenforced`` is recorded on
-the pod the first time one of its containers is seen unenforced. The agent needs
+the pod the first time one of its containers is seen unenforced; the backstop
+(:mod:`kvgpu.agent.escapes`) then kills such a process after a grace period. The agent needs
 ``hostPID: true`` so NVML's PIDs and ``/proc`` agree.
 
 It also fills the shim's missing piece: for each attached process whose region slot has no host
@@ -253,6 +254,10 @@ class EnforcementMonitor:
     containers: Callable[[], list[BoundContainer]]
     read_region: Callable[[str, str], Sequence[DeviceUsage] | None]
     on_unenforced: PodEvent | None = None
+    #: the backstop (:meth:`kvgpu.agent.escapes.EscapeKiller.end`): kills what escaped the shim in
+    #: a snapshot and returns those processes; ``on_killed`` records an Event for each
+    end_escapes: Callable[[Sequence[ProcessView]], list[ProcessView]] | None = None
+    on_killed: PodEvent | None = None
     attribute_fn: Callable[[int], Attribution] = attribute
     host_pid_writer: HostPidWriter | None = None
     utilization: Callable[[], dict[tuple[str, int], float]] | None = None
@@ -318,6 +323,9 @@ class EnforcementMonitor:
 
         views = await asyncio.to_thread(work)
         self.snapshot = views
+        if self.end_escapes is not None:
+            for v in await asyncio.to_thread(self.end_escapes, views):
+                await self._killed_event(v)
         live = {(c.pod_uid, c.container) for c in self.containers()}
         self._reported &= live
         for v in views:
@@ -341,6 +349,15 @@ class EnforcementMonitor:
                 except Exception:
                     log.exception("could not record the GPUUnenforced event")
         return views
+
+    async def _killed_event(self, v: ProcessView) -> None:
+        if self.on_killed is None or v.container is None:
+            return
+        try:
+            await self.on_killed(v.container, f"process {v.inner_pid or v.process.host_pid} killed: it used card "
+                                              f"{v.process.uuid} outside the kvgpu shim ({v.reason})")
+        except Exception:
+            log.exception("could not record the GPUUnenforcedKilled event")
 
     async def run(self) -> None:
         """Until cancelled."""

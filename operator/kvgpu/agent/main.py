@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,11 +39,14 @@ from .draregions import DraTenants
 from .enforcement import (
     EnforcementMonitor,
     ProcessUtilization,
+    ProcessView,
     nvml_processes,
     proc_start_time,
     set_region_host_pid,
     set_region_sm_util,
 )
+from .escapes import ACTIONS as ESCAPE_ACTIONS
+from .escapes import EscapeKiller
 from .exporter import UsageCollector, make_registry, serve
 from .hamiview import HostCard, node_allocation, nvml_host_cards
 from .health import (
@@ -114,6 +117,10 @@ class AgentConfig:
     region_root: str = keys.HOST_REGION_ROOT
     region_gc_s: float = 300.0
     enforcement_s: float = 5.0  # NVML process check + host-PID filling period; 0 disables (off simulated)
+    #: a process of a claimed container that runs outside the shim: "kill" it once it has been
+    #: seen so for ``unenforced_grace_s`` (kvgpu.agent.escapes), or only "report" it (Event, metric)
+    unenforced: str = "kill"
+    unenforced_grace_s: float = 10.0
     #: how often the regions' ``oom_kills`` (the shim's ACTIVE_OOM_KILLER) are read for pod Events
     oom_report_s: float = 5.0
     #: the node-wide compute schedule (one file per card) this agent alone writes; 0 disables.
@@ -166,6 +173,7 @@ class Agent:
         self.metrics_server: Any = None
         self.reader = default_reader()
         self.enforcement: EnforcementMonitor | None = None
+        self.escapes: EscapeKiller | None = None
         self.scheduler: Scheduler | None = None
         self.oom: OomReporter | None = None
         self._capacity: dict[str, tuple[int, int]] = {}  # simulated node: resource → (capacity, allocatable)
@@ -269,6 +277,12 @@ class Agent:
                 f"container {c.container} runs outside the kvgpu shim on {message}",
             )
 
+    async def _killed_event(self, c: BoundContainer, message: str) -> None:
+        pod_event = getattr(self.api, "pod_event", None)
+        if pod_event is not None:
+            await pod_event(c.namespace, c.pod, c.pod_uid, "GPUUnenforcedKilled",
+                            f"container {c.container}: {message}", "Warning")
+
     async def _oom_event(self, c: BoundContainer, message: str) -> None:
         pod_event = getattr(self.api, "pod_event", None)
         if pod_event is not None and c.pod:  # a DRA claim no pod consumes has nobody to tell
@@ -338,11 +352,27 @@ class Agent:
             containers=self.pods.containers,
             read_region=self._read_region,
             on_unenforced=self._unenforced_event,
+            end_escapes=self._make_escapes(),
+            on_killed=self._killed_event,
             host_pid_writer=self._write_host_pid,
             utilization=lambda: util(uuids()),
             sm_util_writer=self._write_sm_util,
             interval_s=self.cfg.enforcement_s,
         )
+
+    def _make_escapes(self) -> Callable[[Sequence[ProcessView]], list[ProcessView]] | None:
+        """The backstop of ``unenforced: kill`` (None with ``report``)."""
+        if self.cfg.unenforced not in ESCAPE_ACTIONS:
+            raise ValueError(f"unenforced={self.cfg.unenforced!r} is not one of {ESCAPE_ACTIONS}")
+        if self.cfg.unenforced != "kill":
+            return None
+        escapes = self.escapes = EscapeKiller(grace_s=self.cfg.unenforced_grace_s)
+
+        def end(views: Sequence[ProcessView]) -> list[ProcessView]:
+            escapes.forget({(c.pod_uid, c.container) for c in self.pods.containers()})
+            return escapes.end(views)
+
+        return end
 
     def _write_sm_util(self, pod_uid: str, container: str, uuid: str, percent: int) -> bool:
         from pathlib import Path
@@ -471,6 +501,7 @@ class Agent:
                     utilization=(lambda: self.enforcement.container_util if self.enforcement else {})
                     if self.enforcement is not None
                     else None,
+                    escapes=(lambda: self.escapes.kills if self.escapes else {}) if self.escapes is not None else None,
                     allocation=self._node_allocation,
                     host=self._host_cards(),
                 )

@@ -1,0 +1,156 @@
+"""The node-side backstop (kvgpu.agent.escapes): a process of a claimed container that runs
+outside the shim is killed once seen so for the grace period, with real processes (``sleep``)
+standing in for the escaped tenant; NVML and the cgroup attribution are fakes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from kvgpu.agent.enforcement import Attribution, EnforcementMonitor, GpuProcess, ProcessView, proc_start_time
+from kvgpu.agent.escapes import EscapeKiller, kill_pinned
+from kvgpu.agent.exporter import BoundContainer, BoundDevice, DeviceUsage, UsageCollector, make_registry
+from kvgpu.core.inventory import Card, NodeInventory
+from prometheus_client import generate_latest
+
+U0 = "GPU-a"
+POD = "0a1b2c3d-1111-2222-3333-444455556666"
+CID = "ab" * 32
+MAIN = BoundContainer("team", "nb", POD, "main", "team/nb-main", 1, (BoundDevice(U0, 3000, 30),), True, CID)
+
+
+@pytest.fixture
+def tenant():
+    """A live process standing in for the tenant's escaped GPU program."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def view(pid: int, state: str = "unenforced") -> ProcessView:
+    return ProcessView(GpuProcess(U0, pid, 1 << 30), state, "PID 8 is not attached to the shim", MAIN, POD, 8)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def killer_for(pid: int, pod: str = POD) -> tuple[EscapeKiller, Clock]:
+    clock = Clock()
+    return EscapeKiller(grace_s=10.0, clock=clock, attribute_fn={pid: Attribution(pod, CID, 8)}.get), clock
+
+
+def gone(p: subprocess.Popen, timeout: float = 5.0) -> bool:
+    try:
+        return p.wait(timeout) == -9
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def test_kill_pinned_ends_only_the_process_that_started_then(tenant) -> None:
+    start = proc_start_time(tenant.pid)
+    assert start is not None
+    assert not kill_pinned(tenant.pid, start + 1)  # another process now under that PID: spared
+    assert tenant.poll() is None
+    assert kill_pinned(tenant.pid, start)
+    assert gone(tenant)
+    assert not kill_pinned(tenant.pid, start)  # reaped: nothing to kill
+
+
+def test_an_escaped_process_is_killed_once_its_grace_is_over(tenant) -> None:
+    killer, clock = killer_for(tenant.pid)
+    assert killer.end([view(tenant.pid)]) == []
+    clock.t += 5
+    assert killer.end([view(tenant.pid)]) == []
+    assert tenant.poll() is None  # seen twice, but for 5 s only
+    clock.t += 5
+    assert [v.process.host_pid for v in killer.end([view(tenant.pid)])] == [tenant.pid]
+    assert gone(tenant)
+    assert killer.kills == {(POD, "main"): 1}
+
+
+def test_the_grace_starts_again_when_the_process_was_not_seen_unenforced(tenant) -> None:
+    killer, clock = killer_for(tenant.pid)
+    killer.end([view(tenant.pid)])
+    clock.t += 5
+    killer.end([view(tenant.pid, "enforced")])  # attached to its region by then
+    clock.t += 6
+    assert killer.end([view(tenant.pid)]) == []  # 11 s after the first sighting, but not in a row
+    clock.t += 10
+    assert len(killer.end([view(tenant.pid)])) == 1
+    assert gone(tenant)
+
+
+@pytest.mark.parametrize("state", ["enforced", "foreign"])
+def test_enforced_and_foreign_processes_are_never_killed(tenant, state: str) -> None:
+    killer, clock = killer_for(tenant.pid)
+    v = view(tenant.pid, state)
+    if state == "foreign":
+        v = ProcessView(v.process, "foreign", "pod without slices", None, "other", 1)
+    for _ in range(5):
+        assert killer.end([v]) == []
+        clock.t += 10
+    assert tenant.poll() is None and killer.kills == {}
+
+
+def test_a_process_that_left_the_container_is_spared(tenant) -> None:
+    killer, clock = killer_for(tenant.pid, pod="another-pod")  # its cgroup now names another pod
+    killer.end([view(tenant.pid)])
+    clock.t += 20
+    assert killer.end([view(tenant.pid)]) == []
+    assert tenant.poll() is None
+
+
+def test_a_reused_pid_starts_its_own_grace(tenant) -> None:
+    real = proc_start_time(tenant.pid)
+    starts = iter([real - 5, real, real])  # first sighting: an older process under the same PID
+    killer, clock = killer_for(tenant.pid)
+    killer.start_time = lambda pid: next(starts)
+    killer.end([view(tenant.pid)])
+    clock.t += 10
+    assert killer.end([view(tenant.pid)]) == []  # this process was first seen just now
+    clock.t += 10
+    assert len(killer.end([view(tenant.pid)])) == 1
+    assert gone(tenant)
+
+
+def test_counts_of_containers_that_are_gone_are_dropped() -> None:
+    killer = EscapeKiller(kills={(POD, "main"): 2, ("old", "main"): 1})
+    killer.forget({(POD, "main")})
+    assert killer.kills == {(POD, "main"): 2}
+
+
+async def test_the_monitor_kills_records_an_event_and_the_exporter_counts_it(tenant) -> None:
+    events = []
+
+    async def on_killed(c, msg):
+        events.append((c.pod, c.container, msg))
+
+    killer, clock = killer_for(tenant.pid)
+    mon = EnforcementMonitor(
+        processes=lambda: [GpuProcess(U0, tenant.pid, 1 << 30)],
+        containers=lambda: [MAIN],
+        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)],  # PID 7 only: 8 escaped
+        attribute_fn={tenant.pid: Attribution(POD, CID, 8)}.__getitem__,
+        end_escapes=killer.end,
+        on_killed=on_killed,
+    )
+    await mon.check()
+    clock.t += 10
+    await mon.check()
+    assert gone(tenant)
+    assert events == [("nb", "main", f"process 8 killed: it used card {U0} outside the kvgpu shim "
+                                     "(PID 8 is not attached to the shim)")]
+
+    inv = NodeInventory("n", (Card(U0, 0, "NVIDIA H200", 143771, 132),), "nvml")
+    col = UsageCollector("n", lambda: [MAIN], lambda: inv, reader=lambda p: [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)],
+                         processes=lambda: mon.snapshot, escapes=lambda: killer.kills)
+    text = generate_latest(make_registry(col)).decode()
+    line = next(x for x in text.splitlines() if x.startswith("kvgpu_container_unenforced_kills_total{"))
+    assert 'container="main"' in line and line.endswith(" 1.0")
