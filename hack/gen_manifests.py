@@ -203,6 +203,7 @@ def values_schema() -> dict[str, Any]:
                 "metricsPort": port, "deviceSpecs": {"type": "boolean"},
                 "interval": {"type": "number", "exclusiveMinimum": 0},
                 "unenforced": {"enum": list(ESCAPE_ACTIONS)}, "unenforcedGrace": {"type": "number", "minimum": 0},
+                "overLimit": {"enum": list(ESCAPE_ACTIONS)}, "overLimitSlack": {"type": "integer", "minimum": 0},
                 "dra": _obj({"enabled": {"type": "boolean"}, "cdiDir": {"type": "string", "pattern": "^/"}}),
                 "mps": _obj({"enabled": {"type": "boolean"}, "interval": {"type": "number", "exclusiveMinimum": 0},
                              "updateStrategy": _obj({"type": {"enum": ["OnDelete", "RollingUpdate"]}})}),

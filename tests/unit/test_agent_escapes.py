@@ -1,6 +1,7 @@
 """The node-side backstop (kvgpu.agent.escapes): a process of a claimed container that runs
-outside the shim is killed once seen so for the grace period, with real processes (``sleep``)
-standing in for the escaped tenant; NVML and the cgroup attribution are fakes."""
+outside the shim, or the largest one of a container over its memory limit, is killed once seen
+so for the grace period, with real processes (``sleep``) standing in for the tenant; NVML and
+the cgroup attribution are fakes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 from kvgpu.agent.enforcement import Attribution, EnforcementMonitor, GpuProcess, ProcessView, proc_start_time
-from kvgpu.agent.escapes import EscapeKiller, kill_pinned
+from kvgpu.agent.escapes import OVER_LIMIT_KILLED, UNENFORCED_KILLED, Backstop, kill_pinned
 from kvgpu.agent.exporter import BoundContainer, BoundDevice, DeviceUsage, UsageCollector, make_registry
 from kvgpu.core.inventory import Card, NodeInventory
 from prometheus_client import generate_latest
@@ -41,9 +42,9 @@ class Clock:
         return self.t
 
 
-def killer_for(pid: int, pod: str = POD) -> tuple[EscapeKiller, Clock]:
+def killer_for(pid: int, pod: str = POD, **kw) -> tuple[Backstop, Clock]:
     clock = Clock()
-    return EscapeKiller(grace_s=10.0, clock=clock, attribute_fn={pid: Attribution(pod, CID, 8)}.get), clock
+    return Backstop(grace_s=10.0, clock=clock, attribute_fn={pid: Attribution(pod, CID, 8)}.get, **kw), clock
 
 
 def gone(p: subprocess.Popen, timeout: float = 5.0) -> bool:
@@ -70,9 +71,10 @@ def test_an_escaped_process_is_killed_once_its_grace_is_over(tenant) -> None:
     assert killer.end([view(tenant.pid)]) == []
     assert tenant.poll() is None  # seen twice, but for 5 s only
     clock.t += 5
-    assert [v.process.host_pid for v in killer.end([view(tenant.pid)])] == [tenant.pid]
+    [k] = killer.end([view(tenant.pid)])
+    assert k.view.process.host_pid == tenant.pid and k.reason == UNENFORCED_KILLED
     assert gone(tenant)
-    assert killer.kills == {(POD, "main"): 1}
+    assert killer.kills == {(POD, "main"): 1} and killer.over_limit_kills == {}
 
 
 def test_the_grace_starts_again_when_the_process_was_not_seen_unenforced(tenant) -> None:
@@ -121,16 +123,16 @@ def test_a_reused_pid_starts_its_own_grace(tenant) -> None:
 
 
 def test_counts_of_containers_that_are_gone_are_dropped() -> None:
-    killer = EscapeKiller(kills={(POD, "main"): 2, ("old", "main"): 1})
+    killer = Backstop(kills={(POD, "main"): 2, ("old", "main"): 1}, over_limit_kills={("old", "main"): 1})
     killer.forget({(POD, "main")})
-    assert killer.kills == {(POD, "main"): 2}
+    assert killer.counts() == {"unenforced": {(POD, "main"): 2}, "over_limit": {}}
 
 
 async def test_the_monitor_kills_records_an_event_and_the_exporter_counts_it(tenant) -> None:
     events = []
 
-    async def on_killed(c, msg):
-        events.append((c.pod, c.container, msg))
+    async def on_killed(c, reason, msg):
+        events.append((c.pod, c.container, reason, msg))
 
     killer, clock = killer_for(tenant.pid)
     mon = EnforcementMonitor(
@@ -145,12 +147,90 @@ async def test_the_monitor_kills_records_an_event_and_the_exporter_counts_it(ten
     clock.t += 10
     await mon.check()
     assert gone(tenant)
-    assert events == [("nb", "main", f"process 8 killed: it used card {U0} outside the kvgpu shim "
-                                     "(PID 8 is not attached to the shim)")]
+    assert events == [("nb", "main", UNENFORCED_KILLED, f"process 8 killed: it used card {U0} outside the "
+                                                        "kvgpu shim (PID 8 is not attached to the shim)")]
 
     inv = NodeInventory("n", (Card(U0, 0, "NVIDIA H200", 143771, 132),), "nvml")
     col = UsageCollector("n", lambda: [MAIN], lambda: inv, reader=lambda p: [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)],
-                         processes=lambda: mon.snapshot, escapes=lambda: killer.kills)
+                         processes=lambda: mon.snapshot, backstop=killer.counts)
     text = generate_latest(make_registry(col)).decode()
     line = next(x for x in text.splitlines() if x.startswith("kvgpu_container_unenforced_kills_total{"))
     assert 'container="main"' in line and line.endswith(" 1.0")
+    line = next(x for x in text.splitlines() if x.startswith("kvgpu_container_over_limit_kills_total{"))
+    assert line.endswith(" 0.0")
+
+
+def held(pid: int, mib: int, inner: int = 8) -> ProcessView:
+    """An enforced process of MAIN (3000 MiB limit on U0) holding ``mib`` by NVML."""
+    return ProcessView(GpuProcess(U0, pid, mib << 20), "enforced", "", MAIN, POD, inner)
+
+
+@pytest.fixture
+def two():
+    """Two live processes of the same container."""
+    ps = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
+    yield ps
+    for p in ps:
+        p.kill()
+        p.wait()
+
+
+def over_limit_backstop(ps, **kw) -> tuple[Backstop, Clock]:
+    clock = Clock()
+    attrs = {p.pid: Attribution(POD, CID, 8 + i) for i, p in enumerate(ps)}
+    return Backstop(grace_s=10.0, clock=clock, attribute_fn=attrs.get, **kw), clock
+
+
+def test_a_container_over_its_limit_loses_its_largest_process(two) -> None:
+    """NVML shows 2000 + 1200 MiB against a 3000 MiB limit (e.g. the region zeroed by the tenant,
+    so the shim granted more): after the grace the 2000 MiB process is killed, then no more."""
+    small, large = two
+    backstop, clock = over_limit_backstop(two)
+    snapshot = [held(small.pid, 1200, 8), held(large.pid, 2000, 9)]
+    assert backstop.end(snapshot) == []
+    clock.t += 10
+    [k] = backstop.end(snapshot)
+    assert k.reason == OVER_LIMIT_KILLED and k.view.process.host_pid == large.pid
+    assert k.why == (f"process 9 killed (2000 MiB): the container held 3200 MiB of card {U0}, "
+                     "over its 3000 MiB limit (NVML)")
+    assert gone(large) and small.poll() is None
+    assert backstop.over_limit_kills == {(POD, "main"): 1}
+    clock.t += 5
+    assert backstop.end([held(small.pid, 1200, 8)]) == []  # under the limit now
+    assert small.poll() is None
+
+
+def test_use_within_the_slack_or_for_less_than_the_grace_is_left_alone(two) -> None:
+    small, large = two
+    backstop, clock = over_limit_backstop(two)
+    at_slack = [held(small.pid, 1000, 8), held(large.pid, 2064, 9)]  # 3064 MiB: the limit + 64
+    for _ in range(4):
+        assert backstop.end(at_slack) == []
+        clock.t += 10
+    over = [held(small.pid, 1000, 8), held(large.pid, 2100, 9)]
+    backstop.end(over)
+    clock.t += 5
+    backstop.end(at_slack)  # back under: the grace starts again
+    clock.t += 6
+    assert backstop.end(over) == []
+    assert small.poll() is None and large.poll() is None
+
+
+def test_over_limit_report_only_kills_nothing(two) -> None:
+    backstop, clock = over_limit_backstop(two, over_limit=False)
+    snapshot = [held(two[0].pid, 2000, 8), held(two[1].pid, 2000, 9)]
+    for _ in range(3):
+        assert backstop.end(snapshot) == []
+        clock.t += 10
+    assert all(p.poll() is None for p in two)
+
+
+def test_another_containers_memory_does_not_count(two) -> None:
+    other = BoundContainer("team", "nb2", "pod-2", "main", "team/nb2-main", 1, (BoundDevice(U0, 3000, 30),), True,
+                           "cd" * 32)
+    backstop, clock = over_limit_backstop(two)
+    snapshot = [held(two[0].pid, 2000, 8),
+                ProcessView(GpuProcess(U0, two[1].pid, 2000 << 20), "enforced", "", other, "pod-2", 9)]
+    for _ in range(3):
+        assert backstop.end(snapshot) == []
+        clock.t += 10

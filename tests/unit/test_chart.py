@@ -484,7 +484,7 @@ def test_tenant_roles_read_claims_pools_and_quotas_only(name: str, aggregate: st
     assert not [d for d in render({"rbac": {"tenantRoles": False}}) if d["metadata"]["name"] == name]
 
 
-def test_the_agent_kills_escaped_processes_unless_told_to_report() -> None:
+def test_the_agent_kills_escaped_and_over_limit_processes_unless_told_to_report() -> None:
     agent_cmd = _agent_command()
     assert agent_cmd is not None
 
@@ -494,7 +494,11 @@ def test_the_agent_kills_escaped_processes_unless_told_to_report() -> None:
 
     default = params(None)
     assert default["unenforced"] == "kill" and default["unenforced_grace"] == 10.0
-    told = params({"devicePlugin": {"unenforced": "report", "unenforcedGrace": 30}})
+    assert default["over_limit"] == "kill" and default["over_limit_slack"] == 64
+    told = params({"devicePlugin": {"unenforced": "report", "unenforcedGrace": 30, "overLimit": "report",
+                                    "overLimitSlack": 128}})
     assert told["unenforced"] == "report" and told["unenforced_grace"] == 30.0
-    with pytest.raises(RuntimeError, match="unenforced"):
-        render({"devicePlugin": {"unenforced": "ignore"}})
+    assert told["over_limit"] == "report" and told["over_limit_slack"] == 128
+    for key in ("unenforced", "overLimit"):
+        with pytest.raises(RuntimeError, match=key):
+            render({"devicePlugin": {key: "ignore"}})

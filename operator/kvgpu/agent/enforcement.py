@@ -254,10 +254,10 @@ class EnforcementMonitor:
     containers: Callable[[], list[BoundContainer]]
     read_region: Callable[[str, str], Sequence[DeviceUsage] | None]
     on_unenforced: PodEvent | None = None
-    #: the backstop (:meth:`kvgpu.agent.escapes.EscapeKiller.end`): kills what escaped the shim in
-    #: a snapshot and returns those processes; ``on_killed`` records an Event for each
-    end_escapes: Callable[[Sequence[ProcessView]], list[ProcessView]] | None = None
-    on_killed: PodEvent | None = None
+    #: the backstop (:meth:`kvgpu.agent.escapes.Backstop.end`): kills what escaped the shim or its
+    #: limit in a snapshot and returns (process, why) of each; ``on_killed`` records an Event for each
+    end_escapes: Callable[[Sequence[ProcessView]], Sequence[Any]] | None = None
+    on_killed: Callable[[BoundContainer, str, str], Awaitable[None]] | None = None  # (container, reason, why)
     attribute_fn: Callable[[int], Attribution] = attribute
     host_pid_writer: HostPidWriter | None = None
     utilization: Callable[[], dict[tuple[str, int], float]] | None = None
@@ -324,8 +324,8 @@ class EnforcementMonitor:
         views = await asyncio.to_thread(work)
         self.snapshot = views
         if self.end_escapes is not None:
-            for v in await asyncio.to_thread(self.end_escapes, views):
-                await self._killed_event(v)
+            for k in await asyncio.to_thread(self.end_escapes, views):
+                await self._killed_event(k.view, k.reason, k.why)
         live = {(c.pod_uid, c.container) for c in self.containers()}
         self._reported &= live
         for v in views:
@@ -350,14 +350,13 @@ class EnforcementMonitor:
                     log.exception("could not record the GPUUnenforced event")
         return views
 
-    async def _killed_event(self, v: ProcessView) -> None:
+    async def _killed_event(self, v: ProcessView, reason: str, why: str) -> None:
         if self.on_killed is None or v.container is None:
             return
         try:
-            await self.on_killed(v.container, f"process {v.inner_pid or v.process.host_pid} killed: it used card "
-                                              f"{v.process.uuid} outside the kvgpu shim ({v.reason})")
+            await self.on_killed(v.container, reason, why)
         except Exception:
-            log.exception("could not record the GPUUnenforcedKilled event")
+            log.exception("could not record the event of a process the backstop killed")
 
     async def run(self) -> None:
         """Until cancelled."""

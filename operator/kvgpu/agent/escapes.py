@@ -1,4 +1,4 @@
-"""The node-side backstop: ending GPU processes that escaped the shim.
+"""The node-side backstop: ending GPU processes that escaped the shim or its limit.
 
 The shim limits what goes through it. A process of a container with a claim that reaches the card
 without it (a static binary, a musl program, ``/etc`` renamed so ``ld.so.preload`` is not read,
@@ -11,6 +11,14 @@ never the one killed. The kill goes through a pidfd opened before the start time
 so the process checked is the process signalled.
 
 ``unenforced: report`` keeps the check's Event and metric only.
+
+**Over the limit.** The shim refuses what would take a container past its memory limit, but it
+cannot refuse memory it does not see, and its region is writable by the container (a process
+that zeroes the counters is then granted more). What NVML measures cannot be forged from inside:
+with ``over_limit: kill`` (the default) a container whose processes on a card hold more than its
+claim's memory there plus ``slack_mib``, in every check for ``grace_s`` seconds, loses the
+process holding the most (pinned and signalled as above); one process per container and card
+per check, so the next check sees what the kill freed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ from .enforcement import Attribution, ProcessView, attribute, proc_start_time
 log = logging.getLogger(__name__)
 
 ACTIONS = ("kill", "report")
+UNENFORCED_KILLED = "GPUUnenforcedKilled"
+OVER_LIMIT_KILLED = "GPUOverLimitKilled"
+MIB = 1 << 20
 
 
 def kill_pinned(host_pid: int, start_time: int, proc: str = "/proc") -> bool:
@@ -48,23 +59,50 @@ def kill_pinned(host_pid: int, start_time: int, proc: str = "/proc") -> bool:
         os.close(fd)
 
 
+@dataclass(frozen=True)
+class Kill:
+    """A process the backstop ended, and why (the sentence of its pod's Event)."""
+
+    view: ProcessView
+    why: str
+    reason: str  # the Event's reason: UNENFORCED_KILLED or OVER_LIMIT_KILLED
+
+
 @dataclass
-class EscapeKiller:
-    """Kills processes seen unenforced for ``grace_s`` seconds or longer; counts them per
-    (pod UID, container) in ``kills``. :meth:`end` takes each enforcement snapshot."""
+class Backstop:
+    """Kills processes seen unenforced for ``grace_s`` seconds or longer (counted per (pod UID,
+    container) in ``kills``), and the largest process of a container over its memory limit on a
+    card for as long (``over_limit_kills``). :meth:`end` takes each enforcement snapshot."""
 
     grace_s: float = 10.0
+    #: kill the largest process of a container over its limit on a card (False: report only)
+    over_limit: bool = True
+    #: NVML use above the limit tolerated (MiB): the driver's page rounding and NVML's lag
+    slack_mib: int = 64
+    #: kill processes that run outside the shim (False: only containers over their limit)
+    unenforced: bool = True
     killer: Callable[[int, int], bool] = kill_pinned
     start_time: Callable[[int], int | None] = proc_start_time
     attribute_fn: Callable[[int], Attribution] = attribute
     clock: Callable[[], float] = time.monotonic
     kills: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (pod UID, container) -> processes killed because the container was over its limit
+    over_limit_kills: dict[tuple[str, str], int] = field(default_factory=dict)
     #: (host PID, start time) -> when it was first seen unenforced (only those seen last time)
     _first_seen: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: (pod UID, container, card) -> when it was first seen over its limit (only those seen last time)
+    _over_since: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
-    def end(self, views: Sequence[ProcessView]) -> list[ProcessView]:
-        """Kill the unenforced processes of ``views`` whose grace is over; return them. Blocking
-        (``/proc`` reads and a syscall per suspect): the agent calls it in a worker thread."""
+    def end(self, views: Sequence[ProcessView]) -> list[Kill]:
+        """Kill the unenforced processes of ``views`` whose grace is over (with ``unenforced``),
+        and the largest process of each container over its limit for its grace (with
+        ``over_limit``); return them. Blocking (``/proc`` reads and a syscall per suspect): the
+        agent calls it in a worker thread."""
+        killed = self._end_unenforced(views)
+        done = {k.view.process.host_pid for k in killed}
+        return killed + self._end_over_limit([v for v in views if v.process.host_pid not in done])
+
+    def _end_unenforced(self, views: Sequence[ProcessView]) -> list[Kill]:
         now = self.clock()
         seen: dict[tuple[int, int], float] = {}
         killed = []
@@ -76,22 +114,67 @@ class EscapeKiller:
                 continue  # already gone
             key = (v.process.host_pid, start)
             first = seen[key] = self._first_seen.get(key, now)
-            if now - first < self.grace_s:
-                continue
-            if self.attribute_fn(v.process.host_pid).pod_uid != v.container.pod_uid:
-                continue  # no longer the container's process: never kill on an old attribution
-            if not self.killer(*key):
+            if not self.unenforced or now - first < self.grace_s or not self._kill(v, start):
                 continue
             del seen[key]
             ck = (v.container.pod_uid, v.container.container)
             self.kills[ck] = self.kills.get(ck, 0) + 1
-            killed.append(v)
+            killed.append(Kill(v, f"process {v.inner_pid or v.process.host_pid} killed: it used card "
+                                  f"{v.process.uuid} outside the kvgpu shim ({v.reason})", UNENFORCED_KILLED))
             log.warning("killed process %d (host PID %d) of %s/%s/%s: it ran outside the kvgpu shim on %s "
                         "for %.0f s (%s)", v.inner_pid, v.process.host_pid, v.container.namespace,
                         v.container.pod, v.container.container, v.process.uuid, now - first, v.reason)
         self._first_seen = seen
         return killed
 
+    def _end_over_limit(self, views: Sequence[ProcessView]) -> list[Kill]:
+        """Per (container, card): NVML's bytes of its processes against the claim's memory."""
+        now = self.clock()
+        groups: dict[tuple[str, str, str], list[ProcessView]] = {}
+        for v in views:
+            if v.container is not None and v.state != "foreign":
+                groups.setdefault((v.container.pod_uid, v.container.container, v.process.uuid), []).append(v)
+        over: dict[tuple[str, str, str], float] = {}
+        killed = []
+        for key, vs in groups.items():
+            c = vs[0].container
+            assert c is not None
+            limit = next((d.memory_mib for d in c.devices if d.uuid == key[2]), None)
+            used = sum(v.process.used_bytes for v in vs)
+            if limit is None or used <= (limit + self.slack_mib) * MIB:
+                continue
+            first = over[key] = self._over_since.get(key, now)
+            if not self.over_limit or now - first < self.grace_s:
+                continue
+            victim = max(vs, key=lambda v: v.process.used_bytes)
+            if self._kill(victim):
+                ck = (c.pod_uid, c.container)
+                self.over_limit_kills[ck] = self.over_limit_kills.get(ck, 0) + 1
+                killed.append(Kill(victim, f"process {victim.inner_pid or victim.process.host_pid} killed "
+                                           f"({victim.process.used_bytes // MIB} MiB): the container held "
+                                           f"{used // MIB} MiB of card {key[2]}, over its {limit} MiB limit "
+                                           "(NVML)", OVER_LIMIT_KILLED))
+                log.warning("killed process %d (host PID %d, %d MiB) of %s/%s/%s: the container held %d MiB of "
+                            "%s for %.0f s, over its %d MiB limit", victim.inner_pid, victim.process.host_pid,
+                            victim.process.used_bytes // MIB, c.namespace, c.pod, c.container, used // MIB,
+                            key[2], now - first, limit)
+        self._over_since = over
+        return killed
+
+    def _kill(self, v: ProcessView, start: int | None = None) -> bool:
+        """Kill ``v``'s process if its cgroup still names ``v``'s pod: never on an old attribution
+        (pinned by ``start``, its start time, read now when not given)."""
+        assert v.container is not None
+        start = self.start_time(v.process.host_pid) if start is None else start
+        if start is None or self.attribute_fn(v.process.host_pid).pod_uid != v.container.pod_uid:
+            return False
+        return self.killer(v.process.host_pid, start)
+
+    def counts(self) -> dict[str, dict[tuple[str, str], int]]:
+        """Kills so far per (pod UID, container): ``unenforced`` and ``over_limit``."""
+        return {"unenforced": dict(self.kills), "over_limit": dict(self.over_limit_kills)}
+
     def forget(self, live: set[tuple[str, str]]) -> None:
         """Drop the counts of containers that are gone (``live``: (pod UID, container))."""
         self.kills = {k: n for k, n in self.kills.items() if k in live}
+        self.over_limit_kills = {k: n for k, n in self.over_limit_kills.items() if k in live}

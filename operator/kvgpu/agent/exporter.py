@@ -32,6 +32,8 @@ container series; bytes and percent):
 ``kvgpu_container_nvml_memory_bytes``   the container's memory on the card as NVML measures it
 ``kvgpu_container_unenforced_kills_total``  processes of the container the agent killed for
                                         running outside the shim (:mod:`kvgpu.agent.escapes`)
+``kvgpu_container_over_limit_kills_total``  processes the agent killed while the container held
+                                        more of a card than its limit (NVML)
 ``kvgpu_card_foreign_memory_bytes`` / ``_processes``  use of the card no claim accounts for
 ====================================== =============================================================
 
@@ -101,7 +103,7 @@ class UsageCollector(Collector):
         utilization: Callable[[], Mapping[tuple[str, str, str], float]] | None = None,
         allocation: Callable[[list[BoundContainer]], Mapping[str, Any] | None] | None = None,
         host: Callable[[], Iterable[HostCard]] | None = None,
-        escapes: Callable[[], Mapping[tuple[str, str], int]] | None = None,
+        backstop: Callable[[], Mapping[str, Mapping[tuple[str, str], int]]] | None = None,
     ) -> None:
         self.node = node
         self.containers = containers
@@ -116,7 +118,8 @@ class UsageCollector(Collector):
         # a pod in one and not in the other
         self.allocation = allocation
         self.host = host  # -> NVML's figures per card (HAMi's host series)
-        self.escapes = escapes  # -> {(pod uid, container): processes the backstop killed}
+        # -> {"unenforced" | "over_limit": {(pod uid, container): processes the backstop killed}}
+        self.backstop = backstop
         self.read_errors = 0
 
     def region_dir(self, c: BoundContainer) -> Path:
@@ -134,8 +137,8 @@ class UsageCollector(Collector):
         yield from fams.g.values()
         yield fams.active
         yield fams.ooms
-        if self.escapes is not None:
-            yield fams.escapes
+        if self.backstop is not None:
+            yield from fams.backstop.values()
         if self.hami_compat:
             yield from self._hami_families(fams, containers)
         yield from self._card_families(inv, tally.foreign)
@@ -173,9 +176,11 @@ class UsageCollector(Collector):
         usage, ok, kills = self._read(c)
         fams.active.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], 1.0 if ok else 0.0)
         fams.ooms.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], kills)
-        if self.escapes is not None:
-            fams.escapes.add_metric([self.node, c.namespace, c.pod, c.container, c.claim],
-                                    self.escapes().get((c.pod_uid, c.container), 0))
+        if self.backstop is not None:
+            counts = self.backstop()
+            for why, fam in fams.backstop.items():
+                fam.add_metric([self.node, c.namespace, c.pod, c.container, c.claim],
+                               counts.get(why, {}).get((c.pod_uid, c.container), 0))
         g = fams.g
         for vi, d in enumerate(c.devices):
             lv = [self.node, c.namespace, c.pod, c.container, c.claim, d.uuid, index.get(d.uuid, "")]
@@ -277,11 +282,16 @@ class _ContainerFamilies:
             "Processes of the container the shim's ACTIVE_OOM_KILLER ended (from its region).",
             labels=["node", "namespace", "pod", "container", "claim"],
         )
-        self.escapes = CounterMetricFamily(
-            "kvgpu_container_unenforced_kills",
-            "Processes of the container the node agent killed for running outside the shim.",
-            labels=["node", "namespace", "pod", "container", "claim"],
-        )
+        self.backstop = {
+            "unenforced": CounterMetricFamily(
+                "kvgpu_container_unenforced_kills",
+                "Processes of the container the node agent killed for running outside the shim.",
+                labels=["node", "namespace", "pod", "container", "claim"]),
+            "over_limit": CounterMetricFamily(
+                "kvgpu_container_over_limit_kills",
+                "Processes of the container the node agent killed while it held more of a card than its limit.",
+                labels=["node", "namespace", "pod", "container", "claim"]),
+        }
         self.h = MonitorFamilies()
 
 

@@ -46,7 +46,7 @@ from .enforcement import (
     set_region_sm_util,
 )
 from .escapes import ACTIONS as ESCAPE_ACTIONS
-from .escapes import EscapeKiller
+from .escapes import Backstop, Kill
 from .exporter import UsageCollector, make_registry, serve
 from .hamiview import HostCard, node_allocation, nvml_host_cards
 from .health import (
@@ -121,6 +121,10 @@ class AgentConfig:
     #: seen so for ``unenforced_grace_s`` (kvgpu.agent.escapes), or only "report" it (Event, metric)
     unenforced: str = "kill"
     unenforced_grace_s: float = 10.0
+    #: a claimed container whose processes hold more of a card than its limit (NVML) plus
+    #: ``over_limit_slack_mib`` for ``unenforced_grace_s``: "kill" its largest, or only "report"
+    over_limit: str = "kill"
+    over_limit_slack_mib: int = 64
     #: how often the regions' ``oom_kills`` (the shim's ACTIVE_OOM_KILLER) are read for pod Events
     oom_report_s: float = 5.0
     #: the node-wide compute schedule (one file per card) this agent alone writes; 0 disables.
@@ -173,7 +177,7 @@ class Agent:
         self.metrics_server: Any = None
         self.reader = default_reader()
         self.enforcement: EnforcementMonitor | None = None
-        self.escapes: EscapeKiller | None = None
+        self.backstop: Backstop | None = None
         self.scheduler: Scheduler | None = None
         self.oom: OomReporter | None = None
         self._capacity: dict[str, tuple[int, int]] = {}  # simulated node: resource → (capacity, allocatable)
@@ -277,11 +281,10 @@ class Agent:
                 f"container {c.container} runs outside the kvgpu shim on {message}",
             )
 
-    async def _killed_event(self, c: BoundContainer, message: str) -> None:
+    async def _killed_event(self, c: BoundContainer, reason: str, message: str) -> None:
         pod_event = getattr(self.api, "pod_event", None)
         if pod_event is not None:
-            await pod_event(c.namespace, c.pod, c.pod_uid, "GPUUnenforcedKilled",
-                            f"container {c.container}: {message}", "Warning")
+            await pod_event(c.namespace, c.pod, c.pod_uid, reason, f"container {c.container}: {message}", "Warning")
 
     async def _oom_event(self, c: BoundContainer, message: str) -> None:
         pod_event = getattr(self.api, "pod_event", None)
@@ -360,17 +363,21 @@ class Agent:
             interval_s=self.cfg.enforcement_s,
         )
 
-    def _make_escapes(self) -> Callable[[Sequence[ProcessView]], list[ProcessView]] | None:
-        """The backstop of ``unenforced: kill`` (None with ``report``)."""
-        if self.cfg.unenforced not in ESCAPE_ACTIONS:
-            raise ValueError(f"unenforced={self.cfg.unenforced!r} is not one of {ESCAPE_ACTIONS}")
-        if self.cfg.unenforced != "kill":
+    def _make_escapes(self) -> Callable[[Sequence[ProcessView]], list[Kill]] | None:
+        """The backstop (kvgpu.agent.escapes) of ``unenforced`` / ``over_limit`` ``kill`` (None
+        when both only report). Raises ValueError for an action it does not know."""
+        for name, action in (("unenforced", self.cfg.unenforced), ("over_limit", self.cfg.over_limit)):
+            if action not in ESCAPE_ACTIONS:
+                raise ValueError(f"{name}={action!r} is not one of {ESCAPE_ACTIONS}")
+        if "kill" not in (self.cfg.unenforced, self.cfg.over_limit):
             return None
-        escapes = self.escapes = EscapeKiller(grace_s=self.cfg.unenforced_grace_s)
+        backstop = self.backstop = Backstop(
+            grace_s=self.cfg.unenforced_grace_s, unenforced=self.cfg.unenforced == "kill",
+            over_limit=self.cfg.over_limit == "kill", slack_mib=self.cfg.over_limit_slack_mib)
 
-        def end(views: Sequence[ProcessView]) -> list[ProcessView]:
-            escapes.forget({(c.pod_uid, c.container) for c in self.pods.containers()})
-            return escapes.end(views)
+        def end(views: Sequence[ProcessView]) -> list[Kill]:
+            backstop.forget({(c.pod_uid, c.container) for c in self.pods.containers()})
+            return backstop.end(views)
 
         return end
 
@@ -501,7 +508,7 @@ class Agent:
                     utilization=(lambda: self.enforcement.container_util if self.enforcement else {})
                     if self.enforcement is not None
                     else None,
-                    escapes=(lambda: self.escapes.kills if self.escapes else {}) if self.escapes is not None else None,
+                    backstop=self.backstop.counts if self.backstop is not None else None,
                     allocation=self._node_allocation,
                     host=self._host_cards(),
                 )

@@ -185,13 +185,20 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, extender_cert: s
               help="a GPU process of a container with slices that runs outside the shim (seen so for "
                    "--unenforced-grace seconds): kill it, or only report it (Event GPUUnenforced, metric)")
 @click.option("--unenforced-grace", type=float, default=10.0, show_default=True,
-              help="seconds a process must be seen outside the shim before --unenforced=kill ends it")
+              help="seconds a process must be seen outside the shim, or a container over its limit, "
+                   "before --unenforced / --over-limit kill ends it")
+@click.option("--over-limit", type=click.Choice(["kill", "report"]), default="kill", show_default=True,
+              help="a container with slices whose processes hold more of a card than its limit (NVML) "
+                   "plus --over-limit-slack, for --unenforced-grace seconds: kill its largest process, "
+                   "or only report it (metric kvgpu_container_nvml_memory_bytes)")
+@click.option("--over-limit-slack", type=int, default=64, show_default=True,
+              help="MiB of NVML use above a container's limit that --over-limit tolerates")
 def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: bool, interval: float,
               shim_source: str | None, metrics_port: int, no_device_plugin: bool, device_specs: bool,
               dev_root: str, host_dev_root: str | None, driver_root: str, ld_library_path: bool, mounts: str,
               visible_devices_from_ids: bool, pod_resources_socket: str, dra: bool, kubelet_root: str,
               cdi_dir: str, dra_state_dir: str, mps_daemons: str, unenforced: str,
-              unenforced_grace: float) -> None:
+              unenforced_grace: float, over_limit: str, over_limit_slack: int) -> None:
     """Run the node agent: discovery, inventory, health, device plugin, shim install, usage metrics."""
     from kvgpu.agent.deviceplugin import PluginConfig
     from kvgpu.agent.devicespecs import resolve_driver_root
@@ -216,6 +223,7 @@ def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: b
                       shim_source=shim_source, metrics_port=metrics_port, device_plugin=not no_device_plugin,
                       plugin=plugin, pod_resources_socket=pod_resources_socket, mps_daemons=mps_daemons,
                       unenforced=unenforced, unenforced_grace_s=unenforced_grace,
+                      over_limit=over_limit, over_limit_slack_mib=over_limit_slack,
                       dra=DraConfig(registry_dir=f"{kubelet_root}/plugins_registry",
                                     plugin_dir=f"{kubelet_root}/plugins/{DRIVER}", cdi_dir=cdi_dir,
                                     state_dir=dra_state_dir) if dra else None)
