@@ -24,7 +24,7 @@ AGENT_FLAGS = ("--shim-source", "--no-device-plugin", "--device-specs", "--dev-r
 OPERATOR_POD_SC = {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532}
 OPERATOR_SC = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 AGENT_SC = {"privileged": False, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}}
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "KILL"]}}
 
 
 @pytest.fixture(scope="module")

@@ -234,3 +234,19 @@ def test_another_containers_memory_does_not_count(two) -> None:
     for _ in range(3):
         assert backstop.end(snapshot) == []
         clock.t += 10
+
+
+def test_a_kill_the_agent_may_not_send_is_logged_not_counted(tenant, monkeypatch, caplog) -> None:
+    import signal
+
+    def denied(fd, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(signal, "pidfd_send_signal", denied)
+    assert not kill_pinned(tenant.pid, proc_start_time(tenant.pid))
+    assert "needs the KILL capability" in caplog.text
+    killer, clock = killer_for(tenant.pid)
+    killer.end([view(tenant.pid)])
+    clock.t += 10
+    assert killer.end([view(tenant.pid)]) == [] and killer.kills == {}
+    assert tenant.poll() is None

@@ -353,8 +353,9 @@ def test_agent_daemonset() -> None:
         assert mounts[paths[host]] == host, "host paths are mounted where they are on the host"
     ro = {m["name"] for m in c["volumeMounts"] if m.get("readOnly")}
     assert {paths["/usr/local/nvidia"], paths["/dev"]} <= ro
-    # Allocate chowns a container's region directory to its runAsUser: CHOWN, nothing else.
-    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    # Allocate chowns a container's region directory to its runAsUser (CHOWN); the backstop kills
+    # tenants' processes of any user (KILL); nothing else.
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "KILL"]}
     # Allocate hands the kubelet these as host paths (the shim, ld.so.preload, the container's
     # region, the schedule): the agent must see each where it is on the host.
     for p in (keys.HOST_SHIM_DIR, keys.HOST_PRELOAD_FILE, keys.HOST_REGION_ROOT, keys.HOST_SCHED_DIR):

@@ -53,6 +53,9 @@ def kill_pinned(host_pid: int, start_time: int, proc: str = "/proc") -> bool:
             return False
         signal.pidfd_send_signal(fd, signal.SIGKILL)
         return True
+    except PermissionError as e:
+        log.error("cannot kill process %d: %s (the agent needs the KILL capability)", host_pid, e)
+        return False
     except OSError:
         return False
     finally:
