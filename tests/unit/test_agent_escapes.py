@@ -250,3 +250,34 @@ def test_a_kill_the_agent_may_not_send_is_logged_not_counted(tenant, monkeypatch
     clock.t += 10
     assert killer.end([view(tenant.pid)]) == [] and killer.kills == {}
     assert tenant.poll() is None
+
+
+async def test_the_agent_builds_the_backstop_its_settings_ask_for(tmp_path) -> None:
+    import json
+
+    from kvgpu.agent.main import Agent, AgentConfig
+
+    sim = tmp_path / "sim.json"
+    sim.write_text(json.dumps({"nodes": [{"name": "gpu-0", "cards": [{"count": 1}]}]}))
+    posted = []
+
+    class Api:
+        async def pod_event(self, namespace, pod, uid, reason, message, type_="Warning"):
+            posted.append((namespace, pod, uid, reason, type_, message))
+
+    def agent(**kw) -> Agent:
+        return Agent(AgentConfig(node="gpu-0", simulated=str(sim), region_root=str(tmp_path), **kw), Api())  # type: ignore[arg-type]
+
+    a = agent()
+    assert a._make_escapes() is not None
+    assert a.backstop is not None and a.backstop.unenforced and a.backstop.over_limit
+    assert a.backstop.grace_s == 10.0 and a.backstop.slack_mib == 64
+    a = agent(unenforced="report", over_limit_slack_mib=128)
+    assert a._make_escapes() is not None and not a.backstop.unenforced and a.backstop.over_limit
+    assert a.backstop.slack_mib == 128
+    a = agent(unenforced="report", over_limit="report")
+    assert a._make_escapes() is None and a.backstop is None
+    with pytest.raises(ValueError, match="over_limit='ignore'"):
+        agent(over_limit="ignore")._make_escapes()
+    await a._killed_event(MAIN, OVER_LIMIT_KILLED, "process 9 killed")
+    assert posted == [("team", "nb", POD, OVER_LIMIT_KILLED, "Warning", "container main: process 9 killed")]
