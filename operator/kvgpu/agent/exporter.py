@@ -132,8 +132,12 @@ class UsageCollector(Collector):
         tally = _ProcessTally(self.processes() if self.processes is not None else [])
         measured = dict(self.utilization()) if self.utilization is not None else {}
         containers = list(self.containers())
+        killed = self.backstop() if self.backstop is not None else {}  # once per scrape
         for c in containers:
             self._add_container(fams, c, index, measured, tally)
+            for why, fam in fams.backstop.items() if self.backstop is not None else ():
+                fam.add_metric([self.node, c.namespace, c.pod, c.container, c.claim],
+                               killed.get(why, {}).get((c.pod_uid, c.container), 0))
         yield from fams.g.values()
         yield fams.active
         yield fams.ooms
@@ -176,11 +180,6 @@ class UsageCollector(Collector):
         usage, ok, kills = self._read(c)
         fams.active.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], 1.0 if ok else 0.0)
         fams.ooms.add_metric([self.node, c.namespace, c.pod, c.container, c.claim], kills)
-        if self.backstop is not None:
-            counts = self.backstop()
-            for why, fam in fams.backstop.items():
-                fam.add_metric([self.node, c.namespace, c.pod, c.container, c.claim],
-                               counts.get(why, {}).get((c.pod_uid, c.container), 0))
         g = fams.g
         for vi, d in enumerate(c.devices):
             lv = [self.node, c.namespace, c.pod, c.container, c.claim, d.uuid, index.get(d.uuid, "")]
