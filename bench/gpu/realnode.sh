@@ -8,6 +8,7 @@
 #   bash bench/gpu/realnode.sh            # output in $OUT (or bench/results/raw)
 #   KVGPU_RN_PARTS=dra bash bench/gpu/realnode.sh   # DRA mode: the seed via a claim template
 #   KVGPU_RN_PARTS=mps bash bench/gpu/realnode.sh   # MPS: the kvgpu-mps owner as a pod, two clients
+#   KVGPU_RN_PARTS=backstop bash bench/gpu/realnode.sh  # two tenants past their limit, killed by the agent
 # The scenario itself is bench/gpu/realnode_run.py; this script only unpacks what was carried.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,6 +30,7 @@ cp .rn/proto/*.py operator/kvgpu/agent/proto/   # the generated gRPC stubs (no g
 
 hdr BUILD
 python3 shim/build.py --plain-gcc || exit 1
+mkdir -p bench/gpu/_build && gcc -O2 -Wall -o bench/gpu/_build/escape_direct bench/gpu/escape_direct.c -ldl || exit 1
 
 export PATH="$B/rn/bin:$PATH" PYTHONPATH="$B/site:$PWD/operator" KVGPU_KTP_BIN="$B/ktp" \
        KVGPU_CONTAINERD_BIN="$B/rn/bin" PYTHONUNBUFFERED=1

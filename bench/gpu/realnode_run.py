@@ -19,7 +19,9 @@ the real kubelet calls the agent's DRA plugin, containerd applies its CDI spec, 
 checks run in the pod: ``nvidia-smi`` shows ``… / 3000MiB``, torch stops at
 ``torch.OutOfMemoryError`` below 3000 MiB, and the claim file holds the claim string.
 
-``--parts mps``: bench/gpu/realnode_mps.py.
+``--parts mps``: bench/gpu/realnode_mps.py. ``--parts backstop``: bench/gpu/realnode_backstop.py
+(a tenant that bypasses the shim, one that zeroes its region: both killed by the agent). Every
+run checks at its end that no other pod's process was killed by the agent or the shim.
 
 The pod's image is ``kvgpu.local/hostroot:1`` (an empty root whose ``/usr/{bin,lib,lib64,share}``
 are the host's, mounted read-only, and torch's venv at /opt/torch): no registry can be reached from the
@@ -45,6 +47,7 @@ from kvgpu.devcluster.realnode import RealNode, host_node_ip
 from kvgpu.devcluster.runtimeplugin import RuntimePlugin
 from kvgpu.devcluster.system import KvgpuSystem
 from kvgpu.dra.slices import DRIVER, device_classes, slice_name
+from realnode_backstop import backstop, backstop_ok, kill_events
 from realnode_kit import TORCH_PY, matmul, memtest, say, seed_pod, show
 from realnode_mps import MPS_ROOT, mps, mps_ok
 
@@ -173,7 +176,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--parts", default="seed,isolation", help="comma-separated: seed, isolation, dra, mps")
+    ap.add_argument("--parts", default="seed,isolation", help="comma-separated: seed, isolation, backstop, dra, mps")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -197,10 +200,13 @@ def main() -> int:
             wait(lambda: (node.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu"),
                  60, "nvidia.com/gpu on the node")
             isolation(c, res)
+        if "backstop" in parts:
+            backstop(c, res)
         if "dra" in parts:
             res.update(dra(c, node))
         if "mps" in parts:
             mps(c, node, runtime, res)
+        res["kill_events"] = kill_events(c)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         for log in (node.kubelet_log, node.agent_log, node.containerd_log, system.operator_log()):
@@ -217,7 +223,7 @@ def main() -> int:
         if "mps" in parts:
             shutil.rmtree(MPS_ROOT, ignore_errors=True)
     oom = "OutOfMemoryError"
-    ok = "error" not in res
+    ok = "error" not in res and not [e for e in res.get("kill_events", []) if e["pod"] not in ("escaper", "zeroer")]
     if "seed" in parts:
         ok = ok and bool(res.get("nvidia_smi_3000") and str(res.get("torch_exception")).endswith(oom)
                          and abs(res.get("matmul_percent_of_native", 0) - 30) <= 3)
@@ -231,6 +237,8 @@ def main() -> int:
                          and str(res.get("dra_claim_file", "")).endswith(",3000,30"))
     if "mps" in parts:
         ok = ok and mps_ok(res)
+    if "backstop" in parts:
+        ok = ok and backstop_ok(res)
     res["ok"] = bool(ok)
     (a.out / "realnode-h200.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res), flush=True)

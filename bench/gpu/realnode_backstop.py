@@ -1,0 +1,88 @@
+"""The node-side backstop on the GPU (``--parts backstop`` of bench/gpu/realnode_run.py).
+
+Two tenants of 1000 MiB slices try to hold 2000 MiB of the card, each with the agent's defaults
+(``--unenforced kill``, ``--over-limit kill``, 10 s grace, 64 MiB slack, checks every 5 s):
+
+- ``escaper`` (bench/gpu/escape_direct.c) takes glibc's own ``dlsym`` and binds the driver's
+  functions directly: its allocations never pass the shim, and only the agent can stop it;
+- ``zeroer`` keeps the shim but zeroes its own region's counters before every block (the region is
+  writable by the container), so its shim grants past the limit; NVML still sees the memory.
+
+Each is expected to get past its limit and then be killed (exit 137) within 25 s, with an Event
+``GPUUnenforcedKilled`` (escaper) or ``GPUOverLimitKilled`` (zeroer; or ``GPUOOMKilled``, its own
+shim's OOM killer, once NVML reconciliation restored its charge) on its pod.
+:func:`kill_events` lists every kill Event of the run, so the seed's and the MPS part's
+workloads are checked never to have been killed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from typing import Any
+
+from kvgpu.demo import wait
+from kvgpu.devcluster import Cluster
+from realnode_kit import TORCH_PY, say, seed_pod, show
+
+KILL_REASONS = ("GPUUnenforcedKilled", "GPUOverLimitKilled", "GPUOOMKilled")
+LIMIT_MIB, TARGET_MIB, HOLD_S = 1000, 2000, 60
+ESCAPER = "/repo/bench/gpu/_build/escape_direct"  # bench/gpu/escape_direct.c, built by realnode.sh
+
+
+def attempt(c: Cluster, pod: str, command: str) -> dict[str, Any]:
+    """Run the hostile ``command`` in ``pod``; how far it got, whether and how fast it was stopped."""
+    argv = [str(c.bin_dir / "kubectl"), f"--kubeconfig={c.kubeconfig}", "exec", pod, "--", "/usr/bin/sh", "-c", command]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=HOLD_S + 90, check=False)
+    ended = time.time()
+    print(f"$ kubectl exec {pod} -- sh -c {command!r}\n{(p.stdout + p.stderr).rstrip()[-3000:]}", flush=True)
+    lines = []
+    for ln in p.stdout.splitlines():
+        try:
+            lines.append(json.loads(ln))
+        except ValueError:
+            continue
+    blocks = [x for x in lines if "done" not in x]
+    over = next((x["t"] for x in blocks if x["mib"] > LIMIT_MIB + 64), None)
+    return {"exit": p.returncode, "done": any(x.get("done") for x in lines),
+            "reached_mib": max((x["mib"] for x in blocks), default=0),
+            "nvml_peak_mib": max((x.get("nvml_mib", 0) for x in blocks), default=0),
+            "refused": next((x["error"] for x in blocks if x.get("error")), None),
+            "killed_after_s": round(ended - over, 1) if over is not None and p.returncode == 137 else None}
+
+
+def kill_events(c: Cluster) -> list[dict[str, str]]:
+    """Every backstop kill Event of the run: reason, pod, message."""
+    items = json.loads(c.kubectl("get", "events", "-A", "-o", "json").stdout)["items"]
+    return [{"reason": e["reason"], "pod": e["involvedObject"].get("name", ""), "message": e.get("message", "")}
+            for e in items if e.get("reason") in KILL_REASONS]
+
+
+def backstop(c: Cluster, res: dict[str, Any]) -> None:
+    say(f"the backstop: two {LIMIT_MIB} MiB slices try to hold {TARGET_MIB} MiB (shim bypassed; region zeroed)")
+    for name in ("escaper", "zeroer"):
+        c.kubectl("apply", "-f", "-", input=json.dumps(seed_pod(name, LIMIT_MIB, 30)))
+    for name in ("escaper", "zeroer"):
+        wait(lambda n=name: json.loads(c.kubectl("get", "pod", n, "-o", "json").stdout)["status"].get("phase")
+             in ("Running", "Failed"), 120, f"{name} Running")
+    res["escaper"] = attempt(c, "escaper", f"{ESCAPER} {TARGET_MIB} {HOLD_S}")
+    res["zeroer"] = attempt(c, "zeroer", f"{TORCH_PY} /repo/bench/gpu/escape_zero.py {TARGET_MIB} {HOLD_S}")
+    show(c, "get", "events", "--field-selector", "involvedObject.name=escaper")
+    show(c, "get", "events", "--field-selector", "involvedObject.name=zeroer")
+    res["backstop_events"] = kill_events(c)
+    c.kubectl("delete", "pod", "escaper", "zeroer", "--wait=true", "--timeout=60s", check=False)
+
+
+def stopped(r: dict[str, Any] | None, reasons: tuple[str, ...], events: list[dict[str, str]], pod: str) -> bool:
+    """The tenant got past its limit (the escape worked) and was killed within 25 s of it, with
+    one of ``reasons`` as an Event on its pod."""
+    return bool(r and r.get("killed_after_s") is not None and r["killed_after_s"] <= 25
+                and any(e["reason"] in reasons and e["pod"] == pod for e in events))
+
+
+def backstop_ok(res: dict[str, Any]) -> bool:
+    ev = res.get("backstop_events", [])
+    return (stopped(res.get("escaper"), ("GPUUnenforcedKilled",), ev, "escaper")
+            and stopped(res.get("zeroer"), ("GPUOverLimitKilled", "GPUOOMKilled"), ev, "zeroer")
+            and not any(e["pod"] not in ("escaper", "zeroer") for e in ev))
