@@ -115,11 +115,75 @@ def test_a_reused_pid_starts_its_own_grace(tenant) -> None:
     killer, clock = killer_for(tenant.pid)
     killer.start_time = lambda pid: next(starts)
     killer.end([view(tenant.pid)])
-    clock.t += 10
+    clock.t += 5
+    killer.end([])  # the older process is gone: the container's streak ends with it
+    clock.t += 5
     assert killer.end([view(tenant.pid)]) == []  # this process was first seen just now
+    assert tenant.poll() is None
     clock.t += 10
     assert len(killer.end([view(tenant.pid)])) == 1
     assert gone(tenant)
+
+
+@pytest.fixture
+def relay():
+    """Short-lived escaped processes of one container, one after another (what a tenant would run
+    to stay under a per-process grace)."""
+    procs: list[subprocess.Popen] = []
+
+    def start() -> subprocess.Popen:
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_a_relay_of_short_lived_processes_is_killed_once_its_container_used_up_the_grace(relay) -> None:
+    clock = Clock()
+    attribution: dict[int, Attribution] = {}
+    killer = Backstop(grace_s=10.0, clock=clock, attribute_fn=attribution.get)
+    first, second, third = relay(), relay(), relay()
+    for p in (first, second, third):
+        attribution[p.pid] = Attribution(POD, CID, 8)
+    assert killer.end([view(first.pid)]) == []
+    first.kill()
+    clock.t += 5
+    assert killer.end([view(second.pid)]) == []  # the container has been unenforced for 5 s
+    second.kill()
+    clock.t += 5
+    [k] = killer.end([view(third.pid)])  # seen once, but its container for 10 s in a row
+    assert k.view.process.host_pid == third.pid and "outside the kvgpu shim" in k.why
+    assert gone(third)
+    assert killer.kills == {(POD, "main"): 1}
+
+
+def test_the_container_streak_ends_when_a_check_sees_none_of_its_processes_unenforced(relay) -> None:
+    clock = Clock()
+    attribution: dict[int, Attribution] = {}
+    killer = Backstop(grace_s=10.0, clock=clock, attribute_fn=attribution.get)
+    first, second = relay(), relay()
+    for p in (first, second):
+        attribution[p.pid] = Attribution(POD, CID, 8)
+    killer.end([view(first.pid)])
+    clock.t += 5
+    killer.end([view(first.pid, "enforced")])  # attached by then: nothing of the container escaped
+    clock.t += 5
+    assert killer.end([view(second.pid)]) == []
+    assert second.poll() is None and first.poll() is None
+
+
+def test_report_only_kills_nothing_and_keeps_no_timers(tenant) -> None:
+    killer, clock = killer_for(tenant.pid, unenforced=False)
+    for _ in range(4):
+        assert killer.end([view(tenant.pid)]) == []
+        clock.t += 10
+    assert tenant.poll() is None and killer.kills == {}
+    killer.unenforced = True  # switched on: the grace starts now, not at the first report
+    assert killer.end([view(tenant.pid)]) == []
+    assert tenant.poll() is None
 
 
 def test_counts_of_containers_that_are_gone_are_dropped() -> None:

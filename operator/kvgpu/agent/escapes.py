@@ -6,9 +6,13 @@ direct ioctls) is found by the enforcement check (:mod:`kvgpu.agent.enforcement`
 on a card, its cgroup names the container, the container's shim region does not list it). With
 the agent's ``unenforced: kill`` (the default) such a process is ended here once it has been seen
 unenforced for ``grace_s`` seconds: the same host PID *and* start time in the checks over that
-span, so a process that was still attaching to its region, or a PID reused by another process, is
-never the one killed. The kill goes through a pidfd opened before the start time is read again,
-so the process checked is the process signalled.
+span, so a process that was still attaching to its region is never the one killed, and a PID
+reused by a process of another container never is (its cgroup is read again just before). The
+kill goes through a pidfd opened before the start time is read again, so the process checked is
+the process signalled. The container is timed too: once some process of it has been seen
+unenforced in every check for ``grace_s``, each unenforced process of it is killed at its first
+sighting, so a relay of processes that each live less than the grace gets no longer than a check
+interval each.
 
 ``unenforced: report`` keeps the check's Event and metric only.
 
@@ -93,6 +97,8 @@ class Backstop:
     over_limit_kills: dict[tuple[str, str], int] = field(default_factory=dict)
     #: (host PID, start time) -> when it was first seen unenforced (only those seen last time)
     _first_seen: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: (pod UID, container) -> since when every check saw some process of it unenforced
+    _container_since: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (pod UID, container, card) -> when it was first seen over its limit (only those seen last time)
     _over_since: dict[tuple[str, str, str], float] = field(default_factory=dict)
 
@@ -106,8 +112,14 @@ class Backstop:
         return killed + self._end_over_limit([v for v in views if v.process.host_pid not in done])
 
     def _end_unenforced(self, views: Sequence[ProcessView]) -> list[Kill]:
+        """A process is killed once it, or its container (some process of it in every check, a
+        relay of short-lived ones included), has been seen unenforced for the grace."""
+        if not self.unenforced:
+            self._first_seen, self._container_since = {}, {}
+            return []
         now = self.clock()
         seen: dict[tuple[int, int], float] = {}
+        streaks: dict[tuple[str, str], float] = {}
         killed = []
         for v in views:
             if v.state != "unenforced" or v.container is None:
@@ -115,19 +127,20 @@ class Backstop:
             start = self.start_time(v.process.host_pid)
             if start is None:
                 continue  # already gone
-            key = (v.process.host_pid, start)
+            key, ck = (v.process.host_pid, start), (v.container.pod_uid, v.container.container)
             first = seen[key] = self._first_seen.get(key, now)
-            if not self.unenforced or now - first < self.grace_s or not self._kill(v, start):
+            since = streaks[ck] = self._container_since.get(ck, now)
+            if now - min(first, since) < self.grace_s or not self._kill(v, start):
                 continue
             del seen[key]
-            ck = (v.container.pod_uid, v.container.container)
             self.kills[ck] = self.kills.get(ck, 0) + 1
             killed.append(Kill(v, f"process {v.inner_pid or v.process.host_pid} killed: it used card "
                                   f"{v.process.uuid} outside the kvgpu shim ({v.reason})", UNENFORCED_KILLED))
             log.warning("killed process %d (host PID %d) of %s/%s/%s: it ran outside the kvgpu shim on %s "
-                        "for %.0f s (%s)", v.inner_pid, v.process.host_pid, v.container.namespace,
-                        v.container.pod, v.container.container, v.process.uuid, now - first, v.reason)
-        self._first_seen = seen
+                        "(the process for %.0f s, its container for %.0f s: %s)", v.inner_pid, v.process.host_pid,
+                        v.container.namespace, v.container.pod, v.container.container, v.process.uuid,
+                        now - first, now - since, v.reason)
+        self._first_seen, self._container_since = seen, streaks
         return killed
 
     def _end_over_limit(self, views: Sequence[ProcessView]) -> list[Kill]:
