@@ -204,6 +204,8 @@ def values_schema() -> dict[str, Any]:
                 "interval": {"type": "number", "exclusiveMinimum": 0},
                 "unenforced": {"enum": list(ESCAPE_ACTIONS)}, "unenforcedGrace": {"type": "number", "minimum": 0},
                 "overLimit": {"enum": list(ESCAPE_ACTIONS)}, "overLimitSlack": {"type": "integer", "minimum": 0},
+                "overCores": {"enum": list(ESCAPE_ACTIONS)}, "overCoresSlack": {"type": "number", "minimum": 0},
+                "overCoresGrace": {"type": "number", "minimum": 0},
                 "dra": _obj({"enabled": {"type": "boolean"}, "cdiDir": {"type": "string", "pattern": "^/"}}),
                 "mps": _obj({"enabled": {"type": "boolean"}, "interval": {"type": "number", "exclusiveMinimum": 0},
                              "updateStrategy": _obj({"type": {"enum": ["OnDelete", "RollingUpdate"]}})}),

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from kvgpu.agent.enforcement import Attribution, EnforcementMonitor, GpuProcess, ProcessView, proc_start_time
-from kvgpu.agent.escapes import OVER_LIMIT_KILLED, UNENFORCED_KILLED, Backstop, kill_pinned
+from kvgpu.agent.escapes import OVER_CORES_KILLED, OVER_LIMIT_KILLED, UNENFORCED_KILLED, Backstop, kill_pinned
 from kvgpu.agent.exporter import BoundContainer, BoundDevice, DeviceUsage, UsageCollector, make_registry
 from kvgpu.core.inventory import Card, NodeInventory
 from prometheus_client import generate_latest
@@ -189,7 +189,7 @@ def test_report_only_kills_nothing_and_keeps_no_timers(tenant) -> None:
 def test_counts_of_containers_that_are_gone_are_dropped() -> None:
     killer = Backstop(kills={(POD, "main"): 2, ("old", "main"): 1}, over_limit_kills={("old", "main"): 1})
     killer.forget({(POD, "main")})
-    assert killer.counts() == {"unenforced": {(POD, "main"): 2}, "over_limit": {}}
+    assert killer.counts() == {"unenforced": {(POD, "main"): 2}, "over_limit": {}, "over_cores": {}}
 
 
 async def test_the_monitor_kills_records_an_event_and_the_exporter_counts_it(tenant) -> None:
@@ -334,14 +334,108 @@ async def test_the_agent_builds_the_backstop_its_settings_ask_for(tmp_path) -> N
 
     a = agent()
     assert a._make_escapes() is not None
+    assert a.backstop is not None and a.backstop.time_shared is not None and a.backstop.time_shared() == set()
     assert a.backstop is not None and a.backstop.unenforced and a.backstop.over_limit
     assert a.backstop.grace_s == 10.0 and a.backstop.slack_mib == 64
     a = agent(unenforced="report", over_limit_slack_mib=128)
     assert a._make_escapes() is not None and not a.backstop.unenforced and a.backstop.over_limit
     assert a.backstop.slack_mib == 128
-    a = agent(unenforced="report", over_limit="report")
+    assert a.backstop.over_cores and a.backstop.cores_slack_pts == 20 and a.backstop.cores_grace_s == 30
+    a = agent(unenforced="report", over_limit="report", over_cores_slack_pts=35, over_cores_grace_s=60)
+    assert a._make_escapes() is not None and a.backstop.over_cores and not a.backstop.over_limit
+    assert a.backstop.cores_slack_pts == 35 and a.backstop.cores_grace_s == 60
+    a = agent(unenforced="report", over_limit="report", over_cores="report")
     assert a._make_escapes() is None and a.backstop is None
     with pytest.raises(ValueError, match="over_limit='ignore'"):
         agent(over_limit="ignore")._make_escapes()
+    with pytest.raises(ValueError, match="over_cores='ignore'"):
+        agent(over_cores="ignore")._make_escapes()
     await a._killed_event(MAIN, OVER_LIMIT_KILLED, "process 9 killed")
     assert posted == [("team", "nb", POD, OVER_LIMIT_KILLED, "Warning", "container main: process 9 killed")]
+
+
+def busy(pid: int, pct: float, inner: int = 8, state: str = "enforced") -> ProcessView:
+    """A process of MAIN (30 % cores on U0) at ``pct`` % of the SMs in NVML's latest sample."""
+    return ProcessView(GpuProcess(U0, pid, 1 << 30), state, "", MAIN, POD, inner, sm_util=pct)
+
+
+def cores_backstop(ps, **kw) -> tuple[Backstop, Clock]:
+    clock = Clock()
+    table = {p.pid: Attribution(POD, CID, 8 + i) for i, p in enumerate(ps)}
+    return Backstop(grace_s=10.0, clock=clock, attribute_fn=table.get, **kw), clock
+
+
+def test_a_container_over_its_cores_for_the_window_loses_its_busiest_process(two) -> None:
+    backstop, clock = cores_backstop(two)
+    for _ in range(6):  # 30 % cores; 60 + 35 % of the SMs in every check, for 25.2 s
+        assert backstop.end([busy(two[0].pid, 60, 8), busy(two[1].pid, 35, 9)]) == []
+        clock.t += 5.04  # a check takes time: checks are never exactly the interval apart
+    [k] = backstop.end([busy(two[0].pid, 60, 8), busy(two[1].pid, 35, 9)])  # 30.2 s of checks
+    assert k.view.process.host_pid == two[0].pid and k.reason == OVER_CORES_KILLED
+    assert k.why == (f"process 8 killed (60 % of the SMs): the container used 95 % of card {U0}'s SMs over 30 s, "
+                     "over its 30 % (NVML)")
+    assert gone(two[0]) and two[1].poll() is None
+    assert backstop.over_cores_kills == {(POD, "main"): 1} and backstop.kills == {}
+
+
+def test_sm_use_is_judged_on_the_mean_over_the_window_not_one_sample(two) -> None:
+    backstop, clock = cores_backstop(two)
+    # a tenant at its 30 % in windows: NVML's moments swing between 0 and 100, the mean is 38
+    for pct in (100, 0, 10, 100, 0, 20, 100, 0, 10, 40, 30, 50, 0):
+        assert backstop.end([busy(two[0].pid, pct)]) == []
+        clock.t += 5
+    # within the slack (30 + 20) for the whole window: spared; one idle check does not reset it
+    for pct in (45, 45, 45, 45, 45, 45, 45):
+        assert backstop.end([busy(two[0].pid, pct)]) == []
+        clock.t += 5
+    assert two[0].poll() is None and backstop.over_cores_kills == {}
+
+
+@pytest.mark.parametrize("kw", [{"over_cores": False}, {"cores_slack_pts": 80}])
+def test_over_cores_report_only_or_a_wide_slack_kills_nothing(two, kw) -> None:
+    backstop, clock = cores_backstop(two, **kw)
+    for _ in range(10):
+        assert backstop.end([busy(two[0].pid, 100)]) == []
+        clock.t += 5
+    assert two[0].poll() is None
+
+
+def test_uncapped_containers_and_unsampled_checks_are_never_judged_on_cores(two) -> None:
+    backstop, clock = cores_backstop(two)
+    uncapped = BoundContainer("team", "nb", POD, "main", "team/nb-main", 1, (BoundDevice(U0, 3000, 0),), True, CID)
+    for _ in range(10):
+        out = backstop.end([
+            ProcessView(GpuProcess(U0, two[0].pid, 1 << 30), "enforced", "", uncapped, POD, 8, sm_util=100),
+            ProcessView(GpuProcess(U0, two[1].pid, 1 << 30), "enforced", "", MAIN, POD, 9),  # no sample
+        ])
+        assert out == []
+        clock.t += 5
+    assert all(p.poll() is None for p in two)
+
+
+def test_cards_whose_cores_are_not_a_time_share_are_not_judged_on_sm_use(two) -> None:
+    backstop, clock = cores_backstop(two, time_shared=lambda: {"GPU-other"})  # U0 is an MPS card
+    for _ in range(10):
+        assert backstop.end([busy(two[0].pid, 100)]) == []
+        clock.t += 5
+    assert two[0].poll() is None
+    backstop.time_shared = lambda: {U0}
+    for _ in range(6):
+        assert backstop.end([busy(two[0].pid, 100)]) == []
+        clock.t += 5
+    assert len(backstop.end([busy(two[0].pid, 100)])) == 1
+    assert gone(two[0])
+
+
+async def test_the_monitor_gives_the_backstop_each_process_s_latest_sm_sample(tenant) -> None:
+    seen = []
+    mon = EnforcementMonitor(
+        processes=lambda: [GpuProcess(U0, tenant.pid, 1 << 30), GpuProcess(U0, 4242, 1 << 20)],
+        containers=lambda: [MAIN],
+        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (8,), 10.0)],
+        attribute_fn={tenant.pid: Attribution(POD, CID, 8), 4242: Attribution(POD, CID, 9)}.__getitem__,
+        utilization=lambda: {(U0, tenant.pid): 87.0},
+        end_escapes=lambda views: seen.extend(views) or [],
+    )
+    await mon.check()
+    assert {v.process.host_pid: v.sm_util for v in seen} == {tenant.pid: 87.0, 4242: 0.0}

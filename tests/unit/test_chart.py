@@ -496,10 +496,13 @@ def test_the_agent_kills_escaped_and_over_limit_processes_unless_told_to_report(
     default = params(None)
     assert default["unenforced"] == "kill" and default["unenforced_grace"] == 10.0
     assert default["over_limit"] == "kill" and default["over_limit_slack"] == 64
+    assert default["over_cores"] == "kill" and default["over_cores_slack"] == 20 and default["over_cores_grace"] == 30
     told = params({"devicePlugin": {"unenforced": "report", "unenforcedGrace": 30, "overLimit": "report",
-                                    "overLimitSlack": 128}})
+                                    "overLimitSlack": 128, "overCores": "report", "overCoresSlack": 35,
+                                    "overCoresGrace": 60}})
     assert told["unenforced"] == "report" and told["unenforced_grace"] == 30.0
     assert told["over_limit"] == "report" and told["over_limit_slack"] == 128
-    for key in ("unenforced", "overLimit"):
+    assert told["over_cores"] == "report" and told["over_cores_slack"] == 35 and told["over_cores_grace"] == 60
+    for key in ("unenforced", "overLimit", "overCores"):
         with pytest.raises(RuntimeError, match=key):
             render({"devicePlugin": {key: "ignore"}})

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +140,9 @@ class ProcessView:
     pod_uid: str = ""
     inner_pid: int = 0  # the process's PID in its container's namespace (0: unknown)
     needs_host_pid: bool = False  # attached to the region, but its slot lacks the host PID
+    #: percent of the card's SMs in NVML's latest sample since the last check (0: none, idle);
+    #: None when the check does not sample utilisation
+    sm_util: float | None = None
 
 
 def classify(
@@ -297,6 +300,7 @@ class EnforcementMonitor:
                     for d in c.devices:
                         util.setdefault((c.pod_uid, c.container, d.uuid), 0.0)
                 self.container_util = util
+                views = [replace(v, sm_util=samples.get((v.process.uuid, v.process.host_pid), 0.0)) for v in views]
                 if self.sm_util_writer is not None:
                     for (uid, name, uuid), pct in util.items():
                         if regions.get((uid, name)) is None:

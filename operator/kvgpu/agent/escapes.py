@@ -23,6 +23,16 @@ with ``over_limit: kill`` (the default) a container whose processes on a card ho
 claim's memory there plus ``slack_mib``, in every check for ``grace_s`` seconds, loses the
 process holding the most (pinned and signalled as above); one process per container and card
 per check, so the next check sees what the kill freed.
+
+**Over the cores.** The compute gate is the shim's too, and its state lives in the same writable
+region (and a process that bypasses the shim has no gate at all). NVML's per-process SM
+utilisation cannot be forged: with ``over_cores: kill`` a container whose processes on a card used
+more than its claim's cores plus ``cores_slack_pts`` points, on average over the checks of the
+last ``cores_grace_s`` seconds, loses the process using the most SMs there. Only cards whose
+cores are a share of time are judged so (``hami-core`` pools): an MPS client's cores are a share
+of the SMs, which NVML counts as busy whenever any of them is. The window is longer
+than the memory grace: one NVML sample a check is a moment, and a gate running a tenant at its
+limit in windows is busier in some samples than in others.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ log = logging.getLogger(__name__)
 ACTIONS = ("kill", "report")
 UNENFORCED_KILLED = "GPUUnenforcedKilled"
 OVER_LIMIT_KILLED = "GPUOverLimitKilled"
+OVER_CORES_KILLED = "GPUOverCoresKilled"
 MIB = 1 << 20
 
 
@@ -72,7 +83,7 @@ class Kill:
 
     view: ProcessView
     why: str
-    reason: str  # the Event's reason: UNENFORCED_KILLED or OVER_LIMIT_KILLED
+    reason: str  # the Event's reason: UNENFORCED_KILLED, OVER_LIMIT_KILLED or OVER_CORES_KILLED
 
 
 @dataclass
@@ -88,6 +99,15 @@ class Backstop:
     slack_mib: int = 64
     #: kill processes that run outside the shim (False: only containers over their limit)
     unenforced: bool = True
+    #: kill the process using the most SMs of a container over its cores on a card
+    over_cores: bool = True
+    #: points of SM utilisation above a container's cores tolerated on average (NVML's sampling)
+    cores_slack_pts: float = 20.0
+    #: seconds of checks the SM utilisation is averaged over before a kill
+    cores_grace_s: float = 30.0
+    #: the cards whose cores are a share of time (``hami-core`` pools: the shim's gate); None =
+    #: every card. On an MPS card a client's SMs are a share of the SMs, busy all the time.
+    time_shared: Callable[[], set[str]] | None = None
     killer: Callable[[int, int], bool] = kill_pinned
     start_time: Callable[[int], int | None] = proc_start_time
     attribute_fn: Callable[[int], Attribution] = attribute
@@ -101,15 +121,22 @@ class Backstop:
     _container_since: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (pod UID, container, card) -> when it was first seen over its limit (only those seen last time)
     _over_since: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    #: (pod UID, container) -> processes killed because the container used more SMs than its cores
+    over_cores_kills: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (pod UID, container, card) -> since when it is in every check, and the (time, SM percent)
+    #: of its checks in the last cores_grace_s
+    _cores_seen: dict[tuple[str, str, str], tuple[float, list[tuple[float, float]]]] = field(default_factory=dict)
 
     def end(self, views: Sequence[ProcessView]) -> list[Kill]:
         """Kill the unenforced processes of ``views`` whose grace is over (with ``unenforced``),
-        and the largest process of each container over its limit for its grace (with
-        ``over_limit``); return them. Blocking (``/proc`` reads and a syscall per suspect): the
-        agent calls it in a worker thread."""
+        the largest process of each container over its limit for its grace (with ``over_limit``)
+        and the busiest of each over its cores (with ``over_cores``); return them. Blocking
+        (``/proc`` reads and a syscall per suspect): the agent calls it in a worker thread."""
         killed = self._end_unenforced(views)
         done = {k.view.process.host_pid for k in killed}
-        return killed + self._end_over_limit([v for v in views if v.process.host_pid not in done])
+        killed += self._end_over_limit([v for v in views if v.process.host_pid not in done])
+        done |= {k.view.process.host_pid for k in killed}
+        return killed + self._end_over_cores([v for v in views if v.process.host_pid not in done])
 
     def _end_unenforced(self, views: Sequence[ProcessView]) -> list[Kill]:
         """A process is killed once it, or its container (some process of it in every check, a
@@ -177,6 +204,48 @@ class Backstop:
         self._over_since = over
         return killed
 
+    def _end_over_cores(self, views: Sequence[ProcessView]) -> list[Kill]:
+        """Per (container, card) with cores below 100: NVML's SM percent of its processes (their
+        latest samples; none = idle) averaged over the checks of the last ``cores_grace_s``."""
+        now = self.clock()
+        cards = self.time_shared() if self.time_shared is not None else None
+        groups: dict[tuple[str, str, str], list[ProcessView]] = {}
+        for v in views:
+            if cards is not None and v.process.uuid not in cards:
+                continue
+            if v.container is not None and v.state != "foreign" and v.sm_util is not None:
+                groups.setdefault((v.container.pod_uid, v.container.container, v.process.uuid), []).append(v)
+        seen: dict[tuple[str, str, str], tuple[float, list[tuple[float, float]]]] = {}
+        killed = []
+        for key, vs in groups.items():
+            c = vs[0].container
+            assert c is not None
+            cores = next((d.cores for d in c.devices if d.uuid == key[2]), 0)
+            if not 0 < cores < 100:
+                continue
+            used = min(100.0, sum(v.sm_util or 0.0 for v in vs))
+            since, prior = self._cores_seen.get(key, (now, []))
+            span = [(t, u) for t, u in prior if now - t < self.cores_grace_s] + [(now, used)]
+            seen[key] = (since, span)
+            mean = sum(u for _, u in span) / len(span)
+            if not self.over_cores or now - since < self.cores_grace_s or mean <= cores + self.cores_slack_pts:
+                continue
+            victim = max(vs, key=lambda v: v.sm_util or 0.0)
+            if not self._kill(victim):
+                continue
+            del seen[key]  # the next process of the container is judged on its own window
+            ck = (c.pod_uid, c.container)
+            self.over_cores_kills[ck] = self.over_cores_kills.get(ck, 0) + 1
+            killed.append(Kill(victim, f"process {victim.inner_pid or victim.process.host_pid} killed "
+                                       f"({victim.sm_util:.0f} % of the SMs): the container used {mean:.0f} % "
+                                       f"of card {key[2]}'s SMs over {now - since:.0f} s, over its {cores} % "
+                                       "(NVML)", OVER_CORES_KILLED))
+            log.warning("killed process %d (host PID %d) of %s/%s/%s: the container used %.0f %% of %s's SMs "
+                        "over %.0f s, over its %d %%", victim.inner_pid, victim.process.host_pid, c.namespace,
+                        c.pod, c.container, mean, key[2], now - since, cores)
+        self._cores_seen = seen
+        return killed
+
     def _kill(self, v: ProcessView, start: int | None = None) -> bool:
         """Kill ``v``'s process if its cgroup still names ``v``'s pod: never on an old attribution
         (pinned by ``start``, its start time, read now when not given)."""
@@ -187,10 +256,12 @@ class Backstop:
         return self.killer(v.process.host_pid, start)
 
     def counts(self) -> dict[str, dict[tuple[str, str], int]]:
-        """Kills so far per (pod UID, container): ``unenforced`` and ``over_limit``."""
-        return {"unenforced": dict(self.kills), "over_limit": dict(self.over_limit_kills)}
+        """Kills so far per (pod UID, container): ``unenforced``, ``over_limit``, ``over_cores``."""
+        return {"unenforced": dict(self.kills), "over_limit": dict(self.over_limit_kills),
+                "over_cores": dict(self.over_cores_kills)}
 
     def forget(self, live: set[tuple[str, str]]) -> None:
         """Drop the counts of containers that are gone (``live``: (pod UID, container))."""
         self.kills = {k: n for k, n in self.kills.items() if k in live}
         self.over_limit_kills = {k: n for k, n in self.over_limit_kills.items() if k in live}
+        self.over_cores_kills = {k: n for k, n in self.over_cores_kills.items() if k in live}

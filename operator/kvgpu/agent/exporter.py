@@ -34,6 +34,8 @@ container series; bytes and percent):
                                         running outside the shim (:mod:`kvgpu.agent.escapes`)
 ``kvgpu_container_over_limit_kills_total``  processes the agent killed while the container held
                                         more of a card than its limit (NVML)
+``kvgpu_container_over_cores_kills_total``  processes the agent killed while the container used
+                                        more of a card's SMs than its cores (NVML)
 ``kvgpu_card_foreign_memory_bytes`` / ``_processes``  use of the card no claim accounts for
 ====================================== =============================================================
 
@@ -118,7 +120,7 @@ class UsageCollector(Collector):
         # a pod in one and not in the other
         self.allocation = allocation
         self.host = host  # -> NVML's figures per card (HAMi's host series)
-        # -> {"unenforced" | "over_limit": {(pod uid, container): processes the backstop killed}}
+        # -> {"unenforced" | "over_limit" | "over_cores": {(pod uid, container): processes killed}}
         self.backstop = backstop
         self.read_errors = 0
 
@@ -289,6 +291,10 @@ class _ContainerFamilies:
             "over_limit": CounterMetricFamily(
                 "kvgpu_container_over_limit_kills",
                 "Processes of the container the node agent killed while it held more of a card than its limit.",
+                labels=["node", "namespace", "pod", "container", "claim"]),
+            "over_cores": CounterMetricFamily(
+                "kvgpu_container_over_cores_kills",
+                "Processes of the container the node agent killed while it used more of a card's SMs than its cores.",
                 labels=["node", "namespace", "pod", "container", "claim"]),
         }
         self.h = MonitorFamilies()

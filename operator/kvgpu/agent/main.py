@@ -125,6 +125,12 @@ class AgentConfig:
     #: ``over_limit_slack_mib`` for ``unenforced_grace_s``: "kill" its largest, or only "report"
     over_limit: str = "kill"
     over_limit_slack_mib: int = 64
+    #: a claimed container whose processes used more of a card's SMs than its cores (NVML) plus
+    #: ``over_cores_slack_pts`` points, on average over ``over_cores_grace_s``: "kill" the busiest,
+    #: or only "report" (metric kvgpu_container_sm_utilization_percent)
+    over_cores: str = "kill"
+    over_cores_slack_pts: float = 20.0
+    over_cores_grace_s: float = 30.0
     #: how often the regions' ``oom_kills`` (the shim's ACTIVE_OOM_KILLER) are read for pod Events
     oom_report_s: float = 5.0
     #: the node-wide compute schedule (one file per card) this agent alone writes; 0 disables.
@@ -364,22 +370,31 @@ class Agent:
         )
 
     def _make_escapes(self) -> Callable[[Sequence[ProcessView]], list[Kill]] | None:
-        """The backstop (kvgpu.agent.escapes) of ``unenforced`` / ``over_limit`` ``kill`` (None
-        when both only report). Raises ValueError for an action it does not know."""
-        for name, action in (("unenforced", self.cfg.unenforced), ("over_limit", self.cfg.over_limit)):
+        """The backstop (kvgpu.agent.escapes) of ``unenforced`` / ``over_limit`` / ``over_cores``
+        ``kill`` (None when all only report). Raises ValueError for an action it does not know."""
+        actions = {"unenforced": self.cfg.unenforced, "over_limit": self.cfg.over_limit,
+                   "over_cores": self.cfg.over_cores}
+        for name, action in actions.items():
             if action not in ESCAPE_ACTIONS:
                 raise ValueError(f"{name}={action!r} is not one of {ESCAPE_ACTIONS}")
-        if "kill" not in (self.cfg.unenforced, self.cfg.over_limit):
+        if "kill" not in actions.values():
             return None
         backstop = self.backstop = Backstop(
             grace_s=self.cfg.unenforced_grace_s, unenforced=self.cfg.unenforced == "kill",
-            over_limit=self.cfg.over_limit == "kill", slack_mib=self.cfg.over_limit_slack_mib)
+            over_limit=self.cfg.over_limit == "kill", slack_mib=self.cfg.over_limit_slack_mib,
+            over_cores=self.cfg.over_cores == "kill", cores_slack_pts=self.cfg.over_cores_slack_pts,
+            cores_grace_s=self.cfg.over_cores_grace_s, time_shared=self._time_shared_cards)
 
         def end(views: Sequence[ProcessView]) -> list[Kill]:
             backstop.forget({(c.pod_uid, c.container) for c in self.pods.containers()})
             return backstop.end(views)
 
         return end
+
+    def _time_shared_cards(self) -> set[str]:
+        """The node's cards in ``hami-core`` pools: cores there are a share of the card's time."""
+        inv = self.inventory()
+        return {c.uuid for c in (inv.cards if inv else ()) if c.slicing is not None and c.slicing.mode == "hami-core"}
 
     def _write_sm_util(self, pod_uid: str, container: str, uuid: str, percent: int) -> bool:
         from pathlib import Path

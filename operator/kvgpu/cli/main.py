@@ -193,12 +193,21 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, extender_cert: s
                    "or only report it (metric kvgpu_container_nvml_memory_bytes)")
 @click.option("--over-limit-slack", type=int, default=64, show_default=True,
               help="MiB of NVML use above a container's limit that --over-limit tolerates")
+@click.option("--over-cores", type=click.Choice(["kill", "report"]), default="kill", show_default=True,
+              help="a container with slices whose processes used more of a card's SMs than its cores "
+                   "(NVML) plus --over-cores-slack, on average over --over-cores-grace seconds: kill its "
+                   "busiest process, or only report it (metric kvgpu_container_sm_utilization_percent)")
+@click.option("--over-cores-slack", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="points of SM utilisation above a container's cores that --over-cores tolerates")
+@click.option("--over-cores-grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="seconds of checks --over-cores averages a container's SM utilisation over")
 def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: bool, interval: float,
               shim_source: str | None, metrics_port: int, no_device_plugin: bool, device_specs: bool,
               dev_root: str, host_dev_root: str | None, driver_root: str, ld_library_path: bool, mounts: str,
               visible_devices_from_ids: bool, pod_resources_socket: str, dra: bool, kubelet_root: str,
               cdi_dir: str, dra_state_dir: str, mps_daemons: str, unenforced: str,
-              unenforced_grace: float, over_limit: str, over_limit_slack: int) -> None:
+              unenforced_grace: float, over_limit: str, over_limit_slack: int, over_cores: str,
+              over_cores_slack: float, over_cores_grace: float) -> None:
     """Run the node agent: discovery, inventory, health, device plugin, shim install, usage metrics."""
     from kvgpu.agent.deviceplugin import PluginConfig
     from kvgpu.agent.devicespecs import resolve_driver_root
@@ -224,6 +233,8 @@ def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: b
                       plugin=plugin, pod_resources_socket=pod_resources_socket, mps_daemons=mps_daemons,
                       unenforced=unenforced, unenforced_grace_s=unenforced_grace,
                       over_limit=over_limit, over_limit_slack_mib=over_limit_slack,
+                      over_cores=over_cores, over_cores_slack_pts=over_cores_slack,
+                      over_cores_grace_s=over_cores_grace,
                       dra=DraConfig(registry_dir=f"{kubelet_root}/plugins_registry",
                                     plugin_dir=f"{kubelet_root}/plugins/{DRIVER}", cdi_dir=cdi_dir,
                                     state_dir=dra_state_dir) if dra else None)
