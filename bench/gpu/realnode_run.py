@@ -47,7 +47,7 @@ from kvgpu.devcluster.realnode import RealNode, host_node_ip
 from kvgpu.devcluster.runtimeplugin import RuntimePlugin
 from kvgpu.devcluster.system import KvgpuSystem
 from kvgpu.dra.slices import DRIVER, device_classes, slice_name
-from realnode_backstop import backstop, backstop_ok, kill_events
+from realnode_backstop import TENANTS, backstop, backstop_ok, kill_events
 from realnode_kit import TORCH_PY, matmul, memtest, say, seed_pod, show
 from realnode_mps import MPS_ROOT, mps, mps_ok
 
@@ -223,7 +223,7 @@ def main() -> int:
         if "mps" in parts:
             shutil.rmtree(MPS_ROOT, ignore_errors=True)
     oom = "OutOfMemoryError"
-    ok = "error" not in res and not [e for e in res.get("kill_events", []) if e["pod"] not in ("escaper", "zeroer")]
+    ok = "error" not in res and not [e for e in res.get("kill_events", []) if e["pod"] not in TENANTS]
     if "seed" in parts:
         ok = ok and bool(res.get("nvidia_smi_3000") and str(res.get("torch_exception")).endswith(oom)
                          and abs(res.get("matmul_percent_of_native", 0) - 30) <= 3)
