@@ -191,12 +191,9 @@ class Backstop:
                 continue
             victim = max(vs, key=lambda v: v.process.used_bytes)
             if self._kill(victim):
-                ck = (c.pod_uid, c.container)
-                self.over_limit_kills[ck] = self.over_limit_kills.get(ck, 0) + 1
-                killed.append(Kill(victim, f"process {victim.inner_pid or victim.process.host_pid} killed "
-                                           f"({victim.process.used_bytes // MIB} MiB): the container held "
-                                           f"{used // MIB} MiB of card {key[2]}, over its {limit} MiB limit "
-                                           "(NVML)", OVER_LIMIT_KILLED))
+                killed.append(self._counted(self.over_limit_kills, victim, OVER_LIMIT_KILLED,
+                                            f"({victim.process.used_bytes // MIB} MiB): the container held "
+                                            f"{used // MIB} MiB of card {key[2]}, over its {limit} MiB limit"))
                 log.warning("killed process %d (host PID %d, %d MiB) of %s/%s/%s: the container held %d MiB of "
                             "%s for %.0f s, over its %d MiB limit", victim.inner_pid, victim.process.host_pid,
                             victim.process.used_bytes // MIB, c.namespace, c.pod, c.container, used // MIB,
@@ -234,17 +231,22 @@ class Backstop:
             if not self._kill(victim):
                 continue
             del seen[key]  # the next process of the container is judged on its own window
-            ck = (c.pod_uid, c.container)
-            self.over_cores_kills[ck] = self.over_cores_kills.get(ck, 0) + 1
-            killed.append(Kill(victim, f"process {victim.inner_pid or victim.process.host_pid} killed "
-                                       f"({victim.sm_util:.0f} % of the SMs): the container used {mean:.0f} % "
-                                       f"of card {key[2]}'s SMs over {now - since:.0f} s, over its {cores} % "
-                                       "(NVML)", OVER_CORES_KILLED))
+            killed.append(self._counted(self.over_cores_kills, victim, OVER_CORES_KILLED,
+                                        f"({victim.sm_util:.0f} % of the SMs): the container used {mean:.0f} % "
+                                        f"of card {key[2]}'s SMs over {now - since:.0f} s, over its {cores} %"))
             log.warning("killed process %d (host PID %d) of %s/%s/%s: the container used %.0f %% of %s's SMs "
                         "over %.0f s, over its %d %%", victim.inner_pid, victim.process.host_pid, c.namespace,
                         c.pod, c.container, mean, key[2], now - since, cores)
         self._cores_seen = seen
         return killed
+
+    @staticmethod
+    def _counted(table: dict[tuple[str, str], int], victim: ProcessView, reason: str, what: str) -> Kill:
+        """Count a kill of ``victim`` for NVML's figures (``what``: the measure, then the limit)."""
+        assert victim.container is not None
+        ck = (victim.container.pod_uid, victim.container.container)
+        table[ck] = table.get(ck, 0) + 1
+        return Kill(victim, f"process {victim.inner_pid or victim.process.host_pid} killed {what} (NVML)", reason)
 
     def _kill(self, v: ProcessView, start: int | None = None) -> bool:
         """Kill ``v``'s process if its cgroup still names ``v``'s pod: never on an old attribution
