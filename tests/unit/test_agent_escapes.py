@@ -378,6 +378,25 @@ def test_a_container_over_its_cores_for_the_window_loses_its_busiest_process(two
     assert backstop.over_cores_kills == {(POD, "main"): 1} and backstop.kills == {}
 
 
+def test_after_a_kill_the_next_busy_process_is_killed_at_once_and_a_quiet_one_spared(relay) -> None:
+    clock = Clock()
+    attribution: dict[int, Attribution] = {}
+    backstop = Backstop(grace_s=10.0, clock=clock, attribute_fn=attribution.get)
+    first, quiet, second = relay(), relay(), relay()
+    for i, p in enumerate((first, quiet, second)):
+        attribution[p.pid] = Attribution(POD, CID, 8 + i)
+    for _ in range(6):
+        assert backstop.end([busy(first.pid, 99, 8)]) == []
+        clock.t += 5.04
+    assert len(backstop.end([busy(first.pid, 99, 8)])) == 1 and gone(first)
+    clock.t += 5.04
+    assert backstop.end([busy(quiet.pid, 25, 9)]) == []  # the window is still over, this process is not
+    clock.t += 5.04
+    [k] = backstop.end([busy(quiet.pid, 25, 9), busy(second.pid, 99, 10)])  # the relay's next one
+    assert k.view.process.host_pid == second.pid and gone(second)
+    assert quiet.poll() is None and backstop.over_cores_kills == {(POD, "main"): 2}
+
+
 def test_sm_use_is_judged_on_the_mean_over_the_window_not_one_sample(two) -> None:
     backstop, clock = cores_backstop(two)
     # a tenant at its 30 % in windows: NVML's moments swing between 0 and 100, the mean is 38

@@ -28,7 +28,8 @@ per check, so the next check sees what the kill freed.
 region (and a process that bypasses the shim has no gate at all). NVML's per-process SM
 utilisation cannot be forged: with ``over_cores: kill`` a container whose processes on a card used
 more than its claim's cores plus ``cores_slack_pts`` points, on average over the checks of the
-last ``cores_grace_s`` seconds, loses the process using the most SMs there. Only cards whose
+last ``cores_grace_s`` seconds and in the latest check, loses the process using the most SMs
+there; the window goes on after a kill, so a relay of processes gains nothing. Only cards whose
 cores are a share of time are judged so (``hami-core`` pools): an MPS client's cores are a share
 of the SMs, which NVML counts as busy whenever any of them is. The window is longer
 than the memory grace: one NVML sample a check is a moment, and a gate running a tenant at its
@@ -224,13 +225,14 @@ class Backstop:
             since, prior = self._cores_seen.get(key, (now, []))
             span = [(t, u) for t, u in prior if now - t < self.cores_grace_s] + [(now, used)]
             seen[key] = (since, span)
-            mean = sum(u for _, u in span) / len(span)
-            if not self.over_cores or now - since < self.cores_grace_s or mean <= cores + self.cores_slack_pts:
+            mean, most = sum(u for _, u in span) / len(span), cores + self.cores_slack_pts
+            # over on average and now: a process started after a kill is judged on the same
+            # window (a relay gains nothing), but only while it is itself over the cores
+            if not self.over_cores or now - since < self.cores_grace_s or mean <= most or used <= most:
                 continue
             victim = max(vs, key=lambda v: v.sm_util or 0.0)
             if not self._kill(victim):
                 continue
-            del seen[key]  # the next process of the container is judged on its own window
             killed.append(self._counted(self.over_cores_kills, victim, OVER_CORES_KILLED,
                                         f"({victim.sm_util:.0f} % of the SMs): the container used {mean:.0f} % "
                                         f"of card {key[2]}'s SMs over {now - since:.0f} s, over its {cores} %"))
