@@ -1,5 +1,6 @@
 """The shim's shared region (``<KVGPU_REGION_DIR>/vgpu.region``) read and annotated in plain
-Python: :mod:`ctypes` structures over an :mod:`mmap` of the file, no compiled module.
+Python: :mod:`ctypes` structures over a copy of the file read with ``pread`` (never a mapping:
+the container owns the file and could truncate it under the agent), no compiled module.
 
 The layout is the C one of ``shim/vgpu.h`` (``struct vgpu_region``, ``vgpu_region_dev``,
 ``vgpu_slot``; documented in ``docs/shim.md``, "Shared region"). ``tests/shim/test_region_layout.py``
@@ -22,8 +23,8 @@ times in CLOCK_MONOTONIC nanoseconds.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,14 +165,36 @@ def _text(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
+def _open(path: Path, flags: int) -> int:
+    """Open a region file the container may have replaced: no symlink is followed and a FIFO does
+    not block (``O_NOFOLLOW | O_NONBLOCK``), and it must be a regular file. FileNotFoundError and
+    PermissionError pass; anything else that is not a plain file is a ValueError."""
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            raise
+        raise ValueError(f"{path}: not a kvgpu region ({e.strerror})") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path}: not a kvgpu region (not a regular file)")
+    return fd
+
+
+def _read(fd: int, path: Path) -> Region:
+    """The region at ``fd`` by ``pread``: never a mapping, which a container that truncates its
+    file under the agent would turn into SIGBUS. ValueError if short."""
+    data = os.pread(fd, REGION_SIZE, 0)
+    if len(data) < REGION_SIZE:
+        raise ValueError(f"{path}: not a kvgpu region of version {VERSION} (smaller than {REGION_SIZE} bytes)")
+    return Region.from_buffer_copy(data)
+
+
 def _snapshot(path: Path) -> Region:
     """A copy of the region in ``path``; FileNotFoundError if missing, ValueError if not a region."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open(path, os.O_RDONLY)
     try:
-        if os.lseek(fd, 0, os.SEEK_END) < REGION_SIZE:
-            raise ValueError(f"{path}: not a kvgpu region of version {VERSION} (smaller than {REGION_SIZE} bytes)")
-        with mmap.mmap(fd, REGION_SIZE, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
-            r = Region.from_buffer_copy(mm)
+        r = _read(fd, path)
     finally:
         os.close(fd)
     if not _valid(r):
@@ -184,8 +207,9 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage:
     """Read a region file without taking a slot or the lock.
 
     Raises ``FileNotFoundError`` if it does not exist (``PermissionError`` if unreadable) and
-    ``ValueError`` if it is not a kvgpu region of this layout version. The file is copied in one
-    ``memcpy``: each aligned counter is whole, the set may be a few microseconds apart.
+    ``ValueError`` if it is not a kvgpu region of this layout version, or not a regular file (a
+    symlink, a FIFO: the container owns the directory). The file is copied in one ``pread``: the
+    counters may be a few microseconds apart.
     """
     p = Path(path)
     r = _snapshot(p)
@@ -249,21 +273,18 @@ def _store_u32(path: Path, offset_of: Callable[[Region], int | None], value: int
     (``ctype`` u64: 64-bit) word at the offset ``offset_of(snapshot)`` picks (None: store
     nothing). True if stored."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = _open(path, os.O_RDWR)
+    except (FileNotFoundError, ValueError):
         return False
     try:
-        if os.lseek(fd, 0, os.SEEK_END) < REGION_SIZE:
+        r = _read(fd, path)
+        off = offset_of(r) if _valid(r) else None
+        if off is None:
             return False
-        with mmap.mmap(fd, REGION_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-            r = Region.from_buffer_copy(mm)
-            off = offset_of(r) if _valid(r) else None
-            if off is None:
-                return False
-            word = ctype.from_buffer(mm, off)  # one aligned store, as the C does
-            word.value = value & (0xFFFFFFFF if ctype is ctypes.c_uint32 else 0xFFFFFFFFFFFFFFFF)
-            del word
-            return True
+        word = ctype(value & (0xFFFFFFFF if ctype is ctypes.c_uint32 else 0xFFFFFFFFFFFFFFFF))
+        return os.pwrite(fd, bytes(word), off) == ctypes.sizeof(ctype)  # one aligned word
+    except ValueError:
+        return False
     finally:
         os.close(fd)
 
