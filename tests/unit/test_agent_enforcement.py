@@ -11,6 +11,7 @@ from kvgpu.agent.enforcement import (
     attribute,
     classify,
     nvml_processes,
+    proc_start_time,
 )
 from kvgpu.agent.exporter import BoundContainer, BoundDevice, DeviceUsage, UsageCollector, make_registry
 from kvgpu.core.inventory import Card, NodeInventory
@@ -42,6 +43,22 @@ def test_attribute_cgroup_layouts(tmp_path):
     write_proc(tmp_path, 102, "0::/system.slice/sshd.service\n", 102)
     assert attribute(102, str(tmp_path)) == Attribution("", "", 102)
     assert attribute(999, str(tmp_path)) == Attribution()
+
+
+def test_attribute_reads_names_that_are_not_utf8_and_cgroups_made_below_the_container(tmp_path):
+    """A hostile tenant names its process (comm) and, where cgroupfs is writable, a child cgroup
+    with bytes that are not UTF-8, or a child cgroup named like a sibling container."""
+    other = "cd" * 32
+    base = f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD.replace('-', '_')}.slice"
+    d = tmp_path / "100"
+    d.mkdir()
+    (d / "cgroup").write_bytes(f"{base}/cri-containerd-{CID}.scope/".encode() + b"\xff\xfe\n")
+    (d / "status").write_bytes(b"Name:\t\xff\xfe\nState:\tR (running)\nNSpid:\t100\t8\n")
+    (d / "stat").write_bytes(b"100 (\xff) ) R " + b" ".join(b"0" for _ in range(18)) + b" 4242 0\n")
+    assert attribute(100, str(tmp_path)) == Attribution(POD, CID, 8)
+    assert proc_start_time(100, str(tmp_path)) == 4242
+    write_proc(tmp_path, 101, f"{base}/cri-containerd-{CID}.scope/cri-containerd-{other}.scope\n", 9)
+    assert attribute(101, str(tmp_path)) == Attribution(POD, CID, 9)  # the runtime's cgroup, not the child
 
 
 def test_classify():

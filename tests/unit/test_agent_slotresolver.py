@@ -74,6 +74,17 @@ def test_live_processes_get_their_host_pid_and_stay(proc: FakeProc, tmp_path: Pa
     assert slotresolver.resolve([f], proc.root).host_pids_written == 0  # already there
 
 
+def test_a_process_named_with_bytes_that_are_not_utf8_is_resolved(proc: FakeProc, tmp_path: Path) -> None:
+    a = proc.namespace("a")
+    proc.process(501, "a", [1], 1000)
+    for name in ("status", "stat"):  # the tenant wrote b"\xff\xfe" to /proc/self/comm
+        f = proc.root / "501" / name
+        f.write_bytes(f.read_bytes().replace(b"python", b"\xff\xfe").replace(b"py th", b"\xff\xfe"))
+    f = region(tmp_path / "r", [(1, 1000, a)])
+    assert slotresolver.resolve([f], proc.root).host_pids_written == 1
+    assert slots(f)[0].host_pid == 501
+
+
 def test_gone_pid_in_a_live_namespace_and_a_namespace_without_processes(proc: FakeProc, tmp_path: Path) -> None:
     a, b, c = proc.namespace("a"), proc.namespace("b"), proc.namespace("c")
     proc.process(501, "a", [1], 1000)

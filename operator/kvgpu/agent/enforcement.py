@@ -62,23 +62,28 @@ class Attribution:
 
 
 def attribute(host_pid: int, proc: str = "/proc") -> Attribution:
-    """Attribute a host PID to a pod/container. Unknown parts stay empty/0; never raises."""
+    """Attribute a host PID to a pod/container. Unknown parts stay empty/0; never raises.
+
+    ``/proc`` is read as bytes: the process names itself (``comm``) and any cgroup below its
+    container's, neither need be UTF-8. The container is the first component below the pod's that
+    names one (the runtime's), so a cgroup the process made below its container's (where cgroupfs
+    is writable), whatever its name, neither hides it nor moves it to a sibling container."""
     base = Path(proc) / str(host_pid)
     pod_uid = container_id = ""
     try:
-        for line in (base / "cgroup").read_text().splitlines():
+        for line in (base / "cgroup").read_bytes().decode("utf-8", "replace").splitlines():
             path = line.split(":", 2)[-1]
             m = _POD_RE.search(path)
             if m:
                 pod_uid = m.group(1).replace("_", "-")
-                c = _CID_RE.search(path.rstrip("/").rsplit("/", 1)[-1])
-                container_id = c.group(1) if c else ""
+                ids = (_CID_RE.search(part) for part in path[m.end():].split("/"))
+                container_id = next((c.group(1) for c in ids if c), "")
                 break
     except OSError:
         pass
     inner = 0
     try:
-        for line in (base / "status").read_text().splitlines():
+        for line in (base / "status").read_bytes().decode("utf-8", "replace").splitlines():
             if line.startswith("NSpid:"):
                 inner = int(line.split()[-1])
                 break
@@ -211,8 +216,8 @@ def classify(
 def proc_start_time(pid: int, proc: str = "/proc") -> int | None:
     """Field 22 of ``/proc/<pid>/stat`` (clock ticks since boot; the same in every PID namespace)."""
     try:
-        stat = (Path(proc) / str(pid) / "stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])
+        stat = (Path(proc) / str(pid) / "stat").read_bytes()  # bytes: comm need not be UTF-8
+        return int(stat.rsplit(b")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError):
         return None
 

@@ -48,7 +48,8 @@ def _innermost_pid(proc: Path, host_pid: int) -> int | None:
     """Last ``NSpid`` of ``/proc/<host_pid>/status``; None if the process ended (zombies count as
     ended, as in the shim); :class:`_Unreadable` for any other failure."""
     try:
-        text = (proc / str(host_pid) / "status").read_text()
+        # bytes: the process names its own comm, and it need not be UTF-8
+        text = (proc / str(host_pid) / "status").read_bytes().decode("utf-8", "replace")
     except (FileNotFoundError, ProcessLookupError):
         return None
     except OSError as e:
@@ -72,13 +73,13 @@ def _innermost_pid(proc: Path, host_pid: int) -> int | None:
 def _start_time(proc: Path, host_pid: int) -> int | None:
     """Field 22 of ``/proc/<host_pid>/stat``; None if the process ended."""
     try:
-        stat = (proc / str(host_pid) / "stat").read_text()
+        stat = (proc / str(host_pid) / "stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return None
     except OSError as e:
         raise _Unreadable(str(e)) from e
     try:
-        return int(stat.rsplit(")", 1)[1].split()[19])
+        return int(stat.rsplit(b")", 1)[1].split()[19])
     except (ValueError, IndexError) as e:
         raise _Unreadable(f"/proc/{host_pid}/stat is malformed") from e
 
