@@ -274,10 +274,67 @@ def test_use_within_the_slack_or_for_less_than_the_grace_is_left_alone(two) -> N
     over = [held(small.pid, 1000, 8), held(large.pid, 2100, 9)]
     backstop.end(over)
     clock.t += 5
-    backstop.end(at_slack)  # back under: the grace starts again
+    backstop.end(at_slack)
+    clock.t += 5
+    backstop.end(at_slack)  # under for a whole grace since it was last over: the grace starts again
     clock.t += 6
     assert backstop.end(over) == []
     assert small.poll() is None and large.poll() is None
+
+
+def test_dipping_under_the_limit_now_and_then_does_not_restart_the_grace(two) -> None:
+    small, large = two
+    backstop, clock = over_limit_backstop(two)
+    over, under = [held(small.pid, 1000, 8), held(large.pid, 9000, 9)], [held(small.pid, 1000, 8)]
+    assert backstop.end(over) == []
+    clock.t += 5
+    assert backstop.end(under) == []  # the large process freed its memory for one check
+    clock.t += 5
+    [k] = backstop.end(over)  # over since 10 s ago, under only in between
+    assert k.view.process.host_pid == large.pid and gone(large)
+
+
+def test_an_excess_spread_over_many_processes_is_ended_in_one_check(relay) -> None:
+    clock = Clock()
+    attribution: dict[int, Attribution] = {}
+    backstop = Backstop(grace_s=10.0, clock=clock, attribute_fn=attribution.get)
+    ps = [relay() for _ in range(5)]
+    for i, p in enumerate(ps):
+        attribution[p.pid] = Attribution(POD, CID, 8 + i)
+    hogs = [held(p.pid, 1024 + i, 8 + i) for i, p in enumerate(ps)]  # 5 x ~1 GiB against 3000 MiB
+    backstop.end(hogs)
+    clock.t += 10
+    killed = backstop.end(hogs)
+    # the largest first, until what is left (2 x ~1 GiB) is under the limit
+    assert sorted(k.view.process.host_pid for k in killed) == sorted(p.pid for p in ps[2:])
+    assert all(gone(p) for p in ps[2:]) and all(p.poll() is None for p in ps[:2])
+
+
+def test_sm_use_spread_over_many_processes_is_ended_in_one_check(relay) -> None:
+    clock = Clock()
+    attribution: dict[int, Attribution] = {}
+    backstop = Backstop(grace_s=10.0, clock=clock, attribute_fn=attribution.get)
+    ps = [relay() for _ in range(10)]
+    for i, p in enumerate(ps):
+        attribution[p.pid] = Attribution(POD, CID, 8 + i)
+    spread = [busy(p.pid, 10 + i / 10, 8 + i) for i, p in enumerate(ps)]  # 10 x ~10 % against 30 cores
+    for _ in range(7):
+        killed = backstop.end(spread)
+        clock.t += 5.04
+    assert len(killed) == 6  # the busiest first: ~104 % down to ~41 %, under 30 + 20
+    assert all(gone(p) for p in ps[4:]) and all(p.poll() is None for p in ps[:4])
+
+
+def test_a_check_without_the_container_s_processes_does_not_end_its_sm_window(two) -> None:
+    backstop, clock = cores_backstop(two)
+    kills = []
+    for i in range(8):  # 100 % in every check but the 4th, which sees no process on the card
+        kills.append(backstop.end([] if i == 3 else [busy(two[0].pid, 100)]))
+        clock.t += 5.04
+        if kills[-1]:
+            break
+    assert [len(k) for k in kills] == [0] * 6 + [1]  # 30 s after the first sighting: the window held
+    assert gone(two[0])
 
 
 def test_over_limit_report_only_kills_nothing(two) -> None:
@@ -356,7 +413,7 @@ async def test_the_agent_builds_the_backstop_its_settings_ask_for(tmp_path) -> N
 
 def busy(pid: int, pct: float, inner: int = 8, state: str = "enforced") -> ProcessView:
     """A process of MAIN (30 % cores on U0) at ``pct`` % of the SMs in NVML's latest sample."""
-    return ProcessView(GpuProcess(U0, pid, 1 << 30), state, "", MAIN, POD, inner, sm_util=pct)
+    return ProcessView(GpuProcess(U0, pid, 64 << 20), state, "", MAIN, POD, inner, sm_util=pct)
 
 
 def cores_backstop(ps, **kw) -> tuple[Backstop, Clock]:

@@ -20,9 +20,9 @@ interval each.
 cannot refuse memory it does not see, and its region is writable by the container (a process
 that zeroes the counters is then granted more). What NVML measures cannot be forged from inside:
 with ``over_limit: kill`` (the default) a container whose processes on a card hold more than its
-claim's memory there plus ``slack_mib``, in every check for ``grace_s`` seconds, loses the
-process holding the most (pinned and signalled as above); one process per container and card
-per check, so the next check sees what the kill freed.
+claim's memory there plus ``slack_mib`` for ``grace_s`` seconds (a check under it now and then
+does not start the grace again) loses its largest processes there (pinned and signalled as
+above), as many as it takes to bring it under by this check's figures.
 
 **Over the cores.** The compute gate is the shim's too, and its state lives in the same writable
 region (and a process that bypasses the shim has no gate at all). NVML's per-process SM
@@ -120,8 +120,8 @@ class Backstop:
     _first_seen: dict[tuple[int, int], float] = field(default_factory=dict)
     #: (pod UID, container) -> since when every check saw some process of it unenforced
     _container_since: dict[tuple[str, str], float] = field(default_factory=dict)
-    #: (pod UID, container, card) -> when it was first seen over its limit (only those seen last time)
-    _over_since: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    #: (pod UID, container, card) -> (since when it is over its limit, when it was last seen over)
+    _over_since: dict[tuple[str, str, str], tuple[float, float]] = field(default_factory=dict)
     #: (pod UID, container) -> processes killed because the container used more SMs than its cores
     over_cores_kills: dict[tuple[str, str], int] = field(default_factory=dict)
     #: (pod UID, container, card) -> since when it is in every check, and the (time, SM percent)
@@ -171,50 +171,64 @@ class Backstop:
         self._first_seen, self._container_since = seen, streaks
         return killed
 
-    def _end_over_limit(self, views: Sequence[ProcessView]) -> list[Kill]:
-        """Per (container, card): NVML's bytes of its processes against the claim's memory."""
-        now = self.clock()
+    def _groups(self, views: Sequence[ProcessView], cards: set[str] | None = None
+                ) -> dict[tuple[str, str, str], list[ProcessView]]:
+        """The claimed containers' processes per (pod UID, container, card) (``cards``: only those)."""
         groups: dict[tuple[str, str, str], list[ProcessView]] = {}
         for v in views:
-            if v.container is not None and v.state != "foreign":
+            if v.container is not None and v.state != "foreign" and (cards is None or v.process.uuid in cards):
                 groups.setdefault((v.container.pod_uid, v.container.container, v.process.uuid), []).append(v)
-        over: dict[tuple[str, str, str], float] = {}
+        return groups
+
+    def _end_over_limit(self, views: Sequence[ProcessView]) -> list[Kill]:
+        """Per (container, card): NVML's bytes of its processes against the claim's memory. Over
+        since the first check that saw it over, until it has been under for a whole grace (a
+        check under the limit now and then does not start the grace again); then its largest
+        processes are killed, as many as it takes to bring it under."""
+        now = self.clock()
+        over: dict[tuple[str, str, str], tuple[float, float]] = {}  # -> (over since, last seen over)
         killed = []
-        for key, vs in groups.items():
+        for key, vs in self._groups(views).items():
             c = vs[0].container
             assert c is not None
             limit = next((d.memory_mib for d in c.devices if d.uuid == key[2]), None)
             used = sum(v.process.used_bytes for v in vs)
             if limit is None or used <= (limit + self.slack_mib) * MIB:
                 continue
-            first = over[key] = self._over_since.get(key, now)
-            if not self.over_limit or now - first < self.grace_s:
+            prev = self._over_since.get(key)
+            since = over[key] = (prev[0] if prev else now, now)
+            if not self.over_limit or now - since[0] < self.grace_s:
                 continue
-            victim = max(vs, key=lambda v: v.process.used_bytes)
-            if self._kill(victim):
+            held = used
+            for victim in sorted(vs, key=lambda v: v.process.used_bytes, reverse=True):
+                if held <= (limit + self.slack_mib) * MIB:
+                    break
+                if not self._kill(victim):
+                    continue  # gone, or not to be signalled: the next largest
+                held -= victim.process.used_bytes
                 killed.append(self._counted(self.over_limit_kills, victim, OVER_LIMIT_KILLED,
                                             f"({victim.process.used_bytes // MIB} MiB): the container held "
                                             f"{used // MIB} MiB of card {key[2]}, over its {limit} MiB limit"))
                 log.warning("killed process %d (host PID %d, %d MiB) of %s/%s/%s: the container held %d MiB of "
                             "%s for %.0f s, over its %d MiB limit", victim.inner_pid, victim.process.host_pid,
                             victim.process.used_bytes // MIB, c.namespace, c.pod, c.container, used // MIB,
-                            key[2], now - first, limit)
+                            key[2], now - since[0], limit)
+        for key, prev in self._over_since.items():  # under now: kept for a grace after it was over
+            if key not in over and now - prev[1] < self.grace_s:
+                over[key] = prev
         self._over_since = over
         return killed
 
     def _end_over_cores(self, views: Sequence[ProcessView]) -> list[Kill]:
         """Per (container, card) with cores below 100: NVML's SM percent of its processes (their
-        latest samples; none = idle) averaged over the checks of the last ``cores_grace_s``."""
+        latest samples; none = idle) averaged over the checks of the last ``cores_grace_s``; a
+        check without its processes counts 0 and does not end the window. Over on average and
+        now, its busiest processes are killed, as many as it takes to bring it under."""
         now = self.clock()
-        cards = self.time_shared() if self.time_shared is not None else None
-        groups: dict[tuple[str, str, str], list[ProcessView]] = {}
-        for v in views:
-            if cards is not None and v.process.uuid not in cards:
-                continue
-            if v.container is not None and v.state != "foreign" and v.sm_util is not None:
-                groups.setdefault((v.container.pod_uid, v.container.container, v.process.uuid), []).append(v)
         seen: dict[tuple[str, str, str], tuple[float, list[tuple[float, float]]]] = {}
         killed = []
+        groups = self._groups([v for v in views if v.sm_util is not None],
+                              self.time_shared() if self.time_shared is not None else None)
         for key, vs in groups.items():
             c = vs[0].container
             assert c is not None
@@ -230,15 +244,23 @@ class Backstop:
             # window (a relay gains nothing), but only while it is itself over the cores
             if not self.over_cores or now - since < self.cores_grace_s or mean <= most or used <= most:
                 continue
-            victim = max(vs, key=lambda v: v.sm_util or 0.0)
-            if not self._kill(victim):
-                continue
-            killed.append(self._counted(self.over_cores_kills, victim, OVER_CORES_KILLED,
-                                        f"({victim.sm_util:.0f} % of the SMs): the container used {mean:.0f} % "
-                                        f"of card {key[2]}'s SMs over {now - since:.0f} s, over its {cores} %"))
-            log.warning("killed process %d (host PID %d) of %s/%s/%s: the container used %.0f %% of %s's SMs "
-                        "over %.0f s, over its %d %%", victim.inner_pid, victim.process.host_pid, c.namespace,
-                        c.pod, c.container, mean, key[2], now - since, cores)
+            busy = sum(v.sm_util or 0.0 for v in vs)
+            for victim in sorted(vs, key=lambda v: v.sm_util or 0.0, reverse=True):
+                if busy <= most:
+                    break
+                if not self._kill(victim):
+                    continue
+                busy -= victim.sm_util or 0.0
+                killed.append(self._counted(self.over_cores_kills, victim, OVER_CORES_KILLED,
+                                            f"({victim.sm_util:.0f} % of the SMs): the container used {mean:.0f} % "
+                                            f"of card {key[2]}'s SMs over {now - since:.0f} s, over its {cores} %"))
+                log.warning("killed process %d (host PID %d) of %s/%s/%s: the container used %.0f %% of %s's "
+                            "SMs over %.0f s, over its %d %%", victim.inner_pid, victim.process.host_pid,
+                            c.namespace, c.pod, c.container, mean, key[2], now - since, cores)
+        for key, (since, prior) in self._cores_seen.items():  # no process there now: an idle check
+            span = [(t, u) for t, u in prior if now - t < self.cores_grace_s] + [(now, 0.0)]
+            if key not in seen and any(u for _, u in span):
+                seen[key] = (since, span)
         self._cores_seen = seen
         return killed
 
