@@ -9,7 +9,14 @@ import subprocess
 import sys
 
 import pytest
-from kvgpu.agent.enforcement import Attribution, EnforcementMonitor, GpuProcess, ProcessView, proc_start_time
+from kvgpu.agent.enforcement import (
+    Attribution,
+    EnforcementMonitor,
+    GpuProcess,
+    ProcessView,
+    SmMeans,
+    proc_start_time,
+)
 from kvgpu.agent.escapes import OVER_CORES_KILLED, OVER_LIMIT_KILLED, UNENFORCED_KILLED, Backstop, kill_pinned
 from kvgpu.agent.exporter import BoundContainer, BoundDevice, DeviceUsage, UsageCollector, make_registry
 from kvgpu.core.inventory import Card, NodeInventory
@@ -515,3 +522,49 @@ async def test_the_monitor_gives_the_backstop_each_process_s_latest_sm_sample(te
     )
     await mon.check()
     assert {v.process.host_pid: v.sm_util for v in seen} == {tenant.pid: 87.0, 4242: 0.0}
+
+
+def test_sm_means_average_every_poll_since_the_last_take_idle_polls_counting_zero() -> None:
+    polls = iter([{(U0, 7): 100.0}, {}, {(U0, 7): 100.0, (U0, 8): 30.0}, {}, {}])
+    means = SmMeans(lambda: next(polls))
+    assert means.take() is None  # nothing polled yet
+    for _ in range(5):  # a tenant busy in 2 of 5 seconds, idle whenever the check might look
+        means.sample()
+    assert means.take() == {(U0, 7): 40.0, (U0, 8): 6.0}
+    assert means.take() is None
+
+
+async def test_the_monitor_gives_the_backstop_the_means_between_checks_when_it_polls(tenant) -> None:
+    seen = []
+    polled = iter([{(U0, tenant.pid): 90.0}, {(U0, tenant.pid): 70.0}])
+    means = SmMeans(lambda: next(polled))
+    mon = EnforcementMonitor(
+        processes=lambda: [GpuProcess(U0, tenant.pid, 1 << 30)],
+        containers=lambda: [MAIN],
+        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (8,), 10.0)],
+        attribute_fn={tenant.pid: Attribution(POD, CID, 8)}.__getitem__,
+        utilization=lambda: {(U0, tenant.pid): 0.0},  # idle in the latest sample, at the check
+        sm_means=means,
+        end_escapes=lambda views: seen.extend(views) or [],
+    )
+    means.sample()
+    means.sample()
+    await mon.check()
+    assert [v.sm_util for v in seen] == [80.0]
+    await mon.check()  # no poll since: each process's latest sample
+    assert [v.sm_util for v in seen[1:]] == [0.0]
+
+
+async def test_the_monitor_polls_sm_use_between_its_checks() -> None:
+    import asyncio
+
+    polls: list[int] = []
+    mon = EnforcementMonitor(processes=lambda: [], containers=lambda: [], read_region=lambda uid, name: None,
+                             utilization=lambda: {}, sm_means=SmMeans(lambda: polls.append(1) or {}),
+                             sample_s=0.02, interval_s=10.0)
+    task = asyncio.create_task(mon.run())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(polls) >= 5  # many polls within one check interval

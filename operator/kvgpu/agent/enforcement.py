@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -131,6 +132,35 @@ class ProcessUtilization:
                 key = (u, int(smp.pid))
                 out[key] = max(out.get(key, 0.0), float(smp.smUtil))
                 self.last[u] = max(self.last.get(u, 0), int(smp.timeStamp))
+        return out
+
+
+class SmMeans:
+    """Per-process SM utilisation averaged over the polls since the last :meth:`take` (percent per
+    (card UUID, host PID); a poll without a sample of a process counts 0 for it). Polled about
+    once a second (:meth:`sample`, NVML keeps one sample per process, of about its last second),
+    so a process cannot hide its use by idling when the five-second check comes. Thread-safe."""
+
+    def __init__(self, poll: Callable[[], dict[tuple[str, int], float]]) -> None:
+        self.poll = poll
+        self._lock = threading.Lock()
+        self._sum: dict[tuple[str, int], float] = {}
+        self._polls = 0
+
+    def sample(self) -> None:
+        got = self.poll()
+        with self._lock:
+            self._polls += 1
+            for k, v in got.items():
+                self._sum[k] = self._sum.get(k, 0.0) + v
+
+    def take(self) -> dict[tuple[str, int], float] | None:
+        """The means since the last take; None when nothing was polled since."""
+        with self._lock:
+            if not self._polls:
+                return None
+            out = {k: v / self._polls for k, v in self._sum.items()}
+            self._sum, self._polls = {}, 0
         return out
 
 
@@ -270,6 +300,10 @@ class EnforcementMonitor:
     host_pid_writer: HostPidWriter | None = None
     utilization: Callable[[], dict[tuple[str, int], float]] | None = None
     sm_util_writer: SmUtilWriter | None = None
+    #: per-process SM means between checks (polled every ``sample_s``): the views' ``sm_util``
+    #: (else each process's latest sample from ``utilization``)
+    sm_means: SmMeans | None = None
+    sample_s: float = 1.0
     interval_s: float = 5.0
     host_pids_written: int = 0
     #: (pod uid, container, card uuid) -> SM percent of the container's processes (NVML samples)
@@ -305,7 +339,9 @@ class EnforcementMonitor:
                     for d in c.devices:
                         util.setdefault((c.pod_uid, c.container, d.uuid), 0.0)
                 self.container_util = util
-                views = [replace(v, sm_util=samples.get((v.process.uuid, v.process.host_pid), 0.0)) for v in views]
+                means = self.sm_means.take() if self.sm_means is not None else None
+                per = samples if means is None else means
+                views = [replace(v, sm_util=per.get((v.process.uuid, v.process.host_pid), 0.0)) for v in views]
                 if self.sm_util_writer is not None:
                     for (uid, name, uuid), pct in util.items():
                         if regions.get((uid, name)) is None:
@@ -368,10 +404,24 @@ class EnforcementMonitor:
             log.exception("could not record the event of a process the backstop killed")
 
     async def run(self) -> None:
-        """Until cancelled."""
+        """Until cancelled (with ``sm_means``, its polls run beside the checks)."""
+        sampler = asyncio.create_task(self._sample()) if self.sm_means is not None else None
+        try:
+            while True:
+                try:
+                    await self.check()
+                except Exception:
+                    log.exception("enforcement check failed")
+                await asyncio.sleep(self.interval_s)
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+
+    async def _sample(self) -> None:
+        assert self.sm_means is not None
         while True:
             try:
-                await self.check()
-            except Exception:
-                log.exception("enforcement check failed")
-            await asyncio.sleep(self.interval_s)
+                await asyncio.to_thread(self.sm_means.sample)
+            except Exception as e:
+                log.debug("SM utilisation poll failed: %s", e)
+            await asyncio.sleep(self.sample_s)

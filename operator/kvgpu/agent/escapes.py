@@ -221,7 +221,8 @@ class Backstop:
 
     def _end_over_cores(self, views: Sequence[ProcessView]) -> list[Kill]:
         """Per (container, card) with cores below 100: NVML's SM percent of its processes (their
-        latest samples; none = idle) averaged over the checks of the last ``cores_grace_s``; a
+        means since the last check, or latest samples) averaged over the checks of the last
+        ``cores_grace_s``; a
         check without its processes counts 0 and does not end the window. Over on average and
         now, its busiest processes are killed, as many as it takes to bring it under."""
         now = self.clock()

@@ -40,6 +40,7 @@ from .enforcement import (
     EnforcementMonitor,
     ProcessUtilization,
     ProcessView,
+    SmMeans,
     nvml_processes,
     proc_start_time,
     set_region_host_pid,
@@ -355,7 +356,7 @@ class Agent:
         def uuids() -> list[str]:
             return [c.uuid for c in (self.registrar.last_raw.cards if self.registrar.last_raw else ())]
 
-        util = ProcessUtilization(nv)
+        util, polled = ProcessUtilization(nv), ProcessUtilization(nv)  # each keeps its own last sample time
         return EnforcementMonitor(
             processes=lambda: nvml_processes(nv, uuids()),
             containers=self.pods.containers,
@@ -366,6 +367,7 @@ class Agent:
             host_pid_writer=self._write_host_pid,
             utilization=lambda: util(uuids()),
             sm_util_writer=self._write_sm_util,
+            sm_means=SmMeans(lambda: polled(uuids())),
             interval_s=self.cfg.enforcement_s,
         )
 
