@@ -109,8 +109,18 @@ def test_nvml_processes():
                 SimpleNamespace(pid=11, usedGpuMemory=None),
             ]
 
+        def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+            # a Vulkan tenant, and process 10 listed again for its graphics context
+            return [SimpleNamespace(pid=12, usedGpuMemory=3 << 30), SimpleNamespace(pid=10, usedGpuMemory=1 << 20)]
+
     got = nvml_processes(Nv(), [U0, "GPU-lost"])
-    assert got == [GpuProcess(U0, 10, 1 << 20), GpuProcess(U0, 11, 0)]
+    assert got == [GpuProcess(U0, 10, 1 << 20), GpuProcess(U0, 11, 0), GpuProcess(U0, 12, 3 << 30)]
+
+    class NoGraphics(Nv):
+        def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+            raise RuntimeError("Not Supported")
+
+    assert nvml_processes(NoGraphics(), [U0]) == [GpuProcess(U0, 10, 1 << 20), GpuProcess(U0, 11, 0)]
 
 
 async def test_monitor_events_once_and_metrics():

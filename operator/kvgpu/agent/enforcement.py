@@ -94,18 +94,28 @@ def attribute(host_pid: int, proc: str = "/proc") -> Attribution:
 
 
 def nvml_processes(nvml: Any, uuids: Iterable[str]) -> list[GpuProcess]:
-    """Compute processes per card from NVML (cards that fail to answer are skipped, logged)."""
+    """Compute and graphics processes per card from NVML, one entry per PID (a process with both
+    kinds of context is listed by both calls, with the same memory): a tenant's Vulkan or OpenGL
+    context holds memory the shim never sees. Cards that fail to answer are skipped, logged; a
+    card without the graphics call (or failing it) gives its compute processes."""
     out = []
     for u in uuids:
         try:
             h = nvml.nvmlDeviceGetHandleByUUID(u)
-            procs = nvml.nvmlDeviceGetComputeRunningProcesses(h)
+            procs = list(nvml.nvmlDeviceGetComputeRunningProcesses(h))
         except Exception as e:
             log.debug("NVML process list of %s failed: %s", u, e)
             continue
+        try:
+            procs += list(nvml.nvmlDeviceGetGraphicsRunningProcesses(h))
+        except Exception as e:
+            log.debug("NVML graphics process list of %s failed: %s", u, e)
+        used_by: dict[int, int] = {}
         for p in procs:
             used = getattr(p, "usedGpuMemory", None)
-            out.append(GpuProcess(u, int(p.pid), int(used) if isinstance(used, int) and used > 0 else 0))
+            pid = int(p.pid)
+            used_by[pid] = max(used_by.get(pid, 0), int(used) if isinstance(used, int) and used > 0 else 0)
+        out += [GpuProcess(u, pid, used) for pid, used in used_by.items()]
     return out
 
 
