@@ -114,7 +114,7 @@ def test_nvml_processes():
             return [SimpleNamespace(pid=12, usedGpuMemory=3 << 30), SimpleNamespace(pid=10, usedGpuMemory=1 << 20)]
 
     got = nvml_processes(Nv(), [U0, "GPU-lost"])
-    assert got == [GpuProcess(U0, 10, 1 << 20), GpuProcess(U0, 11, 0), GpuProcess(U0, 12, 3 << 30)]
+    assert got == [GpuProcess(U0, 10, 1 << 20), GpuProcess(U0, 11, 0), GpuProcess(U0, 12, 3 << 30, compute=False)]
 
     class NoGraphics(Nv):
         def nvmlDeviceGetGraphicsRunningProcesses(self, h):

@@ -46,11 +46,12 @@ _CID_RE = re.compile(r"(?:cri-containerd-|docker-|crio-|containerd-)?([0-9a-f]{6
 
 @dataclass(frozen=True)
 class GpuProcess:
-    """A compute process on a card as NVML reports it (host PID; memory in bytes, 0 if unknown)."""
+    """A process on a card as NVML reports it (host PID; memory in bytes, 0 if unknown)."""
 
     uuid: str
     host_pid: int
     used_bytes: int
+    compute: bool = True  # False: a graphics context only (Vulkan, OpenGL: never through the shim)
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,16 @@ def attribute(host_pid: int, proc: str = "/proc") -> Attribution:
 def nvml_processes(nvml: Any, uuids: Iterable[str]) -> list[GpuProcess]:
     """Compute and graphics processes per card from NVML, one entry per PID (a process with both
     kinds of context is listed by both calls, with the same memory): a tenant's Vulkan or OpenGL
-    context holds memory the shim never sees. Cards that fail to answer are skipped, logged; a
-    card without the graphics call (or failing it) gives its compute processes."""
+    context holds memory the shim never sees (its memory counts; a graphics-only process is not
+    accused of running outside the shim, which graphics never pass through). Cards that fail to
+    answer are skipped, logged; a card without the graphics call (or failing it) gives its
+    compute processes."""
     out = []
     for u in uuids:
         try:
             h = nvml.nvmlDeviceGetHandleByUUID(u)
             procs = list(nvml.nvmlDeviceGetComputeRunningProcesses(h))
+            computing = {int(p.pid) for p in procs}
         except Exception as e:
             log.debug("NVML process list of %s failed: %s", u, e)
             continue
@@ -115,7 +119,7 @@ def nvml_processes(nvml: Any, uuids: Iterable[str]) -> list[GpuProcess]:
             used = getattr(p, "usedGpuMemory", None)
             pid = int(p.pid)
             used_by[pid] = max(used_by.get(pid, 0), int(used) if isinstance(used, int) and used > 0 else 0)
-        out += [GpuProcess(u, pid, used) for pid, used in used_by.items()]
+        out += [GpuProcess(u, pid, used, pid in computing) for pid, used in used_by.items()]
     return out
 
 
@@ -139,6 +143,8 @@ class ProcessUtilization:
             except Exception:  # NOT_FOUND: no samples since last time; NOT_SUPPORTED
                 continue
             for smp in samples:
+                if not 0 <= smp.smUtil <= 100:  # a blank or broken sample: never a measurement
+                    continue
                 key = (u, int(smp.pid))
                 out[key] = max(out.get(key, 0.0), float(smp.smUtil))
                 self.last[u] = max(self.last.get(u, 0), int(smp.timeStamp))
@@ -188,6 +194,9 @@ class ProcessView:
     #: percent of the card's SMs in NVML's latest sample since the last check (0: none, idle);
     #: None when the check does not sample utilisation
     sm_util: float | None = None
+    #: the process's start time when the snapshot was taken (clock ticks since boot; None:
+    #: unknown): a kill for what was measured is pinned to it
+    start_time: int | None = None
 
 
 def classify(
@@ -207,6 +216,13 @@ def classify(
     out = []
     for p in processes:
         a = attribute_fn(p.host_pid)
+        if not p.compute:  # graphics only: counted (memory), never accused of escaping the shim
+            c = by_id.get((a.pod_uid, a.container_id))
+            if c is None and a.pod_uid in by_pod and len(by_pod[a.pod_uid]) == 1 and not a.container_id:
+                c = by_pod[a.pod_uid][0]
+            state = "foreign" if c is None else "enforced"
+            out.append(ProcessView(p, state, "graphics context only", c, a.pod_uid, a.inner_pid))
+            continue
         c = by_id.get((a.pod_uid, a.container_id))
         if c is None and a.pod_uid in by_pod and len(by_pod[a.pod_uid]) == 1 and not a.container_id:
             c = by_pod[a.pod_uid][0]  # cgroup without a container ID (v1 layouts): one claimed container
@@ -307,6 +323,7 @@ class EnforcementMonitor:
     end_escapes: Callable[[Sequence[ProcessView]], Sequence[Any]] | None = None
     on_killed: Callable[[BoundContainer, str, str], Awaitable[None]] | None = None  # (container, reason, why)
     attribute_fn: Callable[[int], Attribution] = attribute
+    start_time_fn: Callable[[int], int | None] = proc_start_time
     host_pid_writer: HostPidWriter | None = None
     utilization: Callable[[], dict[tuple[str, int], float]] | None = None
     sm_util_writer: SmUtilWriter | None = None
@@ -333,7 +350,8 @@ class EnforcementMonitor:
                     regions[(c.pod_uid, c.container)] = self.read_region(c.pod_uid, c.container)
                 except Exception:
                     regions[(c.pod_uid, c.container)] = None
-            views = classify(procs, containers, regions, self.attribute_fn)
+            views = [replace(v, start_time=self.start_time_fn(v.process.host_pid)) if v.container else v
+                     for v in classify(procs, containers, regions, self.attribute_fn)]
             if self.utilization is not None:
                 samples = self.utilization()
                 util: dict[tuple[str, str, str], float] = {}

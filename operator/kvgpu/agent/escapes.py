@@ -122,6 +122,8 @@ class Backstop:
     _container_since: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (pod UID, container, card) -> (since when it is over its limit, when it was last seen over)
     _over_since: dict[tuple[str, str, str], tuple[float, float]] = field(default_factory=dict)
+    #: (host PID, start time) -> when the backstop killed it
+    _killed: dict[tuple[int, int], float] = field(default_factory=dict)
     #: (pod UID, container) -> processes killed because the container used more SMs than its cores
     over_cores_kills: dict[tuple[str, str], int] = field(default_factory=dict)
     #: (pod UID, container, card) -> since when it is in every check, and the (time, SM percent)
@@ -133,11 +135,16 @@ class Backstop:
         the largest process of each container over its limit for its grace (with ``over_limit``)
         and the busiest of each over its cores (with ``over_cores``); return them. Blocking
         (``/proc`` reads and a syscall per suspect): the agent calls it in a worker thread."""
-        killed = self._end_unenforced(views)
-        done = {k.view.process.host_pid for k in killed}
-        killed += self._end_over_limit([v for v in views if v.process.host_pid not in done])
-        done |= {k.view.process.host_pid for k in killed}
-        return killed + self._end_over_cores([v for v in views if v.process.host_pid not in done])
+        now = self.clock()
+        self._killed = {k: t for k, t in self._killed.items() if now - t < max(self.grace_s, 15.0)}
+        killed: list[Kill] = []
+        for rule in (self._end_unenforced, self._end_over_limit, self._end_over_cores):
+            done = {k.view.process.host_pid for k in killed}
+            try:  # one rule's failure must not cost the others (nor the Events of kills made)
+                killed += rule([v for v in views if v.process.host_pid not in done])
+            except Exception:
+                log.exception("backstop rule %s failed", rule.__name__)
+        return killed
 
     def _end_unenforced(self, views: Sequence[ProcessView]) -> list[Kill]:
         """A process is killed once it, or its container (some process of it in every check, a
@@ -240,7 +247,8 @@ class Backstop:
             since, prior = self._cores_seen.get(key, (now, []))
             span = [(t, u) for t, u in prior if now - t < self.cores_grace_s] + [(now, used)]
             seen[key] = (since, span)
-            mean, most = sum(u for _, u in span) / len(span), cores + self.cores_slack_pts
+            # the slack, but at most half of what is left above the cores: a 90 % slice at 100 % is over
+            mean, most = sum(u for _, u in span) / len(span), cores + min(self.cores_slack_pts, (100 - cores) / 2)
             # over on average and now: a process started after a kill is judged on the same
             # window (a relay gains nothing), but only while it is itself over the cores
             if not self.over_cores or now - since < self.cores_grace_s or mean <= most or used <= most:
@@ -274,13 +282,23 @@ class Backstop:
         return Kill(victim, f"process {victim.inner_pid or victim.process.host_pid} killed {what} (NVML)", reason)
 
     def _kill(self, v: ProcessView, start: int | None = None) -> bool:
-        """Kill ``v``'s process if its cgroup still names ``v``'s pod: never on an old attribution
-        (pinned by ``start``, its start time, read now when not given)."""
+        """Kill ``v``'s process if its cgroup still names ``v``'s pod and container: never on an
+        old attribution. Pinned by ``start``, else the start time the snapshot took (the process
+        that was measured), else the one read now; one killed in the last ``grace_s`` is not
+        signalled (nor counted) again while NVML still lists it."""
         assert v.container is not None
+        start = start if start is not None else v.start_time
         start = self.start_time(v.process.host_pid) if start is None else start
-        if start is None or self.attribute_fn(v.process.host_pid).pod_uid != v.container.pod_uid:
+        if start is None or (v.process.host_pid, start) in self._killed:
             return False
-        return self.killer(v.process.host_pid, start)
+        a = self.attribute_fn(v.process.host_pid)
+        if a.pod_uid != v.container.pod_uid or (a.container_id and v.container.container_id
+                                                and a.container_id != v.container.container_id):
+            return False
+        if not self.killer(v.process.host_pid, start):
+            return False
+        self._killed[(v.process.host_pid, start)] = self.clock()
+        return True
 
     def counts(self) -> dict[str, dict[tuple[str, str], int]]:
         """Kills so far per (pod UID, container): ``unenforced``, ``over_limit``, ``over_cores``."""
