@@ -531,8 +531,19 @@ def test_sm_means_average_every_poll_since_the_last_take_idle_polls_counting_zer
     assert means.take() is None  # nothing polled yet
     for _ in range(5):  # a tenant busy in 2 of 5 seconds, idle whenever the check might look
         means.sample()
-    assert means.take() == {(U0, 7): 40.0, (U0, 8): 6.0}
+    assert means.take() == ({(U0, 7): 40.0, (U0, 8): 6.0}, {})  # no attribution: no containers
     assert means.take() is None
+
+
+def test_sm_means_per_container_keep_processes_that_ended_before_the_check() -> None:
+    polls = iter([{(U0, 7): 100.0}, {(U0, 8): 100.0}, {(U0, 9): 100.0, (U0, 99): 50.0}, {(U0, 10): 60.0}])
+    who = {7: Attribution(POD, CID, 1), 8: Attribution(POD, CID, 2), 9: Attribution(POD, CID, 3),
+           10: Attribution(POD, CID, 4), 99: Attribution("", "", 99)}
+    means = SmMeans(lambda: next(polls), who.__getitem__)
+    for _ in range(4):  # a new short-lived process each second; a host process beside them
+        means.sample()
+    per_process, per_container = means.take()
+    assert per_process[(U0, 7)] == 25.0 and per_container == {(U0, POD, CID): 90.0}
 
 
 async def test_the_monitor_gives_the_backstop_the_means_between_checks_when_it_polls(tenant) -> None:
@@ -626,3 +637,35 @@ def test_a_graphics_only_process_counts_for_memory_but_is_never_called_unenforce
     [v] = classify([gl], [MAIN], {(POD, "main"): [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)]},
                    {4242: Attribution(POD, CID, 8)}.__getitem__)
     assert v.state == "enforced" and v.container == MAIN and "graphics" in v.reason
+
+
+def test_a_relay_of_processes_gone_before_each_check_is_still_judged_on_its_container(relay) -> None:
+    """Each process of the relay lives a second or two; the check sees at most the newest, or
+    none: the container's polled mean (ended processes included) is what is judged."""
+    clock = Clock()
+    attribution: dict[int, Attribution] = {}
+    measured: dict = {}
+    backstop = Backstop(grace_s=10.0, clock=clock, attribute_fn=attribution.get, container_sm=lambda: measured)
+    kills = []
+    for i in range(12):
+        measured = {(POD, "main", U0): (MAIN, 95.0)}  # what the polls found since the last check
+        listed = []
+        if i % 2:  # every other check one young process is still there, idle so far
+            p = relay()
+            attribution[p.pid] = Attribution(POD, CID, 8)
+            listed = [busy(p.pid, 0.0)]
+        kills += backstop.end(listed)
+        clock.t += 5.04
+    assert kills and all(k.reason == OVER_CORES_KILLED for k in kills)
+
+
+async def test_the_monitor_hands_the_backstop_each_container_s_polled_use() -> None:
+    polled = iter([{(U0, 5001): 100.0}, {(U0, 5002): 80.0}])  # both ended before the check
+    who = {5001: Attribution(POD, CID, 8), 5002: Attribution(POD, CID, 9)}
+    means = SmMeans(lambda: next(polled), who.__getitem__)
+    mon = EnforcementMonitor(processes=lambda: [], containers=lambda: [MAIN], read_region=lambda uid, name: None,
+                             utilization=lambda: {}, sm_means=means)
+    means.sample()
+    means.sample()
+    await mon.check()
+    assert mon.container_sm == {(POD, "main", U0): (MAIN, 90.0)}

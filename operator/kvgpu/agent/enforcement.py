@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -152,32 +153,65 @@ class ProcessUtilization:
 
 
 class SmMeans:
-    """Per-process SM utilisation averaged over the polls since the last :meth:`take` (percent per
-    (card UUID, host PID); a poll without a sample of a process counts 0 for it). Polled about
-    once a second (:meth:`sample`, NVML keeps one sample per process, of about its last second),
+    """SM utilisation averaged over the polls since the last :meth:`take`, per process (card UUID,
+    host PID) and, with ``attribute``, per container (card UUID, pod UID, container ID) as each
+    poll found it: a process that ended before the check still counts for its container, so a
+    relay of short-lived processes cannot hide. A poll without a sample counts 0. Polled about
+    once a second (:meth:`sample`; NVML keeps one sample per process, of about its last second),
     so a process cannot hide its use by idling when the five-second check comes. Thread-safe."""
 
-    def __init__(self, poll: Callable[[], dict[tuple[str, int], float]]) -> None:
+    def __init__(self, poll: Callable[[], dict[tuple[str, int], float]],
+                 attribute: Callable[[int], Attribution] | None = None) -> None:
         self.poll = poll
+        self.attribute = attribute
         self._lock = threading.Lock()
         self._sum: dict[tuple[str, int], float] = {}
+        self._containers: dict[tuple[str, str, str], float] = {}
         self._polls = 0
 
     def sample(self) -> None:
         got = self.poll()
+        per: dict[tuple[str, str, str], float] = {}
+        for (u, pid), v in got.items():
+            if self.attribute is None:
+                break
+            a = self.attribute(pid)
+            if a.pod_uid:
+                per[(u, a.pod_uid, a.container_id)] = min(100.0, per.get((u, a.pod_uid, a.container_id), 0.0) + v)
         with self._lock:
             self._polls += 1
             for k, v in got.items():
                 self._sum[k] = self._sum.get(k, 0.0) + v
+            for c, v in per.items():
+                self._containers[c] = self._containers.get(c, 0.0) + v
 
-    def take(self) -> dict[tuple[str, int], float] | None:
-        """The means since the last take; None when nothing was polled since."""
+    def take(self) -> tuple[dict[tuple[str, int], float], dict[tuple[str, str, str], float]] | None:
+        """(per process, per container) means since the last take; None when nothing was polled."""
         with self._lock:
             if not self._polls:
                 return None
-            out = {k: v / self._polls for k, v in self._sum.items()}
-            self._sum, self._polls = {}, 0
+            out = ({k: v / self._polls for k, v in self._sum.items()},
+                   {k: v / self._polls for k, v in self._containers.items()})
+            self._sum, self._containers, self._polls = {}, {}, 0
         return out
+
+
+def _by_container(means: Mapping[tuple[str, str, str], float], containers: Sequence[BoundContainer]
+                  ) -> dict[tuple[str, str, str], tuple[BoundContainer, float]]:
+    """:class:`SmMeans`' (card, pod UID, container ID) means keyed by (pod UID, container name,
+    card), for the claimed containers (a cgroup without a container ID: the pod's only one)."""
+    by_id = {(c.pod_uid, c.container_id): c for c in containers if c.container_id}
+    by_pod: dict[str, list[BoundContainer]] = {}
+    for bc in containers:
+        by_pod.setdefault(bc.pod_uid, []).append(bc)
+    out = {}
+    for (u, pod, cid), v in means.items():
+        c = by_id.get((pod, cid))
+        if c is None and not cid and len(by_pod.get(pod, ())) == 1:
+            c = by_pod[pod][0]
+        if c is not None:
+            out[(c.pod_uid, c.container, u)] = (c, v)
+    return out
 
 
 @dataclass(frozen=True)
@@ -335,6 +369,9 @@ class EnforcementMonitor:
     host_pids_written: int = 0
     #: (pod uid, container, card uuid) -> SM percent of the container's processes (NVML samples)
     container_util: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    #: (pod uid, container, card uuid) -> (container, mean SM percent between the last two checks
+    #: of every process the polls found in it, ended ones included: :class:`SmMeans`)
+    container_sm: dict[tuple[str, str, str], tuple[BoundContainer, float]] = field(default_factory=dict)
     snapshot: list[ProcessView] = field(default_factory=list)
     _reported: set[tuple[str, str]] = field(default_factory=set)
 
@@ -368,8 +405,9 @@ class EnforcementMonitor:
                         util.setdefault((c.pod_uid, c.container, d.uuid), 0.0)
                 self.container_util = util
                 means = self.sm_means.take() if self.sm_means is not None else None
-                per = samples if means is None else means
+                per = samples if means is None else means[0]
                 views = [replace(v, sm_util=per.get((v.process.uuid, v.process.host_pid), 0.0)) for v in views]
+                self.container_sm = _by_container(means[1] if means else {}, containers)
                 if self.sm_util_writer is not None:
                     for (uid, name, uuid), pct in util.items():
                         if regions.get((uid, name)) is None:
@@ -440,7 +478,9 @@ class EnforcementMonitor:
                     await self.check()
                 except Exception:
                     log.exception("enforcement check failed")
-                await asyncio.sleep(self.interval_s)
+                # jittered: a tenant that sees when checks come (their writes to its region) cannot
+                # plan around the next one
+                await asyncio.sleep(self.interval_s * random.uniform(0.7, 1.3))
         finally:
             if sampler is not None:
                 sampler.cancel()

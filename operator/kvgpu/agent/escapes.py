@@ -42,10 +42,11 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .enforcement import Attribution, ProcessView, attribute, proc_start_time
+from .usage import BoundContainer
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class Backstop:
     #: the cards whose cores are a share of time (``hami-core`` pools: the shim's gate); None =
     #: every card. On an MPS card a client's SMs are a share of the SMs, busy all the time.
     time_shared: Callable[[], set[str]] | None = None
+    #: (pod UID, container, card) -> (container, mean SM percent since the last check of every
+    #: process found in it, ended ones included; :attr:`EnforcementMonitor.container_sm`)
+    container_sm: Callable[[], Mapping[tuple[str, str, str], tuple[BoundContainer, float]]] | None = None
     killer: Callable[[int, int], bool] = kill_pinned
     start_time: Callable[[int], int | None] = proc_start_time
     attribute_fn: Callable[[int], Attribution] = attribute
@@ -235,15 +239,19 @@ class Backstop:
         now = self.clock()
         seen: dict[tuple[str, str, str], tuple[float, list[tuple[float, float]]]] = {}
         killed = []
-        groups = self._groups([v for v in views if v.sm_util is not None],
-                              self.time_shared() if self.time_shared is not None else None)
-        for key, vs in groups.items():
-            c = vs[0].container
+        cards = self.time_shared() if self.time_shared is not None else None
+        groups = self._groups([v for v in views if v.sm_util is not None], cards)
+        measured = {k: cv for k, cv in (self.container_sm() if self.container_sm is not None else {}).items()
+                    if cards is None or k[2] in cards}
+        for key in groups.keys() | measured.keys():
+            vs = groups.get(key, [])
+            c = vs[0].container if vs else measured[key][0]
             assert c is not None
             cores = next((d.cores for d in c.devices if d.uuid == key[2]), 0)
             if not 0 < cores < 100:
                 continue
-            used = min(100.0, sum(v.sm_util or 0.0 for v in vs))
+            # its processes now, or every one the polls found since the last check (ended ones too)
+            used = min(100.0, max(sum(v.sm_util or 0.0 for v in vs), measured.get(key, (c, 0.0))[1]))
             since, prior = self._cores_seen.get(key, (now, []))
             span = [(t, u) for t, u in prior if now - t < self.cores_grace_s] + [(now, used)]
             seen[key] = (since, span)
@@ -253,7 +261,9 @@ class Backstop:
             # window (a relay gains nothing), but only while it is itself over the cores
             if not self.over_cores or now - since < self.cores_grace_s or mean <= most or used <= most:
                 continue
-            busy = sum(v.sm_util or 0.0 for v in vs)
+            # the listed processes' own use, or the container's whole when that is more (a relay:
+            # every process it has now goes, busiest first)
+            busy = max(sum(v.sm_util or 0.0 for v in vs), used)
             for victim in sorted(vs, key=lambda v: v.sm_util or 0.0, reverse=True):
                 if busy <= most:
                     break

@@ -41,6 +41,7 @@ from .enforcement import (
     ProcessUtilization,
     ProcessView,
     SmMeans,
+    attribute,
     nvml_processes,
     proc_start_time,
     set_region_host_pid,
@@ -367,7 +368,7 @@ class Agent:
             host_pid_writer=self._write_host_pid,
             utilization=lambda: util(uuids()),
             sm_util_writer=self._write_sm_util,
-            sm_means=SmMeans(lambda: polled(uuids())),
+            sm_means=SmMeans(lambda: polled(uuids()), attribute),
             interval_s=self.cfg.enforcement_s,
         )
 
@@ -385,7 +386,8 @@ class Agent:
             grace_s=self.cfg.unenforced_grace_s, unenforced=self.cfg.unenforced == "kill",
             over_limit=self.cfg.over_limit == "kill", slack_mib=self.cfg.over_limit_slack_mib,
             over_cores=self.cfg.over_cores == "kill", cores_slack_pts=self.cfg.over_cores_slack_pts,
-            cores_grace_s=self.cfg.over_cores_grace_s, time_shared=self._time_shared_cards)
+            cores_grace_s=self.cfg.over_cores_grace_s, time_shared=self._time_shared_cards,
+            container_sm=lambda: self.enforcement.container_sm if self.enforcement is not None else {})
 
         def end(views: Sequence[ProcessView]) -> list[Kill]:
             backstop.forget({(c.pod_uid, c.container) for c in self.pods.containers()})
