@@ -282,10 +282,10 @@ def test_use_within_the_slack_or_for_less_than_the_grace_is_left_alone(two) -> N
     over = [held(small.pid, 1000, 8), held(large.pid, 2100, 9)]
     backstop.end(over)
     clock.t += 5
-    backstop.end(at_slack)
-    clock.t += 5
-    backstop.end(at_slack)  # under for a whole grace since it was last over: the grace starts again
-    clock.t += 6
+    for _ in range(6):
+        backstop.end(at_slack)  # under for three graces since it was last over: the grace starts again
+        clock.t += 5
+    clock.t += 1
     assert backstop.end(over) == []
     assert small.poll() is None and large.poll() is None
 
@@ -300,6 +300,17 @@ def test_dipping_under_the_limit_now_and_then_does_not_restart_the_grace(two) ->
     clock.t += 5
     [k] = backstop.end(over)  # over since 10 s ago, under only in between
     assert k.view.process.host_pid == large.pid and gone(large)
+
+
+def test_a_container_over_its_limit_one_check_in_four_is_still_killed(two) -> None:
+    small, large = two
+    backstop, clock = over_limit_backstop(two)
+    over, under = [held(small.pid, 1000, 8), held(large.pid, 9000, 9)], [held(small.pid, 1000, 8)]
+    kills = []
+    for i in range(8):  # over, under, under, under, over, ...: 15 s between its excesses
+        kills += backstop.end(over if i % 4 == 0 else under)
+        clock.t += 5
+    assert [k.view.process.host_pid for k in kills] == [large.pid] and gone(large)
 
 
 def test_an_excess_spread_over_many_processes_is_ended_in_one_check(relay) -> None:

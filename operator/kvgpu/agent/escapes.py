@@ -20,8 +20,8 @@ interval each.
 cannot refuse memory it does not see, and its region is writable by the container (a process
 that zeroes the counters is then granted more). What NVML measures cannot be forged from inside:
 with ``over_limit: kill`` (the default) a container whose processes on a card hold more than its
-claim's memory there plus ``slack_mib`` for ``grace_s`` seconds (a check under it now and then
-does not start the grace again) loses its largest processes there (pinned and signalled as
+claim's memory there plus ``slack_mib`` for ``grace_s`` seconds (being under it for less than
+three graces does not start the grace again) loses its largest processes there (pinned and signalled as
 above), as many as it takes to bring it under by this check's figures.
 
 **Over the cores.** The compute gate is the shim's too, and its state lives in the same writable
@@ -193,9 +193,9 @@ class Backstop:
 
     def _end_over_limit(self, views: Sequence[ProcessView]) -> list[Kill]:
         """Per (container, card): NVML's bytes of its processes against the claim's memory. Over
-        since the first check that saw it over, until it has been under for a whole grace (a
-        check under the limit now and then does not start the grace again); then its largest
-        processes are killed, as many as it takes to bring it under."""
+        since the first check that saw it over, until it has been under for three graces (being
+        under the limit now and then does not start the grace again); over now and for a grace,
+        its largest processes are killed, as many as it takes to bring it under."""
         now = self.clock()
         over: dict[tuple[str, str, str], tuple[float, float]] = {}  # -> (over since, last seen over)
         killed = []
@@ -224,8 +224,8 @@ class Backstop:
                             "%s for %.0f s, over its %d MiB limit", victim.inner_pid, victim.process.host_pid,
                             victim.process.used_bytes // MIB, c.namespace, c.pod, c.container, used // MIB,
                             key[2], now - since[0], limit)
-        for key, prev in self._over_since.items():  # under now: kept for a grace after it was over
-            if key not in over and now - prev[1] < self.grace_s:
+        for key, prev in self._over_since.items():  # under now: kept for 3 graces after it was over
+            if key not in over and now - prev[1] < 3 * self.grace_s:
                 over[key] = prev
         self._over_since = over
         return killed
