@@ -313,13 +313,16 @@ def test_a_container_over_its_limit_one_check_in_four_is_still_killed(two) -> No
     assert [k.view.process.host_pid for k in kills] == [large.pid] and gone(large)
 
 
-def test_an_excess_spread_over_many_processes_is_ended_in_one_check(relay) -> None:
+def crowd(relay, n: int) -> tuple[Backstop, Clock, list[subprocess.Popen]]:
+    """``n`` live processes of MAIN (inner PIDs 8, 9, ...) and a backstop that attributes them."""
     clock = Clock()
-    attribution: dict[int, Attribution] = {}
-    backstop = Backstop(grace_s=10.0, clock=clock, attribute_fn=attribution.get)
-    ps = [relay() for _ in range(5)]
-    for i, p in enumerate(ps):
-        attribution[p.pid] = Attribution(POD, CID, 8 + i)
+    ps = [relay() for _ in range(n)]
+    table = {p.pid: Attribution(POD, CID, 8 + i) for i, p in enumerate(ps)}
+    return Backstop(grace_s=10.0, clock=clock, attribute_fn=table.get), clock, ps
+
+
+def test_an_excess_spread_over_many_processes_is_ended_in_one_check(relay) -> None:
+    backstop, clock, ps = crowd(relay, 5)
     hogs = [held(p.pid, 1024 + i, 8 + i) for i, p in enumerate(ps)]  # 5 x ~1 GiB against 3000 MiB
     backstop.end(hogs)
     clock.t += 10
@@ -330,12 +333,7 @@ def test_an_excess_spread_over_many_processes_is_ended_in_one_check(relay) -> No
 
 
 def test_sm_use_spread_over_many_processes_is_ended_in_one_check(relay) -> None:
-    clock = Clock()
-    attribution: dict[int, Attribution] = {}
-    backstop = Backstop(grace_s=10.0, clock=clock, attribute_fn=attribution.get)
-    ps = [relay() for _ in range(10)]
-    for i, p in enumerate(ps):
-        attribution[p.pid] = Attribution(POD, CID, 8 + i)
+    backstop, clock, ps = crowd(relay, 10)
     spread = [busy(p.pid, 10 + i / 10, 8 + i) for i, p in enumerate(ps)]  # 10 x ~10 % against 30 cores
     for _ in range(7):
         killed = backstop.end(spread)
