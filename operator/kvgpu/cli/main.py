@@ -209,10 +209,11 @@ def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: b
               unenforced_grace: float, over_limit: str, over_limit_slack: int, over_cores: str,
               over_cores_slack: float, over_cores_grace: float) -> None:
     """Run the node agent: discovery, inventory, health, device plugin, shim install, usage metrics."""
+    from kvgpu.agent.config import AgentConfig
     from kvgpu.agent.deviceplugin import PluginConfig
     from kvgpu.agent.devicespecs import resolve_driver_root
     from kvgpu.agent.draplugin import DraConfig
-    from kvgpu.agent.main import AgentConfig, run, run_simulated_fleet
+    from kvgpu.agent.main import run, run_simulated_fleet
     from kvgpu.dra.slices import DRIVER
     from kvgpu.logs import configure_logging
 
