@@ -21,19 +21,21 @@ cannot refuse memory it does not see, and its region is writable by the containe
 that zeroes the counters is then granted more). What NVML measures cannot be forged from inside:
 with ``over_limit: kill`` (the default) a container whose processes on a card hold more than its
 claim's memory there plus ``slack_mib`` for ``grace_s`` seconds (being under it for less than
-three graces does not start the grace again) loses its largest processes there (pinned and signalled as
-above), as many as it takes to bring it under by this check's figures.
+three graces does not start the grace again) loses its largest processes there (pinned and
+signalled as above), as many as it takes to bring it under by this check's figures.
 
 **Over the cores.** The compute gate is the shim's too, and its state lives in the same writable
 region (and a process that bypasses the shim has no gate at all). NVML's per-process SM
 utilisation cannot be forged: with ``over_cores: kill`` a container whose processes on a card used
-more than its claim's cores plus ``cores_slack_pts`` points, on average over the checks of the
-last ``cores_grace_s`` seconds and in the latest check, loses the process using the most SMs
-there; the window goes on after a kill, so a relay of processes gains nothing. Only cards whose
-cores are a share of time are judged so (``hami-core`` pools): an MPS client's cores are a share
-of the SMs, which NVML counts as busy whenever any of them is. The window is longer
-than the memory grace: one NVML sample a check is a moment, and a gate running a tenant at its
-limit in windows is busier in some samples than in others.
+more than its claim's cores plus ``cores_slack_pts`` points (at most half the headroom), on
+average over the checks of the last ``cores_grace_s`` seconds and in the latest check, loses its
+busiest processes there until the rest are under. Its use between checks is polled every second
+and summed per container as each poll finds it (:class:`~kvgpu.agent.enforcement.SmMeans`), so
+processes that ended before the check count; the window goes on after a kill and through idle
+checks, so a relay of processes gains nothing. Only cards whose cores are a share of time are
+judged so (``hami-core`` pools): an MPS client's cores are a share of the SMs, which NVML counts
+as busy whenever any of them is. The window is longer than the memory grace: a gate running a
+tenant at its limit in windows is busier in some seconds than in others.
 """
 
 from __future__ import annotations
