@@ -189,16 +189,18 @@ def operator_cmd(kubeconfig: str | None, extender_address: str, extender_cert: s
                    "before --unenforced / --over-limit kill ends it")
 @click.option("--over-limit", type=click.Choice(["kill", "report"]), default="kill", show_default=True,
               help="a container with slices whose processes hold more of a card than its limit (NVML) "
-                   "plus --over-limit-slack, for --unenforced-grace seconds: kill its largest process, "
-                   "or only report it (metric kvgpu_container_nvml_memory_bytes)")
+                   "plus --over-limit-slack, for --unenforced-grace seconds: kill its largest processes until "
+                   "it is under, or only report it (metric kvgpu_container_nvml_memory_bytes)")
 @click.option("--over-limit-slack", type=int, default=64, show_default=True,
               help="MiB of NVML use above a container's limit that --over-limit tolerates")
 @click.option("--over-cores", type=click.Choice(["kill", "report"]), default="kill", show_default=True,
               help="a container with slices whose processes used more of a card's SMs than its cores "
                    "(NVML) plus --over-cores-slack, on average over --over-cores-grace seconds: kill its "
-                   "busiest process, or only report it (metric kvgpu_container_sm_utilization_percent)")
+                   "busiest processes until it is under, or only report it (metric "
+                   "kvgpu_container_sm_utilization_percent)")
 @click.option("--over-cores-slack", type=click.FloatRange(min=0), default=20.0, show_default=True,
-              help="points of SM utilisation above a container's cores that --over-cores tolerates")
+              help="points of SM utilisation above a container's cores that --over-cores tolerates "
+                   "(at most half of what is left above the cores)")
 @click.option("--over-cores-grace", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="seconds of checks --over-cores averages a container's SM utilisation over")
 def agent_cmd(node: str, kubeconfig: str | None, simulated: str | None, fleet: bool, interval: float,
