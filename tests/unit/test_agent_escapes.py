@@ -390,21 +390,8 @@ def test_a_kill_the_agent_may_not_send_is_logged_not_counted(tenant, monkeypatch
     assert tenant.poll() is None
 
 
-async def test_the_agent_builds_the_backstop_its_settings_ask_for(tmp_path) -> None:
-    import json
-
-    from kvgpu.agent.main import Agent, AgentConfig
-
-    sim = tmp_path / "sim.json"
-    sim.write_text(json.dumps({"nodes": [{"name": "gpu-0", "cards": [{"count": 1}]}]}))
-    posted = []
-
-    class Api:
-        async def pod_event(self, namespace, pod, uid, reason, message, type_="Warning"):
-            posted.append((namespace, pod, uid, reason, type_, message))
-
-    def agent(**kw) -> Agent:
-        return Agent(AgentConfig(node="gpu-0", simulated=str(sim), region_root=str(tmp_path), **kw), Api())  # type: ignore[arg-type]
+async def test_the_agent_builds_the_backstop_its_settings_ask_for(sim_agent) -> None:
+    agent, posted = sim_agent.make, sim_agent.posted
 
     a = agent()
     assert a._make_escapes() is not None

@@ -169,22 +169,10 @@ def test_counter_exported_from_the_region():
     assert "# TYPE kvgpu_container_oom_kills_total counter" in text
 
 
-async def test_agent_posts_the_event_on_the_pod(tmp_path):
-    import json
-
-    from kvgpu.agent.main import Agent, AgentConfig
-
-    sim = tmp_path / "sim.json"
-    sim.write_text(json.dumps({"nodes": [{"name": "gpu-0", "cards": [{"count": 1}]}]}))
-    posted = []
-
-    class Api:
-        async def pod_event(self, namespace, pod, uid, reason, message, type_="Warning"):
-            posted.append((namespace, pod, uid, reason, type_, message))
-
-    agent = Agent(AgentConfig(node="gpu-0", simulated=str(sim), region_root=str(tmp_path)), Api())  # type: ignore[arg-type]
+async def test_agent_posts_the_event_on_the_pod(sim_agent):
+    agent = sim_agent.make()
     await agent._oom_event(MAIN, "container main: process 7 ended")
-    assert posted == [("team", "nb", POD, REASON, "Warning", "container main: process 7 ended")]
+    assert sim_agent.posted == [("team", "nb", POD, REASON, "Warning", "container main: process 7 ended")]
     assert REASON == "GPUOOMKilled"
     assert agent._make_oom_reporter().interval_s == 5.0
 
