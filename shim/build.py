@@ -203,7 +203,7 @@ int vgpu_claim_parse(const char *text, struct vgpu_config *cfg);
 int vgpu_parse_mem(const char *text, uint64_t *out);
 void vgpu_py_config_load(struct vgpu_config *cfg, const char *envblock);
 
-struct vgpu_region_dev { char uuid[96]; uint64_t limit; uint32_t cores; uint32_t sm_util;
+struct vgpu_region_dev { char uuid[96]; uint64_t limit; uint32_t cores; uint32_t unused;
                          uint64_t credit_vt; uint64_t ctx_bytes; uint64_t sched_joined_ns; uint64_t sched_heartbeat_ns;
                          uint64_t sched_busy_pm; ...; };
 struct vgpu_slot { int32_t pid; int32_t host_pid; uint64_t start_time; uint64_t data[16];

@@ -178,8 +178,8 @@ struct vgpu_region_dev {
     char uuid[VGPU_UUID_LEN];
     uint64_t limit;             /* bytes, 0 = none */
     uint32_t cores;             /* percent */
-    uint32_t sm_util;           /* SM utilisation of the container, percent (0xffffffff = unknown);
-                                 * written by the node agent from NVML samples, never by the shim */
+    uint32_t unused;            /* 0xffffffff; read and written by nobody (the container writes
+                                 * this page, so nothing the agent reports may come from it) */
     _Atomic uint64_t used;      /* bytes charged = sum over live slots of data + overhead */
     _Atomic uint64_t credit_vt; /* compute: the container's credit clock V (CLOCK_MONOTONIC ns;
                                  * credit = now - V, see struct vgpu_gate) */

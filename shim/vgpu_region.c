@@ -256,7 +256,7 @@ static void init_region(struct vgpu_region *r)
     r->max_slots = VGPU_MAX_SLOTS;
     r->generation = gen + 1;
     for (int d = 0; d < VGPU_MAX_DEV; d++)
-        r->dev[d].sm_util = 0xffffffffu;
+        r->dev[d].unused = 0xffffffffu;
     __atomic_store_n(&r->magic, VGPU_REGION_MAGIC, __ATOMIC_RELEASE);
 }
 

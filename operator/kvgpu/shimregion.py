@@ -14,7 +14,6 @@ What the node agent does with a region:
 - :func:`slot_identities` -> :class:`SlotIdentity`: who holds each slot (PID, start time, PID
   namespace), and :func:`mark_slot_dead`: the agent's word that a slot's process is gone (the
   shim reaps a slot of another PID namespace only then);
-- :func:`set_sm_util`: a card's SM utilisation (percent) into the region.
 
 Units: memory in MiB (float, from the region's bytes), compute in percent of the card's SMs,
 times in CLOCK_MONOTONIC nanoseconds.
@@ -35,7 +34,6 @@ MAX_DEV = 16  # VGPU_MAX_DEV
 MAX_SLOTS = 128  # VGPU_MAX_SLOTS
 UUID_LEN = 96  # VGPU_UUID_LEN
 CLAIM_LEN = 320  # VGPU_CLAIM_LEN
-SM_UTIL_UNKNOWN = 0xFFFFFFFF
 _MIB = 1024 * 1024
 
 u32, i32, u64 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64
@@ -49,7 +47,7 @@ class RegionDev(ctypes.Structure):
         ("uuid", ctypes.c_char * UUID_LEN),
         ("limit", u64),
         ("cores", u32),
-        ("sm_util", u32),
+        ("unused", u32),
         ("used", u64),
         ("credit_vt", u64),
         ("ctx_bytes", u64),
@@ -127,7 +125,6 @@ class DeviceUsage:
     limit_mib: float  # 0 = no memory limit
     used_mib: float  # charged to the container (data + overhead of live processes)
     cores: int  # compute limit, percent of SMs (0 = none)
-    sm_util: int | None  # last known SM utilisation of the container, percent
     processes: tuple[ProcessUsage, ...] = field(default=())
     sched_joined_ns: int = 0  # compute gate: CLOCK_MONOTONIC when it became active (0 = never)
     sched_heartbeat_ns: int = 0  # compute gate: its last schedule refresh (the agent's liveness)
@@ -223,7 +220,6 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage:
             limit_mib=rd.limit / _MIB,
             used_mib=rd.used / _MIB,
             cores=rd.cores,
-            sm_util=None if rd.sm_util == SM_UTIL_UNKNOWN else rd.sm_util,
             processes=tuple(ProcessUsage(s.pid, s.host_pid, s.data[d] / _MIB, s.overhead[d] / _MIB) for s in live),
             sched_joined_ns=rd.sched_joined_ns,
             sched_heartbeat_ns=rd.sched_heartbeat_ns,
@@ -292,7 +288,6 @@ def _store_u32(path: Path, offset_of: Callable[[Region], int | None], value: int
 _SLOT0 = Region.slot.offset
 _HOST_PID = Slot.host_pid.offset
 _DEAD_KEY = Slot.dead_key.offset
-_SM_UTIL = Region.dev.offset + RegionDev.sm_util.offset
 
 
 def set_host_pid(path: str | os.PathLike[str], inner_pid: int, host_pid: int, start_time: int | None) -> bool:
@@ -345,17 +340,3 @@ def mark_slot_dead(path: str | os.PathLike[str], index: int, pid: int, start_tim
     no longer holds that process or the file is missing or not a region."""
     return _store_u32(Path(path), lambda r: _slot_offset(r, index, pid, start_time, _DEAD_KEY),
                       slot_key(pid, start_time), ctypes.c_uint64)
-
-
-def set_sm_util(path: str | os.PathLike[str], uuid: str, percent: int) -> bool:
-    """Store the container's SM utilisation (percent, clamped to 0..100) of card ``uuid`` in the
-    region's ``dev[].sm_util`` (a single 32-bit store; the shim only reads it). False if the file
-    is missing, not a region, or has no such card."""
-
-    def pick(r: Region) -> int | None:
-        for d in range(min(int(r.ndev), MAX_DEV)):
-            if _text(r.dev[d].uuid) == uuid:
-                return _SM_UTIL + d * ctypes.sizeof(RegionDev)
-        return None
-
-    return _store_u32(Path(path), pick, max(0, min(100, int(percent))))

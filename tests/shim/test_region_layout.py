@@ -116,7 +116,6 @@ def test_plain_reader_reads_what_the_shim_wrote(tmp_path: Path) -> None:
             (UUID0, 3000, 30, 1000), (UUID1, 1000, 0, 0)]
         assert [(p.pid, p.host_pid, p.data_mib, p.overhead_mib) for p in r.devices[0].processes] == [
             (pid, 0, 700, 300)]
-        assert r.devices[0].sm_util is None
         assert (r.oom_kills, r.oom_last_pid, r.oom_last_dev, r.oom_last_mib) == (1, pid, 1, 12)
 
         # the agent's writes, seen by the C side
@@ -126,10 +125,7 @@ def test_plain_reader_reads_what_the_shim_wrote(tmp_path: Path) -> None:
         assert not shimregion.set_host_pid(path, 1, 5, None)  # no such process
         slot = next(s for s in h.r.slot if s.pid == pid)
         assert slot.host_pid == 99001
-        assert shimregion.set_sm_util(path, UUID1, 140)
-        assert h.r.dev[1].sm_util == 100 and h.r.dev[0].sm_util == 0xFFFFFFFF
-        assert not shimregion.set_sm_util(path, "GPU-none", 5)
-        assert shimregion.read_region(path).devices[1].sm_util == 100
+        assert h.r.dev[0].unused == h.r.dev[1].unused == 0xFFFFFFFF
 
         lib.vgpu_region_leave(h)
         after = shimregion.read_region(path)
@@ -176,5 +172,4 @@ def test_not_a_region(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a kvgpu region"):
         shimregion.read_region(other)
     assert not shimregion.set_host_pid(other, 1, 2, None)
-    assert not shimregion.set_sm_util(tmp_path / "missing", UUID0, 1)
     assert other.read_bytes() == b"\1" * shimregion.REGION_SIZE

@@ -75,7 +75,7 @@ def test_classify():
         GpuProcess(U0, 4, 400),
         GpuProcess(U1, 1, 50),  # a card the claim does not name
     ]
-    regions = {(POD, "main"): [DeviceUsage(U0, 3000, 0.1, (7,), None)]}
+    regions = {(POD, "main"): [DeviceUsage(U0, 3000, 0.1, (7,))]}
     views = classify(procs, [MAIN], regions, attrs.__getitem__)
     states = [(v.process.host_pid, v.process.uuid, v.state) for v in views]
     assert states == [
@@ -132,7 +132,7 @@ async def test_monitor_events_once_and_metrics():
     mon = EnforcementMonitor(
         processes=lambda: [GpuProcess(U0, 2, 5 << 20), GpuProcess(U0, 3, 7 << 20)],
         containers=lambda: [MAIN],
-        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)],
+        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (7,))],
         on_unenforced=on_unenforced,
         attribute_fn={2: Attribution(POD, CID, 8), 3: Attribution("x", "", 1)}.__getitem__,
     )
@@ -145,7 +145,7 @@ async def test_monitor_events_once_and_metrics():
         "n",
         lambda: [MAIN],
         lambda: inv,
-        reader=lambda p: [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)],
+        reader=lambda p: [DeviceUsage(U0, 3000, 1.0, (7,))],
         processes=lambda: mon.snapshot,
     )
     text = generate_latest(make_registry(col)).decode()
@@ -168,18 +168,11 @@ def test_host_pid_from_region_and_shimcore_shapes():
         priority=0,
         generation=1,
         devices=(
-            shimcore.DeviceUsage(0, U0, 3000.0, 12.5, 30, 40, (shimcore.ProcessUsage(7, 4242, 10.0, 2.5),)),
+            shimcore.DeviceUsage(0, U0, 3000.0, 12.5, 30, (shimcore.ProcessUsage(7, 4242, 10.0, 2.5),)),
         ),
     )
     (row,) = adapt_region(ru)
-    assert (row.uuid, row.limit_mib, row.used_mib, row.pids, row.sm_util, row.host_pids) == (
-        U0,
-        3000,
-        12.5,
-        (7,),
-        40.0,
-        (4242,),
-    )
+    assert (row.uuid, row.limit_mib, row.used_mib, row.pids, row.host_pids) == (U0, 3000, 12.5, (7,), (4242,))
     # The agent-known host PID proves attachment even when the namespace PID is unknown.
     (v,) = classify(
         [GpuProcess(U0, 4242, 1)], [MAIN], {(POD, "main"): [row]}, lambda pid: Attribution(POD, CID, 0)

@@ -210,7 +210,7 @@ async def test_the_monitor_kills_records_an_event_and_the_exporter_counts_it(ten
     mon = EnforcementMonitor(
         processes=lambda: [GpuProcess(U0, tenant.pid, 1 << 30)],
         containers=lambda: [MAIN],
-        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)],  # PID 7 only: 8 escaped
+        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (7,))],  # PID 7 only: 8 escaped
         attribute_fn={tenant.pid: Attribution(POD, CID, 8)}.__getitem__,
         end_escapes=killer.end,
         on_killed=on_killed,
@@ -223,7 +223,7 @@ async def test_the_monitor_kills_records_an_event_and_the_exporter_counts_it(ten
                                                         "kvgpu shim (PID 8 is not attached to the shim)")]
 
     inv = NodeInventory("n", (Card(U0, 0, "NVIDIA H200", 143771, 132),), "nvml")
-    col = UsageCollector("n", lambda: [MAIN], lambda: inv, reader=lambda p: [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)],
+    col = UsageCollector("n", lambda: [MAIN], lambda: inv, reader=lambda p: [DeviceUsage(U0, 3000, 1.0, (7,))],
                          processes=lambda: mon.snapshot, backstop=killer.counts)
     text = generate_latest(make_registry(col)).decode()
     line = next(x for x in text.splitlines() if x.startswith("kvgpu_container_unenforced_kills_total{"))
@@ -512,7 +512,7 @@ async def test_the_monitor_gives_the_backstop_each_process_s_latest_sm_sample(te
     mon = EnforcementMonitor(
         processes=lambda: [GpuProcess(U0, tenant.pid, 1 << 30), GpuProcess(U0, 4242, 1 << 20)],
         containers=lambda: [MAIN],
-        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (8,), 10.0)],
+        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (8,))],
         attribute_fn={tenant.pid: Attribution(POD, CID, 8), 4242: Attribution(POD, CID, 9)}.__getitem__,
         utilization=lambda: {(U0, tenant.pid): 87.0},
         end_escapes=lambda views: seen.extend(views) or [],
@@ -549,7 +549,7 @@ async def test_the_monitor_gives_the_backstop_the_means_between_checks_when_it_p
     mon = EnforcementMonitor(
         processes=lambda: [GpuProcess(U0, tenant.pid, 1 << 30)],
         containers=lambda: [MAIN],
-        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (8,), 10.0)],
+        read_region=lambda uid, name: [DeviceUsage(U0, 3000, 1.0, (8,))],
         attribute_fn={tenant.pid: Attribution(POD, CID, 8)}.__getitem__,
         utilization=lambda: {(U0, tenant.pid): 0.0},  # idle in the latest sample, at the check
         sm_means=means,
@@ -630,7 +630,7 @@ def test_a_graphics_only_process_counts_for_memory_but_is_never_called_unenforce
     from kvgpu.agent.enforcement import classify
 
     gl = GpuProcess(U0, 4242, 5000 << 20, compute=False)
-    [v] = classify([gl], [MAIN], {(POD, "main"): [DeviceUsage(U0, 3000, 1.0, (7,), 10.0)]},
+    [v] = classify([gl], [MAIN], {(POD, "main"): [DeviceUsage(U0, 3000, 1.0, (7,))]},
                    {4242: Attribution(POD, CID, 8)}.__getitem__)
     assert v.state == "enforced" and v.container == MAIN and "graphics" in v.reason
 

@@ -92,6 +92,7 @@ def test_containers_of_pod():
 
 def test_limits_appear_before_cuda_then_usage(tmp_path):
     regions: dict[Path, list[DeviceUsage]] = {}
+    measured: dict[tuple[str, str, str], float] = {}
     reads: list[Path] = []
 
     def reader(path):
@@ -105,6 +106,7 @@ def test_limits_appear_before_cuda_then_usage(tmp_path):
         lambda: INV,
         reader=reader,
         region_root=str(tmp_path),
+        utilization=lambda: measured,
     )
     s = scrape(col)
     lab = {"namespace": "team", "pod": "nb", "container": "main", "device_uuid": U0}
@@ -116,7 +118,8 @@ def test_limits_appear_before_cuda_then_usage(tmp_path):
     assert value(s, "kvgpu_container_memory_limit_bytes", device_uuid=U1, device_index="1") == 2000 * 2**20
     assert reads == [tmp_path / "uid-1" / "main"]
     # The shim starts: usage from the region.
-    regions[tmp_path / "uid-1" / "main"] = [DeviceUsage(U0, 3000, 1024.5, (10, 11), 27.0)]
+    regions[tmp_path / "uid-1" / "main"] = [DeviceUsage(U0, 3000, 1024.5, (10, 11))]
+    measured[("uid-1", "main", U0)] = 27.0  # the agent's NVML samples
     s = scrape(col)
     assert value(s, "kvgpu_container_memory_used_bytes", **lab) == 1024.5 * 2**20
     assert value(s, "kvgpu_container_sm_utilization_percent", **lab) == 27
@@ -156,9 +159,9 @@ def test_reader_errors_do_not_break_scrape(tmp_path):
 
 def test_adapt_region_shapes():
     obj = SimpleNamespace(devices=[SimpleNamespace(uuid=U0, limit_mib=100, used_mib=5, pids=[1], sm_util=3)])
-    assert adapt_region(obj) == [DeviceUsage(U0, 100, 5.0, (1,), 3.0)]
+    assert adapt_region(obj) == [DeviceUsage(U0, 100, 5.0, (1,))]
     dicts = [{"uuid": U1, "limit_bytes": 2 * 2**20, "used_bytes": 2**20}]
-    assert adapt_region(dicts) == [DeviceUsage(U1, 2, 1.0, (), None)]
+    assert adapt_region(dicts) == [DeviceUsage(U1, 2, 1.0, ())]
     assert adapt_region(None) == []
 
 

@@ -143,7 +143,7 @@ def test_adapt_region_carries_the_kill_record():
         claim="team/nb-main",
         priority=0,
         generation=3,
-        devices=(shimcore.DeviceUsage(0, U0, 1000.0, 1232.0, 0, None, ()),),
+        devices=(shimcore.DeviceUsage(0, U0, 1000.0, 1232.0, 0, ()),),
         oom_kills=2,
         oom_last_pid=7,
         oom_last_dev=0,

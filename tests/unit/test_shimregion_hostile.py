@@ -34,8 +34,6 @@ def region(tmp_path: Path) -> Path:
 
 def test_a_well_formed_region_is_read_and_written(region: Path) -> None:
     assert sr.read_region(region).devices[0].uuid == UUID
-    assert sr.set_sm_util(region, UUID, 42)
-    assert sr.read_region(region).devices[0].sm_util == 42
     assert sr.set_host_pid(region, 8, 4242, 1234)
     assert [s.host_pid for s in sr.slot_identities(region)] == [4242]
 
@@ -44,7 +42,7 @@ def test_a_truncated_region_is_refused_not_read_past_its_end(region: Path) -> No
     os.truncate(region, 100)
     with pytest.raises(ValueError, match="smaller than"):
         sr.read_region(region)
-    assert not sr.set_sm_util(region, UUID, 42)
+    assert not sr.set_host_pid(region, 8, 4242, 1234)
     assert region.stat().st_size == 100  # nothing written
 
 
@@ -66,7 +64,7 @@ t.start()
 for _ in range(3000):
     try:
         sr.read_region(path)
-        sr.set_sm_util(path, {UUID!r}, 7)
+        sr.set_host_pid(path, 8, 4242, 1234)
     except ValueError:
         pass
 stop.append(1)
@@ -87,7 +85,7 @@ def test_a_fifo_in_place_of_the_region_does_not_block(region: Path) -> None:
             sr.read_region(region)
         except ValueError as e:
             done.append(e)
-        done.append(sr.set_sm_util(region, UUID, 42))
+        done.append(sr.set_host_pid(region, 8, 4242, 1234))
 
     t = threading.Thread(target=attempt, daemon=True)
     t.start()
@@ -113,4 +111,4 @@ def test_a_region_file_of_another_layout_is_refused(region: Path) -> None:
     region.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="version"):
         sr.read_region(region)
-    assert not sr.set_sm_util(region, UUID, 42)
+    assert not sr.set_host_pid(region, 8, 4242, 1234)

@@ -35,12 +35,14 @@ def _metrics(tmp_path: Path) -> str:
         _pod("infer", {"main": f"v1;claim=team/infer-main;priority=1;dev={U0},4000,50"}),
         _pod("idle", {"main": f"v1;claim=other/idle-main;priority=1;dev={U1},500,0"}, ns="other"),
     ]
-    regions = {tmp_path / "uid-train" / "main": [DeviceUsage(U0, 3000, 1024.0, (7,), 20.0),
-                                                 DeviceUsage(U1, 2000, 512.0, (7,), 5.0)],
-               tmp_path / "uid-train" / "side": [DeviceUsage(U1, 1000, 100.0, (9,), 10.0)],
-               tmp_path / "uid-infer" / "main": [DeviceUsage(U0, 4000, 3000.0, (3,), 45.0)]}
+    regions = {tmp_path / "uid-train" / "main": [DeviceUsage(U0, 3000, 1024.0, (7,)),
+                                                 DeviceUsage(U1, 2000, 512.0, (7,))],
+               tmp_path / "uid-train" / "side": [DeviceUsage(U1, 1000, 100.0, (9,))],
+               tmp_path / "uid-infer" / "main": [DeviceUsage(U0, 4000, 3000.0, (3,))]}
+    sm = {("uid-train", "main", U0): 20.0, ("uid-train", "main", U1): 5.0, ("uid-train", "side", U1): 10.0,
+          ("uid-infer", "main", U0): 45.0}
     col = UsageCollector("gpu-0", lambda: [c for p in pods for c in containers_of_pod(p)], lambda: INV,
-                         reader=regions.get, region_root=str(tmp_path))
+                         reader=regions.get, region_root=str(tmp_path), utilization=lambda: sm)
     return generate_latest(make_registry(col)).decode()
 
 

@@ -325,17 +325,7 @@ def set_region_host_pid(region_file: Path, inner_pid: int, host_pid: int, start_
     return shimregion.set_host_pid(region_file, inner_pid, host_pid, start_time)
 
 
-def set_region_sm_util(region_file: Path, uuid: str, percent: int) -> bool:
-    """Store the container's SM utilisation (percent, 0..100) of card ``uuid`` in its region's
-    ``sm_util`` (:func:`kvgpu.shimregion.set_sm_util`). Returns False if the file is not a region
-    or has no such card."""
-    from kvgpu import shimregion
-
-    return shimregion.set_sm_util(region_file, uuid, percent)
-
-
 HostPidWriter = Callable[[str, str, int, int], bool]  # (pod uid, container, inner pid, host pid)
-SmUtilWriter = Callable[[str, str, str, int], bool]  # (pod uid, container, card uuid, percent)
 
 PodEvent = Callable[[BoundContainer, str], Awaitable[None]]
 
@@ -360,7 +350,6 @@ class EnforcementMonitor:
     start_time_fn: Callable[[int], int | None] = proc_start_time
     host_pid_writer: HostPidWriter | None = None
     utilization: Callable[[], dict[tuple[str, int], float]] | None = None
-    sm_util_writer: SmUtilWriter | None = None
     #: per-process SM means between checks (polled every ``sample_s``): the views' ``sm_util``
     #: (else each process's latest sample from ``utilization``)
     sm_means: SmMeans | None = None
@@ -408,14 +397,6 @@ class EnforcementMonitor:
                 per = samples if means is None else means[0]
                 views = [replace(v, sm_util=per.get((v.process.uuid, v.process.host_pid), 0.0)) for v in views]
                 self.container_sm = _by_container(means[1] if means else {}, containers)
-                if self.sm_util_writer is not None:
-                    for (uid, name, uuid), pct in util.items():
-                        if regions.get((uid, name)) is None:
-                            continue
-                        try:
-                            self.sm_util_writer(uid, name, uuid, round(pct))
-                        except Exception as e:
-                            log.debug("could not write SM utilisation: %s", e)
             if self.host_pid_writer is not None:
                 for v in views:
                     if not (v.needs_host_pid and v.container and v.inner_pid):

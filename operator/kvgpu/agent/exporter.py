@@ -8,7 +8,7 @@ Sources:
   (HAMi's monitor only shows a container after CUDA initialised — #281, #1794).
 - **regions** — the shim's shared region of each container in
   ``<region_root>/<pod-uid>/<container>/``, read through an injectable reader (default
-  ``kvgpu.shimcore.read_region``): memory used, the limit the shim enforces, processes, SM use.
+  ``kvgpu.shimcore.read_region``): memory used, the limit the shim enforces, processes.
 - **inventory** — card index/model for labels and card-level series.
 
 Metrics (labels ``node, namespace, pod, container, claim, device_uuid, device_index`` for the
@@ -187,9 +187,9 @@ class UsageCollector(Collector):
             lv = [self.node, c.namespace, c.pod, c.container, c.claim, d.uuid, index.get(d.uuid, "")]
             u = usage.get(d.uuid)
             used = (u.used_mib * MIB) if u else 0.0
-            sm = u.sm_util if u and u.sm_util is not None else None
-            if sm is None:
-                sm = measured.get((c.pod_uid, c.container, d.uuid), 0.0)
+            # SM use from the agent's own NVML samples, never from the region: the container
+            # writes its region and could report any figure there.
+            sm = measured.get((c.pod_uid, c.container, d.uuid), 0.0)
             g["limit"].add_metric(lv, d.memory_mib * MIB)
             g["cores"].add_metric(lv, d.cores)
             g["used"].add_metric(lv, used)

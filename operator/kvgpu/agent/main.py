@@ -44,7 +44,6 @@ from .enforcement import (
     nvml_processes,
     proc_start_time,
     set_region_host_pid,
-    set_region_sm_util,
 )
 from .escapes import ACTIONS as ESCAPE_ACTIONS
 from .escapes import Backstop, Kill
@@ -293,7 +292,6 @@ class Agent:
             on_killed=self._killed_event,
             host_pid_writer=self._write_host_pid,
             utilization=lambda: util(uuids()),
-            sm_util_writer=self._write_sm_util,
             sm_means=SmMeans(lambda: polled(uuids()), attribute),
             interval_s=self.cfg.enforcement_s,
         )
@@ -325,13 +323,6 @@ class Agent:
         """The node's cards in ``hami-core`` pools: cores there are a share of the card's time."""
         inv = self.inventory()
         return {c.uuid for c in (inv.cards if inv else ()) if c.slicing is not None and c.slicing.mode == "hami-core"}
-
-    def _write_sm_util(self, pod_uid: str, container: str, uuid: str, percent: int) -> bool:
-        from pathlib import Path
-
-        return set_region_sm_util(
-            Path(self.cfg.region_root) / pod_uid / container / REGION_FILE, uuid, percent
-        )
 
     def _write_host_pid(self, pod_uid: str, container: str, inner_pid: int, host_pid: int) -> bool:
         from pathlib import Path

@@ -112,13 +112,12 @@ def pending_device_sets(containers: Iterable[BoundContainer]) -> list[list[str]]
 
 @dataclass(frozen=True)
 class DeviceUsage:
-    """One card's usage in a container's region. Memory in MiB, SM use in percent (None: unknown)."""
+    """One card's usage in a container's region. Memory in MiB."""
 
     uuid: str
     limit_mib: int
     used_mib: float
     pids: tuple[int, ...] = ()
-    sm_util: float | None = None
     host_pids: tuple[int, ...] = ()  # host PIDs of those processes where known (0s dropped)
 
 
@@ -172,7 +171,6 @@ def adapt_region(usage: Any) -> RegionRows:
             limit = int(b) // MIB
         if used is None and (b := _first(d, "used_bytes")) is not None:
             used = int(b) / MIB
-        sm = _first(d, "sm_util", "sm_utilization", "sm_percent")
         pids = _first(d, "pids", default=()) or ()
         procs = _first(d, "processes", default=()) or ()
         host = tuple(int(h) for p in procs if (h := _first(p, "host_pid", default=0)))
@@ -182,7 +180,6 @@ def adapt_region(usage: Any) -> RegionRows:
                 int(limit or 0),
                 float(used or 0),
                 tuple(int(p) for p in pids),
-                None if sm is None else float(sm),
                 host,
             )
         )
