@@ -93,8 +93,8 @@ async def test_agent_fills_host_pid_into_the_region(core, tmp_path):
             "team", "nb", "pod-uid-1", "main", "team/nb-main", 0, (BoundDevice(U0, 3000, 30),), True, "c" * 64
         )
 
-        def writer(uid, name, inner, host):
-            return set_region_host_pid(tmp_path / uid / name / "vgpu.region", inner, host, start)
+        def writer(c, inner, host):
+            return set_region_host_pid(tmp_path / c.pod_uid / c.container / "vgpu.region", inner, host, start)
 
         reader = default_reader()
         mon = EnforcementMonitor(

@@ -220,6 +220,73 @@ async def test_a_dra_claims_oom_kill_is_an_event_on_its_pod(tmp_path: Path, core
     assert msg.startswith("ResourceClaim team-a/a (container(s) warm,main): process 4242 ended")
 
 
+def consumer(name: str, uid: str, cid: str) -> dict[str, Any]:
+    """A pod using claim ``a`` by name, its ``main`` container created (runtime ID ``cid``)."""
+    p = pod(name, uid, "a", template=False)
+    p["status"]["containerStatuses"] = [{"name": "main", "containerID": f"containerd://{cid}"}]
+    return p
+
+
+async def test_a_dra_claims_containers_are_judged_by_the_backstop_on_the_claims_limit(tmp_path: Path,
+                                                                                     core: Any) -> None:
+    """Each container consuming a prepared claim is in the enforcement check with its own runtime
+    ID: its process outside the shim is unenforced and killed; the claim's memory is judged over
+    every consumer, 1800 + 1500 MiB in two pods against the claim's 3000 MiB, though each pod
+    alone is under it."""
+    from kvgpu.agent.enforcement import Attribution, EnforcementMonitor, GpuProcess
+
+    agent, api = agent_with_dra(tmp_path, {"a": rclaim("a", "uid-a", "30")})
+    (ra,) = await prepare(agent, ("a", "uid-a"))
+    c1, c2 = "ab" * 32, "cd" * 32
+    agent.pods.set_pod(consumer("trainer", "pod-1", c1))
+    agent.pods.set_pod(consumer("server", "pod-2", c2))
+    me = os.getpid()  # the process that joined the claim's region, as the shim would in main
+    attrs = {101: Attribution("pod-1", c1, me), 102: Attribution("pod-2", c2, me),
+             103: Attribution("pod-1", c1, 4321)}  # 103: PID 4321 of trainer/main, not in the region
+    nvml = [GpuProcess(U1, 101, 1800 * MIB), GpuProcess(U1, 102, 1500 * MIB), GpuProcess(U1, 103, 10 * MIB)]
+    signalled: list[int] = []
+    end = agent._make_escapes()
+    assert end is not None and agent.backstop is not None
+    agent.backstop.grace_s = 0.0
+    agent.backstop.attribute_fn = attrs.__getitem__
+    agent.backstop.start_time = lambda pid: 1000 + pid
+    agent.backstop.killer = lambda pid, start: signalled.append(pid) is None
+    h = open_region(core, ra)
+    try:
+        mon = EnforcementMonitor(processes=lambda: nvml, containers=agent._enforced_containers,
+                                 read_region=agent._read_region, read_dir=agent._read_dir,
+                                 attribute_fn=attrs.__getitem__, start_time_fn=lambda pid: 1000 + pid,
+                                 end_escapes=end, on_killed=agent._killed_event)
+        views = await mon.check()
+    finally:
+        close_region(core, h)
+    assert {v.process.host_pid: (v.state, v.container.pod if v.container else None) for v in views} == {
+        101: ("enforced", "trainer"), 102: ("enforced", "server"), 103: ("unenforced", "trainer")}
+    assert signalled == [103, 101]  # the escaped process, then the claim's largest
+    assert [(e[1], e[3]) for e in api.events] == [("trainer", "GPUUnenforcedKilled"), ("trainer", "GPUOverLimitKilled")]
+    assert "held 3300 MiB of card" in api.events[1][4]
+
+
+def test_sm_use_of_a_claims_containers_is_summed_for_the_claim() -> None:
+    """The cores rule judges a claim on the SM use of all its consumers: 20 + 25 % in two pods
+    is 45 % of the claim (one entry), a device plugin container stays its own."""
+    from kvgpu.agent.draregions import DraTenant, enforced_containers
+    from kvgpu.agent.enforcement import _by_container
+    from kvgpu.agent.usage import BoundContainer, BoundDevice
+
+    t = DraTenant("uid-a", claimstr.decode(f"v1;claim=team-a/a;priority=1;dev={U1},3000,30"),
+                  Path("/claims/uid-a/region"))
+    cs = enforced_containers([t], [consumer("trainer", "pod-1", "ab" * 32), consumer("server", "pod-2", "cd" * 32)])
+    assert [(c.pod, c.container, c.container_id[:2], c.region_dir) for c in cs] == [
+        ("trainer", "warm", "", "/claims/uid-a/region"), ("trainer", "main", "ab", "/claims/uid-a/region"),
+        ("server", "warm", "", "/claims/uid-a/region"), ("server", "main", "cd", "/claims/uid-a/region")]
+    own = BoundContainer("team-a", "nb", "pod-3", "main", "team-a/nb-main", 1, (BoundDevice(U1, 1000, 30),),
+                         True, "ef" * 32)
+    means = {(U1, "pod-1", "ab" * 32): 20.0, (U1, "pod-2", "cd" * 32): 25.0, (U1, "pod-3", "ef" * 32): 10.0}
+    out = {k: round(v, 1) for k, (_, v) in _by_container(means, [*cs, own]).items()}
+    assert out == {("", "/claims/uid-a/region", U1): 45.0, ("pod-3", "main", U1): 10.0}
+
+
 def test_consuming_containers_by_template_name_namespace_and_phase() -> None:
     assert consuming_containers(pod("p", "u", "a"), "team-a", "a") == ["warm", "main"]
     assert consuming_containers(pod("p", "u", "a", template=False), "team-a", "a") == ["warm", "main"]

@@ -13,7 +13,10 @@ namespace whose ``status.resourceClaimStatuses`` (a claim made from a template) 
 ``resources.claims`` reference that entry. The exporter and the OOM reporter see one
 :class:`~kvgpu.agent.usage.BoundContainer` per (claim, consuming pod), its ``container`` the
 consuming containers joined by ``,``, its ``region_dir`` the claim's region; a prepared claim no
-pod on the node consumes yet is one entry with empty ``pod``/``pod_uid``/``container``.
+pod on the node consumes yet is one entry with empty ``pod``/``pod_uid``/``container``. The
+enforcement check and its backstop see one entry per consuming container, with its runtime ID
+(:func:`enforced_containers`): a process is judged by its own container, and the claim's limit
+by everything the claim's region holds (:func:`kvgpu.agent.usage.limit_holder`).
 """
 
 from __future__ import annotations
@@ -120,6 +123,28 @@ def bound_containers(tenants: Iterable[DraTenant], pods: Iterable[Mapping[str, A
     return out
 
 
+def enforced_containers(tenants: Iterable[DraTenant], pods: Iterable[Mapping[str, Any]]
+                        ) -> list[BoundContainer]:
+    """One :class:`BoundContainer` per container that consumes a tenant, with its runtime ID from
+    the pod's status (``""`` before the kubelet created it) and the claim's ``region_dir``."""
+    pods = list(pods)
+    out = []
+    for t in tenants:
+        devices = tuple(BoundDevice(d.uuid, d.memory_mib, d.cores) for d in t.claim.devices)
+        for pod in pods:
+            names = consuming_containers(pod, t.namespace, t.name)
+            if not names:
+                continue
+            meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+            ids = {cs.get("name"): str(cs.get("containerID")).split("://", 1)[-1]
+                   for cs in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or [])
+                   if cs.get("containerID")}
+            out += [BoundContainer(t.namespace, str(meta.get("name", "")), str(meta.get("uid", "")), name,
+                                   t.claim.claim, t.claim.priority, devices, started=name in ids,
+                                   container_id=ids.get(name, ""), region_dir=str(t.region_dir)) for name in names]
+    return out
+
+
 class DraTenants:
     """The node's prepared DRA claims for the agent's loops. ``files()``: the DRA plugin's
     :class:`ClaimFiles` (``None`` without DRA); ``pods()``: the node's pods (API dicts)."""
@@ -141,6 +166,11 @@ class DraTenants:
         ts = self.tenants()
         return bound_containers(ts, self.pods()) if ts else []
 
+    def enforced(self) -> list[BoundContainer]:
+        """The enforcement check's DRA entries now: one per consuming container."""
+        ts = self.tenants()
+        return enforced_containers(ts, self.pods()) if ts else []
 
-__all__ = ["DraTenant", "DraTenants", "bound_containers", "consuming_containers", "prepared_tenants",
-           "schedule_sources"]
+
+__all__ = ["DraTenant", "DraTenants", "bound_containers", "consuming_containers", "enforced_containers",
+           "prepared_tenants", "schedule_sources"]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .usage import BoundContainer, DeviceUsage
+from .usage import BoundContainer, DeviceUsage, limit_holder
 
 log = logging.getLogger(__name__)
 
@@ -198,19 +198,21 @@ class SmMeans:
 
 def _by_container(means: Mapping[tuple[str, str, str], float], containers: Sequence[BoundContainer]
                   ) -> dict[tuple[str, str, str], tuple[BoundContainer, float]]:
-    """:class:`SmMeans`' (card, pod UID, container ID) means keyed by (pod UID, container name,
-    card), for the claimed containers (a cgroup without a container ID: the pod's only one)."""
+    """:class:`SmMeans`' (card, pod UID, container ID) means summed per :func:`limit_holder` and
+    card (``(pod UID, container name, card)``; a DRA claim's containers together), for the claimed
+    containers (a cgroup without a container ID: the pod's only one)."""
     by_id = {(c.pod_uid, c.container_id): c for c in containers if c.container_id}
     by_pod: dict[str, list[BoundContainer]] = {}
     for bc in containers:
         by_pod.setdefault(bc.pod_uid, []).append(bc)
-    out = {}
+    out: dict[tuple[str, str, str], tuple[BoundContainer, float]] = {}
     for (u, pod, cid), v in means.items():
         c = by_id.get((pod, cid))
         if c is None and not cid and len(by_pod.get(pod, ())) == 1:
             c = by_pod[pod][0]
         if c is not None:
-            out[(c.pod_uid, c.container, u)] = (c, v)
+            key = (*limit_holder(c), u)
+            out[key] = (c, min(100.0, out[key][1] + v) if key in out else v)
     return out
 
 
@@ -325,7 +327,7 @@ def set_region_host_pid(region_file: Path, inner_pid: int, host_pid: int, start_
     return shimregion.set_host_pid(region_file, inner_pid, host_pid, start_time)
 
 
-HostPidWriter = Callable[[str, str, int, int], bool]  # (pod uid, container, inner pid, host pid)
+HostPidWriter = Callable[[BoundContainer, int, int], bool]  # (container, inner pid, host pid)
 
 PodEvent = Callable[[BoundContainer, str], Awaitable[None]]
 
@@ -341,6 +343,9 @@ class EnforcementMonitor:
     processes: Callable[[], list[GpuProcess]]
     containers: Callable[[], list[BoundContainer]]
     read_region: Callable[[str, str], Sequence[DeviceUsage] | None]
+    #: the region rows of an entry with a ``region_dir`` (a DRA claim's; without it such entries
+    #: count as having no region)
+    read_dir: Callable[[str], Sequence[DeviceUsage] | None] | None = None
     on_unenforced: PodEvent | None = None
     #: the backstop (:meth:`kvgpu.agent.escapes.Backstop.end`): kills what escaped the shim or its
     #: limit in a snapshot and returns (process, why) of each; ``on_killed`` records an Event for each
@@ -373,7 +378,9 @@ class EnforcementMonitor:
             regions: dict[tuple[str, str], Sequence[DeviceUsage] | None] = {}
             for c in containers:
                 try:
-                    regions[(c.pod_uid, c.container)] = self.read_region(c.pod_uid, c.container)
+                    regions[(c.pod_uid, c.container)] = (
+                        (self.read_dir(c.region_dir) if self.read_dir is not None else None) if c.region_dir
+                        else self.read_region(c.pod_uid, c.container))
                 except Exception:
                     regions[(c.pod_uid, c.container)] = None
             views = [replace(v, start_time=self.start_time_fn(v.process.host_pid)) if v.container else v
@@ -405,9 +412,7 @@ class EnforcementMonitor:
                     if any(v.process.host_pid in r.host_pids for r in rows):
                         continue
                     try:
-                        if self.host_pid_writer(
-                            v.container.pod_uid, v.container.container, v.inner_pid, v.process.host_pid
-                        ):
+                        if self.host_pid_writer(v.container, v.inner_pid, v.process.host_pid):
                             self.host_pids_written += 1
                     except Exception as e:
                         log.debug("could not write host PID %d: %s", v.process.host_pid, e)

@@ -36,6 +36,11 @@ checks, so a relay of processes gains nothing. Only cards whose cores are a shar
 judged so (``hami-core`` pools): an MPS client's cores are a share of the SMs, which NVML counts
 as busy whenever any of them is. The window is longer than the memory grace: a gate running a
 tenant at its limit in windows is busier in some seconds than in others.
+
+**DRA claims.** A container that consumes a prepared DRA claim is judged as the device plugin's
+containers are (its own processes, its own unenforced streak), but its memory and cores are the
+claim's: every container of every pod consuming the claim counts against them together
+(:func:`~kvgpu.agent.usage.limit_holder`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .enforcement import Attribution, ProcessView, attribute, proc_start_time
-from .usage import BoundContainer
+from .usage import BoundContainer, limit_holder
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +117,7 @@ class Backstop:
     #: the cards whose cores are a share of time (``hami-core`` pools: the shim's gate); None =
     #: every card. On an MPS card a client's SMs are a share of the SMs, busy all the time.
     time_shared: Callable[[], set[str]] | None = None
-    #: (pod UID, container, card) -> (container, mean SM percent since the last check of every
+    #: (limit holder, card) -> (a container of it, mean SM percent since the last check of every
     #: process found in it, ended ones included; :attr:`EnforcementMonitor.container_sm`)
     container_sm: Callable[[], Mapping[tuple[str, str, str], tuple[BoundContainer, float]]] | None = None
     killer: Callable[[int, int], bool] = kill_pinned
@@ -126,13 +131,13 @@ class Backstop:
     _first_seen: dict[tuple[int, int], float] = field(default_factory=dict)
     #: (pod UID, container) -> since when every check saw some process of it unenforced
     _container_since: dict[tuple[str, str], float] = field(default_factory=dict)
-    #: (pod UID, container, card) -> (since when it is over its limit, when it was last seen over)
+    #: (limit holder, card) -> (since when it is over its limit, when it was last seen over)
     _over_since: dict[tuple[str, str, str], tuple[float, float]] = field(default_factory=dict)
     #: (host PID, start time) -> when the backstop killed it
     _killed: dict[tuple[int, int], float] = field(default_factory=dict)
     #: (pod UID, container) -> processes killed because the container used more SMs than its cores
     over_cores_kills: dict[tuple[str, str], int] = field(default_factory=dict)
-    #: (pod UID, container, card) -> since when it is in every check, and the (time, SM percent)
+    #: (limit holder, card) -> since when it is in every check, and the (time, SM percent)
     #: of its checks in the last cores_grace_s
     _cores_seen: dict[tuple[str, str, str], tuple[float, list[tuple[float, float]]]] = field(default_factory=dict)
 
@@ -186,11 +191,13 @@ class Backstop:
 
     def _groups(self, views: Sequence[ProcessView], cards: set[str] | None = None
                 ) -> dict[tuple[str, str, str], list[ProcessView]]:
-        """The claimed containers' processes per (pod UID, container, card) (``cards``: only those)."""
+        """The claimed containers' processes per limit holder and card (``cards``: only those): a
+        container's, or a DRA claim's, whose limit all its containers share
+        (:func:`~kvgpu.agent.usage.limit_holder`)."""
         groups: dict[tuple[str, str, str], list[ProcessView]] = {}
         for v in views:
             if v.container is not None and v.state != "foreign" and (cards is None or v.process.uuid in cards):
-                groups.setdefault((v.container.pod_uid, v.container.container, v.process.uuid), []).append(v)
+                groups.setdefault((*limit_holder(v.container), v.process.uuid), []).append(v)
         return groups
 
     def _end_over_limit(self, views: Sequence[ProcessView]) -> list[Kill]:

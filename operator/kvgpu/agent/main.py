@@ -203,6 +203,10 @@ class Agent:
 
         return self.reader(Path(self.cfg.region_root) / pod_uid / container)
 
+    def _read_dir(self, region_dir: str) -> Any:
+        """The region rows of a DRA claim's region directory."""
+        return self.reader(Path(region_dir))
+
     async def _unenforced_event(self, c: BoundContainer, message: str) -> None:
         pod_event = getattr(self.api, "pod_event", None)
         if pod_event is not None:
@@ -285,8 +289,9 @@ class Agent:
         util, polled = ProcessUtilization(nv), ProcessUtilization(nv)  # each keeps its own last sample time
         return EnforcementMonitor(
             processes=lambda: nvml_processes(nv, uuids()),
-            containers=self.pods.containers,
+            containers=self._enforced_containers,
             read_region=self._read_region,
+            read_dir=self._read_dir,
             on_unenforced=self._unenforced_event,
             end_escapes=self._make_escapes(),
             on_killed=self._killed_event,
@@ -314,7 +319,7 @@ class Agent:
             container_sm=lambda: self.enforcement.container_sm if self.enforcement is not None else {})
 
         def end(views: Sequence[ProcessView]) -> list[Kill]:
-            backstop.forget({(c.pod_uid, c.container) for c in self.pods.containers()})
+            backstop.forget({(c.pod_uid, c.container) for c in self._enforced_containers()})
             return backstop.end(views)
 
         return end
@@ -324,11 +329,14 @@ class Agent:
         inv = self.inventory()
         return {c.uuid for c in (inv.cards if inv else ()) if c.slicing is not None and c.slicing.mode == "hami-core"}
 
-    def _write_host_pid(self, pod_uid: str, container: str, inner_pid: int, host_pid: int) -> bool:
-        from pathlib import Path
+    def _enforced_containers(self) -> list[BoundContainer]:
+        """What the enforcement check judges: the device plugin's containers and each container
+        consuming a prepared DRA claim (its own entry, with its runtime ID)."""
+        return self.pods.containers() + self.dra_tenants.enforced()
 
-        path = Path(self.cfg.region_root) / pod_uid / container / REGION_FILE
-        return set_region_host_pid(path, inner_pid, host_pid, proc_start_time(host_pid))
+    def _write_host_pid(self, c: BoundContainer, inner_pid: int, host_pid: int) -> bool:
+        region = Path(c.region_dir) if c.region_dir else Path(self.cfg.region_root) / c.pod_uid / c.container
+        return set_region_host_pid(region / REGION_FILE, inner_pid, host_pid, proc_start_time(host_pid))
 
     def _region_files(self) -> list[Path]:
         """Every region this agent made: containers' (extender mode) and prepared DRA claims'."""

@@ -50,6 +50,13 @@ class BoundContainer:
     init: bool = False  # an init container (its slices count as the ledger counts init containers')
 
 
+def limit_holder(c: BoundContainer) -> tuple[str, str]:
+    """What a limit binds: ``(pod UID, container)``, or ``("", region_dir)`` for a DRA claim's
+    container, whose limits are the claim's, shared by every container of every pod that
+    consumes it (one region)."""
+    return ("", c.region_dir) if c.region_dir else (c.pod_uid, c.container)
+
+
 def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
     """The bound containers of one pod (API dict). Ended pods and bad claim strings give none.
 
