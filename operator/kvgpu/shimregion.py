@@ -110,6 +110,7 @@ class ProcessUsage:
     host_pid: int  # host PID if the agent filled it, else 0
     data_mib: float  # counted allocations
     overhead_mib: float  # context/module/pool overhead charged after NVML reconciliation
+    pidns: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of its /proc/<pid>/ns/pid; (0, 0): unknown
 
     @property
     def used_mib(self) -> float:
@@ -220,7 +221,8 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage:
             limit_mib=rd.limit / _MIB,
             used_mib=rd.used / _MIB,
             cores=rd.cores,
-            processes=tuple(ProcessUsage(s.pid, s.host_pid, s.data[d] / _MIB, s.overhead[d] / _MIB) for s in live),
+            processes=tuple(ProcessUsage(s.pid, s.host_pid, s.data[d] / _MIB, s.overhead[d] / _MIB,
+                                         (s.pidns_dev, s.pidns_ino)) for s in live),
             sched_joined_ns=rd.sched_joined_ns,
             sched_heartbeat_ns=rd.sched_heartbeat_ns,
             sched_busy_pm=rd.sched_busy_pm,

@@ -665,3 +665,26 @@ async def test_the_monitor_hands_the_backstop_each_container_s_polled_use() -> N
     means.sample()
     await mon.check()
     assert mon.container_sm == {(POD, "main", U0): (MAIN, 90.0)}
+
+
+def test_in_a_shared_claim_the_consumer_that_took_it_over_loses_a_process_not_its_neighbour(relay) -> None:
+    """Two pods share a DRA claim of 3000 MiB: the neighbour's one process holds 1400 MiB, the
+    other pod spreads 1800 MiB over two processes of 900. Over the limit, the process that goes
+    is one of the pod holding the most, though the neighbour's process is the largest."""
+    region = "/state/claims/uid-a/region"
+    shared = (BoundDevice(U0, 3000, 30),)
+    neighbour = BoundContainer("team", "a", "pod-a", "main", "team/a", 1, shared, True, "aa" * 32, region_dir=region)
+    taker = BoundContainer("team", "b", "pod-b", "main", "team/a", 1, shared, True, "bb" * 32, region_dir=region)
+    first, *others = [relay() for _ in range(3)]
+    attrs = {first.pid: Attribution("pod-a", "aa" * 32, 8)} | {p.pid: Attribution("pod-b", "bb" * 32, 9 + i)
+                                                               for i, p in enumerate(others)}
+    clock = Clock()
+    backstop = Backstop(grace_s=10.0, clock=clock, attribute_fn=attrs.get)
+    snapshot = [ProcessView(GpuProcess(U0, first.pid, 1400 << 20), "enforced", "", neighbour, "pod-a", 8)] + [
+        ProcessView(GpuProcess(U0, p.pid, 900 << 20), "enforced", "", taker, "pod-b", 9 + i)
+        for i, p in enumerate(others)]
+    assert backstop.end(snapshot) == []
+    clock.t += 10
+    [k] = backstop.end(snapshot)
+    assert k.view.container is taker and k.reason == OVER_LIMIT_KILLED
+    assert first.poll() is None and backstop.over_limit_kills == {("pod-b", "main"): 1}

@@ -230,9 +230,10 @@ def consumer(name: str, uid: str, cid: str) -> dict[str, Any]:
 async def test_a_dra_claims_containers_are_judged_by_the_backstop_on_the_claims_limit(tmp_path: Path,
                                                                                      core: Any) -> None:
     """Each container consuming a prepared claim is in the enforcement check with its own runtime
-    ID: its process outside the shim is unenforced and killed; the claim's memory is judged over
-    every consumer, 1800 + 1500 MiB in two pods against the claim's 3000 MiB, though each pod
-    alone is under it."""
+    ID: its process outside the shim is unenforced and killed, also when its PID is one attached
+    in another pod's PID namespace (the region records each slot's namespace); the claim's memory
+    is judged over every consumer, 1800 + 1500 MiB in two pods against the claim's 3000 MiB,
+    though each pod alone is under it."""
     from kvgpu.agent.enforcement import Attribution, EnforcementMonitor, GpuProcess
 
     agent, api = agent_with_dra(tmp_path, {"a": rclaim("a", "uid-a", "30")})
@@ -241,9 +242,13 @@ async def test_a_dra_claims_containers_are_judged_by_the_backstop_on_the_claims_
     agent.pods.set_pod(consumer("trainer", "pod-1", c1))
     agent.pods.set_pod(consumer("server", "pod-2", c2))
     me = os.getpid()  # the process that joined the claim's region, as the shim would in main
-    attrs = {101: Attribution("pod-1", c1, me), 102: Attribution("pod-2", c2, me),
-             103: Attribution("pod-1", c1, 4321)}  # 103: PID 4321 of trainer/main, not in the region
-    nvml = [GpuProcess(U1, 101, 1800 * MIB), GpuProcess(U1, 102, 1500 * MIB), GpuProcess(U1, 103, 10 * MIB)]
+    st = os.stat("/proc/self/ns/pid")
+    ns, other_ns = (st.st_dev, st.st_ino), (st.st_dev, st.st_ino + 1)
+    attrs = {101: Attribution("pod-1", c1, me, ns), 102: Attribution("pod-2", c2, me, ns),
+             103: Attribution("pod-1", c1, 4321, ns),  # PID 4321 of trainer/main: not in the region
+             104: Attribution("pod-2", c2, me, other_ns)}  # server's own PID `me`: not the attached one
+    nvml = [GpuProcess(U1, 101, 1800 * MIB), GpuProcess(U1, 102, 1500 * MIB), GpuProcess(U1, 103, 10 * MIB),
+            GpuProcess(U1, 104, 10 * MIB)]
     signalled: list[int] = []
     end = agent._make_escapes()
     assert end is not None and agent.backstop is not None
@@ -261,10 +266,48 @@ async def test_a_dra_claims_containers_are_judged_by_the_backstop_on_the_claims_
     finally:
         close_region(core, h)
     assert {v.process.host_pid: (v.state, v.container.pod if v.container else None) for v in views} == {
-        101: ("enforced", "trainer"), 102: ("enforced", "server"), 103: ("unenforced", "trainer")}
-    assert signalled == [103, 101]  # the escaped process, then the claim's largest
-    assert [(e[1], e[3]) for e in api.events] == [("trainer", "GPUUnenforcedKilled"), ("trainer", "GPUOverLimitKilled")]
-    assert "held 3300 MiB of card" in api.events[1][4]
+        101: ("enforced", "trainer"), 102: ("enforced", "server"), 103: ("unenforced", "trainer"),
+        104: ("unenforced", "server")}  # the same PID in another PID namespace is not attached
+    assert signalled == [103, 104, 101]  # the escaped processes, then the claim's largest
+    assert [(e[1], e[3]) for e in api.events] == [("trainer", "GPUUnenforcedKilled"), ("server", "GPUUnenforcedKilled"),
+                                                  ("trainer", "GPUOverLimitKilled")]
+    assert "held 3300 MiB of card" in api.events[2][4]
+    # the claim's series per consuming pod add up its containers' figures
+    col = UsageCollector(NODE, agent._claimed_containers, lambda: INV, reader=default_reader(),
+                         region_root=str(tmp_path / "regions"), processes=lambda: views,
+                         backstop=agent.backstop.counts)
+    lines = generate_latest(make_registry(col)).decode().splitlines()
+
+    def series(name: str, pod: str) -> float:
+        return value(next(x for x in lines if x.startswith(name + "{") and f'pod="{pod}"' in x))
+
+    assert series("kvgpu_container_nvml_memory_bytes", "trainer") == 1810 * MIB
+    assert series("kvgpu_container_unenforced_processes", "server") == 1
+    assert series("kvgpu_container_unenforced_kills_total", "trainer") == 1
+    assert series("kvgpu_container_over_limit_kills_total", "trainer") == 1
+
+
+def test_a_container_with_two_claims_is_judged_on_each_card_by_its_claim() -> None:
+    """A container consuming two claims (two cards, two regions) has an entry per claim: each
+    process is judged by the claim naming its card, not flagged for a card "its claim" lacks."""
+    from kvgpu.agent.draregions import DraTenant, enforced_containers
+    from kvgpu.agent.enforcement import Attribution, GpuProcess, classify
+    from kvgpu.agent.usage import DeviceUsage, limit_holder
+
+    u0 = INV.cards[0].uuid
+    ta = DraTenant("uid-a", claimstr.decode(f"v1;claim=team-a/a;priority=1;dev={U1},3000,30"), Path("/c/a/region"))
+    tb = DraTenant("uid-b", claimstr.decode(f"v1;claim=team-a/b;priority=1;dev={u0},2000,20"), Path("/c/b/region"))
+    p = consumer("trainer", "pod-1", "ab" * 32)
+    p["spec"]["resourceClaims"].append({"name": "gpu2", "resourceClaimName": "b"})
+    p["spec"]["containers"][0]["resources"]["claims"].append({"name": "gpu2"})
+    cs = [c for c in enforced_containers([ta, tb], [p]) if c.container == "main"]
+    assert [c.claim for c in cs] == ["team-a/a", "team-a/b"]
+    regions = {limit_holder(cs[0]): [DeviceUsage(U1, 3000, 1.0, (7,))],
+               limit_holder(cs[1]): [DeviceUsage(u0, 2000, 1.0, (7,))]}
+    views = classify([GpuProcess(U1, 11, MIB), GpuProcess(u0, 12, MIB)], cs, regions,
+                     lambda pid: Attribution("pod-1", "ab" * 32, 7))
+    assert [(v.state, v.container.claim if v.container else None) for v in views] == [
+        ("enforced", "team-a/a"), ("enforced", "team-a/b")]
 
 
 def test_sm_use_of_a_claims_containers_is_summed_for_the_claim() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import re
 import threading
@@ -62,6 +63,7 @@ class Attribution:
     pod_uid: str = ""
     container_id: str = ""
     inner_pid: int = 0
+    pidns: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of /proc/<pid>/ns/pid; (0, 0): unknown
 
 
 def attribute(host_pid: int, proc: str = "/proc") -> Attribution:
@@ -92,7 +94,12 @@ def attribute(host_pid: int, proc: str = "/proc") -> Attribution:
                 break
     except (OSError, ValueError):
         pass
-    return Attribution(pod_uid, container_id, inner)
+    try:
+        st = os.stat(base / "ns" / "pid")
+        ns = (st.st_dev, st.st_ino)
+    except OSError:
+        ns = (0, 0)
+    return Attribution(pod_uid, container_id, inner, ns)
 
 
 def nvml_processes(nvml: Any, uuids: Iterable[str]) -> list[GpuProcess]:
@@ -201,15 +208,16 @@ def _by_container(means: Mapping[tuple[str, str, str], float], containers: Seque
     """:class:`SmMeans`' (card, pod UID, container ID) means summed per :func:`limit_holder` and
     card (``(pod UID, container name, card)``; a DRA claim's containers together), for the claimed
     containers (a cgroup without a container ID: the pod's only one)."""
-    by_id = {(c.pod_uid, c.container_id): c for c in containers if c.container_id}
+    by_id: dict[tuple[str, str], list[BoundContainer]] = {}
     by_pod: dict[str, list[BoundContainer]] = {}
     for bc in containers:
         by_pod.setdefault(bc.pod_uid, []).append(bc)
+        if bc.container_id:
+            by_id.setdefault((bc.pod_uid, bc.container_id), []).append(bc)
     out: dict[tuple[str, str, str], tuple[BoundContainer, float]] = {}
     for (u, pod, cid), v in means.items():
-        c = by_id.get((pod, cid))
-        if c is None and not cid and len(by_pod.get(pod, ())) == 1:
-            c = by_pod[pod][0]
+        c = _entry(by_id.get((pod, cid)) or (by_pod.get(pod) if not cid and len(by_pod.get(pod, ())) == 1 else None),
+                   u)
         if c is not None:
             key = (*limit_holder(c), u)
             out[key] = (c, min(100.0, out[key][1] + v) if key in out else v)
@@ -241,27 +249,25 @@ def classify(
     regions: Mapping[tuple[str, str], Sequence[DeviceUsage] | None],
     attribute_fn: Callable[[int], Attribution] = attribute,
 ) -> list[ProcessView]:
-    """Classify each process. ``regions`` maps (pod UID, container name) to the region rows
-    (``None``: no region)."""
-    by_id: dict[tuple[str, str], BoundContainer] = {}
+    """Classify each process. ``regions`` maps each container's :func:`limit_holder` ((pod UID,
+    container name), or a DRA claim's region) to the region rows (``None``: no region)."""
+    by_id: dict[tuple[str, str], list[BoundContainer]] = {}
     by_pod: dict[str, list[BoundContainer]] = {}
     for bc in containers:
         by_pod.setdefault(bc.pod_uid, []).append(bc)
         if bc.container_id:
-            by_id[(bc.pod_uid, bc.container_id)] = bc
+            by_id.setdefault((bc.pod_uid, bc.container_id), []).append(bc)
     out = []
     for p in processes:
         a = attribute_fn(p.host_pid)
+        # a cgroup without a container ID (v1 layouts): the pod's one claimed container
+        c = _entry(by_id.get((a.pod_uid, a.container_id))
+                   or (by_pod.get(a.pod_uid, []) if len(by_pod.get(a.pod_uid, ())) == 1 and not a.container_id
+                       else None), p.uuid)
         if not p.compute:  # graphics only: counted (memory), never accused of escaping the shim
-            c = by_id.get((a.pod_uid, a.container_id))
-            if c is None and a.pod_uid in by_pod and len(by_pod[a.pod_uid]) == 1 and not a.container_id:
-                c = by_pod[a.pod_uid][0]
             state = "foreign" if c is None else "enforced"
             out.append(ProcessView(p, state, "graphics context only", c, a.pod_uid, a.inner_pid))
             continue
-        c = by_id.get((a.pod_uid, a.container_id))
-        if c is None and a.pod_uid in by_pod and len(by_pod[a.pod_uid]) == 1 and not a.container_id:
-            c = by_pod[a.pod_uid][0]  # cgroup without a container ID (v1 layouts): one claimed container
         if c is None:
             why = "pod without slices" if a.pod_uid else "not in a pod"
             out.append(ProcessView(p, "foreign", why, None, a.pod_uid, a.inner_pid))
@@ -271,7 +277,7 @@ def classify(
                 ProcessView(p, "unenforced", "uses a card its claim does not name", c, a.pod_uid, a.inner_pid)
             )
             continue
-        rows = regions.get((c.pod_uid, c.container))
+        rows = regions.get(limit_holder(c))
         if rows is None:
             out.append(
                 ProcessView(
@@ -289,7 +295,7 @@ def classify(
                 ProcessView(p, "enforced", "region lists no PIDs (unverified)", c, a.pod_uid, a.inner_pid)
             )
             continue
-        if a.inner_pid and a.inner_pid not in pids:
+        if a.inner_pid and (a.inner_pid not in pids or not _same_namespace(mine, a)):
             out.append(
                 ProcessView(
                     p,
@@ -303,6 +309,23 @@ def classify(
             continue
         out.append(ProcessView(p, "enforced", "", c, a.pod_uid, a.inner_pid, needs_host_pid=True))
     return out
+
+
+def _entry(entries: Sequence[BoundContainer] | None, uuid: str) -> BoundContainer | None:
+    """Of a container's entries (one per claim: a container may consume two DRA claims, or have
+    slices and a claim), the one naming card ``uuid``, else the first."""
+    if not entries:
+        return None
+    return next((c for c in entries if any(d.uuid == uuid for d in c.devices)), entries[0])
+
+
+def _same_namespace(rows: Sequence[DeviceUsage], a: Attribution) -> bool:
+    """Whether a slot of the region with ``a``'s inner PID is in ``a``'s PID namespace. A region
+    shared by several namespaces (a DRA claim of two pods, or a tenant's own nested namespace)
+    holds the same PID more than once: a PID 1 outside the shim must not pass for another
+    namespace's attached PID 1. Unknown namespaces (a slot or a process without one) match."""
+    recorded = [ns for r in rows for pid, ns in r.pid_namespaces if pid == a.inner_pid]
+    return not recorded or not any(a.pidns) or a.pidns in recorded
 
 
 def proc_start_time(pid: int, proc: str = "/proc") -> int | None:
@@ -377,12 +400,14 @@ class EnforcementMonitor:
             procs = self.processes()
             regions: dict[tuple[str, str], Sequence[DeviceUsage] | None] = {}
             for c in containers:
+                if limit_holder(c) in regions:
+                    continue  # a DRA claim's region, read for another of its containers
                 try:
-                    regions[(c.pod_uid, c.container)] = (
+                    regions[limit_holder(c)] = (
                         (self.read_dir(c.region_dir) if self.read_dir is not None else None) if c.region_dir
                         else self.read_region(c.pod_uid, c.container))
                 except Exception:
-                    regions[(c.pod_uid, c.container)] = None
+                    regions[limit_holder(c)] = None
             views = [replace(v, start_time=self.start_time_fn(v.process.host_pid)) if v.container else v
                      for v in classify(procs, containers, regions, self.attribute_fn)]
             if self.utilization is not None:
@@ -408,7 +433,7 @@ class EnforcementMonitor:
                 for v in views:
                     if not (v.needs_host_pid and v.container and v.inner_pid):
                         continue
-                    rows = regions.get((v.container.pod_uid, v.container.container)) or []
+                    rows = regions.get(limit_holder(v.container)) or []
                     if any(v.process.host_pid in r.host_pids for r in rows):
                         continue
                     try:

@@ -95,6 +95,19 @@ class Kill:
     reason: str  # the Event's reason: UNENFORCED_KILLED, OVER_LIMIT_KILLED or OVER_CORES_KILLED
 
 
+def _victims(vs: Sequence[ProcessView], size: Callable[[ProcessView], float]) -> list[ProcessView]:
+    """The order in which a group's processes go: the container holding the most first (of a DRA
+    claim's consumers, the one that took the claim over rather than a neighbour), and in it the
+    largest process first."""
+    held: dict[tuple[str, str], float] = {}
+    for v in vs:
+        assert v.container is not None
+        k = (v.container.pod_uid, v.container.container)
+        held[k] = held.get(k, 0.0) + size(v)
+    return sorted(vs, key=lambda v: (held[(v.container.pod_uid, v.container.container)] if v.container else 0.0,
+                                     size(v)), reverse=True)
+
+
 @dataclass
 class Backstop:
     """Kills processes seen unenforced for ``grace_s`` seconds or longer (counted per (pod UID,
@@ -220,7 +233,7 @@ class Backstop:
             if not self.over_limit or now - since[0] < self.grace_s:
                 continue
             held = used
-            for victim in sorted(vs, key=lambda v: v.process.used_bytes, reverse=True):
+            for victim in _victims(vs, lambda v: v.process.used_bytes):
                 if held <= (limit + self.slack_mib) * MIB:
                     break
                 if not self._kill(victim):
@@ -273,7 +286,7 @@ class Backstop:
             # the listed processes' own use, or the container's whole when that is more (a relay:
             # every process it has now goes, busiest first)
             busy = max(sum(v.sm_util or 0.0 for v in vs), used)
-            for victim in sorted(vs, key=lambda v: v.sm_util or 0.0, reverse=True):
+            for victim in _victims(vs, lambda v: v.sm_util or 0.0):
                 if busy <= most:
                     break
                 if not self._kill(victim):

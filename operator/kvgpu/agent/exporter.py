@@ -139,7 +139,7 @@ class UsageCollector(Collector):
             self._add_container(fams, c, index, measured, tally)
             for why, fam in fams.backstop.items() if self.backstop is not None else ():
                 fam.add_metric([self.node, c.namespace, c.pod, c.container, c.claim],
-                               killed.get(why, {}).get((c.pod_uid, c.container), 0))
+                               sum(killed.get(why, {}).get((c.pod_uid, n), 0) for n in _names(c)))
         yield from fams.g.values()
         yield fams.active
         yield fams.ooms
@@ -189,16 +189,16 @@ class UsageCollector(Collector):
             used = (u.used_mib * MIB) if u else 0.0
             # SM use from the agent's own NVML samples, never from the region: the container
             # writes its region and could report any figure there.
-            sm = measured.get((c.pod_uid, c.container, d.uuid), 0.0)
+            sm = min(100.0, sum(measured.get((c.pod_uid, n, d.uuid), 0.0) for n in _names(c)))
             g["limit"].add_metric(lv, d.memory_mib * MIB)
             g["cores"].add_metric(lv, d.cores)
             g["used"].add_metric(lv, used)
             g["sm"].add_metric(lv, sm)
             g["procs"].add_metric(lv, len(u.pids) if u else 0)
             if self.processes is not None:
-                k = (c.pod_uid, c.container, d.uuid)
-                g["unenforced"].add_metric(lv, tally.unenforced.get(k, 0))
-                g["nvml"].add_metric(lv, tally.nvml_mem.get(k, 0))
+                ks = [(c.pod_uid, n, d.uuid) for n in _names(c)]
+                g["unenforced"].add_metric(lv, sum(tally.unenforced.get(k, 0) for k in ks))
+                g["nvml"].add_metric(lv, sum(tally.nvml_mem.get(k, 0) for k in ks))
             if u is not None:
                 g["enforced"].add_metric(lv, u.limit_mib * MIB)
             if self.hami_compat:
@@ -298,6 +298,12 @@ class _ContainerFamilies:
                 labels=["node", "namespace", "pod", "container", "claim"]),
         }
         self.h = MonitorFamilies()
+
+
+def _names(c: BoundContainer) -> list[str]:
+    """The containers an entry stands for: one, or a DRA claim's consumers in one pod (joined by
+    ``,``; the enforcement check counts each on its own)."""
+    return c.container.split(",") if c.region_dir else [c.container]
 
 
 class _ProcessTally:

@@ -332,7 +332,12 @@ class Agent:
     def _enforced_containers(self) -> list[BoundContainer]:
         """What the enforcement check judges: the device plugin's containers and each container
         consuming a prepared DRA claim (its own entry, with its runtime ID)."""
-        return self.pods.containers() + self.dra_tenants.enforced()
+        try:
+            dra = self.dra_tenants.enforced()
+        except Exception as e:  # a claim unprepared while its files were listed: next pass
+            log.warning("DRA claims not read for the enforcement check: %s", e)
+            dra = []
+        return self.pods.containers() + dra
 
     def _write_host_pid(self, c: BoundContainer, inner_pid: int, host_pid: int) -> bool:
         region = Path(c.region_dir) if c.region_dir else Path(self.cfg.region_root) / c.pod_uid / c.container

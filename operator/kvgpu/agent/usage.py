@@ -126,6 +126,8 @@ class DeviceUsage:
     used_mib: float
     pids: tuple[int, ...] = ()
     host_pids: tuple[int, ...] = ()  # host PIDs of those processes where known (0s dropped)
+    #: (PID, PID namespace (st_dev, st_ino)) of those processes where the slot recorded it
+    pid_namespaces: tuple[tuple[int, tuple[int, int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,8 @@ def adapt_region(usage: Any) -> RegionRows:
         pids = _first(d, "pids", default=()) or ()
         procs = _first(d, "processes", default=()) or ()
         host = tuple(int(h) for p in procs if (h := _first(p, "host_pid", default=0)))
+        spaces = tuple((int(_first(p, "pid", default=0) or 0), (int(ns[0]), int(ns[1]))) for p in procs
+                       if (ns := _first(p, "pidns", default=None)) and any(ns))
         out.append(
             DeviceUsage(
                 str(_first(d, "uuid", default="")),
@@ -188,6 +192,7 @@ def adapt_region(usage: Any) -> RegionRows:
                 float(used or 0),
                 tuple(int(p) for p in pids),
                 host,
+                spaces,
             )
         )
     if not isinstance(usage, Sequence) and (kills := _first(usage, "oom_kills")) is not None:
