@@ -387,6 +387,15 @@ struct vgpu_batch {
 #ifndef VGPU_TRACK_EVERY /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
 #endif
+#ifndef VGPU_TRACK_UNDER_EVERY /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
+/* the same while the tenant's credit is within 1/VGPU_TRACK_UNDER_MARGIN of a full bucket (under
+ * its share, where the charge's precision decides nothing and the tracking's CPU time slows a
+ * launch-bound loop) */
+#define VGPU_TRACK_UNDER_EVERY VGPU_TRACK_EVERY
+#endif
+#ifndef VGPU_TRACK_UNDER_MARGIN
+#define VGPU_TRACK_UNDER_MARGIN 2
+#endif
 #define VGPU_GAP_SPAN_NS (5 * VGPU_MS) /* a tracked batch this long moves the gap ratio a quarter */
 struct vgpu_gate {
     int active;                 /* 0 = no gate: launches pass untouched */

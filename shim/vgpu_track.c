@@ -94,7 +94,13 @@ void vgpu_track_start(struct vgpu_gate *g, CUstream s)
     uint32_t x = g->track_rng ? g->track_rng : (uint32_t)vgpu_now_ns() | 1u;
     x ^= x << 13, x ^= x >> 17, x ^= x << 5;
     g->track_rng = x;
-    if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % VGPU_TRACK_EVERY)
+    uint32_t every = VGPU_TRACK_EVERY;
+    if (VGPU_TRACK_UNDER_EVERY != VGPU_TRACK_EVERY && !g->measure_only && g->len_ns) {
+        uint64_t now = vgpu_now_ns(), v = atomic_load_explicit(g->vt, memory_order_relaxed);
+        if (now > v && now - v >= g->burst_ns - g->burst_ns / VGPU_TRACK_UNDER_MARGIN)
+            every = VGPU_TRACK_UNDER_EVERY;
+    }
+    if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % every)
         return;
     if (!(g->tail[0] = vgpu_measure_event(g)))
         return;
