@@ -111,6 +111,7 @@ class ProcessUsage:
     data_mib: float  # counted allocations
     overhead_mib: float  # context/module/pool overhead charged after NVML reconciliation
     pidns: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of its /proc/<pid>/ns/pid; (0, 0): unknown
+    start_time: int = 0  # clock ticks since boot (/proc/<pid>/stat field 22); 0: unknown
 
     @property
     def used_mib(self) -> float:
@@ -222,7 +223,7 @@ def read_region(path: str | os.PathLike[str]) -> RegionUsage:
             used_mib=rd.used / _MIB,
             cores=rd.cores,
             processes=tuple(ProcessUsage(s.pid, s.host_pid, s.data[d] / _MIB, s.overhead[d] / _MIB,
-                                         (s.pidns_dev, s.pidns_ino)) for s in live),
+                                         (s.pidns_dev, s.pidns_ino), s.start_time) for s in live),
             sched_joined_ns=rd.sched_joined_ns,
             sched_heartbeat_ns=rd.sched_heartbeat_ns,
             sched_busy_pm=rd.sched_busy_pm,

@@ -55,7 +55,7 @@ def test_attribute_reads_names_that_are_not_utf8_and_cgroups_made_below_the_cont
     (d / "cgroup").write_bytes(f"{base}/cri-containerd-{CID}.scope/".encode() + b"\xff\xfe\n")
     (d / "status").write_bytes(b"Name:\t\xff\xfe\nState:\tR (running)\nNSpid:\t100\t8\n")
     (d / "stat").write_bytes(b"100 (\xff) ) R " + b" ".join(b"0" for _ in range(18)) + b" 4242 0\n")
-    assert attribute(100, str(tmp_path)) == Attribution(POD, CID, 8)
+    assert attribute(100, str(tmp_path)) == Attribution(POD, CID, 8, start_time=4242)
     assert proc_start_time(100, str(tmp_path)) == 4242
     write_proc(tmp_path, 101, f"{base}/cri-containerd-{CID}.scope/cri-containerd-{other}.scope\n", 9)
     assert attribute(101, str(tmp_path)) == Attribution(POD, CID, 9)  # the runtime's cgroup, not the child

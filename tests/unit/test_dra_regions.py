@@ -231,10 +231,11 @@ async def test_a_dra_claims_containers_are_judged_by_the_backstop_on_the_claims_
                                                                                      core: Any) -> None:
     """Each container consuming a prepared claim is in the enforcement check with its own runtime
     ID: its process outside the shim is unenforced and killed, also when its PID is one attached
-    in another pod's PID namespace (the region records each slot's namespace); the claim's memory
+    in another pod's PID namespace (the region records each slot's namespace and start time);
+    the claim's memory
     is judged over every consumer, 1800 + 1500 MiB in two pods against the claim's 3000 MiB,
     though each pod alone is under it."""
-    from kvgpu.agent.enforcement import Attribution, EnforcementMonitor, GpuProcess
+    from kvgpu.agent.enforcement import Attribution, EnforcementMonitor, GpuProcess, proc_start_time
 
     agent, api = agent_with_dra(tmp_path, {"a": rclaim("a", "uid-a", "30")})
     (ra,) = await prepare(agent, ("a", "uid-a"))
@@ -244,11 +245,15 @@ async def test_a_dra_claims_containers_are_judged_by_the_backstop_on_the_claims_
     me = os.getpid()  # the process that joined the claim's region, as the shim would in main
     st = os.stat("/proc/self/ns/pid")
     ns, other_ns = (st.st_dev, st.st_ino), (st.st_dev, st.st_ino + 1)
-    attrs = {101: Attribution("pod-1", c1, me, ns), 102: Attribution("pod-2", c2, me, ns),
-             103: Attribution("pod-1", c1, 4321, ns),  # PID 4321 of trainer/main: not in the region
-             104: Attribution("pod-2", c2, me, other_ns)}  # server's own PID `me`: not the attached one
+    start = proc_start_time(me)
+    assert start is not None
+    attrs = {101: Attribution("pod-1", c1, me, ns, start), 102: Attribution("pod-2", c2, me, ns, start),
+             103: Attribution("pod-1", c1, 4321, ns, start),  # PID 4321 of trainer/main: not in the region
+             # server's own PID `me`, not the attached one: another namespace, or (an agent without
+             # ptrace access, the namespace unknown) another start time
+             104: Attribution("pod-2", c2, me, other_ns, start), 105: Attribution("pod-2", c2, me, (0, 0), start + 1)}
     nvml = [GpuProcess(U1, 101, 1800 * MIB), GpuProcess(U1, 102, 1500 * MIB), GpuProcess(U1, 103, 10 * MIB),
-            GpuProcess(U1, 104, 10 * MIB)]
+            GpuProcess(U1, 104, 10 * MIB), GpuProcess(U1, 105, 10 * MIB)]
     signalled: list[int] = []
     end = agent._make_escapes()
     assert end is not None and agent.backstop is not None
@@ -267,11 +272,11 @@ async def test_a_dra_claims_containers_are_judged_by_the_backstop_on_the_claims_
         close_region(core, h)
     assert {v.process.host_pid: (v.state, v.container.pod if v.container else None) for v in views} == {
         101: ("enforced", "trainer"), 102: ("enforced", "server"), 103: ("unenforced", "trainer"),
-        104: ("unenforced", "server")}  # the same PID in another PID namespace is not attached
-    assert signalled == [103, 104, 101]  # the escaped processes, then the claim's largest
+        104: ("unenforced", "server"), 105: ("unenforced", "server")}  # the same PID, another process
+    assert signalled == [103, 104, 105, 101]  # the escaped processes, then the claim's largest
     assert [(e[1], e[3]) for e in api.events] == [("trainer", "GPUUnenforcedKilled"), ("server", "GPUUnenforcedKilled"),
-                                                  ("trainer", "GPUOverLimitKilled")]
-    assert "held 3300 MiB of card" in api.events[2][4]
+                                                  ("server", "GPUUnenforcedKilled"), ("trainer", "GPUOverLimitKilled")]
+    assert "held 3300 MiB of card" in api.events[3][4]
     # the claim's series per consuming pod add up its containers' figures
     col = UsageCollector(NODE, agent._claimed_containers, lambda: INV, reader=default_reader(),
                          region_root=str(tmp_path / "regions"), processes=lambda: views,
@@ -282,7 +287,7 @@ async def test_a_dra_claims_containers_are_judged_by_the_backstop_on_the_claims_
         return value(next(x for x in lines if x.startswith(name + "{") and f'pod="{pod}"' in x))
 
     assert series("kvgpu_container_nvml_memory_bytes", "trainer") == 1810 * MIB
-    assert series("kvgpu_container_unenforced_processes", "server") == 1
+    assert series("kvgpu_container_unenforced_processes", "server") == 2
     assert series("kvgpu_container_unenforced_kills_total", "trainer") == 1
     assert series("kvgpu_container_over_limit_kills_total", "trainer") == 1
 

@@ -64,6 +64,7 @@ class Attribution:
     container_id: str = ""
     inner_pid: int = 0
     pidns: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of /proc/<pid>/ns/pid; (0, 0): unknown
+    start_time: int = 0  # /proc/<pid>/stat field 22 (the same in every PID namespace); 0: unknown
 
 
 def attribute(host_pid: int, proc: str = "/proc") -> Attribution:
@@ -94,12 +95,12 @@ def attribute(host_pid: int, proc: str = "/proc") -> Attribution:
                 break
     except (OSError, ValueError):
         pass
-    try:
+    try:  # needs ptrace access (an agent without CAP_SYS_PTRACE: unknown); the start time does not
         st = os.stat(base / "ns" / "pid")
         ns = (st.st_dev, st.st_ino)
     except OSError:
         ns = (0, 0)
-    return Attribution(pod_uid, container_id, inner, ns)
+    return Attribution(pod_uid, container_id, inner, ns, proc_start_time(host_pid, proc) or 0)
 
 
 def nvml_processes(nvml: Any, uuids: Iterable[str]) -> list[GpuProcess]:
@@ -295,7 +296,7 @@ def classify(
                 ProcessView(p, "enforced", "region lists no PIDs (unverified)", c, a.pod_uid, a.inner_pid)
             )
             continue
-        if a.inner_pid and (a.inner_pid not in pids or not _same_namespace(mine, a)):
+        if a.inner_pid and (a.inner_pid not in pids or not _same_process(mine, a)):
             out.append(
                 ProcessView(
                     p,
@@ -319,13 +320,18 @@ def _entry(entries: Sequence[BoundContainer] | None, uuid: str) -> BoundContaine
     return next((c for c in entries if any(d.uuid == uuid for d in c.devices)), entries[0])
 
 
-def _same_namespace(rows: Sequence[DeviceUsage], a: Attribution) -> bool:
-    """Whether a slot of the region with ``a``'s inner PID is in ``a``'s PID namespace. A region
-    shared by several namespaces (a DRA claim of two pods, or a tenant's own nested namespace)
-    holds the same PID more than once: a PID 1 outside the shim must not pass for another
-    namespace's attached PID 1. Unknown namespaces (a slot or a process without one) match."""
-    recorded = [ns for r in rows for pid, ns in r.pid_namespaces if pid == a.inner_pid]
-    return not recorded or not any(a.pidns) or a.pidns in recorded
+def _same_process(rows: Sequence[DeviceUsage], a: Attribution) -> bool:
+    """Whether a slot of the region with ``a``'s inner PID is ``a``'s process: the same start
+    time and PID namespace where both sides know them. A region shared by several namespaces (a
+    DRA claim of two pods, or a tenant's own nested namespace) holds the same PID more than once:
+    a PID 1 outside the shim must not pass for another namespace's attached PID 1. The start time
+    settles it without ptrace access (the namespace needs it); a process started later cannot
+    take an attached one's start time. Rows without slot records match on the PID alone."""
+    slots = [(st, ns) for r in rows for pid, st, ns in r.slot_ids if pid == a.inner_pid]
+    if not slots:
+        return True
+    return any((not st or not a.start_time or st == a.start_time) and (not any(ns) or not any(a.pidns) or ns == a.pidns)
+               for st, ns in slots)
 
 
 def proc_start_time(pid: int, proc: str = "/proc") -> int | None:

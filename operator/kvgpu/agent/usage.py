@@ -50,6 +50,11 @@ class BoundContainer:
     init: bool = False  # an init container (its slices count as the ledger counts init containers')
 
 
+def _pair(v: Any) -> tuple[int, int]:
+    """A recorded PID namespace ``(st_dev, st_ino)``; ``(0, 0)`` when there is none."""
+    return (int(v[0]), int(v[1])) if v else (0, 0)
+
+
 def limit_holder(c: BoundContainer) -> tuple[str, str]:
     """What a limit binds: ``(pod UID, container)``, or ``("", region_dir)`` for a DRA claim's
     container, whose limits are the claim's, shared by every container of every pod that
@@ -126,8 +131,9 @@ class DeviceUsage:
     used_mib: float
     pids: tuple[int, ...] = ()
     host_pids: tuple[int, ...] = ()  # host PIDs of those processes where known (0s dropped)
-    #: (PID, PID namespace (st_dev, st_ino)) of those processes where the slot recorded it
-    pid_namespaces: tuple[tuple[int, tuple[int, int]], ...] = ()
+    #: (PID, start time, PID namespace (st_dev, st_ino)) of those processes, as their slots
+    #: recorded them (0 and (0, 0): not recorded)
+    slot_ids: tuple[tuple[int, int, tuple[int, int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -183,8 +189,8 @@ def adapt_region(usage: Any) -> RegionRows:
         pids = _first(d, "pids", default=()) or ()
         procs = _first(d, "processes", default=()) or ()
         host = tuple(int(h) for p in procs if (h := _first(p, "host_pid", default=0)))
-        spaces = tuple((int(_first(p, "pid", default=0) or 0), (int(ns[0]), int(ns[1]))) for p in procs
-                       if (ns := _first(p, "pidns", default=None)) and any(ns))
+        ids = tuple((int(_first(p, "pid", default=0) or 0), int(_first(p, "start_time", default=0) or 0),
+                     _pair(_first(p, "pidns", default=None))) for p in procs)
         out.append(
             DeviceUsage(
                 str(_first(d, "uuid", default="")),
@@ -192,7 +198,7 @@ def adapt_region(usage: Any) -> RegionRows:
                 float(used or 0),
                 tuple(int(p) for p in pids),
                 host,
-                spaces,
+                ids,
             )
         )
     if not isinstance(usage, Sequence) and (kills := _first(usage, "oom_kills")) is not None:
