@@ -178,3 +178,24 @@ def test_host_pid_from_region_and_shimcore_shapes():
         [GpuProcess(U0, 4242, 1)], [MAIN], {(POD, "main"): [row]}, lambda pid: Attribution(POD, CID, 0)
     )
     assert v.state == "enforced"
+
+
+def test_a_slot_is_its_process_by_namespace_and_in_a_shared_region_by_start_time() -> None:
+    """PID 7 is attached (slot: start time 500, namespace (3, 40)). Another namespace's PID 7 is
+    not that process. A start time that differs is another process only in a region several pods
+    write (a DRA claim's): in a container's own region it is what an honest process of a nested
+    PID namespace without its own /proc records, so it is not held against it."""
+    rows = [DeviceUsage(U0, 3000, 1.0, (7,), (), ((7, 500, (3, 40)),))]
+    shared = BoundContainer("team", "nb", POD, "main", "team/c", 1, (BoundDevice(U0, 3000, 30),), True, CID,
+                            region_dir="/claims/u/region")
+
+    def state(a: Attribution, c: BoundContainer = MAIN) -> str:
+        key = ("", c.region_dir) if c.region_dir else (POD, "main")
+        return classify([GpuProcess(U0, 9, 1)], [c], {key: rows}, lambda pid: a)[0].state
+
+    assert state(Attribution(POD, CID, 7, (3, 40), 500)) == "enforced"
+    assert state(Attribution(POD, CID, 7, (3, 41), 500)) == "unenforced"  # another namespace's PID 7
+    assert state(Attribution(POD, CID, 7, (0, 0), 501)) == "enforced"  # own region: start time not asked
+    assert state(Attribution(POD, CID, 7, (0, 0), 501), shared) == "unenforced"
+    assert state(Attribution(POD, CID, 7, (0, 0), 500), shared) == "enforced"
+    assert state(Attribution(POD, CID, 7, (0, 0), 0), shared) == "enforced"  # unknown: the PID decides

@@ -296,7 +296,7 @@ def classify(
                 ProcessView(p, "enforced", "region lists no PIDs (unverified)", c, a.pod_uid, a.inner_pid)
             )
             continue
-        if a.inner_pid and (a.inner_pid not in pids or not _same_process(mine, a)):
+        if a.inner_pid and (a.inner_pid not in pids or not _same_process(mine, a, shared=bool(c.region_dir))):
             out.append(
                 ProcessView(
                     p,
@@ -320,18 +320,20 @@ def _entry(entries: Sequence[BoundContainer] | None, uuid: str) -> BoundContaine
     return next((c for c in entries if any(d.uuid == uuid for d in c.devices)), entries[0])
 
 
-def _same_process(rows: Sequence[DeviceUsage], a: Attribution) -> bool:
-    """Whether a slot of the region with ``a``'s inner PID is ``a``'s process: the same start
-    time and PID namespace where both sides know them. A region shared by several namespaces (a
-    DRA claim of two pods, or a tenant's own nested namespace) holds the same PID more than once:
-    a PID 1 outside the shim must not pass for another namespace's attached PID 1. The start time
-    settles it without ptrace access (the namespace needs it); a process started later cannot
-    take an attached one's start time. Rows without slot records match on the PID alone."""
+def _same_process(rows: Sequence[DeviceUsage], a: Attribution, shared: bool) -> bool:
+    """Whether a slot of the region with ``a``'s inner PID is ``a``'s process: the same PID
+    namespace where both sides know it, and in a ``shared`` region (a DRA claim's, written by the
+    containers of several pods) the same start time where both know it. Such a region holds the
+    same PID once per pod: a PID 1 outside the shim must not pass for another pod's attached
+    PID 1, and the start time settles it without ptrace access to ``ns/pid`` (which the chart's
+    agent lacks). The start time is not asked of a container's own region: a process of a nested
+    PID namespace without its own ``/proc`` records the start time of the container's process of
+    its number, and an honest one would be killed. Rows without slot records match on the PID."""
     slots = [(st, ns) for r in rows for pid, st, ns in r.slot_ids if pid == a.inner_pid]
     if not slots:
         return True
-    return any((not st or not a.start_time or st == a.start_time) and (not any(ns) or not any(a.pidns) or ns == a.pidns)
-               for st, ns in slots)
+    return any((not shared or not st or not a.start_time or st == a.start_time)
+               and (not any(ns) or not any(a.pidns) or ns == a.pidns) for st, ns in slots)
 
 
 def proc_start_time(pid: int, proc: str = "/proc") -> int | None:
