@@ -185,7 +185,7 @@ def test_a_slot_is_its_process_by_namespace_and_in_a_shared_region_by_start_time
     not that process. A start time that differs is another process only in a region several pods
     write (a DRA claim's): in a container's own region it is what an honest process of a nested
     PID namespace without its own /proc records, so it is not held against it."""
-    rows = [DeviceUsage(U0, 3000, 1.0, (7,), (), ((7, 500, (3, 40)),))]
+    rows = [DeviceUsage(U0, 3000, 1.0, (7,), (), ((7, 500, (3, 40), 0),))]
     shared = BoundContainer("team", "nb", POD, "main", "team/c", 1, (BoundDevice(U0, 3000, 30),), True, CID,
                             region_dir="/claims/u/region")
 
@@ -199,3 +199,16 @@ def test_a_slot_is_its_process_by_namespace_and_in_a_shared_region_by_start_time
     assert state(Attribution(POD, CID, 7, (0, 0), 501), shared) == "unenforced"
     assert state(Attribution(POD, CID, 7, (0, 0), 500), shared) == "enforced"
     assert state(Attribution(POD, CID, 7, (0, 0), 0), shared) == "enforced"  # unknown: the PID decides
+
+
+def test_a_host_pid_left_in_a_slot_vouches_only_for_the_process_that_started_then() -> None:
+    """A slot keeps host PID 9 of a process killed before its slot was freed; host PID 9 now
+    belongs to a newcomer of the container that never loaded the shim (another start time, a
+    PID the region does not list): unenforced. The process the slot was written for is enforced."""
+    rows = [DeviceUsage(U0, 3000, 1.0, (7,), (9,), ((7, 500, (0, 0), 9),))]
+
+    def state(a: Attribution) -> str:
+        return classify([GpuProcess(U0, 9, 1)], [MAIN], {(POD, "main"): rows}, lambda pid: a)[0].state
+
+    assert state(Attribution(POD, CID, 7, (0, 0), 500)) == "enforced"
+    assert state(Attribution(POD, CID, 12, (0, 0), 900)) == "unenforced"

@@ -288,7 +288,7 @@ def classify(
             continue
         mine = [r for r in rows if r.uuid == p.uuid] or list(rows)
         pids = {pid for r in mine for pid in r.pids}
-        if p.host_pid in {h for r in mine for h in r.host_pids}:
+        if _host_slot(mine, p.host_pid, a):
             out.append(ProcessView(p, "enforced", "", c, a.pod_uid, a.inner_pid))
             continue
         if not pids:  # the region lists no PIDs at all: cannot tell, do not accuse
@@ -320,6 +320,16 @@ def _entry(entries: Sequence[BoundContainer] | None, uuid: str) -> BoundContaine
     return next((c for c in entries if any(d.uuid == uuid for d in c.devices)), entries[0])
 
 
+def _host_slot(rows: Sequence[DeviceUsage], host_pid: int, a: Attribution) -> bool:
+    """Whether a slot names ``host_pid`` for this very process: the agent writes a host PID only
+    after matching the slot's start time, so a slot left by a killed process whose host PID was
+    reused must not vouch for the newcomer (its start time differs)."""
+    starts = [st for r in rows for _, st, _, h in r.slot_ids if h == host_pid]
+    if starts:
+        return any(not st or not a.start_time or st == a.start_time for st in starts)
+    return host_pid in {h for r in rows for h in r.host_pids}  # rows without slot records
+
+
 def _same_process(rows: Sequence[DeviceUsage], a: Attribution, shared: bool) -> bool:
     """Whether a slot of the region with ``a``'s inner PID is ``a``'s process: the same PID
     namespace where both sides know it, and in a ``shared`` region (a DRA claim's, written by the
@@ -329,7 +339,7 @@ def _same_process(rows: Sequence[DeviceUsage], a: Attribution, shared: bool) -> 
     agent lacks). The start time is not asked of a container's own region: a process of a nested
     PID namespace without its own ``/proc`` records the start time of the container's process of
     its number, and an honest one would be killed. Rows without slot records match on the PID."""
-    slots = [(st, ns) for r in rows for pid, st, ns in r.slot_ids if pid == a.inner_pid]
+    slots = [(st, ns) for r in rows for pid, st, ns, _ in r.slot_ids if pid == a.inner_pid]
     if not slots:
         return True
     return any((not shared or not st or not a.start_time or st == a.start_time)

@@ -131,9 +131,9 @@ class DeviceUsage:
     used_mib: float
     pids: tuple[int, ...] = ()
     host_pids: tuple[int, ...] = ()  # host PIDs of those processes where known (0s dropped)
-    #: (PID, start time, PID namespace (st_dev, st_ino)) of those processes, as their slots
-    #: recorded them (0 and (0, 0): not recorded)
-    slot_ids: tuple[tuple[int, int, tuple[int, int]], ...] = ()
+    #: (PID, start time, PID namespace (st_dev, st_ino), host PID) of those processes, as their
+    #: slots recorded them (0 and (0, 0): not recorded)
+    slot_ids: tuple[tuple[int, int, tuple[int, int], int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,8 @@ def adapt_region(usage: Any) -> RegionRows:
         procs = _first(d, "processes", default=()) or ()
         host = tuple(int(h) for p in procs if (h := _first(p, "host_pid", default=0)))
         ids = tuple((int(_first(p, "pid", default=0) or 0), int(_first(p, "start_time", default=0) or 0),
-                     _pair(_first(p, "pidns", default=None))) for p in procs)
+                     _pair(_first(p, "pidns", default=None)), int(_first(p, "host_pid", default=0) or 0))
+                    for p in procs)
         out.append(
             DeviceUsage(
                 str(_first(d, "uuid", default="")),
