@@ -31,7 +31,7 @@ from kvgpu.core import claimstr
 
 from .draclaimfiles import REGION_DIR, ClaimFiles
 from .schedule import TenantSource
-from .usage import REGION_FILE, BoundContainer, BoundDevice
+from .usage import REGION_FILE, BoundContainer, BoundDevice, container_ids
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +135,7 @@ def enforced_containers(tenants: Iterable[DraTenant], pods: Iterable[Mapping[str
             names = consuming_containers(pod, t.namespace, t.name)
             if not names:
                 continue
-            meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-            ids = {cs.get("name"): str(cs.get("containerID")).split("://", 1)[-1]
-                   for cs in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or [])
-                   if cs.get("containerID")}
+            meta, ids = pod.get("metadata") or {}, container_ids(pod)
             out += [BoundContainer(t.namespace, str(meta.get("name", "")), str(meta.get("uid", "")), name,
                                    t.claim.claim, t.claim.priority, devices, started=name in ids,
                                    container_id=ids.get(name, ""), region_dir=str(t.region_dir)) for name in names]

@@ -410,6 +410,12 @@ class EnforcementMonitor:
     snapshot: list[ProcessView] = field(default_factory=list)
     _reported: set[tuple[str, str]] = field(default_factory=set)
 
+    def _rows(self, c: BoundContainer) -> Sequence[DeviceUsage] | None:
+        """``c``'s region rows: its own region, or its DRA claim's (none without ``read_dir``)."""
+        if not c.region_dir:
+            return self.read_region(c.pod_uid, c.container)
+        return self.read_dir(c.region_dir) if self.read_dir is not None else None
+
     async def check(self) -> list[ProcessView]:
         """Take one snapshot (NVML and /proc reads happen in a worker thread)."""
 
@@ -421,9 +427,7 @@ class EnforcementMonitor:
                 if limit_holder(c) in regions:
                     continue  # a DRA claim's region, read for another of its containers
                 try:
-                    regions[limit_holder(c)] = (
-                        (self.read_dir(c.region_dir) if self.read_dir is not None else None) if c.region_dir
-                        else self.read_region(c.pod_uid, c.container))
+                    regions[limit_holder(c)] = self._rows(c)
                 except Exception:
                     regions[limit_holder(c)] = None
             views = [replace(v, start_time=self.start_time_fn(v.process.host_pid)) if v.container else v

@@ -62,6 +62,15 @@ def limit_holder(c: BoundContainer) -> tuple[str, str]:
     return ("", c.region_dir) if c.region_dir else (c.pod_uid, c.container)
 
 
+def container_ids(pod: Mapping[str, Any]) -> dict[str, str]:
+    """Container name -> runtime ID (without the ``<runtime>://`` prefix) of the containers the
+    kubelet has created, init containers included (from the pod's status)."""
+    status = pod.get("status") or {}
+    return {cs.get("name"): str(cs.get("containerID")).split("://", 1)[-1]
+            for cs in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or [])
+            if cs.get("containerID")}
+
+
 def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
     """The bound containers of one pod (API dict). Ended pods and bad claim strings give none.
 
@@ -73,11 +82,7 @@ def containers_of_pod(pod: Mapping[str, Any]) -> list[BoundContainer]:
     if status.get("phase") in ("Succeeded", "Failed"):
         return []
     ann = meta.get("annotations") or {}
-    ids = {
-        cs.get("name"): str(cs.get("containerID")).split("://", 1)[-1]
-        for cs in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or [])
-        if cs.get("containerID")
-    }
+    ids = container_ids(pod)
     out = []
     inits = len(spec.get("initContainers") or [])
     for position, c in enumerate((spec.get("initContainers") or []) + (spec.get("containers") or [])):
