@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -112,3 +113,45 @@ def test_missing_workload_is_named(rendered: list[dict[str, Any]]) -> None:
     docs = [d for d in rendered if d["kind"] != "DaemonSet"]
     with pytest.raises(incluster.InClusterError, match="DaemonSet kvgpu-agent"):
         incluster.adapt_for_real_node(docs, V, b"")
+
+
+def test_the_adapted_workloads_host_ports_are_distinct(adapted: list[dict[str, Any]]) -> None:
+    # hostNetwork pods of one release on one node: a port two of them declare leaves one Pending
+    pods = [{"metadata": {"name": d["metadata"]["name"], "namespace": "kvgpu-system"},
+             "spec": d["spec"]["template"]["spec"]}
+            for d in adapted if d["kind"] in ("StatefulSet", "Deployment", "DaemonSet")]
+    held = incluster.host_ports(pods)
+    ports = [p for ps in held.values() for p in ps]
+    assert len(held) == 3 and len(ports) == 5 and len(set(ports)) == 5, held
+
+
+def test_host_ports_counts_host_network_container_ports_and_host_ports() -> None:
+    pods = [{"metadata": {"name": "a", "namespace": "x"},
+             "spec": {"hostNetwork": True, "containers": [{"ports": [{"containerPort": 9000}]}]}},
+            {"metadata": {"name": "b", "namespace": "x"},
+             "spec": {"containers": [{"ports": [{"containerPort": 80}, {"containerPort": 81, "hostPort": 8081}]}]}},
+            {"metadata": {"name": "c", "namespace": "x"}, "spec": {"containers": [{"ports": [{"containerPort": 80}]}]}}]
+    assert incluster.host_ports(pods) == {"x/a": [9000], "x/b": [8081]}
+
+
+def test_free_port_never_gives_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgpu.devcluster import cluster
+
+    picks = iter([41000, 41000, 41000, 41001])
+
+    class Sock:  # the kernel handing the same free port to successive asks
+        def __enter__(self) -> Sock:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            pass
+
+        def bind(self, addr: object) -> None:
+            self.port = next(picks)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(cluster, "_PORTS_GIVEN", set())
+    monkeypatch.setattr(cluster, "socket", SimpleNamespace(socket=Sock))
+    assert [cluster.free_port(), cluster.free_port()] == [41000, 41001]

@@ -55,10 +55,20 @@ def ensure_binaries() -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, never one this process was given before: the ports of
+    one system (an in-cluster install's five host ports, say) are distinct, where the kernel may
+    hand the same free port to two successive asks."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 def _b64(b: bytes) -> str:

@@ -325,7 +325,25 @@ def diagnose(cluster: Cluster, namespace: str = NAMESPACE, lines: int = 15) -> s
         logs = cluster.kubectl("logs", name, "-n", namespace, "--all-containers", f"--tail={lines}", check=False)
         out.append("  " + (logs.stdout or logs.stderr).strip().replace("\n", "\n  "))
     ev = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout
-    return "\n".join([*out, "events:", *ev.strip().splitlines()[-15:]])
+    every = cluster.kubectl("get", "pods", "-A", "-o", "json", check=False).stdout
+    held = host_ports(json.loads(every or '{"items": []}')["items"])
+    return "\n".join([*out, "events:", *ev.strip().splitlines()[-15:], "host ports held, every namespace:",
+                      *(f"- {pod}: {ports}" for pod, ports in held.items())])
+
+
+def host_ports(pods: Iterable[dict[str, Any]]) -> dict[str, list[int]]:
+    """``namespace/name`` of each pod (JSON objects) that holds host ports in the scheduler's view
+    (a hostNetwork pod's container ports, any pod's hostPorts), with those ports, sorted."""
+    held = {}
+    for pod in pods:
+        spec = pod.get("spec", {})
+        net = spec.get("hostNetwork", False)
+        ports = sorted({(p.get("hostPort") or p["containerPort"]) if net else p.get("hostPort", 0)
+                        for c in [*spec.get("initContainers", []), *spec.get("containers", [])]
+                        for p in c.get("ports", [])} - {0})
+        if ports:
+            held[f"{pod['metadata'].get('namespace')}/{pod['metadata']['name']}"] = ports
+    return held
 
 
 # ----- the real node -----------------------------------------------------------------------------
