@@ -328,7 +328,9 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
  * included. */
 #define LONG_KERNEL_NS 200000ull
 #define VGPU_CAL_NS (500 * VGPU_MS)     /* busy calibration interval */
+#ifndef VGPU_CAL_MIN_WAIT_NS /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_CAL_MIN_WAIT_NS (2 * VGPU_MS) /* ... taken in a wait, once the waits since the last add up to this */
+#endif
 #define VGPU_CAL_POINT_NS (25 * VGPU_MS) /* measured-time series: a point at most this often */
 #define VGPU_CAL_POINTS 128             /* ... kept (at least 3.2 s) */
 #define VGPU_CAL_MIN_WORK_NS (20 * VGPU_MS) /* measured GPU time a span needs to count */
@@ -585,6 +587,7 @@ struct vgpu_drv {
     CUresult (*ctx_push)(CUcontext);                          /* _v2 */
     CUresult (*ctx_pop)(CUcontext *);                         /* _v2 */
     CUresult (*primary_ctx_release)(CUdevice);               /* _v2 */
+    CUresult (*stream_get_ctx)(CUstream, CUcontext *);
     CUresult (*stream_is_capturing)(CUstream, int *);
     CUresult (*stream_query)(CUstream);
     CUresult (*event_create)(CUevent *, unsigned);

@@ -21,6 +21,12 @@
 /* Driver types only the hooks' signatures need (CUDA driver API reference, cuda.h 12/13). */
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct { /* cuLaunchCooperativeKernelMultiDevice's launches, one per device */
+    CUfunction function;
+    unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    CUstream hStream;
+    void **kernelParams;
+} CUDA_LAUNCH_PARAMS;
 
 #define VGPU_CUDA_HOOKS(X)                                                                               \
     X(H_GPA, cuGetProcAddress, "cuGetProcAddress", 11030, 0, CUresult,                                   \
@@ -72,8 +78,15 @@ typedef struct CUgraphNode_st *CUgraphNode;
     X(H_COOP_PTSZ, cuLaunchCooperativeKernel_ptsz, "cuLaunchCooperativeKernel", 9000, 1, CUresult,       \
       (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,       \
        void **))                                                                                         \
+    X(H_COOP_MULTI, cuLaunchCooperativeKernelMultiDevice, "cuLaunchCooperativeKernelMultiDevice", 9000, 0, \
+      CUresult, (CUDA_LAUNCH_PARAMS *, unsigned, unsigned))                                              \
     X(H_GRAPH, cuGraphLaunch, "cuGraphLaunch", 10000, 0, CUresult, (CUgraphExec, CUstream))              \
     X(H_GRAPH_PTSZ, cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, 1, CUresult, (CUgraphExec, CUstream))    \
+    /* the pre-4.0 launches (deprecated, still exported: parameters set by cuParamSet*) */            \
+    X(H_LAUNCH_V0, cuLaunch, "cuLaunch", 2000, 0, CUresult, (CUfunction))                                \
+    X(H_LAUNCHGRID, cuLaunchGrid, "cuLaunchGrid", 2000, 0, CUresult, (CUfunction, int, int))             \
+    X(H_LAUNCHGRID_ASYNC, cuLaunchGridAsync, "cuLaunchGridAsync", 2000, 0, CUresult,                     \
+      (CUfunction, int, int, CUstream))                                                                  \
     /* the CUDA < 3.2 ABI (32-bit sizes and pointers) */                                                 \
     X(H_ALLOC_V1, cuMemAlloc, "cuMemAlloc", 2000, 0, CUresult, (unsigned *, unsigned))                   \
     X(H_FREE_V1, cuMemFree, "cuMemFree", 2000, 0, CUresult, (unsigned))                                  \

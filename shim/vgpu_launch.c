@@ -4,7 +4,8 @@
  * a wait, a stream's destroy or capture, or a context's destroy: vgpu_waits.c).
  *
  * Launch hooks (cuLaunchKernel(_ptsz), cuLaunchKernelEx(_ptsz), cuLaunchCooperativeKernel
- * (_ptsz), cuGraphLaunch(_ptsz)) pass through vgpu_compute_gate; a graph launch then goes
+ * (_ptsz), cuLaunchCooperativeKernelMultiDevice, cuGraphLaunch(_ptsz), the pre-4.0 cuLaunch,
+ * cuLaunchGrid(Async)) pass through vgpu_compute_gate; a graph launch then goes
  * through vgpu_mem_graph_launch (graph memory, vgpu_mem_graph.c).
  */
 #include "vgpu_cuda.h"
@@ -361,6 +362,73 @@ VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsi
     vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
     CUresult rc = REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
     compute_after(s ? s : CU_STREAM_PER_THREAD);
+    return rc;
+}
+
+/* One launch of a multi-device launch, in its stream's context (the gate is the current
+ * context's card): before the driver (gate; *held = what it counted in flight) or after it
+ * (compute_after for that count). A context that cannot be made current: the caller's. */
+static void multi_one(CUstream s, int after, int *held)
+{
+    CUcontext c = NULL, prev = NULL;
+    int pushed = DRV->stream_get_ctx && DRV->ctx_push && DRV->ctx_pop &&
+                 DRV->stream_get_ctx(s, &c) == CUDA_SUCCESS && c && DRV->ctx_push(c) == CUDA_SUCCESS;
+    if (!after) {
+        vgpu_compute_gate(s);
+        *held = launch_in_flight;
+        launch_in_flight = 0;
+    } else {
+        launch_in_flight = *held;
+        compute_after(s);
+    }
+    if (pushed)
+        DRV->ctx_pop(&prev);
+}
+
+/* Deprecated since CUDA 11.3, still exported: a cooperative kernel on several devices, one
+ * launch per device (at most one per card, so at most VGPU_MAX_DEV). Each passes its card's
+ * gate; a longer list is refused before the driver sees it. */
+VGPU_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *l, unsigned n, unsigned flags)
+{
+    BROKEN_GUARD();
+    int held[VGPU_MAX_DEV] = {0};
+    int gated = vgpu.compute_limited && l;
+    if (gated && n > VGPU_MAX_DEV)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned i = 0; gated && i < n; i++)
+        multi_one(l[i].hStream, 0, &held[i]);
+    CUresult rc = REAL(H_COOP_MULTI, CUresult(*)(CUDA_LAUNCH_PARAMS *, unsigned, unsigned))(l, n, flags);
+    for (unsigned i = 0; gated && i < n; i++)
+        multi_one(l[i].hStream, 1, &held[i]);
+    return rc;
+}
+
+/* The pre-4.0 launches: the legacy stream (cuLaunch, cuLaunchGrid) or a stream; one block of a
+ * shape set by cuFuncSetBlockShape (cuLaunch), a grid of w x h blocks. */
+VGPU_API CUresult cuLaunch(CUfunction f)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(NULL);
+    CUresult rc = REAL(H_LAUNCH_V0, CUresult(*)(CUfunction))(f);
+    compute_after(NULL);
+    return rc;
+}
+
+VGPU_API CUresult cuLaunchGrid(CUfunction f, int w, int h)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(NULL);
+    CUresult rc = REAL(H_LAUNCHGRID, CUresult(*)(CUfunction, int, int))(f, w, h);
+    compute_after(NULL);
+    return rc;
+}
+
+VGPU_API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
+{
+    BROKEN_GUARD();
+    vgpu_compute_gate(s);
+    CUresult rc = REAL(H_LAUNCHGRID_ASYNC, CUresult(*)(CUfunction, int, int, CUstream))(f, w, h, s);
+    compute_after(s);
     return rc;
 }
 

@@ -144,6 +144,7 @@ static void bind_cuda(void)
     SYM(lib, ctx_push, "cuCtxPushCurrent_v2");
     SYM(lib, ctx_pop, "cuCtxPopCurrent_v2");
     SYM(lib, primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
+    SYM(lib, stream_get_ctx, "cuStreamGetCtx");
     SYM(lib, stream_is_capturing, "cuStreamIsCapturing");
     SYM(lib, stream_query, "cuStreamQuery");
     SYM(lib, event_create, "cuEventCreate");

@@ -429,7 +429,7 @@ def test_share_follows_the_limit(stub2ms) -> None:
         assert abs(got - target) <= 6, (target, got)
 
 
-@pytest.mark.parametrize("mode", ["ex", "coop", "graph", "ptsz", "gpa"])
+@pytest.mark.parametrize("mode", ["ex", "coop", "graph", "ptsz", "gpa", "launch0", "grid", "gridasync", "multi"])
 def test_every_launch_path_is_gated(stub2ms, mode) -> None:
     box = stub2ms
     native = rate(box, box.env(shim=False), mode, 1.0)

@@ -110,6 +110,11 @@ CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned,
 CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
 CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **);
 CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuLaunch(CUfunction);
+CUresult cuLaunchGrid(CUfunction, int, int);
+CUresult cuLaunchGridAsync(CUfunction, int, int, CUstream);
+typedef struct { CUfunction f; unsigned gx, gy, gz, bx, by, bz, shm; CUstream s; void **p; } launch_params;
+CUresult cuLaunchCooperativeKernelMultiDevice(launch_params *, unsigned, unsigned);
 CUresult cuStreamSynchronize(CUstream);
 CUresult cuCtxSynchronize(void);
 CUresult cuGetProcAddress(const char *, void **, int, unsigned long long);
@@ -320,6 +325,16 @@ static CUresult launch_once(const char *mode, CUfunction f)
         return cuLaunchCooperativeKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL);
     if (!strcmp(mode, "graph"))
         return cuGraphLaunch(NULL, NULL);
+    if (!strcmp(mode, "launch0"))
+        return cuLaunch(f);
+    if (!strcmp(mode, "grid"))
+        return cuLaunchGrid(f, 1, 1);
+    if (!strcmp(mode, "gridasync"))
+        return cuLaunchGridAsync(f, 1, 1, NULL);
+    if (!strcmp(mode, "multi")) {
+        launch_params l = {f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL};
+        return cuLaunchCooperativeKernelMultiDevice(&l, 1, 0);
+    }
     if (!strcmp(mode, "gpa")) {
         if (!gpa_launch) {
             int st;

@@ -551,6 +551,20 @@ API CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **p,
 API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { return cuLaunchKernelEx(cfg, f, p, x); }
 API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(s, a); }
 API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(s ? s : (CUstream)2, a); }
+API CUresult cuLaunch(CUfunction f) { return launch(NULL, 1); }
+API CUresult cuLaunchGrid(CUfunction f, int w, int h) { return launch(NULL, (unsigned)w); }
+API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s) { return launch(s, (unsigned)w); }
+typedef struct { CUfunction f; unsigned gx, gy, gz, bx, by, bz, shm; CUstream s; void **p; } stub_launch_params;
+/* one launch per entry, each on its stream (the stub has one card: entries in its context) */
+API CUresult cuLaunchCooperativeKernelMultiDevice(stub_launch_params *l, unsigned n, unsigned flags)
+{
+    if (!l || !n) return E_INVALID_VALUE;
+    for (unsigned i = 0; i < n; i++) {
+        CUresult rc = launch(l[i].s, l[i].gx);
+        if (rc) return rc;
+    }
+    return OK;
+}
 static int graph_mem_done;
 /* Graph memory nodes: the first launch of a graph reserves STUB_GRAPH_MEM_MIB in the driver's
  * graph pool, visible only through NVML per-process usage (as on a real driver). */
