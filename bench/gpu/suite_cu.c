@@ -8,6 +8,8 @@
  *   suite_cu spin ITERS SECS SYNC_EVERY     kernels of ITERS dependent FMAs, one 32-thread block
  *                                           per SM; sync every SYNC_EVERY kernels; ITERS 0:
  *                                           calibrate ITERS for a 100 ms kernel first
+ *   suite_cu spingrid ITERS SECS SYNC_EVERY the same through the pre-4.0 launch (cuFuncSetBlockShape,
+ *                                           cuParamSetv, cuLaunchGridAsync: deprecated, still exported)
  *   suite_cu ctx2 ITERS SECS                five kernels of ITERS FMAs (0: calibrated for 2 ms), one
  *                                           block per SM, in a second context, after a tiny kernel in
  *                                           the primary one, each round waited for (spin's output)
@@ -85,6 +87,10 @@ static CUresult (*p_cuModuleLoadData)(CUmodule *, const void *);
 static CUresult (*p_cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
 static CUresult (*p_cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     unsigned, CUstream, void **, void **);
+static CUresult (*p_cuFuncSetBlockShape)(CUfunction, int, int, int);
+static CUresult (*p_cuParamSetv)(CUfunction, int, void *, unsigned);
+static CUresult (*p_cuParamSetSize)(CUfunction, unsigned);
+static CUresult (*p_cuLaunchGridAsync)(CUfunction, int, int, CUstream);
 static CUresult (*p_cuEventCreate)(CUevent *, unsigned);
 static CUresult (*p_cuEventRecord)(CUevent, CUstream);
 static CUresult (*p_cuEventQuery)(CUevent);
@@ -115,6 +121,7 @@ static void resolve(void)
     R(cuLaunchKernel); R(cuEventCreate); R(cuEventRecord); R(cuEventQuery); R(cuEventSynchronize);
     R(cuEventElapsedTime); R(cuGraphCreate); R(cuGraphAddMemAllocNode); R(cuGraphInstantiateWithFlags);
     R(cuGraphLaunch); R(cuStreamSynchronize); R(cuStreamIsCapturing);
+    R(cuFuncSetBlockShape); R(cuParamSetv); R(cuParamSetSize); R(cuLaunchGridAsync);
 #undef R
 }
 
@@ -205,8 +212,20 @@ static int sm_count(void)
 
 /* ------------------------------------------------------------------ long kernels, small grid */
 
+static int legacy_launch; /* spingrid: spin's kernels through cuLaunchGridAsync */
+
 static CUresult spin_launch_on(CUfunction f, int grid, unsigned long long iters, CUdeviceptr out, CUstream s)
 {
+    if (legacy_launch) { /* the parameters as the pre-4.0 API sets them: bytes at their offsets */
+        CUresult rc = CALL(cuFuncSetBlockShape, f, 32, 1, 1);
+        if (!rc)
+            rc = CALL(cuParamSetv, f, 0, &iters, sizeof iters);
+        if (!rc)
+            rc = CALL(cuParamSetv, f, 8, &out, sizeof out);
+        if (!rc)
+            rc = CALL(cuParamSetSize, f, 16);
+        return rc ? rc : CALL(cuLaunchGridAsync, f, grid, 1, s);
+    }
     void *args[] = {&iters, &out};
     return CALL(cuLaunchKernel, f, grid, 1, 1, 32, 1, 1, 0, s, args, NULL);
 }
@@ -693,6 +712,8 @@ int main(int argc, char **argv)
     setvbuf(stdout, NULL, _IOFBF, 1 << 20);
     if (argc < 2) { fprintf(stderr, "usage: see the header of suite_cu.c\n"); return 2; }
     const char *cmd = argv[1];
+    if (!strcmp(cmd, "spingrid") && argc >= 5)
+        legacy_launch = 1, cmd = "spin";
     if (!strcmp(cmd, "spin") && argc >= 5)
         return cmd_spin(strtoull(argv[2], NULL, 0), atof(argv[3]), atol(argv[4]) > 0 ? atol(argv[4]) : 1);
     if (!strcmp(cmd, "ctx2") && argc >= 4)

@@ -79,7 +79,7 @@ def fake_wl(kind: str, secs: float, calib: str | None, ready: str | None, go: st
     t0 = time.time()
     time.sleep(secs)
     rate = {"gpt": 60, "conv": 40, "infer": 20, "graphs": 50, "compile": 80, "mm": 370, "streams": 70, "spin1": 10,
-            "spin10": 10, "spinctx2": 10, "spinptds": 10}[kind]
+            "spin10": 10, "spingrid1": 10, "spinctx2": 10, "spinptds": 10}[kind]
     n = int(rate * secs)
     res: dict[str, Any] = {"kind": kind, "unit": "units", "t0": t0, "t1": t0 + secs, "n": n, "its": n / secs,
                            "marks": [[round((i + 1) / rate, 4), i + 1] for i in range(n)], "pid": os.getpid()}

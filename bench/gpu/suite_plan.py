@@ -23,15 +23,16 @@ MIB = 1 << 20
 
 # id, kind (suite_wl.py kind, "spin1"/"spin10" for suite_cu spin, "spinctx2" for suite_cu ctx2:
 # 2 ms kernels in a second context after tiny ones in the first, "spinptds" for suite_cu ptds:
-# the same on two threads' per-thread default streams), limits (percent of the card). gpt at
-# 90 % wants less than its limit on every host seen (natively 36-79 % busy): a launch-bound
-# tenant under its share, which must keep its native speed.
+# the same on two threads' per-thread default streams, "spingrid1" for suite_cu spingrid), limits
+# (percent of the card). gpt at 90 % wants less than its limit on every host seen (natively
+# 36-79 % busy): a launch-bound tenant under its share, which must keep its native speed.
 SINGLES: list[tuple[str, str, list[int]]] = [
     ("gpt", "gpt", [30, 50, 90]),
     ("conv", "conv", [30]),
     ("infer", "infer", [30]),
     ("longk-sync1", "spin1", [10]),
     ("longk-sync10", "spin10", [10]),
+    ("longk-grid", "spingrid1", [10]),  # the same as longk-sync1 through the pre-4.0 cuLaunchGridAsync
     ("graphs", "graphs", [20]),
     ("compile", "compile", [30]),
     ("streams", "streams", [30]),
@@ -161,6 +162,6 @@ def cost(cfg: Config, kind: str, args: Any) -> float:
         return 8
     if kind == "single":
         k = args[1]
-        secs = cfg.secs * (1.5 if k in ("infer", "spin1", "spin10") else 1)
+        secs = cfg.secs * (1.5 if k in ("infer", "spin1", "spin10", "spingrid1") else 1)
         return secs + (3 if k.startswith("spin") else 6) + (20 if k == "compile" and args[2] == "native" else 0)
     return cfg.secs + 7

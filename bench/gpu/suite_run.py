@@ -170,6 +170,8 @@ class Runner:
             cmd = [self.cfg.py, str(HERE / "suite.py"), "--fake-wl", kind, str(secs)]
         elif kind in ("spinctx2", "spinptds"):
             return [self.cfg.suite_cu, kind[4:], str(int(calib or 0)), str(secs)]
+        elif kind == "spingrid1":
+            return [self.cfg.suite_cu, "spingrid", str(int(calib or 0)), str(secs), "1"]
         elif kind.startswith("spin"):
             return [self.cfg.suite_cu, "spin", str(int(calib or 0)), str(secs), kind[4:]]
         else:
@@ -251,7 +253,7 @@ class Runner:
 
     # -- one workload alone
     def single(self, ident: str, kind: str, mode: str, limit: int | None, calib: Any) -> dict[str, Any]:
-        secs = self.cfg.secs * (1.5 if kind in ("infer", "spin1", "spin10") else 1.0)
+        secs = self.cfg.secs * (1.5 if kind in ("infer", "spin1", "spin10", "spingrid1") else 1.0)
         name = slug(f"{ident}-{limit or 'none'}-{mode}")
         tag = name
         t = self.container(name, COMPUTE_MEM_MIB, limit or 0)
@@ -456,7 +458,7 @@ def _run_suite(cfg: Config, sampler: NvmlSampler, mps: MpsDaemon | None = None) 
                 else:
                     nat = native.get(ident, {}).get("result", {})
                     calib = nat.get("calib") if wk == "infer" else nat.get("iters") if wk.startswith("spin") else None
-                    if mode != "native" and wk in ("infer", "spin1", "spin10") and calib is None:
+                    if mode != "native" and wk in ("infer", "spin1", "spin10", "spingrid1") and calib is None:
                         calib = 30 if wk == "infer" else 0  # no native calibration: the workload calibrates
                     rec = runner.single(ident, wk, mode, lim, calib)
                     rec["id"] = rid
