@@ -387,17 +387,22 @@ static void multi_one(CUstream s, int after, int *held)
 
 /* Deprecated since CUDA 11.3, still exported: a cooperative kernel on several devices, one
  * launch per device (at most one per card, so at most VGPU_MAX_DEV). Each passes its card's
- * gate; a longer list is refused before the driver sees it. */
+ * gate; a longer list is refused before the driver sees it. The deprecated hooks answer
+ * CUDA_ERROR_NOT_FOUND where the driver no longer has the function (dlsym still names ours). */
 VGPU_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *l, unsigned n, unsigned flags)
 {
     BROKEN_GUARD();
+    typedef CUresult (*multi_fn)(CUDA_LAUNCH_PARAMS *, unsigned, unsigned);
+    multi_fn real = REAL(H_COOP_MULTI, multi_fn);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
     int held[VGPU_MAX_DEV] = {0};
     int gated = vgpu.compute_limited && l;
     if (gated && n > VGPU_MAX_DEV)
         return CUDA_ERROR_INVALID_VALUE;
     for (unsigned i = 0; gated && i < n; i++)
         multi_one(l[i].hStream, 0, &held[i]);
-    CUresult rc = REAL(H_COOP_MULTI, CUresult(*)(CUDA_LAUNCH_PARAMS *, unsigned, unsigned))(l, n, flags);
+    CUresult rc = real(l, n, flags);
     for (unsigned i = 0; gated && i < n; i++)
         multi_one(l[i].hStream, 1, &held[i]);
     return rc;
@@ -408,8 +413,11 @@ VGPU_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *l, un
 VGPU_API CUresult cuLaunch(CUfunction f)
 {
     BROKEN_GUARD();
+    CUresult (*real)(CUfunction) = REAL(H_LAUNCH_V0, CUresult(*)(CUfunction));
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_gate(NULL);
-    CUresult rc = REAL(H_LAUNCH_V0, CUresult(*)(CUfunction))(f);
+    CUresult rc = real(f);
     compute_after(NULL);
     return rc;
 }
@@ -417,8 +425,11 @@ VGPU_API CUresult cuLaunch(CUfunction f)
 VGPU_API CUresult cuLaunchGrid(CUfunction f, int w, int h)
 {
     BROKEN_GUARD();
+    CUresult (*real)(CUfunction, int, int) = REAL(H_LAUNCHGRID, CUresult(*)(CUfunction, int, int));
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_gate(NULL);
-    CUresult rc = REAL(H_LAUNCHGRID, CUresult(*)(CUfunction, int, int))(f, w, h);
+    CUresult rc = real(f, w, h);
     compute_after(NULL);
     return rc;
 }
@@ -426,8 +437,12 @@ VGPU_API CUresult cuLaunchGrid(CUfunction f, int w, int h)
 VGPU_API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
 {
     BROKEN_GUARD();
+    typedef CUresult (*grid_async_fn)(CUfunction, int, int, CUstream);
+    grid_async_fn real = REAL(H_LAUNCHGRID_ASYNC, grid_async_fn);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_gate(s);
-    CUresult rc = REAL(H_LAUNCHGRID_ASYNC, CUresult(*)(CUfunction, int, int, CUstream))(f, w, h, s);
+    CUresult rc = real(f, w, h, s);
     compute_after(s);
     return rc;
 }
