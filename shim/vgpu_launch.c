@@ -124,14 +124,36 @@ static inline void flight_begin(struct vgpu_gate *g)
     atomic_fetch_add(&g->inflight, 1);
 }
 
+/* The context this thread pushed for its current launch (launch_ctx), popped after the driver's
+ * return (compute_after): NULL = none. */
+static __thread CUcontext launch_pushed;
+
+/* The context a launch on s runs in, made current for it if it is not: a created stream's own
+ * (the driver takes a CUkernel launch's context from its stream, and the batch's events, made
+ * in the current context, cannot be recorded on another context's stream), else the current
+ * one. NULL where the driver cannot tell. */
+static CUcontext launch_ctx(CUstream s)
+{
+    CUcontext cur = NULL, own = NULL;
+    if (!DRV->ctx_get_current || DRV->ctx_get_current(&cur) != CUDA_SUCCESS)
+        return NULL;
+    if ((uintptr_t)s <= (uintptr_t)CU_STREAM_PER_THREAD || !DRV->stream_get_ctx || !DRV->ctx_push ||
+        !DRV->ctx_pop || DRV->stream_get_ctx(s, &own) != CUDA_SUCCESS || !own || own == cur)
+        return cur;
+    if (DRV->ctx_push(own) != CUDA_SUCCESS)
+        return cur;
+    launch_pushed = own;
+    return own;
+}
+
 /* 1 when the launch is counted (it passes), 0 when it is not gated (a capturing stream). */
 static int gate_slow(int d, CUstream s)
 {
     vgpu_symbols_bind();
     struct vgpu_gate *g = &vgpu.gate[d];
     vgpu_lock(&g->mu);
-    CUcontext ctx = NULL;
-    if (DRV->ctx_get_current && DRV->ctx_get_current(&ctx) == CUDA_SUCCESS)
+    CUcontext ctx = launch_ctx(s);
+    if (ctx)
         vgpu_measure_follow(g, ctx); /* a launch in another context: the gate follows it */
     /* its context is being destroyed by another thread: wait for the driver's return (bounded) */
     for (int i = 0; ctx && g->ctx_dying == (void *)ctx && i < VGPU_DYING_WAITS; i++) {
@@ -258,11 +280,24 @@ void vgpu_compute_gate(CUstream s)
     }
 }
 
-/* After a launch: long kernels close their one-launch batch right behind it. */
+static inline void compute_after_in_ctx(CUstream s);
+
+/* After a launch: long kernels close their one-launch batch right behind it; a context pushed
+ * for the launch (launch_ctx) is popped. */
 static inline void compute_after(CUstream s)
 {
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
+    compute_after_in_ctx(s);
+    if (__builtin_expect(launch_pushed != NULL, 0)) {
+        CUcontext popped = NULL;
+        launch_pushed = NULL;
+        DRV->ctx_pop(&popped);
+    }
+}
+
+static inline void compute_after_in_ctx(CUstream s)
+{
     /* It reached the driver: no longer in flight, once its tail (gap tracking) is recorded, so
      * that a close that sees none in flight also sees its tail. */
     int held = launch_in_flight;
@@ -368,17 +403,22 @@ VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsi
 /* One launch of a multi-device launch, in its stream's context (the gate is the current
  * context's card): before the driver (gate; *held = what it counted in flight) or after it
  * (compute_after for that count). A context that cannot be made current: the caller's. */
-static void multi_one(CUstream s, int after, int *held)
+struct multi_held {
+    int flight;         /* launch_in_flight of its gate */
+    CUcontext pushed;   /* launch_pushed of its gate */
+};
+
+static void multi_one(CUstream s, int after, struct multi_held *held)
 {
     CUcontext c = NULL, prev = NULL;
     int pushed = DRV->stream_get_ctx && DRV->ctx_push && DRV->ctx_pop &&
                  DRV->stream_get_ctx(s, &c) == CUDA_SUCCESS && c && DRV->ctx_push(c) == CUDA_SUCCESS;
     if (!after) {
         vgpu_compute_gate(s);
-        *held = launch_in_flight;
-        launch_in_flight = 0;
+        held->flight = launch_in_flight, held->pushed = launch_pushed;
+        launch_in_flight = 0, launch_pushed = NULL;
     } else {
-        launch_in_flight = *held;
+        launch_in_flight = held->flight, launch_pushed = held->pushed;
         compute_after(s);
     }
     if (pushed)
@@ -396,7 +436,7 @@ VGPU_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *l, un
     multi_fn real = REAL(H_COOP_MULTI, multi_fn);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
-    int held[VGPU_MAX_DEV] = {0};
+    struct multi_held held[VGPU_MAX_DEV] = {{0, NULL}};
     int gated = vgpu.compute_limited && l;
     if (gated && n > VGPU_MAX_DEV)
         return CUDA_ERROR_INVALID_VALUE;

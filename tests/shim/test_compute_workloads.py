@@ -361,6 +361,22 @@ def test_work_in_a_second_context_is_measured(card) -> None:
     assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
 
 
+def test_work_on_a_stream_of_another_context_is_measured(card) -> None:
+    """The same 2 ms kernels launched into a stream made in the second context while the
+    primary one stays current (the driver takes a CUkernel launch's context from its stream). The
+    batch's events, made in the current context, cannot be recorded on that stream: the launches
+    passed as work of a batch that could only be charged its estimate, 5 us each (98 % busy under
+    30 % on the stub). The gate now measures in the stream's own context."""
+    card.base_env.update(CUPROG_CTX2="1", CUPROG_CTX2_STREAM="1", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5",
+                         CUPROG_LEAD_KUS="5")
+    r = work(card, alone(card, 30, "ctx2-stream"), "sat", "3.2", "2000", "5")
+    print("2 ms kernels on a stream of a second context after 5 us kernels in the first, at 30 %:", r["busy"],
+          r["per_sec"])
+    assert r["rc"] == 0, r
+    assert 30 - 5 <= r["busy"] * 100 <= 30 + 4, r
+    assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
+
+
 def test_work_on_another_threads_per_thread_stream_is_measured(card) -> None:
     """`CU_STREAM_PER_THREAD` is one handle that names each thread's own stream (the stub gives
     each thread its own). After 5 us kernels, the main thread launches a 5 us kernel on its

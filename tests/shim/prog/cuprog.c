@@ -603,12 +603,23 @@ static int cmd_work(int argc, char **argv)
                     cuCtxSetCurrent(ctx_a);
                 rc = cuLaunchKernel(f, (unsigned)lead, 1, 1, 1, 1, 1, 0, sn, NULL, NULL);
             }
-            if (ctx_b)
+            /* CUPROG_CTX2_STREAM=1: the others on a stream made in the second context, the primary
+             * one staying current (a CUkernel launch takes its context from the stream) */
+            static CUstream sb;
+            static int via_stream = -1;
+            if (via_stream < 0)
+                via_stream = ctx_b && getenv("CUPROG_CTX2_STREAM") && *getenv("CUPROG_CTX2_STREAM") == '1';
+            if (via_stream && !sb && !rc && (cuCtxSetCurrent(ctx_b) || cuStreamCreate(&sb, 1) || cuCtxSetCurrent(ctx_a)))
+                rc = 994;
+            if (ctx_b && !via_stream)
                 cuCtxSetCurrent(ctx_b);
-            rc = rc ? rc : cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, sn, NULL, NULL);
-            if (++n % (a > 0 ? a : 1) == 0)
+            rc = rc ? rc : cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, via_stream ? sb : sn, NULL, NULL);
+            if (++n % (a > 0 ? a : 1) == 0) {
                 for (int i = side; i < (side ? ns : 1); i++)
                     work_sync(side ? st[i] : st[n % ns]);
+                if (via_stream)
+                    work_sync(sb);
+            }
         } else if (!strcmp(mode, "waitval")) {
             rc = cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, st[0], NULL, NULL);
             if (++n % (b > 0 ? b : 1) == 0)
