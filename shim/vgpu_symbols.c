@@ -6,7 +6,9 @@
  *     and LD_PRELOAD puts it first in the global scope.
  *  2. dlsym(handle, "cu..."/"nvml..."): the CUDA runtime and NVML users dlopen the driver and
  *     look names up; our dlsym answers hooked names with the wrapper. dlsym(RTLD_NEXT, ...)
- *     keeps its meaning: the search starts after the *caller's* object, not after ours.
+ *     keeps its meaning for every other name: the search starts after the *caller's* object,
+ *     not after ours; a hooked name found there (the driver's, for a library loaded after the
+ *     shim) is answered with the wrapper as well.
  *  3. cuGetProcAddress / cuGetProcAddress_v2 (CUDA >= 11.3 runtimes get every entry point
  *     this way): the real driver resolves the name for the requested cudaVersion and flags
  *     first; only if the pointer it returns is one of the ABI variants we wrap is it replaced
@@ -107,8 +109,18 @@ NO_SANITIZE VGPU_API void *dlsym(void *handle, const char *symbol)
     if (handle == RTLD_NEXT)
         return vgpu_real_dlsym(RTLD_NEXT, symbol);
 #endif
-    if (handle == RTLD_NEXT)
-        return next_after(__builtin_return_address(0), symbol);
+    if (handle == RTLD_NEXT) {
+        /* the next definition of a hooked name after a library loaded behind the shim is the
+         * driver's own: that caller gets the wrapper too, as through any other door */
+        void *p = next_after(__builtin_return_address(0), symbol);
+        void *h = p && symbol ? vgpu_hook_for(symbol) : NULL;
+        if (h && p != h) {
+            vgpu_init();
+            if (!vgpu.cfg.disabled)
+                return h;
+        }
+        return p;
+    }
     const char *sym = symbol;
     __asm__("" : "+r"(sym)); /* callers do pass NULL; keep the check the compiler would drop */
     if (sym && ((sym[0] == 'c' && symbol[1] == 'u') || strncmp(symbol, "nvml", 4) == 0)) {

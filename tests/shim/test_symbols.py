@@ -45,6 +45,46 @@ def test_rtld_next_of_a_later_interposer(box, tmp_path) -> None:
     assert p.returncode == 0 and p.stdout.strip() == "1", (p.returncode, p.stderr)
 
 
+LATER = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+/* A library loaded after libvgpu: RTLD_NEXT from here reaches the driver's definitions. */
+void *next_of(const char *name) { return dlsym(RTLD_NEXT, name); }
+"""
+
+NEXT_MAIN = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+int main(int argc, char **argv)
+{
+    if (argc < 2 || !dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL))
+        return 3;
+    void *(*next_of)(const char *) = (void *(*)(const char *))dlsym(RTLD_DEFAULT, "next_of");
+    void *shim = dlopen(argv[1], RTLD_NOW | RTLD_NOLOAD);
+    if (!next_of || !shim)
+        return 4;
+    void *launch = next_of("cuLaunchKernel"), *other = next_of("getppid");
+    printf("%d %d %d\n", launch == dlsym(shim, "cuLaunchKernel"), launch != NULL, other != NULL);
+    return 0;
+}
+"""
+
+
+def test_rtld_next_from_a_later_library_gets_the_launch_wrapper(box, tmp_path) -> None:
+    """A library loaded behind the shim asking dlsym(RTLD_NEXT, "cuLaunchKernel") found the
+    driver's own function, a launch that never passed the gate; it gets the wrapper, and other
+    names still resolve as RTLD_NEXT says."""
+    (tmp_path / "l.c").write_text(LATER)
+    (tmp_path / "m.c").write_text(NEXT_MAIN)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "l.so"), str(tmp_path / "l.c"), "-ldl"],
+                   check=True)
+    subprocess.run(["gcc", "-o", str(tmp_path / "m"), str(tmp_path / "m.c"), "-ldl"], check=True)
+    env = box.env(claim((0, 1000, 25)))
+    env["LD_PRELOAD"] = f"{box.kit.lib} {tmp_path / 'l.so'}"
+    p = subprocess.run([str(tmp_path / "m"), str(box.kit.lib)], env=env, capture_output=True, text=True, timeout=20)
+    assert p.returncode == 0 and p.stdout.split() == ["1", "1", "1"], (p.returncode, p.stdout, p.stderr)
+
+
 def test_ptds_launch_through_getprocaddress_is_gated(box) -> None:
     box.base_env["STUB_KERNEL_US"] = "2000"
     native = box.json("launch", "ptsz", "1", "20", env=box.env(shim=False))[0]["rate"]
