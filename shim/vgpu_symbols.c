@@ -109,11 +109,13 @@ NO_SANITIZE VGPU_API void *dlsym(void *handle, const char *symbol)
     if (handle == RTLD_NEXT)
         return vgpu_real_dlsym(RTLD_NEXT, symbol);
 #endif
+    const char *sym = symbol;
+    __asm__("" : "+r"(sym)); /* callers do pass NULL; keep the checks the compiler would drop */
     if (handle == RTLD_NEXT) {
         /* the next definition of a hooked name after a library loaded behind the shim is the
          * driver's own: that caller gets the wrapper too, as through any other door */
         void *p = next_after(__builtin_return_address(0), symbol);
-        void *h = p && symbol ? vgpu_hook_for(symbol) : NULL;
+        void *h = p && sym ? vgpu_hook_for(sym) : NULL;
         if (h && p != h) {
             vgpu_init();
             if (!vgpu.cfg.disabled)
@@ -121,8 +123,6 @@ NO_SANITIZE VGPU_API void *dlsym(void *handle, const char *symbol)
         }
         return p;
     }
-    const char *sym = symbol;
-    __asm__("" : "+r"(sym)); /* callers do pass NULL; keep the check the compiler would drop */
     if (sym && ((sym[0] == 'c' && symbol[1] == 'u') || strncmp(symbol, "nvml", 4) == 0)) {
         void *h = vgpu_hook_for(symbol);
         if (h) {
