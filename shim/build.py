@@ -44,6 +44,7 @@ LIB_SOURCES = [
     "vgpu_cuda_mem.c",
     "vgpu_mem_table.c",
     "vgpu_mem_array.c",
+    "vgpu_mem_vmm.c",
     "vgpu_mem_graph.c",
     "vgpu_mem_ctx.c",
     "vgpu_launch.c",

@@ -319,30 +319,3 @@ VGPU_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s)
     BROKEN_GUARD();
     return free_async(H_FREEASYNC_PTSZ, p, s);
 }
-
-/* ------------------------------------------------------------------ virtual memory (VMM) */
-
-VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
-                              unsigned long long flags)
-{
-    BROKEN_GUARD();
-    vgpu_fn_cuMemCreate real = REAL_FN(cuMemCreate);
-    if (mode() != M_LIMITED || !prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
-        return real(h, size, prop, flags);
-    int d = vgpu_map_cuda_device(prop->location.id);
-    if (vgpu_charge(d, size))
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = real(h, size, prop, flags);
-    return vgpu_alloc_end(rc, h != NULL, K_HANDLE, rc == CUDA_SUCCESS && h ? *h : 0, size, d);
-}
-
-VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
-{
-    BROKEN_GUARD();
-    vgpu_fn_cuMemRelease real = REAL_FN(cuMemRelease);
-    uint64_t size;
-    int d;
-    if (!vgpu_release_begin(K_HANDLE, h, &size, &d))
-        return real(h);
-    return vgpu_release_end(real(h), K_HANDLE, h, size, d);
-}

@@ -52,6 +52,11 @@ typedef struct { /* cuLaunchCooperativeKernelMultiDevice's launches, one per dev
     X(H_CREATE, cuMemCreate, "cuMemCreate", 10020, 0, CUresult,                                          \
       (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long))         \
     X(H_RELEASE, cuMemRelease, "cuMemRelease", 10020, 0, CUresult, (CUmemGenericAllocationHandle))       \
+    X(H_MEMMAP, cuMemMap, "cuMemMap", 10020, 0, CUresult,                                               \
+      (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))                  \
+    X(H_MEMUNMAP, cuMemUnmap, "cuMemUnmap", 10020, 0, CUresult, (CUdeviceptr, size_t))                   \
+    X(H_MEMRETAIN, cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle", 11000, 0, CUresult,       \
+      (CUmemGenericAllocationHandle *, void *))                                                          \
     X(H_ARRAY, cuArrayCreate_v2, "cuArrayCreate", 3020, 0, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *)) \
     X(H_ARRAY3D, cuArray3DCreate_v2, "cuArray3DCreate", 3020, 0, CUresult,                               \
       (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                                                      \

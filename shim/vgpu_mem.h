@@ -1,7 +1,8 @@
 /*
  * vgpu_mem.h - what the memory units share: the allocation table, charging and the steps every
  * create and free path ends with (vgpu_mem_table.c). Internal to the memory units:
- *   vgpu_cuda_mem.c   memory info, linear, stream-ordered and VMM allocations (the accounting rule)
+ *   vgpu_cuda_mem.c   memory info, linear and stream-ordered allocations (the accounting rule)
+ *   vgpu_mem_vmm.c    VMM handles (cuMemCreate) and their mappings
  *   vgpu_mem_array.c  arrays and mipmapped arrays
  *   vgpu_mem_graph.c  graph memory nodes
  *   vgpu_mem_ctx.c    contexts and their limits
@@ -20,6 +21,10 @@ enum {
     K_LIMBASE = 12,     /* + CU_LIMIT_*: the driver's value before our first change */
     K_GPEND = 32,       /* + region device: graph memory of an exec, known, not yet charged */
     K_GCHG = 48,        /* + region device: graph memory of an exec, charged */
+    K_HMAPS = 64,       /* a tracked VMM handle: its live mappings (vgpu_mem_vmm.c) */
+    K_HREFS = 65,       /* ... its references (absent: the create's one) */
+    K_MAPLEN = 66,      /* a mapping's address: its length */
+    K_MAPH = 67,        /* ... its handle */
     K_TOMB = -1
 };
 

@@ -18,8 +18,10 @@ import pytest
 
 from .conftest import MIB, claim, uuid
 
-PATHS = ["alloc", "managed", "pitch", "async", "pool", "vmm", "array", "array3d", "mipmap", "gpa",
-         "gpa_v1", "dlsym", "v1abi", "pitch_v1", "array_v1", "array3d_v1"]
+# vmmmapped: each handle released while still mapped; vmmretained: released, retained from its
+# mapping, unmapped (the driver keeps the memory of both)
+PATHS = ["alloc", "managed", "pitch", "async", "pool", "vmm", "vmmmapped", "vmmretained", "array", "array3d",
+         "mipmap", "gpa", "gpa_v1", "dlsym", "v1abi", "pitch_v1", "array_v1", "array3d_v1"]
 CHUNK = 64 * MIB
 
 

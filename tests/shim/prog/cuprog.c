@@ -98,6 +98,10 @@ CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuDeviceGetDefaultMemPool(void **, CUdevice);
 CUresult cuMemCreate(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
 CUresult cuMemRelease(CUmemGenericAllocationHandle);
+CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+CUresult cuMemUnmap(CUdeviceptr, size_t);
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *, void *);
 CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
 CUresult cuArray3DCreate_v2(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
 CUresult cuArrayDestroy(CUarray);
@@ -144,7 +148,7 @@ static CUdevice setup(int ord)
     return d;
 }
 
-struct held { int kind; unsigned long long v; };
+struct held { int kind; unsigned long long v; size_t size; };
 
 static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct held *h)
 {
@@ -231,6 +235,36 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
         CUmemGenericAllocationHandle hd = 0;
         rc = cuMemCreate(&hd, chunk, &prop, 0);
         h->kind = 3, h->v = hd;
+    } else if (!strcmp(path, "vmmmapped")) {
+        /* created, mapped, and its handle released at once: the mapping keeps the memory */
+        CUmemAllocationProp prop;
+        memset(&prop, 0, sizeof prop);
+        prop.type = 1, prop.location.type = 1, prop.location.id = dev;
+        CUmemGenericAllocationHandle hd = 0;
+        CUdeviceptr va = 0;
+        if (!(rc = cuMemCreate(&hd, chunk, &prop, 0))) {
+            if (!(rc = cuMemAddressReserve(&va, chunk, 0, 0, 0)) && !(rc = cuMemMap(va, chunk, 0, hd, 0)))
+                rc = cuMemRelease(hd);
+            else
+                cuMemRelease(hd);
+        }
+        h->kind = 7, h->v = va, h->size = chunk;
+    } else if (!strcmp(path, "vmmretained")) {
+        /* created, mapped, released, its handle retained from the mapping, unmapped: the
+         * retained reference keeps the memory */
+        CUmemAllocationProp prop;
+        memset(&prop, 0, sizeof prop);
+        prop.type = 1, prop.location.type = 1, prop.location.id = dev;
+        CUmemGenericAllocationHandle hd = 0, again = 0;
+        CUdeviceptr va = 0;
+        if (!(rc = cuMemCreate(&hd, chunk, &prop, 0))) {
+            if (!(rc = cuMemAddressReserve(&va, chunk, 0, 0, 0)) && !(rc = cuMemMap(va, chunk, 0, hd, 0)) &&
+                !(rc = cuMemRelease(hd)) && !(rc = cuMemRetainAllocationHandle(&again, (void *)(uintptr_t)va)))
+                rc = cuMemUnmap(va, chunk);
+            else
+                cuMemRelease(hd);
+        }
+        h->kind = 3, h->v = again;
     } else if (!strcmp(path, "array")) {
         CUDA_ARRAY_DESCRIPTOR a = {chunk / 4 / 1024, 1024, 0x20, 1};
         CUarray arr = NULL;
@@ -261,6 +295,7 @@ static void free_one(struct held *h)
     case 1: cuMemFree_v2(h->v); break;
     case 2: cuMemFreeAsync(h->v, NULL); break;
     case 3: cuMemRelease(h->v); break;
+    case 7: cuMemUnmap(h->v, h->size); break;
     case 4: cuArrayDestroy((CUarray)(uintptr_t)h->v); break;
     case 5: cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h->v); break;
     case 6: {

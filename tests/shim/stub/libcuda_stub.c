@@ -287,7 +287,101 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t n, const CUmemA
     if (n % (2 * MIB)) return E_INVALID_VALUE; /* granularity, like the driver */
     return phys_alloc(p, n, h, 2, 0);
 }
-API CUresult cuMemRelease(CUmemGenericAllocationHandle h) { return phys_free(h, 2); }
+/* Virtual memory: as on the driver, a handle released while mapped keeps its memory (and its
+ * NVML usage) until its last mapping is unmapped. */
+#define STUB_MAPS 1024
+static struct { uint64_t va, size, h; } maps[STUB_MAPS];
+static struct { uint64_t h; int released; } held_handles[STUB_MAPS];
+static pthread_mutex_t vmm_mu = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic uint64_t next_va = 0x7f0000000000ull;
+static int handle_maps(uint64_t h)
+{
+    int n = 0;
+    for (int i = 0; i < STUB_MAPS; i++)
+        n += maps[i].size && maps[i].h == h;
+    return n;
+}
+API CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long fl)
+{
+    (void)align, (void)addr, (void)fl;
+    if (!inited) return E_NOT_INIT;
+    if (!p || !size) return E_INVALID_VALUE;
+    *p = atomic_fetch_add(&next_va, (size + 2 * MIB - 1) & ~(2 * MIB - 1));
+    return OK;
+}
+API CUresult cuMemAddressFree(CUdeviceptr p, size_t size) { (void)p, (void)size; return inited ? OK : E_NOT_INIT; }
+API CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const void *desc, size_t n) { (void)p, (void)size, (void)desc, (void)n; return OK; }
+API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t off, CUmemGenericAllocationHandle h, unsigned long long fl)
+{
+    (void)off, (void)fl;
+    if (!inited) return E_NOT_INIT;
+    pthread_mutex_lock(&mu);
+    int known = find(h, 2, 0) != NULL;
+    pthread_mutex_unlock(&mu);
+    if (!known || !size) return E_INVALID_VALUE;
+    pthread_mutex_lock(&vmm_mu);
+    for (int i = 0; i < STUB_MAPS; i++)
+        if (!maps[i].size) {
+            maps[i].va = va, maps[i].size = size, maps[i].h = h;
+            pthread_mutex_unlock(&vmm_mu);
+            return OK;
+        }
+    pthread_mutex_unlock(&vmm_mu);
+    return E_OOM;
+}
+API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
+{
+    if (!inited) return E_NOT_INIT;
+    uint64_t gone[STUB_MAPS];
+    int ngone = 0;
+    pthread_mutex_lock(&vmm_mu);
+    for (int i = 0; i < STUB_MAPS; i++)
+        if (maps[i].size && maps[i].va >= va && maps[i].va < va + size) {
+            uint64_t h = maps[i].h;
+            maps[i].size = 0;
+            for (int k = 0; k < STUB_MAPS; k++)
+                if (held_handles[k].released && held_handles[k].h == h && !handle_maps(h))
+                    held_handles[k].released = 0, gone[ngone++] = h;
+        }
+    pthread_mutex_unlock(&vmm_mu);
+    for (int i = 0; i < ngone; i++)
+        phys_free(gone[i], 2);
+    return OK;
+}
+/* One more reference to the handle mapped at addr: a released one is live again (the stub keeps
+ * one extra reference at most). */
+API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr)
+{
+    if (!inited) return E_NOT_INIT;
+    if (!h) return E_INVALID_VALUE;
+    pthread_mutex_lock(&vmm_mu);
+    for (int i = 0; i < STUB_MAPS; i++)
+        if (maps[i].size && maps[i].va == (uint64_t)(uintptr_t)addr) {
+            *h = maps[i].h;
+            for (int k = 0; k < STUB_MAPS; k++)
+                if (held_handles[k].released && held_handles[k].h == *h)
+                    held_handles[k].released = 0;
+            pthread_mutex_unlock(&vmm_mu);
+            return OK;
+        }
+    pthread_mutex_unlock(&vmm_mu);
+    return E_INVALID_VALUE;
+}
+API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
+{
+    pthread_mutex_lock(&vmm_mu);
+    if (handle_maps(h)) {
+        for (int k = 0; k < STUB_MAPS; k++)
+            if (!held_handles[k].released) {
+                held_handles[k].h = h, held_handles[k].released = 1;
+                break;
+            }
+        pthread_mutex_unlock(&vmm_mu);
+        return OK;
+    }
+    pthread_mutex_unlock(&vmm_mu);
+    return phys_free(h, 2);
+}
 
 static uint64_t arr_bytes(size_t w, size_t h, size_t d, unsigned ch)
 {

@@ -1,0 +1,151 @@
+/*
+ * vgpu_mem_vmm.c - virtual memory management (cuMemCreate and its mappings).
+ *
+ * cuMemCreate charges the handle's bytes before the driver is asked. The driver frees the
+ * memory only when the handle's last reference is released (the create's own, one more per
+ * cuMemRetainAllocationHandle) AND its last cuMemMap mapping is unmapped, so the charge is
+ * returned then, not at the first cuMemRelease: a handle released while still mapped holds
+ * its memory (a loop of create, map, release took the whole card within one reconciliation
+ * period). Per tracked handle (K_HANDLE in the table) the table keeps its live mappings
+ * (K_HMAPS) and references (K_HREFS, absent = the create's one); per mapping its length
+ * (K_MAPLEN) and handle (K_MAPH), keyed by its address. All under vmm_mu.
+ */
+#include "vgpu_mem.h"
+
+static pthread_mutex_t vmm_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* The table's entry of (kind, key), left in place: 1 with its value, 0 if there is none. */
+static int peek(int kind, uint64_t key, uint64_t *v)
+{
+    int d;
+    if (!vgpu_tab_take(kind, key, v, &d))
+        return 0;
+    vgpu_tab_put(kind, key, *v, d);
+    return 1;
+}
+
+/* A count of (kind, key) set to n (n == 0 and `drop`: removed). */
+static void set_count(int kind, uint64_t key, uint64_t n, int d, int drop)
+{
+    uint64_t old;
+    int od;
+    vgpu_tab_take(kind, key, &old, &od);
+    if (n || !drop)
+        vgpu_tab_put(kind, key, n, d);
+}
+
+static uint64_t refs_of(uint64_t h)
+{
+    uint64_t r;
+    return peek(K_HREFS, h, &r) ? r : 1;
+}
+
+/* The handle's memory is gone (no reference, no mapping): its charge returns. */
+static void handle_gone(uint64_t h)
+{
+    uint64_t size, n;
+    int d;
+    if (vgpu_release_begin(K_HANDLE, h, &size, &d))
+        vgpu_release_end(CUDA_SUCCESS, K_HANDLE, h, size, d);
+    vgpu_tab_take(K_HREFS, h, &n, &d);
+    vgpu_tab_take(K_HMAPS, h, &n, &d);
+}
+
+VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
+                              unsigned long long flags)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMemCreate real = REAL_FN(cuMemCreate);
+    if (mode() != M_LIMITED || !prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return real(h, size, prop, flags);
+    int d = vgpu_map_cuda_device(prop->location.id);
+    if (vgpu_charge(d, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(h, size, prop, flags);
+    return vgpu_alloc_end(rc, h != NULL, K_HANDLE, rc == CUDA_SUCCESS && h ? *h : 0, size, d);
+}
+
+VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMemRelease real = REAL_FN(cuMemRelease);
+    uint64_t v, maps = 0;
+    if (mode() != M_LIMITED)
+        return real(h);
+    pthread_mutex_lock(&vmm_mu);
+    if (!peek(K_HANDLE, h, &v)) {
+        pthread_mutex_unlock(&vmm_mu);
+        return real(h);
+    }
+    CUresult rc = real(h);
+    if (rc == CUDA_SUCCESS) {
+        uint64_t refs = refs_of(h);
+        refs = refs ? refs - 1 : 0;
+        if (!refs && !(peek(K_HMAPS, h, &maps) && maps))
+            handle_gone(h);
+        else
+            set_count(K_HREFS, h, refs, 0, 0); /* kept for its mappings or other references */
+    }
+    pthread_mutex_unlock(&vmm_mu);
+    return rc;
+}
+
+VGPU_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMemRetainAllocationHandle real = REAL_FN(cuMemRetainAllocationHandle);
+    if (mode() != M_LIMITED)
+        return real(h, addr);
+    pthread_mutex_lock(&vmm_mu);
+    uint64_t v;
+    CUresult rc = real(h, addr);
+    if (rc == CUDA_SUCCESS && h && peek(K_HANDLE, *h, &v))
+        set_count(K_HREFS, *h, refs_of(*h) + 1, 0, 0);
+    pthread_mutex_unlock(&vmm_mu);
+    return rc;
+}
+
+VGPU_API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                           unsigned long long flags)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMemMap real = REAL_FN(cuMemMap);
+    if (mode() != M_LIMITED)
+        return real(va, size, offset, h, flags);
+    pthread_mutex_lock(&vmm_mu);
+    uint64_t v, maps = 0;
+    CUresult rc = real(va, size, offset, h, flags);
+    if (rc == CUDA_SUCCESS && peek(K_HANDLE, h, &v)) {
+        peek(K_HMAPS, h, &maps);
+        set_count(K_HMAPS, h, maps + 1, 0, 0);
+        vgpu_tab_put(K_MAPLEN, va, size, 0);
+        vgpu_tab_put(K_MAPH, va, h, 0);
+    }
+    pthread_mutex_unlock(&vmm_mu);
+    return rc;
+}
+
+/* The driver unmaps whole mappings: each one in [va, va + size) is walked from va. */
+VGPU_API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMemUnmap real = REAL_FN(cuMemUnmap);
+    if (mode() != M_LIMITED)
+        return real(va, size);
+    pthread_mutex_lock(&vmm_mu);
+    CUresult rc = real(va, size);
+    uint64_t at = va, len, h, maps;
+    int d;
+    while (rc == CUDA_SUCCESS && at < va + size && vgpu_tab_take(K_MAPLEN, at, &len, &d) && len) {
+        if (vgpu_tab_take(K_MAPH, at, &h, &d) && peek(K_HMAPS, h, &maps)) {
+            maps = maps ? maps - 1 : 0;
+            if (!maps && !refs_of(h))
+                handle_gone(h);
+            else
+                set_count(K_HMAPS, h, maps, 0, 1);
+        }
+        at += len;
+    }
+    pthread_mutex_unlock(&vmm_mu);
+    return rc;
+}
