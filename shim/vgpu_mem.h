@@ -52,5 +52,7 @@ int vgpu_settle(int d, uint64_t est, uint64_t actual);
 /* Serialises the first cuDevicePrimaryCtxRetain of a card (vgpu_mem_ctx.c); defined with the
  * other memory locks, which vgpu_cuda_mem_fork_lock takes across fork. */
 extern pthread_mutex_t vgpu_primary_mu;
+/* Serialises the VMM bookkeeping (vgpu_mem_vmm.c): taken before the table's and the region's. */
+extern pthread_mutex_t vgpu_vmm_mu;
 
 #endif

@@ -50,10 +50,17 @@ void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev)
     if ((tab_used + 1) * 2 >= tab_cap)
         tab_grow();
     if (tab_cap) {
-        size_t j = slot_of(key, kind, tab_cap);
-        while (tab[j].kind > 0 && !(tab[j].kind == kind && tab[j].key == key))
+        /* the whole probe chain: an entry of this key may sit past a tombstone (replaced, never
+         * doubled); otherwise the first tombstone or the empty slot that ends the chain */
+        size_t j = slot_of(key, kind, tab_cap), at = (size_t)-1;
+        while (tab[j].kind && !(tab[j].kind == kind && tab[j].key == key)) {
+            if (tab[j].kind < 0 && at == (size_t)-1)
+                at = j;
             j = (j + 1) & (tab_cap - 1);
-        if (tab[j].kind == 0)
+        }
+        if (tab[j].kind == 0 && at != (size_t)-1)
+            j = at;
+        else if (tab[j].kind == 0)
             tab_used++;
         tab[j] = (struct aent){key, size, dev, kind};
     }
@@ -82,20 +89,23 @@ int vgpu_tab_take(int kind, uint64_t key, uint64_t *size, int *dev)
 
 static pthread_mutex_t join_mu = PTHREAD_MUTEX_INITIALIZER;
 pthread_mutex_t vgpu_primary_mu = PTHREAD_MUTEX_INITIALIZER; /* vgpu_mem_ctx.c; here for fork */
+pthread_mutex_t vgpu_vmm_mu = PTHREAD_MUTEX_INITIALIZER;     /* vgpu_mem_vmm.c; here for fork */
 
 void vgpu_cuda_mem_fork_lock(int op)
 {
     switch (op) {
     case 0: pthread_mutex_lock(&vgpu_primary_mu); break;
-    case 1: pthread_mutex_lock(&join_mu); break;
+    case 1: pthread_mutex_lock(&vgpu_vmm_mu), pthread_mutex_lock(&join_mu); break;
     case 2: pthread_mutex_lock(&tab_mu); break;
     case 3:
         pthread_mutex_unlock(&tab_mu);
         pthread_mutex_unlock(&join_mu);
+        pthread_mutex_unlock(&vgpu_vmm_mu);
         pthread_mutex_unlock(&vgpu_primary_mu);
         break;
     case 4:
         pthread_mutex_init(&vgpu_primary_mu, NULL);
+        pthread_mutex_init(&vgpu_vmm_mu, NULL);
         pthread_mutex_init(&join_mu, NULL);
         pthread_mutex_init(&tab_mu, NULL);
         free(tab);

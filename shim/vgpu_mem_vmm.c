@@ -8,11 +8,10 @@
  * its memory (a loop of create, map, release took the whole card within one reconciliation
  * period). Per tracked handle (K_HANDLE in the table) the table keeps its live mappings
  * (K_HMAPS) and references (K_HREFS, absent = the create's one); per mapping its length
- * (K_MAPLEN) and handle (K_MAPH), keyed by its address. All under vmm_mu.
+ * (K_MAPLEN) and handle (K_MAPH), keyed by its address. All under vgpu_vmm_mu, cuMemCreate
+ * included (a handle is in the table before another thread can map or release it).
  */
 #include "vgpu_mem.h"
-
-static pthread_mutex_t vmm_mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* The table's entry of (kind, key), left in place: 1 with its value, 0 if there is none. */
 static int peek(int kind, uint64_t key, uint64_t *v)
@@ -40,15 +39,23 @@ static uint64_t refs_of(uint64_t h)
     return peek(K_HREFS, h, &r) ? r : 1;
 }
 
+/* Counts left for handle value h (none for a handle the driver just made). */
+static void forget(uint64_t h)
+{
+    uint64_t n;
+    int d;
+    vgpu_tab_take(K_HREFS, h, &n, &d);
+    vgpu_tab_take(K_HMAPS, h, &n, &d);
+}
+
 /* The handle's memory is gone (no reference, no mapping): its charge returns. */
 static void handle_gone(uint64_t h)
 {
-    uint64_t size, n;
+    uint64_t size;
     int d;
     if (vgpu_release_begin(K_HANDLE, h, &size, &d))
         vgpu_release_end(CUDA_SUCCESS, K_HANDLE, h, size, d);
-    vgpu_tab_take(K_HREFS, h, &n, &d);
-    vgpu_tab_take(K_HMAPS, h, &n, &d);
+    forget(h);
 }
 
 VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
@@ -61,8 +68,13 @@ VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, cons
     int d = vgpu_map_cuda_device(prop->location.id);
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
+    vgpu_lock(&vgpu_vmm_mu);
     CUresult rc = real(h, size, prop, flags);
-    return vgpu_alloc_end(rc, h != NULL, K_HANDLE, rc == CUDA_SUCCESS && h ? *h : 0, size, d);
+    if (rc == CUDA_SUCCESS && h)
+        forget(*h); /* a handle value the driver gives again: nothing of the old one applies */
+    rc = vgpu_alloc_end(rc, h != NULL, K_HANDLE, rc == CUDA_SUCCESS && h ? *h : 0, size, d);
+    vgpu_unlock(&vgpu_vmm_mu);
+    return rc;
 }
 
 VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
@@ -72,9 +84,9 @@ VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
     uint64_t v, maps = 0;
     if (mode() != M_LIMITED)
         return real(h);
-    pthread_mutex_lock(&vmm_mu);
+    vgpu_lock(&vgpu_vmm_mu);
     if (!peek(K_HANDLE, h, &v)) {
-        pthread_mutex_unlock(&vmm_mu);
+        vgpu_unlock(&vgpu_vmm_mu);
         return real(h);
     }
     CUresult rc = real(h);
@@ -86,7 +98,7 @@ VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
         else
             set_count(K_HREFS, h, refs, 0, 0); /* kept for its mappings or other references */
     }
-    pthread_mutex_unlock(&vmm_mu);
+    vgpu_unlock(&vgpu_vmm_mu);
     return rc;
 }
 
@@ -96,12 +108,12 @@ VGPU_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, v
     vgpu_fn_cuMemRetainAllocationHandle real = REAL_FN(cuMemRetainAllocationHandle);
     if (mode() != M_LIMITED)
         return real(h, addr);
-    pthread_mutex_lock(&vmm_mu);
+    vgpu_lock(&vgpu_vmm_mu);
     uint64_t v;
     CUresult rc = real(h, addr);
     if (rc == CUDA_SUCCESS && h && peek(K_HANDLE, *h, &v))
         set_count(K_HREFS, *h, refs_of(*h) + 1, 0, 0);
-    pthread_mutex_unlock(&vmm_mu);
+    vgpu_unlock(&vgpu_vmm_mu);
     return rc;
 }
 
@@ -112,16 +124,16 @@ VGPU_API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGene
     vgpu_fn_cuMemMap real = REAL_FN(cuMemMap);
     if (mode() != M_LIMITED)
         return real(va, size, offset, h, flags);
-    pthread_mutex_lock(&vmm_mu);
+    vgpu_lock(&vgpu_vmm_mu);
     uint64_t v, maps = 0;
     CUresult rc = real(va, size, offset, h, flags);
     if (rc == CUDA_SUCCESS && peek(K_HANDLE, h, &v)) {
         peek(K_HMAPS, h, &maps);
         set_count(K_HMAPS, h, maps + 1, 0, 0);
-        vgpu_tab_put(K_MAPLEN, va, size, 0);
+        vgpu_tab_put(K_MAPLEN, va, size, 0); /* replaces what an earlier mapping there left */
         vgpu_tab_put(K_MAPH, va, h, 0);
     }
-    pthread_mutex_unlock(&vmm_mu);
+    vgpu_unlock(&vgpu_vmm_mu);
     return rc;
 }
 
@@ -132,7 +144,7 @@ VGPU_API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
     vgpu_fn_cuMemUnmap real = REAL_FN(cuMemUnmap);
     if (mode() != M_LIMITED)
         return real(va, size);
-    pthread_mutex_lock(&vmm_mu);
+    vgpu_lock(&vgpu_vmm_mu);
     CUresult rc = real(va, size);
     uint64_t at = va, len, h, maps;
     int d;
@@ -146,6 +158,6 @@ VGPU_API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
         }
         at += len;
     }
-    pthread_mutex_unlock(&vmm_mu);
+    vgpu_unlock(&vgpu_vmm_mu);
     return rc;
 }
