@@ -71,6 +71,14 @@ static void at_exit(void)
     if (atomic_exchange(&done, 1))
         return;
 #ifdef VGPU_STATS
+    const uint64_t *st = vgpu.st_start;
+    if (st[VGPU_ST_INIT]) /* us: the shim's init, the driver's cuInit, the device map, NVML, slot, charge, context */
+        fprintf(stderr, "vgpu-stats-start pid=%d init_us=%llu cuinit_us=%llu map_us=%llu nvml_init_us=%llu "
+                "nvml_procs_us=%llu slot_us=%llu charge_us=%llu ctx_driver_us=%llu\n", (int)getpid(),
+                (unsigned long long)(st[VGPU_ST_INIT] / 1000), (unsigned long long)(st[VGPU_ST_CUINIT] / 1000),
+                (unsigned long long)(st[VGPU_ST_MAP] / 1000), (unsigned long long)(st[VGPU_ST_NVML_INIT] / 1000),
+                (unsigned long long)(st[VGPU_ST_NVML_PROCS] / 1000), (unsigned long long)(st[VGPU_ST_SLOT] / 1000),
+                (unsigned long long)(st[VGPU_ST_CHARGE] / 1000), (unsigned long long)(st[VGPU_ST_CTX_DRIVER] / 1000));
     for (int d = 0; d < vgpu.cfg.ndev; d++) {
         struct vgpu_gate *g = &vgpu.gate[d];
         for (int m = 1; m < 6 && g->active; m++)
@@ -225,9 +233,16 @@ static void do_init(void)
              vgpu.cfg.ndev, vgpu.cfg.region_path);
 }
 
+static void do_init_timed(void)
+{
+    VGPU_ST_T0(t0);
+    do_init();
+    VGPU_ST_ADD(VGPU_ST_INIT, t0);
+}
+
 void vgpu_init(void)
 {
-    pthread_once(&init_once, do_init);
+    pthread_once(&init_once, do_init_timed);
 }
 
 int vgpu_cuda_ready(void)

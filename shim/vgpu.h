@@ -610,6 +610,9 @@ struct vgpu_drv {
     nvmlReturn_t (*nvml_samples)(nvmlDevice_t, int, unsigned long long, int *, unsigned *, nvmlSample_t *);
 };
 
+enum { VGPU_ST_INIT, VGPU_ST_CUINIT, VGPU_ST_MAP, VGPU_ST_NVML_INIT, VGPU_ST_NVML_PROCS, VGPU_ST_SLOT,
+       VGPU_ST_CHARGE, VGPU_ST_CTX_DRIVER, VGPU_ST_COUNT };
+
 /* Process state. Thread safety: fields are set once by vgpu_init (a pthread_once) or by the
  * device map (under map_mu, published by the release store of cuda_mapped), except where a
  * comment names the lock or says atomic. Fork: see vgpu_fork_* (libvgpu.c). */
@@ -640,8 +643,21 @@ struct vgpu_state {
     int primary_charged[VGPU_MAX_DEV];  /* by CUDA ordinal: its primary context is charged */
     void *primary_ctx[VGPU_MAX_DEV];     /* by CUDA ordinal: the handle its last retain returned */
     int primary_refs[VGPU_MAX_DEV];      /* by CUDA ordinal: retains seen less releases */
+#ifdef VGPU_STATS
+    /* a diagnostic build only: where a process's start-up time goes, ns (VGPU_ST_*) */
+    uint64_t st_start[VGPU_ST_COUNT];
+#endif
 };
 extern struct vgpu_state vgpu;
+
+/* Start-up phases a statistics build times (printed at exit as vgpu-stats-start). */
+#ifdef VGPU_STATS
+#define VGPU_ST_T0(v) uint64_t v = vgpu_now_ns()
+#define VGPU_ST_ADD(i, v) __atomic_add_fetch(&vgpu.st_start[i], vgpu_now_ns() - (v), __ATOMIC_RELAXED)
+#else
+#define VGPU_ST_T0(v) ((void)0)
+#define VGPU_ST_ADD(i, v) ((void)0)
+#endif
 
 void vgpu_init(void);                /* idempotent; never calls CUDA */
 int vgpu_cuda_ready(void);           /* 0 ok, else CUresult for fail-closed */

@@ -168,9 +168,14 @@ VGPU_API CUresult cuInit(unsigned flags)
 {
     if (mode() == M_BROKEN)
         return CUDA_ERROR_NOT_INITIALIZED;
+    VGPU_ST_T0(t0);
     CUresult rc = REAL_FN(cuInit)(flags);
-    if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
+    VGPU_ST_ADD(VGPU_ST_CUINIT, t0);
+    if (rc == CUDA_SUCCESS && mode() == M_LIMITED) {
+        VGPU_ST_T0(t1);
         map_devices();
+        VGPU_ST_ADD(VGPU_ST_MAP, t1);
+    }
     return rc;
 }
 /* ------------------------------------------------------------------ the table */

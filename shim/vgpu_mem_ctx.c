@@ -31,12 +31,17 @@ static int ctx_begin(int d, uint64_t *est, uint64_t *before)
         return -1;
     }
     int found = 0;
+    VGPU_ST_T0(t0);
     vgpu_ensure_slot();
+    VGPU_ST_ADD(VGPU_ST_SLOT, t0);
     *before = vgpu_nvml_process_used(d, &found);
     *est = __atomic_load_n(&vgpu.ctx_learnt[d], __ATOMIC_RELAXED);
     if (!*est)
         *est = atomic_load_explicit(&vgpu.region.r->dev[d].ctx_bytes, memory_order_relaxed);
-    if (vgpu_charge(d, *est)) {
+    VGPU_ST_T0(t1);
+    int refused = vgpu_charge(d, *est);
+    VGPU_ST_ADD(VGPU_ST_CHARGE, t1);
+    if (refused) {
         vgpu_log(1, "device %d: context refused: a context takes about %llu MiB, %llu of %llu MiB are "
                     "charged", d, (unsigned long long)(*est >> 20),
                  (unsigned long long)(vgpu_region_used(vgpu.region.r, d) >> 20),
@@ -65,7 +70,10 @@ static int ctx_end(int d, uint64_t est, uint64_t before, uint64_t *charged)
                                             memory_order_relaxed);
     /* reserve, not vgpu_charge(): a reconciliation now would see the new context in NVML before it
      * is counted and charge it twice */
-    if (took > est && vgpu_region_reserve(&vgpu.region, d, took - est)) {
+    VGPU_ST_T0(t0);
+    int refused = took > est && vgpu_region_reserve(&vgpu.region, d, took - est);
+    VGPU_ST_ADD(VGPU_ST_CHARGE, t0);
+    if (refused) {
         vgpu_uncharge(d, est);
         vgpu_log(1, "device %d: context refused: it took %llu MiB, %llu of %llu MiB are charged", d,
                  (unsigned long long)(took >> 20), (unsigned long long)(vgpu_region_used(vgpu.region.r, d) >> 20),
@@ -232,7 +240,10 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         vgpu_unlock(&vgpu_primary_mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    CUresult rc = ctx_commit(real(pctx, dev), pctx, d, est, before, dev, 1);
+    VGPU_ST_T0(t0);
+    CUresult rc = real(pctx, dev);
+    VGPU_ST_ADD(VGPU_ST_CTX_DRIVER, t0);
+    rc = ctx_commit(rc, pctx, d, est, before, dev, 1);
     if (rc == CUDA_SUCCESS && pctx)
         __atomic_store_n(&vgpu.primary_charged[dev], 1, __ATOMIC_RELEASE);
     vgpu_unlock(&vgpu_primary_mu);

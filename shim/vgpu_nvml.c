@@ -48,7 +48,9 @@ static nvmlReturn_t own_nvml_init_locked(void)
 {
     if (!vgpu.nvml_inited) {
         nvmlReturn_t (*init)(void) = vgpu_nvml_drv()->nvml_init_v2;
+        VGPU_ST_T0(t0);
         vgpu.nvml_init_rc = init ? init() : NVML_ERROR_UNINITIALIZED;
+        VGPU_ST_ADD(VGPU_ST_NVML_INIT, t0);
         vgpu.nvml_inited = 1;
     }
     return vgpu.nvml_init_rc;
@@ -121,7 +123,10 @@ uint64_t vgpu_nvml_process_used(int d, int *found)
         return 0;
     nvmlProcessInfo_t info[128];
     unsigned n = 128;
-    if (procs(h, &n, info) != NVML_SUCCESS)
+    VGPU_ST_T0(t0);
+    nvmlReturn_t rc = procs(h, &n, info);
+    VGPU_ST_ADD(VGPU_ST_NVML_PROCS, t0);
+    if (rc != NVML_SUCCESS)
         return 0;
     unsigned pid = own_pid();
     for (unsigned i = 0; i < n && i < 128; i++)
