@@ -57,6 +57,10 @@ typedef struct { /* cuLaunchCooperativeKernelMultiDevice's launches, one per dev
     X(H_MEMUNMAP, cuMemUnmap, "cuMemUnmap", 10020, 0, CUresult, (CUdeviceptr, size_t))                   \
     X(H_MEMRETAIN, cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle", 11000, 0, CUresult,       \
       (CUmemGenericAllocationHandle *, void *))                                                          \
+    X(H_MAPARRAY, cuMemMapArrayAsync, "cuMemMapArrayAsync", 11010, 0, CUresult,                          \
+      (CUarrayMapInfo *, unsigned, CUstream))                                                            \
+    X(H_MAPARRAY_PTSZ, cuMemMapArrayAsync_ptsz, "cuMemMapArrayAsync", 11010, 1, CUresult,                \
+      (CUarrayMapInfo *, unsigned, CUstream))                                                            \
     X(H_ARRAY, cuArrayCreate_v2, "cuArrayCreate", 3020, 0, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *)) \
     X(H_ARRAY3D, cuArray3DCreate_v2, "cuArray3DCreate", 3020, 0, CUresult,                               \
       (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                                                      \

@@ -29,9 +29,10 @@ enum {
 };
 
 /* The per-process table (under its own lock): put replaces an entry of the same kind and key;
- * take removes one, 1 with its size and device, 0 if there is none. */
+ * take removes one, 1 with its size and device, 0 if there is none; get reads one in place. */
 void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev);
 int vgpu_tab_take(int kind, uint64_t key, uint64_t *size, int *dev);
+int vgpu_tab_get(int kind, uint64_t key, uint64_t *size, int *dev);
 
 /* Charge `bytes` to region device d (-1: not limited, nothing to charge; -2: a device outside
  * the claim, refused) before the driver is asked: 0 charged, -1 refuse with
@@ -54,5 +55,8 @@ int vgpu_settle(int d, uint64_t est, uint64_t actual);
 extern pthread_mutex_t vgpu_primary_mu;
 /* Serialises the VMM bookkeeping (vgpu_mem_vmm.c): taken before the table's and the region's. */
 extern pthread_mutex_t vgpu_vmm_mu;
+/* A sparse array or mipmapped array the driver destroyed: the handles mapped into it are no
+ * longer held by it (vgpu_mem_vmm.c). */
+void vgpu_vmm_array_gone(const void *res);
 
 #endif

@@ -106,9 +106,12 @@ VGPU_API CUresult cuArrayDestroy(CUarray arr)
     vgpu_fn_cuArrayDestroy real = REAL_FN(cuArrayDestroy);
     uint64_t size;
     int d;
-    if (!vgpu_release_begin(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d))
-        return real(arr);
-    return vgpu_release_end(real(arr), K_ARRAY, (uint64_t)(uintptr_t)arr, size, d);
+    CUresult rc = vgpu_release_begin(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d)
+                      ? vgpu_release_end(real(arr), K_ARRAY, (uint64_t)(uintptr_t)arr, size, d)
+                      : real(arr);
+    if (rc == CUDA_SUCCESS)
+        vgpu_vmm_array_gone(arr); /* a sparse array's mappings go with it */
+    return rc;
 }
 
 VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc,
@@ -133,7 +136,10 @@ VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
     vgpu_fn_cuMipmappedArrayDestroy real = REAL_FN(cuMipmappedArrayDestroy);
     uint64_t size;
     int d;
-    if (!vgpu_release_begin(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d))
-        return real(arr);
-    return vgpu_release_end(real(arr), K_MIPMAP, (uint64_t)(uintptr_t)arr, size, d);
+    CUresult rc = vgpu_release_begin(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d)
+                      ? vgpu_release_end(real(arr), K_MIPMAP, (uint64_t)(uintptr_t)arr, size, d)
+                      : real(arr);
+    if (rc == CUDA_SUCCESS)
+        vgpu_vmm_array_gone(arr);
+    return rc;
 }

@@ -67,22 +67,33 @@ void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev)
     vgpu_unlock(&tab_mu);
 }
 
+/* The entry of (kind, key), removed when `take`; under tab_mu. */
+static int tab_find(int kind, uint64_t key, uint64_t *size, int *dev, int take)
+{
+    if (!tab_cap)
+        return 0;
+    for (size_t j = slot_of(key, kind, tab_cap); tab[j].kind; j = (j + 1) & (tab_cap - 1))
+        if (tab[j].kind == kind && tab[j].key == key) {
+            *size = tab[j].size, *dev = tab[j].dev;
+            if (take)
+                tab[j].kind = K_TOMB;
+            return 1;
+        }
+    return 0;
+}
+
 int vgpu_tab_take(int kind, uint64_t key, uint64_t *size, int *dev)
 {
-    int found = 0;
     vgpu_lock(&tab_mu);
-    if (tab_cap) {
-        size_t j = slot_of(key, kind, tab_cap);
-        while (tab[j].kind) {
-            if (tab[j].kind == kind && tab[j].key == key) {
-                *size = tab[j].size, *dev = tab[j].dev;
-                tab[j].kind = K_TOMB;
-                found = 1;
-                break;
-            }
-            j = (j + 1) & (tab_cap - 1);
-        }
-    }
+    int found = tab_find(kind, key, size, dev, 1);
+    vgpu_unlock(&tab_mu);
+    return found;
+}
+
+int vgpu_tab_get(int kind, uint64_t key, uint64_t *size, int *dev)
+{
+    vgpu_lock(&tab_mu);
+    int found = tab_find(kind, key, size, dev, 0);
     vgpu_unlock(&tab_mu);
     return found;
 }

@@ -8,29 +8,31 @@
  * its memory (a loop of create, map, release took the whole card within one reconciliation
  * period). Per tracked handle (K_HANDLE in the table) the table keeps its live mappings
  * (K_HMAPS) and references (K_HREFS, absent = the create's one); per mapping its length
- * (K_MAPLEN) and handle (K_MAPH), keyed by its address. All under vgpu_vmm_mu, cuMemCreate
- * included (a handle is in the table before another thread can map or release it).
+ * (K_MAPLEN) and handle (K_MAPH), keyed by its address. A handle mapped into a sparse array
+ * (cuMemMapArrayAsync) is held by the array likewise: see "sparse arrays" below. All under
+ * vgpu_vmm_mu, cuMemCreate included (a handle is in the table before another thread can map or
+ * release it).
  */
 #include "vgpu_mem.h"
+
+#include <stdlib.h>
+#include <string.h>
 
 /* The table's entry of (kind, key), left in place: 1 with its value, 0 if there is none. */
 static int peek(int kind, uint64_t key, uint64_t *v)
 {
     int d;
-    if (!vgpu_tab_take(kind, key, v, &d))
-        return 0;
-    vgpu_tab_put(kind, key, *v, d);
-    return 1;
+    return vgpu_tab_get(kind, key, v, &d);
 }
 
 /* A count of (kind, key) set to n (n == 0 and `drop`: removed). */
-static void set_count(int kind, uint64_t key, uint64_t n, int d, int drop)
+static void set_count(int kind, uint64_t key, uint64_t n, int drop)
 {
     uint64_t old;
     int od;
     vgpu_tab_take(kind, key, &old, &od);
     if (n || !drop)
-        vgpu_tab_put(kind, key, n, d);
+        vgpu_tab_put(kind, key, n, 0);
 }
 
 static uint64_t refs_of(uint64_t h)
@@ -56,6 +58,30 @@ static void handle_gone(uint64_t h)
     if (vgpu_release_begin(K_HANDLE, h, &size, &d))
         vgpu_release_end(CUDA_SUCCESS, K_HANDLE, h, size, d);
     forget(h);
+}
+
+/* One of handle h's mappings is gone: with its last one and no reference left, its charge. */
+static void mapping_gone(uint64_t h)
+{
+    uint64_t maps;
+    if (!peek(K_HMAPS, h, &maps))
+        return;
+    maps = maps ? maps - 1 : 0;
+    if (!maps && !refs_of(h))
+        handle_gone(h);
+    else
+        set_count(K_HMAPS, h, maps, 1);
+}
+
+/* A mapping of handle h begins (a handle the shim did not charge: nothing to follow). */
+static int mapping_new(uint64_t h)
+{
+    uint64_t v, maps = 0;
+    if (!peek(K_HANDLE, h, &v))
+        return 0;
+    peek(K_HMAPS, h, &maps);
+    set_count(K_HMAPS, h, maps + 1, 0);
+    return 1;
 }
 
 VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
@@ -96,7 +122,7 @@ VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
         if (!refs && !(peek(K_HMAPS, h, &maps) && maps))
             handle_gone(h);
         else
-            set_count(K_HREFS, h, refs, 0, 0); /* kept for its mappings or other references */
+            set_count(K_HREFS, h, refs, 0); /* kept for its mappings or other references */
     }
     vgpu_unlock(&vgpu_vmm_mu);
     return rc;
@@ -112,7 +138,7 @@ VGPU_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, v
     uint64_t v;
     CUresult rc = real(h, addr);
     if (rc == CUDA_SUCCESS && h && peek(K_HANDLE, *h, &v))
-        set_count(K_HREFS, *h, refs_of(*h) + 1, 0, 0);
+        set_count(K_HREFS, *h, refs_of(*h) + 1, 0);
     vgpu_unlock(&vgpu_vmm_mu);
     return rc;
 }
@@ -125,11 +151,8 @@ VGPU_API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGene
     if (mode() != M_LIMITED)
         return real(va, size, offset, h, flags);
     vgpu_lock(&vgpu_vmm_mu);
-    uint64_t v, maps = 0;
     CUresult rc = real(va, size, offset, h, flags);
-    if (rc == CUDA_SUCCESS && peek(K_HANDLE, h, &v)) {
-        peek(K_HMAPS, h, &maps);
-        set_count(K_HMAPS, h, maps + 1, 0, 0);
+    if (rc == CUDA_SUCCESS && mapping_new(h)) {
         vgpu_tab_put(K_MAPLEN, va, size, 0); /* replaces what an earlier mapping there left */
         vgpu_tab_put(K_MAPH, va, h, 0);
     }
@@ -146,18 +169,110 @@ VGPU_API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
         return real(va, size);
     vgpu_lock(&vgpu_vmm_mu);
     CUresult rc = real(va, size);
-    uint64_t at = va, len, h, maps;
+    uint64_t at = va, len, h;
     int d;
     while (rc == CUDA_SUCCESS && at < va + size && vgpu_tab_take(K_MAPLEN, at, &len, &d) && len) {
-        if (vgpu_tab_take(K_MAPH, at, &h, &d) && peek(K_HMAPS, h, &maps)) {
-            maps = maps ? maps - 1 : 0;
-            if (!maps && !refs_of(h))
-                handle_gone(h);
-            else
-                set_count(K_HMAPS, h, maps, 0, 1);
-        }
+        if (vgpu_tab_take(K_MAPH, at, &h, &d))
+            mapping_gone(h);
         at += len;
     }
     vgpu_unlock(&vgpu_vmm_mu);
     return rc;
+}
+
+/* ------------------------------------------------------------------ sparse arrays */
+
+/* cuMemMapArrayAsync maps handles into a sparse array's tile ranges or mip tail; the array then
+ * holds the handle's memory as a cuMemMap mapping does. Its unmap names the subresource, not the
+ * handle, so each such mapping is kept with its whole descriptor: an unmap of exactly that
+ * subresource ends it, and so does the array's destruction. An unmap of another extent (part of
+ * a mapped range, or several at once) ends nothing: the handle stays charged, at most until the
+ * process exits, never less than the driver holds. A call the driver fails may have done some of
+ * its operations: its maps count, its unmaps do not. Under vgpu_vmm_mu. */
+static CUarrayMapInfo *amap; /* each mapping's operation: its place, and its handle (memHandle) */
+static size_t namap, camap;
+static _Atomic size_t amap_live; /* namap, read without the lock (array destroys) */
+
+static int same_place(const CUarrayMapInfo *a, const CUarrayMapInfo *b)
+{
+    if (a->resourceType != b->resourceType || a->resource != b->resource || a->subresourceType != b->subresourceType)
+        return 0;
+    if (a->subresourceType == CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL)
+        return a->subresource.miptail.layer == b->subresource.miptail.layer &&
+               a->subresource.miptail.offset == b->subresource.miptail.offset &&
+               a->subresource.miptail.size == b->subresource.miptail.size;
+    return memcmp(a->subresource.sparseLevel, b->subresource.sparseLevel, sizeof a->subresource.sparseLevel) == 0;
+}
+
+static void amap_drop(size_t i)
+{
+    uint64_t h = amap[i].memHandle;
+    amap[i] = amap[--namap];
+    atomic_store(&amap_live, namap);
+    mapping_gone(h);
+}
+
+static void array_op(const CUarrayMapInfo *op, int done)
+{
+    if (op->memOperationType == CU_MEM_OPERATION_TYPE_UNMAP) {
+        if (!done)
+            return;
+        for (size_t i = 0; i < namap; i++)
+            if (same_place(&amap[i], op)) {
+                amap_drop(i);
+                return;
+            }
+        return;
+    }
+    if (op->memOperationType != CU_MEM_OPERATION_TYPE_MAP || op->memHandleType != CU_MEM_HANDLE_TYPE_GENERIC ||
+        !op->resource || !mapping_new(op->memHandle))
+        return;
+    if (namap == camap) {
+        size_t ncap = camap ? camap * 2 : 64;
+        CUarrayMapInfo *n = realloc(amap, ncap * sizeof *n);
+        if (!n)
+            return; /* counted, never ended: the handle stays charged */
+        amap = n, camap = ncap;
+    }
+    amap[namap++] = *op;
+    atomic_store(&amap_live, namap);
+}
+
+static CUresult map_array(vgpu_fn_cuMemMapArrayAsync real, CUarrayMapInfo *ops, unsigned n, CUstream s)
+{
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    if (mode() != M_LIMITED || !ops)
+        return real(ops, n, s);
+    vgpu_lock(&vgpu_vmm_mu);
+    CUresult rc = real(ops, n, s);
+    for (unsigned i = 0; i < n; i++)
+        array_op(&ops[i], rc == CUDA_SUCCESS);
+    vgpu_unlock(&vgpu_vmm_mu);
+    return rc;
+}
+
+VGPU_API CUresult cuMemMapArrayAsync(CUarrayMapInfo *ops, unsigned n, CUstream s)
+{
+    BROKEN_GUARD();
+    return map_array(REAL_FN(cuMemMapArrayAsync), ops, n, s);
+}
+
+VGPU_API CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *ops, unsigned n, CUstream s)
+{
+    BROKEN_GUARD();
+    return map_array(REAL_FN(cuMemMapArrayAsync_ptsz), ops, n, s);
+}
+
+void vgpu_vmm_array_gone(const void *res)
+{
+    if (!atomic_load(&amap_live))
+        return;
+    vgpu_lock(&vgpu_vmm_mu);
+    for (size_t i = 0; i < namap;)
+        if (amap[i].resource == res)
+            amap_drop(i);
+        else
+            i++;
+    vgpu_unlock(&vgpu_vmm_mu);
 }

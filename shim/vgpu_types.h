@@ -48,6 +48,29 @@ typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, 
 typedef struct { unsigned Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR_v1;
 typedef struct { unsigned Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR_v1;
 typedef struct { size_t size, alignment; unsigned reserved[4]; } CUDA_ARRAY_MEMORY_REQUIREMENTS;
+/* One operation of cuMemMapArrayAsync (CUarrayMapInfo, 96 bytes): map (1) or unmap (2) a
+ * generic allocation handle (memHandleType 0) into a sparse array's (resourceType 0) or
+ * mipmapped array's (1) tile range (subresourceType 0: level, layer, offset x/y/z, extent
+ * w/h/d) or mip tail (1). */
+typedef struct {
+    int resourceType;
+    void *resource;
+    int subresourceType;
+    union {
+        unsigned sparseLevel[8];
+        struct { unsigned layer; unsigned long long offset, size; } miptail;
+    } subresource;
+    int memOperationType;
+    int memHandleType;
+    CUmemGenericAllocationHandle memHandle;
+    unsigned long long offset;
+    unsigned deviceBitMask, flags, reserved[2];
+} CUarrayMapInfo;
+_Static_assert(sizeof(CUarrayMapInfo) == 96, "CUarrayMapInfo layout");
+#define CU_MEM_OPERATION_TYPE_MAP 1
+#define CU_MEM_OPERATION_TYPE_UNMAP 2
+#define CU_MEM_HANDLE_TYPE_GENERIC 0
+#define CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL 1
 typedef struct {
     unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
     CUstream hStream;

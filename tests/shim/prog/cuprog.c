@@ -74,6 +74,16 @@ typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, 
 typedef struct { unsigned Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR_v1;
 typedef struct { unsigned Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR_v1;
 typedef struct { unsigned gx, gy, gz, bx, by, bz, shm; CUstream hStream; void *attrs; unsigned n; } CUlaunchConfig;
+typedef struct { /* cuda.h CUarrayMapInfo */
+    int resourceType;
+    void *resource;
+    int subresourceType;
+    union { unsigned level[8]; unsigned long long align[4]; } sub; /* level, layer, x, y, z, w, h, d */
+    int op, htype;
+    CUmemGenericAllocationHandle h;
+    unsigned long long offset;
+    unsigned mask, flags, reserved[2];
+} CUarrayMapInfo;
 
 CUresult cuInit(unsigned);
 CUresult cuDeviceGet(CUdevice *, int);
@@ -102,6 +112,7 @@ CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigne
 CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
 CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *, void *);
+CUresult cuMemMapArrayAsync(CUarrayMapInfo *, unsigned, CUstream);
 CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
 CUresult cuArray3DCreate_v2(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
 CUresult cuArrayDestroy(CUarray);
@@ -149,6 +160,18 @@ static CUdevice setup(int ord)
 }
 
 struct held { int kind; unsigned long long v; size_t size; };
+
+/* Map (op 1) or unmap (op 2) handle hd over the first `bytes` of sparse array arr's tiles;
+ * `bad`: a second operation, on no array, fails the call after the first was done. */
+static CUresult map_tiles(CUarray arr, size_t bytes, int op, CUmemGenericAllocationHandle hd, int bad)
+{
+    CUarrayMapInfo m[2];
+    memset(m, 0, sizeof m);
+    m[0].resource = arr, m[0].sub.level[5] = (unsigned)(bytes / 65536), m[0].sub.level[6] = m[0].sub.level[7] = 1;
+    m[0].op = op, m[0].h = op == 1 ? hd : 0, m[0].mask = 1;
+    m[1] = m[0], m[1].resource = NULL;
+    return cuMemMapArrayAsync(m, bad ? 2 : 1, NULL);
+}
 
 static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct held *h)
 {
@@ -265,6 +288,28 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
                 cuMemRelease(hd);
         }
         h->kind = 3, h->v = again;
+    } else if (!strncmp(path, "vmmarray", 8)) {
+        /* a sparse array per chunk, the chunk's handle mapped into its tiles and released at
+         * once: the array's mapping keeps the memory (freed: the tiles unmapped, or not, then
+         * the array destroyed). vmmarraypartial: the map call fails after mapping the tiles. */
+        int partial = !strcmp(path, "vmmarraypartial");
+        CUDA_ARRAY3D_DESCRIPTOR a = {1, 1, 0, 0x20, 1, 0x40 /* CUDA_ARRAY3D_SPARSE */};
+        CUmemAllocationProp prop;
+        memset(&prop, 0, sizeof prop);
+        prop.type = 1, prop.location.type = 1, prop.location.id = dev;
+        CUmemGenericAllocationHandle hd = 0;
+        CUarray arr = NULL;
+        if ((rc = cuArray3DCreate_v2(&arr, &a)))
+            return rc;
+        if (!(rc = cuMemCreate(&hd, chunk, &prop, 0))) {
+            if (!(rc = map_tiles(arr, chunk, 1, hd, partial)) || partial)
+                rc = cuMemRelease(hd);
+            else
+                cuMemRelease(hd);
+        }
+        if (rc)
+            cuArrayDestroy(arr);
+        h->kind = !strcmp(path, "vmmarrayunmap") ? 9 : 8, h->v = (uintptr_t)arr, h->size = chunk;
     } else if (!strcmp(path, "array")) {
         CUDA_ARRAY_DESCRIPTOR a = {chunk / 4 / 1024, 1024, 0x20, 1};
         CUarray arr = NULL;
@@ -298,6 +343,8 @@ static void free_one(struct held *h)
     case 7: cuMemUnmap(h->v, h->size); break;
     case 4: cuArrayDestroy((CUarray)(uintptr_t)h->v); break;
     case 5: cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h->v); break;
+    case 9: map_tiles((CUarray)(uintptr_t)h->v, h->size, 2, 0, 0); /* fall through */
+    case 8: cuArrayDestroy((CUarray)(uintptr_t)h->v); break;
     case 6: {
         CUresult (*fr)(unsigned) = NULL;
         int st;

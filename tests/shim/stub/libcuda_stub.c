@@ -294,12 +294,32 @@ static struct { uint64_t va, size, h; } maps[STUB_MAPS];
 static struct { uint64_t h; int released; } held_handles[STUB_MAPS];
 static pthread_mutex_t vmm_mu = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic uint64_t next_va = 0x7f0000000000ull;
+/* cuMemMapArrayAsync's operations (cuda.h CUarrayMapInfo) and the handles mapped into sparse
+ * arrays: held as by cuMemMap until the same subresource is unmapped or the array destroyed. */
+typedef struct {
+    int resourceType;
+    void *resource;
+    int subresourceType;
+    union { unsigned level[8]; unsigned long long align[4]; } sub;
+    int op, htype;
+    CUmemGenericAllocationHandle h;
+    unsigned long long offset;
+    unsigned mask, flags, reserved[2];
+} CUarrayMapInfo;
+static struct { int used; void *res; int subtype; unsigned char sub[32]; uint64_t h; } amaps[STUB_MAPS];
 static int handle_maps(uint64_t h)
 {
     int n = 0;
     for (int i = 0; i < STUB_MAPS; i++)
-        n += maps[i].size && maps[i].h == h;
+        n += (maps[i].size && maps[i].h == h) + (amaps[i].used && amaps[i].h == h);
     return n;
+}
+/* Handle h lost a mapping (under vmm_mu): released and now unmapped, it is gone. */
+static void unheld(uint64_t h, uint64_t *gone, int *ngone)
+{
+    for (int k = 0; k < STUB_MAPS; k++)
+        if (held_handles[k].released && held_handles[k].h == h && !handle_maps(h))
+            held_handles[k].released = 0, gone[(*ngone)++] = h;
 }
 API CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long fl)
 {
@@ -337,11 +357,8 @@ API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
     pthread_mutex_lock(&vmm_mu);
     for (int i = 0; i < STUB_MAPS; i++)
         if (maps[i].size && maps[i].va >= va && maps[i].va < va + size) {
-            uint64_t h = maps[i].h;
             maps[i].size = 0;
-            for (int k = 0; k < STUB_MAPS; k++)
-                if (held_handles[k].released && held_handles[k].h == h && !handle_maps(h))
-                    held_handles[k].released = 0, gone[ngone++] = h;
+            unheld(maps[i].h, gone, &ngone);
         }
     pthread_mutex_unlock(&vmm_mu);
     for (int i = 0; i < ngone; i++)
@@ -416,7 +433,62 @@ API CUresult cuArray3DCreate(CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d)
     CUDA_ARRAY3D_DESCRIPTOR v2 = {d->Width, d->Height, d->Depth, d->Format, d->NumChannels, d->Flags};
     return cuArray3DCreate_v2(a, &v2);
 }
-API CUresult cuArrayDestroy(CUarray a) { return phys_free((uint64_t)(uintptr_t)a, 3); }
+/* The mappings into array `res` go (its destruction, or an unmap of one subresource `op`). */
+static void array_unmap(void *res, const CUarrayMapInfo *op)
+{
+    uint64_t gone[STUB_MAPS];
+    int ngone = 0;
+    pthread_mutex_lock(&vmm_mu);
+    for (int i = 0; i < STUB_MAPS; i++)
+        if (amaps[i].used && amaps[i].res == res &&
+            (!op || (amaps[i].subtype == op->subresourceType && !memcmp(amaps[i].sub, &op->sub, 32)))) {
+            amaps[i].used = 0;
+            unheld(amaps[i].h, gone, &ngone);
+        }
+    pthread_mutex_unlock(&vmm_mu);
+    for (int i = 0; i < ngone; i++)
+        phys_free(gone[i], 2);
+}
+static CUresult map_array_one(const CUarrayMapInfo *op)
+{
+    if (!op->resource) return E_INVALID_VALUE;
+    if (op->op == 2) {
+        array_unmap(op->resource, op);
+        return OK;
+    }
+    pthread_mutex_lock(&mu);
+    int known = op->op == 1 && op->htype == 0 && find(op->h, 2, 0) != NULL;
+    pthread_mutex_unlock(&mu);
+    if (!known) return E_INVALID_VALUE;
+    pthread_mutex_lock(&vmm_mu);
+    for (int i = 0; i < STUB_MAPS; i++)
+        if (!amaps[i].used) {
+            amaps[i].used = 1, amaps[i].res = op->resource, amaps[i].subtype = op->subresourceType, amaps[i].h = op->h;
+            memcpy(amaps[i].sub, &op->sub, 32);
+            pthread_mutex_unlock(&vmm_mu);
+            return OK;
+        }
+    pthread_mutex_unlock(&vmm_mu);
+    return E_OOM;
+}
+API CUresult cuMemMapArrayAsync(CUarrayMapInfo *ops, unsigned n, CUstream s)
+{
+    (void)s;
+    if (!inited) return E_NOT_INIT;
+    if (!ops) return E_INVALID_VALUE;
+    for (unsigned i = 0; i < n; i++) {
+        CUresult rc = map_array_one(&ops[i]);
+        if (rc) return rc;
+    }
+    return OK;
+}
+API CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *ops, unsigned n, CUstream s) { return cuMemMapArrayAsync(ops, n, s); }
+API CUresult cuArrayDestroy(CUarray a)
+{
+    CUresult rc = phys_free((uint64_t)(uintptr_t)a, 3);
+    if (rc == OK) array_unmap(a, NULL);
+    return rc;
+}
 API CUresult cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUarray a, CUdevice d)
 {
     (void)d;
@@ -436,7 +508,12 @@ API CUresult cuMipmappedArrayCreate(CUmipmappedArray *a, const CUDA_ARRAY3D_DESC
     if (rc == OK) *a = (CUmipmappedArray)(uintptr_t)addr;
     return rc;
 }
-API CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) { return phys_free((uint64_t)(uintptr_t)a, 4); }
+API CUresult cuMipmappedArrayDestroy(CUmipmappedArray a)
+{
+    CUresult rc = phys_free((uint64_t)(uintptr_t)a, 4);
+    if (rc == OK) array_unmap(a, NULL);
+    return rc;
+}
 API CUresult cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUmipmappedArray a, CUdevice d)
 {
     (void)d;
