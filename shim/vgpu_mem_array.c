@@ -2,7 +2,9 @@
  * vgpu_mem_array.c - CUDA array hooks: cuArrayCreate(_v2), cuArray3DCreate(_v2),
  * cuMipmappedArrayCreate and their destroys. An element-size estimate is charged before the
  * driver is asked, then settled to the driver's own figure (cu*GetMemoryRequirements); the
- * accounting rule: vgpu_cuda_mem.c.
+ * accounting rule: vgpu_cuda_mem.c. A sparse or deferred-mapping array has no memory of its own:
+ * its tiles are handles mapped in later (cuMemMapArrayAsync), charged at their cuMemCreate, so
+ * the array itself is not charged.
  */
 #include "vgpu_mem.h"
 
@@ -54,13 +56,19 @@ static CUresult array_end(CUresult rc, int kind, void *arr, int made, uint64_t e
     return rc;
 }
 
-/* Hook `idx` (an array creation of any ABI) for a descriptor whose estimate is `est`. */
-static CUresult array_common(int idx, CUarray *arr, const void *desc, uint64_t est)
+static int mapped_later(unsigned flags)
+{
+    return (flags & (CUDA_ARRAY3D_SPARSE | CUDA_ARRAY3D_DEFERRED_MAPPING)) != 0;
+}
+
+/* Hook `idx` (an array creation of any ABI) for a descriptor whose estimate is `est` (`later`:
+ * its memory is mapped in later, not charged here). */
+static CUresult array_common(int idx, CUarray *arr, const void *desc, uint64_t est, int later)
 {
     CUresult (*real)(CUarray *, const void *) = REAL(idx, CUresult(*)(CUarray *, const void *));
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
-    if (mode() != M_LIMITED || !desc)
+    if (mode() != M_LIMITED || !desc || later)
         return real(arr, desc);
     int d = vgpu_cur_dev();
     if (vgpu_charge(d, est))
@@ -73,7 +81,7 @@ VGPU_API CUresult cuArrayCreate_v2(CUarray *arr, const CUDA_ARRAY_DESCRIPTOR *de
 {
     BROKEN_GUARD();
     return array_common(H_ARRAY, arr, desc,
-                        desc ? array_est(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels) : 0);
+                        desc ? array_est(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels) : 0, 0);
 }
 
 VGPU_API CUresult cuArray3DCreate_v2(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR *desc)
@@ -81,7 +89,8 @@ VGPU_API CUresult cuArray3DCreate_v2(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR
     BROKEN_GUARD();
     return array_common(H_ARRAY3D, arr, desc,
                         desc ? array_est(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels)
-                             : 0);
+                             : 0,
+                        desc && mapped_later(desc->Flags));
 }
 
 /* The CUDA < 3.2 ABI (32-bit extents): charged as the v2 forms. */
@@ -89,7 +98,7 @@ VGPU_API CUresult cuArrayCreate(CUarray *arr, const CUDA_ARRAY_DESCRIPTOR_v1 *de
 {
     BROKEN_GUARD();
     return array_common(H_ARRAY_V1, arr, desc,
-                        desc ? array_est(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels) : 0);
+                        desc ? array_est(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels) : 0, 0);
 }
 
 VGPU_API CUresult cuArray3DCreate(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR_v1 *desc)
@@ -97,7 +106,8 @@ VGPU_API CUresult cuArray3DCreate(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR_v1
     BROKEN_GUARD();
     return array_common(H_ARRAY3D_V1, arr, desc,
                         desc ? array_est(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels)
-                             : 0);
+                             : 0,
+                        desc && mapped_later(desc->Flags));
 }
 
 VGPU_API CUresult cuArrayDestroy(CUarray arr)
@@ -119,7 +129,7 @@ VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *arr, const CUDA_ARRAY
 {
     BROKEN_GUARD();
     vgpu_fn_cuMipmappedArrayCreate real = REAL_FN(cuMipmappedArrayCreate);
-    if (mode() != M_LIMITED || !desc)
+    if (mode() != M_LIMITED || !desc || mapped_later(desc->Flags))
         return real(arr, desc, levels);
     uint64_t base = array_est(desc->Width, desc->Height, desc->Depth, desc->Format, desc->NumChannels);
     uint64_t est = levels > 1 ? base * 2 : base; /* upper bound of the level sum */

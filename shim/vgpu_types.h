@@ -71,6 +71,9 @@ _Static_assert(sizeof(CUarrayMapInfo) == 96, "CUarrayMapInfo layout");
 #define CU_MEM_OPERATION_TYPE_UNMAP 2
 #define CU_MEM_HANDLE_TYPE_GENERIC 0
 #define CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL 1
+/* CUDA_ARRAY3D_DESCRIPTOR Flags of arrays whose memory is mapped in later (cuMemMapArrayAsync) */
+#define CUDA_ARRAY3D_SPARSE 0x40
+#define CUDA_ARRAY3D_DEFERRED_MAPPING 0x80
 typedef struct {
     unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
     CUstream hStream;

@@ -40,6 +40,16 @@ def test_every_path_stops_at_the_limit(box, path: str) -> None:
     assert after["free"] == 1000 * MIB - 64 * MIB  # freed memory returns; the context stays
 
 
+@pytest.mark.parametrize("path", ["sparse", "deferred", "sparsemip"])
+def test_an_array_mapped_in_later_is_not_charged_itself(box, path: str) -> None:
+    """A sparse or deferred-mapping array has no memory of its own: its tiles are handles mapped
+    in later, charged at their cuMemCreate (the vmmarray paths above), so creating one charges
+    nothing. 30 arrays of 64 MiB each under a 1000 MiB limit."""
+    out = box.json("fill", path, str(CHUNK), "30", env=box.env(claim((0, 1000, 0))))[0]
+    assert out["n"] == 30 and out["rc"] == 0
+    assert out["free"] == 1000 * MIB - 64 * MIB  # the context only
+
+
 def test_gpa_indirect_pointers_still_hooked(box) -> None:
     """A driver whose cuGetProcAddress returns non-exported addresses: name/version fallback."""
     out = box.json("fill", "gpa", str(CHUNK), env=box.env(claim((0, 1000, 0)), STUB_GPA_INDIRECT=1))

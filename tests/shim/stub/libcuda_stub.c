@@ -413,11 +413,23 @@ API CUresult cuArrayCreate_v2(CUarray *a, const CUDA_ARRAY_DESCRIPTOR *d)
     if (rc == OK) *a = (CUarray)(uintptr_t)addr;
     return rc;
 }
+/* A sparse or deferred-mapping array (Flags 0x40, 0x80): no memory of its own, as on the driver
+ * (its tiles are handles mapped in with cuMemMapArrayAsync). */
+static CUresult no_memory(int kind, unsigned long long *addr)
+{
+    pthread_mutex_lock(&mu);
+    uint64_t a = ((uint64_t)getpid() << 36) + atomic_fetch_add(&next_addr, 65536) + 0x1000000;
+    *find(a, kind, 1) = (struct ent){a, 0, cur_ctx, kind};
+    pthread_mutex_unlock(&mu);
+    *addr = a;
+    return OK;
+}
 API CUresult cuArray3DCreate_v2(CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR *d)
 {
     NEED_CTX();
     unsigned long long addr;
-    CUresult rc = phys_alloc(cur_ctx, arr_bytes(d->Width, d->Height, d->Depth, d->NumChannels), &addr, 3, 0);
+    CUresult rc = d->Flags & 0xc0 ? no_memory(3, &addr)
+                                  : phys_alloc(cur_ctx, arr_bytes(d->Width, d->Height, d->Depth, d->NumChannels), &addr, 3, 0);
     if (rc == OK) *a = (CUarray)(uintptr_t)addr;
     return rc;
 }
@@ -504,7 +516,7 @@ API CUresult cuMipmappedArrayCreate(CUmipmappedArray *a, const CUDA_ARRAY3D_DESC
     NEED_CTX();
     uint64_t base = arr_bytes(d->Width, d->Height, d->Depth, d->NumChannels);
     unsigned long long addr;
-    CUresult rc = phys_alloc(cur_ctx, levels > 1 ? base + base / 3 : base, &addr, 4, 0);
+    CUresult rc = d->Flags & 0xc0 ? no_memory(4, &addr) : phys_alloc(cur_ctx, levels > 1 ? base + base / 3 : base, &addr, 4, 0);
     if (rc == OK) *a = (CUmipmappedArray)(uintptr_t)addr;
     return rc;
 }
