@@ -128,6 +128,10 @@ static inline void flight_begin(struct vgpu_gate *g)
  * return (compute_after): NULL = none. */
 static __thread CUcontext launch_pushed;
 
+/* The gate (index + 1) that let this thread's current launch pass ungated because its stream
+ * was capturing: 0 = none. Checked again after the driver's return (compute_after). */
+static __thread int launch_captured;
+
 /* The context a launch on s runs in, made current for it if it is not: a created stream's own
  * (the driver takes a CUkernel launch's context from its stream, and the batch's events, made
  * in the current context, cannot be recorded on another context's stream), else the current
@@ -273,6 +277,8 @@ void vgpu_compute_gate(CUstream s)
     }
     if (counted)
         launch_in_flight = d + 1;
+    else
+        launch_captured = d + 1;
     if (VGPU_PEEK(g->tracking)) { /* a hint, re-checked under the lock */
         vgpu_lock(&g->mu);
         vgpu_track_before(g, s);
@@ -282,12 +288,31 @@ void vgpu_compute_gate(CUstream s)
 
 static inline void compute_after_in_ctx(CUstream s);
 
+/* A launch let through ungated into a capturing stream, whose stream no longer captures now:
+ * another thread ended the capture between the check and the driver, so the launch may have
+ * run. Its work is unknown: a bucket of GPU time, as a batch whose measurement failed (a
+ * program does not race its own capture; a tenant doing so on purpose pays for it). */
+static void capture_recheck(CUstream s)
+{
+    int d = launch_captured - 1;
+    launch_captured = 0;
+    if (vgpu_stream_capturing(s))
+        return;
+    struct vgpu_gate *g = &vgpu.gate[d];
+    vgpu_lock(&g->mu);
+    vgpu_gate_forfeit(g);
+    vgpu_unlock(&g->mu);
+    vgpu_log(2, "gate d%d: a capture ended while a launch into it passed: charged a bucket", d);
+}
+
 /* After a launch: long kernels close their one-launch batch right behind it; a context pushed
  * for the launch (launch_ctx) is popped. */
 static inline void compute_after(CUstream s)
 {
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
+    if (__builtin_expect(launch_captured != 0, 0))
+        capture_recheck(s);
     compute_after_in_ctx(s);
     if (__builtin_expect(launch_pushed != NULL, 0)) {
         CUcontext popped = NULL;
@@ -361,9 +386,14 @@ VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, un
     return rc;
 }
 
+/* cuLaunchKernelEx(_ptsz): the driver is given a copy of the config the gate read, so another
+ * thread rewriting its stream after the gate's checks cannot move the launch elsewhere. */
 VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
 {
     BROKEN_GUARD();
+    CUlaunchConfig own;
+    if (c)
+        own = *c, c = &own;
     vgpu_compute_gate(c ? c->hStream : NULL);
     CUresult rc = REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
     compute_after(c ? c->hStream : NULL);
@@ -373,6 +403,9 @@ VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void *
 VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e)
 {
     BROKEN_GUARD();
+    CUlaunchConfig own;
+    if (c)
+        own = *c, c = &own;
     vgpu_compute_gate(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
     CUresult rc = REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
     compute_after(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
@@ -406,6 +439,7 @@ VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsi
 struct multi_held {
     int flight;         /* launch_in_flight of its gate */
     CUcontext pushed;   /* launch_pushed of its gate */
+    int captured;       /* launch_captured of its gate */
 };
 
 static void multi_one(CUstream s, int after, struct multi_held *held)
@@ -415,10 +449,10 @@ static void multi_one(CUstream s, int after, struct multi_held *held)
                  DRV->stream_get_ctx(s, &c) == CUDA_SUCCESS && c && DRV->ctx_push(c) == CUDA_SUCCESS;
     if (!after) {
         vgpu_compute_gate(s);
-        held->flight = launch_in_flight, held->pushed = launch_pushed;
-        launch_in_flight = 0, launch_pushed = NULL;
+        held->flight = launch_in_flight, held->pushed = launch_pushed, held->captured = launch_captured;
+        launch_in_flight = 0, launch_pushed = NULL, launch_captured = 0;
     } else {
-        launch_in_flight = held->flight, launch_pushed = held->pushed;
+        launch_in_flight = held->flight, launch_pushed = held->pushed, launch_captured = held->captured;
         compute_after(s);
     }
     if (pushed)
@@ -436,10 +470,13 @@ VGPU_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *l, un
     multi_fn real = REAL(H_COOP_MULTI, multi_fn);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
-    struct multi_held held[VGPU_MAX_DEV] = {{0, NULL}};
+    struct multi_held held[VGPU_MAX_DEV] = {{0, NULL, 0}};
+    CUDA_LAUNCH_PARAMS own[VGPU_MAX_DEV]; /* the driver gets the list the gates read */
     int gated = vgpu.compute_limited && l;
     if (gated && n > VGPU_MAX_DEV)
         return CUDA_ERROR_INVALID_VALUE;
+    if (gated)
+        memcpy(own, l, n * sizeof *l), l = own;
     for (unsigned i = 0; gated && i < n; i++)
         multi_one(l[i].hStream, 0, &held[i]);
     CUresult rc = real(l, n, flags);

@@ -515,6 +515,33 @@ def test_a_capture_begun_on_a_stream_of_the_batch_does_not_hide_its_work(card) -
     assert 30 - 6 <= r["busy"] * 100 <= 30 + 4, r
 
 
+def test_a_capture_ended_under_a_launch_does_not_free_it(card) -> None:
+    """Review finding: a launch into a capturing stream passes ungated (captured work does not
+    run now), and the check comes before the driver: another thread ending the capture in
+    between made the launch run uncharged. The stub ends the capture right after the shim's
+    check (kernels of small grids: streams run side by side); a tenant doing that with 2 ms
+    kernels between 5 us ones on another stream ran them free. A launch let
+    through as captured whose stream no longer captures after the driver's return is charged a
+    bucket of GPU time."""
+    env = {**alone(card, 30, "capend"), "STUB_CAPTURE_ENDS_AFTER_CHECK": "1", "STUB_CONCURRENT": "1"}
+    r = card.json("hostile", "capend", "3", "2000", "1", env=env, timeout=60)[0]
+    print("a capture ended between the check and the driver, at 30 %:", r)
+    assert r["rc"] == 0 and r["rounds"] > 5, r
+    assert r["busy"] * 100 <= 30 + 4, r
+
+
+def test_a_launch_config_rewritten_after_the_gate_does_not_move_the_launch(card) -> None:
+    """Review finding: cuLaunchKernelEx's config was read by the gate (a capturing stream: no
+    gate) and again by the driver, so another thread rewriting its stream in between launched
+    the kernel on a stream that runs, uncharged. The stub rewrites it right after the shim's
+    capture check; the driver now gets the copy the gate read, and the kernel is captured."""
+    env = {**alone(card, 30, "cfgswap"), "STUB_CONCURRENT": "1"}
+    r = card.json("hostile", "cfgswap", "3", "2000", "1", env=env, timeout=60)[0]
+    print("a launch config rewritten after the capture check, at 30 %:", r)
+    assert r["rc"] == 0 and r["rounds"] > 5, r
+    assert r["busy"] * 100 <= 30 + 4, r
+
+
 def test_a_thread_cancelled_while_the_gate_holds_it_back(card) -> None:
     """Review finding: pthread_cancel of a thread that the gate holds back (it sleeps under the
     gate's lock, a cancellation point) ended the thread with the lock held, and the next launch

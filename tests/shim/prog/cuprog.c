@@ -461,6 +461,7 @@ static int cmd_launch(const char *mode, double secs, long sync_every)
 CUresult cuStreamCreate(CUstream *, unsigned);
 CUresult cuStreamBeginCapture_v2(CUstream, int);
 CUresult cuStreamEndCapture(CUstream, void **);
+CUresult cuGraphDestroy(void *);
 CUresult cuStreamDestroy_v2(CUstream);
 
 static double done_s(void)
@@ -1087,6 +1088,14 @@ static int cmd_fork(const char *kind, int n, int busy, const char *self)
  *       5 us kernel on the first stream (its slow path closes the batch: the close on the
  *       capturing stream would be captured); the capture ends, everything is waited for, then
  *       20 times a 5 us kernel and a wait (a low estimate).
+ *   capend: a capture begins on a non-blocking stream and a kernel of HEAVY_US goes into it,
+ *       which the capture ends under (the stub's STUB_CAPTURE_ENDS_AFTER_CHECK ends it right
+ *       after the shim's check: another thread's cuStreamEndCapture), so the kernel runs; then
+ *       5 us kernels and a wait, 20 times, on a blocking stream (which does not wait for it).
+ *   cfgswap: a capture begins on a stream and a kernel of HEAVY_US is launched with
+ *       cuLaunchKernelEx on it, its config's stream rewritten to a non-blocking stream right
+ *       after the shim's capture check (stub_race_config: another thread's write); the capture
+ *       ends, then 5 us kernels and a wait, 20 times, as in capend.
  * "busy": the share of wall time this process's kernels ran. */
 struct hostile {
     pthread_barrier_t step;
@@ -1244,6 +1253,29 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
             for (int i = 0; i < 20 && !rc; i++) {
                 rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
                 cuStreamSynchronize(NULL);
+            }
+        } else if (!strcmp(variant, "capend") || !strcmp(variant, "cfgswap")) {
+            void *graph = NULL;
+            CUstream on = !strcmp(variant, "capend") ? h.nb : cap;
+            if ((rc = cuStreamBeginCapture_v2(on, 2)))
+                break;
+            if (!strcmp(variant, "capend")) {
+                rc = cuLaunchKernel(f, heavy, 1, 1, 1, 1, 1, 0, on, NULL, NULL);
+            } else {
+                void (*race)(CUlaunchConfig *, CUstream) =
+                    (void (*)(CUlaunchConfig *, CUstream))dlsym(RTLD_DEFAULT, "stub_race_config");
+                CUlaunchConfig cfg = {heavy, 1, 1, 1, 1, 1, 0, on, NULL, 0};
+                if (!race)
+                    return 7;
+                race(&cfg, h.nb);
+                rc = cuLaunchKernelEx(&cfg, f, NULL, NULL);
+            }
+            if (!cuStreamEndCapture(on, &graph) && graph) /* capend: already over */
+                cuGraphDestroy(graph);
+            n++, h.rounds++;
+            for (int i = 0; i < 20 && !rc; i++) { /* on a stream that does not wait for h.nb */
+                rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, other, NULL, NULL);
+                cuStreamSynchronize(other);
             }
         } else if (!strcmp(variant, "cancel")) {
             pthread_create(&t, NULL, hostile_cancelled, &h);

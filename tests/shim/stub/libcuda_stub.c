@@ -548,6 +548,8 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void
  * starts while k-1 other processes have work queued takes k times its duration of wall time
  * (its GPU time, stubBusyNs, stays its duration). So an event pair around a tenant's kernel
  * measures its co-tenants' time slices too, as cuEventElapsedTime does on the GPU.
+ * STUB_CONCURRENT=1: kernels of small grids, as the GPU runs those of different streams side by
+ * side: each starts as soon as its own stream lets it, never waiting for the card.
  * Held streams (cuStreamWaitValue32 below): work queued behind a wait for a value runs only once
  * cuStreamWriteValue32 writes it. */
 #define STUB_STREAMS 32
@@ -590,7 +592,7 @@ __attribute__((constructor)) static void stub_atfork(void)
     pthread_atfork(stub_fork_prepare, stub_fork_parent, stub_fork_child);
 }
 
-static int null_launch = -1, grid_us = -1, timeslice = -1;
+static int null_launch = -1, grid_us = -1, timeslice = -1, concurrent = -1;
 
 /* Each thread's per-thread default stream (CU_STREAM_PER_THREAD) is a stream of its own, a
  * blocking one, taken from the created streams' slots at its first use (slot 1 when they are
@@ -633,6 +635,8 @@ static uint64_t run_at(int phys, uint64_t now, uint64_t after, uint64_t dur, uin
     struct stub_proc *me = stub_me();
     uint64_t start, end;
     *k = 1;
+    if (concurrent) /* kernels of small grids: each runs as soon as its stream lets it */
+        return (now > after ? now : after) + dur;
     if (timeslice) {
         pthread_mutex_lock(&ring_mu);
         uint64_t own = atomic_load(&me->busy_until[phys]);
@@ -680,10 +684,13 @@ static CUresult launch(CUstream stream, unsigned gx)
         null_launch = stub_env("STUB_NULL_LAUNCH", 0) != 0;
         grid_us = stub_env("STUB_GRID_US", 0) != 0;
         timeslice = stub_env("STUB_TIMESLICE", 0) != 0;
+        concurrent = stub_env("STUB_CONCURRENT", 0) != 0;
     }
     if (null_launch)
         return OK; /* micro-benchmarks: a launch that costs a function call */
     NEED_CTX();
+    if (hidden_capturing(stream))
+        return OK; /* captured: it runs when its graph is launched */
     struct stub_proc *me = stub_me();
     uint64_t dur = grid_us ? (uint64_t)(gx ? gx : 1) * 1000 : (uint64_t)stub_env("STUB_KERNEL_US", 1000) * 1000;
     if (atomic_load(&held[cur_ctx][slot_of(stream)]) && hold_launch(cur_ctx, slot_of(stream), dur)) {
@@ -768,7 +775,21 @@ API CUresult cuStreamSynchronize(CUstream s) { return drain(s); }
  * driver for cudaDeviceSynchronize (its private export table), which no preload sees. */
 API CUresult stubHiddenSync(CUstream s) { return drain(s); }
 API CUresult cuCtxSynchronize(void) { return drain(NULL); }
-API CUresult cuStreamIsCapturing(CUstream s, int *st) { *st = hidden_capturing(s); return OK; }
+/* Races another thread of the tenant would run, made deterministic: right after a check finds
+ * stream s capturing, the config registered with stub_race_config has its stream rewritten
+ * (once), and with STUB_CAPTURE_ENDS_AFTER_CHECK the capture ends. */
+static CUlaunchConfig *race_cfg;
+static CUstream race_to;
+API void stub_race_config(CUlaunchConfig *c, CUstream to) { race_cfg = c, race_to = to; }
+API CUresult cuStreamIsCapturing(CUstream s, int *st)
+{
+    *st = hidden_capturing(s);
+    if (*st && race_cfg && race_cfg->hStream == s)
+        race_cfg->hStream = race_to, race_cfg = NULL;
+    if (*st && stub_env("STUB_CAPTURE_ENDS_AFTER_CHECK", 0))
+        hidden_capture_abandon();
+    return OK;
+}
 API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); if (hidden_capture_unsafe(s)) return 900; return stream_done(cur_ctx, s) > stub_now() ? 600 : OK; }
 
 /* Events: recording one notes when the stream's work queued so far ends (the GPU reaches the
