@@ -340,9 +340,12 @@ def test_threads_on_streams_of_their_own_are_measured(card, loaded) -> None:
     card.base_env.update(CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5",
                          CUPROG_LEAD_KUS="5", CUPROG_THREADS="2")
     with busy_cores(loaded):
-        r = work(card, alone(card, 30, "threads2-loaded" if loaded else "threads2"), "sat", "3.2", "2000", "5", "2")
+        r = work(card, alone(card, 30, "threads2-loaded" if loaded else "threads2"), "sat", "6", "2000", "5", "2")
     print("two threads on streams of their own after 5 us kernels, at 30 %:", r["busy"], r["per_sec"])
-    assert 22 <= r["busy"] * 100 <= 30 + 4, r
+    # 3.2 s runs, unloaded, on the 2-core CI machine: 31.6-35.2 % in 11 (some runs hold 35-36 %
+    # for two or three seconds, then 32); 6 s runs: 31.9-33.8 % in 6. The hole this guards gave
+    # 36-37 %.
+    assert 22 <= r["busy"] * 100 <= 30 + 5, r
     assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
 
 
