@@ -44,6 +44,7 @@ VGPU_API CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
         }
         return rc;
     }
+    vgpu_vmm_settle(); /* sparse-array unmaps the GPU has done since */
     int d = vgpu_cur_dev();
     uint64_t lim = d >= 0 ? vgpu.region.r->dev[d].limit : 0;
     if (lim) {

@@ -55,8 +55,13 @@ int vgpu_settle(int d, uint64_t est, uint64_t actual);
 extern pthread_mutex_t vgpu_primary_mu;
 /* Serialises the VMM bookkeeping (vgpu_mem_vmm.c): taken before the table's and the region's. */
 extern pthread_mutex_t vgpu_vmm_mu;
-/* A sparse array or mipmapped array the driver destroyed: the handles mapped into it are no
- * longer held by it (vgpu_mem_vmm.c). */
+/* A sparse array or mipmapped array the driver destroyed (under vgpu_vmm_mu, held across the
+ * destroy): the handles mapped into it are no longer held by it (vgpu_mem_vmm.c). */
 void vgpu_vmm_array_gone(const void *res);
+/* In a forked child: the parent's sparse-array bookkeeping is forgotten. */
+void vgpu_vmm_fork_child(void);
+/* Sparse-array unmaps whose event completed end their mappings now (takes vgpu_vmm_mu: never
+ * called with it held; cheap when none waits). */
+void vgpu_vmm_settle(void);
 
 #endif

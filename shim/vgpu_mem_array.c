@@ -116,11 +116,13 @@ VGPU_API CUresult cuArrayDestroy(CUarray arr)
     vgpu_fn_cuArrayDestroy real = REAL_FN(cuArrayDestroy);
     uint64_t size;
     int d;
+    vgpu_lock(&vgpu_vmm_mu); /* no map into an array the driver hands out again meanwhile */
     CUresult rc = vgpu_release_begin(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d)
                       ? vgpu_release_end(real(arr), K_ARRAY, (uint64_t)(uintptr_t)arr, size, d)
                       : real(arr);
     if (rc == CUDA_SUCCESS)
         vgpu_vmm_array_gone(arr); /* a sparse array's mappings go with it */
+    vgpu_unlock(&vgpu_vmm_mu);
     return rc;
 }
 
@@ -146,10 +148,12 @@ VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
     vgpu_fn_cuMipmappedArrayDestroy real = REAL_FN(cuMipmappedArrayDestroy);
     uint64_t size;
     int d;
+    vgpu_lock(&vgpu_vmm_mu);
     CUresult rc = vgpu_release_begin(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d)
                       ? vgpu_release_end(real(arr), K_MIPMAP, (uint64_t)(uintptr_t)arr, size, d)
                       : real(arr);
     if (rc == CUDA_SUCCESS)
         vgpu_vmm_array_gone(arr);
+    vgpu_unlock(&vgpu_vmm_mu);
     return rc;
 }

@@ -121,6 +121,7 @@ void vgpu_cuda_mem_fork_lock(int op)
         pthread_mutex_init(&tab_mu, NULL);
         free(tab);
         tab = NULL, tab_cap = tab_used = 0;
+        vgpu_vmm_fork_child();
         memset(vgpu.primary_charged, 0, sizeof vgpu.primary_charged);
         memset(vgpu.primary_ctx, 0, sizeof vgpu.primary_ctx);
         memset(vgpu.primary_refs, 0, sizeof vgpu.primary_refs);
@@ -163,6 +164,7 @@ int vgpu_charge(int d, uint64_t bytes)
         vgpu_reconcile(d, used + bytes > lim - lim / 10 ? 2 : 0);
     if (vgpu_region_reserve(&vgpu.region, d, bytes) == 0)
         return 0;
+    vgpu_vmm_settle(); /* sparse-array unmaps the GPU has done return their handles' charges */
     vgpu_reconcile(d, 1);
     if (vgpu_region_reserve(&vgpu.region, d, bytes) == 0)
         return 0;

@@ -60,6 +60,9 @@ static void handle_gone(uint64_t h)
     forget(h);
 }
 
+static void forget_places(uint64_t h);
+static void settle_unmaps(void);
+
 /* One of handle h's mappings is gone: with its last one and no reference left, its charge. */
 static void mapping_gone(uint64_t h)
 {
@@ -95,9 +98,10 @@ VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, cons
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     vgpu_lock(&vgpu_vmm_mu);
+    settle_unmaps();
     CUresult rc = real(h, size, prop, flags);
     if (rc == CUDA_SUCCESS && h)
-        forget(*h); /* a handle value the driver gives again: nothing of the old one applies */
+        forget(*h), forget_places(*h); /* a handle value the driver gives again: nothing of the old one applies */
     rc = vgpu_alloc_end(rc, h != NULL, K_HANDLE, rc == CUDA_SUCCESS && h ? *h : 0, size, d);
     vgpu_unlock(&vgpu_vmm_mu);
     return rc;
@@ -111,6 +115,7 @@ VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
     if (mode() != M_LIMITED)
         return real(h);
     vgpu_lock(&vgpu_vmm_mu);
+    settle_unmaps();
     if (!peek(K_HANDLE, h, &v)) {
         vgpu_unlock(&vgpu_vmm_mu);
         return real(h);
@@ -135,6 +140,7 @@ VGPU_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, v
     if (mode() != M_LIMITED)
         return real(h, addr);
     vgpu_lock(&vgpu_vmm_mu);
+    settle_unmaps();
     uint64_t v;
     CUresult rc = real(h, addr);
     if (rc == CUDA_SUCCESS && h && peek(K_HANDLE, *h, &v))
@@ -151,6 +157,7 @@ VGPU_API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmemGene
     if (mode() != M_LIMITED)
         return real(va, size, offset, h, flags);
     vgpu_lock(&vgpu_vmm_mu);
+    settle_unmaps();
     CUresult rc = real(va, size, offset, h, flags);
     if (rc == CUDA_SUCCESS && mapping_new(h)) {
         vgpu_tab_put(K_MAPLEN, va, size, 0); /* replaces what an earlier mapping there left */
@@ -168,6 +175,7 @@ VGPU_API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
     if (mode() != M_LIMITED)
         return real(va, size);
     vgpu_lock(&vgpu_vmm_mu);
+    settle_unmaps();
     CUresult rc = real(va, size);
     uint64_t at = va, len, h;
     int d;
@@ -183,96 +191,211 @@ VGPU_API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
 /* ------------------------------------------------------------------ sparse arrays */
 
 /* cuMemMapArrayAsync maps handles into a sparse array's tile ranges or mip tail; the array then
- * holds the handle's memory as a cuMemMap mapping does. Its unmap names the subresource, not the
- * handle, so each such mapping is kept with its whole descriptor: an unmap of exactly that
- * subresource ends it, and so does the array's destruction. An unmap of another extent (part of
- * a mapped range, or several at once) ends nothing: the handle stays charged, at most until the
- * process exits, never less than the driver holds. A call the driver fails may have done some of
- * its operations: its maps count, its unmaps do not. Under vgpu_vmm_mu. */
-static CUarrayMapInfo *amap; /* each mapping's operation: its place, and its handle (memHandle) */
+ * holds the handle's memory as a cuMemMap mapping does. An unmap names a region of the array,
+ * not a handle, so each mapping is kept with its place: an unmap ends the mappings whose place
+ * lies wholly inside its region (one it covers in part stays counted: part of it is still
+ * mapped), and the array's destroy ends them all. The operations run in stream order, so an
+ * unmap ends mappings only once an event recorded behind it has completed (looked at on every
+ * VMM call), and only mappings made before it: a tenant holding its stream back keeps paying.
+ * The driver is given a copy of the operations the bookkeeping reads. A call the driver fails
+ * may have done some of its operations: its maps count, its unmaps do not, and an unmap with no
+ * event ends nothing (the handle stays charged until the array goes). Under vgpu_vmm_mu. */
+struct array_map {
+    CUarrayMapInfo at; /* its place, and its handle (memHandle) */
+    uint64_t seq;      /* order among the process's map and unmap operations */
+};
+struct array_unmaps {  /* the unmaps of one call, waiting for their event */
+    struct array_map *ops;
+    unsigned n;
+    CUevent done;
+};
+static struct array_map *amap;
 static size_t namap, camap;
-static _Atomic size_t amap_live; /* namap, read without the lock (array destroys) */
+static struct array_unmaps *apend;
+static size_t napend, capend;
+static _Atomic size_t apend_n; /* napend, read without the lock by vgpu_vmm_settle */
+static uint64_t aseq;
 
-static int same_place(const CUarrayMapInfo *a, const CUarrayMapInfo *b)
+/* 1 when place m lies wholly inside region u of the same array, level or mip tail, and layer. */
+static int inside(const CUarrayMapInfo *m, const CUarrayMapInfo *u)
 {
-    if (a->resourceType != b->resourceType || a->resource != b->resource || a->subresourceType != b->subresourceType)
+    typedef unsigned __int128 u128;
+    if (m->resourceType != u->resourceType || m->resource != u->resource || m->subresourceType != u->subresourceType)
         return 0;
-    if (a->subresourceType == CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL)
-        return a->subresource.miptail.layer == b->subresource.miptail.layer &&
-               a->subresource.miptail.offset == b->subresource.miptail.offset &&
-               a->subresource.miptail.size == b->subresource.miptail.size;
-    return memcmp(a->subresource.sparseLevel, b->subresource.sparseLevel, sizeof a->subresource.sparseLevel) == 0;
+    if (m->subresourceType == CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL)
+        return m->subresource.miptail.layer == u->subresource.miptail.layer &&
+               m->subresource.miptail.offset >= u->subresource.miptail.offset &&
+               (u128)m->subresource.miptail.offset + m->subresource.miptail.size <=
+                   (u128)u->subresource.miptail.offset + u->subresource.miptail.size;
+    const unsigned *a = m->subresource.sparseLevel, *b = u->subresource.sparseLevel; /* level, layer, x y z, w h d */
+    if (a[0] != b[0] || a[1] != b[1])
+        return 0;
+    for (int k = 2; k < 5; k++)
+        if (a[k] < b[k] || (uint64_t)a[k] + a[k + 3] > (uint64_t)b[k] + b[k + 3])
+            return 0;
+    return 1;
 }
 
 static void amap_drop(size_t i)
 {
-    uint64_t h = amap[i].memHandle;
+    uint64_t h = amap[i].at.memHandle;
     amap[i] = amap[--namap];
-    atomic_store(&amap_live, namap);
     mapping_gone(h);
 }
 
-static void array_op(const CUarrayMapInfo *op, int done)
+/* The unmaps whose event has completed end the mappings made before them. */
+static void settle_unmaps(void)
 {
-    if (op->memOperationType == CU_MEM_OPERATION_TYPE_UNMAP) {
-        if (!done)
-            return;
-        for (size_t i = 0; i < namap; i++)
-            if (same_place(&amap[i], op)) {
-                amap_drop(i);
-                return;
-            }
-        return;
+    for (size_t i = 0; i < napend;) {
+        struct array_unmaps *u = &apend[i];
+        if (vgpu.drv.event_query(u->done) == CU_NOT_READY) {
+            i++;
+            continue;
+        }
+        vgpu.drv.event_destroy(u->done);
+        for (unsigned j = 0; j < u->n; j++)
+            for (size_t k = 0; k < namap;)
+                if (amap[k].seq < u->ops[j].seq && inside(&amap[k].at, &u->ops[j].at))
+                    amap_drop(k);
+                else
+                    k++;
+        free(u->ops);
+        apend[i] = apend[--napend];
     }
-    if (op->memOperationType != CU_MEM_OPERATION_TYPE_MAP || op->memHandleType != CU_MEM_HANDLE_TYPE_GENERIC ||
-        !op->resource || !mapping_new(op->memHandle))
-        return;
-    if (namap == camap) {
-        size_t ncap = camap ? camap * 2 : 64;
-        CUarrayMapInfo *n = realloc(amap, ncap * sizeof *n);
-        if (!n)
-            return; /* counted, never ended: the handle stays charged */
-        amap = n, camap = ncap;
-    }
-    amap[namap++] = *op;
-    atomic_store(&amap_live, namap);
+    atomic_store(&apend_n, napend);
 }
 
-static CUresult map_array(vgpu_fn_cuMemMapArrayAsync real, CUarrayMapInfo *ops, unsigned n, CUstream s)
+void vgpu_vmm_settle(void)
+{
+    if (!atomic_load(&apend_n))
+        return;
+    vgpu_lock(&vgpu_vmm_mu);
+    settle_unmaps();
+    vgpu_unlock(&vgpu_vmm_mu);
+}
+
+static int grow(void **v, size_t *cap, size_t n, size_t size)
+{
+    if (n < *cap)
+        return 0;
+    size_t ncap = *cap ? *cap * 2 : 64;
+    void *p = realloc(*v, ncap * size);
+    if (!p)
+        return -1;
+    *v = p, *cap = ncap;
+    return 0;
+}
+
+static void record_map(const CUarrayMapInfo *op)
+{
+    if (op->memHandleType != CU_MEM_HANDLE_TYPE_GENERIC || !op->resource || !mapping_new(op->memHandle))
+        return;
+    if (grow((void **)&amap, &camap, namap, sizeof *amap))
+        return; /* counted, never ended: the handle stays charged */
+    amap[namap].at = *op, amap[namap].seq = ++aseq;
+    namap++;
+}
+
+/* The unmaps of a call the driver did, ending mappings once event `done` (behind them) completes. */
+static void record_unmaps(const CUarrayMapInfo *ops, unsigned n, CUevent done)
+{
+    struct array_unmaps u = {calloc(n, sizeof *u.ops), 0, done};
+    if (!u.ops || grow((void **)&apend, &capend, napend, sizeof *apend)) {
+        free(u.ops);
+        vgpu.drv.event_destroy(done); /* they end nothing: the handles stay charged */
+        return;
+    }
+    for (unsigned i = 0; i < n; i++)
+        if (ops[i].memOperationType == CU_MEM_OPERATION_TYPE_UNMAP)
+            u.ops[u.n].at = ops[i], u.ops[u.n++].seq = ++aseq;
+        else if (ops[i].memOperationType == CU_MEM_OPERATION_TYPE_MAP)
+            ++aseq; /* a map after an unmap in the same call is not ended by it */
+    apend[napend++] = u;
+    atomic_store(&apend_n, napend);
+}
+
+/* An event behind the call's operations on stream s (NULL: none could be made). */
+static CUevent behind(CUstream s, int ptsz)
+{
+    const struct vgpu_drv *f = vgpu_cuda_drv();
+    CUevent e = NULL;
+    if (!f->event_create || !f->event_record || !f->event_query || !f->event_destroy ||
+        f->event_create(&e, 2 /* CU_EVENT_DISABLE_TIMING */) != CUDA_SUCCESS)
+        return NULL;
+    if (f->event_record(e, ptsz && !s ? VGPU_STREAM_PER_THREAD : s) != CUDA_SUCCESS) {
+        f->event_destroy(e);
+        return NULL;
+    }
+    return e;
+}
+
+static CUresult map_array(vgpu_fn_cuMemMapArrayAsync real, CUarrayMapInfo *ops, unsigned n, CUstream s, int ptsz)
 {
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
-    if (mode() != M_LIMITED || !ops)
+    if (mode() != M_LIMITED || !ops || !n)
         return real(ops, n, s);
+    CUarrayMapInfo local[8], *own = n <= 8 ? local : malloc((size_t)n * sizeof *own);
+    if (!own)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    memcpy(own, ops, (size_t)n * sizeof *own); /* what the driver does is what is counted */
     vgpu_lock(&vgpu_vmm_mu);
-    CUresult rc = real(ops, n, s);
+    settle_unmaps();
+    CUresult rc = real(own, n, s);
+    int unmaps = 0;
     for (unsigned i = 0; i < n; i++)
-        array_op(&ops[i], rc == CUDA_SUCCESS);
+        if (own[i].memOperationType == CU_MEM_OPERATION_TYPE_MAP)
+            record_map(&own[i]);
+        else
+            unmaps += own[i].memOperationType == CU_MEM_OPERATION_TYPE_UNMAP;
+    CUevent done = rc == CUDA_SUCCESS && unmaps ? behind(s, ptsz) : NULL;
+    if (done)
+        record_unmaps(own, n, done);
     vgpu_unlock(&vgpu_vmm_mu);
+    if (own != local)
+        free(own);
     return rc;
 }
 
 VGPU_API CUresult cuMemMapArrayAsync(CUarrayMapInfo *ops, unsigned n, CUstream s)
 {
     BROKEN_GUARD();
-    return map_array(REAL_FN(cuMemMapArrayAsync), ops, n, s);
+    return map_array(REAL_FN(cuMemMapArrayAsync), ops, n, s, 0);
 }
 
 VGPU_API CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *ops, unsigned n, CUstream s)
 {
     BROKEN_GUARD();
-    return map_array(REAL_FN(cuMemMapArrayAsync_ptsz), ops, n, s);
+    return map_array(REAL_FN(cuMemMapArrayAsync_ptsz), ops, n, s, 1);
 }
 
 void vgpu_vmm_array_gone(const void *res)
 {
-    if (!atomic_load(&amap_live))
-        return;
-    vgpu_lock(&vgpu_vmm_mu);
+    settle_unmaps();
     for (size_t i = 0; i < namap;)
-        if (amap[i].resource == res)
+        if (amap[i].at.resource == res)
             amap_drop(i);
         else
             i++;
-    vgpu_unlock(&vgpu_vmm_mu);
+}
+
+/* A handle value the driver gives again: the places the old one was kept at are not its. */
+static void forget_places(uint64_t h)
+{
+    for (size_t i = 0; i < namap;)
+        if (amap[i].at.memHandle == h)
+            amap[i] = amap[--namap];
+        else
+            i++;
+}
+
+void vgpu_vmm_fork_child(void)
+{
+    free(amap);
+    for (size_t i = 0; i < napend; i++)
+        free(apend[i].ops); /* their events are the parent's */
+    free(apend);
+    amap = NULL, apend = NULL;
+    namap = camap = napend = capend = 0;
+    atomic_store(&apend_n, 0);
 }

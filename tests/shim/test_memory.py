@@ -20,10 +20,11 @@ from .conftest import MIB, claim, uuid
 
 # vmmmapped: each handle released while still mapped; vmmretained: released, retained from its
 # mapping, unmapped (the driver keeps the memory of both); vmmarray / vmmarrayunmap: mapped into a
-# sparse array's tiles and released (freed by destroying the array / unmapping the tiles first);
-# vmmarraypartial: the map call fails after its first operation mapped the tiles
+# sparse array's tiles and released (freed by destroying the array / by unmapping the tiles);
+# vmmarraypartial: the map call fails after its first operation mapped the tiles; vmmarrayrace: the
+# tenant's operation list is rewritten (its array gone) right after the driver read it
 PATHS = ["alloc", "managed", "pitch", "async", "pool", "vmm", "vmmmapped", "vmmretained", "vmmarray",
-         "vmmarrayunmap", "vmmarraypartial", "array", "array3d",
+         "vmmarrayunmap", "vmmarraypartial", "vmmarrayrace", "array", "array3d",
          "mipmap", "gpa", "gpa_v1", "dlsym", "v1abi", "pitch_v1", "array_v1", "array3d_v1"]
 CHUNK = 64 * MIB
 

@@ -162,14 +162,22 @@ static CUdevice setup(int ord)
 struct held { int kind; unsigned long long v; size_t size; };
 
 /* Map (op 1) or unmap (op 2) handle hd over the first `bytes` of sparse array arr's tiles;
- * `bad`: a second operation, on no array, fails the call after the first was done. */
-static CUresult map_tiles(CUarray arr, size_t bytes, int op, CUmemGenericAllocationHandle hd, int bad)
+ * `bad`: a second operation, on no array, fails the call after the first was done; `race`: the
+ * list is rewritten right after the driver read it (the stub's stub_race_map_ops: another
+ * thread's write). */
+static CUresult map_tiles(CUarray arr, size_t bytes, int op, CUmemGenericAllocationHandle hd, int bad, int race)
 {
     CUarrayMapInfo m[2];
     memset(m, 0, sizeof m);
     m[0].resource = arr, m[0].sub.level[5] = (unsigned)(bytes / 65536), m[0].sub.level[6] = m[0].sub.level[7] = 1;
     m[0].op = op, m[0].h = op == 1 ? hd : 0, m[0].mask = 1;
     m[1] = m[0], m[1].resource = NULL;
+    if (race) {
+        void (*reg)(CUarrayMapInfo *) = (void (*)(CUarrayMapInfo *))dlsym(RTLD_DEFAULT, "stub_race_map_ops");
+        if (!reg)
+            return 999;
+        reg(m);
+    }
     return cuMemMapArrayAsync(m, bad ? 2 : 1, NULL);
 }
 
@@ -290,8 +298,9 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
         h->kind = 3, h->v = again;
     } else if (!strncmp(path, "vmmarray", 8)) {
         /* a sparse array per chunk, the chunk's handle mapped into its tiles and released at
-         * once: the array's mapping keeps the memory (freed: the tiles unmapped, or not, then
-         * the array destroyed). vmmarraypartial: the map call fails after mapping the tiles. */
+         * once: the array's mapping keeps the memory (freed: the array destroyed, or for
+         * vmmarrayunmap its tiles unmapped, the array kept). vmmarraypartial: the map call fails
+         * after mapping the tiles; vmmarrayrace: its list is rewritten after the driver read it. */
         int partial = !strcmp(path, "vmmarraypartial");
         CUDA_ARRAY3D_DESCRIPTOR a = {1, 1, 0, 0x20, 1, 0x40 /* CUDA_ARRAY3D_SPARSE */};
         CUmemAllocationProp prop;
@@ -302,7 +311,7 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
         if ((rc = cuArray3DCreate_v2(&arr, &a)))
             return rc;
         if (!(rc = cuMemCreate(&hd, chunk, &prop, 0))) {
-            if (!(rc = map_tiles(arr, chunk, 1, hd, partial)) || partial)
+            if (!(rc = map_tiles(arr, chunk, 1, hd, partial, !strcmp(path, "vmmarrayrace"))) || partial)
                 rc = cuMemRelease(hd);
             else
                 cuMemRelease(hd);
@@ -354,7 +363,7 @@ static void free_one(struct held *h)
     case 7: cuMemUnmap(h->v, h->size); break;
     case 4: cuArrayDestroy((CUarray)(uintptr_t)h->v); break;
     case 5: cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h->v); break;
-    case 9: map_tiles((CUarray)(uintptr_t)h->v, h->size, 2, 0, 0); /* fall through */
+    case 9: map_tiles((CUarray)(uintptr_t)h->v, h->size, 2, 0, 0, 0); break; /* the array stays */
     case 8: cuArrayDestroy((CUarray)(uintptr_t)h->v); break;
     case 6: {
         CUresult (*fr)(unsigned) = NULL;

@@ -483,6 +483,10 @@ static CUresult map_array_one(const CUarrayMapInfo *op)
     pthread_mutex_unlock(&vmm_mu);
     return E_OOM;
 }
+/* Another thread of the tenant rewriting its operations right after the driver read them (made
+ * deterministic): the list registered with stub_race_map_ops loses its first resource. */
+static CUarrayMapInfo *race_ops;
+API void stub_race_map_ops(CUarrayMapInfo *ops) { race_ops = ops; }
 API CUresult cuMemMapArrayAsync(CUarrayMapInfo *ops, unsigned n, CUstream s)
 {
     (void)s;
@@ -492,6 +496,8 @@ API CUresult cuMemMapArrayAsync(CUarrayMapInfo *ops, unsigned n, CUstream s)
         CUresult rc = map_array_one(&ops[i]);
         if (rc) return rc;
     }
+    if (race_ops)
+        race_ops->resource = NULL, race_ops = NULL;
     return OK;
 }
 API CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *ops, unsigned n, CUstream s) { return cuMemMapArrayAsync(ops, n, s); }
