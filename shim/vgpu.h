@@ -589,6 +589,7 @@ struct vgpu_drv {
     CUresult (*primary_ctx_release)(CUdevice);               /* _v2 */
     CUresult (*stream_get_ctx)(CUstream, CUcontext *);
     CUresult (*stream_is_capturing)(CUstream, int *);
+    CUresult (*stream_capture_info)(CUstream, int *, cuuint64_t *); /* cuStreamGetCaptureInfo (v1) */
     CUresult (*stream_query)(CUstream);
     CUresult (*event_create)(CUevent *, unsigned);
     CUresult (*event_destroy)(CUevent);                      /* _v2 */

@@ -122,6 +122,7 @@ void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done
 void vgpu_track_before(struct vgpu_gate *g, CUstream s);  /* gap tracking around a launch */
 void vgpu_track_after(struct vgpu_gate *g, CUstream s);
 int vgpu_stream_capturing(CUstream s);                    /* 1: s is capturing a graph */
+uint64_t vgpu_stream_capture_id(CUstream s);              /* its capture's id, 0: none */
 
 /* ACTIVE_OOM_KILLER: after a reconciliation of device d (vgpu_nvml.c), end the process with the
  * most memory in the container if the container is over its limit (vgpu_mem_table.c). */

@@ -129,8 +129,10 @@ static inline void flight_begin(struct vgpu_gate *g)
 static __thread CUcontext launch_pushed;
 
 /* The gate (index + 1) that let this thread's current launch pass ungated because its stream
- * was capturing: 0 = none. Checked again after the driver's return (compute_after). */
+ * was capturing, and that capture's id: 0 = none. Checked again after the driver's return
+ * (compute_after). */
 static __thread int launch_captured;
+static __thread uint64_t launch_capture_id;
 
 /* The context a launch on s runs in, made current for it if it is not: a created stream's own
  * (the driver takes a CUkernel launch's context from its stream, and the batch's events, made
@@ -173,7 +175,7 @@ static int gate_slow(int d, CUstream s)
         return 1;
     }
     atomic_fetch_sub(&g->inflight, 1);
-    if (vgpu_stream_capturing(s)) {
+    if ((launch_capture_id = vgpu_stream_capture_id(s)) != 0) {
         vgpu_unlock(&g->mu); /* captured work does not run now: not gated */
         return 0;
     }
@@ -288,15 +290,16 @@ void vgpu_compute_gate(CUstream s)
 
 static inline void compute_after_in_ctx(CUstream s);
 
-/* A launch let through ungated into a capturing stream, whose stream no longer captures now:
- * another thread ended the capture between the check and the driver, so the launch may have
- * run. Its work is unknown: a bucket of GPU time, as a batch whose measurement failed (a
- * program does not race its own capture; a tenant doing so on purpose pays for it). */
+/* A launch let through ungated into a capturing stream, whose stream is no longer in that
+ * capture now: another thread ended it between the check and the driver (and maybe began
+ * another), so the launch may have run. Its work is unknown: a bucket of GPU time, as a batch
+ * whose measurement failed (a program does not race its own capture; a tenant doing so on
+ * purpose pays for it). */
 static void capture_recheck(CUstream s)
 {
     int d = launch_captured - 1;
     launch_captured = 0;
-    if (vgpu_stream_capturing(s))
+    if (vgpu_stream_capture_id(s) == launch_capture_id)
         return;
     struct vgpu_gate *g = &vgpu.gate[d];
     vgpu_lock(&g->mu);
@@ -440,6 +443,7 @@ struct multi_held {
     int flight;         /* launch_in_flight of its gate */
     CUcontext pushed;   /* launch_pushed of its gate */
     int captured;       /* launch_captured of its gate */
+    uint64_t cap_id;    /* launch_capture_id */
 };
 
 static void multi_one(CUstream s, int after, struct multi_held *held)
@@ -450,9 +454,11 @@ static void multi_one(CUstream s, int after, struct multi_held *held)
     if (!after) {
         vgpu_compute_gate(s);
         held->flight = launch_in_flight, held->pushed = launch_pushed, held->captured = launch_captured;
+        held->cap_id = launch_capture_id;
         launch_in_flight = 0, launch_pushed = NULL, launch_captured = 0;
     } else {
         launch_in_flight = held->flight, launch_pushed = held->pushed, launch_captured = held->captured;
+        launch_capture_id = held->cap_id;
         compute_after(s);
     }
     if (pushed)
@@ -470,7 +476,7 @@ VGPU_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *l, un
     multi_fn real = REAL(H_COOP_MULTI, multi_fn);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
-    struct multi_held held[VGPU_MAX_DEV] = {{0, NULL, 0}};
+    struct multi_held held[VGPU_MAX_DEV] = {{0, NULL, 0, 0}};
     CUDA_LAUNCH_PARAMS own[VGPU_MAX_DEV]; /* the driver gets the list the gates read */
     int gated = vgpu.compute_limited && l;
     if (gated && n > VGPU_MAX_DEV)

@@ -158,6 +158,7 @@ static void bind_cuda(void)
     SYM(lib, primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
     SYM(lib, stream_get_ctx, "cuStreamGetCtx");
     SYM(lib, stream_is_capturing, "cuStreamIsCapturing");
+    SYM(lib, stream_capture_info, "cuStreamGetCaptureInfo");
     SYM(lib, stream_query, "cuStreamQuery");
     SYM(lib, event_create, "cuEventCreate");
     SYM(lib, event_destroy, "cuEventDestroy_v2");

@@ -144,6 +144,17 @@ int vgpu_stream_capturing(CUstream s)
     return DRV->stream_is_capturing && DRV->stream_is_capturing(s, &st) == CUDA_SUCCESS && st != 0;
 }
 
+/* The id of the capture stream s is in (never 0; 1 where the driver has no
+ * cuStreamGetCaptureInfo), 0 when it captures nothing. */
+uint64_t vgpu_stream_capture_id(CUstream s)
+{
+    int st = 0;
+    cuuint64_t id = 0;
+    if (DRV->stream_capture_info && DRV->stream_capture_info(s, &st, &id) == CUDA_SUCCESS)
+        return st ? (id ? id : 1) : 0;
+    return vgpu_stream_capturing(s);
+}
+
 /* Before a launch of a tracked batch (under the gate's lock). */
 void vgpu_track_before(struct vgpu_gate *g, CUstream s)
 {

@@ -533,6 +533,18 @@ def test_a_capture_ended_under_a_launch_does_not_free_it(card) -> None:
     assert r["busy"] * 100 <= 30 + 4, r
 
 
+def test_a_capture_begun_again_under_a_launch_does_not_free_it(card) -> None:
+    """Review finding: the recheck after the driver asked only whether the stream captures, so a
+    second thread ending the capture and beginning a new one around the launch (the launch ran
+    in between) passed it. The stub does both around each launch; the recheck now compares the
+    capture's id (cuStreamGetCaptureInfo)."""
+    env = {**alone(card, 30, "caprestart"), "STUB_CAPTURE_RESTARTS_AROUND_LAUNCH": "1", "STUB_CONCURRENT": "1"}
+    r = card.json("hostile", "caprestart", "3", "2000", "1", env=env, timeout=60)[0]
+    print("a capture ended and begun again around the launch, at 30 %:", r)
+    assert r["rc"] == 0 and r["rounds"] > 5, r
+    assert r["busy"] * 100 <= 30 + 4, r
+
+
 def test_a_launch_config_rewritten_after_the_gate_does_not_move_the_launch(card) -> None:
     """Review finding: cuLaunchKernelEx's config was read by the gate (a capturing stream: no
     gate) and again by the driver, so another thread rewriting its stream in between launched

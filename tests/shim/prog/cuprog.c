@@ -1101,6 +1101,9 @@ static int cmd_fork(const char *kind, int n, int busy, const char *self)
  *       which the capture ends under (the stub's STUB_CAPTURE_ENDS_AFTER_CHECK ends it right
  *       after the shim's check: another thread's cuStreamEndCapture), so the kernel runs; then
  *       5 us kernels and a wait, 20 times, on a blocking stream (which does not wait for it).
+ *   caprestart: as capend, and a new capture begins on the stream right after the kernel ran
+ *       (STUB_CAPTURE_RESTARTS_AROUND_LAUNCH: another thread's end and begin), which the
+ *       program then ends.
  *   cfgswap: a capture begins on a stream and a kernel of HEAVY_US is launched with
  *       cuLaunchKernelEx on it, its config's stream rewritten to a non-blocking stream right
  *       after the shim's capture check (stub_race_config: another thread's write); the capture
@@ -1263,12 +1266,12 @@ static int cmd_hostile(const char *variant, double secs, unsigned heavy, long k)
                 rc = cuLaunchKernel(f, 5, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
                 cuStreamSynchronize(NULL);
             }
-        } else if (!strcmp(variant, "capend") || !strcmp(variant, "cfgswap")) {
+        } else if (!strcmp(variant, "capend") || !strcmp(variant, "caprestart") || !strcmp(variant, "cfgswap")) {
             void *graph = NULL;
-            CUstream on = !strcmp(variant, "capend") ? h.nb : cap;
+            CUstream on = strcmp(variant, "cfgswap") ? h.nb : cap;
             if ((rc = cuStreamBeginCapture_v2(on, 2)))
                 break;
-            if (!strcmp(variant, "capend")) {
+            if (strcmp(variant, "cfgswap")) {
                 rc = cuLaunchKernel(f, heavy, 1, 1, 1, 1, 1, 0, on, NULL, NULL);
             } else {
                 void (*race)(CUlaunchConfig *, CUstream) =

@@ -599,6 +599,7 @@ __attribute__((constructor)) static void stub_atfork(void)
 }
 
 static int null_launch = -1, grid_us = -1, timeslice = -1, concurrent = -1;
+static CUstream restart_on = (CUstream)(uintptr_t)-1; /* STUB_CAPTURE_RESTARTS_AROUND_LAUNCH */
 
 /* Each thread's per-thread default stream (CU_STREAM_PER_THREAD) is a stream of its own, a
  * blocking one, taken from the created streams' slots at its first use (slot 1 when they are
@@ -708,6 +709,10 @@ static CUresult launch(CUstream stream, unsigned gx)
     uint64_t after = stream_done(cur_ctx, stream); /* the legacy stream waits for all streams */
     uint64_t k, end = run_at(cur_ctx, now, after, dur, &k);
     atomic_store(&last_done[cur_ctx][slot_of(stream)], end);
+    if (restart_on == stream) { /* STUB_CAPTURE_RESTARTS_AROUND_LAUNCH */
+        restart_on = (CUstream)(uintptr_t)-1;
+        cuStreamBeginCapture_v2(stream, 2);
+    }
     pthread_mutex_lock(&ring_mu);
     unsigned i = ring_n[cur_ctx]++ % 4096;
     ring[cur_ctx][i].end = end, ring[cur_ctx][i].dur = dur, ring[cur_ctx][i].k = k, ring[cur_ctx][i].held = 0;
@@ -787,13 +792,31 @@ API CUresult cuCtxSynchronize(void) { return drain(NULL); }
 static CUlaunchConfig *race_cfg;
 static CUstream race_to;
 API void stub_race_config(CUlaunchConfig *c, CUstream to) { race_cfg = c, race_to = to; }
+/* After a check found s capturing. STUB_CAPTURE_RESTARTS_AROUND_LAUNCH: the capture ends, and a
+ * new one begins on s right after its next launch ran (another thread's end and begin). */
+static void capture_checked(CUstream s)
+{
+    if (race_cfg && race_cfg->hStream == s)
+        race_cfg->hStream = race_to, race_cfg = NULL;
+    if (stub_env("STUB_CAPTURE_ENDS_AFTER_CHECK", 0) || stub_env("STUB_CAPTURE_RESTARTS_AROUND_LAUNCH", 0))
+        hidden_capture_abandon();
+    if (stub_env("STUB_CAPTURE_RESTARTS_AROUND_LAUNCH", 0))
+        restart_on = s;
+}
 API CUresult cuStreamIsCapturing(CUstream s, int *st)
 {
     *st = hidden_capturing(s);
-    if (*st && race_cfg && race_cfg->hStream == s)
-        race_cfg->hStream = race_to, race_cfg = NULL;
-    if (*st && stub_env("STUB_CAPTURE_ENDS_AFTER_CHECK", 0))
-        hidden_capture_abandon();
+    if (*st)
+        capture_checked(s);
+    return OK;
+}
+API CUresult cuStreamGetCaptureInfo(CUstream s, int *st, unsigned long long *id)
+{
+    if (!st) return E_INVALID_VALUE;
+    *st = hidden_capturing(s);
+    if (id) *id = *st ? hidden_capture_id() : 0;
+    if (*st)
+        capture_checked(s);
     return OK;
 }
 API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); if (hidden_capture_unsafe(s)) return 900; return stream_done(cur_ctx, s) > stub_now() ? 600 : OK; }

@@ -12,6 +12,8 @@ static CUresult hidden_graph_create(void **g);
 static CUresult hidden_graph_launch(void *exec);
 static int hidden_capturing(CUstream s);
 static void hidden_capture_abandon(void);
+static unsigned long long hidden_capture_id(void);
+CUresult cuStreamBeginCapture_v2(CUstream s, int mode);
 static int hidden_capture_unsafe(CUstream s);
 static CUresult hidden_capture_alloc(CUstream s, CUdeviceptr *p, size_t n);
 static CUresult hidden_ctx_create(CUcontext *c, CUdevice d);
