@@ -518,29 +518,20 @@ def test_a_capture_begun_on_a_stream_of_the_batch_does_not_hide_its_work(card) -
     assert 30 - 6 <= r["busy"] * 100 <= 30 + 4, r
 
 
-def test_a_capture_ended_under_a_launch_does_not_free_it(card) -> None:
-    """Review finding: a launch into a capturing stream passes ungated (captured work does not
+@pytest.mark.parametrize(("variant", "race"), [("capend", "STUB_CAPTURE_ENDS_AFTER_CHECK"),
+                                             ("caprestart", "STUB_CAPTURE_RESTARTS_AROUND_LAUNCH")])
+def test_a_capture_ended_under_a_launch_does_not_free_it(card, variant: str, race: str) -> None:
+    """Review findings: a launch into a capturing stream passes ungated (captured work does not
     run now), and the check comes before the driver: another thread ending the capture in
-    between made the launch run uncharged. The stub ends the capture right after the shim's
-    check (kernels of small grids: streams run side by side); a tenant doing that with 2 ms
-    kernels between 5 us ones on another stream ran them free. A launch let
-    through as captured whose stream no longer captures after the driver's return is charged a
+    between (capend), or ending it and beginning a new one around the launch (caprestart), made
+    the launch run uncharged. The stub runs those races right after the shim's check (kernels of
+    small grids: streams side by side); a tenant doing that with 2 ms kernels between 5 us ones
+    on another stream ran them free. A launch let through as captured whose stream is not in
+    the same capture (cuStreamGetCaptureInfo's id) after the driver's return is charged a
     bucket of GPU time."""
-    env = {**alone(card, 30, "capend"), "STUB_CAPTURE_ENDS_AFTER_CHECK": "1", "STUB_CONCURRENT": "1"}
-    r = card.json("hostile", "capend", "3", "2000", "1", env=env, timeout=60)[0]
-    print("a capture ended between the check and the driver, at 30 %:", r)
-    assert r["rc"] == 0 and r["rounds"] > 5, r
-    assert r["busy"] * 100 <= 30 + 4, r
-
-
-def test_a_capture_begun_again_under_a_launch_does_not_free_it(card) -> None:
-    """Review finding: the recheck after the driver asked only whether the stream captures, so a
-    second thread ending the capture and beginning a new one around the launch (the launch ran
-    in between) passed it. The stub does both around each launch; the recheck now compares the
-    capture's id (cuStreamGetCaptureInfo)."""
-    env = {**alone(card, 30, "caprestart"), "STUB_CAPTURE_RESTARTS_AROUND_LAUNCH": "1", "STUB_CONCURRENT": "1"}
-    r = card.json("hostile", "caprestart", "3", "2000", "1", env=env, timeout=60)[0]
-    print("a capture ended and begun again around the launch, at 30 %:", r)
+    env = {**alone(card, 30, variant), race: "1", "STUB_CONCURRENT": "1"}
+    r = card.json("hostile", variant, "3", "2000", "1", env=env, timeout=60)[0]
+    print(f"{variant}: a capture raced around the launch, at 30 %:", r)
     assert r["rc"] == 0 and r["rounds"] > 5, r
     assert r["busy"] * 100 <= 30 + 4, r
 

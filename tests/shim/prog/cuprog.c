@@ -319,17 +319,15 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
         if (rc)
             cuArrayDestroy(arr);
         h->kind = !strcmp(path, "vmmarrayunmap") ? 9 : 8, h->v = (uintptr_t)arr, h->size = chunk;
-    } else if (!strcmp(path, "sparse") || !strcmp(path, "deferred")) {
+    } else if (!strcmp(path, "sparse") || !strcmp(path, "deferred") || !strcmp(path, "sparsemip")) {
         /* an array of the chunk's size whose memory is mapped in later: none of its own */
-        CUDA_ARRAY3D_DESCRIPTOR a = {chunk / 4 / 1024, 1024, 0, 0x20, 1, !strcmp(path, "sparse") ? 0x40 : 0x80};
-        CUarray arr = NULL;
-        rc = cuArray3DCreate_v2(&arr, &a);
-        h->kind = 4, h->v = (uintptr_t)arr;
-    } else if (!strcmp(path, "sparsemip")) {
-        CUDA_ARRAY3D_DESCRIPTOR a = {chunk / 4 / 1024, 1024, 0, 0x20, 1, 0x40};
-        CUmipmappedArray arr = NULL;
-        rc = cuMipmappedArrayCreate(&arr, &a, 1);
-        h->kind = 5, h->v = (uintptr_t)arr;
+        CUDA_ARRAY3D_DESCRIPTOR a = {chunk / 4 / 1024, 1024, 0, 0x20, 1, !strcmp(path, "deferred") ? 0x80 : 0x40};
+        void *arr = NULL;
+        if (!strcmp(path, "sparsemip"))
+            rc = cuMipmappedArrayCreate((CUmipmappedArray *)&arr, &a, 1), h->kind = 5;
+        else
+            rc = cuArray3DCreate_v2((CUarray *)&arr, &a), h->kind = 4;
+        h->v = (uintptr_t)arr;
     } else if (!strcmp(path, "array")) {
         CUDA_ARRAY_DESCRIPTOR a = {chunk / 4 / 1024, 1024, 0x20, 1};
         CUarray arr = NULL;
