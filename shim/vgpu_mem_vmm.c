@@ -286,18 +286,20 @@ static int grow(void **v, size_t *cap, size_t n, size_t size)
     return 0;
 }
 
-static void record_map(const CUarrayMapInfo *op)
+/* op, the operation with sequence number seq (its place among the process's operations). */
+static void record_map(const CUarrayMapInfo *op, uint64_t seq)
 {
     if (op->memHandleType != CU_MEM_HANDLE_TYPE_GENERIC || !op->resource || !mapping_new(op->memHandle))
         return;
     if (grow((void **)&amap, &camap, namap, sizeof *amap))
         return; /* counted, never ended: the handle stays charged */
-    amap[namap].at = *op, amap[namap].seq = ++aseq;
+    amap[namap].at = *op, amap[namap].seq = seq;
     namap++;
 }
 
-/* The unmaps of a call the driver did, ending mappings once event `done` (behind them) completes. */
-static void record_unmaps(const CUarrayMapInfo *ops, unsigned n, CUevent done)
+/* The unmaps of a call the driver did (ops[i] numbered base + 1 + i), ending the mappings made
+ * before each once event `done` (behind them) completes. */
+static void record_unmaps(const CUarrayMapInfo *ops, unsigned n, CUevent done, uint64_t base)
 {
     struct array_unmaps u = {calloc(n, sizeof *u.ops), 0, done};
     if (!u.ops || grow((void **)&apend, &capend, napend, sizeof *apend)) {
@@ -307,9 +309,7 @@ static void record_unmaps(const CUarrayMapInfo *ops, unsigned n, CUevent done)
     }
     for (unsigned i = 0; i < n; i++)
         if (ops[i].memOperationType == CU_MEM_OPERATION_TYPE_UNMAP)
-            u.ops[u.n].at = ops[i], u.ops[u.n++].seq = ++aseq;
-        else if (ops[i].memOperationType == CU_MEM_OPERATION_TYPE_MAP)
-            ++aseq; /* a map after an unmap in the same call is not ended by it */
+            u.ops[u.n].at = ops[i], u.ops[u.n++].seq = base + 1 + i;
     apend[napend++] = u;
     atomic_store(&apend_n, napend);
 }
@@ -343,14 +343,16 @@ static CUresult map_array(vgpu_fn_cuMemMapArrayAsync real, CUarrayMapInfo *ops, 
     settle_unmaps();
     CUresult rc = real(own, n, s);
     int unmaps = 0;
+    uint64_t base = aseq; /* numbered in call order: a map after an unmap is not ended by it */
+    aseq += n;
     for (unsigned i = 0; i < n; i++)
         if (own[i].memOperationType == CU_MEM_OPERATION_TYPE_MAP)
-            record_map(&own[i]);
+            record_map(&own[i], base + 1 + i);
         else
             unmaps += own[i].memOperationType == CU_MEM_OPERATION_TYPE_UNMAP;
     CUevent done = rc == CUDA_SUCCESS && unmaps ? behind(s, ptsz) : NULL;
     if (done)
-        record_unmaps(own, n, done);
+        record_unmaps(own, n, done, base);
     vgpu_unlock(&vgpu_vmm_mu);
     if (own != local)
         free(own);
