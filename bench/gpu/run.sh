@@ -78,13 +78,19 @@ echo -n "shim vmm 3000/256: "; shim mvmm 3000 0 env PYTORCH_CUDA_ALLOC_CONF=expa
 fi
 if want cpaths; then
 hdr "MEMORY: every C path under 3000 MiB, 64 MiB chunks (NVML per-process while holding)"
-for p in alloc pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym; do
-    shim "c${p//_/-}" 3000 0 timeout -k 2 20 $CUPROG fill $p 67108864 0 1.5 > "$OUT/c.txt" &
+# vmmarray(unmap): a VMM handle mapped into a sparse array's tiles, released at once (the array's
+# mapping holds it; freed by the array's destroy or by unmapping the tiles); sparse, deferred,
+# sparsemip: arrays whose memory is mapped in later, none of their own (60 of them: 3840 MiB if
+# they were charged as dense arrays); the second line: cuMemGetInfo after freeing.
+for p in alloc pitch async pool vmm vmmarray vmmarrayunmap array array3d mipmap sparse deferred sparsemip gpa gpa_v1 dlsym; do
+    maxn=0
+    case $p in sparse|deferred|sparsemip) maxn=60 ;; esac
+    shim "c${p//_/-}" 3000 0 timeout -k 2 20 $CUPROG fill $p 67108864 $maxn 1.5 > "$OUT/c.txt" &
     pid=$!
     sleep 1.2
     used=$(timeout -k 2 10 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')
     wait $pid
-    echo "$p: $(head -1 "$OUT/c.txt") nvml=[$used]"
+    echo "$p: $(tr '\n' ' ' < "$OUT/c.txt") nvml=[$used]"
 done
 echo -n "standalone nvidia-smi under a 3000 MiB claim: "
 shim smi 3000 0 nvidia-smi --query-gpu=memory.total,memory.used,memory.free --format=csv,noheader

@@ -161,7 +161,17 @@ static CUdevice setup(int ord)
 
 struct held { int kind; unsigned long long v; size_t size; };
 
-/* Map (op 1) or unmap (op 2) handle hd over the first `bytes` of sparse array arr's tiles;
+/* A sparse 2D array of `bytes` of 1-channel floats, 4096 wide: tiles of 64 KiB (128 x 128) as a
+ * real driver lays them out, so its whole level 0 maps one handle of `bytes` (a multiple of
+ * 2 MiB). */
+#define TILE_ROW_BYTES (4096u * 4u)
+static CUresult sparse_array(CUarray *arr, size_t bytes)
+{
+    CUDA_ARRAY3D_DESCRIPTOR a = {4096, bytes / TILE_ROW_BYTES, 0, 0x20, 1, 0x40 /* CUDA_ARRAY3D_SPARSE */};
+    return cuArray3DCreate_v2(arr, &a);
+}
+
+/* Map (op 1) or unmap (op 2) handle hd over the first `bytes` of sparse array arr's level 0;
  * `bad`: a second operation, on no array, fails the call after the first was done; `race`: the
  * list is rewritten right after the driver read it (the stub's stub_race_map_ops: another
  * thread's write). */
@@ -169,7 +179,8 @@ static CUresult map_tiles(CUarray arr, size_t bytes, int op, CUmemGenericAllocat
 {
     CUarrayMapInfo m[2];
     memset(m, 0, sizeof m);
-    m[0].resource = arr, m[0].sub.level[5] = (unsigned)(bytes / 65536), m[0].sub.level[6] = m[0].sub.level[7] = 1;
+    m[0].resource = arr, m[0].sub.level[5] = 4096, m[0].sub.level[6] = (unsigned)(bytes / TILE_ROW_BYTES);
+    m[0].sub.level[7] = 1;
     m[0].op = op, m[0].h = op == 1 ? hd : 0, m[0].mask = 1;
     m[1] = m[0], m[1].resource = NULL;
     if (race) {
@@ -302,13 +313,13 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
          * vmmarrayunmap its tiles unmapped, the array kept). vmmarraypartial: the map call fails
          * after mapping the tiles; vmmarrayrace: its list is rewritten after the driver read it. */
         int partial = !strcmp(path, "vmmarraypartial");
-        CUDA_ARRAY3D_DESCRIPTOR a = {1, 1, 0, 0x20, 1, 0x40 /* CUDA_ARRAY3D_SPARSE */};
         CUmemAllocationProp prop;
         memset(&prop, 0, sizeof prop);
         prop.type = 1, prop.location.type = 1, prop.location.id = dev;
+        prop.f[2] = 1; /* allocFlags.usage = CU_MEM_CREATE_USAGE_TILE_POOL */
         CUmemGenericAllocationHandle hd = 0;
         CUarray arr = NULL;
-        if ((rc = cuArray3DCreate_v2(&arr, &a)))
+        if ((rc = sparse_array(&arr, chunk)))
             return rc;
         if (!(rc = cuMemCreate(&hd, chunk, &prop, 0))) {
             if (!(rc = map_tiles(arr, chunk, 1, hd, partial, !strcmp(path, "vmmarrayrace"))) || partial)
