@@ -372,10 +372,12 @@ struct vgpu_batch {
                                  * the GPU was idle for (idle time an untracked batch lacks) */
     int ntails;                 /* gap-tracked: its streams' tails (it ends at the latest) */
     void *tails[VGPU_BATCH_STREAMS];
-    int tracked;                /* measured gap by gap (vgpu_launch.c): its GPU time is exact */
+    int tracked;                /* measured gap by gap (vgpu_launch.c): its GPU time is exact;
+                                 * the tracked batches it stands for (vgpu_gate_tracked's weight) */
     int untracked;              /* its gap tracking stopped mid-batch (a launch into a capture,
                                  * a stream too many, an event that failed): charged its whole
-                                 * span, never the gap ratio's share of it */
+                                 * span, never the gap ratio's share of it; the tracked batches
+                                 * it stood for */
     /* Several streams: the batch's first stream is ev_open's and ev_close's; each other stream it
      * launched on (up to VGPU_BATCH_STREAMS in all; beyond, the batch is only a lower bound) has
      * its own pair, recorded before its first launch there and behind the batch. */
@@ -390,13 +392,13 @@ struct vgpu_batch {
 #define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
 #endif
 #ifndef VGPU_TRACK_UNDER_EVERY /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
-/* the same while the tenant's credit is within 1/VGPU_TRACK_UNDER_MARGIN of a full bucket (under
- * its share, where the charge's precision decides nothing and the tracking's CPU time slows a
- * launch-bound loop) */
-#define VGPU_TRACK_UNDER_EVERY VGPU_TRACK_EVERY
+/* the same while the tenant's measured busy share (busy_pm) is VGPU_TRACK_UNDER_HEADROOM_PM or
+ * more under its share: there the charge's precision decides nothing, and the tracking's CPU
+ * time slows a launch-bound loop */
+#define VGPU_TRACK_UNDER_EVERY 16u
 #endif
-#ifndef VGPU_TRACK_UNDER_MARGIN
-#define VGPU_TRACK_UNDER_MARGIN 2
+#ifndef VGPU_TRACK_UNDER_HEADROOM_PM
+#define VGPU_TRACK_UNDER_HEADROOM_PM 100u
 #endif
 #define VGPU_GAP_SPAN_NS (5 * VGPU_MS) /* a tracked batch this long moves the gap ratio a quarter */
 struct vgpu_gate {
@@ -448,7 +450,8 @@ struct vgpu_gate {
      * the latest launch on each of its streams (tails) are queried; all complete means the GPU
      * went idle, so the busy segment ended at the latest of them and a new one starts before
      * this launch. */
-    int tracking;               /* the open batch is gap-tracked (peeked unlocked by the launch path) */
+    int tracking;               /* the open batch is gap-tracked (peeked unlocked by the launch path):
+                                 * the tracked batches it stands for, 0 = none */
     int ntails;                 /* its streams so far, each with a tail */
     void *tail[VGPU_BATCH_STREAMS];        /* CUevent re-recorded behind every launch on the stream */
     void *tail_stream[VGPU_BATCH_STREAMS];
@@ -534,8 +537,14 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
  * longer, and the estimate is not moved), 5 = several streams, each measured (the union of their
  * spans, at most their sum). Pure. */
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
-/* One gap-tracked batch: busy_ns of GPU time in a span of span_ns; the ratio charges the others. */
-void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns);
+/* One gap-tracked batch: busy_ns of GPU time in a span of span_ns; the ratio charges the others.
+ * weight: the tracked batches it stands for (vgpu_gate_track_every / VGPU_TRACK_EVERY, >= 1):
+ * its step towards its share is that many times a normal one's (at most half the way). Pure. */
+void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns, uint32_t weight);
+/* One batch in how many to gap-track now: VGPU_TRACK_UNDER_EVERY while the measured busy share
+ * (busy_pm) is at least VGPU_TRACK_UNDER_HEADROOM_PM under the tenant's share, else
+ * VGPU_TRACK_EVERY. Pure. */
+uint32_t vgpu_gate_track_every(const struct vgpu_gate *g);
 /* One kernel's own GPU time (an event right before and right after it). */
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 void vgpu_gate_forfeit(struct vgpu_gate *g); /* a batch whose work is unknown: a bucket of GPU time */

@@ -256,7 +256,7 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now)
     return r;
 }
 
-void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns)
+void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns, uint32_t weight)
 {
     /* busy / span of one gap-tracked batch into the average the other batches' spans are charged
      * by, weighted by its span: a quarter for a batch of VGPU_GAP_SPAN_NS or more, less for a
@@ -271,11 +271,29 @@ void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns)
     if (!g->gap_pm) {
         g->gap_ppm = ppm;
     } else { /* kept in ppm: a short batch's step is a small fraction of a per mille */
-        uint64_t w = span_ns < VGPU_GAP_SPAN_NS ? span_ns : VGPU_GAP_SPAN_NS;
+        /* a batch tracked among fewer stands for more of them, so the ratio still follows the
+         * tenant's work within a few tracked batches (a launch-bound phase followed by a dense
+         * one: its dense batches are charged by the idle phase's ratio until it does) */
+        uint64_t w = (span_ns < VGPU_GAP_SPAN_NS ? span_ns : VGPU_GAP_SPAN_NS) * (weight ? weight : 1);
+        w = w < 2 * VGPU_GAP_SPAN_NS ? w : 2 * VGPU_GAP_SPAN_NS; /* at most half the way */
         int64_t step = ((int64_t)ppm - (int64_t)g->gap_ppm) * (int64_t)w / (int64_t)(4 * VGPU_GAP_SPAN_NS);
         g->gap_ppm = (uint32_t)((int64_t)g->gap_ppm + step);
     }
     g->gap_pm = g->gap_ppm < 1000 ? 1 : (g->gap_ppm + 500) / 1000;
+}
+
+uint32_t vgpu_gate_track_every(const struct vgpu_gate *g)
+{
+    /* Under its share by a margin, the charge's precision decides nothing, and a tracked
+     * launch's CPU time (~2.7 us on the H100/H200) slows a launch-bound loop: a transformer
+     * under a 90 % limit ran at 84 and 108 % of native tracked one batch in two, 91-92 % one in
+     * sixteen (bench/results/gpu/track-busy-h100-2026-12-06.md). busy_pm rises at once at the
+     * 100 ms refresh, so a tenant that ramps up is tracked at the normal rate again. */
+    if (g->measure_only || !g->base_period_ns)
+        return VGPU_TRACK_EVERY;
+    uint64_t share_pm = g->share_ns * 1000 / g->base_period_ns;
+    int under = (uint64_t)g->busy_pm + VGPU_TRACK_UNDER_HEADROOM_PM < share_pm;
+    return under && VGPU_TRACK_UNDER_EVERY > VGPU_TRACK_EVERY ? VGPU_TRACK_UNDER_EVERY : VGPU_TRACK_EVERY;
 }
 
 void vgpu_gate_forfeit(struct vgpu_gate *g)

@@ -179,7 +179,7 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
     if (ok && b->nxs && !(b->launches & LOWER_BOUND)) {
         uint64_t span = streams_span(b, ms, 0);
         if (span && b->untracked) /* as below */
-            vgpu_gate_tracked(g, span, span);
+            vgpu_gate_tracked(g, span, span, (uint32_t)b->untracked);
         vgpu_gate_settle(g, n, b->prov_ns, span, !span ? 0 : b->untracked ? 3 : 5);
         return;
     }
@@ -205,7 +205,7 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
      * ratio to the batches the tenant lets be tracked). */
     uint64_t span = ok ? (uint64_t)((double)ms * 1e6) : 0;
     if (span && b->untracked && !(b->launches & (LOWER_BOUND | UPPER_BOUND)))
-        vgpu_gate_tracked(g, span, span);
+        vgpu_gate_tracked(g, span, span, (uint32_t)b->untracked);
     /* not ok: its events cannot be read (an error, or a close recorded into a capture) */
     vgpu_gate_settle(g, n, b->prov_ns, span,
                      !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : b->untracked ? 3 : 1);
@@ -337,7 +337,7 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
             if (g->tail_set[i])
                 b.tails[b.ntails++] = g->tail[i], g->tail[i] = NULL;
         if (b.ntails) {
-            b.ev_seg = g->cur.ev_seg, b.seg_busy_ns = g->cur.seg_busy_ns, b.tracked = 1;
+            b.ev_seg = g->cur.ev_seg, b.seg_busy_ns = g->cur.seg_busy_ns, b.tracked = g->tracking;
             b.track_gap_ns = g->cur.track_gap_ns;
             g->cur.ev_seg = NULL;
         }

@@ -71,7 +71,7 @@ void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done
 #ifdef VGPU_STATS
     g->st_tspan += span, g->st_tcpu += cpu;
 #endif
-    vgpu_gate_tracked(g, busy, span - cpu);
+    vgpu_gate_tracked(g, busy, span - cpu, (uint32_t)b->tracked);
     /* Uncapped high priority publishes its demand (work queued or running: the span), not its
      * GPU time alone: time-sliced beside low priority its kernels wait, and its GPU time would
      * hand that wait to the low-priority tenant. */
@@ -94,19 +94,15 @@ void vgpu_track_start(struct vgpu_gate *g, CUstream s)
     uint32_t x = g->track_rng ? g->track_rng : (uint32_t)vgpu_now_ns() | 1u;
     x ^= x << 13, x ^= x >> 17, x ^= x << 5;
     g->track_rng = x;
-    uint32_t every = VGPU_TRACK_EVERY;
-    if (VGPU_TRACK_UNDER_EVERY != VGPU_TRACK_EVERY && !g->measure_only && g->len_ns) {
-        uint64_t now = vgpu_now_ns(), v = atomic_load_explicit(g->vt, memory_order_relaxed);
-        if (now > v && now - v >= g->burst_ns - g->burst_ns / VGPU_TRACK_UNDER_MARGIN)
-            every = VGPU_TRACK_UNDER_EVERY;
-    }
+    uint32_t every = vgpu_gate_track_every(g);
     if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % every)
         return;
     if (!(g->tail[0] = vgpu_measure_event(g)))
         return;
     g->tail_stream[0] = s, g->tail_set[0] = 0, g->ntails = 1;
     g->cur.seg_busy_ns = g->cur.track_gap_ns = 0;
-    VGPU_POKE(g->tracking, 1);
+    /* the batches it stands for, at the normal rate (vgpu_gate_tracked's weight) */
+    VGPU_POKE(g->tracking, every > VGPU_TRACK_EVERY ? (int)(every / VGPU_TRACK_EVERY) : 1);
 }
 
 /* The tracked batch's tail on stream s: found, or a new one (-1: one stream too many, no event,
@@ -132,7 +128,7 @@ static int track_tail(struct vgpu_gate *g, CUstream s)
  * are charged by. */
 static void abandon(struct vgpu_gate *g)
 {
-    g->cur.untracked = 1;
+    g->cur.untracked = g->tracking ? g->tracking : 1; /* the tracked batches it stood for */
     vgpu_track_stop(g);
 }
 

@@ -136,7 +136,7 @@ def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
     g = gate(core, 10)
     lib.vgpu_gate_decide(g, t)
     for _ in range(40):  # launch-bound phase: 0.5 % of each tracked span busy
-        lib.vgpu_gate_tracked(g, 25_000, 5 * MS)
+        lib.vgpu_gate_tracked(g, 25_000, 5 * MS, 1)
     assert g.gap_pm <= 10
     vt = g.local_vt
     lib.vgpu_gate_settle(g, 1, 0, 200 * MS, 1)  # one 200 ms kernel, closed right behind it
@@ -161,17 +161,62 @@ def test_short_batches_do_not_set_the_gap_ratio_of_long_ones(core) -> None:
     g = gate(core, 30)
     for _ in range(10):
         for _ in range(20):
-            lib.vgpu_gate_tracked(g, 15_000, 30_000)
-        lib.vgpu_gate_tracked(g, 8 * MS, 8 * MS)
+            lib.vgpu_gate_tracked(g, 15_000, 30_000, 1)
+        lib.vgpu_gate_tracked(g, 8 * MS, 8 * MS, 1)
     # spans: 8 ms dense against 0.6 ms half idle a round: about 96 % busy
     assert g.gap_pm >= 900, g.gap_pm
     for _ in range(40):  # a launch-bound phase of 5 ms batches: 0.5 % busy
-        lib.vgpu_gate_tracked(g, 25_000, 5 * MS)
+        lib.vgpu_gate_tracked(g, 25_000, 5 * MS, 1)
     assert g.gap_pm <= 10, g.gap_pm
     # short batches alone still move it all the way, however small each step (100 us, half busy)
     for _ in range(2000):
-        lib.vgpu_gate_tracked(g, 50_000, 100_000)
+        lib.vgpu_gate_tracked(g, 50_000, 100_000, 1)
     assert 450 <= g.gap_pm <= 550, g.gap_pm
+
+
+def test_a_tenant_well_under_its_share_is_gap_tracked_less(core) -> None:
+    """A tracked launch costs ~2.7 us of CPU on the H100/H200, so a launch-bound loop under a
+    limit that does not bind lost up to a fifth of its speed to the tracking of one batch in two.
+    While the measured busy share is 10 points or more under the share, fewer batches are
+    tracked; near or at the share (where the charge decides the limit), the normal rate."""
+    lib = core.lib
+    g = gate(core, 90)
+    g.busy_pm = 900
+    normal = lib.vgpu_gate_track_every(g)
+    assert normal >= 1
+    g.busy_pm = 640  # the transformer under 90 %: wants 64 % of the card
+    under = lib.vgpu_gate_track_every(g)
+    assert under > normal
+    g.busy_pm = 810  # 9 points under: tracked as usual
+    assert lib.vgpu_gate_track_every(g) == normal
+    s = gate(core, 30)
+    s.busy_pm = 290  # saturating at its share
+    assert lib.vgpu_gate_track_every(s) == normal
+    s.busy_pm = 150
+    assert lib.vgpu_gate_track_every(s) == under
+    s.measure_only = 1  # uncapped high priority publishes its demand: always the normal rate
+    assert lib.vgpu_gate_track_every(s) == normal
+
+
+def test_a_batch_tracked_among_fewer_moves_the_gap_ratio_further(core) -> None:
+    """A batch tracked at the lower rate stands for the batches not tracked: its step towards its
+    share is that many times a normal one's, at most half the way, and a short batch still weighs
+    by its span. Without it, a launch-bound phase's low ratio would charge a dense phase that
+    follows for many tracked batches."""
+    lib = core.lib
+    a, b = gate(core, 90), gate(core, 90)
+    for x in (a, b):
+        lib.vgpu_gate_tracked(x, 25_000, 5 * MS, 1)  # launch-bound: 0.5 % busy
+    lib.vgpu_gate_tracked(a, 5 * MS, 5 * MS, 1)  # dense: a quarter of the way
+    lib.vgpu_gate_tracked(b, 5 * MS, 5 * MS, 8)  # dense, standing for 8: half the way
+    assert 240 <= a.gap_pm <= 260, a.gap_pm
+    assert 490 <= b.gap_pm <= 510, b.gap_pm
+    c, d = gate(core, 90), gate(core, 90)
+    for x in (c, d):
+        lib.vgpu_gate_tracked(x, 25_000, 5 * MS, 1)
+    lib.vgpu_gate_tracked(c, 100_000, 100_000, 8)  # a dense 100 us batch standing for 8 ...
+    lib.vgpu_gate_tracked(d, 800_000, 800_000, 1)  # ... moves it as one of 800 us
+    assert c.gap_pm == d.gap_pm > 30, (c.gap_pm, d.gap_pm)  # from 5: 4 % of the way
 
 
 def test_a_batch_whose_events_cannot_be_read_is_charged_a_bucket(core) -> None:
