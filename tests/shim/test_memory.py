@@ -51,6 +51,30 @@ def test_an_array_mapped_in_later_is_not_charged_itself(box, path: str) -> None:
     assert out["free"] == 1000 * MIB - 64 * MIB  # the context only
 
 
+def test_a_handle_mapped_in_anothers_place_keeps_its_charge(box) -> None:
+    """One cuMemMapArrayAsync call may unmap a sparse array's tiles and map another handle in
+    their place: the unmap ends the mapping made before it, never the one after it in the same
+    call. Each chunk: handle A mapped and released, then (unmap, map B) in one call, B released;
+    the array holds B. Read from the region while held: B counted as data, none of it left to
+    NVML reconciliation as overhead (numbered maps-before-unmaps, the unmap ended B too)."""
+    from kvgpu.shimcore import read_region
+
+    env = box.env(claim((0, 1000, 0)))
+    holder = subprocess.Popen([str(box.kit.cuprog), "fill", "vmmarrayremap", str(CHUNK), "4", "30"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(holder.stdout.readline())["n"] == 4
+        p = read_region(box.region).devices[0].processes[0]
+        assert p.data_mib == 4 * 64 + 64 and p.overhead_mib == 0, p  # four B handles and the context
+    finally:
+        holder.kill()
+        holder.wait()
+    # at the limit: the 14th chunk's B would pass it while its A is still mapped, so 13 are granted
+    first, after = box.json("fill", "vmmarrayremap", str(CHUNK), env=box.env(claim((0, 1000, 0))))
+    assert first["n"] == 13 and first["rc"] == 2, first
+    assert after["free"] == 1000 * MIB - 64 * MIB  # the arrays destroyed: every charge returned
+
+
 def test_gpa_indirect_pointers_still_hooked(box) -> None:
     """A driver whose cuGetProcAddress returns non-exported addresses: name/version fallback."""
     out = box.json("fill", "gpa", str(CHUNK), env=box.env(claim((0, 1000, 0)), STUB_GPA_INDIRECT=1))

@@ -171,7 +171,8 @@ static CUresult sparse_array(CUarray *arr, size_t bytes)
     return cuArray3DCreate_v2(arr, &a);
 }
 
-/* Map (op 1) or unmap (op 2) handle hd over the first `bytes` of sparse array arr's level 0;
+/* Map (op 1) or unmap (op 2) handle hd over the first `bytes` of sparse array arr's level 0, or
+ * both in one call (op 3: unmap what is there, then map hd in its place);
  * `bad`: a second operation, on no array, fails the call after the first was done; `race`: the
  * list is rewritten right after the driver read it (the stub's stub_race_map_ops: another
  * thread's write). */
@@ -183,6 +184,11 @@ static CUresult map_tiles(CUarray arr, size_t bytes, int op, CUmemGenericAllocat
     m[0].sub.level[7] = 1;
     m[0].op = op, m[0].h = op == 1 ? hd : 0, m[0].mask = 1;
     m[1] = m[0], m[1].resource = NULL;
+    if (op == 3) {
+        m[0].op = 2, m[0].h = 0;
+        m[1] = m[0], m[1].op = 1, m[1].h = hd;
+        return cuMemMapArrayAsync(m, 2, NULL);
+    }
     if (race) {
         void (*reg)(CUarrayMapInfo *) = (void (*)(CUarrayMapInfo *))dlsym(RTLD_DEFAULT, "stub_race_map_ops");
         if (!reg)
@@ -311,7 +317,9 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
         /* a sparse array per chunk, the chunk's handle mapped into its tiles and released at
          * once: the array's mapping keeps the memory (freed: the array destroyed, or for
          * vmmarrayunmap its tiles unmapped, the array kept). vmmarraypartial: the map call fails
-         * after mapping the tiles; vmmarrayrace: its list is rewritten after the driver read it. */
+         * after mapping the tiles; vmmarrayrace: its list is rewritten after the driver read it;
+         * vmmarrayremap: then a second handle takes the tiles' place in one call (unmap, map),
+         * the first one's memory gone with its mapping, the second's held by the array. */
         int partial = !strcmp(path, "vmmarraypartial");
         CUmemAllocationProp prop;
         memset(&prop, 0, sizeof prop);
@@ -326,6 +334,11 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
                 rc = cuMemRelease(hd);
             else
                 cuMemRelease(hd);
+        }
+        if (!rc && !strcmp(path, "vmmarrayremap") && !(rc = cuMemCreate(&hd, chunk, &prop, 0))) {
+            CUresult rm = map_tiles(arr, chunk, 3, hd, 0, 0);
+            rc = cuMemRelease(hd);
+            rc = rm ? rm : rc;
         }
         if (rc)
             cuArrayDestroy(arr);
