@@ -253,7 +253,7 @@ void vgpu_gate_clamp(struct vgpu_gate *g, uint64_t now_hi);
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns, uint32_t weight);
-uint32_t vgpu_gate_track_every(const struct vgpu_gate *g);
+uint32_t vgpu_gate_track_every(const struct vgpu_gate *g, uint64_t hi);
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
 int vgpu_gate_busy_rise(struct vgpu_gate *g, uint64_t now);

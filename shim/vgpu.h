@@ -392,10 +392,11 @@ struct vgpu_batch {
 #define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
 #endif
 #ifndef VGPU_TRACK_UNDER_EVERY /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
-/* the same while the tenant's measured busy share (busy_pm) is VGPU_TRACK_UNDER_HEADROOM_PM or
- * more under its share: there the charge's precision decides nothing, and the tracking's CPU
- * time slows a launch-bound loop */
-#define VGPU_TRACK_UNDER_EVERY 16u
+/* the same while the tenant is well under its share (vgpu_gate_track_every): there the charge's
+ * precision decides nothing, and the tracking's CPU time slows a launch-bound loop. A multiple
+ * of VGPU_TRACK_EVERY, at most 4 times it: a tracked batch of VGPU_GAP_SPAN_NS then moves the
+ * ratio at most the whole way, so batches of every span still weigh in proportion. */
+#define VGPU_TRACK_UNDER_EVERY 8u
 #endif
 #ifndef VGPU_TRACK_UNDER_HEADROOM_PM
 #define VGPU_TRACK_UNDER_HEADROOM_PM 100u
@@ -538,13 +539,15 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
  * spans, at most their sum). Pure. */
 void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
 /* One gap-tracked batch: busy_ns of GPU time in a span of span_ns; the ratio charges the others.
- * weight: the tracked batches it stands for (vgpu_gate_track_every / VGPU_TRACK_EVERY, >= 1):
- * its step towards its share is that many times a normal one's (at most half the way). Pure. */
+ * weight: the tracked batches it stands for (vgpu_gate_track_every / VGPU_TRACK_EVERY, 1 to 4):
+ * its step towards its share is that many times a normal one's (at most the whole way). Pure. */
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns, uint32_t weight);
-/* One batch in how many to gap-track now: VGPU_TRACK_UNDER_EVERY while the measured busy share
- * (busy_pm) is at least VGPU_TRACK_UNDER_HEADROOM_PM under the tenant's share, else
+/* One batch in how many to gap-track at `hi` (now plus the coarse clock's margin: where the fast
+ * path clamps the credit, vgpu_gate_clamp): VGPU_TRACK_UNDER_EVERY while this process's
+ * measured busy share (busy_pm) is at least VGPU_TRACK_UNDER_HEADROOM_PM under the share AND the
+ * container's credit (the shared clock V) is within 1/16 of a full bucket, else
  * VGPU_TRACK_EVERY. Pure. */
-uint32_t vgpu_gate_track_every(const struct vgpu_gate *g);
+uint32_t vgpu_gate_track_every(const struct vgpu_gate *g, uint64_t hi);
 /* One kernel's own GPU time (an event right before and right after it). */
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);
 void vgpu_gate_forfeit(struct vgpu_gate *g); /* a batch whose work is unknown: a bucket of GPU time */

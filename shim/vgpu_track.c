@@ -94,7 +94,7 @@ void vgpu_track_start(struct vgpu_gate *g, CUstream s)
     uint32_t x = g->track_rng ? g->track_rng : (uint32_t)vgpu_now_ns() | 1u;
     x ^= x << 13, x ^= x >> 17, x ^= x << 5;
     g->track_rng = x;
-    uint32_t every = vgpu_gate_track_every(g);
+    uint32_t every = vgpu_gate_track_every(g, vgpu_now_ns() + vgpu.coarse_margin);
     if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % every)
         return;
     if (!(g->tail[0] = vgpu_measure_event(g)))

@@ -177,46 +177,57 @@ def test_short_batches_do_not_set_the_gap_ratio_of_long_ones(core) -> None:
 def test_a_tenant_well_under_its_share_is_gap_tracked_less(core) -> None:
     """A tracked launch costs ~2.7 us of CPU on the H100/H200, so a launch-bound loop under a
     limit that does not bind lost up to a fifth of its speed to the tracking of one batch in two.
-    While the measured busy share is 10 points or more under the share, fewer batches are
-    tracked; near or at the share (where the charge decides the limit), the normal rate."""
+    While the process's measured busy share is 10 points or more under the share and the
+    container's credit is (nearly) full, fewer batches are tracked; near or at the share, or with
+    the container's credit spent (its other processes use the rest), the normal rate."""
     lib = core.lib
+    t = 1000 * 100 * MS
     g = gate(core, 90)
+    g.local_vt = t - g.burst_ns  # a full bucket
     g.busy_pm = 900
-    normal = lib.vgpu_gate_track_every(g)
+    normal = lib.vgpu_gate_track_every(g, t)
     assert normal >= 1
     g.busy_pm = 640  # the transformer under 90 %: wants 64 % of the card
-    under = lib.vgpu_gate_track_every(g)
+    under = lib.vgpu_gate_track_every(g, t)
     assert under > normal
     g.busy_pm = 810  # 9 points under: tracked as usual
-    assert lib.vgpu_gate_track_every(g) == normal
+    assert lib.vgpu_gate_track_every(g, t) == normal
     s = gate(core, 30)
+    s.local_vt = t - s.burst_ns
     s.busy_pm = 290  # saturating at its share
-    assert lib.vgpu_gate_track_every(s) == normal
+    assert lib.vgpu_gate_track_every(s, t) == normal
     s.busy_pm = 150
-    assert lib.vgpu_gate_track_every(s) == under
+    assert lib.vgpu_gate_track_every(s, t) == under
+    # two processes of a container at its limit, each at half the share: the credit is spent
+    s.local_vt = t - s.burst_ns // 20
+    assert lib.vgpu_gate_track_every(s, t) == normal
+    s.local_vt = t + 5 * MS  # in debt
+    assert lib.vgpu_gate_track_every(s, t) == normal
+    s.local_vt = t - s.burst_ns
     s.measure_only = 1  # uncapped high priority publishes its demand: always the normal rate
-    assert lib.vgpu_gate_track_every(s) == normal
+    assert lib.vgpu_gate_track_every(s, t) == normal
 
 
 def test_a_batch_tracked_among_fewer_moves_the_gap_ratio_further(core) -> None:
     """A batch tracked at the lower rate stands for the batches not tracked: its step towards its
-    share is that many times a normal one's, at most half the way, and a short batch still weighs
-    by its span. Without it, a launch-bound phase's low ratio would charge a dense phase that
+    share is that many times a normal one's, and batches of every span still weigh in proportion
+    to it (a cap at half the way let a tenant's short idle batches weigh four times its long
+    dense ones). Without it, a launch-bound phase's low ratio would charge a dense phase that
     follows for many tracked batches."""
     lib = core.lib
     a, b = gate(core, 90), gate(core, 90)
     for x in (a, b):
         lib.vgpu_gate_tracked(x, 25_000, 5 * MS, 1)  # launch-bound: 0.5 % busy
     lib.vgpu_gate_tracked(a, 5 * MS, 5 * MS, 1)  # dense: a quarter of the way
-    lib.vgpu_gate_tracked(b, 5 * MS, 5 * MS, 8)  # dense, standing for 8: half the way
+    lib.vgpu_gate_tracked(b, 5 * MS, 5 * MS, 4)  # dense, standing for 4: the whole way
     assert 240 <= a.gap_pm <= 260, a.gap_pm
-    assert 490 <= b.gap_pm <= 510, b.gap_pm
+    assert b.gap_pm == 1000, b.gap_pm
     c, d = gate(core, 90), gate(core, 90)
     for x in (c, d):
         lib.vgpu_gate_tracked(x, 25_000, 5 * MS, 1)
-    lib.vgpu_gate_tracked(c, 100_000, 100_000, 8)  # a dense 100 us batch standing for 8 ...
-    lib.vgpu_gate_tracked(d, 800_000, 800_000, 1)  # ... moves it as one of 800 us
-    assert c.gap_pm == d.gap_pm > 30, (c.gap_pm, d.gap_pm)  # from 5: 4 % of the way
+    lib.vgpu_gate_tracked(c, 1250_000, 1250_000, 4)  # a dense 1.25 ms batch standing for 4 ...
+    lib.vgpu_gate_tracked(d, 5 * MS, 5 * MS, 1)  # ... moves it as one 5 ms batch of the normal rate
+    assert c.gap_pm == d.gap_pm > 200, (c.gap_pm, d.gap_pm)
 
 
 def test_a_batch_whose_events_cannot_be_read_is_charged_a_bucket(core) -> None:
