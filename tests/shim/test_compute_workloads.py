@@ -245,6 +245,23 @@ def test_low_priority_yields_at_once_when_high_priority_wakes(card) -> None:
 
 
 
+def test_processes_of_a_container_share_its_compute_limit(card) -> None:
+    """Three processes of one container, each a launch-bound loop (50 us kernels every 150 us:
+    a third of the card alone), under the container's 30 %: the credit is the container's, so
+    together they get 30 %. Each process alone measures a tenth of the card, far under the share:
+    it must still be charged as precisely as one at the limit (a process's own busy share does
+    not decide that the container is under its share)."""
+    env = alone(card, 30, "procs3")
+    procs = [subprocess.Popen([str(card.kit.cuprog), "work", "gap", "3.2", "50", "150", "50"], env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [json.loads(p.communicate(timeout=60)[0].splitlines()[-1]) for p in procs]
+    busy = [o["busy"] for o in outs]  # each process's own GPU time, a share of its run
+    print("three launch-bound processes of one container at 30 %:", busy, [o["per_sec"] for o in outs])
+    assert 30 - 5 <= sum(busy) * 100 <= 30 + 4, busy
+    # every whole second, summed over the processes (they start within a few ms of each other)
+    assert all(sum(x) * 100 <= 30 + 8 for x in zip(*(o["per_sec"] for o in outs), strict=False)), outs
+
+
 @pytest.mark.parametrize("kus, gap_us, mix, every", [(100, 150, "0", 50), (300, 100, "0", 50), (80, 120, "1", 50),
                                                    (40, 100, "1", 50), (100, 200, "0", 1), (60, 150, "1", 3)])
 def test_launch_bound_work_is_charged_its_gpu_time(card, kus, gap_us, mix, every) -> None:
