@@ -395,7 +395,8 @@ struct vgpu_batch {
 /* the same while the tenant is well under its share (vgpu_gate_track_every): there the charge's
  * precision decides nothing, and the tracking's CPU time slows a launch-bound loop. A multiple
  * of VGPU_TRACK_EVERY, at most 4 times it: a tracked batch of VGPU_GAP_SPAN_NS then moves the
- * ratio at most the whole way, so batches of every span still weigh in proportion. */
+ * ratio at most the whole way: batches of up to that span weigh in proportion to it, as at the
+ * normal rate, and a longer one (a quarter of the way at the normal rate) sets it. */
 #define VGPU_TRACK_UNDER_EVERY 8u
 #endif
 #ifndef VGPU_TRACK_UNDER_HEADROOM_PM

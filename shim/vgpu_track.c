@@ -3,7 +3,8 @@
  *
  * Alone on the card, a batch's span counts the GPU's idle time between launches that come
  * slower than their kernels (launch-bound training: the H200 was 48 % busy natively). In a
- * tracked batch (one in VGPU_TRACK_EVERY, at random, on up to VGPU_BATCH_STREAMS streams) an
+ * tracked batch (one in VGPU_TRACK_EVERY at random, one in VGPU_TRACK_UNDER_EVERY well under the
+ * share: vgpu_gate_track_every; on up to VGPU_BATCH_STREAMS streams) an
  * event per stream, its `tail`, is re-recorded behind every launch there, and the tails are
  * queried before the next launch: all complete means the GPU has run everything and is idle,
  * so the busy segment ended at the latest tail (its time, from the segment's start event, is
@@ -94,7 +95,10 @@ void vgpu_track_start(struct vgpu_gate *g, CUstream s)
     uint32_t x = g->track_rng ? g->track_rng : (uint32_t)vgpu_now_ns() | 1u;
     x ^= x << 13, x ^= x >> 17, x ^= x << 5;
     g->track_rng = x;
-    uint32_t every = vgpu_gate_track_every(g, vgpu_now_ns() + vgpu.coarse_margin);
+    /* the fast path clamps the credit at the coarse clock plus its margin, or at the precise
+     * clock where the coarse one is unusable (its margin then UINT64_MAX / 4) */
+    uint64_t margin = vgpu.coarse_margin < VGPU_SEC ? vgpu.coarse_margin : 0;
+    uint32_t every = vgpu_gate_track_every(g, vgpu_now_ns() + margin);
     if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % every)
         return;
     if (!(g->tail[0] = vgpu_measure_event(g)))
