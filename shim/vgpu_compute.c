@@ -260,9 +260,10 @@ void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns, 
 {
     /* busy / span of one gap-tracked batch into the average the other batches' spans are charged
      * by, weighted by its span: a quarter for a batch of VGPU_GAP_SPAN_NS or more at the normal
-     * rate (weight 1), less for a shorter one. The ratio multiplies spans, so spans weigh it: with one weight per batch, a
-     * tenant's twenty short launch-bound batches (half idle) a round set it for its one long
-     * dense batch, whose untracked half then went at 56 % of its time (39.7 % under 30 %). */
+     * rate (weight 1), less for a shorter one. The ratio multiplies spans, so spans weigh it:
+     * with one weight per batch, a tenant's twenty short launch-bound batches (half idle) a round
+     * set it for its one long dense batch, whose untracked half then went at 56 % of its time
+     * (39.7 % under 30 %). */
     if (!span_ns || busy_ns > span_ns)
         busy_ns = span_ns;
     if (!span_ns)
@@ -292,10 +293,11 @@ uint32_t vgpu_gate_track_every(const struct vgpu_gate *g, uint64_t hi)
     /* Under its share by a margin, the charge's precision decides nothing, and a tracked
      * launch's CPU time (~2.7 us on the H100/H200) slows a launch-bound loop: a transformer
      * under a 90 % limit ran at 84 and 108 % of native tracked one batch in two, 91-92 % one in
-     * sixteen by an earlier form of this rule (bench/results/gpu/suite-h100-2026-12-06-b-calls.md). busy_pm is this process's
-     * own, rising at once at the 100 ms refresh; the credit is the container's: processes that
-     * each use a part of a share the container spends are not under it, however little each
-     * uses (a container's processes at their limit, each at share / N, were all "under"). */
+     * sixteen by an earlier form of this rule (bench/results/gpu/suite-h100-2026-12-06-b-calls.md).
+     * busy_pm is this process's own, rising at once at the 100 ms refresh; the credit is the
+     * container's: processes that each use a part of a share the container spends are not
+     * under it, however little each uses (a container's processes at their limit, each at
+     * share / N, were all "under"). */
     if (g->measure_only || !g->base_period_ns || VGPU_TRACK_UNDER_EVERY <= VGPU_TRACK_EVERY)
         return VGPU_TRACK_EVERY;
     uint64_t share_pm = g->share_ns * 1000 / g->base_period_ns;

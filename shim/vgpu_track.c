@@ -95,11 +95,13 @@ void vgpu_track_start(struct vgpu_gate *g, CUstream s)
     uint32_t x = g->track_rng ? g->track_rng : (uint32_t)vgpu_now_ns() | 1u;
     x ^= x << 13, x ^= x >> 17, x ^= x << 5;
     g->track_rng = x;
+    if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open)
+        return;
     /* the fast path clamps the credit at the coarse clock plus its margin, or at the precise
      * clock where the coarse one is unusable (its margin then UINT64_MAX / 4) */
     uint64_t margin = vgpu.coarse_margin < VGPU_SEC ? vgpu.coarse_margin : 0;
     uint32_t every = vgpu_gate_track_every(g, vgpu_now_ns() + margin);
-    if (g->cotenants || g->est_ns >= LONG_KERNEL_NS || !g->cur.ev_open || x % every)
+    if (x % every)
         return;
     if (!(g->tail[0] = vgpu_measure_event(g)))
         return;
