@@ -19,12 +19,6 @@
 #define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
 #define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR 39
 typedef struct {
-    int allocType, handleTypes;
-    CUmemLocation location;
-    void *win32SecurityAttributes;
-    unsigned char reserved[64];     /* maxSize, usage, reserved in CUDA >= 12.2: same size */
-} CUmemPoolProps;
-typedef struct {
     CUmemPoolProps poolProps;
     const void *accessDescs;
     size_t accessDescCount;
@@ -54,6 +48,7 @@ static inline int mode(void)
 
 #define CU_STREAM_PER_THREAD ((CUstream)VGPU_STREAM_PER_THREAD) /* each thread's own stream */
 int vgpu_cur_dev(void);               /* region device of the current context, -1/-2 */
+int vgpu_stream_dev(CUstream s);      /* region device of stream s's context (vgpu_cuda.c) */
 extern int vgpu_single_gate;          /* the only card with a compute gate, or -1 */
 /* Whether a launch on stream s runs in the context the gate measures in (or the gate has none
  * yet), peeked: a created stream the open batch measures is one of that context's (a kernel

@@ -10,7 +10,9 @@
  * device) or rolled back if the driver fails. Frees look the table up; a pointer that is
  * not in it is passed through untouched (never an error). Paths and the amount charged:
  *
- *   cuMemAlloc_v2, cuMemAllocAsync(_ptsz), cuMemAllocFromPoolAsync(_ptsz): the size asked
+ *   cuMemAlloc_v2: the size asked, on the current context's card
+ *   cuMemAllocAsync(_ptsz), cuMemAllocFromPoolAsync(_ptsz): the size asked, on the card of the
+ *       stream's context or of the pool (pool_dev below)
  *   cuMemAllocPitch_v2: pitch returned by the driver x height (estimate reserved first)
  *   the CUDA < 3.2 entry points (32-bit: cuMemAlloc, cuMemAllocPitch, cuArrayCreate,
  *       cuArray3DCreate, cuCtxCreate; a program reaches them through cuGetProcAddress with an
@@ -253,7 +255,7 @@ static CUresult alloc_async(int idx, CUdeviceptr *dptr, size_t size, CUstream s)
         return real(dptr, size, s);
     if (capturing(s))
         return real(dptr, size, s); /* a graph memory node: charged when its graph is launched */
-    int d = vgpu_cur_dev();
+    int d = vgpu_stream_dev(s); /* the pool current to the stream's card */
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size, s);
@@ -272,6 +274,70 @@ VGPU_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream 
     return alloc_async(H_ASYNC_PTSZ, dptr, size, s);
 }
 
+/* Memory pools by location, so an allocation from one is charged where its memory is: a pool
+ * made here (cuMemPoolCreate: its location's card; a host location: -1, pinned host memory, not
+ * charged) or handed out for a card (its default or current pool). A pool not seen made (imported
+ * from another process) is taken to be on the stream's card. */
+static void pool_note(CUresult rc, CUmemoryPool *pool, int on_card, CUdevice ordinal)
+{
+    if (rc == CUDA_SUCCESS && pool && *pool && mode() == M_LIMITED)
+        vgpu_tab_put(K_POOL, (uint64_t)(uintptr_t)*pool, 0, on_card ? vgpu_map_cuda_device(ordinal) : -1);
+}
+
+static int pool_dev(CUmemoryPool pool, CUstream s)
+{
+    uint64_t v;
+    int d;
+    return vgpu_tab_get(K_POOL, (uint64_t)(uintptr_t)pool, &v, &d) ? d : vgpu_stream_dev(s);
+}
+
+VGPU_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMemPoolCreate real = REAL_FN(cuMemPoolCreate);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    CUresult rc = real(pool, props);
+    if (props) /* a device location names a card by its ordinal; any other is the host's memory */
+        pool_note(rc, pool, props->location.type == CU_MEM_LOCATION_TYPE_DEVICE, props->location.id);
+    return rc;
+}
+
+VGPU_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMemPoolDestroy real = REAL_FN(cuMemPoolDestroy);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    CUresult rc = real(pool);
+    uint64_t v;
+    int d;
+    if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
+        vgpu_tab_take(K_POOL, (uint64_t)(uintptr_t)pool, &v, &d);
+    return rc;
+}
+
+/* A card's default or current pool, as the driver hands it out: on that card. */
+static CUresult card_pool(CUresult rc, CUmemoryPool *pool, CUdevice dev)
+{
+    pool_note(rc, pool, 1, dev);
+    return rc;
+}
+
+VGPU_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuDeviceGetDefaultMemPool real = REAL_FN(cuDeviceGetDefaultMemPool);
+    return real ? card_pool(real(pool, dev), pool, dev) : CUDA_ERROR_NOT_FOUND;
+}
+
+VGPU_API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuDeviceGetMemPool real = REAL_FN(cuDeviceGetMemPool);
+    return real ? card_pool(real(pool, dev), pool, dev) : CUDA_ERROR_NOT_FOUND;
+}
+
 static CUresult alloc_pool(int idx, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s)
 {
     vgpu_fn_cuMemAllocFromPoolAsync real = REAL(idx, vgpu_fn_cuMemAllocFromPoolAsync);
@@ -279,7 +345,7 @@ static CUresult alloc_pool(int idx, CUdeviceptr *dptr, size_t size, CUmemoryPool
         return real(dptr, size, pool, s);
     if (capturing(s))
         return real(dptr, size, pool, s); /* a graph memory node: charged at the graph's launch */
-    int d = vgpu_cur_dev(); /* policy: the pool is charged to the current context's device */
+    int d = pool_dev(pool, s);
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size, pool, s);

@@ -47,6 +47,12 @@ typedef struct { /* cuLaunchCooperativeKernelMultiDevice's launches, one per dev
       (CUdeviceptr *, size_t, CUmemoryPool, CUstream))                                                   \
     X(H_POOL_PTSZ, cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, 1, CUresult,          \
       (CUdeviceptr *, size_t, CUmemoryPool, CUstream))                                                   \
+    X(H_POOLCREATE, cuMemPoolCreate, "cuMemPoolCreate", 11020, 0, CUresult,                             \
+      (CUmemoryPool *, const CUmemPoolProps *))                                                          \
+    X(H_POOLDESTROY, cuMemPoolDestroy, "cuMemPoolDestroy", 11020, 0, CUresult, (CUmemoryPool))           \
+    X(H_DEFPOOL, cuDeviceGetDefaultMemPool, "cuDeviceGetDefaultMemPool", 11020, 0, CUresult,             \
+      (CUmemoryPool *, CUdevice))                                                                        \
+    X(H_DEVPOOL, cuDeviceGetMemPool, "cuDeviceGetMemPool", 11020, 0, CUresult, (CUmemoryPool *, CUdevice)) \
     X(H_FREEASYNC, cuMemFreeAsync, "cuMemFreeAsync", 11020, 0, CUresult, (CUdeviceptr, CUstream))        \
     X(H_FREEASYNC_PTSZ, cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, 1, CUresult, (CUdeviceptr, CUstream)) \
     X(H_CREATE, cuMemCreate, "cuMemCreate", 10020, 0, CUresult,                                          \

@@ -25,6 +25,7 @@ enum {
     K_HREFS = 65,       /* ... its references (absent: the create's one) */
     K_MAPLEN = 66,      /* a mapping's address: its length */
     K_MAPH = 67,        /* ... its handle */
+    K_POOL = 68,        /* a memory pool whose location is known: its region device (-1: host) */
     K_TOMB = -1
 };
 

@@ -36,6 +36,12 @@ typedef struct { char bytes[16]; } CUuuid;
 
 typedef struct { int type; int id; } CUmemLocation;
 typedef struct {
+    int allocType, handleTypes;
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    unsigned char reserved[64];     /* maxSize, usage, reserved in CUDA >= 12.2: same size */
+} CUmemPoolProps;
+typedef struct {
     int type;
     int requestedHandleTypes;
     CUmemLocation location;

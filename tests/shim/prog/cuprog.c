@@ -9,6 +9,9 @@
  *   cuprog fill PATH CHUNK [MAX_N] [HOLD_S] allocate CHUNK bytes until failure (or MAX_N)
  *       PATH: alloc managed pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym v1abi
  *       pitch_v1 array_v1 array3d_v1 (the last four: the CUDA < 3.2 ABI through cuGetProcAddress)
+ *   cuprog xdev PATH CHUNK                 card 1's stream-ordered memory with card 0's context
+ *       current (PATH async: a stream of card 1's context; pool: its default pool; poolmade: a
+ *       pool made on it), CHUNK bytes until refused
  *   cuprog info_v1                         cuMemGetInfo and cuDeviceTotalMem of the CUDA < 3.2 ABI
  *   cuprog pitch WIDTH HEIGHT              cuMemAllocPitch_v2: pitch and result
  *   cuprog race CHUNK GO_FILE              wait for GO_FILE, fill with cuMemAlloc, hold 1 s
@@ -423,6 +426,52 @@ static int cmd_fill(const char *path, size_t chunk, long max_n, double hold)
     return 0;
 }
 
+CUresult cuMemPoolCreate(void **, const void *);
+CUresult cuStreamCreate(CUstream *, unsigned);
+
+/* Stream-ordered memory of card 1 while card 0's context is current: on a stream made in card
+ * 1's context (async), from card 1's default pool (pool) or a pool made on card 1 (poolmade),
+ * CHUNK bytes until refused; each card's memory as it then reads, and card 1's after the frees. */
+static int cmd_xdev(const char *path, size_t chunk)
+{
+    CUdevice d1;
+    CUcontext c0, c1;
+    CUstream s = NULL;
+    void *pool = NULL;
+    setup(0);
+    cuCtxGetCurrent(&c0);
+    CUresult rc = cuDeviceGet(&d1, 1);
+    if (!rc)
+        rc = cuDevicePrimaryCtxRetain(&c1, d1);
+    if (!rc && !strcmp(path, "async") && !(rc = cuCtxSetCurrent(c1)) && !(rc = cuStreamCreate(&s, 1)))
+        rc = cuCtxSetCurrent(c0);
+    else if (!rc && !strcmp(path, "pool"))
+        rc = cuDeviceGetDefaultMemPool(&pool, d1);
+    else if (!rc && !strcmp(path, "poolmade")) {
+        struct { int alloc_type, handle_types, loc_type, loc_id; void *win32; unsigned char rest[64]; } props;
+        memset(&props, 0, sizeof props);
+        props.alloc_type = 1, props.loc_type = 1, props.loc_id = d1;
+        rc = cuMemPoolCreate(&pool, &props);
+    }
+    if (rc) { printf("{\"setup_rc\": %d}\n", rc); return 3; }
+    static CUdeviceptr held[4096];
+    long n = 0;
+    while (n < 4096 && !(rc = pool ? cuMemAllocFromPoolAsync(&held[n], chunk, pool, NULL) : cuMemAllocAsync(&held[n], chunk, s)))
+        n++;
+    size_t f0 = 0, t0 = 0, f1 = 0, t1 = 0, after = 0;
+    cuMemGetInfo_v2(&f0, &t0);
+    cuCtxSetCurrent(c1);
+    cuMemGetInfo_v2(&f1, &t1);
+    cuCtxSetCurrent(c0);
+    for (long i = 0; i < n; i++)
+        cuMemFreeAsync(held[i], s);
+    cuCtxSetCurrent(c1);
+    cuMemGetInfo_v2(&after, &t1);
+    printf("{\"n\": %ld, \"rc\": %d, \"free0\": %zu, \"total0\": %zu, \"free1\": %zu, \"total1\": %zu, "
+           "\"free1_after\": %zu}\n", n, rc, f0, t0, f1, t1, after);
+    return 0;
+}
+
 static CUfunction kernel(void)
 {
     CUmodule m;
@@ -489,7 +538,6 @@ static int cmd_launch(const char *mode, double secs, long sync_every)
     return rc != 0;
 }
 
-CUresult cuStreamCreate(CUstream *, unsigned);
 CUresult cuStreamBeginCapture_v2(CUstream, int);
 CUresult cuStreamEndCapture(CUstream, void **);
 CUresult cuGraphDestroy(void *);
@@ -1380,6 +1428,8 @@ int main(int argc, char **argv)
         return cmd_hostile(argv[2], atof(argv[3]), (unsigned)atol(argv[4]), atol(argv[5]));
     if (!strcmp(cmd, "relay") && argc >= 5)
         return cmd_relay(atof(argv[2]), (unsigned)atol(argv[3]), atol(argv[4]));
+    if (!strcmp(cmd, "xdev") && argc >= 4)
+        return cmd_xdev(argv[2], strtoull(argv[3], NULL, 0));
     if (!strcmp(cmd, "fill") && argc >= 4)
         return cmd_fill(argv[2], strtoull(argv[3], NULL, 0), argc > 4 ? atol(argv[4]) : 0, argc > 5 ? atof(argv[5]) : 0);
     if (!strcmp(cmd, "pitch") && argc >= 4) {

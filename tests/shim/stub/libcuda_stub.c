@@ -36,6 +36,7 @@ typedef struct { unsigned gx, gy, gz, bx, by, bz, shm; CUstream hStream; void *a
 #define E_INVALID_DEVICE 101
 #define E_INVALID_CONTEXT 201
 #define E_NOT_FOUND 500
+#define E_NOT_SUPPORTED 801
 #define MIB (1024ull * 1024ull)
 #include "stub_hidden.h"
 
@@ -271,9 +272,49 @@ API CUresult cuDeviceTotalMem(unsigned *b, CUdevice d)
     if (rc == OK && b) *b = T > 0xffffffffu ? 0xffffffffu : (unsigned)T;
     return rc;
 }
-API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { if (hidden_capturing(s)) return hidden_capture_alloc(s, p, n); return cuMemAlloc_v2(p, n); }
+/* Stream-ordered memory lives on the card of the stream's context (cuMemAllocAsync) or of the
+ * pool (cuMemAllocFromPoolAsync: a card's default pool 0x500 + ordinal, a created one 0x600 +
+ * physical index; host-located pools are not modelled), whatever context is current. */
+static void *ctx_of_stream(CUstream s);
+static int stream_phys(CUstream s)
+{
+    void *c = ctx_of_stream(s);
+    return c ? (int)(((uintptr_t)c - 0x1000) % 16) : cur_ctx;
+}
+static int pool_phys(CUmemoryPool pool, CUstream s)
+{
+    uintptr_t v = (uintptr_t)pool;
+    if (v >= 0x500 && v < 0x500 + STUB_MAXDEV)
+        return phys_of((CUdevice)(v - 0x500));
+    return v >= 0x600 && v < 0x600 + STUB_MAXDEV ? (int)(v - 0x600) : stream_phys(s);
+}
+static CUresult stream_alloc(CUdeviceptr *p, size_t n, int phys)
+{
+    NEED_CTX();
+    if (!p) return E_INVALID_VALUE;
+    if (phys < 0) return E_INVALID_DEVICE;
+    return phys_alloc(phys, n, p, 1, 0);
+}
+API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { if (hidden_capturing(s)) return hidden_capture_alloc(s, p, n); return stream_alloc(p, n, stream_phys(s)); }
 API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { return cuMemAllocAsync(p, n, s); }
-API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { if (!pool) return E_INVALID_VALUE; return cuMemAllocAsync(p, n, s); }
+API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s)
+{
+    if (!pool) return E_INVALID_VALUE;
+    if (hidden_capturing(s)) return hidden_capture_alloc(s, p, n);
+    return stream_alloc(p, n, pool_phys(pool, s));
+}
+API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
+{
+    const struct { int alloc_type, handle_types, loc_type, loc_id; } *pp = props;
+    if (!inited) return E_NOT_INIT;
+    if (!pool || !pp) return E_INVALID_VALUE;
+    if (pp->loc_type != 1) return E_NOT_SUPPORTED; /* host locations: not modelled */
+    int phys = phys_of(pp->loc_id);
+    if (phys < 0) return E_INVALID_DEVICE;
+    *pool = (CUmemoryPool)(uintptr_t)(0x600 + phys);
+    return OK;
+}
+API CUresult cuMemPoolDestroy(CUmemoryPool pool) { return pool ? OK : E_INVALID_VALUE; }
 API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, CUmemoryPool pool, CUstream s) { return cuMemAllocFromPoolAsync(p, n, pool, s); }
 API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { if (hidden_capturing(s)) return OK; return cuMemFree_v2(p); }
 API CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return cuMemFreeAsync(p, s); }
@@ -1173,6 +1214,7 @@ API CUresult cuStreamDestroy_v2(CUstream s)
 API CUresult cuStreamDestroy(CUstream s) { return cuStreamDestroy_v2(s); }
 API CUresult cuGraphCreate(void **g, unsigned fl) { (void)fl; return hidden_graph_create(g); }
 API CUresult cuDeviceGetDefaultMemPool(void **p, CUdevice d) { if (phys_of(d) < 0) return E_INVALID_DEVICE; *p = (void *)(uintptr_t)(0x500 + d); return OK; }
+API CUresult cuDeviceGetMemPool(void **p, CUdevice d) { return cuDeviceGetDefaultMemPool(p, d); }
 /* A reset destroys the primary context's state (its events with it) whoever retains it; the
  * last release destroys it too. Either way the next retain hands back the same handle. */
 API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
