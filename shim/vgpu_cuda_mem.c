@@ -12,7 +12,7 @@
  *
  *   cuMemAlloc_v2: the size asked, on the current context's card
  *   cuMemAllocAsync(_ptsz), cuMemAllocFromPoolAsync(_ptsz): the size asked, on the card of the
- *       stream's context or of the pool (pool_dev below)
+ *       stream's context or of the pool (pool_dev below; a host pool: the stream's card)
  *   cuMemAllocPitch_v2: pitch returned by the driver x height (estimate reserved first)
  *   the CUDA < 3.2 entry points (32-bit: cuMemAlloc, cuMemAllocPitch, cuArrayCreate,
  *       cuArray3DCreate, cuCtxCreate; a program reaches them through cuGetProcAddress with an
@@ -275,13 +275,19 @@ VGPU_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream 
 }
 
 /* Memory pools by location, so an allocation from one is charged where its memory is: a pool
- * made here (cuMemPoolCreate: its location's card; a host location: -1, pinned host memory, not
- * charged) or handed out for a card (its default or current pool). A pool not seen made (imported
- * from another process) is taken to be on the stream's card. */
-static void pool_note(CUresult rc, CUmemoryPool *pool, int on_card, CUdevice ordinal)
+ * made here on a card (cuMemPoolCreate with a device location) or handed out for a card (its
+ * default or current pool). Any other pool (a host or managed one, one handed out by a getter the
+ * shim does not hook) is charged to the stream's card: no pool is taken to be free of charge, so
+ * a pool whose handle a tenant re-labels or re-makes at worst moves a charge between its cards.
+ * The driver gets the shim's own copies of the properties and of the handle, so what is recorded
+ * is what the driver was asked and gave, whatever another thread writes meanwhile. */
+static CUresult pool_note(CUresult rc, CUmemoryPool *out, CUmemoryPool pool, CUdevice ordinal)
 {
-    if (rc == CUDA_SUCCESS && pool && *pool && mode() == M_LIMITED)
-        vgpu_tab_put(K_POOL, (uint64_t)(uintptr_t)*pool, 0, on_card ? vgpu_map_cuda_device(ordinal) : -1);
+    if (rc == CUDA_SUCCESS && pool && mode() == M_LIMITED)
+        vgpu_tab_put(K_POOL, (uint64_t)(uintptr_t)pool, 0, vgpu_map_cuda_device(ordinal));
+    if (rc == CUDA_SUCCESS)
+        *out = pool;
+    return rc;
 }
 
 static int pool_dev(CUmemoryPool pool, CUstream s)
@@ -297,10 +303,17 @@ VGPU_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *prop
     vgpu_fn_cuMemPoolCreate real = REAL_FN(cuMemPoolCreate);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
-    CUresult rc = real(pool, props);
-    if (props) /* a device location names a card by its ordinal; any other is the host's memory */
-        pool_note(rc, pool, props->location.type == CU_MEM_LOCATION_TYPE_DEVICE, props->location.id);
-    return rc;
+    if (!pool || !props)
+        return real(pool, props);
+    CUmemPoolProps own = *props;
+    CUmemoryPool made = NULL;
+    CUresult rc = real(&made, &own);
+    if (own.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
+        if (rc == CUDA_SUCCESS)
+            *pool = made;
+        return rc;
+    }
+    return pool_note(rc, pool, made, own.location.id);
 }
 
 VGPU_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
@@ -317,25 +330,32 @@ VGPU_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
     return rc;
 }
 
-/* A card's default or current pool, as the driver hands it out: on that card. */
-static CUresult card_pool(CUresult rc, CUmemoryPool *pool, CUdevice dev)
+/* A card's default or current pool, handed out by `get` (the driver's getter of either). */
+static CUresult card_pool(CUresult (*get)(CUmemoryPool *, CUdevice), CUmemoryPool *pool, CUdevice dev)
 {
-    pool_note(rc, pool, 1, dev);
-    return rc;
+    CUmemoryPool got = NULL;
+    if (!pool)
+        return get(pool, dev);
+    CUresult rc = get(&got, dev);
+    return pool_note(rc, pool, got, dev);
 }
 
 VGPU_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
 {
     BROKEN_GUARD();
     vgpu_fn_cuDeviceGetDefaultMemPool real = REAL_FN(cuDeviceGetDefaultMemPool);
-    return real ? card_pool(real(pool, dev), pool, dev) : CUDA_ERROR_NOT_FOUND;
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    return card_pool(real, pool, dev);
 }
 
 VGPU_API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
 {
     BROKEN_GUARD();
     vgpu_fn_cuDeviceGetMemPool real = REAL_FN(cuDeviceGetMemPool);
-    return real ? card_pool(real(pool, dev), pool, dev) : CUDA_ERROR_NOT_FOUND;
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    return card_pool(real, pool, dev);
 }
 
 static CUresult alloc_pool(int idx, CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream s)

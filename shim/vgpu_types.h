@@ -32,6 +32,8 @@ typedef struct { char bytes[16]; } CUuuid;
 
 #define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 0x2
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
+#define CU_MEM_LOCATION_TYPE_HOST 2             /* ... _HOST_NUMA 3, _HOST_NUMA_CURRENT 4 */
+#define CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT 4
 #define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
 
 typedef struct { int type; int id; } CUmemLocation;

@@ -11,7 +11,8 @@
  *       pitch_v1 array_v1 array3d_v1 (the last four: the CUDA < 3.2 ABI through cuGetProcAddress)
  *   cuprog xdev PATH CHUNK                 card 1's stream-ordered memory with card 0's context
  *       current (PATH async: a stream of card 1's context; pool: its default pool; poolmade: a
- *       pool made on it), CHUNK bytes until refused
+ *       pool made on it; poolalias: the same, its handle written over the properties' location),
+ *       CHUNK bytes until refused
  *   cuprog info_v1                         cuMemGetInfo and cuDeviceTotalMem of the CUDA < 3.2 ABI
  *   cuprog pitch WIDTH HEIGHT              cuMemAllocPitch_v2: pitch and result
  *   cuprog race CHUNK GO_FILE              wait for GO_FILE, fill with cuMemAlloc, hold 1 s
@@ -452,6 +453,12 @@ static int cmd_xdev(const char *path, size_t chunk)
         memset(&props, 0, sizeof props);
         props.alloc_type = 1, props.loc_type = 1, props.loc_id = d1;
         rc = cuMemPoolCreate(&pool, &props);
+    } else if (!rc && !strcmp(path, "poolalias")) { /* the new handle written over the location */
+        struct { int alloc_type, handle_types, loc_type, loc_id; void *win32; unsigned char rest[64]; } props;
+        memset(&props, 0, sizeof props);
+        props.alloc_type = 1, props.loc_type = 1, props.loc_id = d1;
+        rc = cuMemPoolCreate((void **)&props.loc_type, &props);
+        memcpy(&pool, &props.loc_type, sizeof pool);
     }
     if (rc) { printf("{\"setup_rc\": %d}\n", rc); return 3; }
     static CUdeviceptr held[4096];
