@@ -63,6 +63,7 @@ void vgpu_cuda_fork_child(void)
 /* ------------------------------------------------------------------ devices */
 
 int vgpu_single_gate = -1;
+_Atomic unsigned vgpu_ctx_cards;
 
 void vgpu_format_uuid(const CUuuid *u, char *out, size_t n)
 {

@@ -50,6 +50,7 @@ static inline int mode(void)
 int vgpu_cur_dev(void);               /* region device of the current context, -1/-2 */
 int vgpu_stream_dev(CUstream s);      /* region device of stream s's context (vgpu_cuda.c) */
 extern int vgpu_single_gate;          /* the only card with a compute gate, or -1 */
+extern _Atomic unsigned vgpu_ctx_cards; /* bit d: this process made a context on region card d */
 /* Whether a launch on stream s runs in the context the gate measures in (or the gate has none
  * yet), peeked: a created stream the open batch measures is one of that context's (a kernel
  * runs only on a stream of the current context), while the legacy and per-thread handles name
@@ -73,6 +74,21 @@ static inline int vgpu_gate_of_current(void)
             return -1;
     }
     return d;
+}
+
+/* The card whose gate a launch on stream s passes, or -1 (none). While the process has contexts
+ * on one card only, the current context's (vgpu_gate_of_current: every stream is on that card).
+ * With contexts on several, a created stream's own context names it (a stream made in another
+ * card's context runs its kernels there, whichever context is current), and the legacy and
+ * per-thread handles the current context's: each card's work passes its own card's gate, none on
+ * an uncapped card. */
+static inline int vgpu_gate_of_stream(CUstream s)
+{
+    unsigned cards = atomic_load_explicit(&vgpu_ctx_cards, memory_order_relaxed);
+    if (__builtin_expect(!(cards & (cards - 1)), 1))
+        return vgpu_gate_of_current();
+    int d = (uintptr_t)s > (uintptr_t)CU_STREAM_PER_THREAD ? vgpu_stream_dev(s) : vgpu_cur_dev();
+    return d >= 0 && vgpu.gate[d].active ? d : -1;
 }
 
 /* The memory units' locks across fork (vgpu_mem_table.c): 0 lock primary_mu, 1 lock join_mu,

@@ -132,6 +132,9 @@ static __thread CUcontext launch_pushed;
  * was capturing, and that capture's id: 0 = none. Checked again after the driver's return
  * (compute_after). */
 static __thread int launch_captured;
+/* The gate (index + 1) this thread's current launch passed, or 0: compute_after works on the same
+ * one (the stream's card, asked again, could be another if the stream were remade meanwhile). */
+static __thread int launch_gate;
 static __thread uint64_t launch_capture_id;
 
 /* The context a launch on s runs in, made current for it if it is not: a created stream's own
@@ -259,7 +262,8 @@ void vgpu_compute_gate(CUstream s)
 {
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
-    int d = vgpu_gate_of_current();
+    int d = vgpu_gate_of_stream(s);
+    launch_gate = d + 1;
     if (d < 0)
         return;
     /* The coarse clock (a few ns) decides while the batch is clearly open and the credit
@@ -330,7 +334,8 @@ static inline void compute_after_in_ctx(CUstream s)
      * that a close that sees none in flight also sees its tail. */
     int held = launch_in_flight;
     launch_in_flight = 0;
-    int d = vgpu_gate_of_current();
+    int d = launch_gate - 1;
+    launch_gate = 0;
     struct vgpu_gate *g = d < 0 ? NULL : &vgpu.gate[d];
     /* unlocked peeks: the common case (nothing to do) costs no lock; re-checked under it */
     if (!g || (!VGPU_PEEK(g->probe_pending) && !VGPU_PEEK(g->tracking) &&
@@ -444,6 +449,7 @@ struct multi_held {
     CUcontext pushed;   /* launch_pushed of its gate */
     int captured;       /* launch_captured of its gate */
     uint64_t cap_id;    /* launch_capture_id */
+    int gate;           /* launch_gate */
 };
 
 static void multi_one(CUstream s, int after, struct multi_held *held)
@@ -454,11 +460,11 @@ static void multi_one(CUstream s, int after, struct multi_held *held)
     if (!after) {
         vgpu_compute_gate(s);
         held->flight = launch_in_flight, held->pushed = launch_pushed, held->captured = launch_captured;
-        held->cap_id = launch_capture_id;
-        launch_in_flight = 0, launch_pushed = NULL, launch_captured = 0;
+        held->cap_id = launch_capture_id, held->gate = launch_gate;
+        launch_in_flight = 0, launch_pushed = NULL, launch_captured = 0, launch_gate = 0;
     } else {
         launch_in_flight = held->flight, launch_pushed = held->pushed, launch_captured = held->captured;
-        launch_capture_id = held->cap_id;
+        launch_capture_id = held->cap_id, launch_gate = held->gate;
         compute_after(s);
     }
     if (pushed)
@@ -476,7 +482,7 @@ VGPU_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *l, un
     multi_fn real = REAL(H_COOP_MULTI, multi_fn);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
-    struct multi_held held[VGPU_MAX_DEV] = {{0, NULL, 0, 0}};
+    struct multi_held held[VGPU_MAX_DEV] = {{0, NULL, 0, 0, 0}};
     CUDA_LAUNCH_PARAMS own[VGPU_MAX_DEV]; /* the driver gets the list the gates read */
     int gated = vgpu.compute_limited && l;
     if (gated && n > VGPU_MAX_DEV)

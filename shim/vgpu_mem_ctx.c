@@ -126,8 +126,10 @@ static CUresult ctx_commit(CUresult rc, CUcontext *pctx, int d, uint64_t est, ui
         *pctx = NULL;
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    if (d >= 0)
+    if (d >= 0) {
         vgpu_tab_put(K_CTX, (uint64_t)(uintptr_t)*pctx, got, d);
+        atomic_fetch_or(&vgpu_ctx_cards, 1u << d); /* launches then find their card's gate */
+    }
     return rc;
 }
 

@@ -13,7 +13,7 @@ void vgpu_compute_sync(CUstream s, int whole_ctx)
 {
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
-    int d = vgpu_gate_of_current();
+    int d = whole_ctx ? vgpu_gate_of_current() : vgpu_gate_of_stream(s);
     if (d < 0 || !VGPU_PEEK(vgpu.gate[d].cur.ev_open)) /* a hint, re-checked under the lock */
         return;
     struct vgpu_gate *g = &vgpu.gate[d];

@@ -414,6 +414,26 @@ def test_work_on_another_threads_per_thread_stream_is_measured(card) -> None:
     assert 30 - 6 <= r["busy"] * 100 <= 30 + 4, r
 
 
+@pytest.mark.parametrize("card1_cores", [60, 0])
+def test_work_on_a_stream_of_another_card_passes_that_cards_gate(card, card1_cores) -> None:
+    """A two-card claim, card 0 at 30 %: with card 0's context current, 2 ms kernels go to a
+    stream made in a context of card 1 (the driver runs them on card 1). They are card 1's work:
+    held to card 1's 60 %, or not held at all where card 1 has no compute limit. Charged to the
+    current card's gate instead (before), card 1 ran at card 0's 30 % in both cases, and a
+    tenant running card 1 from both contexts got card 1's limit plus card 0's."""
+    tag = f"xcard-{card1_cores}"
+    env = card.env(claim((0, 1000, 30), (1, 1000, card1_cores), name=f"ns/{tag}"), KVGPU_REGION_DIR=region(card, tag),
+                   STUB_NDEV="2", CUPROG_CTX2="1", CUPROG_CTX2_STREAM="1", CUPROG_CTX2_DEV="1", CUPROG_DONE_PHYS="1")
+    r = work(card, env, "sat", "3.2", "2000", "5")
+    print(f"2 ms kernels on a stream of card 1 (limit {card1_cores or 'none'}) with card 0 current:", r["busy"],
+          r["per_sec"])
+    assert r["rc"] == 0, r
+    if card1_cores:
+        assert card1_cores - 6 <= r["busy"] * 100 <= card1_cores + 4, r
+    else:
+        assert r["busy"] * 100 >= 90, r
+
+
 @pytest.mark.parametrize("v1", ["0", "1"])
 def test_a_destroyed_context_takes_its_events_along(card, v1) -> None:
     """The second context is destroyed and made anew every 4 syncs while its batches may still

@@ -51,7 +51,8 @@
  *   CUPROG_IDLE_MS=N: light use for N ms first, a kernel every 100 ms, not measured;
  *   CUPROG_PAUSE_MS=N: after those, N ms without any CUDA call)
  *   (work: the stub driver with STUB_GRID_US=1 runs each kernel for gridDimX us; it prints the
- *   share of wall time its kernels ran, per second too, from the stub's stubDoneNs)
+ *   share of wall time its kernels ran, per second too, from the stub's stubDoneNs: physical
+ *   card 0's, or CUPROG_DONE_PHYS's; CUPROG_CTX2_DEV=N puts the second context on ordinal N)
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -555,7 +556,10 @@ static double done_s(void)
     static unsigned long long (*done)(int);
     if (!done)
         done = (unsigned long long (*)(int))dlsym(RTLD_DEFAULT, "stubDoneNs");
-    return done ? done(0) * 1e-9 : 0;
+    static int phys = -1; /* CUPROG_DONE_PHYS=N: the kernels of physical card N (0) */
+    if (phys < 0)
+        phys = getenv("CUPROG_DONE_PHYS") ? atoi(getenv("CUPROG_DONE_PHYS")) : 0;
+    return done ? done(phys) * 1e-9 : 0;
 }
 
 /* The GPU time this process's kernels ran in each whole second of a run, read at each second's
@@ -647,6 +651,16 @@ static int own_ctx(void)
 {
     const char *v = getenv("CUPROG_CTX2");
     return v && *v == '1';
+}
+
+/* The card of the work loop's second context: CUPROG_CTX2_DEV=N, ordinal N (0: the same card). */
+static CUdevice ctx2_dev(void)
+{
+    CUdevice d = 0;
+    const char *v = getenv("CUPROG_CTX2_DEV");
+    if (v && cuDeviceGet(&d, atoi(v)))
+        d = 0;
+    return d;
 }
 
 static void *sat_thread_main(void *arg)
@@ -756,7 +770,7 @@ static int cmd_work(int argc, char **argv)
             /* CUPROG_CTX2=1 (one stream): the lead kernel in the primary context, the others in a
              * second context of the card, switched to and back around them */
             static CUcontext ctx_a, ctx_b;
-            if (own_ctx() && ns == 1 && !ctx_b && (cuCtxGetCurrent(&ctx_a) || cuCtxCreate_v2(&ctx_b, 0, 0) ||
+            if (own_ctx() && ns == 1 && !ctx_b && (cuCtxGetCurrent(&ctx_a) || cuCtxCreate_v2(&ctx_b, 0, ctx2_dev()) ||
                                                    cuCtxSetCurrent(ctx_a)))
                 rc = 996;
             /* CUPROG_CTX2_RENEW=N: every N syncs the second context is destroyed and made anew
@@ -768,7 +782,7 @@ static int cmd_work(int argc, char **argv)
                 destroy = getenv("CUPROG_CTX2_V1") && *getenv("CUPROG_CTX2_V1") == '1' ? cuCtxDestroy : cuCtxDestroy_v2;
             }
             if (!rc && ctx_b && renew > 0 && n && n % ((a > 0 ? a : 1) * renew) == 0 &&
-                (destroy(ctx_b) || cuCtxCreate_v2(&ctx_b, 0, 0) || cuCtxSetCurrent(ctx_a)))
+                (destroy(ctx_b) || cuCtxCreate_v2(&ctx_b, 0, ctx2_dev()) || cuCtxSetCurrent(ctx_a)))
                 rc = 995;
             /* CUPROG_PRIMARY_RESET=N: every N syncs the primary context is reset (cudaDeviceReset),
              * or with CUPROG_PRIMARY_HOW=release released for the last time, then retained again

@@ -737,29 +737,30 @@ static CUresult launch(CUstream stream, unsigned gx)
     if (null_launch)
         return OK; /* micro-benchmarks: a launch that costs a function call */
     NEED_CTX();
+    int ph = stream_phys(stream); /* the card of the stream's context */
     if (hidden_capturing(stream))
         return OK; /* captured: it runs when its graph is launched */
     struct stub_proc *me = stub_me();
     uint64_t dur = grid_us ? (uint64_t)(gx ? gx : 1) * 1000 : (uint64_t)stub_env("STUB_KERNEL_US", 1000) * 1000;
-    if (atomic_load(&held[cur_ctx][slot_of(stream)]) && hold_launch(cur_ctx, slot_of(stream), dur)) {
-        atomic_fetch_add(&me->busy_ns[cur_ctx], dur);
-        atomic_fetch_add(&me->launches[cur_ctx], 1);
+    if (atomic_load(&held[ph][slot_of(stream)]) && hold_launch(ph, slot_of(stream), dur)) {
+        atomic_fetch_add(&me->busy_ns[ph], dur);
+        atomic_fetch_add(&me->launches[ph], 1);
         return OK;
     }
     uint64_t now = stub_now();
-    uint64_t after = stream_done(cur_ctx, stream); /* the legacy stream waits for all streams */
-    uint64_t k, end = run_at(cur_ctx, now, after, dur, &k);
-    atomic_store(&last_done[cur_ctx][slot_of(stream)], end);
+    uint64_t after = stream_done(ph, stream); /* the legacy stream waits for all streams */
+    uint64_t k, end = run_at(ph, now, after, dur, &k);
+    atomic_store(&last_done[ph][slot_of(stream)], end);
     if (restart_on == stream) { /* STUB_CAPTURE_RESTARTS_AROUND_LAUNCH */
         restart_on = (CUstream)(uintptr_t)-1;
         cuStreamBeginCapture_v2(stream, 2);
     }
     pthread_mutex_lock(&ring_mu);
-    unsigned i = ring_n[cur_ctx]++ % 4096;
-    ring[cur_ctx][i].end = end, ring[cur_ctx][i].dur = dur, ring[cur_ctx][i].k = k, ring[cur_ctx][i].held = 0;
+    unsigned i = ring_n[ph]++ % 4096;
+    ring[ph][i].end = end, ring[ph][i].dur = dur, ring[ph][i].k = k, ring[ph][i].held = 0;
     pthread_mutex_unlock(&ring_mu);
-    atomic_fetch_add(&me->busy_ns[cur_ctx], dur);
-    atomic_fetch_add(&me->launches[cur_ctx], 1);
+    atomic_fetch_add(&me->busy_ns[ph], dur);
+    atomic_fetch_add(&me->launches[ph], 1);
     uint64_t cap = 200000000ull; /* a full launch queue blocks the caller, as on a GPU */
     if (end > now + cap) {
         uint64_t t = end - cap;
@@ -781,9 +782,10 @@ static void sleep_until_ns(uint64_t t)
 static CUresult drain(CUstream s)
 {
     NEED_CTX();
-    while (stream_done(cur_ctx, s) == STUB_PENDING) /* held: until another thread writes the value */
+    int ph = stream_phys(s); /* the card of the stream's context */
+    while (stream_done(ph, s) == STUB_PENDING) /* held: until another thread writes the value */
         sleep_until_ns(stub_now() + 1000000);
-    sleep_until_ns(stream_done(cur_ctx, s));
+    sleep_until_ns(stream_done(ph, s));
     return OK;
 }
 
@@ -797,7 +799,7 @@ API CUresult cuLaunch(CUfunction f) { return launch(NULL, 1); }
 API CUresult cuLaunchGrid(CUfunction f, int w, int h) { return launch(NULL, (unsigned)w); }
 API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s) { return launch(s, (unsigned)w); }
 typedef struct { CUfunction f; unsigned gx, gy, gz, bx, by, bz, shm; CUstream s; void **p; } stub_launch_params;
-/* one launch per entry, each on its stream (the stub has one card: entries in its context) */
+/* one launch per entry, each on its stream (and so on its stream's card) */
 API CUresult cuLaunchCooperativeKernelMultiDevice(stub_launch_params *l, unsigned n, unsigned flags)
 {
     if (!l || !n) return E_INVALID_VALUE;
@@ -860,7 +862,7 @@ API CUresult cuStreamGetCaptureInfo(CUstream s, int *st, unsigned long long *id)
         capture_checked(s);
     return OK;
 }
-API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); if (hidden_capture_unsafe(s)) return 900; return stream_done(cur_ctx, s) > stub_now() ? 600 : OK; }
+API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); if (hidden_capture_unsafe(s)) return 900; return stream_done(stream_phys(s), s) > stub_now() ? 600 : OK; }
 
 /* Events: recording one notes when the stream's work queued so far ends (the GPU reaches the
  * event then); query, synchronize and elapsed time follow from that timestamp. */
@@ -949,6 +951,7 @@ static _Atomic unsigned long event_records;
 API CUresult cuEventRecord(void *e, CUstream s)
 {
     NEED_CTX();
+    int ph = stream_phys(s); /* the card of the stream's context */
     struct stub_event *ev = e;
     if (!ev) return E_INVALID_VALUE;
     check_live(ev);
@@ -960,28 +963,28 @@ API CUresult cuEventRecord(void *e, CUstream s)
     if (slot_of(s) >= 2 && atomic_load(&stream_dead[slot_of(s)])) return 400;
     ev->captured = 0;
     if (hidden_capturing(s)) { /* as the driver: the record joins the capture */
-        ev->recorded = 1, ev->captured = 1, ev->s = s, ev->phys = cur_ctx;
+        ev->recorded = 1, ev->captured = 1, ev->s = s, ev->phys = ph;
         return OK;
     }
     if (__builtin_expect(event_gap_ns < 0, 0))
         event_gap_ns = (int64_t)stub_env("STUB_EVENT_GAP_US", 0) * 1000;
     int slot = slot_of(s);
-    if (atomic_load(&held[cur_ctx][slot])) {
+    if (atomic_load(&held[ph][slot])) {
         pthread_mutex_lock(&hold_mu);
-        int h = atomic_load(&held[cur_ctx][slot]);
+        int h = atomic_load(&held[ph][slot]);
         if (h) {
-            ev->t = STUB_PENDING, ev->recorded = 1, ev->phys = cur_ctx, ev->s = s;
-            ev->hslot = slot, ev->hgen = hold[cur_ctx][slot].gen, ev->hoff = hold[cur_ctx][slot].queued;
+            ev->t = STUB_PENDING, ev->recorded = 1, ev->phys = ph, ev->s = s;
+            ev->hslot = slot, ev->hgen = hold[ph][slot].gen, ev->hoff = hold[ph][slot].queued;
         }
         pthread_mutex_unlock(&hold_mu);
         if (h)
             return OK;
     }
-    uint64_t now = stub_now(), t = stream_done(cur_ctx, s), half = (uint64_t)event_gap_ns / 2;
+    uint64_t now = stub_now(), t = stream_done(ph, s), half = (uint64_t)event_gap_ns / 2;
     int busy = t > now;
-    ev->t = busy ? t + half : now, ev->recorded = 1, ev->phys = cur_ctx, ev->s = s;
+    ev->t = busy ? t + half : now, ev->recorded = 1, ev->phys = ph, ev->s = s;
     if (half) {
-        _Atomic uint64_t *done = &last_done[cur_ctx][slot_of(s)];
+        _Atomic uint64_t *done = &last_done[ph][slot_of(s)];
         uint64_t hold = busy ? ev->t : now + half, cur = atomic_load(done);
         while (cur < hold && !atomic_compare_exchange_weak(done, &cur, hold))
             ;
@@ -1045,22 +1048,23 @@ static int hold_met(const struct hold *h)
 API CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags)
 {
     NEED_CTX();
+    int ph = stream_phys(s); /* the card of the stream's context */
     int k = slot_of(s);
     if (!addr || flags > 1 || k < 2 || !atomic_load(&non_blocking[k]))
         return E_INVALID_VALUE;
     pthread_mutex_lock(&hold_mu);
-    struct hold *h = &hold[cur_ctx][k];
-    if (atomic_load(&held[cur_ctx][k])) { /* one wait at a time */
+    struct hold *h = &hold[ph][k];
+    if (atomic_load(&held[ph][k])) { /* one wait at a time */
         pthread_mutex_unlock(&hold_mu);
         return E_INVALID_VALUE;
     }
     h->addr = (volatile uint32_t *)(uintptr_t)addr, h->value = value, h->flags = flags;
     if (!hold_met(h)) {
-        h->after = stream_done(cur_ctx, s), h->queued = 0;
+        h->after = stream_done(ph, s), h->queued = 0;
         h->gen++;
         h->start[h->gen % STUB_HOLD_GENS] = 0;
-        atomic_store(&last_done[cur_ctx][k], STUB_PENDING);
-        atomic_store(&held[cur_ctx][k], 1);
+        atomic_store(&last_done[ph][k], STUB_PENDING);
+        atomic_store(&held[ph][k], 1);
     }
     pthread_mutex_unlock(&hold_mu);
     return OK;
@@ -1072,7 +1076,8 @@ API CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, uint32_t valu
 {
     (void)flags;
     NEED_CTX();
-    uint64_t now = stub_now(), at = stream_done(cur_ctx, s);
+    int ph = stream_phys(s); /* the card of the stream's context */
+    uint64_t now = stub_now(), at = stream_done(ph, s);
     if (!addr || at == STUB_PENDING) /* a write on a held stream would itself wait: not modelled */
         return E_INVALID_VALUE;
     at = at > now ? at : now;
