@@ -166,15 +166,21 @@ int vgpu_cur_dev(void)
 
 /* A created stream belongs to the context it was made in, whichever is current when it is used:
  * stream-ordered memory on it is allocated on that context's card. The legacy and per-thread
- * handles, and a stream whose context the driver does not tell, are the current context's. */
+ * handles, and every stream where the driver has no cuStreamGetCtx, are the current context's;
+ * a created stream whose context the driver does not tell (an invalid handle, or one destroyed
+ * meanwhile) is -2: nothing on it is charged to a card it may not be on. */
 int vgpu_stream_dev(CUstream s)
 {
     const struct vgpu_drv *drv = vgpu_cuda_drv();
     CUcontext cur = NULL, own = NULL, prev = NULL;
-    if ((uintptr_t)s <= (uintptr_t)CU_STREAM_PER_THREAD || !drv->stream_get_ctx || !drv->ctx_get_current ||
-        !drv->ctx_push || !drv->ctx_pop || drv->stream_get_ctx(s, &own) != CUDA_SUCCESS || !own ||
-        drv->ctx_get_current(&cur) != CUDA_SUCCESS || own == cur || drv->ctx_push(own) != CUDA_SUCCESS)
+    if ((uintptr_t)s <= (uintptr_t)CU_STREAM_PER_THREAD || !drv->stream_get_ctx || !drv->ctx_push || !drv->ctx_pop)
         return vgpu_cur_dev();
+    if (drv->stream_get_ctx(s, &own) != CUDA_SUCCESS || !own)
+        return -2;
+    if (drv->ctx_get_current && drv->ctx_get_current(&cur) == CUDA_SUCCESS && own == cur)
+        return vgpu_cur_dev();
+    if (drv->ctx_push(own) != CUDA_SUCCESS)
+        return -2;
     int d = vgpu_cur_dev();
     drv->ctx_pop(&prev);
     return d;

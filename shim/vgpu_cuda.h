@@ -88,6 +88,8 @@ static inline int vgpu_gate_of_stream(CUstream s)
     if (__builtin_expect(!(cards & (cards - 1)), 1))
         return vgpu_gate_of_current();
     int d = (uintptr_t)s > (uintptr_t)CU_STREAM_PER_THREAD ? vgpu_stream_dev(s) : vgpu_cur_dev();
+    if (d == -2) /* a stream whose card the driver does not tell */
+        return vgpu_gate_of_current();
     return d >= 0 && vgpu.gate[d].active ? d : -1;
 }
 

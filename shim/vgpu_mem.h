@@ -25,7 +25,7 @@ enum {
     K_HREFS = 65,       /* ... its references (absent: the create's one) */
     K_MAPLEN = 66,      /* a mapping's address: its length */
     K_MAPH = 67,        /* ... its handle */
-    K_POOL = 68,        /* a memory pool whose location is known: its region device (-1: host) */
+    K_POOL = 68,        /* a memory pool made on or handed out for a card: its region device */
     K_TOMB = -1
 };
 

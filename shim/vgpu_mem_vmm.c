@@ -95,13 +95,16 @@ VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, cons
     if (mode() != M_LIMITED || !prop)
         return real(h, size, prop, flags);
     /* the driver gets the shim's copy: what it reads is what was charged, whatever another thread
-     * writes meanwhile. Memory of the host's (pinned) is not charged; a card's is, and a location
-     * of a kind the shim does not know is charged to the current card. */
+     * writes meanwhile. Pinned memory of the host's is not charged; a card's is, and a location of
+     * a kind the shim does not know is charged to the current card (refused without one). */
     CUmemAllocationProp own = *prop;
     prop = &own;
-    if (own.location.type >= CU_MEM_LOCATION_TYPE_HOST && own.location.type <= CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT)
+    if (own.type == CU_MEM_ALLOCATION_TYPE_PINNED && own.location.type >= CU_MEM_LOCATION_TYPE_HOST &&
+        own.location.type <= CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT)
         return real(h, size, prop, flags);
     int d = own.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? vgpu_map_cuda_device(own.location.id) : vgpu_cur_dev();
+    if (d == -1 && own.location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        d = -2;
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     vgpu_lock(&vgpu_vmm_mu);
