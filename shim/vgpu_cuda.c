@@ -56,6 +56,7 @@ void vgpu_cuda_fork_child(void)
         pthread_mutex_init(&vgpu.gate[d].mu, NULL);
         atomic_store(&vgpu.gate[d].inflight, 0); /* the other threads' launches stayed behind */
     }
+    atomic_store(&vgpu_ctx_cards, 0); /* a child has none of its parent's contexts */
     vgpu_nvml_fork_lock(2);
     vgpu_cuda_mem_fork_lock(4);
 }

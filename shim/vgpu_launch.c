@@ -258,11 +258,32 @@ static int gate_slow(int d, CUstream s)
     return 1;
 }
 
+static inline void compute_gate_at(CUstream s, int d);
+
 void vgpu_compute_gate(CUstream s)
 {
     if (__builtin_expect(!vgpu.compute_limited, 1))
         return;
+    compute_gate_at(s, vgpu_gate_of_stream(s));
+}
+
+/* A graph's kernel nodes may run in other cards' contexts than its stream's (a capture forked
+ * onto another card's stream, kernel nodes given a context), so a graph on the stream of a card
+ * without a gate passes the claim's only gated card's gate, or else the current context's card's:
+ * a capped card's work cannot ride an uncapped card's graph launch. */
+static void graph_gate(CUstream s)
+{
+    if (__builtin_expect(!vgpu.compute_limited, 1))
+        return;
     int d = vgpu_gate_of_stream(s);
+    if (d < 0)
+        d = vgpu_single_gate >= 0 ? vgpu_single_gate : vgpu_gate_of_current();
+    compute_gate_at(s, d);
+}
+
+/* The launch on s passes gate d (-1: none). */
+static inline void compute_gate_at(CUstream s, int d)
+{
     launch_gate = d + 1;
     if (d < 0)
         return;
@@ -538,7 +559,7 @@ VGPU_API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
 
 static CUresult graph_launch(int idx, CUgraphExec g, CUstream s)
 {
-    vgpu_compute_gate(s);
+    graph_gate(s);
     CUresult rc = mode() != M_LIMITED ? REAL(idx, CUresult(*)(CUgraphExec, CUstream))(g, s)
                                       : vgpu_mem_graph_launch(idx, g, s); /* graph memory: vgpu_mem_graph.c */
     compute_after(s);

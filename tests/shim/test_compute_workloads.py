@@ -434,6 +434,21 @@ def test_work_on_a_stream_of_another_card_passes_that_cards_gate(card, card1_cor
         assert r["busy"] * 100 >= 90, r
 
 
+def test_a_graph_on_an_uncapped_cards_stream_passes_the_capped_cards_gate(card) -> None:
+    """A graph's kernel nodes may run in another card's context than its stream's (a capture
+    forked across cards), so a graph launched on a stream of card 1, which has no compute limit,
+    passes card 0's 30 % gate: graphs of 2 ms there ran at 98 % when only the stream's card
+    decided. (The stub runs a graph's work on its stream's card.)"""
+    tag = "xcard-graph"
+    env = card.env(claim((0, 1000, 30), (1, 1000, 0), name=f"ns/{tag}"), KVGPU_REGION_DIR=region(card, tag),
+                   STUB_NDEV="2", STUB_GRAPH_US="2000", CUPROG_GRAPH="1", CUPROG_CTX2="1", CUPROG_CTX2_STREAM="1",
+                   CUPROG_CTX2_DEV="1", CUPROG_DONE_PHYS="1")
+    r = work(card, env, "sat", "3.2", "2000", "5")
+    print("graphs of 2 ms on a stream of uncapped card 1 with card 0 (30 %) current:", r["busy"], r["per_sec"])
+    assert r["rc"] == 0, r
+    assert 30 - 6 <= r["busy"] * 100 <= 30 + 4, r
+
+
 @pytest.mark.parametrize("v1", ["0", "1"])
 def test_a_destroyed_context_takes_its_events_along(card, v1) -> None:
     """The second context is destroyed and made anew every 4 syncs while its batches may still

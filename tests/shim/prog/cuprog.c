@@ -807,7 +807,13 @@ static int cmd_work(int argc, char **argv)
                 rc = 994;
             if (ctx_b && !via_stream)
                 cuCtxSetCurrent(ctx_b);
-            rc = rc ? rc : cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, via_stream ? sb : sn, NULL, NULL);
+            /* CUPROG_GRAPH=1: the others as graph launches (the stub runs STUB_GRAPH_US of work) */
+            static int graphs = -1;
+            if (graphs < 0)
+                graphs = getenv("CUPROG_GRAPH") && *getenv("CUPROG_GRAPH") == '1';
+            if (!rc)
+                rc = graphs ? cuGraphLaunch(NULL, via_stream ? sb : sn)
+                            : cuLaunchKernel(f, kus, 1, 1, 1, 1, 1, 0, via_stream ? sb : sn, NULL, NULL);
             if (++n % (a > 0 ? a : 1) == 0) {
                 for (int i = side; i < (side ? ns : 1); i++)
                     work_sync(side ? st[i] : st[n % ns]);
