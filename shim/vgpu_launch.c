@@ -366,8 +366,6 @@ static inline void compute_after_in_ctx(CUstream s)
         return;
     }
     vgpu_lock(&g->mu);
-    if (held && held - 1 != d)
-        atomic_fetch_sub(&vgpu.gate[held - 1].inflight, 1), held = 0;
     vgpu_track_after(g, s);
     if (g->probe_pending) {
         VGPU_POKE(g->probe_pending, 0);
