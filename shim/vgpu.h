@@ -612,6 +612,7 @@ struct vgpu_drv {
     CUresult (*ctx_push)(CUcontext);                          /* _v2 */
     CUresult (*ctx_pop)(CUcontext *);                         /* _v2 */
     CUresult (*primary_ctx_release)(CUdevice);               /* _v2 */
+    CUresult (*primary_ctx_get_state)(CUdevice, unsigned *, int *);
     CUresult (*stream_get_ctx)(CUstream, CUcontext *);
     CUresult (*stream_is_capturing)(CUstream, int *);
     CUresult (*stream_capture_info)(CUstream, int *, cuuint64_t *); /* cuStreamGetCaptureInfo (v1) */

@@ -122,7 +122,7 @@ VGPU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size);
-    return vgpu_alloc_end(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
+    return vgpu_alloc_end_owned(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
 }
 
 VGPU_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned flags)
@@ -159,7 +159,7 @@ static CUresult pitch_end(CUresult rc, int d, uint64_t est, int made, uint64_t p
             REAL_FN(cuMemFree_v2)(ptr);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    vgpu_tab_put(K_PTR, ptr, actual, d);
+    vgpu_tab_put_owned(K_PTR, ptr, actual, d);
     return rc;
 }
 
@@ -204,7 +204,7 @@ VGPU_API CUresult cuMemAlloc(unsigned *dptr, unsigned size)
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size);
-    return vgpu_alloc_end(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
+    return vgpu_alloc_end_owned(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
 }
 
 VGPU_API CUresult cuMemFree(unsigned p)

@@ -32,6 +32,12 @@ enum {
 /* The per-process table (under its own lock): put replaces an entry of the same kind and key;
  * take removes one, 1 with its size and device, 0 if there is none; get reads one in place. */
 void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev);
+/* put, owned by the current context: memory the context's end frees (cuMemAlloc, pitch,
+ * arrays), which vgpu_tab_drop_ctx then uncharges */
+void vgpu_tab_put_owned(int kind, uint64_t key, uint64_t size, int dev);
+/* Context ctx ended (destroyed, or a primary one reset or released for good): the objects it
+ * owned leave the table and their charges return. */
+void vgpu_tab_drop_ctx(uint64_t ctx);
 int vgpu_tab_take(int kind, uint64_t key, uint64_t *size, int *dev);
 int vgpu_tab_get(int kind, uint64_t key, uint64_t *size, int *dev);
 
@@ -47,6 +53,8 @@ int vgpu_release_begin(int kind, uint64_t key, uint64_t *size, int *d);
 CUresult vgpu_release_end(CUresult rc, int kind, uint64_t key, uint64_t size, int d);
 /* Create paths, after the driver call: record the object or return its charge. */
 CUresult vgpu_alloc_end(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d);
+/* The same for an object the current context owns (vgpu_tab_put_owned). */
+CUresult vgpu_alloc_end_owned(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d);
 /* Estimate-first paths: settle the charge `est` to `actual`; -1 when the rest does not fit
  * (then nothing is charged). */
 int vgpu_settle(int d, uint64_t est, uint64_t actual);

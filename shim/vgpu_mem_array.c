@@ -52,7 +52,7 @@ static CUresult array_end(CUresult rc, int kind, void *arr, int made, uint64_t e
             REAL_FN(cuArrayDestroy)(arr);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    vgpu_tab_put(kind, (uint64_t)(uintptr_t)arr, actual, d);
+    vgpu_tab_put_owned(kind, (uint64_t)(uintptr_t)arr, actual, d);
     return rc;
 }
 

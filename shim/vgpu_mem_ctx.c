@@ -3,7 +3,9 @@
  * cuDevicePrimaryCtxRetain of a card and cuCtxSetLimit are charged what they take on the card;
  * cuCtxDestroy_v2 returns it.
  * Destroying a context (cuCtxDestroy(_v2), a primary context's reset or last release) first hands
- * the compute limiter's events of it back.
+ * the compute limiter's events of it back, and once it is gone returns the charges of the memory
+ * it owned (linear allocations and arrays made in it: the driver frees them with it) and of its
+ * limits; a primary context's own charge stays (below).
  */
 #include "vgpu_mem.h"
 
@@ -91,18 +93,27 @@ static CUresult ctx_destroy_real(CUcontext c)
     return REAL_FN(cuCtxDestroy_v2)(c);
 }
 
-/* Charges held for context c (the context itself and its limits) leave with it. */
-static void ctx_forget(CUcontext c)
+/* Context c is gone: the memory it owned and its limits leave with it (vgpu_tab_drop_ctx). */
+static void ctx_gone(CUcontext c)
 {
     uint64_t key = (uint64_t)(uintptr_t)c, size;
     int d;
-    if (vgpu_tab_take(K_CTX, key, &size, &d))
-        vgpu_uncharge(d, size);
+    vgpu_tab_drop_ctx(key);
     for (int l = 0; l < 3; l++) {
         if (vgpu_tab_take(K_LIM + l, key, &size, &d))
             vgpu_uncharge(d, size);
         vgpu_tab_take(K_LIMBASE + l, key, &size, &d);
     }
+}
+
+/* Charges held for a created context c: the context itself too. */
+static void ctx_forget(CUcontext c)
+{
+    uint64_t size;
+    int d;
+    if (vgpu_tab_take(K_CTX, (uint64_t)(uintptr_t)c, &size, &d))
+        vgpu_uncharge(d, size);
+    ctx_gone(c);
 }
 
 /* After the driver call that makes a context (charged `est` by ctx_begin): on success, settle the
@@ -252,6 +263,17 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     return primary_retained(rc, pctx, dev);
 }
 
+/* The card's primary context no longer exists: the driver says it is inactive (the shim's own
+ * count of retains is not trusted for this: a retain it did not see keeps the context, and its
+ * memory, alive). */
+static int primary_gone(CUdevice dev)
+{
+    unsigned flags = 0;
+    int active = 1;
+    CUresult (*state)(CUdevice, unsigned *, int *) = vgpu_cuda_drv()->primary_ctx_get_state;
+    return state && state(dev, &flags, &active) == CUDA_SUCCESS && !active;
+}
+
 /* Before a reset (cudaDeviceReset) or the last release of a card's primary context, which
  * destroy it: the compute limiter releases its events and batches while it exists (the driver
  * may hand back the same handle at the next retain, and a pooled event of the old context would
@@ -272,6 +294,8 @@ static CUresult primary_end(CUresult (*real)(CUdevice), CUdevice dev, int reset)
         vgpu_compute_ctx_destroyed(c);
     if (rc != CUDA_SUCCESS && !reset)
         __atomic_add_fetch(&vgpu.primary_refs[dev], 1, __ATOMIC_ACQ_REL);
+    if (rc == CUDA_SUCCESS && last && c && mode() == M_LIMITED && (reset || primary_gone(dev)))
+        ctx_gone(c);
     return rc;
 }
 

@@ -14,7 +14,9 @@
 
 /* ------------------------------------------------------------------ allocation table */
 
-struct aent { uint64_t key; uint64_t size; int32_t dev; int32_t kind; };
+/* ctx: the context whose end frees the object (vgpu_tab_drop_ctx); 0: none (pool and VMM memory,
+ * contexts and their limits, bookkeeping) */
+struct aent { uint64_t key; uint64_t size; int32_t dev; int32_t kind; uint64_t ctx; };
 static struct aent *tab;
 static size_t tab_cap, tab_used; /* used counts live + tombstones */
 static pthread_mutex_t tab_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -44,7 +46,7 @@ static void tab_grow(void)
     tab = n, tab_cap = ncap, tab_used = live;
 }
 
-void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev)
+static void tab_put(int kind, uint64_t key, uint64_t size, int dev, uint64_t ctx)
 {
     vgpu_lock(&tab_mu);
     if ((tab_used + 1) * 2 >= tab_cap)
@@ -62,10 +64,46 @@ void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev)
             j = at;
         else if (tab[j].kind == 0)
             tab_used++;
-        tab[j] = (struct aent){key, size, dev, kind};
+        tab[j] = (struct aent){key, size, dev, kind, ctx};
     }
     vgpu_unlock(&tab_mu);
 }
+
+void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev)
+{
+    tab_put(kind, key, size, dev, 0);
+}
+
+void vgpu_tab_put_owned(int kind, uint64_t key, uint64_t size, int dev)
+{
+    CUcontext cur = NULL;
+    CUresult (*get)(CUcontext *) = vgpu_cuda_drv()->ctx_get_current;
+    if (!get || get(&cur) != CUDA_SUCCESS)
+        cur = NULL;
+    tab_put(kind, key, size, dev, (uint64_t)(uintptr_t)cur);
+}
+
+void vgpu_tab_drop_ctx(uint64_t ctx)
+{
+    uint64_t freed[VGPU_MAX_DEV] = {0};
+    if (!ctx)
+        return;
+    vgpu_lock(&tab_mu);
+    for (size_t j = 0; j < tab_cap; j++)
+        if (tab[j].kind > 0 && tab[j].ctx == ctx) {
+            if (tab[j].dev >= 0 && tab[j].dev < VGPU_MAX_DEV)
+                freed[tab[j].dev] += tab[j].size;
+            tab[j].kind = K_TOMB;
+        }
+    vgpu_unlock(&tab_mu);
+    for (int d = 0; d < VGPU_MAX_DEV; d++)
+        if (freed[d])
+            vgpu_uncharge(d, freed[d]);
+}
+
+/* What a take on this thread found besides size and device: the entry's owner (vgpu_release_end
+ * puts a failed free back with it; the pair runs on one thread with only the driver call between). */
+static __thread uint64_t taken_ctx;
 
 /* The entry of (kind, key), removed when `take`; under tab_mu. */
 static int tab_find(int kind, uint64_t key, uint64_t *size, int *dev, int take)
@@ -74,7 +112,7 @@ static int tab_find(int kind, uint64_t key, uint64_t *size, int *dev, int take)
         return 0;
     for (size_t j = slot_of(key, kind, tab_cap); tab[j].kind; j = (j + 1) & (tab_cap - 1))
         if (tab[j].kind == kind && tab[j].key == key) {
-            *size = tab[j].size, *dev = tab[j].dev;
+            *size = tab[j].size, *dev = tab[j].dev, taken_ctx = tab[j].ctx;
             if (take)
                 tab[j].kind = K_TOMB;
             return 1;
@@ -186,6 +224,7 @@ void vgpu_uncharge(int d, uint64_t bytes)
  * shim does not track (limits off, or allocated before it), which then pass straight through. */
 int vgpu_release_begin(int kind, uint64_t key, uint64_t *size, int *d)
 {
+    taken_ctx = 0;
     return mode() == M_LIMITED && vgpu_tab_take(kind, key, size, d);
 }
 
@@ -193,8 +232,8 @@ CUresult vgpu_release_end(CUresult rc, int kind, uint64_t key, uint64_t size, in
 {
     if (rc == CUDA_SUCCESS)
         vgpu_uncharge(d, size);
-    else
-        vgpu_tab_put(kind, key, size, d);
+    else /* with the owner it had: a free made to fail cannot move it to a context about to end */
+        tab_put(kind, key, size, d, taken_ctx);
     return rc;
 }
 
@@ -205,6 +244,15 @@ CUresult vgpu_alloc_end(CUresult rc, int made, int kind, uint64_t key, uint64_t 
 {
     if (rc == CUDA_SUCCESS && d >= 0 && made)
         vgpu_tab_put(kind, key, size, d);
+    else
+        vgpu_uncharge(d, size);
+    return rc;
+}
+
+CUresult vgpu_alloc_end_owned(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d)
+{
+    if (rc == CUDA_SUCCESS && d >= 0 && made)
+        vgpu_tab_put_owned(kind, key, size, d);
     else
         vgpu_uncharge(d, size);
     return rc;

@@ -156,6 +156,7 @@ static void bind_cuda(void)
     SYM(lib, ctx_push, "cuCtxPushCurrent_v2");
     SYM(lib, ctx_pop, "cuCtxPopCurrent_v2");
     SYM(lib, primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
+    SYM(lib, primary_ctx_get_state, "cuDevicePrimaryCtxGetState");
     SYM(lib, stream_get_ctx, "cuStreamGetCtx");
     SYM(lib, stream_is_capturing, "cuStreamIsCapturing");
     SYM(lib, stream_capture_info, "cuStreamGetCaptureInfo");

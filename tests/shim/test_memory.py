@@ -226,6 +226,29 @@ def test_stream_ordered_memory_is_charged_to_the_card_it_is_on(box, path) -> Non
     assert o["free1_after"] == (1500 - 64) * MIB, o
 
 
+@pytest.mark.parametrize("how", ["reset", "release", "destroy"])
+def test_memory_a_context_took_with_it_is_no_longer_charged(box, how) -> None:
+    """A context's end frees the memory allocated in it (cudaDeviceReset, the primary context's
+    last release, cuCtxDestroy), and the program never frees those pointers: the same fill fits
+    again in the next context. Before, their charges stayed until the process exited and the
+    second fill was refused at once (0 chunks)."""
+    env = box.env(claim((0, 1000, 0)))
+    o = box.json("ctxend", how, str(CHUNK), env=env)[0]
+    ctxs = 2 if how == "destroy" else 1  # a created context beside the primary one
+    assert o["end_rc"] == 0 and o["ctx2_rc"] == 0, o
+    assert o["n1"] == (1000 - 64 * ctxs) // 64 and o["rc1"] == 2, o
+    assert o["n2"] == o["n1"] and o["rc2"] == 2, o
+
+
+def test_a_context_still_retained_keeps_its_memory_charged(box) -> None:
+    """A release that is not the last (the context and its memory live on) returns nothing,
+    whatever the shim counted: a retain it did not see must not let a tenant drop its charges."""
+    env = box.env(claim((0, 1000, 0)))
+    o = box.json("ctxend", "release2", str(CHUNK), env=env)[0]
+    assert o["end_rc"] == 0 and o["n1"] == (1000 - 64) // 64, o
+    assert o["n2"] == 0 and o["rc2"] == 2, o
+
+
 def test_device_outside_the_claim_is_refused(box) -> None:
     """Not even a context: it would hold memory on a card the container has no claim on."""
     env = box.env(claim((1, 1500, 0)), STUB_NDEV=2, CUDA_VISIBLE_DEVICES="0")

@@ -10,6 +10,11 @@
  *       PATH: alloc managed pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym v1abi
  *       pitch_v1 array_v1 array3d_v1 (the last four: the CUDA < 3.2 ABI through cuGetProcAddress)
  *   cuprog xdev PATH CHUNK                 card 1's stream-ordered memory with card 0's context
+ *   cuprog ctxend HOW CHUNK                cuMemAlloc CHUNK until refused, end the context the
+ *                                          memory is in without freeing it (HOW: reset, release:
+ *                                          the primary one's reset or last release; destroy: a
+ *                                          created one's; release2: a retain the shim does not see
+ *                                          first), then fill a new one
  *       current (PATH async: a stream of card 1's context; pool: its default pool; poolmade: a
  *       pool made on it; poolalias: the same, its handle written over the properties' location),
  *       CHUNK bytes until refused
@@ -434,6 +439,43 @@ CUresult cuStreamCreate(CUstream *, unsigned);
 /* Stream-ordered memory of card 1 while card 0's context is current: on a stream made in card
  * 1's context (async), from card 1's default pool (pool) or a pool made on card 1 (poolmade),
  * CHUNK bytes until refused; each card's memory as it then reads, and card 1's after the frees. */
+static long fill_chunks(size_t chunk, CUresult *rc)
+{
+    CUdeviceptr p;
+    long n = 0;
+    while (n < 4096 && !(*rc = cuMemAlloc_v2(&p, chunk)))
+        n++;
+    return n;
+}
+
+static int cmd_ctxend(const char *how, size_t chunk)
+{
+    CUdevice d = setup(0);
+    CUcontext c = NULL;
+    CUresult rc = 0, rc1 = 0, rc2 = 0, end = 0;
+    int created = !strcmp(how, "destroy");
+    if (created && (rc = cuCtxCreate_v2(&c, 0, d))) { printf("{\"ctx_rc\": %d}\n", rc); return 3; }
+    if (!strcmp(how, "release2")) { /* one more retain the shim does not see (the stub's own door) */
+        CUresult (*retain)(CUdevice) = (CUresult(*)(CUdevice))dlsym(RTLD_DEFAULT, "stub_hidden_retain");
+        if (!retain || (rc = retain(d))) { printf("{\"ctx_rc\": %d}\n", retain ? rc : -1); return 3; }
+    }
+    long n1 = fill_chunks(chunk, &rc1);
+    if (created)
+        end = cuCtxDestroy_v2(c);
+    else if (!strcmp(how, "reset"))
+        end = cuDevicePrimaryCtxReset_v2(d);
+    else
+        end = cuDevicePrimaryCtxRelease_v2(d);
+    if (created)
+        rc = cuCtxCreate_v2(&c, 0, d);
+    else if (!(rc = cuDevicePrimaryCtxRetain(&c, d)))
+        rc = cuCtxSetCurrent(c);
+    long n2 = rc ? -1 : fill_chunks(chunk, &rc2);
+    printf("{\"n1\": %ld, \"rc1\": %d, \"end_rc\": %d, \"ctx2_rc\": %d, \"n2\": %ld, \"rc2\": %d}\n", n1, rc1, end,
+           rc, n2, rc2);
+    return 0;
+}
+
 static int cmd_xdev(const char *path, size_t chunk)
 {
     CUdevice d1;
@@ -1455,6 +1497,8 @@ int main(int argc, char **argv)
         return cmd_hostile(argv[2], atof(argv[3]), (unsigned)atol(argv[4]), atol(argv[5]));
     if (!strcmp(cmd, "relay") && argc >= 5)
         return cmd_relay(atof(argv[2]), (unsigned)atol(argv[3]), atol(argv[4]));
+    if (!strcmp(cmd, "ctxend") && argc >= 4)
+        return cmd_ctxend(argv[2], strtoull(argv[3], NULL, 0));
     if (!strcmp(cmd, "xdev") && argc >= 4)
         return cmd_xdev(argv[2], strtoull(argv[3], NULL, 0));
     if (!strcmp(cmd, "fill") && argc >= 4)

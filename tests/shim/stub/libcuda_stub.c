@@ -56,7 +56,9 @@ static void set_current(void *c)
 static int ctx_made[STUB_MAXDEV];
 static _Atomic uint64_t next_addr = 0;
 
-struct ent { uint64_t key; uint64_t size; int phys; int kind; };
+/* ctx: the context whose end frees it (linear allocations, arrays; NULL: pool and VMM memory,
+ * which outlive a context here) */
+struct ent { uint64_t key; uint64_t size; int phys; int kind; void *ctx; };
 static struct ent tab[65536];
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -129,7 +131,7 @@ static void make_ctx(int phys)
 }
 
 /* Physical allocation: 2 MiB pages, refused when the card is full. */
-static CUresult phys_alloc(int phys, uint64_t size, unsigned long long *addr, int kind, uint64_t key_hint)
+static CUresult phys_alloc_in(int phys, uint64_t size, unsigned long long *addr, int kind, uint64_t key_hint, void *ctx)
 {
     if (size == 0)
         return E_INVALID_VALUE;
@@ -143,10 +145,16 @@ static CUresult phys_alloc(int phys, uint64_t size, unsigned long long *addr, in
     atomic_fetch_add(&me->used[phys], rounded);
     uint64_t a = key_hint ? key_hint : ((uint64_t)getpid() << 36) + atomic_fetch_add(&next_addr, rounded) + 0x1000000;
     struct ent *e = find(a, kind, 1);
-    *e = (struct ent){a, rounded, phys, kind};
+    *e = (struct ent){a, rounded, phys, kind, ctx};
     pthread_mutex_unlock(&mu);
     *addr = a;
     return OK;
+}
+
+/* Memory a context owns: the current one's (cuMemAlloc, pitch, managed, arrays). */
+static CUresult phys_alloc(int phys, uint64_t size, unsigned long long *addr, int kind, uint64_t key_hint)
+{
+    return phys_alloc_in(phys, size, addr, kind, key_hint, cur_handle);
 }
 
 static CUresult phys_free(uint64_t key, int kind)
@@ -168,6 +176,24 @@ static CUresult phys_free(uint64_t key, int kind)
     }
     pthread_mutex_unlock(&mu);
     return OK;
+}
+
+/* A context's end (a created one destroyed, a primary one reset or released for the last time)
+ * frees the memory it owns, as a driver does. */
+static void free_ctx_mem(void *ctx)
+{
+    static struct { uint64_t key; int kind; } dead[4096];
+    int n;
+    do {
+        n = 0;
+        pthread_mutex_lock(&mu);
+        for (size_t i = 0; i < 65536 && n < 4096; i++)
+            if (tab[i].kind && tab[i].ctx == ctx && ctx)
+                dead[n].key = tab[i].key, dead[n++].kind = tab[i].kind;
+        pthread_mutex_unlock(&mu);
+        for (int i = 0; i < n; i++)
+            phys_free(dead[i].key, dead[i].kind);
+    } while (n == 4096);
 }
 
 #define NEED_CTX() do { if (!inited) return E_NOT_INIT; if (cur_ctx < 0) return E_INVALID_CONTEXT; } while (0)
@@ -293,7 +319,7 @@ static CUresult stream_alloc(CUdeviceptr *p, size_t n, int phys)
     NEED_CTX();
     if (!p) return E_INVALID_VALUE;
     if (phys < 0) return E_INVALID_DEVICE;
-    return phys_alloc(phys, n, p, 1, 0);
+    return phys_alloc_in(phys, n, p, 1, 0, NULL);
 }
 API CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s) { if (hidden_capturing(s)) return hidden_capture_alloc(s, p, n); return stream_alloc(p, n, stream_phys(s)); }
 API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, CUstream s) { return cuMemAllocAsync(p, n, s); }
@@ -326,7 +352,7 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t n, const CUmemA
     int p = phys_of(prop->location.id);
     if (p < 0) return E_INVALID_DEVICE;
     if (n % (2 * MIB)) return E_INVALID_VALUE; /* granularity, like the driver */
-    return phys_alloc(p, n, h, 2, 0);
+    return phys_alloc_in(p, n, h, 2, 0, NULL);
 }
 /* Virtual memory: as on the driver, a handle released while mapped keeps its memory (and its
  * NVML usage) until its last mapping is unmapped. */
@@ -1227,6 +1253,7 @@ API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
     int p = phys_of(d);
     if (p < 0) return E_INVALID_DEVICE;
     atomic_fetch_add(&prim_gen[p], 1);
+    free_ctx_mem((void *)(uintptr_t)(0x1000 + p));
     return OK;
 }
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
@@ -1234,8 +1261,27 @@ API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
     int p = phys_of(d);
     if (p < 0) return E_INVALID_DEVICE;
     if (atomic_load(&prim_refs[p]) <= 0) return E_INVALID_CONTEXT;
-    if (atomic_fetch_sub(&prim_refs[p], 1) == 1)
+    if (atomic_fetch_sub(&prim_refs[p], 1) == 1) {
         atomic_fetch_add(&prim_gen[p], 1);
+        free_ctx_mem((void *)(uintptr_t)(0x1000 + p));
+    }
+    return OK;
+}
+/* A retain through a door no hook sees (a runtime's private table): the shim cannot count it. */
+API CUresult stub_hidden_retain(CUdevice d)
+{
+    int p = phys_of(d);
+    if (p < 0) return E_INVALID_DEVICE;
+    atomic_fetch_add(&prim_refs[p], 1);
+    return OK;
+}
+/* flags are not kept; active: retained by anyone */
+API CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned *flags, int *active)
+{
+    int p = phys_of(d);
+    if (p < 0) return E_INVALID_DEVICE;
+    if (flags) *flags = 0;
+    if (active) *active = atomic_load(&prim_refs[p]) > 0;
     return OK;
 }
 API CUresult cuDevicePrimaryCtxReset(CUdevice d) { return cuDevicePrimaryCtxReset_v2(d); }
