@@ -33,11 +33,15 @@ enum {
  * take removes one, 1 with its size and device, 0 if there is none; get reads one in place. */
 void vgpu_tab_put(int kind, uint64_t key, uint64_t size, int dev);
 /* put, owned by the current context: memory the context's end frees (cuMemAlloc, pitch,
- * arrays), which vgpu_tab_drop_ctx then uncharges */
+ * arrays), which vgpu_tab_end_mark then uncharges */
 void vgpu_tab_put_owned(int kind, uint64_t key, uint64_t size, int dev);
-/* Context ctx ended (destroyed, or a primary one reset or released for good): the objects it
- * owned leave the table and their charges return. */
-void vgpu_tab_drop_ctx(uint64_t ctx);
+/* Before the driver ends context ctx (destroy, a primary one's reset or release): mark the
+ * objects it owns now with a token (returned; 0 for ctx 0). After the driver's answer, end_mark
+ * drops the marked ones and returns their charges (`gone`: the context ended) or gives them back
+ * to ctx. Objects recorded in between (another thread, maybe in a context that got the same
+ * handle) are not marked: at worst over-charged, never dropped alive. */
+uint64_t vgpu_tab_mark_ctx(uint64_t ctx);
+void vgpu_tab_end_mark(uint64_t token, uint64_t ctx, int gone);
 int vgpu_tab_take(int kind, uint64_t key, uint64_t *size, int *dev);
 int vgpu_tab_get(int kind, uint64_t key, uint64_t *size, int *dev);
 

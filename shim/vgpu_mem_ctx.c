@@ -9,6 +9,8 @@
  */
 #include "vgpu_mem.h"
 
+#include <string.h>
+
 /* ------------------------------------------------------------------ contexts */
 
 /* A context costs device memory (a few hundred MiB on a large card: the context itself, local
@@ -93,27 +95,55 @@ static CUresult ctx_destroy_real(CUcontext c)
     return REAL_FN(cuCtxDestroy_v2)(c);
 }
 
-/* Context c is gone: the memory it owned and its limits leave with it (vgpu_tab_drop_ctx). */
-static void ctx_gone(CUcontext c)
+/* What a context's end returns, taken out of the table before the driver is asked (an entry
+ * recorded after that, in a context that got the same handle back meanwhile, is not the ended
+ * context's): its own charge (created contexts only), its limits, and the token its owned
+ * objects were marked with (vgpu_tab_mark_ctx). */
+struct ctx_end {
+    CUcontext c;
+    uint64_t token;
+    int have[1 + 3], dev[1 + 3], have_base[3], base_dev[3];
+    uint64_t size[1 + 3], base[3];
+};
+
+static void ctx_end_begin(struct ctx_end *e, CUcontext c, int own_charge)
 {
-    uint64_t key = (uint64_t)(uintptr_t)c, size;
-    int d;
-    vgpu_tab_drop_ctx(key);
+    uint64_t key = (uint64_t)(uintptr_t)c;
+    memset(e, 0, sizeof *e);
+    e->c = c;
+    if (own_charge)
+        e->have[0] = vgpu_tab_take(K_CTX, key, &e->size[0], &e->dev[0]);
     for (int l = 0; l < 3; l++) {
-        if (vgpu_tab_take(K_LIM + l, key, &size, &d))
-            vgpu_uncharge(d, size);
-        vgpu_tab_take(K_LIMBASE + l, key, &size, &d);
+        e->have[1 + l] = vgpu_tab_take(K_LIM + l, key, &e->size[1 + l], &e->dev[1 + l]);
+        e->have_base[l] = vgpu_tab_take(K_LIMBASE + l, key, &e->base[l], &e->base_dev[l]);
     }
+    e->token = vgpu_tab_mark_ctx(key);
 }
 
-/* Charges held for a created context c: the context itself too. */
-static void ctx_forget(CUcontext c)
+/* gone: the driver ended the context (its memory and limits with it): the charges return;
+ * otherwise everything goes back as it was. */
+static void ctx_end_finish(const struct ctx_end *e, int gone)
 {
-    uint64_t size;
-    int d;
-    if (vgpu_tab_take(K_CTX, (uint64_t)(uintptr_t)c, &size, &d))
-        vgpu_uncharge(d, size);
-    ctx_gone(c);
+    uint64_t key = (uint64_t)(uintptr_t)e->c;
+    vgpu_tab_end_mark(e->token, key, gone);
+    for (int i = 0; i < 4; i++)
+        if (e->have[i] && gone)
+            vgpu_uncharge(e->dev[i], e->size[i]);
+        else if (e->have[i])
+            vgpu_tab_put(i ? K_LIM + i - 1 : K_CTX, key, e->size[i], e->dev[i]);
+    for (int l = 0; l < 3; l++)
+        if (e->have_base[l] && !gone)
+            vgpu_tab_put(K_LIMBASE + l, key, e->base[l], e->base_dev[l]);
+}
+
+/* A handle the process retained as a card's primary context (never destroyed through
+ * cuCtxDestroy here: its charge stays, and its objects go only with its reset or last release). */
+static int is_primary(CUcontext c)
+{
+    for (int i = 0; c && i < VGPU_MAX_DEV; i++)
+        if (__atomic_load_n(&vgpu.primary_ctx[i], __ATOMIC_ACQUIRE) == (void *)c)
+            return 1;
+    return 0;
 }
 
 /* After the driver call that makes a context (charged `est` by ctx_begin): on success, settle the
@@ -196,15 +226,23 @@ VGPU_API CUresult cuCtxCreate_v4(CUcontext *pctx, void *params, unsigned flags, 
     return ctx_commit(real(pctx, params, flags, dev), pctx, d, est, before, dev, 0);
 }
 
+/* Only a context this process created through the shim (its charge is in the table) returns
+ * anything: a handle the shim did not make (a green context's, cuCtxFromGreenCtx) shares another
+ * context's memory, which its end does not free. */
 static CUresult ctx_destroy_with(CUresult (*real)(CUcontext), CUcontext c)
 {
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
+    uint64_t size;
+    int d, ours = mode() == M_LIMITED && c && !is_primary(c) && vgpu_tab_get(K_CTX, (uint64_t)(uintptr_t)c, &size, &d);
+    struct ctx_end e;
+    if (ours)
+        ctx_end_begin(&e, c, 1);
     vgpu_compute_ctx_destroy(c); /* the compute limiter's events of c */
     CUresult rc = real(c);
     vgpu_compute_ctx_destroyed(c);
-    if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
-        ctx_forget(c);
+    if (ours)
+        ctx_end_finish(&e, rc == CUDA_SUCCESS);
     return rc;
 }
 
@@ -287,6 +325,10 @@ static CUresult primary_end(CUresult (*real)(CUdevice), CUdevice dev, int reset)
         return real(dev);
     int last = reset || __atomic_sub_fetch(&vgpu.primary_refs[dev], 1, __ATOMIC_ACQ_REL) <= 0;
     CUcontext c = (CUcontext)__atomic_load_n(&vgpu.primary_ctx[dev], __ATOMIC_ACQUIRE);
+    int ending = last && c && mode() == M_LIMITED;
+    struct ctx_end e;
+    if (ending)
+        ctx_end_begin(&e, c, 0); /* its own charge stays (the next retain is not charged) */
     if (last)
         vgpu_compute_ctx_destroy(c);
     CUresult rc = real(dev);
@@ -294,8 +336,8 @@ static CUresult primary_end(CUresult (*real)(CUdevice), CUdevice dev, int reset)
         vgpu_compute_ctx_destroyed(c);
     if (rc != CUDA_SUCCESS && !reset)
         __atomic_add_fetch(&vgpu.primary_refs[dev], 1, __ATOMIC_ACQ_REL);
-    if (rc == CUDA_SUCCESS && last && c && mode() == M_LIMITED && (reset || primary_gone(dev)))
-        ctx_gone(c);
+    if (ending)
+        ctx_end_finish(&e, rc == CUDA_SUCCESS && (reset || primary_gone(dev)));
     return rc;
 }
 

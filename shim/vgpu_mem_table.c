@@ -14,8 +14,9 @@
 
 /* ------------------------------------------------------------------ allocation table */
 
-/* ctx: the context whose end frees the object (vgpu_tab_drop_ctx); 0: none (pool and VMM memory,
- * contexts and their limits, bookkeeping) */
+/* ctx: the context whose end frees the object (vgpu_tab_mark_ctx, vgpu_tab_end_mark), or the
+ * token it was marked with while that end is under way; 0: none (pool and VMM memory, contexts
+ * and their limits, bookkeeping) */
 struct aent { uint64_t key; uint64_t size; int32_t dev; int32_t kind; uint64_t ctx; };
 static struct aent *tab;
 static size_t tab_cap, tab_used; /* used counts live + tombstones */
@@ -83,18 +84,37 @@ void vgpu_tab_put_owned(int kind, uint64_t key, uint64_t size, int dev)
     tab_put(kind, key, size, dev, (uint64_t)(uintptr_t)cur);
 }
 
-void vgpu_tab_drop_ctx(uint64_t ctx)
+uint64_t vgpu_tab_mark_ctx(uint64_t ctx)
 {
-    uint64_t freed[VGPU_MAX_DEV] = {0};
+    static _Atomic uint64_t serial;
     if (!ctx)
-        return;
+        return 0;
+    uint64_t token = (1ull << 63) | (atomic_fetch_add(&serial, 1) + 1); /* never a handle */
     vgpu_lock(&tab_mu);
     for (size_t j = 0; j < tab_cap; j++)
-        if (tab[j].kind > 0 && tab[j].ctx == ctx) {
-            if (tab[j].dev >= 0 && tab[j].dev < VGPU_MAX_DEV)
-                freed[tab[j].dev] += tab[j].size;
-            tab[j].kind = K_TOMB;
+        if (tab[j].kind > 0 && tab[j].ctx == ctx)
+            tab[j].ctx = token;
+    vgpu_unlock(&tab_mu);
+    return token;
+}
+
+void vgpu_tab_end_mark(uint64_t token, uint64_t ctx, int gone)
+{
+    uint64_t freed[VGPU_MAX_DEV] = {0};
+    if (!token)
+        return;
+    vgpu_lock(&tab_mu);
+    for (size_t j = 0; j < tab_cap; j++) {
+        if (tab[j].kind <= 0 || tab[j].ctx != token)
+            continue;
+        if (!gone) {
+            tab[j].ctx = ctx;
+            continue;
         }
+        if (tab[j].dev >= 0 && tab[j].dev < VGPU_MAX_DEV)
+            freed[tab[j].dev] += tab[j].size;
+        tab[j].kind = K_TOMB;
+    }
     vgpu_unlock(&tab_mu);
     for (int d = 0; d < VGPU_MAX_DEV; d++)
         if (freed[d])

@@ -240,6 +240,18 @@ def test_memory_a_context_took_with_it_is_no_longer_charged(box, how) -> None:
     assert o["n2"] == o["n1"] and o["rc2"] == 2, o
 
 
+def test_an_allocation_made_while_a_context_ends_stays_charged(box) -> None:
+    """Another thread retains the primary context again (the driver hands back the same handle)
+    and allocates in it while the reset that ended it is still returning: that allocation is
+    live and must stay charged. Dropped by handle after the reset, it went uncharged: the
+    container's free memory after the next fill read 56 MiB more than it had."""
+    env = box.env(claim((0, 1020, 0)), STUB_ALLOC_IN_RESET="56")  # 60 MiB left after the first fill
+    o = box.json("ctxend", "reset", str(CHUNK), env=env)[0]
+    assert o["end_rc"] == 0 and o["n1"] == (1020 - 64) // 64, o
+    assert o["n2"] == o["n1"] and o["rc2"] == 2, o
+    assert o["free2"] == (1020 - 64 - 56 - 64 * o["n2"]) * MIB, o
+
+
 def test_a_context_still_retained_keeps_its_memory_charged(box) -> None:
     """A release that is not the last (the context and its memory live on) returns nothing,
     whatever the shim counted: a retain it did not see must not let a tenant drop its charges."""

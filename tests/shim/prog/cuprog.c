@@ -471,8 +471,10 @@ static int cmd_ctxend(const char *how, size_t chunk)
     else if (!(rc = cuDevicePrimaryCtxRetain(&c, d)))
         rc = cuCtxSetCurrent(c);
     long n2 = rc ? -1 : fill_chunks(chunk, &rc2);
-    printf("{\"n1\": %ld, \"rc1\": %d, \"end_rc\": %d, \"ctx2_rc\": %d, \"n2\": %ld, \"rc2\": %d}\n", n1, rc1, end,
-           rc, n2, rc2);
+    size_t free2 = 0, total2 = 0;
+    cuMemGetInfo_v2(&free2, &total2);
+    printf("{\"n1\": %ld, \"rc1\": %d, \"end_rc\": %d, \"ctx2_rc\": %d, \"n2\": %ld, \"rc2\": %d, \"free2\": %zu}\n", n1,
+           rc1, end, rc, n2, rc2, free2);
     return 0;
 }
 

@@ -6,6 +6,7 @@
  * the real driver's do.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -1254,6 +1255,17 @@ API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
     if (p < 0) return E_INVALID_DEVICE;
     atomic_fetch_add(&prim_gen[p], 1);
     free_ctx_mem((void *)(uintptr_t)(0x1000 + p));
+    long race = stub_env("STUB_ALLOC_IN_RESET", 0);
+    if (race > 0) { /* another thread retains the context again (same handle) and allocates in it
+                     * before the reset returns here, through whatever is first in line (the shim) */
+        CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
+        void *was = cur_handle;
+        CUdeviceptr q;
+        set_current((void *)(uintptr_t)(0x1000 + p));
+        if (alloc)
+            alloc(&q, (size_t)race * MIB);
+        set_current(was);
+    }
     return OK;
 }
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
