@@ -21,6 +21,7 @@
 #include "vgpu_cuda.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <unistd.h>
@@ -121,20 +122,31 @@ uint64_t vgpu_nvml_process_used(int d, int *found)
     nvmlReturn_t (*procs)(nvmlDevice_t, unsigned *, nvmlProcessInfo_t *) = vgpu_nvml_drv()->nvml_running_procs;
     if (!procs)
         return 0;
-    nvmlProcessInfo_t info[128];
+    nvmlProcessInfo_t stack[128], *info = stack, *heap = NULL;
     unsigned n = 128;
     VGPU_ST_T0(t0);
     nvmlReturn_t rc = procs(h, &n, info);
+    /* More processes on the card than the buffer holds (a tenant can start them): a larger one,
+     * or this process would not be found and its hidden memory never reconciled. */
+    for (int tries = 0; rc == NVML_ERROR_INSUFFICIENT_SIZE && tries < 4; tries++) {
+        unsigned want = n + 64;
+        nvmlProcessInfo_t *bigger = realloc(heap, want * sizeof *bigger);
+        if (!bigger)
+            break;
+        info = heap = bigger, n = want;
+        rc = procs(h, &n, info);
+    }
     VGPU_ST_ADD(VGPU_ST_NVML_PROCS, t0);
-    if (rc != NVML_SUCCESS)
-        return 0;
+    uint64_t used = 0;
     unsigned pid = own_pid();
-    for (unsigned i = 0; i < n && i < 128; i++)
+    for (unsigned i = 0; rc == NVML_SUCCESS && i < n; i++)
         if (info[i].pid == pid && info[i].usedGpuMemory != ~0ull) {
             *found = 1;
-            return info[i].usedGpuMemory;
+            used = info[i].usedGpuMemory;
+            break;
         }
-    return 0;
+    free(heap);
+    return used;
 }
 
 static double sample_value(int type, nvmlValue_t v)

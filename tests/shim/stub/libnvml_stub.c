@@ -89,6 +89,11 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(void *h, unsigned *n, n
     if (d < 0 || !n) return 2;
     struct stub_state *s = stub_state();
     unsigned k = 0;
+    /* other processes listed first (STUB_NVML_FAKE_PROCS of them, 2 MiB each): a card shared by
+     * more processes than a fixed buffer holds */
+    for (long i = 0, fake = stub_env("STUB_NVML_FAKE_PROCS", 0); i < fake; i++, k++)
+        if (k < *n && out)
+            out[k] = (nvmlProcessInfo_t){(unsigned)(4000000 + i), 2 * MIB, 0, 0};
     for (int i = 0; i < STUB_MAXPROC; i++) {
         int32_t pid = atomic_load(&s->proc[i].pid);
         unsigned long long u = atomic_load(&s->proc[i].used[d]);
