@@ -260,22 +260,25 @@ CUresult vgpu_release_end(CUresult rc, int kind, uint64_t key, uint64_t size, in
 /* Every create path charges before the driver call (vgpu_charge()); after it, alloc_end commits the
  * object to the table when the driver made it (rc success, an object to record: `made`, `key`)
  * on a device of the claim, and otherwise returns the charge. */
-CUresult vgpu_alloc_end(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d)
+static CUresult alloc_end(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d, int owned)
 {
-    if (rc == CUDA_SUCCESS && d >= 0 && made)
+    if (rc == CUDA_SUCCESS && d >= 0 && made && owned)
+        vgpu_tab_put_owned(kind, key, size, d);
+    else if (rc == CUDA_SUCCESS && d >= 0 && made)
         vgpu_tab_put(kind, key, size, d);
     else
         vgpu_uncharge(d, size);
     return rc;
 }
 
+CUresult vgpu_alloc_end(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d)
+{
+    return alloc_end(rc, made, kind, key, size, d, 0);
+}
+
 CUresult vgpu_alloc_end_owned(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d)
 {
-    if (rc == CUDA_SUCCESS && d >= 0 && made)
-        vgpu_tab_put_owned(kind, key, size, d);
-    else
-        vgpu_uncharge(d, size);
-    return rc;
+    return alloc_end(rc, made, kind, key, size, d, 1);
 }
 
 /* Paths that charge an estimate first (pitch, arrays): once the object exists, settle the charge
