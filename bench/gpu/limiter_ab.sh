@@ -22,7 +22,8 @@ AB_A=${AB_A-}
 AB_B=${AB_B-}
 [ -n "$AB_B" ] || [ -n "${AB_B_TAR:-}" ] || { echo "set AB_B (VGPU_CFLAGS) or AB_B_TAR (another tree)" >&2; exit 2; }
 STATS=""
-[ "${AB_STATS:-0}" = 1 ] && STATS="-DVGPU_STATS"
+# (suite_cu's programs then leave through exit(), so that the shim's exit handler prints them)
+[ "${AB_STATS:-0}" = 1 ] && STATS="-DVGPU_STATS" && export SUITE_CU_EXIT=1
 for i in $(seq 1 "${AB_RUNS:-2}"); do
     for v in A B; do
         flags=$AB_A tar=${AB_A_TAR:-}

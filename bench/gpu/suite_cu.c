@@ -315,6 +315,8 @@ static int spin_report(unsigned long long iters, int grid, double calib_ms, long
     }
     printf("], \"completed\": %ld}\n", done);
     fflush(stdout);
+    if (getenv("SUITE_CU_EXIT")) /* the exit handlers too: a statistics build's lines (at exit) */
+        exit(0);
     _exit(0);
 }
 
