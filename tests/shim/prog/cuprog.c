@@ -36,6 +36,10 @@
  *       5 us kernel, the second thread then N kernels of KERNEL_US, the main thread waits for its
  *       stream, then the second for its own (after 0.3 s of 5 us kernels, not measured); "busy":
  *       the share of wall time the kernels ran
+ *   cuprog ptds SECS KERNEL_US N           two threads on their per-thread default streams, each at
+ *       its own pace: the main thread launches a 5 us kernel and waits for its stream, over and
+ *       over; the second launches N kernels of KERNEL_US and waits for its stream, each round
+ *       (after 0.5 s, not measured); "busy" and "per_sec" as in work
  *   cuprog work sat SECS KERNEL_US SYNC_EVERY [STREAMS]   saturating loop over STREAMS streams
  *   cuprog work gap SECS KERNEL_US GAP_US SYNC_EVERY      launch-bound loop: GAP_US of CPU work
  *       (a spin) after each launch, like a framework whose launches are slower than its kernels
@@ -1007,6 +1011,60 @@ static int cmd_relay(double secs, unsigned kus, long n)
     return rc != 0;
 }
 
+/* cuprog ptds: two threads on their per-thread default streams, each at its own pace: the main
+ * thread launches a 5 us kernel and waits for its stream, over and over; the second launches N
+ * kernels of KERNEL_US and waits for its stream, each round (suite_cu's ptds on a GPU). */
+struct ptds {
+    CUcontext ctx;
+    CUfunction f;
+    unsigned kus;
+    long n;
+    _Atomic int stop;
+};
+
+static void *ptds_second(void *arg)
+{
+    struct ptds *p = arg;
+    cuCtxSetCurrent(p->ctx);
+    while (!atomic_load(&p->stop)) {
+        for (long i = 0; i < p->n; i++)
+            cuLaunchKernel(p->f, p->kus, 1, 1, 1, 1, 1, 0, CU_STREAM_PER_THREAD, NULL, NULL);
+        work_sync(CU_STREAM_PER_THREAD);
+    }
+    return NULL;
+}
+
+static int cmd_ptds(double secs, unsigned kus, long n)
+{
+    setup(0);
+    static struct ptds p;
+    p.f = kernel(), p.kus = kus, p.n = n;
+    cuCtxGetCurrent(&p.ctx);
+    pthread_t second;
+    pthread_create(&second, NULL, ptds_second, &p);
+    CUresult rc = 0;
+    for (double e = now_s() + 0.5; !rc && now_s() < e;) /* not measured: the estimate settles */
+        if (!(rc = cuLaunchKernel(p.f, 5, 1, 1, 1, 1, 1, 0, CU_STREAM_PER_THREAD, NULL, NULL)))
+            rc = work_sync(CU_STREAM_PER_THREAD);
+    static struct per_sec per;
+    double t0 = now_s(), d0 = done_s();
+    per.t0 = t0, per.d0 = d0;
+    pthread_t per_thread;
+    pthread_create(&per_thread, NULL, per_sec_main, &per);
+    while (!rc && now_s() - t0 < secs)
+        if (!(rc = cuLaunchKernel(p.f, 5, 1, 1, 1, 1, 1, 0, CU_STREAM_PER_THREAD, NULL, NULL)))
+            rc = work_sync(CU_STREAM_PER_THREAD);
+    double t = now_s() - t0, busy = (done_s() - d0) / t;
+    atomic_store(&p.stop, 1);
+    pthread_join(second, NULL);
+    int nper = atomic_load(&per.n);
+    printf("{\"busy\": %.4f, \"secs\": %.4f, \"rc\": %d, \"per_sec\": [", busy, t, rc);
+    for (int i = 0; i < nper; i++)
+        printf("%s%.4f", i ? ", " : "", per.v[i]);
+    printf("]}\n");
+    return rc != 0;
+}
+
 static int cmd_bench(long n)
 {
     setup(0);
@@ -1499,6 +1557,8 @@ int main(int argc, char **argv)
         return cmd_hostile(argv[2], atof(argv[3]), (unsigned)atol(argv[4]), atol(argv[5]));
     if (!strcmp(cmd, "relay") && argc >= 5)
         return cmd_relay(atof(argv[2]), (unsigned)atol(argv[3]), atol(argv[4]));
+    if (!strcmp(cmd, "ptds") && argc >= 5)
+        return cmd_ptds(atof(argv[2]), (unsigned)atol(argv[3]), atol(argv[4]));
     if (!strcmp(cmd, "ctxend") && argc >= 4)
         return cmd_ctxend(argv[2], strtoull(argv[3], NULL, 0));
     if (!strcmp(cmd, "xdev") && argc >= 4)

@@ -616,7 +616,9 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void
  * A kernel takes STUB_KERNEL_US, or with STUB_GRID_US=1 gridDimX microseconds (so a test
  * program picks each launch's duration). Streams: the legacy NULL stream (slot 0), the
  * per-thread stream (1) and created ones (2..); each remembers when its last kernel ends. The
- * card still runs one kernel at a time in launch order across streams and processes.
+ * legacy stream's work waits for the earlier work of every blocking stream (all but those made
+ * CU_STREAM_NON_BLOCKING), and theirs for the legacy stream's earlier kernels and event
+ * records. The card still runs one kernel at a time in launch order across streams and processes.
  * STUB_TIMESLICE=1: as a real GPU does with contexts of different processes, each process has
  * its own queue and the card time-slices between the processes that have work: a kernel that
  * starts while k-1 other processes have work queued takes k times its duration of wall time
@@ -693,8 +695,10 @@ static int slot_of(CUstream s)
 static uint64_t stream_done(int phys, CUstream s)
 {
     int k = slot_of(s);
-    if (k != 0)
-        return atomic_load(&last_done[phys][k]);
+    if (k != 0) { /* a blocking stream's work also waits for the legacy stream's before it */
+        uint64_t own = atomic_load(&last_done[phys][k]), legacy = atomic_load(&last_done[phys][0]);
+        return atomic_load(&non_blocking[k]) || own > legacy ? own : legacy;
+    }
     uint64_t t = 0; /* the legacy stream waits for every blocking stream of the context */
     for (int i = 0; i < STUB_STREAMS; i++)
         if (!atomic_load(&non_blocking[i]) && atomic_load(&last_done[phys][i]) > t)
@@ -1010,6 +1014,12 @@ API CUresult cuEventRecord(void *e, CUstream s)
     uint64_t now = stub_now(), t = stream_done(ph, s), half = (uint64_t)event_gap_ns / 2;
     int busy = t > now;
     ev->t = busy ? t + half : now, ev->recorded = 1, ev->phys = ph, ev->s = s;
+    if (slot == 0) { /* the legacy stream's record: later work of every blocking stream waits for it */
+        _Atomic uint64_t *legacy = &last_done[ph][0];
+        uint64_t cur = atomic_load(legacy);
+        while (cur < ev->t && !atomic_compare_exchange_weak(legacy, &cur, ev->t))
+            ;
+    }
     if (half) {
         _Atomic uint64_t *done = &last_done[ph][slot_of(s)];
         uint64_t hold = busy ? ev->t : now + half, cur = atomic_load(done);
