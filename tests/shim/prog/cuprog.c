@@ -1013,18 +1013,11 @@ static int cmd_relay(double secs, unsigned kus, long n)
 
 /* cuprog ptds: two threads on their per-thread default streams, each at its own pace: the main
  * thread launches a 5 us kernel and waits for its stream, over and over; the second launches N
- * kernels of KERNEL_US and waits for its stream, each round (suite_cu's ptds on a GPU). */
-struct ptds {
-    CUcontext ctx;
-    CUfunction f;
-    unsigned kus;
-    long n;
-    _Atomic int stop;
-};
-
+ * kernels of KERNEL_US and waits for its stream, each round (suite_cu's ptds on a GPU). The
+ * relay's state, its barrier unused. */
 static void *ptds_second(void *arg)
 {
-    struct ptds *p = arg;
+    struct relay *p = arg;
     cuCtxSetCurrent(p->ctx);
     while (!atomic_load(&p->stop)) {
         for (long i = 0; i < p->n; i++)
@@ -1037,7 +1030,7 @@ static void *ptds_second(void *arg)
 static int cmd_ptds(double secs, unsigned kus, long n)
 {
     setup(0);
-    static struct ptds p;
+    static struct relay p;
     p.f = kernel(), p.kus = kus, p.n = n;
     cuCtxGetCurrent(&p.ctx);
     pthread_t second;
