@@ -1,6 +1,7 @@
-"""What a context's end frees on a real driver: the memory of each allocation kind before and after
-cuDevicePrimaryCtxReset (cudaDeviceReset) and cuCtxDestroy, and what freeing the old objects
-afterwards returns. The shim's bookkeeping follows what this shows (docs/shim.md, contexts).
+"""What a context's end frees on a real driver: the memory of each allocation kind (linear,
+stream-ordered, VMM, managed) before and after cuDevicePrimaryCtxReset (cudaDeviceReset) and
+cuCtxDestroy, and what freeing the old objects afterwards returns. The shim's bookkeeping follows
+what this shows (docs/shim.md, contexts).
 
 Device call, alone on the card (cuMemGetInfo's free memory is the card's):
     python3 bench/gpu/reset_probe.py > $OUT/reset-probe.json
@@ -43,8 +44,9 @@ def retain(dev: ctypes.c_int) -> ctypes.c_void_p:
 
 
 def alloc_all(size: int) -> dict[str, object]:
-    """One of each kind the shim charges in the current context, `size` bytes each."""
-    p1, p2, h = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+    """One of each kind the shim charges in the current context, `size` bytes each (the managed
+    allocation written over, so that its pages live on the card)."""
+    p1, p2, h, pm = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
     out: dict[str, object] = {"before": used()}
     out["cuMemAlloc"] = call("cuMemAlloc_v2", ctypes.byref(p1), ctypes.c_size_t(size))
     out["after_alloc"] = used()
@@ -55,12 +57,17 @@ def alloc_all(size: int) -> dict[str, object]:
     out["cuMemCreate"] = call("cuMemCreate", ctypes.byref(h), ctypes.c_size_t(size), ctypes.byref(prop),
                               ctypes.c_ulonglong(0))
     out["after_create"] = used()
-    out["objects"] = (p1, p2, h)
+    out["cuMemAllocManaged"] = call("cuMemAllocManaged", ctypes.byref(pm), ctypes.c_size_t(size), 1)  # GLOBAL
+    if hasattr(cu, "cuMemsetD32_v2"):  # (a stub driver may not have it)
+        out["cuMemsetD32"] = call("cuMemsetD32_v2", pm, ctypes.c_uint(1), ctypes.c_size_t(size // 4))
+    call("cuCtxSynchronize")
+    out["after_managed"] = used()
+    out["objects"] = (p1, p2, h, pm)
     return out
 
 
 def free_all(objs: tuple[ctypes.c_uint64, ...]) -> dict[str, object]:
-    p1, p2, h = objs
+    p1, p2, h, pm = objs
     out: dict[str, object] = {}
     out["cuMemFree_rc"] = call("cuMemFree_v2", p1)
     out["after_free"] = used()
@@ -69,6 +76,8 @@ def free_all(objs: tuple[ctypes.c_uint64, ...]) -> dict[str, object]:
     out["after_free_async"] = used()
     out["cuMemRelease_rc"] = call("cuMemRelease", h)
     out["after_release"] = used()
+    out["cuMemFree_managed_rc"] = call("cuMemFree_v2", pm)
+    out["after_free_managed"] = used()
     return out
 
 
