@@ -262,12 +262,12 @@ CUresult vgpu_release_end(CUresult rc, int kind, uint64_t key, uint64_t size, in
  * on a device of the claim, and otherwise returns the charge. */
 static CUresult alloc_end(CUresult rc, int made, int kind, uint64_t key, uint64_t size, int d, int owned)
 {
-    if (rc == CUDA_SUCCESS && d >= 0 && made && owned)
-        vgpu_tab_put_owned(kind, key, size, d);
-    else if (rc == CUDA_SUCCESS && d >= 0 && made)
-        vgpu_tab_put(kind, key, size, d);
-    else
+    if (rc != CUDA_SUCCESS || d < 0 || !made)
         vgpu_uncharge(d, size);
+    else if (owned)
+        vgpu_tab_put_owned(kind, key, size, d);
+    else
+        vgpu_tab_put(kind, key, size, d);
     return rc;
 }
 
