@@ -58,9 +58,11 @@ def fake_busy(kind: str, mode: str, limit: int | None) -> float:
     return min(nat, limit * 0.95)
 
 
-def fake_group_busy(tenants: list[tuple[int, int]], i: int, mode: str) -> float:
+def fake_group_busy(tenants: list[tuple[int, int]], i: int, mode: str, one_container: bool = False) -> float:
     if mode == "native":
         return 100 / len(tenants)
+    if one_container:  # the container's limit, shared by its processes
+        return (tenants[0][1] or 100) / len(tenants)
     c = tenants[i][1] or 100
     return c * 100 / max(100, sum(x or 100 for _, x in tenants))
 
@@ -78,8 +80,8 @@ def fake_wl(kind: str, secs: float, calib: str | None, ready: str | None, go: st
             time.sleep(0.005)
     t0 = time.time()
     time.sleep(secs)
-    rate = {"gpt": 60, "conv": 40, "infer": 20, "graphs": 50, "compile": 80, "mm": 370, "streams": 70, "spin1": 10,
-            "spin10": 10, "spingrid1": 10, "spinctx2": 10, "spinptds": 10}[kind]
+    rate = {"gpt": 60, "conv": 40, "infer": 20, "graphs": 50, "compile": 80, "mm": 370, "streams": 70, "threads": 90,
+            "spin1": 10, "spin10": 10, "spingrid1": 10, "spinctx2": 10, "spinptds": 10}[kind]
     n = int(rate * secs)
     res: dict[str, Any] = {"kind": kind, "unit": "units", "t0": t0, "t1": t0 + secs, "n": n, "its": n / secs,
                            "marks": [[round((i + 1) / rate, 4), i + 1] for i in range(n)], "pid": os.getpid()}

@@ -38,6 +38,7 @@ SINGLES: list[tuple[str, str, list[int]]] = [
     ("streams", "streams", [30]),
     ("ctx2", "spinctx2", [30]),
     ("ptds", "spinptds", [30]),
+    ("threads", "threads", [30]),  # two Python threads, each its own stream and kernel size
     ("mm", "mm", []),  # native only: the co-tenants' baseline
 ]
 # id, tenants (priority, cores; cores 0 = no compute limit), all running the mm workload. A 100 %
@@ -49,7 +50,12 @@ GROUPS: list[tuple[str, list[tuple[int, int]]]] = [
     ("pair-70-50", [(1, 70), (1, 50)]),
     ("prio-a0none-b50", [(0, 0), (1, 50)]),
     ("prio-a0-70-b50", [(0, 70), (1, 50)]),
+    ("procs2-30", [(1, 30)] * 2),
+    ("procs4-30", [(1, 30)] * 4),
 ]
+# Groups whose tenants are processes of one container (one claim, one region): its limit is the
+# whole container's, each process's part of it is not prescribed; the sum is what is judged.
+ONE_CONTAINER = {"procs2-30", "procs4-30"}
 COMPUTE_MEM_MIB = 40000  # memory limit of every compute tenant (3 fit on the card)
 GRAPH_LIMIT, HEAP_LIMIT, START_LIMIT = 1000, 3000, 8000
 START_RACERS, START_ROUNDS = 8, 5

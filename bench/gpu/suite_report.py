@@ -106,6 +106,13 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{f(m.get('expected'))} | {f(m.get('err_pts'))} | {f(m.get('proc_busy'))} | "
                          f"{f(st.get('min'))}/{f(st.get('max'))} | {f(m.get('met')) if 'met' in m else ''} | "
                          f"{err_text(r) if i == 0 else ''} |")
+            g = (r or {}).get("metrics", {})
+            if "expected_total" in g:  # processes of one container: their sum is judged
+                bs = g.get("busy_sec_stats") or {}
+                L.append(f"| {gid} | {mode} | the container ({len(tenants)} processes) | {f(g.get('sum_share'))} | "
+                         f"{f(g.get('expected_total'))} | {f(g.get('err_pts_total'))} | card {f(g.get('busy'))} "
+                         f"({f(bs.get('min'))}–{f(bs.get('max'))} a second) | | "
+                         f"{f(g.get('met')) if 'met' in g else ''} | |")
     L.append("\n## Memory limit on paths the hooks do not see (NVML per-process peak, read outside)\n")
     L.append("| case | mode | limit MiB | NVML peak MiB | over limit MiB | chunks of 256 MiB granted | "
              "details | peak ≤ limit |")

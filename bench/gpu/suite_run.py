@@ -28,6 +28,7 @@ from suite_plan import (
     HEAP_LIMIT,
     HERE,
     MIB,
+    ONE_CONTAINER,
     ROOT,
     START_LIMIT,
     START_RACERS,
@@ -273,9 +274,14 @@ class Runner:
     # -- co-tenants
     def group(self, ident: str, tenants: list[tuple[int, int]], mode: str) -> dict[str, Any]:
         secs = self.cfg.secs
-        ts = [self.container(f"{ident}-{mode}-{i}", COMPUTE_MEM_MIB, c if mode != "native" else 0, pr)
-              for i, (pr, c) in enumerate(tenants)]
-        sched = self.sched(mode, ts)
+        if ident in ONE_CONTAINER:  # processes of one container: one claim and region for all
+            pr, c = tenants[0]
+            ts = [self.container(f"{ident}-{mode}", COMPUTE_MEM_MIB, c if mode != "native" else 0, pr)] * len(tenants)
+            sched = self.sched(mode, ts[:1])
+        else:
+            ts = [self.container(f"{ident}-{mode}-{i}", COMPUTE_MEM_MIB, c if mode != "native" else 0, pr)
+                  for i, (pr, c) in enumerate(tenants)]
+            sched = self.sched(mode, ts)
         go = self.tmp / f"go-{slug(ident)}-{mode}"
         procs = []
         for i, t in enumerate(ts):
@@ -283,7 +289,7 @@ class Runner:
             tag = slug(f"{ident}-{mode}-t{i}")
             p, out = self.spawn(tag, self.wl_cmd("mm", secs, None, str(ready), str(go)), mode, t)
             if isinstance(self.s, FakeSampler):
-                self.s.busy[p.pid] = fake_group_busy(tenants, i, mode)
+                self.s.busy[p.pid] = fake_group_busy(tenants, i, mode, ident in ONE_CONTAINER)
             procs.append((tag, p, out, ready))
         deadline = time.time() + 120
         while time.time() < deadline and not all(r.exists() for *_, r in procs):
@@ -294,7 +300,8 @@ class Runner:
         results = [self.finish(tag, p, out, secs + 30) for tag, p, out, _ in procs]
         rec: dict[str, Any] = {"id": ident, "section": "group", "mode": mode, "tenants": [
             {"prio": pr, "cores": c, "result": r} for (pr, c), r in zip(tenants, results, strict=True)],
-            "schedule": self.sched_seen(sched) if mode == "kvgpu" else [], "secs": secs}
+            "schedule": self.sched_seen(sched) if mode == "kvgpu" else [], "secs": secs,
+            "one_container": ident in ONE_CONTAINER}
         t0s = [r["t0"] for r in results if "t0" in r]
         t1s = [r["t1"] for r in results if "t1" in r]
         if t0s and t1s:

@@ -12,6 +12,8 @@ KIND:
   graphs   CUDA graph (torch.cuda.CUDAGraph) of 10 bf16 4096^2 products + relu, sync every 5
   compile  torch.compile'd (Inductor: Triton kernels + cuBLAS) MLP block, sync every 10
   mm       4096^2 fp32 matmul (TF32 off), sync every 10 (the co-tenant workload)
+  threads  two threads launching at once on streams of their own: chains of 8 bf16 products,
+           4096^2 on one, 512^2 on the other, each thread synchronising its own stream
 
 After warm-up (and compilation) it touches --ready, waits for --go, then measures for SECS.
 Prints one JSON line: kind, unit, t0/t1 (time.time() of the measured window), n units, its
@@ -22,9 +24,11 @@ infer lat_ms (every request's latency).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -186,6 +190,52 @@ def make_streams() -> tuple[Callable[[], None], int, int]:
     return run, 4, 2
 
 
+def make_threads() -> tuple[Callable[[], None], int, int]:
+    """Two Python threads that launch at once, each on a stream of its own and at its own pace,
+    as an inference server's model instances do: one a chain of bf16 4096^2 products (~0.1-0.2
+    ms each), the other of 512^2 ones (a few us), each synchronising its stream every 8. A unit
+    is 8 products of either thread; run() returns after `per` more units."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    done = [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def worker(n: int) -> None:
+        x = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, n, device=DEV, dtype=torch.bfloat16) / math.sqrt(n)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            while not stop.is_set():
+                y = x
+                for _ in range(8):
+                    y = torch.relu(y @ w)
+                s.synchronize()
+                with lock:
+                    done[0] += 1
+
+    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in (4096, 512)]
+    for t in threads:
+        t.start()
+
+    def end() -> None:  # before the interpreter goes: no launch while CUDA is torn down
+        stop.set()
+        for t in threads:
+            t.join(10)
+
+    atexit.register(end)
+
+    def run() -> None:
+        with lock:
+            goal = done[0] + 20
+        while True:
+            with lock:
+                if done[0] >= goal:
+                    return
+            time.sleep(0.0005)
+
+    return run, 20, 2
+
+
 def make_mm() -> tuple[Callable[[], None], int, int]:
     torch.backends.cuda.matmul.allow_tf32 = False
     a = torch.randn(4096, 4096, device=DEV)
@@ -202,10 +252,10 @@ def make_mm() -> tuple[Callable[[], None], int, int]:
 
 MAKERS: dict[str, Callable[[], tuple[Callable[[], None], int, int]]] = {
     "gpt": make_gpt, "conv": make_conv, "graphs": make_graphs, "compile": make_compile, "mm": make_mm,
-    "streams": make_streams,
+    "streams": make_streams, "threads": make_threads,
 }
 UNITS = {"gpt": "steps", "conv": "steps", "graphs": "replays", "compile": "calls", "mm": "products",
-         "streams": "steps", "infer": "requests"}
+         "streams": "steps", "threads": "chains", "infer": "requests"}
 
 
 def wait_go(ready: str | None, go: str | None) -> None:
