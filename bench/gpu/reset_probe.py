@@ -1,6 +1,7 @@
 """What a context's end frees on a real driver: the memory of each allocation kind (linear,
 stream-ordered, VMM, managed) before and after cuDevicePrimaryCtxReset (cudaDeviceReset) and
-cuCtxDestroy, and what freeing the old objects afterwards returns. The shim's bookkeeping follows
+cuCtxDestroy, and what freeing the old objects afterwards returns; then what an exported and
+re-imported VMM handle shows (export_probe). The shim's bookkeeping follows
 what this shows (docs/shim.md, contexts).
 
 Device call, alone on the card (cuMemGetInfo's free memory is the card's):
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import subprocess
 
 MIB = 1 << 20
 cu = ctypes.CDLL("libcuda.so.1")
@@ -81,6 +84,74 @@ def free_all(objs: tuple[ctypes.c_uint64, ...]) -> dict[str, object]:
     return out
 
 
+def fd_facts(fd: int) -> dict[str, object]:
+    """What a process can learn of an exported handle's file descriptor (its identity?)."""
+    try:
+        st = os.fstat(fd)
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as e:
+        return {"error": repr(e)}
+    return {"dev": st.st_dev, "ino": st.st_ino, "rdev": st.st_rdev, "mode": oct(st.st_mode), "link": link}
+
+
+def smi_used() -> str:
+    """This process's used memory as nvidia-smi's process list shows it (NVML's per-process)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return repr(e)
+    return ";".join(ln.strip() for ln in out.splitlines() if ln.split(",")[0].strip() == str(os.getpid()))
+
+
+def export_probe(size: int) -> dict[str, object]:
+    """A VMM handle exported as a POSIX file descriptor and imported again: whether the exported
+    descriptors name their allocation (so a hook could tell which handle an import refers to),
+    whether an import outlives the exporter's release on the card and in NVML's process list,
+    and whether a mapping longer than the allocation is refused (so a hook could find an
+    imported handle's size)."""
+    out: dict[str, object] = {}
+    h1, h2, h3, va = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+    prop = AllocProp(type=1, handle_types=1, loc=Loc(type=1, id=0))  # POSIX_FILE_DESCRIPTOR
+    out["before"], out["smi_before"] = used(), smi_used()
+    out["create_rc"] = call("cuMemCreate", ctypes.byref(h1), ctypes.c_size_t(size), ctypes.byref(prop),
+                            ctypes.c_ulonglong(0))
+    out["create2_rc"] = call("cuMemCreate", ctypes.byref(h3), ctypes.c_size_t(size // 2), ctypes.byref(prop),
+                             ctypes.c_ulonglong(0))
+    fds = [ctypes.c_int(-1) for _ in range(3)]
+    out["export_rc"] = [call("cuMemExportToShareableHandle", ctypes.byref(fds[i]), h, 1, ctypes.c_ulonglong(0))
+                        for i, h in enumerate((h1, h1, h3))]
+    out["fds (h1, h1 again, h3)"] = [fd_facts(f.value) for f in fds]
+    out["import_rc"] = call("cuMemImportFromShareableHandle", ctypes.byref(h2), ctypes.c_void_p(fds[1].value), 1)
+    out["import_same_value"] = h2.value == h1.value
+    out["after_import"], out["smi_after_import"] = used(), smi_used()
+    out["release_h1_rc"] = call("cuMemRelease", h1)
+    out["after_release_h1"], out["smi_after_release_h1"] = used(), smi_used()
+    gran = ctypes.c_size_t()
+    call("cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(prop), 0)
+    out["reserve_rc"] = call("cuMemAddressReserve", ctypes.byref(va), ctypes.c_size_t(2 * size), ctypes.c_size_t(0),
+                             ctypes.c_uint64(0), ctypes.c_ulonglong(0))
+    out["map_2x_rc"] = call("cuMemMap", va, ctypes.c_size_t(2 * size), ctypes.c_size_t(0), h2, ctypes.c_ulonglong(0))
+    if out["map_2x_rc"] == 0:
+        call("cuMemUnmap", va, ctypes.c_size_t(2 * size))
+    out["map_plus_gran_rc"] = call("cuMemMap", va, ctypes.c_size_t(size + gran.value), ctypes.c_size_t(0), h2,
+                                   ctypes.c_ulonglong(0))
+    if out["map_plus_gran_rc"] == 0:
+        call("cuMemUnmap", va, ctypes.c_size_t(size + gran.value))
+    out["map_1x_rc"] = call("cuMemMap", va, ctypes.c_size_t(size), ctypes.c_size_t(0), h2, ctypes.c_ulonglong(0))
+    out["release_h2_rc"] = call("cuMemRelease", h2)
+    out["after_release_h2_mapped"], out["smi_mapped"] = used(), smi_used()
+    out["unmap_rc"] = call("cuMemUnmap", va, ctypes.c_size_t(size))
+    out["after_unmap"] = used()
+    call("cuMemAddressFree", va, ctypes.c_size_t(2 * size))
+    call("cuMemRelease", h3)
+    for f in fds:
+        if f.value >= 0:
+            os.close(f.value)
+    out["after_all"] = used()
+    return out
+
+
 def main() -> None:
     res: dict[str, object] = {"cuInit": call("cuInit", 0)}
     dev = ctypes.c_int()
@@ -105,6 +176,10 @@ def main() -> None:
     retain(dev)
     res["after_destroy"] = used()
     res["created_after_destroy"] = free_all(objs)  # type: ignore[arg-type]
+    try:
+        res["export_import"] = export_probe(size)
+    except Exception as e:  # the rest of the probe stands
+        res["export_import"] = {"error": repr(e)}
     print(json.dumps(res, indent=1))
 
 
