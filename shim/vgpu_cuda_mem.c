@@ -135,7 +135,8 @@ VGPU_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned fla
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = real(dptr, size, flags);
-    return vgpu_alloc_end(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
+    /* the context owns it: its end frees it (on the H200, bench/gpu/reset_probe.py) */
+    return vgpu_alloc_end_owned(rc, dptr != NULL, K_PTR, rc == CUDA_SUCCESS && dptr ? *dptr : 0, size, d);
 }
 
 /* A pitched allocation's estimate: rows of `width` rounded up to 512 B. */

@@ -4,8 +4,8 @@
  * cuCtxDestroy_v2 returns it.
  * Destroying a context (cuCtxDestroy(_v2), a primary context's reset or last release) first hands
  * the compute limiter's events of it back, and once it is gone returns the charges of the memory
- * it owned (linear allocations and arrays made in it: the driver frees them with it) and of its
- * limits; a primary context's own charge stays (below).
+ * it owned (linear and managed allocations and arrays made in it: the driver frees them with it)
+ * and of its limits; a primary context's own charge stays (below).
  */
 #include "vgpu_mem.h"
 

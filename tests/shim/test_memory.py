@@ -230,12 +230,15 @@ def test_stream_ordered_memory_is_charged_to_the_card_it_is_on(box, path) -> Non
 
 
 @pytest.mark.parametrize("how", ["reset", "release", "destroy"])
-def test_memory_a_context_took_with_it_is_no_longer_charged(box, how) -> None:
+@pytest.mark.parametrize("managed", ["0", "1"])
+def test_memory_a_context_took_with_it_is_no_longer_charged(box, how, managed) -> None:
     """A context's end frees the memory allocated in it (cudaDeviceReset, the primary context's
     last release, cuCtxDestroy), and the program never frees those pointers: the same fill fits
     again in the next context. Before, their charges stayed until the process exited and the
-    second fill was refused at once (0 chunks)."""
-    env = box.env(claim((0, 1000, 0)))
+    second fill was refused at once (0 chunks). Managed memory too: on the H200 (driver 580,
+    bench/gpu/reset_probe.py) a reset and a cuCtxDestroy each freed a 1 GiB cuMemAllocManaged
+    whose pages were on the card, and a later cuMemFree of it failed; it stayed charged."""
+    env = box.env(claim((0, 1000, 0)), CUPROG_MANAGED=managed)
     o = box.json("ctxend", how, str(CHUNK), env=env)[0]
     ctxs = 2 if how == "destroy" else 1  # a created context beside the primary one
     assert o["end_rc"] == 0 and o["ctx2_rc"] == 0, o

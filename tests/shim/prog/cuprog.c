@@ -10,7 +10,8 @@
  *       PATH: alloc managed pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym v1abi
  *       pitch_v1 array_v1 array3d_v1 (the last four: the CUDA < 3.2 ABI through cuGetProcAddress)
  *   cuprog xdev PATH CHUNK                 card 1's stream-ordered memory with card 0's context
- *   cuprog ctxend HOW CHUNK                cuMemAlloc CHUNK until refused, end the context the
+ *   cuprog ctxend HOW CHUNK                cuMemAlloc (CUPROG_MANAGED=1: cuMemAllocManaged) CHUNK
+ *                                          until refused, end the context the
  *                                          memory is in without freeing it (HOW: reset, release:
  *                                          the primary one's reset or last release; destroy: a
  *                                          created one's; release2: a retain the shim does not see
@@ -447,7 +448,8 @@ static long fill_chunks(size_t chunk, CUresult *rc)
 {
     CUdeviceptr p;
     long n = 0;
-    while (n < 4096 && !(*rc = cuMemAlloc_v2(&p, chunk)))
+    int managed = getenv("CUPROG_MANAGED") && atoi(getenv("CUPROG_MANAGED"));
+    while (n < 4096 && !(*rc = managed ? cuMemAllocManaged(&p, chunk, 1) : cuMemAlloc_v2(&p, chunk)))
         n++;
     return n;
 }
