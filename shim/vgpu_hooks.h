@@ -63,6 +63,8 @@ typedef struct { /* cuLaunchCooperativeKernelMultiDevice's launches, one per dev
     X(H_MEMUNMAP, cuMemUnmap, "cuMemUnmap", 10020, 0, CUresult, (CUdeviceptr, size_t))                   \
     X(H_MEMRETAIN, cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle", 11000, 0, CUresult,       \
       (CUmemGenericAllocationHandle *, void *))                                                          \
+    X(H_MEMEXPORT, cuMemExportToShareableHandle, "cuMemExportToShareableHandle", 10020, 0, CUresult,    \
+      (void *, CUmemGenericAllocationHandle, int, unsigned long long))                                   \
     X(H_MAPARRAY, cuMemMapArrayAsync, "cuMemMapArrayAsync", 11010, 0, CUresult,                          \
       (CUarrayMapInfo *, unsigned, CUstream))                                                            \
     X(H_MAPARRAY_PTSZ, cuMemMapArrayAsync_ptsz, "cuMemMapArrayAsync", 11010, 1, CUresult,                \

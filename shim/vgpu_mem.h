@@ -26,6 +26,7 @@ enum {
     K_MAPLEN = 66,      /* a mapping's address: its length */
     K_MAPH = 67,        /* ... its handle */
     K_POOL = 68,        /* a memory pool made on or handed out for a card: its region device */
+    K_HEXP = 69,        /* a tracked VMM handle exported: it holds one reference more (vgpu_mem_vmm.c) */
     K_TOMB = -1
 };
 

@@ -8,7 +8,8 @@
  * its memory (a loop of create, map, release took the whole card within one reconciliation
  * period). Per tracked handle (K_HANDLE in the table) the table keeps its live mappings
  * (K_HMAPS) and references (K_HREFS, absent = the create's one); per mapping its length
- * (K_MAPLEN) and handle (K_MAPH), keyed by its address. A handle mapped into a sparse array
+ * (K_MAPLEN) and handle (K_MAPH), keyed by its address. An exported handle keeps one reference
+ * more until the process ends (cuMemExportToShareableHandle, below). A handle mapped into a sparse array
  * (cuMemMapArrayAsync) is held by the array likewise: see "sparse arrays" below. All under
  * vgpu_vmm_mu, cuMemCreate included (a handle is in the table before another thread can map or
  * release it).
@@ -48,6 +49,7 @@ static void forget(uint64_t h)
     int d;
     vgpu_tab_take(K_HREFS, h, &n, &d);
     vgpu_tab_take(K_HMAPS, h, &n, &d);
+    vgpu_tab_take(K_HEXP, h, &n, &d);
 }
 
 /* The handle's memory is gone (no reference, no mapping): its charge returns. */
@@ -410,4 +412,29 @@ void vgpu_vmm_fork_child(void)
     amap = NULL, apend = NULL;
     namap = camap = napend = capend = 0;
     atomic_store(&apend_n, 0);
+}
+
+/* Exported (a POSIX file descriptor, a fabric handle): what was exported keeps the memory after
+ * every handle of it is released and unmapped, until it is closed, here or in a process it was
+ * sent to, and NVML's process list stops showing it at the creator's release (on the H200,
+ * driver 580: bench/gpu/reset_probe.py). The shim cannot see a descriptor's end, so an exported
+ * handle keeps one reference more, which only the process's end drops: its charge stays until
+ * then (an over-charge for a program that exports, releases and closes while it runs). */
+VGPU_API CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type,
+                                               unsigned long long flags)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuMemExportToShareableHandle real = REAL_FN(cuMemExportToShareableHandle);
+    if (mode() != M_LIMITED)
+        return real(out, h, type, flags);
+    vgpu_lock(&vgpu_vmm_mu);
+    settle_unmaps();
+    uint64_t v;
+    CUresult rc = real(out, h, type, flags);
+    if (rc == CUDA_SUCCESS && peek(K_HANDLE, h, &v) && !peek(K_HEXP, h, &v)) {
+        set_count(K_HREFS, h, refs_of(h) + 1, 0);
+        vgpu_tab_put(K_HEXP, h, 1, 0);
+    }
+    vgpu_unlock(&vgpu_vmm_mu);
+    return rc;
 }

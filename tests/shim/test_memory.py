@@ -246,6 +246,20 @@ def test_memory_a_context_took_with_it_is_no_longer_charged(box, how, managed) -
     assert o["n2"] == o["n1"] and o["rc2"] == 2, o
 
 
+def test_an_exported_allocation_stays_charged_after_its_release(box) -> None:
+    """Review finding from the H200 (bench/gpu/reset_probe.py): a cuMemCreate exported as a file
+    descriptor keeps its memory on the card after cuMemRelease while the descriptor is open,
+    and NVML's process list no longer shows it, so neither reconciliation nor the agent could
+    see what the release uncharged. Created, exported and released in a loop, every round fitted
+    (64 of 256 MiB under 1000 MiB). An exported handle now stays charged until the process
+    ends; a handle released without an export still returns its charge."""
+    env = box.env(claim((0, 1000, 0)))
+    o = box.json("vmmexport", "1", str(256 * MIB), env=env)[0]
+    assert o["export_rc"] == 0 and o["rc"] == 2 and o["n"] == (1000 - 64) // 256, o
+    o = box.json("vmmexport", "0", str(256 * MIB), env=env)[0]
+    assert o["n"] == 64 and o["rc"] == 0, o
+
+
 def test_an_allocation_made_while_a_context_ends_stays_charged(box) -> None:
     """Another thread retains the primary context again (the driver hands back the same handle)
     and allocates in it while the reset that ended it is still returning: that allocation is

@@ -10,6 +10,8 @@
  *       PATH: alloc managed pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym v1abi
  *       pitch_v1 array_v1 array3d_v1 (the last four: the CUDA < 3.2 ABI through cuGetProcAddress)
  *   cuprog xdev PATH CHUNK                 card 1's stream-ordered memory with card 0's context
+ *   cuprog vmmexport EXPORT CHUNK          cuMemCreate CHUNK, (EXPORT 1) export it as a descriptor
+ *                                          kept open, release it; until refused (64 at most)
  *   cuprog ctxend HOW CHUNK                cuMemAlloc (CUPROG_MANAGED=1: cuMemAllocManaged) CHUNK
  *                                          until refused, end the context the
  *                                          memory is in without freeing it (HOW: reset, release:
@@ -452,6 +454,32 @@ static long fill_chunks(size_t chunk, CUresult *rc)
     while (n < 4096 && !(*rc = managed ? cuMemAllocManaged(&p, chunk, 1) : cuMemAlloc_v2(&p, chunk)))
         n++;
     return n;
+}
+
+CUresult cuMemExportToShareableHandle(void *, CUmemGenericAllocationHandle, int, unsigned long long);
+
+/* cuMemCreate CHUNK, (EXPORT 1) export it as a POSIX file descriptor kept open, release it:
+ * until refused, at most 64 times. */
+static int cmd_vmmexport(int export, size_t chunk)
+{
+    setup(0);
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = 1, prop.location.type = 1, prop.location.id = 0;
+    prop.requestedHandleTypes = 1; /* POSIX file descriptor */
+    CUresult rc = 0, erc = 0;
+    long n = 0;
+    for (; n < 64; n++) {
+        CUmemGenericAllocationHandle h = 0;
+        int fd = -1;
+        if ((rc = cuMemCreate(&h, chunk, &prop, 0)))
+            break;
+        if (export && (erc = cuMemExportToShareableHandle(&fd, h, 1, 0)))
+            break;
+        cuMemRelease(h);
+    }
+    printf("{\"n\": %ld, \"rc\": %d, \"export_rc\": %d}\n", n, rc, erc);
+    return 0;
 }
 
 static int cmd_ctxend(const char *how, size_t chunk)
@@ -1554,6 +1582,8 @@ int main(int argc, char **argv)
         return cmd_relay(atof(argv[2]), (unsigned)atol(argv[3]), atol(argv[4]));
     if (!strcmp(cmd, "ptds") && argc >= 5)
         return cmd_ptds(atof(argv[2]), (unsigned)atol(argv[3]), atol(argv[4]));
+    if (!strcmp(cmd, "vmmexport") && argc >= 4)
+        return cmd_vmmexport(atoi(argv[2]), strtoull(argv[3], NULL, 0));
     if (!strcmp(cmd, "ctxend") && argc >= 4)
         return cmd_ctxend(argv[2], strtoull(argv[3], NULL, 0));
     if (!strcmp(cmd, "xdev") && argc >= 4)

@@ -8,6 +8,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -431,6 +432,22 @@ API CUresult cuMemUnmap(CUdeviceptr va, size_t size)
     pthread_mutex_unlock(&vmm_mu);
     for (int i = 0; i < ngone; i++)
         phys_free(gone[i], 2);
+    return OK;
+}
+/* A handle exported as a POSIX file descriptor (type 1; a descriptor of /dev/null here); the stub
+ * frees the memory at the handle's release all the same. */
+API CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long fl)
+{
+    (void)fl;
+    if (!inited) return E_NOT_INIT;
+    if (!out || type != 1) return E_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    int known = find(h, 2, 0) != NULL;
+    pthread_mutex_unlock(&mu);
+    if (!known) return E_INVALID_VALUE;
+    int fd = open("/dev/null", O_RDONLY);
+    if (fd < 0) return E_OOM;
+    *(int *)out = fd;
     return OK;
 }
 /* One more reference to the handle mapped at addr: a released one is live again (the stub keeps
