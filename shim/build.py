@@ -51,7 +51,6 @@ LIB_SOURCES = [
     "vgpu_waits.c",
     "vgpu_measure.c",
     "vgpu_track.c",
-    "vgpu_late.c",
     "vgpu_nvml.c",
 ]
 CORE_SOURCES = ["vgpu_config.c", "vgpu_region.c", "vgpu_compute.c", "vgpu_sched.c", "vgpu_pycore.c"]

@@ -389,31 +389,7 @@ struct vgpu_batch {
     uintptr_t pt_owner;
     int nxs;
     void *xs[VGPU_BATCH_STREAMS - 1], *xs_open[VGPU_BATCH_STREAMS - 1], *xs_close[VGPU_BATCH_STREAMS - 1];
-    /* Closed while launches counted in it were in flight (vgpu_late.c): it waits for word of
-     * each (at most VGPU_LATE_MAX_NS) before it is settled. */
-    uint32_t late_seq;          /* the number of its close (the gate's flight word, high half) */
-    int late_n;                 /* launches in flight at its close not heard of yet; 0 = none */
-    int late_miss;              /* one of its own came without an event its stream could take */
-    int late_idle;              /* its stream was idle at the close: with their word, an upper bound */
-    uint64_t late_since;        /* when it was closed */
 };
-/* A launch a close left behind, posted by its thread without a lock (vgpu_late.c). */
-struct vgpu_late_note {
-    _Atomic int state;          /* 0 free, 1 being written, 2 posted */
-    uint32_t from, to;          /* the closes it was in flight across (from: its own batch's) */
-    void *stream;               /* its stream, and the thread whose per-thread stream that names */
-    uintptr_t owner;
-    int launched;               /* it reached the driver (else it did not pass after all) */
-    void *ev, *ctx;             /* CUevent recorded behind it, and its context (NULL: none) */
-    uint32_t gen;               /* the gate's ctx_gen when ev was made */
-};
-#define VGPU_LATE_NOTES 16
-/* How long a batch closed with launches in flight waits for them to be posted (their threads
- * post right after the driver returns; one preempted meanwhile may take a time slice) */
-#define VGPU_LATE_MAX_NS (20 * VGPU_MS)
-/* The gate's flight word: launches counted that have not returned from the driver in its low
- * half, the closes so far in its high half (one VGPU_FLIGHT_CLOSE each). */
-#define VGPU_FLIGHT_CLOSE (1ull << 32)
 #ifndef VGPU_TRACK_EVERY /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_TRACK_EVERY 2          /* one batch in this many (on average) is gap-tracked */
 #endif
@@ -449,11 +425,8 @@ struct vgpu_gate {
     _Atomic uint64_t local_vt;
     _Atomic uint64_t open_until; /* the fast path may pass before this time (0 = slow path) */
     _Atomic uint64_t batch_n;   /* launches in the open batch */
-    _Atomic uint64_t flight;    /* VGPU_FLIGHT_CLOSE: launches counted that have not returned
-                                 * from the driver yet (a close misses them: vgpu_late.c), closes */
-    struct vgpu_late_note late[VGPU_LATE_NOTES];
-    _Atomic uint32_t ctx_gen;   /* contexts marked dying so far: a note's event made before the
-                                 * last mark may be of a context the driver has destroyed */
+    _Atomic int inflight;       /* launches counted that have not returned from the driver yet
+                                 * (a close waits for them: vgpu_measure_close) */
     int multi_stream;           /* a stream of the open batch has no events: a lower bound */
     struct vgpu_batch cur;      /* the open batch (cur.ev_open NULL: none) */
     struct vgpu_batch ring[VGPU_BATCH_RING];

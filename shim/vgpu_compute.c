@@ -71,7 +71,7 @@ void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_
 
 int vgpu_gate_open_at(struct vgpu_gate *g, uint64_t lo, uint64_t hi)
 {
-    /* seq_cst: the fast path counts itself in flight (g->flight) and then reads this, a close
+    /* seq_cst: the fast path counts itself in flight (g->inflight) and then reads this, a close
      * stores 0 here and then reads the count; one of the two sees the other only if both loads
      * are sequentially consistent (on x86 a plain load either way) */
     uint64_t until = atomic_load_explicit(&g->open_until, memory_order_seq_cst);

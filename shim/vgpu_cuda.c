@@ -54,11 +54,7 @@ void vgpu_cuda_fork_child(void)
     pthread_mutex_init(&map_mu, NULL);
     for (int d = 0; d < VGPU_MAX_DEV; d++) {
         pthread_mutex_init(&vgpu.gate[d].mu, NULL);
-        /* the other threads' launches stayed behind (and their notes: batches wait them out) */
-        atomic_store(&vgpu.gate[d].flight, atomic_load(&vgpu.gate[d].flight) & ~(VGPU_FLIGHT_CLOSE - 1));
-        for (int i = 0; i < VGPU_LATE_NOTES; i++)
-            if (atomic_load(&vgpu.gate[d].late[i].state) == 1) /* half-written by a thread now gone */
-                atomic_store(&vgpu.gate[d].late[i].state, 0);
+        atomic_store(&vgpu.gate[d].inflight, 0); /* the other threads' launches stayed behind */
     }
     atomic_store(&vgpu_ctx_cards, 0); /* a child has none of its parent's contexts */
     vgpu_nvml_fork_lock(2);

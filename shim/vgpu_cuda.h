@@ -113,14 +113,9 @@ void vgpu_measure_put(struct vgpu_gate *g, void *event);  /* back to the pool */
 /* A batch starts before this launch: 1, or 0 when its opening event failed (nothing measures it). */
 int vgpu_measure_open(struct vgpu_gate *g, CUstream s);
 /* ... ends behind the last. Launches other threads have counted but not yet handed to the
- * driver land behind the close's events: the batch waits for their threads' word
- * (vgpu_late_post), and without it is only a lower bound. */
+ * driver would land behind the close's events, unmeasured, in a batch settled without them: a
+ * batch closed with launches in flight is only a lower bound. */
 void vgpu_measure_close(struct vgpu_gate *g, int at_sync);
-/* Launches a close left behind (vgpu_late.c). Posted, without the gate's lock, by the thread of
- * a launch that was in flight across closes from..to (`launched`: it reached the driver, so an
- * event goes behind it on s); taken, under the lock, by the batches those closes made. */
-void vgpu_late_post(struct vgpu_gate *g, CUstream s, uint32_t from, uint32_t to, int launched);
-void vgpu_late_drain(struct vgpu_gate *g);
 /* Settle completed batches; `wait`: 0, or wait for the oldest one (bounded, see the function) */
 #define VGPU_WAIT_FIRST 1 /* ... before a capped gate without an estimate queues more */
 #define VGPU_WAIT_ROOM 2  /* ... to make room in a full ring */

@@ -117,23 +117,11 @@ static void sleep_until(uint64_t t)
  * its count to the driver's return (compute_after): 0 = none. */
 static __thread int launch_in_flight;
 
-/* The gate's close number when this thread's launch was counted in flight. */
-static __thread uint32_t launch_seq;
-
 /* Count a passing launch as in flight before it is charged (a close that comes between must
  * see it: vgpu_measure_close). */
 static inline void flight_begin(struct vgpu_gate *g)
 {
-    launch_seq = (uint32_t)(atomic_fetch_add(&g->flight, 1) >> 32);
-}
-
-/* ... and out of flight: it returned from the driver (`launched`), or did not pass after all.
- * A close that came meanwhile counted it, and its batch waits for word of it (vgpu_late.c). */
-static inline void flight_end(struct vgpu_gate *g, CUstream s, int launched)
-{
-    uint32_t seq = (uint32_t)(atomic_fetch_sub(&g->flight, 1) >> 32);
-    if (__builtin_expect(seq != launch_seq, 0))
-        vgpu_late_post(g, s, launch_seq + 1, seq, launched);
+    atomic_fetch_add(&g->inflight, 1);
 }
 
 /* The context this thread pushed for its current launch (launch_ctx), popped after the driver's
@@ -189,7 +177,7 @@ static int gate_slow(int d, CUstream s)
         vgpu_unlock(&g->mu);
         return 1;
     }
-    flight_end(g, s, 0);
+    atomic_fetch_sub(&g->inflight, 1);
     if ((launch_capture_id = vgpu_stream_capture_id(s)) != 0) {
         vgpu_unlock(&g->mu); /* captured work does not run now: not gated */
         return 0;
@@ -311,7 +299,7 @@ static inline void compute_gate_at(CUstream s, int d)
         counted = vgpu_gate_fast(g, now, now, s);
     }
     if (__builtin_expect(!counted, 0)) {
-        flight_end(g, s, 0);
+        atomic_fetch_sub(&g->inflight, 1);
         counted = gate_slow(d, s);
     }
     if (counted)
@@ -374,7 +362,7 @@ static inline void compute_after_in_ctx(CUstream s)
     if (!g || (!VGPU_PEEK(g->probe_pending) && !VGPU_PEEK(g->tracking) &&
                (VGPU_PEEK(g->est_ns) < LONG_KERNEL_NS || !VGPU_PEEK(g->cur.ev_open)))) {
         if (held)
-            flight_end(&vgpu.gate[held - 1], s, 1);
+            atomic_fetch_sub(&vgpu.gate[held - 1].inflight, 1);
         return;
     }
     vgpu_lock(&g->mu);
@@ -390,11 +378,11 @@ static inline void compute_after_in_ctx(CUstream s)
         }
     } else if (g->est_ns >= LONG_KERNEL_NS && g->cur.ev_open && !vgpu_stream_capturing(s)) {
         if (held) /* its own launch, behind which the close goes */
-            flight_end(g, s, 1), held = 0;
+            atomic_fetch_sub(&g->inflight, 1), held = 0;
         vgpu_measure_close(g, 0);
     }
     if (held)
-        flight_end(&vgpu.gate[held - 1], s, 1);
+        atomic_fetch_sub(&g->inflight, 1);
     vgpu_unlock(&g->mu);
 }
 
@@ -477,7 +465,6 @@ VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsi
  * (compute_after for that count). A context that cannot be made current: the caller's. */
 struct multi_held {
     int flight;         /* launch_in_flight of its gate */
-    uint32_t seq;       /* launch_seq */
     CUcontext pushed;   /* launch_pushed of its gate */
     int captured;       /* launch_captured of its gate */
     uint64_t cap_id;    /* launch_capture_id */
@@ -491,13 +478,11 @@ static void multi_one(CUstream s, int after, struct multi_held *held)
                  DRV->stream_get_ctx(s, &c) == CUDA_SUCCESS && c && DRV->ctx_push(c) == CUDA_SUCCESS;
     if (!after) {
         vgpu_compute_gate(s);
-        held->flight = launch_in_flight, held->seq = launch_seq, held->pushed = launch_pushed;
-        held->captured = launch_captured;
+        held->flight = launch_in_flight, held->pushed = launch_pushed, held->captured = launch_captured;
         held->cap_id = launch_capture_id, held->gate = launch_gate;
         launch_in_flight = 0, launch_pushed = NULL, launch_captured = 0, launch_gate = 0;
     } else {
-        launch_in_flight = held->flight, launch_seq = held->seq, launch_pushed = held->pushed;
-        launch_captured = held->captured;
+        launch_in_flight = held->flight, launch_pushed = held->pushed, launch_captured = held->captured;
         launch_capture_id = held->cap_id, launch_gate = held->gate;
         compute_after(s);
     }
@@ -516,7 +501,7 @@ VGPU_API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *l, un
     multi_fn real = REAL(H_COOP_MULTI, multi_fn);
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
-    struct multi_held held[VGPU_MAX_DEV] = {{0, 0, NULL, 0, 0, 0}};
+    struct multi_held held[VGPU_MAX_DEV] = {{0, NULL, 0, 0, 0}};
     CUDA_LAUNCH_PARAMS own[VGPU_MAX_DEV]; /* the driver gets the list the gates read */
     int gated = vgpu.compute_limited && l;
     if (gated && n > VGPU_MAX_DEV)

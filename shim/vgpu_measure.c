@@ -268,14 +268,8 @@ void vgpu_measure_poll(struct vgpu_gate *g, int wait)
 {
     if (g->nover)
         overflow_poll(g);
-    vgpu_late_drain(g);
     while (g->ring_len) {
         struct vgpu_batch *b = &g->ring[g->ring_head];
-        if (b->late_n) { /* launches it closed out have not been heard of: waited for so long */
-            if (!wait && vgpu_now_ns() - b->late_since < VGPU_LATE_MAX_NS)
-                break;
-            b->late_n = 0; /* a lower bound */
-        }
         CUresult r = batch_query(b);
         if (r == CU_NOT_READY && wait) {
             int room = wait == VGPU_WAIT_ROOM;
@@ -311,7 +305,7 @@ static CUstream closing_stream(void *s, int foreign)
 /* Close the open batch behind its work (before a slow-path launch, after a long kernel, or
  * at_sync: the application waits for it next, so the close marks its end, or the stream is
  * idle and the host time before the wait follows: the one-kernel batch's probe, above). */
-static void close_batch(struct vgpu_gate *g, int at_sync, uint32_t inflight, uint32_t seq)
+static void close_batch(struct vgpu_gate *g, int at_sync, int inflight)
 {
     /* Behind the batch's work: on its first stream (whatever stream the caller waits on: a wait
      * on another stream must not close it where its kernels are not) and on each other stream
@@ -324,18 +318,16 @@ static void close_batch(struct vgpu_gate *g, int at_sync, uint32_t inflight, uin
      * names this thread's stream here. The legacy stream follows every per-thread one (they are
      * blocking streams), so that stream's close goes there (at or after its end: never less);
      * the batch's other streams close on themselves as always. */
-    uintptr_t owner = g->cur.pt_owner;
-    int foreign = owner && owner != vgpu_thread_token();
+    int foreign = g->cur.pt_owner && g->cur.pt_owner != vgpu_thread_token();
     VGPU_POKE(g->cur.pt_owner, 0);
     if (inflight)
         VGPU_POKE(g->tracking, 0); /* what is still in flight misses its tails too: a plain batch */
     uint64_t n = atomic_exchange(&g->batch_n, 0);
     struct vgpu_batch b = {.ev_open = g->cur.ev_open, .ctx = g->ev_ctx, .launches = n, .prov_ns = n * g->est_ns,
-                           .ev_probe = g->cur.ev_probe, .nxs = g->cur.nxs, .untracked = g->cur.untracked,
-                           .stream = g->cur.stream, .pt_owner = owner}; /* (a late launch's stream: vgpu_late.c) */
+                           .ev_probe = g->cur.ev_probe, .nxs = g->cur.nxs, .untracked = g->cur.untracked};
     g->cur.untracked = 0;
     for (int i = 0; i < b.nxs; i++)
-        b.xs_open[i] = g->cur.xs_open[i], g->cur.xs_open[i] = NULL, b.xs[i] = g->cur.xs[i];
+        b.xs_open[i] = g->cur.xs_open[i], g->cur.xs_open[i] = NULL;
     VGPU_POKE(g->cur.nxs, 0);
     VGPU_POKE(g->cur.ev_open, NULL);
     g->cur.ev_probe = NULL;
@@ -378,12 +370,10 @@ static void close_batch(struct vgpu_gate *g, int at_sync, uint32_t inflight, uin
     int idle = !at_sync && !foreign && !b.nxs && DRV->stream_query && DRV->stream_query(s) == CUDA_SUCCESS;
     if (n && g->ring_len < VGPU_BATCH_RING && (b.ev_close = vgpu_measure_event(g)) &&
         DRV->event_record(b.ev_close, s) == CUDA_SUCCESS) {
-        if (multi || inflight) {
+        if (multi || inflight)
             b.launches |= LOWER_BOUND; /* the close may not follow every stream it used, or
-                                        * every launch it counted (until their word comes) */
-            if (!multi)
-                b.late_n = (int)inflight, b.late_seq = seq, b.late_since = vgpu_now_ns(), b.late_idle = idle;
-        } else if (idle)
+                                        * every launch it counted */
+        else if (idle)
             b.launches |= UPPER_BOUND; /* the stream was idle before the close */
         g->ring[(g->ring_head + g->ring_len) % VGPU_BATCH_RING] = b;
         VGPU_POKE(g->ring_len, g->ring_len + 1);
@@ -423,17 +413,17 @@ static void leave(int pushed)
 }
 
 /* Close the open batch. Launches other threads have counted may not have reached the driver yet
- * (g->flight): the close stops the fast path, numbers itself and counts them in one step, and the
- * batch waits for their word (vgpu_late.c). The lock is never released here: a wait with it
- * released let another thread close and reopen meanwhile. */
+ * (g->inflight): the close stops the fast path, and a batch closed with launches in flight is
+ * only a lower bound (its provisional charge stands). The lock is never released here: a wait
+ * with it released let another thread close and reopen meanwhile. */
 void vgpu_measure_close(struct vgpu_gate *g, int at_sync)
 {
     if (!g->cur.ev_open)
         return;
     atomic_store(&g->open_until, 0);
-    uint64_t w = atomic_fetch_add(&g->flight, VGPU_FLIGHT_CLOSE);
+    int inflight = atomic_load(&g->inflight) != 0;
     int pushed = enter(g); /* a wait, or a launch, in another context may close it */
-    close_batch(g, at_sync, (uint32_t)w, (uint32_t)(w >> 32) + 1);
+    close_batch(g, at_sync, inflight);
     leave(pushed);
 }
 
@@ -451,7 +441,6 @@ void vgpu_measure_follow(struct vgpu_gate *g, CUcontext ctx)
 void vgpu_measure_ctx_gone(struct vgpu_gate *g, CUcontext ctx)
 {
     int mine = g->ev_ctx == (void *)ctx;
-    vgpu_late_drain(g); /* notes' events of ctx go into its batches, or go, while it exists */
     if (mine)
         vgpu_measure_close(g, 0);
     /* its work runs to its end anyway (cuCtxDestroy waits for it): each batch is waited for

