@@ -390,6 +390,14 @@ static void unheld(uint64_t h, uint64_t *gone, int *ngone)
         if (held_handles[k].released && held_handles[k].h == h && !handle_maps(h))
             held_handles[k].released = 0, gone[(*ngone)++] = h;
 }
+/* Whether h is a live cuMemCreate handle. */
+static int handle_known(CUmemGenericAllocationHandle h)
+{
+    pthread_mutex_lock(&mu);
+    int known = find(h, 2, 0) != NULL;
+    pthread_mutex_unlock(&mu);
+    return known;
+}
 API CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long fl)
 {
     (void)align, (void)addr, (void)fl;
@@ -404,10 +412,7 @@ API CUresult cuMemMap(CUdeviceptr va, size_t size, size_t off, CUmemGenericAlloc
 {
     (void)off, (void)fl;
     if (!inited) return E_NOT_INIT;
-    pthread_mutex_lock(&mu);
-    int known = find(h, 2, 0) != NULL;
-    pthread_mutex_unlock(&mu);
-    if (!known || !size) return E_INVALID_VALUE;
+    if (!handle_known(h) || !size) return E_INVALID_VALUE;
     pthread_mutex_lock(&vmm_mu);
     for (int i = 0; i < STUB_MAPS; i++)
         if (!maps[i].size) {
@@ -440,11 +445,7 @@ API CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandl
 {
     (void)fl;
     if (!inited) return E_NOT_INIT;
-    if (!out || type != 1) return E_INVALID_VALUE;
-    pthread_mutex_lock(&mu);
-    int known = find(h, 2, 0) != NULL;
-    pthread_mutex_unlock(&mu);
-    if (!known) return E_INVALID_VALUE;
+    if (!out || type != 1 || !handle_known(h)) return E_INVALID_VALUE;
     int fd = open("/dev/null", O_RDONLY);
     if (fd < 0) return E_OOM;
     *(int *)out = fd;
