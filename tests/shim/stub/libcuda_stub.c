@@ -638,10 +638,13 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void
  * CU_STREAM_NON_BLOCKING), and theirs for the legacy stream's earlier kernels and event
  * records. The card still runs one kernel at a time in launch order across streams and processes.
  * STUB_TIMESLICE=1: as a real GPU does with contexts of different processes, each process has
- * its own queue and the card time-slices between the processes that have work: a kernel that
- * starts while k-1 other processes have work queued takes k times its duration of wall time
- * (its GPU time, stubBusyNs, stays its duration). So an event pair around a tenant's kernel
- * measures its co-tenants' time slices too, as cuEventElapsedTime does on the GPU.
+ * its own queue and the card shares its time among the processes that have work (processor
+ * sharing, the limit of time slices made small): while k processes have work each one's runs
+ * at 1/k of its speed, the one running when another arrives too (its GPU time, stubBusyNs,
+ * stays its duration). Times of kernels, events and streams are then values of the card's
+ * shared clock (struct stub_ps: the GPU time each busy process has received), mapped back to
+ * wall time where one is read (cuEventElapsedTime). So an event pair around a process's kernel
+ * measures its siblings' time slices too, as cuEventElapsedTime does on the GPU.
  * STUB_CONCURRENT=1: kernels of small grids, as the GPU runs those of different streams side by
  * side: each starts as soon as its own stream lets it, never waiting for the card.
  * Held streams (cuStreamWaitValue32 below): work queued behind a wait for a value runs only once
@@ -724,8 +727,141 @@ static uint64_t stream_done(int phys, CUstream s)
     return t;
 }
 
-/* Work of `dur` GPU ns on card phys that may start at `after`: its place on the card (its end;
- * *k: the processes sharing the card then, STUB_TIMESLICE). */
+/* ---- STUB_TIMESLICE: the card's processor-sharing clock (struct stub_ps), under its spin lock
+ * (held for a scan of the process rows, never across a call). */
+static void ps_lock(struct stub_ps *p)
+{
+    int z = 0;
+    while (!atomic_compare_exchange_weak(&p->lock, &z, 1)) {
+        z = 0;
+        sched_yield();
+    }
+}
+static void ps_unlock(struct stub_ps *p) { atomic_store(&p->lock, 0); }
+
+/* Processes with work queued past R on card phys; *first: the earliest end of it. */
+static uint32_t ps_busy(int phys, uint64_t R, uint64_t *first)
+{
+    struct stub_state *s = stub_state();
+    uint32_t k = 0;
+    *first = UINT64_MAX;
+    for (int i = 0; i < STUB_MAXPROC; i++) {
+        uint64_t e = atomic_load(&s->proc[i].busy_until[phys]);
+        if (e > R && atomic_load(&s->proc[i].pid)) {
+            k++;
+            *first = e < *first ? e : *first;
+        }
+    }
+    return k;
+}
+
+/* A rate change at (t, R): k processes busy from then on. */
+static void ps_mark(struct stub_ps *p, uint32_t k)
+{
+    p->k = k;
+    uint64_t i = p->nbp++ % STUB_PS_BP;
+    p->bp[i].t = p->t, p->bp[i].R = p->R, p->bp[i].k = k;
+}
+
+/* The clock moved to wall time now, from one process's end of work to the next. */
+static void ps_advance(int phys, struct stub_ps *p, uint64_t now)
+{
+    if (!p->t) {
+        p->t = p->R = now;
+        ps_mark(p, 0);
+    }
+    while (p->t < now) {
+        uint64_t first;
+        uint32_t k = ps_busy(phys, p->R, &first);
+        if (k != p->k)
+            ps_mark(p, k);
+        uint64_t rate = k ? k : 1;
+        if (k && p->t + (first - p->R) * rate <= now) {
+            p->t += (first - p->R) * rate, p->R = first;
+            continue;
+        }
+        p->R += (now - p->t) / rate, p->t = now;
+    }
+}
+
+static uint64_t ps_now(int phys)
+{
+    struct stub_ps *p = &stub_state()->ps[phys];
+    ps_lock(p);
+    ps_advance(phys, p, stub_now());
+    uint64_t R = p->R;
+    ps_unlock(p);
+    return R;
+}
+
+/* Work of dur GPU ns queued by process me (after its own earlier work and `after`): its end. */
+static uint64_t ps_arrive(int phys, struct stub_proc *me, uint64_t after, uint64_t dur)
+{
+    struct stub_ps *p = &stub_state()->ps[phys];
+    ps_lock(p);
+    ps_advance(phys, p, stub_now());
+    uint64_t own = atomic_load(&me->busy_until[phys]), start = own > p->R ? own : p->R;
+    uint64_t end = (start > after ? start : after) + dur, first;
+    atomic_store(&me->busy_until[phys], end);
+    uint32_t k = ps_busy(phys, p->R, &first);
+    if (k != p->k)
+        ps_mark(p, k);
+    ps_unlock(p);
+    return end;
+}
+
+/* The wall time at which card phys's clock passed R (R not after the clock's now). */
+static uint64_t ps_wall(int phys, uint64_t R)
+{
+    struct stub_ps *p = &stub_state()->ps[phys];
+    ps_lock(p);
+    uint64_t n = p->nbp, lo = n > STUB_PS_BP ? n - STUB_PS_BP : 0, t = 0;
+    for (uint64_t i = n; i-- > lo;) {
+        uint64_t bt = p->bp[i % STUB_PS_BP].t, bR = p->bp[i % STUB_PS_BP].R, bk = p->bp[i % STUB_PS_BP].k;
+        if (bR <= R || i == lo) {
+            t = bt + (R > bR ? (R - bR) * (bk ? bk : 1) : 0);
+            break;
+        }
+    }
+    ps_unlock(p);
+    return t;
+}
+
+static void stub_modes(void)
+{
+    if (__builtin_expect(null_launch < 0, 0)) {
+        grid_us = stub_env("STUB_GRID_US", 0) != 0;
+        timeslice = stub_env("STUB_TIMESLICE", 0) != 0;
+        concurrent = stub_env("STUB_CONCURRENT", 0) != 0;
+        null_launch = stub_env("STUB_NULL_LAUNCH", 0) != 0;
+    }
+}
+
+/* Now on card phys's clock: wall time, or with STUB_TIMESLICE its processor-sharing clock. */
+static uint64_t clk_now(int phys)
+{
+    stub_modes();
+    return timeslice ? ps_now(phys) : stub_now();
+}
+
+/* Card phys's clock value T in wall time (T reached already). */
+static uint64_t clk_wall(int phys, uint64_t T)
+{
+    return timeslice ? ps_wall(phys, T) : T;
+}
+
+/* Sleep until card phys's clock reaches T. */
+static void clk_wait(int phys, uint64_t T)
+{
+    for (uint64_t R; (R = clk_now(phys)) < T;) {
+        uint64_t ns = T - R < 1000000 ? T - R : 1000000; /* the clock runs at most at wall speed */
+        struct timespec ts = {0, (long)(ns > 5000 ? ns : 5000)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Work of `dur` GPU ns on card phys that may start at `after`: its place on the card (its end,
+ * on the card's clock; *k: 1, the wall time it takes per GPU ns where that is known then). */
 static uint64_t run_at(int phys, uint64_t now, uint64_t after, uint64_t dur, uint64_t *k)
 {
     struct stub_state *s = stub_state();
@@ -734,28 +870,15 @@ static uint64_t run_at(int phys, uint64_t now, uint64_t after, uint64_t dur, uin
     *k = 1;
     if (concurrent) /* kernels of small grids: each runs as soon as its stream lets it */
         return (now > after ? now : after) + dur;
-    if (timeslice) {
-        pthread_mutex_lock(&ring_mu);
-        uint64_t own = atomic_load(&me->busy_until[phys]);
-        start = own > now ? own : now;
+    if (timeslice)
+        return ps_arrive(phys, me, after, dur); /* `now` is the card's clock already */
+    uint64_t bu = atomic_load(&s->busy_until[phys]);
+    do {
+        start = bu > now ? bu : now;
         if (start < after)
             start = after;
-        for (int i = 0; i < STUB_MAXPROC; i++) /* the others with work at our start share the card */
-            if (&s->proc[i] != me && atomic_load(&s->proc[i].pid) &&
-                atomic_load(&s->proc[i].busy_until[phys]) > start)
-                ++*k;
-        end = start + dur * *k;
-        atomic_store(&me->busy_until[phys], end);
-        pthread_mutex_unlock(&ring_mu);
-    } else {
-        uint64_t bu = atomic_load(&s->busy_until[phys]);
-        do {
-            start = bu > now ? bu : now;
-            if (start < after)
-                start = after;
-            end = start + dur;
-        } while (!atomic_compare_exchange_weak(&s->busy_until[phys], &bu, end));
-    }
+        end = start + dur;
+    } while (!atomic_compare_exchange_weak(&s->busy_until[phys], &bu, end));
     return end;
 }
 
@@ -777,12 +900,7 @@ static int hold_launch(int phys, int slot, uint64_t dur)
 
 static CUresult launch(CUstream stream, unsigned gx)
 {
-    if (__builtin_expect(null_launch < 0, 0)) {
-        null_launch = stub_env("STUB_NULL_LAUNCH", 0) != 0;
-        grid_us = stub_env("STUB_GRID_US", 0) != 0;
-        timeslice = stub_env("STUB_TIMESLICE", 0) != 0;
-        concurrent = stub_env("STUB_CONCURRENT", 0) != 0;
-    }
+    stub_modes();
     if (null_launch)
         return OK; /* micro-benchmarks: a launch that costs a function call */
     NEED_CTX();
@@ -796,7 +914,7 @@ static CUresult launch(CUstream stream, unsigned gx)
         atomic_fetch_add(&me->launches[ph], 1);
         return OK;
     }
-    uint64_t now = stub_now();
+    uint64_t now = clk_now(ph);
     uint64_t after = stream_done(ph, stream); /* the legacy stream waits for all streams */
     uint64_t k, end = run_at(ph, now, after, dur, &k);
     atomic_store(&last_done[ph][slot_of(stream)], end);
@@ -811,11 +929,8 @@ static CUresult launch(CUstream stream, unsigned gx)
     atomic_fetch_add(&me->busy_ns[ph], dur);
     atomic_fetch_add(&me->launches[ph], 1);
     uint64_t cap = 200000000ull; /* a full launch queue blocks the caller, as on a GPU */
-    if (end > now + cap) {
-        uint64_t t = end - cap;
-        struct timespec ts = {(time_t)(t / 1000000000ull), (long)(t % 1000000000ull)};
-        clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
-    }
+    if (end > now + cap)
+        clk_wait(ph, end - cap);
     return OK;
 }
 
@@ -834,7 +949,7 @@ static CUresult drain(CUstream s)
     int ph = stream_phys(s); /* the card of the stream's context */
     while (stream_done(ph, s) == STUB_PENDING) /* held: until another thread writes the value */
         sleep_until_ns(stub_now() + 1000000);
-    sleep_until_ns(stream_done(ph, s));
+    clk_wait(ph, stream_done(ph, s));
     return OK;
 }
 
@@ -911,7 +1026,7 @@ API CUresult cuStreamGetCaptureInfo(CUstream s, int *st, unsigned long long *id)
         capture_checked(s);
     return OK;
 }
-API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); if (hidden_capture_unsafe(s)) return 900; return stream_done(stream_phys(s), s) > stub_now() ? 600 : OK; }
+API CUresult cuStreamQuery(CUstream s) { NEED_CTX(); if (hidden_capture_unsafe(s)) return 900; int ph = stream_phys(s); return stream_done(ph, s) > clk_now(ph) ? 600 : OK; }
 
 /* Events: recording one notes when the stream's work queued so far ends (the GPU reaches the
  * event then); query, synchronize and elapsed time follow from that timestamp. */
@@ -1029,7 +1144,7 @@ API CUresult cuEventRecord(void *e, CUstream s)
         if (h)
             return OK;
     }
-    uint64_t now = stub_now(), t = stream_done(ph, s), half = (uint64_t)event_gap_ns / 2;
+    uint64_t now = clk_now(ph), t = stream_done(ph, s), half = (uint64_t)event_gap_ns / 2;
     int busy = t > now;
     ev->t = busy ? t + half : now, ev->recorded = 1, ev->phys = ph, ev->s = s;
     if (slot == 0) { /* the legacy stream's record: later work of every blocking stream waits for it */
@@ -1064,7 +1179,7 @@ API CUresult cuEventQuery(void *e)
      * goes on invalidates it); one recorded on the stream before its capture began is work
      * queued outside the capture and may be queried. */
     if (ev->captured) { hidden_capture_unsafe(ev->s); return 907; }
-    return !ev->recorded || event_time(ev) <= stub_now() ? OK : 600; /* CUDA_ERROR_NOT_READY */
+    return !ev->recorded || event_time(ev) <= clk_now(ev->phys) ? OK : 600; /* CUDA_ERROR_NOT_READY */
 }
 API CUresult cuEventSynchronize(void *e)
 {
@@ -1072,7 +1187,7 @@ API CUresult cuEventSynchronize(void *e)
     if (!ev) return E_INVALID_VALUE;
     while (ev->recorded && event_time(ev) == STUB_PENDING) /* until another thread writes the value */
         sleep_until_ns(stub_now() + 1000000);
-    if (ev->recorded) sleep_until_ns(ev->t);
+    if (ev->recorded) clk_wait(ev->phys, ev->t);
     return OK;
 }
 API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
@@ -1082,9 +1197,9 @@ API CUresult cuEventElapsedTime(float *ms, void *a, void *b)
     check_live(x), check_live(y);
     if (!x->recorded || !y->recorded || x->ctx != y->ctx) return 400; /* CUDA_ERROR_INVALID_HANDLE */
     if (x->captured || y->captured) return 907;
-    uint64_t now = stub_now();
+    uint64_t now = clk_now(x->phys);
     if (event_time(x) > now || event_time(y) > now) return 600;
-    *ms = (float)(((double)y->t - (double)x->t) / 1e6);
+    *ms = (float)(((double)clk_wall(x->phys, y->t) - (double)clk_wall(x->phys, x->t)) / 1e6);
     return OK;
 }
 API CUresult cuEventElapsedTime_v2(float *ms, void *a, void *b) { return cuEventElapsedTime(ms, a, b); }
@@ -1132,7 +1247,7 @@ API CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, uint32_t valu
     (void)flags;
     NEED_CTX();
     int ph = stream_phys(s); /* the card of the stream's context */
-    uint64_t now = stub_now(), at = stream_done(ph, s);
+    uint64_t now = clk_now(ph), at = stream_done(ph, s);
     if (!addr || at == STUB_PENDING) /* a write on a held stream would itself wait: not modelled */
         return E_INVALID_VALUE;
     at = at > now ? at : now;
@@ -1232,11 +1347,15 @@ API unsigned long long stubDoneNs(int phys)
 {
     struct stub_proc *me = stub_me();
     if (!me) return 0;
-    uint64_t now = stub_now(), pending = 0;
+    uint64_t now = clk_now(phys), pending = 0;
+    if (timeslice) { /* the clock counts each busy process's own GPU time: what is left of its work */
+        uint64_t own = atomic_load(&me->busy_until[phys]);
+        pending = own > now ? own - now : 0;
+    }
     pthread_mutex_lock(&ring_mu);
     unsigned n = ring_n[phys] < 4096 ? ring_n[phys] : 4096;
     for (unsigned i = 0; i < n; i++)
-        if (ring[phys][i].end > now) { /* time-sliced: 1/k of the remaining wall time is its own */
+        if (!timeslice && ring[phys][i].end > now) {
             uint64_t k = ring[phys][i].k ? ring[phys][i].k : 1, left = (ring[phys][i].end - now) / k;
             pending += left < ring[phys][i].dur ? left : ring[phys][i].dur;
         }

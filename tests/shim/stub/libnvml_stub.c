@@ -119,9 +119,13 @@ API nvmlReturn_t nvmlDeviceGetSamples(void *h, int type, unsigned long long last
     if (delay > 0)
         usleep((useconds_t)delay);
     struct stub_state *s = stub_state();
-    uint64_t now = stub_now(), busy = 0;
-    for (int i = 0; i < STUB_MAXPROC; i++)
-        busy += atomic_load(&s->proc[i].busy_ns[d]);
+    uint64_t now = stub_now(), busy = 0, R = s->ps[d].R;
+    int ts = stub_env("STUB_TIMESLICE", 0) != 0;
+    for (int i = 0; i < STUB_MAXPROC; i++) { /* time-sliced: the work the card's clock has run */
+        uint64_t b = atomic_load(&s->proc[i].busy_ns[d]), e = atomic_load(&s->proc[i].busy_until[d]);
+        uint64_t left = ts && e > R ? e - R : 0;
+        busy += b > left ? b - left : 0;
+    }
     struct timespec rt; /* NVML stamps samples with the wall clock */
     clock_gettime(CLOCK_REALTIME, &rt);
     uint64_t us = (uint64_t)rt.tv_sec * 1000000u + (uint64_t)rt.tv_nsec / 1000u;

@@ -9,8 +9,8 @@
  * (cuGetProcAddress hands out trampolines instead of the exported addresses),
  * STUB_NULL_LAUNCH=1 (launches return at once: for measuring the shim's own cost),
  * STUB_GRID_US=1 (a kernel takes gridDimX microseconds instead of STUB_KERNEL_US),
- * STUB_TIMESLICE=1 (contexts of different processes time-slice the card instead of queueing
- * behind each other: see launch() in libcuda_stub.c).
+ * STUB_TIMESLICE=1 (contexts of different processes share the card's time instead of queueing
+ * behind each other: see the processor-sharing clock in libcuda_stub.c).
  */
 #ifndef STUB_STATE_H
 #define STUB_STATE_H
@@ -33,12 +33,27 @@ struct stub_proc {
     _Atomic uint64_t used[STUB_MAXDEV];    /* bytes this process holds (NVML per-process) */
     _Atomic uint64_t busy_ns[STUB_MAXDEV]; /* GPU time of its launches */
     _Atomic uint64_t launches[STUB_MAXDEV];
-    _Atomic uint64_t busy_until[STUB_MAXDEV]; /* STUB_TIMESLICE: end of its own queued work */
+    _Atomic uint64_t busy_until[STUB_MAXDEV]; /* STUB_TIMESLICE: end of its own queued work, on
+                                               * its card's shared clock (struct stub_ps) */
+};
+/* STUB_TIMESLICE: each card's processor-sharing clock. R counts the GPU time each process with
+ * work has received: it advances at 1/k of wall time while k processes have work queued (1 while
+ * none has), so a process's work of d ns queued at R ends when R has advanced d, however many
+ * processes come and go meanwhile. `bp`: the points where its rate changed, to map a value of R
+ * back to wall time. */
+#define STUB_PS_BP 16384
+struct stub_ps {
+    _Atomic int lock;
+    uint64_t t, R;  /* R at wall time t */
+    uint32_t k;     /* processes with work since t */
+    uint64_t nbp;   /* breakpoints so far */
+    struct { uint64_t t, R, k; } bp[STUB_PS_BP];
 };
 struct stub_state {
     uint32_t magic;
     _Atomic uint64_t busy_until[STUB_MAXDEV]; /* end of the queued work on each card */
     struct stub_proc proc[STUB_MAXPROC];
+    struct stub_ps ps[STUB_MAXDEV];
 };
 
 static struct stub_state *stub_st;
