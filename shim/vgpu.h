@@ -341,6 +341,19 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #define VGPU_CAL_MAX_PM 1150u           /* nor rises above 115 % of it, nor above the events' own
                                          * reading (vgpu_gate_cal_raise) */
 #endif
+/* Processes of one container alone on the card (vgpu_gate_calibrate_container): the card's busy
+ * time within this band of the share (per mille) moves nothing; the ratio falls part of the
+ * way (GAIN) to the card's reading, at most to STEP of itself a step, and never below VGPU_CAL_MIN_PM divided by the card's compute processes (at
+ * most VGPU_CAL_CONT_PROCS): time-sliced beside n-1 siblings a span is at most n times the
+ * process's own time. */
+#define VGPU_CAL_CONT_BAND_PM 30u
+#ifndef VGPU_CAL_CONT_STEP_PM /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
+#define VGPU_CAL_CONT_STEP_PM 800u
+#endif
+#ifndef VGPU_CAL_CONT_GAIN_PM /* how far a step down goes toward the card's reading, per mille */
+#define VGPU_CAL_CONT_GAIN_PM 500u
+#endif
+#define VGPU_CAL_CONT_PROCS 4u
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
 #define VGPU_BATCH_OVERFLOW 32      /* given-up batches still awaited (vgpu_measure.c) */
 #define VGPU_BATCH_STREAMS 4        /* streams one batch measures one by one */
@@ -409,6 +422,8 @@ struct vgpu_gate {
     int active;                 /* 0 = no gate: launches pass untouched */
     int measure_only;           /* 1 = uncapped high priority: measure and publish, never wait */
     int cotenants;              /* the schedule lists other tenants of this card */
+    int sched_listed;           /* the agent's schedule lists this container (cotenants says
+                                 * whether others too) */
     int bursting;               /* co-tenants: spending a full bucket outside the window */
     uint64_t burst_v0;          /* co-tenants: V when the burst began (it ends a bucket later) */
     uint64_t waited_ns;         /* co-tenants: when a launch last had to wait (no burst for 2 frames) */
@@ -467,6 +482,7 @@ struct vgpu_gate {
     /* Busy calibration (alone on the card): the card's own busy time (NVML's utilization
      * samples) per measured GPU ns, per mille; every charge is scaled by it. 1000 = none. */
     uint32_t cal_pm;
+    int cal_container;          /* cal_pm was set for the container's processes together */
     uint64_t cal_last_ns;       /* the last calibration step (gate clock); 0 = none yet */
     uint64_t cal_waited_ns;     /* the launches' waits for credit since then */
     unsigned long long cal_seen_us; /* NVML timestamp of the newest utilization sample read */
@@ -581,6 +597,16 @@ uint64_t vgpu_gate_cal_own(const struct vgpu_gate *g, uint64_t t0, uint64_t t1);
  * their ratio within [VGPU_CAL_MIN_PM, vgpu_gate_cal_raise]; beside co-tenants or other processes,
  * 1000 and the sums start again. Pure. */
 void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns, int alone);
+/* One calibration step of a process of a container the schedule lists alone on the card, with
+ * other processes on it (`procs` compute processes in NVML's list): the card's busy time in
+ * [t0, t1] is the container's, compared with the share of that span. Above it by more than
+ * VGPU_CAL_CONT_BAND_PM, cal_pm rises in proportion at once (up to vgpu_gate_cal_raise); under
+ * it, and only when this process waited for credit a quarter of the span or more (`waited_ns`:
+ * the container is held back by charges its time does not bear out), it falls in proportion,
+ * by at most VGPU_CAL_CONT_STEP_PM a step and never below VGPU_CAL_MIN_PM / min(procs,
+ * VGPU_CAL_CONT_PROCS). Pure. */
+void vgpu_gate_calibrate_container(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns,
+                                   unsigned procs, uint64_t waited_ns);
 /* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with
  * offset/len in per mille of the period and its entry count in *count (may be NULL); -1 if the file is missing, short, not a schedule of
  * this version, inconsistent (a window beyond the period), or does not list `key`. */
@@ -729,10 +755,11 @@ void vgpu_compute_ctx_destroyed(CUcontext c);            /* after it: events may
 uint64_t vgpu_nvml_process_used(int d, int *found); /* bytes NVML reports for this process */
 /* The card's busy time in ns in NVML's utilization samples newer than *seen_us (each sample:
  * the percent of its period a kernel ran) and the span they cover, [*from_us, *seen_us] (NVML's
- * wall-clock microseconds); *alone: this process is the card's only compute process. 1 when
- * samples were read; the first call (*seen_us 0) only finds the newest sample. */
+ * wall-clock microseconds); *alone: this process is the card's only compute process; *procs:
+ * the card's compute processes (0 when NVML cannot list them). 1 when samples were read; the
+ * first call (*seen_us 0) only finds the newest sample. */
 int vgpu_nvml_card_busy(int d, unsigned long long *seen_us, unsigned long long *from_us, uint64_t *busy_ns,
-                        int *alone);
+                        int *alone, unsigned *procs);
 void vgpu_ensure_slot(void);             /* take this process's region slot if not yet */
 
 /* Decimal parsing without libc: glibc >= 2.38 headers turn strtol/strtoull/atoi into calls of

@@ -507,6 +507,12 @@ void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t
      * idle phases, whose event spans hold long gaps, would pull it down just before the tenant
      * saturates), and only alone: beside co-tenants or other processes the card's busy time is
      * not its own. */
+    if (g->cal_container) { /* from the container's ratio: the sums are the process's own again */
+        g->cal_container = 0;
+        g->cal_card_busy = g->cal_own_busy = 0;
+        if (g->cal_pm && g->cal_pm < VGPU_CAL_MIN_PM)
+            g->cal_pm = VGPU_CAL_MIN_PM;
+    }
     if (!alone || g->cotenants || g->measure_only || g->est_ns >= LONG_KERNEL_NS) {
         /* Long kernels are bracketed one by one, exact, with no gaps to take off; and one
          * settles when it ends, after the card's samples counted most of it, so a span of
@@ -525,5 +531,41 @@ void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t
             g->cal_pm = (uint32_t)(pm < VGPU_CAL_MIN_PM ? VGPU_CAL_MIN_PM : pm > max ? max : pm);
         }
     }
+    atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
+}
+
+void vgpu_gate_calibrate_container(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns,
+                                   unsigned procs, uint64_t waited_ns)
+{
+    /* Processes of one container share the card's time: each one's batches span its siblings'
+     * time slices too, so charged as measured the container got 19 % (2 processes) and 16.6 %
+     * (4) of the H200 under 30 %. No process knows its siblings' measurements (the region is
+     * the container's to write), but the card's busy time, alone on the card, is the
+     * container's: charged too much, the container is held back while the card says it used
+     * less than its share, and the ratio falls; charged too little, the card says more and it
+     * rises at once. Falling is slow and bounded (a tenant that drove it down, then stopped the
+     * siblings whose time slices justified it, runs above its share until the next step). */
+    if (g->measure_only || g->cotenants || !g->len_ns || t1 <= t0) {
+        vgpu_gate_calibrate(g, 0, 0, 0, 0);
+        return;
+    }
+    if (!g->cal_container) { /* the sums become the card's busy time and the container's share */
+        g->cal_container = 1;
+        g->cal_card_busy = g->cal_own_busy = 0;
+    }
+    uint64_t span = t1 - t0, share = (uint64_t)((unsigned __int128)span * g->len_ns / g->period_ns);
+    if (span < VGPU_CAL_NS / 4 || !share)
+        return;
+    uint64_t f = (uint64_t)((unsigned __int128)card_busy_ns * 1000 / share);
+    uint64_t pm = g->cal_pm ? g->cal_pm : 1000;
+    unsigned n = procs < 1 ? 1 : procs > VGPU_CAL_CONT_PROCS ? VGPU_CAL_CONT_PROCS : procs;
+    uint64_t lo = VGPU_CAL_MIN_PM / n, hi = vgpu_gate_cal_raise(g);
+    /* down half the way a step: one span's busy time swings by a third either way (the
+     * processes take turns at the credit, and the samples lag the work); up at once */
+    if (f > 1000 + VGPU_CAL_CONT_BAND_PM)
+        pm = pm * f / 1000;
+    else if (f + VGPU_CAL_CONT_BAND_PM < 1000 && waited_ns * 4 >= span)
+        pm = pm * (1000 - (1000 - (f > VGPU_CAL_CONT_STEP_PM ? f : VGPU_CAL_CONT_STEP_PM)) * VGPU_CAL_CONT_GAIN_PM / 1000) / 1000;
+    g->cal_pm = (uint32_t)(pm < lo ? lo : pm > hi ? hi : pm);
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }

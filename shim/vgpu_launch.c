@@ -41,22 +41,28 @@ void vgpu_compute_setup(int d, CUdevice dev)
 
 /* At most every 500 ms, when a launch is about to wait for credit: the card's busy time in
  * NVML's newest utilization samples against the GPU time measured in their span
- * (vgpu_gate_calibrate; only a process alone on the card is calibrated). NVML stamps samples
- * with the wall clock: mapped to the gate's clock. */
+ * (vgpu_gate_calibrate; only a process alone on the card is calibrated), or, for processes of a
+ * container the schedule lists alone on the card, against the container's share of the span
+ * (vgpu_gate_calibrate_container). NVML stamps samples with the wall clock: mapped to the
+ * gate's clock. */
 static void calibrate(int d, struct vgpu_gate *g, uint64_t now)
 {
     unsigned long long from_us = 0;
-    uint64_t busy = 0;
+    uint64_t busy = 0, waited = g->cal_waited_ns;
     int alone = 0;
+    unsigned procs = 0;
     g->cal_last_ns = now;
     g->cal_waited_ns = 0;
     /* Only a tenant near its share needs it: one under half of it (a request now and then) pays
-     * no NVML call on its launch path. */
+     * no NVML call on its launch path. A process of a container alone on the card may use
+     * little of the share its siblings spend: it is held back all the same. */
     uint64_t own = vgpu_gate_cal_own(g, now - VGPU_CAL_NS, now);
-    if (own == ~0ull || (unsigned __int128)own * 2 * g->period_ns < (unsigned __int128)VGPU_CAL_NS * g->len_ns)
+    int near = own != ~0ull && (unsigned __int128)own * 2 * g->period_ns >= (unsigned __int128)VGPU_CAL_NS * g->len_ns;
+    int listed_alone = g->sched_listed && !g->cotenants;
+    if (!near && !listed_alone)
         return;
-    int got = vgpu_nvml_card_busy(d, &g->cal_seen_us, &from_us, &busy, &alone);
-    if (!alone) {
+    int got = vgpu_nvml_card_busy(d, &g->cal_seen_us, &from_us, &busy, &alone, &procs);
+    if (!alone && !(listed_alone && procs > 1)) {
         vgpu_gate_calibrate(g, 0, 0, 0, 0);
         return;
     }
@@ -64,7 +70,15 @@ static void calibrate(int d, struct vgpu_gate *g, uint64_t now)
     clock_gettime(CLOCK_REALTIME, &ts);
     int64_t off = (int64_t)ts.tv_sec * (int64_t)VGPU_SEC + ts.tv_nsec - (int64_t)vgpu_now_ns();
     int64_t t0 = (int64_t)from_us * 1000 - off, t1 = (int64_t)g->cal_seen_us * 1000 - off;
-    if (got && t0 > 0 && t1 > t0)
+    if (!got || t0 <= 0 || t1 <= t0)
+        return;
+    if (!alone)
+        vgpu_gate_calibrate_container(g, (uint64_t)t0, (uint64_t)t1, busy, procs, waited);
+    if (vgpu.cfg.log_level >= 3)
+        vgpu_log(3, "calibrate d%d: card busy %llu us in %lld us, procs %u alone %d waited %llu us: %u pm",
+                 d, (unsigned long long)(busy / 1000), (long long)(t1 - t0) / 1000, procs, alone,
+                 (unsigned long long)(waited / 1000), g->cal_pm);
+    else if (near)
         vgpu_gate_calibrate(g, (uint64_t)t0, (uint64_t)t1, busy, 1);
 }
 
@@ -97,10 +111,12 @@ static void refresh_schedule(int d, uint64_t now)
         vgpu_sched_read(vgpu.cfg.sched_dir, rd->uuid, vgpu.cfg.claim, &off, &len, &n) == 0) {
         uint64_t l = g->base_period_ns * len / 1000;
         g->last_sched_ns = now;
+        g->sched_listed = 1;
         vgpu_gate_set_window(g, g->base_period_ns * off / 1000, l < g->share_ns ? l : g->share_ns, n > 1);
         return;
     }
     g->last_sched_ns = vgpu.cfg.sched_dir[0] && vgpu.cfg.claim[0] ? 0 : now;
+    g->sched_listed = 0;
     vgpu_gate_set_window(g, 0, g->share_ns, 0);
 }
 

@@ -160,17 +160,20 @@ static double sample_value(int type, nvmlValue_t v)
 }
 
 int vgpu_nvml_card_busy(int d, unsigned long long *seen_us, unsigned long long *from_us, uint64_t *busy_ns,
-                        int *alone)
+                        int *alone, unsigned *procs)
 {
     *busy_ns = 0;
     *alone = 0;
+    *procs = 0;
     nvmlDevice_t h = handle_of(d);
     const struct vgpu_drv *drv = vgpu_nvml_drv();
     if (!h || !drv->nvml_samples || !drv->nvml_running_procs)
         return 0;
     nvmlProcessInfo_t info[8];
     unsigned n = 8;
-    *alone = drv->nvml_running_procs(h, &n, info) == NVML_SUCCESS && n == 1 && info[0].pid == own_pid();
+    nvmlReturn_t rc = drv->nvml_running_procs(h, &n, info);
+    *procs = rc == NVML_SUCCESS ? n : rc == NVML_ERROR_INSUFFICIENT_SIZE ? 8 : 0; /* more than 8: 8 */
+    *alone = rc == NVML_SUCCESS && n == 1 && info[0].pid == own_pid();
     nvmlSample_t smp[128];
     unsigned cnt = 128;
     int type = 1;

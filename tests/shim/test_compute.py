@@ -144,6 +144,59 @@ def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
     assert g.cal_pm == 1000
 
 
+
+def test_container_calibration(core) -> None:
+    """Processes of one container the schedule lists alone on the card (vgpu_gate_calibrate_
+    container): the card's busy time, the container's, against the share of the span. Held back
+    while the card says less, the ratio falls, half the way a step and at most 10 % a step, to no
+    less than 85 % over the card's compute processes (four at most); above the share it rises at
+    once, all the way; inside a 3 % band, or when this process did not wait for credit, it stays."""
+    lib = core.lib
+    g = gate(core, 30)
+    t, half = 1000 * 100 * MS, 500 * MS
+    lib.vgpu_gate_settle(g, 100, 0, 5 * MS, 1)  # an estimate of 50 us a launch
+    # the card was busy 20 % under a 30 % share, the process held back all the span
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 100 * MS, 2, half)
+    assert g.cal_pm == 900 and g.cal_container == 1  # f = 0.67: bounded to -10 %
+    assert g.vt_cost == g.est_ns * 900 // 1000 * 100 // 30
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 140 * MS, 2, half)  # f = 0.933: half of it
+    assert g.cal_pm == 900 * 967 // 1000
+    for _ in range(20):
+        lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 2, half)
+    assert g.cal_pm == 425  # 850 / 2 processes
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 8, half)
+    assert g.cal_pm == 425 * 900 // 1000  # 8 processes count as 4; the ratio falls 10 % a step
+    for _ in range(20):
+        lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 8, half)
+    assert g.cal_pm == 212
+    # not held back (waited under a quarter of the span): under the share says nothing
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 8, half // 5)
+    assert g.cal_pm == 212
+    # within the band: nothing either way
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 147 * MS, 8, half)
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 153 * MS, 8, half)
+    assert g.cal_pm == 212
+    # the card says 2 x the share (the siblings stopped): all the way up at once, waited or not
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 300 * MS, 8, 0)
+    assert g.cal_pm == 424
+    # never above the measured time where gap tracking took nothing off
+    for _ in range(10):
+        lib.vgpu_gate_calibrate_container(g, t, t + half, 450 * MS, 2, 0)
+    assert g.cal_pm == 1000
+    # a span too short to judge moves nothing
+    lib.vgpu_gate_calibrate_container(g, t, t + 100 * MS, 0, 2, 100 * MS)
+    assert g.cal_pm == 1000
+    # alone again (NVML lists this process only): from the container's ratio, no lower than 85 %
+    for _ in range(20):
+        lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 4, half)
+    assert g.cal_pm == 212
+    lib.vgpu_gate_calibrate(g, t, t + half, 0, 1)
+    assert g.cal_container == 0 and g.cal_pm == 850
+    # co-tenants: no calibration at all
+    lib.vgpu_gate_set_window(g, 0, 30 * MS, 1)
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 2, half)
+    assert g.cal_pm == 1000
+
 def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
     """Review findings on the gap ratio and the bracketed kernel: a tenant trained the gap ratio
     low with a launch-bound phase and then ran long kernels, one launch per batch, charged at

@@ -710,3 +710,59 @@ def test_two_threads_at_their_own_pace_on_per_thread_streams_get_the_share(card)
     assert r["rc"] == 0 and native["busy"] > 0.9, (native, r)
     assert 30 - 4 <= r["busy"] * 100 <= 30 + 4, r
     assert all(30 - 5 <= x * 100 <= 30 + 5 for x in r["per_sec"]), r
+
+
+def one_container(box, cores: int, nproc: int, args: list[str], secs: float | list[float] = 4.2,
+                  extra_env: list[dict[str, str]] | None = None) -> list[dict[str, Any]]:
+    """nproc processes of one container (one claim, one region) running ``cuprog work`` at once on
+    a card that shares its time among the processes with work (STUB_TIMESLICE), with the node
+    agent's schedule writer listing the container alone on the card."""
+    from kvgpu.agent.schedule import Scheduler, TenantSource
+
+    sched, rd = box.dir / "sched", region(box, "c")
+    source = TenantSource("ns/c", 1, {uuid(0): cores}, rd / "vgpu.region")
+    env = box.env(claim((0, 1000, cores), name="ns/c", priority=1), KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd,
+                  STUB_TIMESLICE="1", KVGPU_LOG_LEVEL=os.environ.get("DBG_LOG", "1"))
+    writer = Scheduler(sched, lambda: [source], lambda: [uuid(0)])
+    stop = threading.Event()
+    t = threading.Thread(target=writer.serve, args=(stop, 0.1), daemon=True)
+    t.start()
+    try:
+        each = secs if isinstance(secs, list) else [secs] * nproc
+        procs = [subprocess.Popen([str(box.kit.cuprog), "work", *args[:1], str(sec), *args[1:]],
+                                  env={**env, **(extra_env[i] if extra_env else {})}, stdout=subprocess.PIPE, text=True)
+                 for i, sec in enumerate(each)]
+        return [json.loads(p.communicate(timeout=60)[0].splitlines()[-1]) for p in procs]
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_saturating_processes_of_a_container_get_its_share_together(card) -> None:
+    """Four processes of one container that each want the whole card: the card shares its time
+    among them, so each process's event pairs also span its siblings' time slices, and charged as
+    measured the container got 16.6 % of the H200 under 30 % (24-26 % on this stub). The
+    container calibration compares the card's busy time with the container's share: together
+    they get it. The first two seconds are left out (the calibration steps every half second)."""
+    outs = one_container(card, 30, 4, ["sat", "2000", "20"], secs=6.2)
+    later = [sum(x) * 100 for x in list(zip(*(o["per_sec"] for o in outs), strict=False))[2:]]
+    print("4 saturating processes of one container at 30 %:", [round(x, 1) for x in later])
+    assert later and abs(sum(later) / len(later) - 30) <= 3, later
+    assert all(abs(x - 30) <= 6 for x in later), later
+
+
+def test_a_container_cannot_keep_its_siblings_discount_after_they_stop(card) -> None:
+    """The attack on the container calibration: four processes saturate together (the card's
+    time is shared, the ratio falls to what their spans overstate), then three stop and stay idle
+    with their contexts (NVML still lists four processes), so the ratio would let the last one
+    run at 1 / ratio of the share. The card's busy time says so at the next calibration step: the
+    ratio rises at once, and the seconds after stay at the share."""
+    linger = {"CUPROG_LINGER_MS": "5000"}
+    a, *rest = one_container(card, 30, 4, ["sat", "2000", "20"], secs=[8.2] + [4.5] * 3,
+                             extra_env=[{}, linger, linger, linger])
+    after = [x * 100 for x in a["per_sec"][5:]]
+    before = [sum(x) * 100 for x in zip(a["per_sec"][:4], *(o["per_sec"] for o in rest), strict=False)]
+    print("the process left alone at 30 %:", [round(x, 1) for x in after], "before, all four:",
+          [round(x, 1) for x in before])
+    assert after and all(x <= 30 + 5 for x in after[1:]) and after[0] <= 30 + 10, after
+    assert abs(sum(after) / len(after) - 30) <= 4, after

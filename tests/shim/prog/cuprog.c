@@ -61,7 +61,8 @@
  *   (CUPROG_HIDDEN_SYNC=1: the waits go where the shim cannot see them, like cudart's;
  *   CUPROG_WARMUP_MS=N: a saturating loop for N ms first, not measured;
  *   CUPROG_IDLE_MS=N: light use for N ms first, a kernel every 100 ms, not measured;
- *   CUPROG_PAUSE_MS=N: after those, N ms without any CUDA call)
+ *   CUPROG_PAUSE_MS=N: after those, N ms without any CUDA call;
+ *   CUPROG_LINGER_MS=N: after the report, N ms idle before exit, the context kept)
  *   (work: the stub driver with STUB_GRID_US=1 runs each kernel for gridDimX us; it prints the
  *   share of wall time its kernels ran, per second too, from the stub's stubDoneNs: physical
  *   card 0's, or CUPROG_DONE_PHYS's; CUPROG_CTX2_DEV=N puts the second context on ordinal N)
@@ -977,6 +978,13 @@ static int cmd_work(int argc, char **argv)
     for (int i = 0; i < nper; i++)
         printf("%s%.4f", i ? ", " : "", per.v[i]);
     printf("]}\n");
+    fflush(stdout);
+    const char *linger = getenv("CUPROG_LINGER_MS"); /* then idle that long, its context kept */
+    if (linger) {
+        long ms = atol(linger);
+        struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
     return rc != 0;
 }
 
