@@ -197,7 +197,7 @@ def make_threads() -> tuple[Callable[[], None], int, int]:
     is 8 products of either thread; run() returns after `per` more units."""
     torch.backends.cuda.matmul.allow_tf32 = True
     done = [0]
-    lock = threading.Lock()
+    cv = threading.Condition()
     stop = threading.Event()
 
     def worker(n: int) -> None:
@@ -210,8 +210,9 @@ def make_threads() -> tuple[Callable[[], None], int, int]:
                 for _ in range(8):
                     y = torch.relu(y @ w)
                 s.synchronize()
-                with lock:
+                with cv:
                     done[0] += 1
+                    cv.notify_all()
 
     threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in (4096, 512)]
     for t in threads:
@@ -224,14 +225,10 @@ def make_threads() -> tuple[Callable[[], None], int, int]:
 
     atexit.register(end)
 
-    def run() -> None:
-        with lock:
+    def run() -> None:  # waits on the condition: no polling that takes the GIL from the workers
+        with cv:
             goal = done[0] + 20
-        while True:
-            with lock:
-                if done[0] >= goal:
-                    return
-            time.sleep(0.0005)
+            cv.wait_for(lambda: done[0] >= goal)
 
     return run, 20, 2
 
