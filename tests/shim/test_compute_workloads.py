@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -712,11 +714,12 @@ def test_two_threads_at_their_own_pace_on_per_thread_streams_get_the_share(card)
     assert all(30 - 5 <= x * 100 <= 30 + 5 for x in r["per_sec"]), r
 
 
-def one_container(box, cores: int, nproc: int, args: list[str], secs: float | list[float] = 4.2,
-                  extra_env: list[dict[str, str]] | None = None) -> list[dict[str, Any]]:
-    """nproc processes of one container (one claim, one region) running ``cuprog work`` at once on
-    a card that shares its time among the processes with work (STUB_TIMESLICE), with the node
-    agent's schedule writer listing the container alone on the card."""
+def one_container(box, cores: int, runs: list[tuple[list[str], dict[str, str]]],
+                  during: Callable[[Path], None] | None = None) -> list[dict[str, Any]]:
+    """Processes of one container (one claim, one region), ``cuprog work ARGS`` each with its own
+    extra environment, at once on a card that shares its time among the processes with work
+    (STUB_TIMESLICE), with the node agent's schedule writer listing the container alone on the
+    card. ``during(region_file)`` runs in a thread meanwhile (the tenant's own doings)."""
     from kvgpu.agent.schedule import Scheduler, TenantSource
 
     sched, rd = box.dir / "sched", region(box, "c")
@@ -728,14 +731,23 @@ def one_container(box, cores: int, nproc: int, args: list[str], secs: float | li
     t = threading.Thread(target=writer.serve, args=(stop, 0.1), daemon=True)
     t.start()
     try:
-        each = secs if isinstance(secs, list) else [secs] * nproc
-        procs = [subprocess.Popen([str(box.kit.cuprog), "work", *args[:1], str(sec), *args[1:]],
-                                  env={**env, **(extra_env[i] if extra_env else {})}, stdout=subprocess.PIPE, text=True)
-                 for i, sec in enumerate(each)]
-        return [json.loads(p.communicate(timeout=60)[0].splitlines()[-1]) for p in procs]
+        procs = [subprocess.Popen([str(box.kit.cuprog), "work", *args], env={**env, **extra},
+                                  stdout=subprocess.PIPE, text=True) for args, extra in runs]
+        side = threading.Thread(target=during, args=(rd / "vgpu.region",), daemon=True) if during else None
+        if side:
+            side.start()
+        outs = [json.loads(p.communicate(timeout=60)[0].splitlines()[-1]) for p in procs]
+        if side:
+            side.join()
+        return outs
     finally:
         stop.set()
         t.join()
+
+
+def sat(secs: float, **env: str) -> tuple[list[str], dict[str, str]]:
+    """A saturating loop of 2 ms kernels, a sync every 20, for secs."""
+    return ["sat", str(secs), "2000", "20"], env
 
 
 def test_saturating_processes_of_a_container_get_its_share_together(card) -> None:
@@ -744,7 +756,7 @@ def test_saturating_processes_of_a_container_get_its_share_together(card) -> Non
     measured the container got 16.6 % of the H200 under 30 % (24-26 % on this stub). The
     container calibration compares the card's busy time with the container's share: together
     they get it. The first two seconds are left out (the calibration steps every half second)."""
-    outs = one_container(card, 30, 4, ["sat", "2000", "20"], secs=6.2)
+    outs = one_container(card, 30, [sat(6.2)] * 4)
     later = [sum(x) * 100 for x in list(zip(*(o["per_sec"] for o in outs), strict=False))[2:]]
     print("4 saturating processes of one container at 30 %:", [round(x, 1) for x in later])
     assert later and abs(sum(later) / len(later) - 30) <= 3, later
@@ -757,12 +769,43 @@ def test_a_container_cannot_keep_its_siblings_discount_after_they_stop(card) -> 
     with their contexts (NVML still lists four processes), so the ratio would let the last one
     run at 1 / ratio of the share. The card's busy time says so at the next calibration step: the
     ratio rises at once, and the seconds after stay at the share."""
-    linger = {"CUPROG_LINGER_MS": "5000"}
-    a, *rest = one_container(card, 30, 4, ["sat", "2000", "20"], secs=[8.2] + [4.5] * 3,
-                             extra_env=[{}, linger, linger, linger])
+    idle = sat(4.5, CUPROG_LINGER_MS="5000")
+    a, *rest = one_container(card, 30, [sat(8.2), idle, idle, idle])
     after = [x * 100 for x in a["per_sec"][5:]]
     before = [sum(x) * 100 for x in zip(a["per_sec"][:4], *(o["per_sec"] for o in rest), strict=False)]
     print("the process left alone at 30 %:", [round(x, 1) for x in after], "before, all four:",
           [round(x, 1) for x in before])
     assert after and all(x <= 30 + 5 for x in after[1:]) and after[0] <= 30 + 10, after
     assert abs(sum(after) / len(after) - 30) <= 4, after
+
+
+def forge_credit(until_s: float) -> Callable[[Path], None]:
+    """The tenant keeps its container's credit clock V half a second ahead until until_s from
+    now: every process of the container waits for credit while the card idles."""
+    from kvgpu.shimregion import Region, RegionDev
+
+    at = Region.dev.offset + RegionDev.credit_vt.offset  # dev[0].credit_vt
+    t0 = time.monotonic()
+
+    def run(path: Path) -> None:
+        while time.monotonic() - t0 < until_s:
+            if path.exists() and path.stat().st_size > at + 8:
+                fd = os.open(path, os.O_RDWR)
+                os.pwrite(fd, struct.pack("<Q", time.monotonic_ns() + 500_000_000), at)
+                os.close(fd)
+            time.sleep(0.02)
+
+    return run
+
+
+def test_a_forged_wait_leaves_no_lasting_discount(card) -> None:
+    """Found in review: a forged credit clock holds the container back while the card idles,
+    with three idle contexts on the card (NVML lists four processes), so each calibration step
+    lowered the ratio, to 21 %; after the forgery the process ran at the whole card (99 % under
+    30 %), never waited again, and so was never calibrated again. A ratio under a lone process's
+    floor is now checked every half second whether the process waits or not."""
+    idle = sat(0.05, CUPROG_LINGER_MS="11000")
+    a, *_ = one_container(card, 30, [sat(10.2), idle, idle, idle], during=forge_credit(6.0))
+    after = [x * 100 for x in a["per_sec"][7:]]
+    print("after a forged wait of 6 s, at 30 %:", [round(x, 1) for x in after], "all:", a["per_sec"])
+    assert after and all(x <= 30 + 5 for x in after), after
