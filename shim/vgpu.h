@@ -343,9 +343,9 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #endif
 /* Processes of one container alone on the card (vgpu_gate_calibrate_container): the card's busy
  * time within this band of the share (per mille) moves nothing; the ratio falls part of the
- * way (GAIN) to the card's reading, at most to STEP of itself a step, and never below VGPU_CAL_MIN_PM divided by the card's compute processes (at
- * most VGPU_CAL_CONT_PROCS): time-sliced beside n-1 siblings a span is at most n times the
- * process's own time. */
+ * way (GAIN) toward the card's reading, a reading taken as no lower than STEP (as built: at
+ * most 10 % a step), and never below VGPU_CAL_MIN_PM divided by the card's compute processes (at most VGPU_CAL_CONT_PROCS):
+ * time-sliced beside n-1 siblings a span is at most n times the process's own time. */
 #define VGPU_CAL_CONT_BAND_PM 30u
 #ifndef VGPU_CAL_CONT_STEP_PM /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_CAL_CONT_STEP_PM 800u
@@ -602,9 +602,10 @@ void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t
  * [t0, t1] is the container's, compared with the share of that span. Above it by more than
  * VGPU_CAL_CONT_BAND_PM, cal_pm rises in proportion at once (up to vgpu_gate_cal_raise); under
  * it, and only when this process waited for credit a quarter of the span or more (`waited_ns`:
- * the container is held back by charges its time does not bear out), it falls in proportion,
- * by at most VGPU_CAL_CONT_STEP_PM a step and never below VGPU_CAL_MIN_PM / min(procs,
- * VGPU_CAL_CONT_PROCS). Pure. */
+ * the container is held back by charges its time does not bear out), it falls part of the way
+ * (VGPU_CAL_CONT_GAIN_PM) toward the reading, taken as no lower than VGPU_CAL_CONT_STEP_PM,
+ * and never below VGPU_CAL_MIN_PM / min(procs, VGPU_CAL_CONT_PROCS). Beside co-tenants: 1000,
+ * as vgpu_gate_calibrate. Pure. */
 void vgpu_gate_calibrate_container(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns,
                                    unsigned procs, uint64_t waited_ns);
 /* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with
