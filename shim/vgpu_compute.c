@@ -549,10 +549,7 @@ void vgpu_gate_calibrate_container(struct vgpu_gate *g, uint64_t t0, uint64_t t1
         vgpu_gate_calibrate(g, 0, 0, 0, 0);
         return;
     }
-    if (!g->cal_container) { /* the sums become the card's busy time and the container's share */
-        g->cal_container = 1;
-        g->cal_card_busy = g->cal_own_busy = 0;
-    }
+    g->cal_container = 1; /* (the lone-process sums are not read meanwhile: reset on the way back) */
     uint64_t span = t1 - t0, share = (uint64_t)((unsigned __int128)span * g->len_ns / g->period_ns);
     if (span < VGPU_CAL_NS / 4 || !share)
         return;
