@@ -183,6 +183,23 @@ def test_several_streams_share_one_limit(card) -> None:
     assert abs(r["busy"] * 100 - 30) <= 6, r
 
 
+@contextlib.contextmanager
+def schedule_writer(sched: Path, sources: list[Any]) -> Iterator[Any]:
+    """The node agent's schedule writer (the real Scheduler) for `sources` on card 0, serving
+    every 100 ms in a thread meanwhile."""
+    from kvgpu.agent.schedule import Scheduler
+
+    writer = Scheduler(sched, lambda: sources, lambda: [uuid(0)])
+    stop = threading.Event()
+    t = threading.Thread(target=writer.serve, args=(stop, 0.1), daemon=True)
+    t.start()
+    try:
+        yield writer
+    finally:
+        stop.set()
+        t.join()
+
+
 def tenants(box, specs: list[tuple[int, int]], args: list[str], secs: float | list[float] = 3.2,
             modes: list[tuple[str, list[str]]] | None = None,
             extra_env: list[dict[str, str]] | None = None) -> list[dict[str, Any]]:
@@ -190,7 +207,7 @@ def tenants(box, specs: list[tuple[int, int]], args: list[str], secs: float | li
     writer running in a thread (the real Scheduler over their claims and regions). The stub card
     time-slices between them as a GPU does between processes (STUB_TIMESLICE): a kernel running
     beside another tenant's takes twice its wall time, and an event pair around it says so."""
-    from kvgpu.agent.schedule import Scheduler, TenantSource
+    from kvgpu.agent.schedule import TenantSource
 
     sched = box.dir / "sched"
     sources, envs = [], []
@@ -200,11 +217,7 @@ def tenants(box, specs: list[tuple[int, int]], args: list[str], secs: float | li
         envs.append(box.env(claim((0, 1000, cores), name=f"ns/t{i}", priority=prio),
                             KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd, STUB_TIMESLICE="1",
                             **(extra_env[i] if extra_env else {})))
-    writer = Scheduler(sched, lambda: sources, lambda: [uuid(0)])
-    stop = threading.Event()
-    t = threading.Thread(target=writer.serve, args=(stop, 0.1), daemon=True)
-    t.start()
-    try:
+    with schedule_writer(sched, sources) as writer:
         runs = modes or [("sat", args)] * len(envs)
         each = secs if isinstance(secs, list) else [secs] * len(envs)
         procs = [subprocess.Popen([str(box.kit.cuprog), "work", mode, str(sec), *margs], env=env,
@@ -212,9 +225,6 @@ def tenants(box, specs: list[tuple[int, int]], args: list[str], secs: float | li
                  for env, (mode, margs), sec in zip(envs, runs, each, strict=True)]
         outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
         box.last_layout = writer.tick()
-    finally:
-        stop.set()
-        t.join()
     print(specs, [round(o["busy"] * 100, 1) for o in outs], box.last_layout.get(uuid(0)))
     return outs
 
@@ -720,17 +730,13 @@ def one_container(box, cores: int, runs: list[tuple[list[str], dict[str, str]]],
     extra environment, at once on a card that shares its time among the processes with work
     (STUB_TIMESLICE), with the node agent's schedule writer listing the container alone on the
     card. ``during(region_file)`` runs in a thread meanwhile (the tenant's own doings)."""
-    from kvgpu.agent.schedule import Scheduler, TenantSource
+    from kvgpu.agent.schedule import TenantSource
 
     sched, rd = box.dir / "sched", region(box, "c")
     source = TenantSource("ns/c", 1, {uuid(0): cores}, rd / "vgpu.region")
     env = box.env(claim((0, 1000, cores), name="ns/c", priority=1), KVGPU_SCHED_DIR=sched, KVGPU_REGION_DIR=rd,
                   STUB_TIMESLICE="1", KVGPU_LOG_LEVEL=os.environ.get("DBG_LOG", "1"))
-    writer = Scheduler(sched, lambda: [source], lambda: [uuid(0)])
-    stop = threading.Event()
-    t = threading.Thread(target=writer.serve, args=(stop, 0.1), daemon=True)
-    t.start()
-    try:
+    with schedule_writer(sched, [source]):
         procs = [subprocess.Popen([str(box.kit.cuprog), "work", *args], env={**env, **extra},
                                   stdout=subprocess.PIPE, text=True) for args, extra in runs]
         side = threading.Thread(target=during, args=(rd / "vgpu.region",), daemon=True) if during else None
@@ -740,9 +746,6 @@ def one_container(box, cores: int, runs: list[tuple[list[str], dict[str, str]]],
         if side:
             side.join()
         return outs
-    finally:
-        stop.set()
-        t.join()
 
 
 def sat(secs: float, **env: str) -> tuple[list[str], dict[str, str]]:
