@@ -660,7 +660,7 @@ static _Atomic int non_blocking[STUB_STREAMS]; /* CU_STREAM_NON_BLOCKING: the le
 static void *stream_ctx[STUB_STREAMS];          /* the context a created stream belongs to */
 static pthread_mutex_t ring_mu = PTHREAD_MUTEX_INITIALIZER;
 /* this process's latest kernels; `held`: slot + 1 of the held stream it waits on (end unknown) */
-static struct { uint64_t end, dur, k; int held; } ring[STUB_MAXDEV][4096];
+static struct { uint64_t end, dur; int held; } ring[STUB_MAXDEV][4096];
 static unsigned ring_n[STUB_MAXDEV];
 
 /* A stream waiting for a value (cuStreamWaitValue32 on host memory, the only kind the stub
@@ -677,7 +677,7 @@ static struct hold {
     uint64_t after;  /* the stream's work queued before the wait ends then */
     uint64_t queued; /* GPU ns queued behind the wait */
     uint32_t gen;    /* waits so far on this stream */
-    uint64_t start[STUB_HOLD_GENS], k[STUB_HOLD_GENS]; /* per wait: when its work started (0: not yet) */
+    uint64_t start[STUB_HOLD_GENS]; /* per wait: when its work started (0: not yet) */
 } hold[STUB_MAXDEV][STUB_STREAMS];
 
 /* fork (cuprog fork cuda): the stub's locks are not held across it, as a driver's are not. */
@@ -861,13 +861,13 @@ static void clk_wait(int phys, uint64_t T)
 }
 
 /* Work of `dur` GPU ns on card phys that may start at `after`: its place on the card (its end,
- * on the card's clock; *k: 1, the wall time it takes per GPU ns where that is known then). */
-static uint64_t run_at(int phys, uint64_t now, uint64_t after, uint64_t dur, uint64_t *k)
+ * on the card's clock: with STUB_TIMESLICE the clock, not the work, slows while processes share
+ * the card). */
+static uint64_t run_at(int phys, uint64_t now, uint64_t after, uint64_t dur)
 {
     struct stub_state *s = stub_state();
     struct stub_proc *me = stub_me();
     uint64_t start, end;
-    *k = 1;
     if (concurrent) /* kernels of small grids: each runs as soon as its stream lets it */
         return (now > after ? now : after) + dur;
     if (timeslice)
@@ -891,7 +891,7 @@ static int hold_launch(int phys, int slot, uint64_t dur)
         hold[phys][slot].queued += dur;
         pthread_mutex_lock(&ring_mu);
         unsigned i = ring_n[phys]++ % 4096;
-        ring[phys][i].end = STUB_PENDING, ring[phys][i].dur = dur, ring[phys][i].k = 1, ring[phys][i].held = slot + 1;
+        ring[phys][i].end = STUB_PENDING, ring[phys][i].dur = dur, ring[phys][i].held = slot + 1;
         pthread_mutex_unlock(&ring_mu);
     }
     pthread_mutex_unlock(&hold_mu);
@@ -916,7 +916,7 @@ static CUresult launch(CUstream stream, unsigned gx)
     }
     uint64_t now = clk_now(ph);
     uint64_t after = stream_done(ph, stream); /* the legacy stream waits for all streams */
-    uint64_t k, end = run_at(ph, now, after, dur, &k);
+    uint64_t end = run_at(ph, now, after, dur);
     atomic_store(&last_done[ph][slot_of(stream)], end);
     if (restart_on == stream) { /* STUB_CAPTURE_RESTARTS_AROUND_LAUNCH */
         restart_on = (CUstream)(uintptr_t)-1;
@@ -924,7 +924,7 @@ static CUresult launch(CUstream stream, unsigned gx)
     }
     pthread_mutex_lock(&ring_mu);
     unsigned i = ring_n[ph]++ % 4096;
-    ring[ph][i].end = end, ring[ph][i].dur = dur, ring[ph][i].k = k, ring[ph][i].held = 0;
+    ring[ph][i].end = end, ring[ph][i].dur = dur, ring[ph][i].held = 0;
     pthread_mutex_unlock(&ring_mu);
     atomic_fetch_add(&me->busy_ns[ph], dur);
     atomic_fetch_add(&me->launches[ph], 1);
@@ -1085,7 +1085,7 @@ static uint64_t event_time(struct stub_event *ev)
         struct hold *h = &hold[ev->phys][ev->hslot];
         uint64_t start = h->start[ev->hgen % STUB_HOLD_GENS];
         if (start && h->gen - ev->hgen < STUB_HOLD_GENS)
-            ev->t = start + ev->hoff * h->k[ev->hgen % STUB_HOLD_GENS];
+            ev->t = start + ev->hoff;
         pthread_mutex_unlock(&hold_mu);
     }
     return ev->t;
@@ -1258,16 +1258,16 @@ API CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, uint32_t valu
             struct hold *h = &hold[phys][k];
             if (!atomic_load(&held[phys][k]) || !hold_met(h))
                 continue;
-            uint64_t after = h->after > at ? h->after : at, n = 1;
-            uint64_t end = h->queued ? run_at(phys, now, after, h->queued, &n) : after;
-            uint64_t start = end - h->queued * n, t = start;
-            h->start[h->gen % STUB_HOLD_GENS] = start, h->k[h->gen % STUB_HOLD_GENS] = n;
+            uint64_t after = h->after > at ? h->after : at;
+            uint64_t end = h->queued ? run_at(phys, now, after, h->queued) : after;
+            uint64_t start = end - h->queued, t = start;
+            h->start[h->gen % STUB_HOLD_GENS] = start;
             pthread_mutex_lock(&ring_mu);
             unsigned total = ring_n[phys], first = total > 4096 ? total - 4096 : 0;
             for (unsigned i = first; i < total; i++) /* its kernels, in launch order */
                 if (ring[phys][i % 4096].held == k + 1) {
-                    t += ring[phys][i % 4096].dur * n;
-                    ring[phys][i % 4096].end = t, ring[phys][i % 4096].k = n, ring[phys][i % 4096].held = 0;
+                    t += ring[phys][i % 4096].dur;
+                    ring[phys][i % 4096].end = t, ring[phys][i % 4096].held = 0;
                 }
             pthread_mutex_unlock(&ring_mu);
             atomic_store(&last_done[phys][k], end);
@@ -1356,7 +1356,7 @@ API unsigned long long stubDoneNs(int phys)
     unsigned n = ring_n[phys] < 4096 ? ring_n[phys] : 4096;
     for (unsigned i = 0; i < n; i++)
         if (!timeslice && ring[phys][i].end > now) {
-            uint64_t k = ring[phys][i].k ? ring[phys][i].k : 1, left = (ring[phys][i].end - now) / k;
+            uint64_t left = ring[phys][i].end - now;
             pending += left < ring[phys][i].dur ? left : ring[phys][i].dur;
         }
     pthread_mutex_unlock(&ring_mu);
