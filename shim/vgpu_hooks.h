@@ -136,6 +136,9 @@ typedef struct { /* cuLaunchCooperativeKernelMultiDevice's launches, one per dev
       (CUcontext *, void *, unsigned, CUdevice))                                                         \
     X(H_CTX_DESTROY, cuCtxDestroy_v2, "cuCtxDestroy", 4000, 0, CUresult, (CUcontext))                    \
     X(H_CTX_DESTROY_V1, cuCtxDestroy, "cuCtxDestroy", 2000, 0, CUresult, (CUcontext))                    \
+    X(H_GREEN_CREATE, cuGreenCtxCreate, "cuGreenCtxCreate", 12040, 0, CUresult,                          \
+      (CUgreenCtx *, void *, CUdevice, unsigned))                                                        \
+    X(H_GREEN_DESTROY, cuGreenCtxDestroy, "cuGreenCtxDestroy", 12040, 0, CUresult, (CUgreenCtx))         \
     X(H_PRIMARY_RETAIN, cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 7000, 0, CUresult,         \
       (CUcontext *, CUdevice))                                                                           \
     X(H_PRIMARY_RELEASE, cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", 11000, 0, CUresult,  \

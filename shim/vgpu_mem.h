@@ -27,6 +27,7 @@ enum {
     K_MAPH = 67,        /* ... its handle */
     K_POOL = 68,        /* a memory pool made on or handed out for a card: its region device */
     K_HEXP = 69,        /* a tracked VMM handle exported: it holds one reference more (vgpu_mem_vmm.c) */
+    K_GREEN = 70,       /* a green context this process created: its charge (vgpu_mem_ctx.c) */
     K_TOMB = -1
 };
 

@@ -1,7 +1,7 @@
 /*
  * vgpu_mem_ctx.c - contexts as memory: cuCtxCreate* (the CUDA < 3.2 name too), the first
- * cuDevicePrimaryCtxRetain of a card and cuCtxSetLimit are charged what they take on the card;
- * cuCtxDestroy_v2 returns it.
+ * cuDevicePrimaryCtxRetain of a card, cuGreenCtxCreate and cuCtxSetLimit are charged what they
+ * take on the card; cuCtxDestroy_v2 and cuGreenCtxDestroy return it.
  * Destroying a context (cuCtxDestroy(_v2), a primary context's reset or last release) first hands
  * the compute limiter's events of it back, and once it is gone returns the charges of the memory
  * it owned (linear and managed allocations and arrays made in it: the driver frees them with it)
@@ -55,9 +55,10 @@ static int ctx_begin(int d, uint64_t *est, uint64_t *before)
     return 0;
 }
 
-/* After the driver made the context: settle the charge to NVML's figure. 0 ok with the bytes
- * charged in *charged; -1: it does not fit (nothing is charged any more). */
-static int ctx_end(int d, uint64_t est, uint64_t before, uint64_t *charged)
+/* After the driver made the context: settle the charge to NVML's figure (`learn`: and keep the
+ * first one as a context's size). 0 ok with the bytes charged in *charged; -1: it does not fit
+ * (nothing is charged any more). */
+static int ctx_end(int d, uint64_t est, uint64_t before, uint64_t *charged, int learn)
 {
     *charged = est;
     if (d < 0)
@@ -68,10 +69,12 @@ static int ctx_end(int d, uint64_t est, uint64_t before, uint64_t *charged)
         return 0;
     uint64_t took = after - before;
     uint64_t zero = 0;
-    __atomic_compare_exchange_n(&vgpu.ctx_learnt[d], &zero, took, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
-    zero = 0;
-    atomic_compare_exchange_strong_explicit(&vgpu.region.r->dev[d].ctx_bytes, &zero, took, memory_order_relaxed,
-                                            memory_order_relaxed);
+    if (learn) {
+        __atomic_compare_exchange_n(&vgpu.ctx_learnt[d], &zero, took, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+        zero = 0;
+        atomic_compare_exchange_strong_explicit(&vgpu.region.r->dev[d].ctx_bytes, &zero, took,
+                                                memory_order_relaxed, memory_order_relaxed);
+    }
     /* reserve, not vgpu_charge(): a reconciliation now would see the new context in NVML before it
      * is counted and charge it twice */
     VGPU_ST_T0(t0);
@@ -158,7 +161,7 @@ static CUresult ctx_commit(CUresult rc, CUcontext *pctx, int d, uint64_t est, ui
         return rc;
     }
     uint64_t got;
-    if (ctx_end(d, est, before, &got)) {
+    if (ctx_end(d, est, before, &got, 1)) {
         CUresult (*rel)(CUdevice) = vgpu_cuda_drv()->primary_ctx_release;
         if (!primary)
             ctx_destroy_real(*pctx);
@@ -257,6 +260,59 @@ VGPU_API CUresult cuCtxDestroy(CUcontext c)
 {
     BROKEN_GUARD();
     return ctx_destroy_with(REAL_FN(cuCtxDestroy), c);
+}
+
+/* ------------------------------------------------------------------ green contexts */
+
+/* A green context (cuGreenCtxCreate, CUDA 12.4: a context on a partition of the card's SMs,
+ * which a program may make many of) takes device memory of its own that no allocation hook sees.
+ * Charged what NVML shows its creation took, nothing up front (it is not a full context: a
+ * context's learnt size would refuse what fits), and refused, destroyed again, when that does not
+ * fit; returned at cuGreenCtxDestroy. Where NVML cannot see the process, reconciliation has
+ * nothing to go on either: then it goes uncharged. */
+VGPU_API CUresult cuGreenCtxCreate(CUgreenCtx *phctx, void *desc, CUdevice dev, unsigned flags)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuGreenCtxCreate real = REAL_FN(cuGreenCtxCreate);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    if (mode() != M_LIMITED)
+        return real(phctx, desc, dev, flags);
+    int d = vgpu_map_cuda_device(dev), found = 0;
+    if (d == -2) {
+        vgpu_log(1, "green context on a device outside the claim refused");
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    uint64_t before = 0, got = 0;
+    if (d >= 0) {
+        vgpu_ensure_slot();
+        before = vgpu_nvml_process_used(d, &found);
+    }
+    CUresult rc = real(phctx, desc, dev, flags);
+    if (rc != CUDA_SUCCESS || d < 0 || !phctx)
+        return rc;
+    if (ctx_end(d, 0, before, &got, 0)) {
+        vgpu_fn_cuGreenCtxDestroy destroy = REAL_FN(cuGreenCtxDestroy);
+        if (destroy)
+            destroy(*phctx);
+        *phctx = NULL;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    vgpu_tab_put(K_GREEN, (uint64_t)(uintptr_t)*phctx, got, d);
+    return rc;
+}
+
+VGPU_API CUresult cuGreenCtxDestroy(CUgreenCtx h)
+{
+    BROKEN_GUARD();
+    vgpu_fn_cuGreenCtxDestroy real = REAL_FN(cuGreenCtxDestroy);
+    if (!real)
+        return CUDA_ERROR_NOT_FOUND;
+    uint64_t size;
+    int d;
+    if (mode() != M_LIMITED || !vgpu_release_begin(K_GREEN, (uint64_t)(uintptr_t)h, &size, &d))
+        return real(h);
+    return vgpu_release_end(real(h), K_GREEN, (uint64_t)(uintptr_t)h, size, d);
 }
 
 /* A retain's handle and count (the compute limiter's events of it go when it is reset or

@@ -20,6 +20,7 @@ typedef struct CUarray_st *CUarray;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUgreenCtx_st *CUgreenCtx; /* a context on a partition of the card's SMs (CUDA 12.4) */
 typedef struct CUevent_st *CUevent;
 typedef struct { char bytes[16]; } CUuuid;
 

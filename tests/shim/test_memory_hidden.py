@@ -63,6 +63,19 @@ def test_extra_contexts_are_charged_and_refused(box, abi: str) -> None:
     assert o["after"] == 14  # destroyed contexts give their memory back: (300 - 64) / 16
 
 
+def test_green_contexts_are_charged_and_refused(box) -> None:
+    """Green contexts (cuGreenCtxCreate) take memory no allocation hook sees: each is charged what
+    NVML shows it took (the stub: 32 MiB), refused when that does not fit, and returned when it is
+    destroyed. Before, six of them took 192 MiB past a 300 MiB limit uncharged."""
+    o = last(memprog(box, "green", "8", str(16 * MIB), env=box.env(claim((0, 300, 0)))))
+    # the primary context (64) and 7 green ones (224) fit in 300, the 8th does not
+    assert o["desc_rc"] == 0 and o["green_rc"] == [0] * 7 + [2]
+    assert o["more"] == 0  # (300 - 64 - 7 x 32) / 16
+    assert o["after"] == 14  # destroyed, they give their memory back: (300 - 64) / 16
+    native = last(memprog(box, "green", "8", str(16 * MIB), env=box.env(shim=False)))
+    assert native["green_rc"] == [0] * 8  # the stub card itself has room for them
+
+
 def test_three_extra_contexts_then_allocations(box) -> None:
     """The issue's case on the stub: 3 extra contexts, then allocations, stay within the limit."""
     o = last(memprog(box, "ctx", "3", str(CHUNK), env=box.env(claim((0, 1000, 0)))))

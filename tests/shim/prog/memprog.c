@@ -8,6 +8,8 @@
  *   memprog ctx N CHUNK [v1]       N extra contexts (cuCtxCreate_v2; v1: the CUDA < 3.2 cuCtxCreate
  *       through cuGetProcAddress at 3010), then CHUNK allocations until refused; the contexts
  *       destroyed, again
+ *   memprog green N CHUNK          N green contexts (cuGreenCtxCreate on the card's whole SM
+ *       resource), then CHUNK allocations until refused; the green contexts destroyed, again
  *   memprog limit WHICH VALUE CHUNK  cuCtxSetLimit(WHICH, VALUE), then CHUNK allocations
  *   memprog hidden N CHUNK MIB HOLD_S  N chunks, then MIB of memory without an allocation call
  *       (the stub's stubHidden; a device malloc on a GPU), a cuMemGetInfo and one more chunk,
@@ -38,6 +40,10 @@ CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
 CUresult cuGetProcAddress(const char *, void **, int, unsigned long long);
 CUresult cuCtxDestroy_v2(CUcontext);
 CUresult cuCtxSetLimit(int, size_t);
+CUresult cuDeviceGetDevResource(CUdevice, void *, int);
+CUresult cuDevResourceGenerateDesc(void **, void *, unsigned);
+CUresult cuGreenCtxCreate(void **, void *, CUdevice, unsigned);
+CUresult cuGreenCtxDestroy(void *);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemFree_v2(CUdeviceptr);
@@ -158,6 +164,30 @@ int main(int argc, char **argv)
         for (int i = 0; i < made; i++)
             cuCtxDestroy_v2(c[i]);
         cuCtxSetCurrent(primary);
+        long after = fill(chunk);
+        printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
+        return 0;
+    }
+    if (!strcmp(cmd, "green") && argc >= 4) {
+        int n = atoi(argv[2]);
+        size_t chunk = strtoull(argv[3], NULL, 0);
+        void *g[16], *desc = NULL;
+        unsigned char res[1024]; /* CUdevResource: 144 bytes in CUDA 12.4, room for later ones */
+        int made = 0;
+        CUresult drc = cuDeviceGetDevResource(dev, res, 1); /* CU_DEV_RESOURCE_TYPE_SM */
+        if (!drc)
+            drc = cuDevResourceGenerateDesc(&desc, res, 1);
+        printf("{\"desc_rc\": %d, \"green_rc\": [", drc);
+        for (int i = 0; i < n && i < 16 && !drc; i++) {
+            CUresult rc = cuGreenCtxCreate(&g[made], desc, dev, 1); /* CU_GREEN_CTX_DEFAULT_STREAM */
+            printf("%s%d", i ? ", " : "", rc);
+            if (!rc) made++;
+        }
+        cuCtxSetCurrent(primary);
+        long more = fill(chunk);
+        unfill();
+        for (int i = 0; i < made; i++)
+            cuGreenCtxDestroy(g[i]);
         long after = fill(chunk);
         printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
         return 0;
