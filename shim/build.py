@@ -251,7 +251,8 @@ int vgpu_gate_measures(struct vgpu_gate *g, void *stream);
 uintptr_t vgpu_thread_token(void);
 void vgpu_gate_clamp(struct vgpu_gate *g, uint64_t now_hi);
 uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
-void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
+uint64_t vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, uint64_t twice_ns,
+                          int measured);
 void vgpu_gate_tracked(struct vgpu_gate *g, uint64_t busy_ns, uint64_t span_ns, uint32_t weight);
 uint32_t vgpu_gate_track_every(const struct vgpu_gate *g, uint64_t hi);
 void vgpu_gate_sample(struct vgpu_gate *g, uint64_t kern_ns);

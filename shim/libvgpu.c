@@ -91,9 +91,10 @@ static void at_exit(void)
                     (unsigned long long)(g->cal_own_busy ? g->cal_card_busy * 1000 / g->cal_own_busy : 0),
                     (unsigned long long)g->throttles);
         if (g->active)
-            fprintf(stderr, "vgpu-stats-track pid=%d dev=%d span_us=%llu cpu_in_gaps_us=%llu cal_max_pm=%u\n",
-                    (int)getpid(), d, (unsigned long long)(g->st_tspan / 1000), (unsigned long long)(g->st_tcpu / 1000),
-                    vgpu_gate_cal_raise(g));
+            fprintf(stderr, "vgpu-stats-track pid=%d dev=%d span_us=%llu cpu_in_gaps_us=%llu cal_max_pm=%u "
+                    "twice_us=%llu\n", (int)getpid(), d, (unsigned long long)(g->st_tspan / 1000),
+                    (unsigned long long)(g->st_tcpu / 1000), vgpu_gate_cal_raise(g),
+                    (unsigned long long)(g->st_twice / 1000));
         for (int k = 1, last = 0; g->active && g->len_ns && k < 64; k++) { /* V's advance x len/P */
             if (!g->st_sec_vt[k])
                 continue; /* no slow path in that second */

@@ -454,6 +454,10 @@ struct vgpu_gate {
     int wait_gave_up;           /* a wait for a batch ran out: the gate never waits for one again */
     void *ev_ctx;               /* CUcontext of the open batch and the pooled events: the one of
                                  * the last slow-path launch (peeked by the fast path) */
+    /* GPU time charged already (vgpu_measure.c, "time charged twice"): from event cov_open to
+     * cov_close, both of ev_ctx (NULL: none), at cov_pm per mille of the time between them */
+    void *cov_open, *cov_close;
+    uint32_t cov_pm;
     void *ctx_dying;            /* CUcontext being destroyed (between the release of its events
                                  * and the driver's return): no event is made in it meanwhile */
     uint64_t busy_acc_ns, busy_since_ns; /* measured GPU time since busy_since (publication) */
@@ -502,6 +506,7 @@ struct vgpu_gate {
      * batches, their measured span, what they were charged, their provisional charge (ns) */
     uint64_t st_n[6], st_span[6], st_charged[6], st_prov[6], st_launches[6];
     uint64_t st_tspan, st_tcpu; /* gap-tracked batches: spans, the tracking's CPU time in their gaps */
+    uint64_t st_twice;          /* GPU ns charged already that later batches' spans held */
     /* and the last VGPU_TRACE_LEN decisions of the slow path (printed at exit) */
     struct vgpu_trace_ent {
         uint64_t now, ret, queued, est, open_until;
@@ -558,8 +563,12 @@ uint64_t vgpu_gate_decide(struct vgpu_gate *g, uint64_t now);
  * bound (idle tail included), 3 = exact (gap-tracked: the sum of its busy segments), 4 = a lower
  * bound (a stream whose events failed: the provisional charge stands unless the span is
  * longer, and the estimate is not moved), 5 = several streams, each measured (the union of their
- * spans, at most their sum). Pure. */
-void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured);
+ * spans, at most their sum). twice_ns of the span was charged already by an earlier batch
+ * (vgpu_measure.c, "time charged twice"): taken off the charge, not off what the estimate learns
+ * (a batch that has it moves the estimate not at all). Returns the GPU ns charged for it (0 when
+ * its work is unknown). Pure. */
+uint64_t vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, uint64_t twice_ns,
+                          int measured);
 /* One gap-tracked batch: busy_ns of GPU time in a span of span_ns; the ratio charges the others.
  * weight: the tracked batches it stands for (vgpu_gate_track_every / VGPU_TRACK_EVERY, 1 to 4):
  * its step towards its share is that many times a normal one's (at most the whole way). Pure. */

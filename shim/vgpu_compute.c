@@ -330,19 +330,22 @@ void vgpu_gate_sample(struct vgpu_gate *g, uint64_t ns)
     g->kern_ns = g->cotenants ? (g->kern_ns + ns) / 2 : (g->kern_ns * 7 + ns) / 8;
 }
 
-void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, int measured)
+uint64_t vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, uint64_t span_ns, uint64_t twice_ns,
+                          int measured)
 {
     if (!launches)
-        return;
+        return 0;
     if (!measured) { /* its events cannot be read: its work is unknown */
         vgpu_gate_forfeit(g);
-        return;
+        return 0;
     }
 #ifdef VGPU_STATS
     g->st_n[measured]++, g->st_span[measured] += span_ns, g->st_prov[measured] += prov_ns;
     g->st_launches[measured] += launches;
     int st_mode = measured;
 #endif
+    /* (before the shares below: what an earlier batch charged was charged at its own) */
+    span_ns -= twice_ns < span_ns ? twice_ns : span_ns;
     if (measured == 3) {
         /* Gap-tracked: the busy segments' own time, exact (span_ns is already their sum). */
     } else if (measured == 4) {
@@ -378,9 +381,9 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
          * which it may only lower. */
         if (span_ns > launches * g->est_ns)
             span_ns = launches * g->est_ns;
-        else
+        else if (!twice_ns)
             VGPU_POKE(g->est_ns, (g->est_ns + span_ns / launches) / 2); /* peeked unlocked */
-    } else {
+    } else if (!twice_ns) { /* (less what ran at once with earlier work: not a launch's time) */
         uint64_t sample = span_ns / launches;
         VGPU_POKE(g->est_ns, g->est_ns ? (g->est_ns * 3 + sample) / 4 : sample);
     }
@@ -390,12 +393,13 @@ void vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_ns, 
     g->st_charged[st_mode] += span_ns;
 #endif
     if (g->measure_only)
-        return;
+        return span_ns;
     if (span_ns > prov_ns)
         atomic_fetch_add(g->vt, vt_of(g, span_ns - prov_ns));
     else
         atomic_fetch_sub(g->vt, vt_of(g, prov_ns - span_ns));
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
+    return span_ns;
 }
 
 /* Measured GPU time per mille of the wall time since busy_since_ns (now after it), at most 1000. */

@@ -110,6 +110,17 @@ CUresult vgpu_mem_graph_launch(int idx, CUgraphExec g, CUstream s);
 #define LOWER_BOUND (1ull << 62)
 CUevent vgpu_measure_event(struct vgpu_gate *g);          /* from the pool, or new; NULL: none */
 void vgpu_measure_put(struct vgpu_gate *g, void *event);  /* back to the pool */
+/* One stream's span of a settled batch: its events (moved out by vgpu_measure_cover) and where
+ * they lie, ms after the batch's ev_open. */
+struct vgpu_span { void **open, **close; float s, e; };
+/* GPU ns of the spans that an earlier batch charged already (the most any one of them holds,
+ * at the per mille it was charged at), at most cap; 0 for a gate that only measures:
+ * vgpu_measure.c, "time charged twice". */
+uint64_t vgpu_measure_twice(struct vgpu_gate *g, const struct vgpu_batch *b, const struct vgpu_span *sp, int n,
+                            uint64_t cap);
+/* The spans of batch b, settled and charged at pm per mille of their time: the one that ends
+ * last becomes the stretch charged already, or extends it where they meet. */
+void vgpu_measure_cover(struct vgpu_gate *g, struct vgpu_batch *b, const struct vgpu_span *sp, int n, uint32_t pm);
 /* A batch starts before this launch: 1, or 0 when its opening event failed (nothing measures it). */
 int vgpu_measure_open(struct vgpu_gate *g, CUstream s);
 /* ... ends behind the last. Launches other threads have counted but not yet handed to the
@@ -131,7 +142,7 @@ void vgpu_measure_ctx_gone(struct vgpu_gate *g, CUcontext ctx);
  * (done: all its events completed). */
 void vgpu_track_start(struct vgpu_gate *g, CUstream s);
 void vgpu_track_stop(struct vgpu_gate *g);
-void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done);
+void vgpu_track_settle(struct vgpu_gate *g, struct vgpu_batch *b, int done);
 void vgpu_track_before(struct vgpu_gate *g, CUstream s);  /* gap tracking around a launch */
 void vgpu_track_after(struct vgpu_gate *g, CUstream s);
 int vgpu_stream_capturing(CUstream s);                    /* 1: s is capturing a graph */

@@ -166,6 +166,110 @@ static uint64_t streams_span(const struct vgpu_batch *b, float first_ms, int par
     return (uint64_t)(ms * 1e6);
 }
 
+/* ------------------------------------------------------------------ time charged twice
+ *
+ * A batch opened on an idle stream starts while the work of another stream, measured in the
+ * batch before, still runs: two threads on streams of their own close each other's batches, so
+ * the time their kernels ran at once was counted by two batches (threads at 30 % got 25-27 % of
+ * the card). The gate keeps the latest stretch of GPU time it charged, between two events of
+ * its context: one stream's span of a settled batch, or two that meet, joined. Every instant of
+ * it was charged (at cov_pm per mille: a span charged at the gap ratio's share, or capped),
+ * so the part of a later batch's span inside it is taken off that batch's charge. Only the part
+ * of one span: a batch's streams may overlap each other and the stretch alike, and the most any
+ * one of them holds is never more than their union does. */
+
+/* Where the stretch lies after batch b's ev_open, in ms: 0 when there is none, or b is another
+ * context's, or an event cannot be read. */
+static int cov_at(const struct vgpu_gate *g, const struct vgpu_batch *b, float *c0, float *c1)
+{
+    return g->cov_close && b->ctx == g->ev_ctx && b->ev_open && offset_ms(b, g->cov_open, c0) &&
+           offset_ms(b, g->cov_close, c1) && *c1 > *c0;
+}
+
+uint64_t vgpu_measure_twice(struct vgpu_gate *g, const struct vgpu_batch *b, const struct vgpu_span *sp, int n,
+                            uint64_t cap)
+{
+    float c0, c1;
+    uint64_t most = 0;
+    /* (uncapped high priority publishes its demand, the whole span: see vgpu_track_settle) */
+    if (g->measure_only || !n || !cov_at(g, b, &c0, &c1))
+        return 0;
+    for (int i = 0; i < n; i++) {
+        float lo = sp[i].s > c0 ? sp[i].s : c0, hi = sp[i].e < c1 ? sp[i].e : c1;
+        uint64_t ns = hi > lo ? (uint64_t)((double)(hi - lo) * 1e6) : 0;
+        most = ns > most ? ns : most;
+    }
+    most = most * g->cov_pm / 1000;
+    most = most < cap ? most : cap;
+#ifdef VGPU_STATS
+    g->st_twice += most;
+#endif
+#ifdef VGPU_CHARGE_TWICE /* the earlier rule, for same-call A/B runs */
+    most = 0;
+#endif
+    return most;
+}
+
+static void cov_drop(struct vgpu_gate *g)
+{
+    vgpu_measure_put(g, g->cov_open);
+    vgpu_measure_put(g, g->cov_close);
+    g->cov_open = g->cov_close = NULL;
+}
+
+void vgpu_measure_cover(struct vgpu_gate *g, struct vgpu_batch *b, const struct vgpu_span *sp, int n, uint32_t pm)
+{
+    const struct vgpu_span *last = NULL; /* the span that ends last */
+    for (int i = 0; i < n; i++)
+        if (*sp[i].open && *sp[i].close && sp[i].e > sp[i].s && (!last || sp[i].e > last->e))
+            last = &sp[i];
+    float c0, c1;
+    if (!last || b->ctx != g->ev_ctx)
+        return;
+    int have = cov_at(g, b, &c0, &c1);
+    if (have && last->e <= c1)
+        return; /* it ends inside the stretch, or before it: the stretch stays */
+    pm = pm > 1000 ? 1000 : pm;
+    if (have && c0 <= last->s && last->s <= c1) { /* they meet: the stretch runs on to its end */
+        vgpu_measure_put(g, g->cov_close);
+        g->cov_close = *last->close, *last->close = NULL;
+        g->cov_pm = pm < g->cov_pm ? pm : g->cov_pm;
+        return;
+    }
+    cov_drop(g);
+    g->cov_open = *last->open, g->cov_close = *last->close, *last->open = *last->close = NULL;
+    g->cov_pm = pm;
+}
+
+/* Batch b's stream spans, ms after its ev_open (first_ms: its first stream's, which ends at
+ * *first_close); those whose events cannot be read are left out. Returns how many. */
+static int batch_spans(struct vgpu_batch *b, float first_ms, void **first_close, struct vgpu_span *sp)
+{
+    int n = 0;
+    sp[n++] = (struct vgpu_span){&b->ev_open, first_close, 0, first_ms};
+    for (int i = 0; i < b->nxs; i++) {
+        float start = 0, len = -1;
+        if (b->xs_close[i] && offset_ms(b, b->xs_open[i], &start) &&
+            DRV->event_elapsed(&len, b->xs_open[i], b->xs_close[i]) == CUDA_SUCCESS && len >= 0)
+            sp[n++] = (struct vgpu_span){&b->xs_open[i], &b->xs_close[i], start, start + len};
+    }
+    return n;
+}
+
+/* Charge a measured batch (vgpu_gate_settle's `measured`, never 0) its span less the time an
+ * earlier batch charged already; the stretch moves on past it unless the span may hold idle
+ * time the charge left out (an upper bound) or misses work (a lower bound). */
+static void settle_once(struct vgpu_gate *g, struct vgpu_batch *b, uint64_t n_launch, uint64_t span, int measured,
+                        float first_ms, void **first_close)
+{
+    struct vgpu_span sp[VGPU_BATCH_STREAMS];
+    int n = batch_spans(b, first_ms, first_close, sp);
+    uint64_t twice = vgpu_measure_twice(g, b, sp, n, span);
+    uint64_t charged = vgpu_gate_settle(g, n_launch, b->prov_ns, span, twice, measured);
+    if (measured != 2 && measured != 4 && span > twice)
+        vgpu_measure_cover(g, b, sp, n, (uint32_t)(charged * 1000 / (span - twice)));
+}
+
 /* Settle batch b, whose end was queried (r): its GPU time replaces its provisional charge. */
 static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
 {
@@ -180,21 +284,26 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
         uint64_t span = streams_span(b, ms, 0);
         if (span && b->untracked) /* as below */
             vgpu_gate_tracked(g, span, span, (uint32_t)b->untracked);
-        vgpu_gate_settle(g, n, b->prov_ns, span, !span ? 0 : b->untracked ? 3 : 5);
+        if (span)
+            settle_once(g, b, n, span, b->untracked ? 3 : 5, ms, &b->ev_close);
+        else
+            vgpu_gate_settle(g, n, b->prov_ns, 0, 0, 0);
         return;
     }
+    float first = ms; /* the first stream's span */
     if (ok && b->nxs) { /* a lower bound: the streams whose spans can be read count too */
         uint64_t span = streams_span(b, ms, 1);
         ms = span > (uint64_t)((double)ms * 1e6) ? (float)((double)span / 1e6) : ms;
     }
     /* The first kernel's own time (opened right before it, probed right after it), or a
      * batch of one kernel closed behind it: a sample of GPU time with no gaps. */
+    void **end = &b->ev_close;
     if (ok && b->ev_probe && DRV->event_elapsed(&pm, b->ev_open, b->ev_probe) == CUDA_SUCCESS && pm >= 0) {
         vgpu_gate_sample(g, (uint64_t)((double)pm * 1e6));
         /* its only kernel: the probe is its end (uncapped high priority publishes its
          * demand, the span, see above) */
         if (n == 1 && !(b->launches & LOWER_BOUND) && !g->measure_only) {
-            ms = pm;
+            ms = first = pm, end = &b->ev_probe;
             b->launches = 1;
         }
     } else if (ok && !b->ev_probe && b->launches == 1)
@@ -207,8 +316,11 @@ static void batch_settle(struct vgpu_gate *g, struct vgpu_batch *b, CUresult r)
     if (span && b->untracked && !(b->launches & (LOWER_BOUND | UPPER_BOUND)))
         vgpu_gate_tracked(g, span, span, (uint32_t)b->untracked);
     /* not ok: its events cannot be read (an error, or a close recorded into a capture) */
-    vgpu_gate_settle(g, n, b->prov_ns, span,
-                     !ok ? 0 : b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : b->untracked ? 3 : 1);
+    if (!ok)
+        vgpu_gate_settle(g, n, b->prov_ns, 0, 0, 0);
+    else
+        settle_once(g, b, n, span, b->launches & LOWER_BOUND ? 4 : b->launches & UPPER_BOUND ? 2 : b->untracked ? 3 : 1,
+                    first, end);
 }
 
 /* Given-up batches (still running when the ring needed their room) wait in the overflow with
@@ -432,6 +544,7 @@ void vgpu_measure_follow(struct vgpu_gate *g, CUcontext ctx)
     if (!ctx || !g->ev_ctx || ctx == g->ev_ctx)
         return;
     vgpu_measure_close(g, 0);
+    cov_drop(g); /* its events are the old context's, like the pool's */
     while (g->npool)
         DRV->event_destroy(g->pool[--g->npool]);
     VGPU_POKE(g->ev_ctx, (void *)ctx);
@@ -451,6 +564,7 @@ void vgpu_measure_ctx_gone(struct vgpu_gate *g, CUcontext ctx)
     overflow_ctx_gone(g, ctx);
     if (!mine)
         return;
+    cov_drop(g);
     while (g->npool)
         DRV->event_destroy(g->pool[--g->npool]);
     VGPU_POKE(g->ev_ctx, NULL);

@@ -40,7 +40,7 @@ static uint64_t segment_ns(float ms, uint64_t *ovh)
 /* The GPU time from event `from` to the latest of the tails (those with set[i], or all when set
  * is NULL), in ms; 0 when all lie before it: a tail before `from` (its stream ran ahead) ends
  * nothing after it. -1: an event failed. */
-static float tails_end_ms(void *from, void *const *tails, const int *set, int n)
+static float tails_end_ms(void *from, void *const *tails, const int *set, int n, int *latest)
 {
     float end = 0;
     for (int i = 0; i < n; i++) {
@@ -49,6 +49,8 @@ static float tails_end_ms(void *from, void *const *tails, const int *set, int n)
             continue;
         if (DRV->event_elapsed(&ms, from, tails[i]) != CUDA_SUCCESS)
             return -1;
+        if (ms > end && latest)
+            *latest = i;
         end = ms > end ? ms : end;
     }
     return end;
@@ -57,16 +59,24 @@ static float tails_end_ms(void *from, void *const *tails, const int *set, int n)
 /* A gap-tracked batch (done: all its events completed): the busy segments' own time, exact;
  * its busy share is taken over the span an untracked batch would have had (less the tracking's
  * CPU time in its gaps). */
-void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done)
+void vgpu_track_settle(struct vgpu_gate *g, struct vgpu_batch *b, int done)
 {
-    float ms = done ? tails_end_ms(b->ev_open, b->tails, NULL, b->ntails) : -1;
-    float seg = ms < 0 ? -1 : tails_end_ms(b->ev_seg ? b->ev_seg : b->ev_open, b->tails, NULL, b->ntails);
+    int latest = -1;
+    float ms = done ? tails_end_ms(b->ev_open, b->tails, NULL, b->ntails, NULL) : -1;
+    float seg = ms < 0 ? -1 : tails_end_ms(b->ev_seg ? b->ev_seg : b->ev_open, b->tails, NULL, b->ntails, &latest);
     if (seg < 0) { /* its events cannot be read */
-        vgpu_gate_settle(g, b->launches, b->prov_ns, 0, 0);
+        vgpu_gate_settle(g, b->launches, b->prov_ns, 0, 0, 0);
         return;
     }
-    uint64_t ovh = b->seg_ovh_ns;
-    uint64_t busy = b->seg_busy_ns + segment_ns(seg, &ovh), span = (uint64_t)((double)ms * 1e6);
+    uint64_t ovh = b->seg_ovh_ns, last = segment_ns(seg, &ovh);
+    uint64_t busy = b->seg_busy_ns + last, span = (uint64_t)((double)ms * 1e6);
+    /* Its last busy segment, with no idle gap in it, is what an earlier batch may have charged
+     * already (vgpu_measure.c, "time charged twice"). Where the earlier segments lay is not kept:
+     * a batch that went idle after its start, where the overlap with the batch before lies,
+     * is charged it again (too much, never too little). */
+    struct vgpu_span sp = {b->ev_seg ? &b->ev_seg : &b->ev_open, latest >= 0 ? &b->tails[latest] : NULL,
+                           ms - seg, ms};
+    uint64_t twice = latest >= 0 ? vgpu_measure_twice(g, b, &sp, 1, busy) : 0;
     uint64_t idle = span > busy ? span - busy : 0, cpu = b->track_gap_ns < idle ? b->track_gap_ns : idle;
 #ifdef VGPU_TRACK_CPU_IN_GAPS
     cpu = 0; /* the earlier rule, for same-call A/B runs */
@@ -79,7 +89,9 @@ void vgpu_track_settle(struct vgpu_gate *g, const struct vgpu_batch *b, int done
     /* Uncapped high priority publishes its demand (work queued or running: the span), not its
      * GPU time alone: time-sliced beside low priority its kernels wait, and its GPU time would
      * hand that wait to the low-priority tenant. */
-    vgpu_gate_settle(g, b->launches, b->prov_ns, g->measure_only ? span : busy, 3);
+    vgpu_gate_settle(g, b->launches, b->prov_ns, g->measure_only ? span : busy, twice, 3);
+    if (latest >= 0 && seg > 0)
+        vgpu_measure_cover(g, b, &sp, 1, (uint32_t)(last * 1000 / (uint64_t)((double)seg * 1e6 + 1)));
 }
 
 void vgpu_track_stop(struct vgpu_gate *g)
@@ -177,7 +189,7 @@ void vgpu_track_before(struct vgpu_gate *g, CUstream s)
     if (!set)
         return;
     void *start = g->cur.ev_seg ? g->cur.ev_seg : g->cur.ev_open;
-    float ms = tails_end_ms(start, g->tail, g->tail_set, g->ntails);
+    float ms = tails_end_ms(start, g->tail, g->tail_set, g->ntails, NULL);
     if (ms < 0 || (!g->cur.ev_seg && !(g->cur.ev_seg = vgpu_measure_event(g))) ||
         DRV->event_record(g->cur.ev_seg, s) != CUDA_SUCCESS) {
         abandon(g); /* an event failed */

@@ -36,7 +36,7 @@ def test_gate_arithmetic(core) -> None:
     assert lib.vgpu_gate_decide(g, t) == 0 and g.local_vt == t - B  # idle since: a full bucket, no more
     assert lib.vgpu_gate_fast(g, t, t, core.ffi.NULL) == 1  # no estimate yet: free
     # a batch of 10 launches took 5 ms of GPU time: 16.7 ms of credit clock at 30 %
-    lib.vgpu_gate_settle(g, 10, 0, 5 * MS, 1)
+    lib.vgpu_gate_settle(g, 10, 0, 5 * MS, 0, 1)
     assert g.est_ns == 500_000 and g.local_vt == t - B + 5 * MS * 100 // 30
     assert g.vt_cost == 500_000 * 100 // 30
     # each launch now advances the clock provisionally; out of credit -> slow path
@@ -44,7 +44,7 @@ def test_gate_arithmetic(core) -> None:
     assert passed == 41  # 66.7 ms of credit / 1.667 ms per launch, the last one into debt
     # the batch really took 2x the estimate: the correction is charged too
     vt = g.local_vt
-    lib.vgpu_gate_settle(g, 41, 41 * 500_000, 41 * 1_000_000, 1)
+    lib.vgpu_gate_settle(g, 41, 41 * 500_000, 41 * 1_000_000, 0, 1)
     assert g.local_vt == vt + 41 * 500_000 * 100 // 30
     wake = lib.vgpu_gate_decide(g, t + 3)
     assert wake == g.local_vt  # wait until the credit is back
@@ -54,12 +54,36 @@ def test_gate_arithmetic(core) -> None:
     g2 = gate(core, 30)
     g2.local_vt = t - 10 * B  # a container idle for a while: a full bucket
     lib.vgpu_gate_decide(g2, t)
-    lib.vgpu_gate_settle(g2, 1, 0, 100 * MS, 1)
+    lib.vgpu_gate_settle(g2, 1, 0, 100 * MS, 0, 1)
     assert g2.local_vt == t - B + 100 * MS * 100 // 30
     assert lib.vgpu_gate_decide(g2, t + 1) == t + 100 * MS * 100 // 30
     # an upper bound (stream idle before the close) never charges more than the estimate
-    lib.vgpu_gate_settle(g2, 1, 100 * MS, 900 * MS, 2)
+    lib.vgpu_gate_settle(g2, 1, 100 * MS, 900 * MS, 0, 2)
     assert g2.est_ns == 100 * MS
+
+
+def test_time_an_earlier_batch_charged_is_not_charged_again(core) -> None:
+    """A batch whose span reaches into GPU time an earlier batch charged already (a batch opened
+    on an idle stream while another stream's work, measured in the batch before, still ran) is
+    charged the rest of its span, at the gap ratio's share where one applies; the per-launch
+    estimate does not learn from it (its span is not its launches' own time); never below zero."""
+    lib = core.lib
+    g = gate(core, 30)
+    t = 1000 * 100 * MS
+    lib.vgpu_gate_decide(g, t)
+    lib.vgpu_gate_settle(g, 10, 0, 5 * MS, 0, 1)
+    vt, est = g.local_vt, g.est_ns
+    assert est == 500_000
+    assert lib.vgpu_gate_settle(g, 10, 0, 8 * MS, 3 * MS, 1) == 5 * MS
+    assert g.local_vt == vt + 5 * MS * 100 // 30 and g.est_ns == est
+    g.gap_pm = 800  # the rest of the span at the ratio (what was charged before was charged at its own)
+    assert lib.vgpu_gate_settle(g, 10, 0, 8 * MS, 3 * MS, 1) == 4 * MS
+    vt = g.local_vt
+    assert lib.vgpu_gate_settle(g, 10, 0, 2 * MS, 3 * MS, 3) == 0 and g.local_vt == vt
+    assert g.est_ns == est
+    # without an overlap the same batch charges and teaches as before
+    assert lib.vgpu_gate_settle(g, 10, 0, 8 * MS, 0, 3) == 8 * MS
+    assert g.est_ns == (est * 3 + 800_000) // 4
 
 
 def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
@@ -76,7 +100,7 @@ def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
         """Settle measured_per_ms ns of GPU time each ms of [t0, t1] (launches of 50 us at most),
         noting the series."""
         for ms in range((t1 - t0) // MS):
-            lib.vgpu_gate_settle(g, 20, 0, measured_per_ms, 1)
+            lib.vgpu_gate_settle(g, 20, 0, measured_per_ms, 0, 1)
             lib.vgpu_gate_cal_note(g, t0 + (ms + 1) * MS)
 
     lib.vgpu_gate_decide(g, t)
@@ -89,7 +113,7 @@ def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
     assert g.cal_pm == 900
     assert g.vt_cost == g.est_ns * 900 // 1000 * 100 // 30
     vt = g.local_vt
-    lib.vgpu_gate_settle(g, 600, 0, 30 * MS, 1)
+    lib.vgpu_gate_settle(g, 600, 0, 30 * MS, 0, 1)
     assert g.local_vt == vt + 30 * MS * 900 // 1000 * 100 // 30
     # the next span weighs in with the decayed sums: 0.75 x 135 + 141 over 0.75 x 150 + 150
     lib.vgpu_gate_calibrate(g, t + 100 * MS, t + 600 * MS, 141 * MS, 1)
@@ -135,7 +159,7 @@ def test_busy_calibration_charges_the_cards_busy_time(core) -> None:
         lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 30 * MS, 1)
     assert g.cal_pm == 850
     for _ in range(8):
-        lib.vgpu_gate_settle(g, 1, 0, 100 * MS, 1)
+        lib.vgpu_gate_settle(g, 1, 0, 100 * MS, 0, 1)
     lib.vgpu_gate_calibrate(g, t + 4 * half, t + 5 * half, 30 * MS, 1)
     assert g.est_ns >= 200_000 and g.cal_pm == 1000
     # co-tenants: the card's time is shared, no calibration
@@ -154,7 +178,7 @@ def test_container_calibration(core) -> None:
     lib = core.lib
     g = gate(core, 30)
     t, half = 1000 * 100 * MS, 500 * MS
-    lib.vgpu_gate_settle(g, 100, 0, 5 * MS, 1)  # an estimate of 50 us a launch
+    lib.vgpu_gate_settle(g, 100, 0, 5 * MS, 0, 1)  # an estimate of 50 us a launch
     # the card was busy 20 % under a 30 % share, the process held back all the span
     lib.vgpu_gate_calibrate_container(g, t, t + half, 100 * MS, 2, half)
     assert g.cal_pm == 900 and g.cal_container == 1  # f = 0.67: bounded to -10 %
@@ -211,7 +235,7 @@ def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
         lib.vgpu_gate_tracked(g, 25_000, 5 * MS, 1)
     assert g.gap_pm <= 10
     vt = g.local_vt
-    lib.vgpu_gate_settle(g, 1, 0, 200 * MS, 1)  # one 200 ms kernel, closed right behind it
+    lib.vgpu_gate_settle(g, 1, 0, 200 * MS, 0, 1)  # one 200 ms kernel, closed right behind it
     assert g.local_vt - vt == 200 * MS * 100 // 10  # charged in full: 2 s of credit clock at 10 %
     c = gate(core, 30)
     lib.vgpu_gate_set_window(c, 0, 30 * MS, 1)
@@ -219,7 +243,7 @@ def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
     for _ in range(10):
         lib.vgpu_gate_sample(c, 5_000)  # the probed first kernel: 5 us
         vt = c.local_vt
-        lib.vgpu_gate_settle(c, 5, 0, 80 * MS, 1)  # 5 us + 4 x 20 ms
+        lib.vgpu_gate_settle(c, 5, 0, 80 * MS, 0, 1)  # 5 us + 4 x 20 ms
         assert c.local_vt - vt >= 40 * MS * 100 // 30  # at least half of the 80 ms span
 
 
@@ -311,9 +335,9 @@ def test_a_batch_whose_events_cannot_be_read_is_charged_a_bucket(core) -> None:
     g = gate(core, 30)
     lib.vgpu_gate_decide(g, 1000 * 100 * MS)
     vt = g.local_vt
-    lib.vgpu_gate_settle(g, 0, 0, 0, 0)
+    lib.vgpu_gate_settle(g, 0, 0, 0, 0, 0)
     assert g.local_vt == vt
-    lib.vgpu_gate_settle(g, 20, 20 * 5_000, 0, 0)
+    lib.vgpu_gate_settle(g, 20, 20 * 5_000, 0, 0, 0)
     assert abs((g.local_vt - vt) - 25 * MS * 100 // 30) <= 1, g.local_vt - vt
 
 
@@ -328,7 +352,7 @@ def test_co_tenant_gate_bursts_when_full_then_keeps_to_its_window(core) -> None:
     base = 1000 * 100 * MS * m  # a frame's start
     t = base + 10 * MS  # outside the window, bucket full (idle): a burst at once
     assert lib.vgpu_gate_decide(g, t) == 0 and g.bursting == 1
-    lib.vgpu_gate_settle(g, 10, 0, 31 * MS * m, 1)  # the burst spent the bucket (and a bit more)
+    lib.vgpu_gate_settle(g, 10, 0, 31 * MS * m, 0, 1)  # the burst spent the bucket (and a bit more)
     # out of credit for a while, outside the window then: wait for the window
     assert lib.vgpu_gate_decide(g, t + MS) == base + 50 * MS * m and g.bursting == 0
     # credit back but outside the window: still the window, not another burst
@@ -351,7 +375,7 @@ def co_tenant_run(lib, g, t: int, frames: int, use_pct: int) -> tuple[int, int]:
     lib.vgpu_gate_busy(g, t)
     for i in range(frames * g.period_ns // (10 * MS)):
         t += 10 * MS
-        lib.vgpu_gate_settle(g, 4, 0, 10 * MS * g.len_ns // g.period_ns * use_pct // 100, 1)
+        lib.vgpu_gate_settle(g, 4, 0, 10 * MS * g.len_ns // g.period_ns * use_pct // 100, 0, 1)
         if i % 10 == 9:
             lib.vgpu_gate_busy(g, t)
         in_window = (t - g.offset_ns) % g.period_ns < g.len_ns
@@ -384,7 +408,7 @@ def test_a_saturating_co_tenant_keeps_to_its_window(core) -> None:
     v0, steps = b.burst_v0, 0
     while b.bursting and b.burst_v0 == v0 and steps < 40:  # until it ends (or a new one begins)
         u, steps = u + 10 * MS, steps + 1
-        lib.vgpu_gate_settle(b, 4, 0, 10 * MS * 70 * 95 // 100 // 100, 1)
+        lib.vgpu_gate_settle(b, 4, 0, 10 * MS * 70 * 95 // 100 // 100, 0, 1)
         lib.vgpu_gate_decide(b, u)
     assert steps <= 4, steps
     # a light tenant (an inference server: 40 % of its share) still starts at once anywhere
@@ -404,7 +428,7 @@ def test_a_tenant_under_its_share_stays_on_the_fast_path(core) -> None:
     g = gate(core, 60)
     t = 1000 * 100 * MS
     assert lib.vgpu_gate_decide(g, t) == 0
-    lib.vgpu_gate_settle(g, 10, 0, 100_000, 1)  # 10 us launches
+    lib.vgpu_gate_settle(g, 10, 0, 100_000, 0, 1)  # 10 us launches
     B = g.burst_ns
     g.open_until = t + 10**12  # the batch stays open: the fast path alone decides
     t1 = t + B  # idle for a bucket's time: more credit than a bucket
@@ -422,7 +446,7 @@ def test_measure_only_gate_never_waits_and_publishes_its_busy_share(core) -> Non
     t = 500 * 100 * MS
     assert lib.vgpu_gate_decide(g, t) == 0
     lib.vgpu_gate_busy(g, t)
-    lib.vgpu_gate_settle(g, 100, 0, 200 * MS, 1)
+    lib.vgpu_gate_settle(g, 100, 0, 200 * MS, 0, 1)
     assert lib.vgpu_gate_decide(g, t + 1) == 0 and lib.vgpu_gate_fast(g, t + 2, t + 2, core.ffi.NULL) == 1
     assert lib.vgpu_gate_busy(g, t + 250 * MS) == 800
 
@@ -437,9 +461,9 @@ def test_a_busy_share_rises_at_once_and_falls_over_a_second(core) -> None:
     t = 500 * 100 * MS
     lib.vgpu_gate_busy(g, t)
     assert lib.vgpu_gate_busy(g, t + 1000 * MS) == 0  # a second without work
-    lib.vgpu_gate_settle(g, 4, 0, 9 * MS, 1)
+    lib.vgpu_gate_settle(g, 4, 0, 9 * MS, 0, 1)
     assert lib.vgpu_gate_busy_rise(g, t + 1010 * MS) == 0 and g.busy_pm == 0  # under 20 ms: not yet
-    lib.vgpu_gate_settle(g, 4, 0, 18 * MS, 1)
+    lib.vgpu_gate_settle(g, 4, 0, 18 * MS, 0, 1)
     assert lib.vgpu_gate_busy_rise(g, t + 1030 * MS) == 1 and g.busy_pm == 900
     assert lib.vgpu_gate_busy_rise(g, t + 1060 * MS) == 0 and g.busy_pm == 900  # 27/60: no fall here
     assert lib.vgpu_gate_busy(g, t + 1100 * MS) == (900 * 7 + 270) // 8  # the refresh: 27 of 100 ms
