@@ -23,6 +23,9 @@
  *                                           CU_LIMIT_MALLOC_HEAP_SIZE=HEAP, a kernel whose 4224
  *                                           threads malloc PER_THREAD each, NCTX more contexts,
  *                                           then cuMemAlloc CHUNK until refused (or MAXN)
+ *   suite_cu green N CHUNK MAXN HOLD        N green contexts on the card's whole SM resource (each
+ *                                           made current for a 2 MiB allocation), then cuMemAlloc
+ *                                           CHUNK in the primary context until refused (or MAXN)
  *   suite_cu racer CHUNK CAP SECS GO_FILE RESERVE
  *                                           after GO_FILE exists: allocate CHUNK until refused, CAP
  *                                           bytes, or cuMemGetInfo's free below RESERVE bytes (room
@@ -103,6 +106,10 @@ static CUresult (*p_cuGraphInstantiateWithFlags)(CUgraphExec *, CUgraph, unsigne
 static CUresult (*p_cuGraphLaunch)(CUgraphExec, CUstream);
 static CUresult (*p_cuStreamSynchronize)(CUstream);
 static CUresult (*p_cuStreamIsCapturing)(CUstream, int *);
+static CUresult (*p_cuDeviceGetDevResource)(CUdevice, void *, int);
+static CUresult (*p_cuDevResourceGenerateDesc)(void **, void *, unsigned);
+static CUresult (*p_cuGreenCtxCreate)(void **, void *, CUdevice, unsigned);
+static CUresult (*p_cuCtxFromGreenCtx)(CUcontext *, void *);
 
 #define MISSING 990 /* our code for "the driver does not export it" */
 #define CALL(fn, ...) (p_##fn ? p_##fn(__VA_ARGS__) : MISSING)
@@ -122,6 +129,7 @@ static void resolve(void)
     R(cuEventElapsedTime); R(cuGraphCreate); R(cuGraphAddMemAllocNode); R(cuGraphInstantiateWithFlags);
     R(cuGraphLaunch); R(cuStreamSynchronize); R(cuStreamIsCapturing);
     R(cuFuncSetBlockShape); R(cuParamSetv); R(cuParamSetSize); R(cuLaunchGridAsync);
+    R(cuDeviceGetDevResource); R(cuDevResourceGenerateDesc); R(cuGreenCtxCreate); R(cuCtxFromGreenCtx);
 #undef R
 }
 
@@ -486,6 +494,40 @@ static int cmd_graphmem(size_t bytes, size_t chunk, long maxn, double hold)
     return 0;
 }
 
+static int cmd_green(int n, size_t chunk, long maxn, double hold)
+{
+    setup();
+    double t0 = wall();
+    unsigned char res[1024]; /* CUdevResource: 144 bytes in CUDA 12.4, room for later ones */
+    void *desc = NULL;
+    CUresult rc_desc = CALL(cuDeviceGetDevResource, dev0, res, 1); /* CU_DEV_RESOURCE_TYPE_SM */
+    if (!rc_desc)
+        rc_desc = CALL(cuDevResourceGenerateDesc, &desc, res, 1);
+    int made = 0;
+    CUresult rc_green = rc_desc;
+    for (int i = 0; i < n && !rc_green; i++) {
+        void *g = NULL;
+        CUcontext c = NULL;
+        CUdeviceptr p;
+        if ((rc_green = CALL(cuGreenCtxCreate, &g, desc, dev0, 1))) /* CU_GREEN_CTX_DEFAULT_STREAM */
+            break;
+        made++;
+        if (!CALL(cuCtxFromGreenCtx, &c, g) && !CALL(cuCtxSetCurrent, c))
+            CALL(cuMemAlloc_v2, &p, 2 << 20); /* make its memory real, as a program's first use does */
+    }
+    CALL(cuCtxSetCurrent, primary);
+    CUresult last;
+    long k = fill(chunk, maxn, &last);
+    printf("{\"kind\": \"green\", \"t0\": %.6f, \"desc_rc\": %d, \"contexts\": %d, \"ctx_rc\": %d, "
+           "\"chunks\": %ld, \"chunk_mib\": %.0f, \"last_rc\": %d, ",
+           t0, rc_desc, made, rc_green, k, chunk / 1048576.0, last);
+    meminfo_json("meminfo");
+    printf(", \"t1\": %.6f}\n", wall());
+    fflush(stdout);
+    usleep((useconds_t)(hold * 1e6));
+    return 0;
+}
+
 static int cmd_heap(size_t heap, unsigned long long per_thread, int nctx, size_t chunk, long maxn, double hold)
 {
     setup();
@@ -728,6 +770,8 @@ int main(int argc, char **argv)
         return cmd_evlat(strtoull(argv[2], NULL, 0), atoi(argv[3]));
     if (!strcmp(cmd, "graphmem") && argc >= 6)
         return cmd_graphmem(strtoull(argv[2], NULL, 0), strtoull(argv[3], NULL, 0), atol(argv[4]), atof(argv[5]));
+    if (!strcmp(cmd, "green") && argc >= 6)
+        return cmd_green(atoi(argv[2]), strtoull(argv[3], NULL, 0), atol(argv[4]), atof(argv[5]));
     if (!strcmp(cmd, "heap") && argc >= 8)
         return cmd_heap(strtoull(argv[2], NULL, 0), strtoull(argv[3], NULL, 0), atoi(argv[4]),
                         strtoull(argv[5], NULL, 0), atol(argv[6]), atof(argv[7]));

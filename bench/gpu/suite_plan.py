@@ -57,7 +57,10 @@ GROUPS: list[tuple[str, list[tuple[int, int]]]] = [
 # whole container's, each process's part of it is not prescribed; the sum is what is judged.
 ONE_CONTAINER = {"procs2-30", "procs4-30"}
 COMPUTE_MEM_MIB = 40000  # memory limit of every compute tenant (3 fit on the card)
-GRAPH_LIMIT, HEAP_LIMIT, START_LIMIT = 1000, 3000, 8000
+START_LIMIT = 8000
+# memory cases (suite_cu): the container's limit in MiB; green: 16 green contexts, then 256 MiB
+# allocations (a green context's memory is what no allocation hook sees)
+MEMORY_LIMITS = {"graphmem": 1000, "heap": 3000, "green": 2000}
 START_RACERS, START_ROUNDS = 8, 5
 # MiB the racers leave free (cuMemGetInfo) for a newcomer's context (612 MiB on the H200) and
 # their own overshoot (8 racers x 64 MiB): with the contexts charged, racing to the limit itself
@@ -139,7 +142,7 @@ def plan(cfg: Config) -> list[tuple[str, Any]]:
     workload alone (native first: it is the baseline and calibrates), then the co-tenants."""
     items: list[tuple[str, Any]] = []
     if "memory" in cfg.parts:
-        for case in ("graphmem", "heap"):
+        for case in MEMORY_LIMITS:
             if cfg.wanted(case):
                 items += [("memory", (case, m)) for m in cfg.modes]
     if "startup" in cfg.parts and cfg.wanted("startup"):

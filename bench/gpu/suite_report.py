@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from suite_analysis import analyze, rnd
-from suite_plan import GRAPH_LIMIT, GROUPS, HEAP_LIMIT, SINGLES, START_LIMIT, START_RACERS, START_ROUNDS
+from suite_plan import GROUPS, MEMORY_LIMITS, SINGLES, START_LIMIT, START_RACERS, START_ROUNDS
 
 # ------------------------------------------------------------------------------------ reports
 
@@ -117,7 +117,7 @@ def markdown(doc: dict[str, Any]) -> str:
     L.append("| case | mode | limit MiB | NVML peak MiB | over limit MiB | chunks of 256 MiB granted | "
              "details | peak ≤ limit |")
     L.append("|---|---|---|---|---|---|---|---|")
-    for case in ("graphmem", "heap"):
+    for case in MEMORY_LIMITS:
         for mode in doc["env"].get("modes", []):
             r = pick(runs, "memory", case, mode)
             m = (r or {}).get("metrics", {})
@@ -223,13 +223,13 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     d = ax[1][1]
     labels = []
     x = 0
-    for case in ("graphmem", "heap"):
+    for case in MEMORY_LIMITS:
         for mode in doc["env"].get("modes", []):
             r = pick(runs, "memory", case, mode)
             v = (r or {}).get("metrics", {}).get("nvml_peak_mib")
             if v is not None:
                 d.bar(x, v, 0.7, color=colors.get(mode))
-            lim = GRAPH_LIMIT if case == "graphmem" else HEAP_LIMIT
+            lim = MEMORY_LIMITS[case]
             d.plot([x - 0.4, x + 0.4], [lim, lim], "r-", lw=2)
             labels.append(f"{case}\n{mode}")
             x += 1

@@ -24,9 +24,8 @@ from suite_fake import FakeSampler, fake_busy, fake_group_busy, fake_mem
 from suite_nvml import NvmlSampler
 from suite_plan import (
     COMPUTE_MEM_MIB,
-    GRAPH_LIMIT,
-    HEAP_LIMIT,
     HERE,
+    MEMORY_LIMITS,
     MIB,
     ONE_CONTAINER,
     ROOT,
@@ -311,13 +310,12 @@ class Runner:
 
     # -- memory cases
     def memory(self, case: str, mode: str) -> dict[str, Any]:
-        limit = GRAPH_LIMIT if case == "graphmem" else HEAP_LIMIT
+        limit = MEMORY_LIMITS[case]
         maxn = "8" if mode == "native" else "40"
         t = self.container(f"{case}-{mode}", limit, 0)
-        if case == "graphmem":
-            args = ["graphmem", str(2 << 30), str(256 * MIB), maxn, "1.0"]
-        else:
-            args = ["heap", str(1 << 30), str(128 << 10), "3", str(256 * MIB), maxn, "1.0"]
+        args = {"graphmem": ["graphmem", str(2 << 30), str(256 * MIB), maxn, "1.0"],
+                "heap": ["heap", str(1 << 30), str(128 << 10), "3", str(256 * MIB), maxn, "1.0"],
+                "green": ["green", "16", str(256 * MIB), maxn, "1.0"]}[case]
         tag = slug(f"{case}-{mode}")
         start = time.time()
         p, out = self.spawn(tag, self.cu_cmd(*args), mode, t)
