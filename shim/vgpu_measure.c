@@ -170,8 +170,8 @@ static uint64_t streams_span(const struct vgpu_batch *b, float first_ms, int par
  *
  * A batch opened on an idle stream starts while the work of another stream, measured in the
  * batch before, still runs: two threads on streams of their own close each other's batches, so
- * the time their kernels ran at once was counted by two batches (threads at 30 % got 25-27 % of
- * the card). The gate keeps the latest stretch of GPU time it charged, between two events of
+ * the time their kernels ran at once was counted by two batches (a likely reason why threads at
+ * 30 % got 25-27 % of the H200). The gate keeps the latest stretch of GPU time it charged, between two events of
  * its context: one stream's span of a settled batch, or two that meet, joined. Every instant of
  * it was charged (at cov_pm per mille: a span charged at the gap ratio's share, or capped),
  * so the part of a later batch's span inside it is taken off that batch's charge. Only the part
