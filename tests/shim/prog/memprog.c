@@ -120,6 +120,20 @@ static CUgraph mem_graph(const char *mode, size_t bytes)
     return g;
 }
 
+/* The contexts' tail of a JSON line: CHUNK allocations in the primary context until refused
+ * ("more"), then, the `made` objects destroyed, again ("after"). */
+static void fill_around(size_t chunk, CUresult (*destroy)(void *), void **objs, int made)
+{
+    cuCtxSetCurrent(primary);
+    long more = fill(chunk);
+    unfill();
+    for (int i = 0; i < made; i++)
+        destroy(objs[i]);
+    cuCtxSetCurrent(primary);
+    long after = fill(chunk);
+    printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
+}
+
 int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -158,14 +172,7 @@ int main(int argc, char **argv)
             printf("%s%d", i ? ", " : "", rc);
             if (!rc) made++;
         }
-        cuCtxSetCurrent(primary);
-        long more = fill(chunk);
-        unfill();
-        for (int i = 0; i < made; i++)
-            cuCtxDestroy_v2(c[i]);
-        cuCtxSetCurrent(primary);
-        long after = fill(chunk);
-        printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
+        fill_around(chunk, cuCtxDestroy_v2, c, made);
         return 0;
     }
     if (!strcmp(cmd, "green") && argc >= 4) {
@@ -183,13 +190,7 @@ int main(int argc, char **argv)
             printf("%s%d", i ? ", " : "", rc);
             if (!rc) made++;
         }
-        cuCtxSetCurrent(primary);
-        long more = fill(chunk);
-        unfill();
-        for (int i = 0; i < made; i++)
-            cuGreenCtxDestroy(g[i]);
-        long after = fill(chunk);
-        printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
+        fill_around(chunk, cuGreenCtxDestroy, g, made);
         return 0;
     }
     if (!strcmp(cmd, "limit") && argc >= 5) {
