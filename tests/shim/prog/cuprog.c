@@ -64,8 +64,9 @@
  *   CUPROG_PAUSE_MS=N: after those, N ms without any CUDA call;
  *   CUPROG_LINGER_MS=N: after the report, N ms idle before exit, the context kept)
  *   (work: the stub driver with STUB_GRID_US=1 runs each kernel for gridDimX us; it prints the
- *   share of wall time its kernels ran, per second too, from the stub's stubDoneNs: physical
- *   card 0's, or CUPROG_DONE_PHYS's; CUPROG_CTX2_DEV=N puts the second context on ordinal N)
+ *   share of wall time its kernels ran (with STUB_CONCURRENT: any of them, overlaps once), per
+ *   second too, from the stub's stubDoneNs: physical card 0's, or CUPROG_DONE_PHYS's;
+ *   CUPROG_CTX2_DEV=N puts the second context on ordinal N)
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

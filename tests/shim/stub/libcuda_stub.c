@@ -646,7 +646,8 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, int attr, void *v) { (void
  * wall time where one is read (cuEventElapsedTime). So an event pair around a process's kernel
  * measures its siblings' time slices too, as cuEventElapsedTime does on the GPU.
  * STUB_CONCURRENT=1: kernels of small grids, as the GPU runs those of different streams side by
- * side: each starts as soon as its own stream lets it, never waiting for the card.
+ * side: each starts as soon as its own stream lets it, never waiting for the card; stubDoneNs
+ * then counts the time at least one of them ran (overlaps once), as NVML's utilization does.
  * Held streams (cuStreamWaitValue32 below): work queued behind a wait for a value runs only once
  * cuStreamWriteValue32 writes it. */
 #define STUB_STREAMS 32
@@ -860,6 +861,60 @@ static void clk_wait(int phys, uint64_t T)
     }
 }
 
+/* STUB_CONCURRENT: the time at least one of this process's kernels ran on each card (what
+ * NVML's utilization counts), as kernels of several streams overlap: u_done, the busy time
+ * before u_cut, and the merged intervals after it (sorted, disjoint; a new kernel never starts
+ * before the clock's now, so what ends before now is final). Under ring_mu. */
+#define STUB_UNION_MAX 512
+static struct { uint64_t done, cut; unsigned n; uint64_t s[STUB_UNION_MAX], e[STUB_UNION_MAX]; } u[STUB_MAXDEV];
+
+/* Settle what ended by now into u_done (ring_mu held). */
+static void union_settle(int phys, uint64_t now)
+{
+    unsigned k = 0;
+    for (unsigned i = 0; i < u[phys].n; i++) {
+        if (u[phys].e[i] <= now) {
+            u[phys].done += u[phys].e[i] - u[phys].s[i];
+            continue;
+        }
+        u[phys].s[k] = u[phys].s[i], u[phys].e[k] = u[phys].e[i], k++;
+    }
+    u[phys].n = k;
+    u[phys].cut = now > u[phys].cut ? now : u[phys].cut;
+}
+
+/* Kernel time [s, e) on card phys, merged into the intervals. */
+static void union_add(int phys, uint64_t now, uint64_t s, uint64_t e)
+{
+    pthread_mutex_lock(&ring_mu);
+    union_settle(phys, now);
+    s = s > u[phys].cut ? s : u[phys].cut;
+    unsigned i = 0, k;
+    while (i < u[phys].n && u[phys].e[i] < s)
+        i++;
+    for (k = i; k < u[phys].n && u[phys].s[k] <= e; k++) { /* [i, k) overlap or touch: one */
+        s = u[phys].s[k] < s ? u[phys].s[k] : s;
+        e = u[phys].e[k] > e ? u[phys].e[k] : e;
+    }
+    if (s < e && (k > i || u[phys].n < STUB_UNION_MAX)) {
+        unsigned n = u[phys].n - (k - i) + 1;
+        memmove(&u[phys].s[i + 1], &u[phys].s[k], (u[phys].n - k) * sizeof u[phys].s[0]);
+        memmove(&u[phys].e[i + 1], &u[phys].e[k], (u[phys].n - k) * sizeof u[phys].e[0]);
+        u[phys].s[i] = s, u[phys].e[i] = e, u[phys].n = n;
+    }
+    pthread_mutex_unlock(&ring_mu);
+}
+
+/* This process's busy time on card phys by now (ring_mu held). */
+static uint64_t union_ns(int phys, uint64_t now)
+{
+    union_settle(phys, now);
+    uint64_t b = u[phys].done;
+    if (u[phys].n && u[phys].s[0] < now)
+        b += now - u[phys].s[0];
+    return b;
+}
+
 /* Work of `dur` GPU ns on card phys that may start at `after`: its place on the card (its end,
  * on the card's clock: with STUB_TIMESLICE the clock, not the work, slows while processes share
  * the card). */
@@ -868,8 +923,11 @@ static uint64_t run_at(int phys, uint64_t now, uint64_t after, uint64_t dur)
     struct stub_state *s = stub_state();
     struct stub_proc *me = stub_me();
     uint64_t start, end;
-    if (concurrent) /* kernels of small grids: each runs as soon as its stream lets it */
-        return (now > after ? now : after) + dur;
+    if (concurrent) { /* kernels of small grids: each runs as soon as its stream lets it */
+        start = now > after ? now : after;
+        union_add(phys, now, start, start + dur);
+        return start + dur;
+    }
     if (timeslice)
         return ps_arrive(phys, me, after, dur); /* `now` is the card's clock already */
     uint64_t bu = atomic_load(&s->busy_until[phys]);
@@ -1342,7 +1400,8 @@ API CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, unsigned lon
 /* test-only introspection: GPU ns and launches of this process on card `phys` */
 API unsigned long long stubBusyNs(int phys) { struct stub_proc *me = stub_me(); return me ? me->busy_ns[phys] : 0; }
 API unsigned long long stubLaunches(int phys) { struct stub_proc *me = stub_me(); return me ? me->launches[phys] : 0; }
-/* GPU ns of this process's kernels that ran by now (stubBusyNs counts them when launched). */
+/* GPU ns of this process's kernels that ran by now (stubBusyNs counts them when launched);
+ * with STUB_CONCURRENT the time any of them ran. */
 API unsigned long long stubDoneNs(int phys)
 {
     struct stub_proc *me = stub_me();
@@ -1353,6 +1412,11 @@ API unsigned long long stubDoneNs(int phys)
         pending = own > now ? own - now : 0;
     }
     pthread_mutex_lock(&ring_mu);
+    if (concurrent) { /* the card's view: overlapping kernels count once */
+        uint64_t b = union_ns(phys, now);
+        pthread_mutex_unlock(&ring_mu);
+        return b;
+    }
     unsigned n = ring_n[phys] < 4096 ? ring_n[phys] : 4096;
     for (unsigned i = 0; i < n; i++)
         if (!timeslice && ring[phys][i].end > now) {
