@@ -269,9 +269,21 @@ int vgpu_region_reserve(struct vgpu_region_handle *h, int d, uint64_t bytes);
 void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes);
 /* Set own overhead charge on device d (absolute, in full: no cap). Returns the bytes charged. */
 uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes);
-/* Reconciliation: overhead = nvml_used - the slot's counted allocations (>= 0), both read and
- * set under the lock. Returns the overhead. */
-uint64_t vgpu_region_reconcile(struct vgpu_region_handle *h, int d, uint64_t nvml_used);
+/* One process NVML lists on a card: its PID (as NVML numbers it) and the bytes it holds. */
+struct vgpu_nvml_proc { uint32_t pid; uint64_t used; };
+/* Each slot's counted bytes on device d (out: VGPU_MAX_SLOTS entries; 0s when the lock cannot
+ * be had). Takes the lock. */
+void vgpu_region_counted(struct vgpu_region *r, int d, uint64_t *out);
+/* Reconciliation of every process of the container on device d: each live slot that NVML lists
+ * (procs, n entries) gets as overhead what NVML shows above its counted allocations (>= 0), so
+ * memory an idle sibling holds past the hooks is charged when any process asks. A slot is found
+ * by its host_pid when the node agent wrote it, else by its pid when it is this process's or
+ * shares its PID namespace (self); a slot NVML does not list keeps its overhead. before: each
+ * slot's counted bytes read before NVML was asked (vgpu_region_counted); the smaller of that and
+ * the count now is taken, so an allocation or free racing the query can only over-charge. Takes
+ * the lock. Returns 1 when this process's own slot was listed. */
+int vgpu_region_reconcile(struct vgpu_region_handle *h, int d, const uint64_t *before,
+                          const struct vgpu_nvml_proc *procs, unsigned n, struct vgpu_pidns self);
 uint64_t vgpu_region_used(struct vgpu_region *r, int d);
 /* The container is over its limit on d by more than `slack`: 1 with the live slot of this
  * process's PID namespace (the only PIDs it can signal) holding the most (data + overhead) on d in *pid, *start_time, *bytes; 0 otherwise. Takes the lock. */
@@ -756,6 +768,9 @@ void vgpu_format_uuid(const CUuuid *u, char *out, size_t n);
 /* NVML per-process usage -> overhead charge. force: 0 at most every VGPU_RECONCILE_NS, 2 near
  * the limit (VGPU_RECONCILE_NEAR_NS), 1 before a refusal (VGPU_RECONCILE_REFUSE_NS), 3 now. */
 void vgpu_reconcile(int d, int force);
+/* The next reconciliation on d runs whatever the rate (memory was uncharged that the driver may
+ * still hold: graph allocations outliving their executable graph). */
+void vgpu_reconcile_soon(int d);
 void vgpu_compute_setup(int d, CUdevice dev);
 void vgpu_compute_gate(CUstream stream);
 void vgpu_compute_sync(CUstream stream, int whole_ctx); /* before an app's wait: close the batch */

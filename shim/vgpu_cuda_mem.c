@@ -240,13 +240,23 @@ VGPU_API CUresult cuMemAllocPitch(unsigned *dptr, unsigned *pitch, unsigned widt
 
 /* ------------------------------------------------------------------ stream-ordered */
 
-/* 1 when s is capturing a graph: an allocation there is not made now but becomes a memory node
- * of the graph (stream capture), which the graph's launch charges (see "graph memory"). */
-static int capturing(CUstream s)
+/* An allocation into a capturing stream (cap: its capture's id, vgpu_stream_capture_id) is not
+ * made now but becomes a memory node of the graph, which the graph's launch charges (see "graph
+ * memory"). When the stream is no longer in that capture once the driver returned, another
+ * thread ended it between the check and the driver, so the memory may have been made now: it is
+ * charged as an allocation of its own to card d_of(s), or freed again and refused when it does
+ * not fit. (A program does not race its own capture; one that does pays at worst a node charged
+ * as memory.) */
+static CUresult captured_end(CUresult rc, CUdeviceptr *dptr, size_t size, CUstream s, uint64_t cap, int d)
 {
-    CUresult (*is_cap)(CUstream, int *) = vgpu_cuda_drv()->stream_is_capturing;
-    int st = 0;
-    return is_cap && is_cap(s, &st) == CUDA_SUCCESS && st == CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    if (rc != CUDA_SUCCESS || !dptr || vgpu_stream_capture_id(s) == cap)
+        return rc;
+    if (vgpu_charge(d, size) == 0)
+        return vgpu_alloc_end(rc, 1, K_PTR, *dptr, size, d);
+    REAL_FN(cuMemFree_v2)(*dptr);
+    vgpu_log(1, "device %d: an allocation of %llu MiB made while its stream's capture ended refused", d,
+             (unsigned long long)(size >> 20));
+    return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 static CUresult alloc_async(int idx, CUdeviceptr *dptr, size_t size, CUstream s)
@@ -254,8 +264,11 @@ static CUresult alloc_async(int idx, CUdeviceptr *dptr, size_t size, CUstream s)
     vgpu_fn_cuMemAllocAsync real = REAL(idx, vgpu_fn_cuMemAllocAsync);
     if (mode() != M_LIMITED)
         return real(dptr, size, s);
-    if (capturing(s))
-        return real(dptr, size, s); /* a graph memory node: charged when its graph is launched */
+    uint64_t cap = vgpu_stream_capture_id(s);
+    if (cap) {
+        CUresult rc = real(dptr, size, s);
+        return captured_end(rc, dptr, size, s, cap, rc == CUDA_SUCCESS ? vgpu_stream_dev(s) : -1);
+    }
     int d = vgpu_stream_dev(s); /* the pool current to the stream's card */
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -364,8 +377,11 @@ static CUresult alloc_pool(int idx, CUdeviceptr *dptr, size_t size, CUmemoryPool
     vgpu_fn_cuMemAllocFromPoolAsync real = REAL(idx, vgpu_fn_cuMemAllocFromPoolAsync);
     if (mode() != M_LIMITED)
         return real(dptr, size, pool, s);
-    if (capturing(s))
-        return real(dptr, size, pool, s); /* a graph memory node: charged at the graph's launch */
+    uint64_t cap = vgpu_stream_capture_id(s);
+    if (cap) { /* a graph memory node: charged at the graph's launch */
+        CUresult rc = real(dptr, size, pool, s);
+        return captured_end(rc, dptr, size, s, cap, rc == CUDA_SUCCESS ? pool_dev(pool, s) : -1);
+    }
     int d = pool_dev(pool, s);
     if (vgpu_charge(d, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -390,7 +406,9 @@ static CUresult free_async(int idx, CUdeviceptr p, CUstream s)
     vgpu_fn_cuMemFreeAsync real = REAL(idx, vgpu_fn_cuMemFreeAsync);
     uint64_t size;
     int d;
-    if (!vgpu_release_begin(K_PTR, p, &size, &d))
+    /* Into a capturing stream the free is a node of the graph: the memory lives on until (and
+     * unless) the graph runs, so it stays charged. */
+    if (mode() != M_LIMITED || vgpu_stream_capture_id(s) || !vgpu_release_begin(K_PTR, p, &size, &d))
         return real(p, s);
     /* uncharged at once: the pool keeps the pages for reuse; NVML reconciliation sees them */
     return vgpu_release_end(real(p, s), K_PTR, p, size, d);

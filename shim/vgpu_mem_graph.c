@@ -1,7 +1,8 @@
 /*
  * vgpu_mem_graph.c - graph memory: the memory nodes of executable graphs, recorded at
  * instantiation and charged at the first launch (vgpu_mem_graph_launch, called by the launch
- * hook in vgpu_launch.c) or upload, until cuGraphExecDestroy.
+ * hook in vgpu_launch.c) or upload, until cuGraphExecDestroy (then what the driver still holds,
+ * a live allocation or the pool's cached pages, is reconciled from NVML).
  */
 #include "vgpu_mem.h"
 
@@ -208,8 +209,13 @@ VGPU_API CUresult cuGraphExecDestroy(CUgraphExec e)
     uint64_t key = (uint64_t)(uintptr_t)e, size;
     int dev;
     for (int d = 0; d < vgpu.cfg.ndev && d < VGPU_MAX_DEV; d++) {
-        if (vgpu_tab_take(K_GCHG + d, key, &size, &dev))
-            vgpu_uncharge(d, size); /* a pool the driver keeps cached is reconciled from NVML */
+        if (vgpu_tab_take(K_GCHG + d, key, &size, &dev)) {
+            /* Graph destruction does not free a live graph allocation (one no free node or
+             * cuMemFree has freed yet), nor may the driver give back the pool's pages: what NVML
+             * still shows is charged by the next reconciliation, before any other allocation. */
+            vgpu_uncharge(d, size);
+            vgpu_reconcile_soon(d);
+        }
         vgpu_tab_take(K_GPEND + d, key, &size, &dev);
     }
     vgpu_tab_take(K_GRAPH, key, &size, &dev);

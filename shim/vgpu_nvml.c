@@ -7,11 +7,13 @@
  * container's charge (capped at total), free = total - used, reserved (v2) = 0. Devices are
  * matched by UUID (nvmlDeviceGetUUID), never by index, except in HAMi index mode.
  *
- * Reconciliation: NVML's usedGpuMemory for this process covers what no hook sees (context,
- * modules, local memory, library internals, pool caches, graph memory, 2 MiB rounding). The
- * difference to this process's counted allocations becomes its overhead charge in the region
- * (in full, even past the limit: then every allocation and graph launch is refused). The process is found by PID:
- * the slot's host_pid when the node agent filled it, else getpid() (same PID namespace).
+ * Reconciliation: NVML's usedGpuMemory for a process covers what no hook sees (context,
+ * modules, local memory, library internals, pool caches, graph memory, 2 MiB rounding). For
+ * every process of the container NVML lists (this one and its siblings, so an idle sibling's
+ * hidden memory counts when any process asks), the difference to its counted allocations
+ * becomes its overhead charge in the region (in full, even past the limit: then every
+ * allocation and graph launch is refused). A process is found by PID: its slot's host_pid when
+ * the node agent filled it, else its own PID when it shares this process's PID namespace.
  * Rate: at most every 200 ms on allocation paths, every 10 ms near the limit, and always
  * before an allocation is refused.
  *
@@ -113,39 +115,48 @@ static unsigned own_pid(void)
                                                             : (unsigned)getpid();
 }
 
-uint64_t vgpu_nvml_process_used(int d, int *found)
+/* The compute processes NVML lists on card d, as a malloc'd array (the caller frees it) of *n
+ * entries; NULL with *n = 0 when it cannot tell. A larger buffer is tried when the card has more
+ * than fit (a tenant can start them), or a process would not be found and its hidden memory
+ * never reconciled. */
+static struct vgpu_nvml_proc *card_procs(int d, unsigned *n)
 {
-    *found = 0;
+    *n = 0;
     nvmlDevice_t h = handle_of(d);
-    if (!h)
-        return 0;
     nvmlReturn_t (*procs)(nvmlDevice_t, unsigned *, nvmlProcessInfo_t *) = vgpu_nvml_drv()->nvml_running_procs;
-    if (!procs)
-        return 0;
+    if (!h || !procs)
+        return NULL;
     nvmlProcessInfo_t stack[128], *info = stack, *heap = NULL;
-    unsigned n = 128;
+    unsigned got = 128;
     VGPU_ST_T0(t0);
-    nvmlReturn_t rc = procs(h, &n, info);
-    /* More processes on the card than the buffer holds (a tenant can start them): a larger one,
-     * or this process would not be found and its hidden memory never reconciled. */
+    nvmlReturn_t rc = procs(h, &got, info);
     for (int tries = 0; rc == NVML_ERROR_INSUFFICIENT_SIZE && tries < 4; tries++) {
-        unsigned want = n + 64;
+        unsigned want = got + 64;
         nvmlProcessInfo_t *bigger = realloc(heap, want * sizeof *bigger);
         if (!bigger)
             break;
-        info = heap = bigger, n = want;
-        rc = procs(h, &n, info);
+        info = heap = bigger, got = want;
+        rc = procs(h, &got, info);
     }
     VGPU_ST_ADD(VGPU_ST_NVML_PROCS, t0);
-    uint64_t used = 0;
-    unsigned pid = own_pid();
-    for (unsigned i = 0; rc == NVML_SUCCESS && i < n; i++)
-        if (info[i].pid == pid && info[i].usedGpuMemory != ~0ull) {
-            *found = 1;
-            used = info[i].usedGpuMemory;
-            break;
-        }
+    struct vgpu_nvml_proc *out = rc == NVML_SUCCESS && got ? malloc(got * sizeof *out) : NULL;
+    for (unsigned i = 0; out && i < got; i++)
+        if (info[i].usedGpuMemory != ~0ull) /* NVML_VALUE_NOT_AVAILABLE */
+            out[(*n)++] = (struct vgpu_nvml_proc){info[i].pid, info[i].usedGpuMemory};
     free(heap);
+    return out;
+}
+
+uint64_t vgpu_nvml_process_used(int d, int *found)
+{
+    unsigned n, pid = own_pid();
+    struct vgpu_nvml_proc *p = card_procs(d, &n);
+    uint64_t used = 0;
+    *found = 0;
+    for (unsigned i = 0; i < n && !*found; i++)
+        if (p[i].pid == pid)
+            *found = 1, used = p[i].used;
+    free(p);
     return used;
 }
 
@@ -228,12 +239,21 @@ void vgpu_reconcile(int d, int force)
         return;
     reap_rate_limited(now);
     vgpu_ensure_slot();
-    int found;
-    uint64_t used = vgpu_nvml_process_used(d, &found);
-    if (!found)
+    uint64_t before[VGPU_MAX_SLOTS];
+    vgpu_region_counted(vgpu.region.r, d, before);
+    unsigned n;
+    struct vgpu_nvml_proc *p = card_procs(d, &n);
+    int own = n && vgpu_region_reconcile(&vgpu.region, d, before, p, n, vgpu_pidns_self());
+    free(p);
+    if (!own)
         return;
-    vgpu_region_reconcile(&vgpu.region, d, used);
     vgpu_oom_check(d); /* ACTIVE_OOM_KILLER: over the limit with memory the shim could not refuse */
+}
+
+void vgpu_reconcile_soon(int d)
+{
+    if (d >= 0 && d < VGPU_MAX_DEV)
+        __atomic_store_n(&vgpu.last_reconcile_ns[d], 0, __ATOMIC_RELAXED);
 }
 
 /* ------------------------------------------------------------------ hooks */

@@ -460,21 +460,56 @@ uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t 
     return bytes;
 }
 
-uint64_t vgpu_region_reconcile(struct vgpu_region_handle *h, int d, uint64_t nvml_used)
+void vgpu_region_counted(struct vgpu_region *r, int d, uint64_t *out)
+{
+    memset(out, 0, VGPU_MAX_SLOTS * sizeof *out);
+    if (d < 0 || d >= VGPU_MAX_DEV || vgpu_region_lock(r) != 0)
+        return;
+    for (int s = 0; s < VGPU_MAX_SLOTS; s++)
+        out[s] = r->slot[s].data[d];
+    vgpu_region_unlock(r);
+}
+
+/* The PID NVML lists slot s's process under, 0 when it cannot be told. */
+static uint32_t nvml_pid_of(const struct vgpu_slot *sl, int own, struct vgpu_pidns self)
+{
+    if (!sl->pid)
+        return 0;
+    if (sl->host_pid)
+        return (uint32_t)sl->host_pid;
+    return own || same_ns(sl, self) ? (uint32_t)sl->pid : 0;
+}
+
+static const struct vgpu_nvml_proc *listed(const struct vgpu_nvml_proc *procs, unsigned n, uint32_t pid)
+{
+    for (unsigned i = 0; pid && i < n; i++)
+        if (procs[i].pid == pid)
+            return &procs[i];
+    return NULL;
+}
+
+int vgpu_region_reconcile(struct vgpu_region_handle *h, int d, const uint64_t *before,
+                          const struct vgpu_nvml_proc *procs, unsigned n, struct vgpu_pidns self)
 {
     struct vgpu_region *r = h->r;
-    if (d < 0 || d >= VGPU_MAX_DEV || h->slot < 0)
+    if (d < 0 || d >= VGPU_MAX_DEV || vgpu_region_lock(r) != 0)
         return 0;
-    vgpu_region_lock(r);
-    /* The slot's counted allocations are read in the same critical section that sets the
-     * overhead: an allocation of another thread is either in both or in neither. */
-    struct vgpu_slot *sl = &r->slot[h->slot];
-    uint64_t data = sl->data[d], bytes = nvml_used > data ? nvml_used - data : 0;
-    uint64_t u = atomic_load(&r->dev[d].used) - sl->overhead[d] + bytes;
-    sl->overhead[d] = bytes;
+    int own_found = 0;
+    uint64_t u = atomic_load(&r->dev[d].used);
+    for (int s = 0; s < VGPU_MAX_SLOTS; s++) {
+        struct vgpu_slot *sl = &r->slot[s];
+        const struct vgpu_nvml_proc *p = listed(procs, n, nvml_pid_of(sl, s == h->slot, self));
+        if (!p)
+            continue;
+        own_found |= s == h->slot;
+        uint64_t data = sl->data[d] < before[s] ? sl->data[d] : before[s];
+        uint64_t bytes = p->used > data ? p->used - data : 0;
+        u = u - sl->overhead[d] + bytes;
+        sl->overhead[d] = bytes;
+    }
     atomic_store(&r->dev[d].used, u);
     vgpu_region_unlock(r);
-    return bytes;
+    return own_found;
 }
 
 uint64_t vgpu_region_used(struct vgpu_region *r, int d)

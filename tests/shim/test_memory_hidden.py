@@ -35,11 +35,62 @@ def oom_kills(box) -> tuple[int, int, int]:
 @pytest.mark.parametrize("mode", ["add", "capture", "child"])
 def test_graph_memory_nodes_charged_at_the_first_launch(box, mode: str) -> None:
     """300 MiB of memory nodes, however the graph got them, are charged at the first launch and
-    returned when the executable graph is destroyed."""
+    returned once the allocation is freed and the executable graph destroyed."""
     o = last(memprog(box, "graph", mode, "300", str(CHUNK), env=box.env(claim((0, 1000, 0)))))
     assert o["inst_rc"] == 0 and o["launch1_rc"] == 0 and o["launch2_rc"] == 0
     assert o["more"] == 9  # (1000 - 64 context - 300 graph) / 64
     assert o["destroy_rc"] == 0 and o["after"] == 14
+
+
+@pytest.mark.parametrize("mode", ["add", "capture"])
+def test_a_graph_allocation_left_live_stays_charged_after_its_graph(box, mode: str) -> None:
+    """Graph destruction does not free a live graph allocation (CUDA's graph memory nodes; the
+    stub models it): the executable graph destroyed, its 300 MiB still held, the slice's other
+    allocations must not take them again. Before, the destroy returned the charge and the
+    reconciliation came too late: 14 chunks granted beside the live 300 MiB (1260 MiB held
+    under 1000)."""
+    o = last(memprog(box, "graph", mode, "300", str(CHUNK), "keep", env=box.env(claim((0, 1000, 0)))))
+    assert o["launch1_rc"] == 0 and o["more"] == 9 and o["destroy_rc"] == 0
+    assert o["after"] == 9  # the live 300 MiB still count: (1000 - 64 - 300) / 64
+
+
+def test_an_idle_siblings_hidden_memory_is_charged(box) -> None:
+    """A process takes 500 MiB the hooks do not see (a device malloc, a module's globals) and
+    then makes no CUDA call: its own reconciliation never runs. Another process of the container
+    reconciles the whole container from NVML's process list when it allocates, so it gets what
+    the limit leaves. Before, each process reconciled only itself: the second got 13 chunks,
+    1460 MiB held under 1000."""
+    env = box.env(claim((0, 1000, 0)))
+    idle = subprocess.Popen([str(box.kit.stubdir / "memprog"), "hide", "500", "20"], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(idle.stdout.readline())["hidden"] == 500
+        p = memprog(box, "hidden", "20", str(CHUNK), "0", "0", env=env)
+        # (1000 - 64 - 500 - 64) / 64: both contexts and the idle process's hidden 500 MiB
+        assert json.loads(p.stdout.splitlines()[0])["n"] == 5
+    finally:
+        idle.kill()
+        idle.wait()
+
+
+def test_an_allocation_made_while_its_capture_ended_is_charged(box) -> None:
+    """Into a capturing stream an allocation is a graph node, charged at the graph's launch; the
+    stub ends the capture between the shim's check and the driver (another thread's
+    cuStreamEndCapture in relaxed mode), so the memory is made at once. It is charged after the
+    driver returns (refused and freed when it does not fit). Before, all four 512 MiB
+    allocations were made uncharged."""
+    env = box.env(claim((0, 1000, 0)), STUB_CAPTURE_ENDS_AFTER_CHECK="1")
+    o = last(memprog(box, "capalloc", "4", "512", str(CHUNK), env=env))
+    assert o["ok"] == 1  # the first 512 MiB fit beside the context, the next three are refused
+    assert o["more"] == 6  # (1000 - 64 - 512) / 64
+
+
+def test_a_captured_free_of_a_graph_never_launched_keeps_the_charge(box) -> None:
+    """cuMemFreeAsync into a capturing stream is a node of the graph: the memory lives on until
+    the graph runs. Freed into four graphs never launched, 4 x 200 MiB stay charged. Before, the
+    capture uncharged them and 14 chunks were granted beside them (1760 MiB under 1000)."""
+    o = last(memprog(box, "capfree", "4", "200", str(CHUNK), env=box.env(claim((0, 1000, 0)))))
+    assert o["ok"] == 4 and o["more"] == 2  # (1000 - 64 - 800) / 64
 
 
 @pytest.mark.parametrize("mode", ["add", "capture", "child"])

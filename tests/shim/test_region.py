@@ -73,6 +73,42 @@ def test_reserve_is_bounded_and_released(core, tmp_path) -> None:
     lib.vgpu_region_close(h)
 
 
+def test_reconciliation_charges_every_listed_process_and_never_under(core, tmp_path) -> None:
+    """Each slot NVML lists gets as overhead what NVML shows above its counted bytes: this
+    process's and a sibling's of the same PID namespace, one of another namespace by the host PID
+    the node agent wrote, none by a bare PID it cannot tell. A count that moved while NVML was
+    asked is taken at its smaller value: an allocation racing the query over-charges."""
+    lib, ffi = core.lib, core.ffi
+    h = open_region(core, tmp_path / "r", 4000)
+    me = os.getpid()
+    assert lib.vgpu_region_join(h, me, lib.vgpu_proc_start_time(me)) >= 0
+    sib = ffi.new("struct vgpu_region_handle *")
+    sib.r, sib.fd = h.r, -1
+    parent = os.getppid()  # alive, so the join does not reap it; a sibling of this namespace
+    assert lib.vgpu_region_join(sib, parent, lib.vgpu_proc_start_time(parent)) >= 0
+    other = ffi.new("struct vgpu_region_handle *")
+    other.r, other.fd = h.r, -1
+    assert lib.vgpu_region_join(other, 1, lib.vgpu_proc_start_time(1)) >= 0
+    h.r.slot[other.slot].pidns_ino += 1  # another PID namespace, no host PID yet
+    assert lib.vgpu_region_reserve(h, 0, 100 * MIB) == 0
+    assert lib.vgpu_region_reserve(sib, 0, 200 * MIB) == 0
+    before = ffi.new("uint64_t[128]")
+    lib.vgpu_region_counted(h.r, 0, before)
+    assert lib.vgpu_region_reserve(sib, 0, 50 * MIB) == 0  # while NVML is asked: not in its figure
+    procs = ffi.new("struct vgpu_nvml_proc[3]", [(me, 164 * MIB), (parent, 700 * MIB), (1, 900 * MIB)])
+    assert lib.vgpu_region_reconcile(h, 0, before, procs, 3, lib.vgpu_pidns_self()) == 1
+    assert h.r.slot[h.slot].overhead[0] == 64 * MIB
+    assert h.r.slot[sib.slot].overhead[0] == 500 * MIB  # 700 - 200 (the count before), not 450
+    assert h.r.slot[other.slot].overhead[0] == 0  # PID 1 of another namespace: not ours to tell
+    assert lib.vgpu_region_used(h.r, 0) == (100 + 64 + 250 + 500) * MIB
+    h.r.slot[other.slot].host_pid = 1  # the agent wrote its host PID
+    assert lib.vgpu_region_reconcile(h, 0, before, procs, 3, lib.vgpu_pidns_self()) == 1
+    assert h.r.slot[other.slot].overhead[0] == 900 * MIB
+    assert lib.vgpu_region_reconcile(h, 0, before, procs + 1, 2, lib.vgpu_pidns_self()) == 0  # own not listed
+    assert h.r.slot[h.slot].overhead[0] == 64 * MIB  # kept
+    lib.vgpu_region_close(h)
+
+
 def test_sigkill_while_holding_the_lock(core, tmp_path) -> None:
     lib = core.lib
     path = tmp_path / "r"

@@ -2,9 +2,11 @@
  * memprog - memory the allocation hooks do not see, for the shim's tests (stub driver) and the
  * GPU bench (real driver). Driver API only, no CUDA headers. One JSON object per line.
  *
- *   memprog graph MODE MIB CHUNK   a graph with a MIB memory node (MODE add: cuGraphAddMemAllocNode,
- *       capture: cuMemAllocAsync in a capturing stream, child: inside a child graph), instantiated
- *       and launched twice, then CHUNK allocations until refused; the exec destroyed, again
+ *   memprog graph MODE MIB CHUNK [keep]  a graph with a MIB memory node and no free node (MODE add:
+ *       cuGraphAddMemAllocNode, capture: cuMemAllocAsync in a capturing stream, child: inside a
+ *       child graph), instantiated and launched twice (its allocation freed with cuMemFree in
+ *       between, as CUDA requires), then CHUNK allocations until refused; the allocation freed
+ *       (keep: left live, as graph destruction does not free it) and the exec destroyed, again
  *   memprog ctx N CHUNK [v1]       N extra contexts (cuCtxCreate_v2; v1: the CUDA < 3.2 cuCtxCreate
  *       through cuGetProcAddress at 3010), then CHUNK allocations until refused; the contexts
  *       destroyed, again
@@ -14,6 +16,14 @@
  *   memprog hidden N CHUNK MIB HOLD_S  N chunks, then MIB of memory without an allocation call
  *       (the stub's stubHidden; a device malloc on a GPU), a cuMemGetInfo and one more chunk,
  *       then hold
+ *   memprog hide MIB HOLD_S        MIB of memory without an allocation call, then HOLD_S seconds
+ *       without any CUDA call (an idle sibling)
+ *   memprog capalloc N MIB CHUNK   N times: a relaxed capture begun on a stream and a MIB
+ *       cuMemAllocAsync into it (the stub's STUB_CAPTURE_ENDS_AFTER_CHECK ends the capture
+ *       between the shim's check and the driver, as another thread may), the capture ended; then
+ *       CHUNK allocations until refused
+ *   memprog capfree N MIB CHUNK    N times: a MIB cuMemAllocAsync, then its cuMemFreeAsync
+ *       captured into a graph that is never launched; then CHUNK allocations until refused
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -91,7 +101,8 @@ static void unfill(void)
         cuMemFree_v2(held[--nheld]);
 }
 
-static CUgraph mem_graph(const char *mode, size_t bytes)
+/* A graph with one memory node of `bytes` (its address in *dptr), made as `mode` says. */
+static CUgraph mem_graph(const char *mode, size_t bytes, CUdeviceptr *dptr)
 {
     CUgraph g = NULL;
     CUDA_MEM_ALLOC_NODE_PARAMS p;
@@ -107,6 +118,8 @@ static CUgraph mem_graph(const char *mode, size_t bytes)
         CUresult rc = cuMemAllocAsync(&d, bytes, s);
         if (rc) printf("{\"capture_alloc_rc\": %d}\n", rc);
         cuStreamEndCapture(s, &g);
+        *dptr = d;
+        return g;
     } else if (!strcmp(mode, "child")) {
         CUgraph child;
         cuGraphCreate(&child, 0);
@@ -117,6 +130,7 @@ static CUgraph mem_graph(const char *mode, size_t bytes)
         cuGraphCreate(&g, 0);
         cuGraphAddMemAllocNode(&n, g, NULL, 0, &p);
     }
+    *dptr = p.dptr;
     return g;
 }
 
@@ -143,15 +157,21 @@ int main(int argc, char **argv)
     size_t f = 0, t = 0;
     if (!strcmp(cmd, "graph") && argc >= 5) {
         size_t bytes = strtoull(argv[3], NULL, 0) << 20, chunk = strtoull(argv[4], NULL, 0);
-        CUgraph g = mem_graph(argv[2], bytes);
+        int keep = argc > 5 && !strcmp(argv[5], "keep");
+        CUdeviceptr gp = 0;
+        CUgraph g = mem_graph(argv[2], bytes, &gp);
         CUgraphExec e = NULL;
         CUresult inst = cuGraphInstantiateWithFlags(&e, g, 0);
         CUresult l1 = cuGraphLaunch(e, NULL);
         cuCtxSynchronize();
+        if (!l1)
+            cuMemFree_v2(gp);
         CUresult l2 = cuGraphLaunch(e, NULL);
         cuCtxSynchronize();
         long more = fill(chunk);
         unfill();
+        if (!l2 && !keep)
+            cuMemFree_v2(gp);
         CUresult des = cuGraphExecDestroy(e);
         long after = fill(chunk);
         printf("{\"inst_rc\": %d, \"launch1_rc\": %d, \"launch2_rc\": %d, \"more\": %ld, \"destroy_rc\": %d, "
@@ -198,6 +218,37 @@ int main(int argc, char **argv)
         long more = fill(strtoull(argv[4], NULL, 0));
         cuMemGetInfo_v2(&f, &t);
         printf("{\"limit_rc\": %d, \"more\": %ld, \"free\": %zu}\n", rc, more, f);
+        return 0;
+    }
+    if (!strcmp(cmd, "hide") && argc >= 4) {
+        int (*hidden)(int, long long) = (int (*)(int, long long))dlsym(RTLD_DEFAULT, "stubHidden");
+        if (hidden)
+            hidden(0, atoll(argv[2]));
+        printf("{\"hidden\": %lld}\n", atoll(argv[2]));
+        usleep((useconds_t)(atof(argv[3]) * 1e6));
+        return 0;
+    }
+    if ((!strcmp(cmd, "capalloc") || !strcmp(cmd, "capfree")) && argc >= 5) {
+        int n = atoi(argv[2]), ok = 0;
+        size_t bytes = strtoull(argv[3], NULL, 0) << 20, chunk = strtoull(argv[4], NULL, 0);
+        CUstream s;
+        CUgraph g;
+        cuStreamCreate(&s, 1);
+        for (int i = 0; i < n; i++) {
+            CUdeviceptr p = 0;
+            if (!strcmp(cmd, "capalloc")) {
+                cuStreamBeginCapture_v2(s, 2); /* CU_STREAM_CAPTURE_MODE_RELAXED */
+                ok += cuMemAllocAsync(&p, bytes, s) == 0;
+                cuStreamEndCapture(s, &g);
+            } else if (cuMemAllocAsync(&p, bytes, s) == 0) {
+                cuCtxSynchronize();
+                cuStreamBeginCapture_v2(s, 2);
+                ok += cuMemFreeAsync(p, s) == 0;
+                cuStreamEndCapture(s, &g); /* the graph, with its free node, is never launched */
+            }
+        }
+        long more = fill(chunk);
+        printf("{\"ok\": %d, \"more\": %ld}\n", ok, more);
         return 0;
     }
     if (!strcmp(cmd, "hidden") && argc >= 6) {

@@ -276,7 +276,7 @@ API CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t 
     if (rc == OK) *pitch = pt;
     return rc;
 }
-API CUresult cuMemFree_v2(CUdeviceptr p) { if (!inited) return E_NOT_INIT; return phys_free(p, 1); }
+API CUresult cuMemFree_v2(CUdeviceptr p) { if (!inited) return E_NOT_INIT; if (hidden_graph_free(p)) return OK; return phys_free(p, 1); }
 /* The CUDA < 3.2 ABI (32-bit): pitch, memory info and total, as a driver still exports them. */
 API CUresult cuMemAllocPitch(unsigned *p, unsigned *pitch, unsigned w, unsigned h, unsigned e)
 {

@@ -10,6 +10,7 @@
 #define STUB_HIDDEN_H
 static CUresult hidden_graph_create(void **g);
 static CUresult hidden_graph_launch(void *exec);
+static int hidden_graph_free(CUdeviceptr p);
 static int hidden_capturing(CUstream s);
 static void hidden_capture_abandon(void);
 static unsigned long long hidden_capture_id(void);
