@@ -1,7 +1,8 @@
 /*
  * vgpu_mem_array.c - CUDA array hooks: cuArrayCreate(_v2), cuArray3DCreate(_v2),
  * cuMipmappedArrayCreate and their destroys. An element-size estimate is charged before the
- * driver is asked, then settled to the driver's own figure (cu*GetMemoryRequirements); the
+ * driver is asked, then settled to the driver's own figure (cu*GetMemoryRequirements; the
+ * driver gives none for an array with memory of its own, so then NVML's, by reconciling); the
  * accounting rule: vgpu_cuda_mem.c. A sparse or deferred-mapping array has no memory of its own:
  * its tiles are handles mapped in later (cuMemMapArrayAsync), charged at their cuMemCreate, so
  * the array itself is not charged.
@@ -24,11 +25,40 @@ static uint64_t array_est(size_t w, size_t h, size_t dpt, int fmt, unsigned ch)
     return (uint64_t)w * (h ? h : 1) * (dpt ? dpt : 1) * elem_bytes(fmt) * (ch ? ch : 1);
 }
 
+static void array_destroy(int kind, void *arr)
+{
+    if (kind == K_MIPMAP)
+        REAL_FN(cuMipmappedArrayDestroy)(arr);
+    else
+        REAL_FN(cuArrayDestroy)(arr);
+}
+
+/* An array whose size the driver does not tell (its memory requirements are given for a
+ * deferred-mapping array only): what its layout takes past the estimate (a block-linear array
+ * pads its extents) shows in NVML, so the container is reconciled now, and the array is
+ * destroyed again and refused when that takes the container over its limit. 0 ok, -1 refused. */
+static int array_unmeasured(int kind, void *arr, uint64_t charged, int d)
+{
+    if (!vgpu.region.r->dev[d].limit)
+        return 0;
+    vgpu_reconcile(d, 3);
+    if (vgpu_region_used(vgpu.region.r, d) <= vgpu.region.r->dev[d].limit)
+        return 0;
+    uint64_t size;
+    int dev;
+    vgpu_tab_take(kind, (uint64_t)(uintptr_t)arr, &size, &dev);
+    array_destroy(kind, arr);
+    vgpu_uncharge(d, charged);
+    vgpu_reconcile_soon(d);
+    vgpu_log(1, "device %d: array refused: with what NVML shows it took the container is over its limit", d);
+    return -1;
+}
+
 /* After the driver call of an array path that charged the estimate `est`: on success (`arr` the
  * array made, NULL when the caller passed no out-pointer), settle the charge to the driver's own
- * figure (cu*GetMemoryRequirements on the current context's device; the estimate when it has
- * none) and record the array; when that does not fit, the array is destroyed again and the call
- * refused. On failure, the charge returns. */
+ * figure (cu*GetMemoryRequirements on the current context's device; without one, the estimate and
+ * a reconciliation: array_unmeasured) and record the array; when that does not fit, the array is
+ * destroyed again and the call refused. On failure, the charge returns. */
 static CUresult array_end(CUresult rc, int kind, void *arr, int made, uint64_t est, int d)
 {
     if (rc != CUDA_SUCCESS || d < 0 || !made) {
@@ -43,16 +73,16 @@ static CUresult array_end(CUresult rc, int kind, void *arr, int made, uint64_t e
         drv->ctx_get_device(&dev);
     CUDA_ARRAY_MEMORY_REQUIREMENTS req;
     uint64_t actual = est;
-    if (q && q(&req, arr, dev) == CUDA_SUCCESS && req.size)
+    int measured = q && q(&req, arr, dev) == CUDA_SUCCESS && req.size;
+    if (measured)
         actual = req.size;
     if (vgpu_settle(d, est, actual)) {
-        if (kind == K_MIPMAP)
-            REAL_FN(cuMipmappedArrayDestroy)(arr);
-        else
-            REAL_FN(cuArrayDestroy)(arr);
+        array_destroy(kind, arr);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     vgpu_tab_put_owned(kind, (uint64_t)(uintptr_t)arr, actual, d);
+    if (!measured && array_unmeasured(kind, arr, actual, d))
+        return CUDA_ERROR_OUT_OF_MEMORY;
     return rc;
 }
 
@@ -117,11 +147,12 @@ VGPU_API CUresult cuArrayDestroy(CUarray arr)
     uint64_t size;
     int d;
     vgpu_lock(&vgpu_vmm_mu); /* no map into an array the driver hands out again meanwhile */
-    CUresult rc = vgpu_release_begin(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d)
-                      ? vgpu_release_end(real(arr), K_ARRAY, (uint64_t)(uintptr_t)arr, size, d)
-                      : real(arr);
+    int tracked = vgpu_release_begin(K_ARRAY, (uint64_t)(uintptr_t)arr, &size, &d);
+    CUresult rc = tracked ? vgpu_release_end(real(arr), K_ARRAY, (uint64_t)(uintptr_t)arr, size, d) : real(arr);
     if (rc == CUDA_SUCCESS)
         vgpu_vmm_array_gone(arr); /* a sparse array's mappings go with it */
+    if (rc == CUDA_SUCCESS && tracked)
+        vgpu_reconcile_soon(d); /* what it took past its charge left NVML's figure too */
     vgpu_unlock(&vgpu_vmm_mu);
     return rc;
 }
@@ -149,11 +180,12 @@ VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray arr)
     uint64_t size;
     int d;
     vgpu_lock(&vgpu_vmm_mu);
-    CUresult rc = vgpu_release_begin(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d)
-                      ? vgpu_release_end(real(arr), K_MIPMAP, (uint64_t)(uintptr_t)arr, size, d)
-                      : real(arr);
+    int tracked = vgpu_release_begin(K_MIPMAP, (uint64_t)(uintptr_t)arr, &size, &d);
+    CUresult rc = tracked ? vgpu_release_end(real(arr), K_MIPMAP, (uint64_t)(uintptr_t)arr, size, d) : real(arr);
     if (rc == CUDA_SUCCESS)
         vgpu_vmm_array_gone(arr);
+    if (rc == CUDA_SUCCESS && tracked)
+        vgpu_reconcile_soon(d);
     vgpu_unlock(&vgpu_vmm_mu);
     return rc;
 }

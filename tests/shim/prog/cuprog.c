@@ -7,7 +7,8 @@
  *   cuprog info [ordinal]                  memory as the process sees it
  *   cuprog null                            NULL out-pointers to cuMemGetInfo_v2
  *   cuprog fill PATH CHUNK [MAX_N] [HOLD_S] allocate CHUNK bytes until failure (or MAX_N)
- *       PATH: alloc managed pitch async pool vmm array array3d mipmap gpa gpa_v1 dlsym v1abi
+ *       PATH: alloc managed pitch async pool vmm array array3d array8 (1-byte elements) mipmap
+ *       gpa gpa_v1 dlsym v1abi
  *       pitch_v1 array_v1 array3d_v1 (the last four: the CUDA < 3.2 ABI through cuGetProcAddress)
  *   cuprog xdev PATH CHUNK                 card 1's stream-ordered memory with card 0's context
  *   cuprog vmmexport EXPORT CHUNK          cuMemCreate CHUNK, (EXPORT 1) export it as a descriptor
@@ -378,6 +379,11 @@ static CUresult alloc_one(const char *path, size_t chunk, CUdevice dev, struct h
         h->kind = 4, h->v = (uintptr_t)arr;
     } else if (!strcmp(path, "array3d")) {
         CUDA_ARRAY3D_DESCRIPTOR a = {chunk / 4 / 1024 / 4, 1024, 4, 0x20, 1, 0};
+        CUarray arr = NULL;
+        rc = cuArray3DCreate_v2(&arr, &a);
+        h->kind = 4, h->v = (uintptr_t)arr;
+    } else if (!strcmp(path, "array8")) { /* 1-byte elements: the stub lays out 4 bytes each */
+        CUDA_ARRAY3D_DESCRIPTOR a = {chunk / 4 / 1024 / 4, 1024, 4, 0x01, 1, 0};
         CUarray arr = NULL;
         rc = cuArray3DCreate_v2(&arr, &a);
         h->kind = 4, h->v = (uintptr_t)arr;

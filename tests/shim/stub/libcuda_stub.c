@@ -593,13 +593,16 @@ API CUresult cuArrayDestroy(CUarray a)
     if (rc == OK) array_unmap(a, NULL);
     return rc;
 }
+/* As the driver: an array's memory requirements are given for a deferred-mapping array only
+ * (CUDA_ERROR_INVALID_VALUE for one with memory of its own; STUB_ARRAY_REQ=1: for every array). */
+static int req_refused(const struct ent *e) { return !e || (e->size && !stub_env("STUB_ARRAY_REQ", 0)); }
 API CUresult cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUarray a, CUdevice d)
 {
     (void)d;
     pthread_mutex_lock(&mu);
     struct ent *e = find((uint64_t)(uintptr_t)a, 3, 0);
     pthread_mutex_unlock(&mu);
-    if (!e) return E_INVALID_VALUE;
+    if (req_refused(e)) return E_INVALID_VALUE;
     r->size = e->size, r->alignment = 65536;
     return OK;
 }
@@ -624,7 +627,7 @@ API CUresult cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENT
     pthread_mutex_lock(&mu);
     struct ent *e = find((uint64_t)(uintptr_t)a, 4, 0);
     pthread_mutex_unlock(&mu);
-    if (!e) return E_INVALID_VALUE;
+    if (req_refused(e)) return E_INVALID_VALUE;
     r->size = e->size, r->alignment = 65536;
     return OK;
 }
