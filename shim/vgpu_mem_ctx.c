@@ -415,10 +415,40 @@ PRIMARY_END_HOOK(cuDevicePrimaryCtxReset, 1)
  * per SM); refused with CUDA_ERROR_OUT_OF_MEMORY when it does not fit. Lowering it returns the
  * charge. (Policy: charged at the call, although the driver may reserve the heap only at the
  * first launch of a kernel that uses it.) */
+/* The device runtime's limits (sync depth, pending launch count) make the driver reserve device
+ * memory for device-side launches in sizes it does not tell: raised, the container is reconciled
+ * from NVML right after, and the old value is set again and the call refused when that takes it
+ * over its limit. (Memory the driver reserves only at a later launch is reconciled then.) */
+static CUresult runtime_limit(vgpu_fn_cuCtxSetLimit real, int limit, size_t value)
+{
+    CUresult (*get_limit)(size_t *, int) = vgpu_cuda_drv()->ctx_get_limit;
+    int d = vgpu_cur_dev();
+    size_t old = 0;
+    if (d == -2)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (d < 0 || !vgpu.region.r->dev[d].limit || !get_limit || get_limit(&old, limit) != CUDA_SUCCESS ||
+        value <= old)
+        return real(limit, value);
+    CUresult rc = real(limit, value);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    vgpu_reconcile(d, 3);
+    if (vgpu_region_used(vgpu.region.r, d) <= vgpu.region.r->dev[d].limit)
+        return rc;
+    real(limit, old);
+    vgpu_reconcile_soon(d);
+    vgpu_log(1, "device %d: cuCtxSetLimit(%d, %zu) refused: with what NVML shows it reserved the "
+                "container is over its limit", d, limit, value);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
 VGPU_API CUresult cuCtxSetLimit(int limit, size_t value)
 {
     BROKEN_GUARD();
     vgpu_fn_cuCtxSetLimit real = REAL_FN(cuCtxSetLimit);
+    if (mode() == M_LIMITED && (limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH ||
+                                limit == CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT))
+        return runtime_limit(real, limit, value);
     if (mode() != M_LIMITED || limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE)
         return real(limit, value);
     const struct vgpu_drv *drv = vgpu_cuda_drv();

@@ -145,6 +145,22 @@ def test_malloc_heap_and_stack_limits_are_charged(box) -> None:
     assert native["limit_rc"] == 0
 
 
+def test_device_runtime_limits_are_reconciled_and_refused(box) -> None:
+    """The device runtime's sync depth and pending launch count (cuCtxSetLimit 3 and 4) make the
+    driver reserve memory it does not tell (the stub: 8 MiB a level, 4 KiB a launch): reconciled
+    right after the call, refused (the old value set again) when that is over the limit. Before,
+    a sync depth of 200 (1584 MiB more) was granted under 1000 MiB."""
+    env = box.env(claim((0, 1000, 0)))
+    o = last(memprog(box, "limit", "3", "100", str(CHUNK), env=env))  # 2 -> 100 levels: 784 MiB
+    assert o["limit_rc"] == 0 and o["more"] == 2  # (1000 - 64 - 784) / 64
+    o = last(memprog(box, "limit", "3", "200", str(CHUNK), env=env))  # 1584 MiB: does not fit
+    assert o["limit_rc"] == 2 and o["more"] == 14
+    o = last(memprog(box, "limit", "4", "100000", str(CHUNK), env=env))  # 2048 -> 100000: 383 MiB
+    assert o["limit_rc"] == 0 and o["more"] == 8  # (1000 - 64 - 383) / 64
+    native = last(memprog(box, "limit", "3", "200", str(CHUNK), env=box.env(shim=False)))
+    assert native["limit_rc"] == 0
+
+
 def test_memory_only_nvml_shows_is_charged_in_full(box) -> None:
     """800 MiB that no hook saw (device malloc, a library's workspace) take the container over
     its limit: every allocation is then refused; without ACTIVE_OOM_KILLER the process lives."""
