@@ -277,13 +277,22 @@ void vgpu_region_counted(struct vgpu_region *r, int d, uint64_t *out);
 /* Reconciliation of every process of the container on device d: each live slot that NVML lists
  * (procs, n entries) gets as overhead what NVML shows above its counted allocations (>= 0), so
  * memory an idle sibling holds past the hooks is charged when any process asks. A slot is found
- * by its host_pid when the node agent wrote it, else by its pid when it is this process's or
- * shares its PID namespace (self); a slot NVML does not list keeps its overhead. before: each
- * slot's counted bytes read before NVML was asked (vgpu_region_counted); the smaller of that and
- * the count now is taken, so an allocation or free racing the query can only over-charge. Takes
- * the lock. Returns 1 when this process's own slot was listed. */
+ * by its host_pid when the node agent wrote it, else by its pid when it is this process's or,
+ * in the host's PID namespace, shares it (self); a slot NVML does not list keeps its overhead.
+ * before: each slot's counted bytes read before NVML was asked (vgpu_region_counted); the smaller
+ * of that and the count now is taken, so an allocation or free racing the query can only
+ * over-charge. A sibling's overhead is only raised (its own reconciliation may be newer than
+ * this NVML answer); this process's is set. Takes the lock. Returns VGPU_RECON_OWN when this
+ * process's slot was listed, | VGPU_RECON_MOVED when a listed slot's count moved meanwhile (the
+ * figures may be over: reconcile again before acting on them). */
+#define VGPU_RECON_OWN 1
+#define VGPU_RECON_MOVED 2
 int vgpu_region_reconcile(struct vgpu_region_handle *h, int d, const uint64_t *before,
                           const struct vgpu_nvml_proc *procs, unsigned n, struct vgpu_pidns self);
+/* Move up to bytes of this process's counted charge on device d into its overhead, for memory
+ * the driver may still hold (graph allocations past their executable graph): the next
+ * reconciliation, by any process of the container, settles it from NVML. Takes the lock. */
+void vgpu_region_to_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes);
 uint64_t vgpu_region_used(struct vgpu_region *r, int d);
 /* The container is over its limit on d by more than `slack`: 1 with the live slot of this
  * process's PID namespace (the only PIDs it can signal) holding the most (data + overhead) on d in *pid, *start_time, *bytes; 0 otherwise. Takes the lock. */
@@ -768,9 +777,12 @@ void vgpu_format_uuid(const CUuuid *u, char *out, size_t n);
 /* NVML per-process usage -> overhead charge. force: 0 at most every VGPU_RECONCILE_NS, 2 near
  * the limit (VGPU_RECONCILE_NEAR_NS), 1 before a refusal (VGPU_RECONCILE_REFUSE_NS), 3 now. */
 void vgpu_reconcile(int d, int force);
-/* The next reconciliation on d runs whatever the rate (memory was uncharged that the driver may
- * still hold: graph allocations outliving their executable graph). */
+/* The next reconciliation on d runs whatever the rate (a charge changed that NVML should settle:
+ * an array destroyed, a graph's charge moved to overhead). */
 void vgpu_reconcile_soon(int d);
+/* Reconcile d now (again when counts moved under the first pass) and tell whether the container
+ * is over its limit there: 1 over, 0 not (or no limit). */
+int vgpu_reconcile_over(int d);
 void vgpu_compute_setup(int d, CUdevice dev);
 void vgpu_compute_gate(CUstream stream);
 void vgpu_compute_sync(CUstream stream, int whole_ctx); /* before an app's wait: close the batch */

@@ -406,12 +406,20 @@ static CUresult free_async(int idx, CUdeviceptr p, CUstream s)
     vgpu_fn_cuMemFreeAsync real = REAL(idx, vgpu_fn_cuMemFreeAsync);
     uint64_t size;
     int d;
-    /* Into a capturing stream the free is a node of the graph: the memory lives on until (and
-     * unless) the graph runs, so it stays charged. */
-    if (mode() != M_LIMITED || vgpu_stream_capture_id(s) || !vgpu_release_begin(K_PTR, p, &size, &d))
+    if (!vgpu_release_begin(K_PTR, p, &size, &d))
         return real(p, s);
-    /* uncharged at once: the pool keeps the pages for reuse; NVML reconciliation sees them */
-    return vgpu_release_end(real(p, s), K_PTR, p, size, d);
+    /* Into a capturing stream the free is a node of the graph: the memory lives on until (and
+     * unless) the graph runs, so it stays charged, also when a capture began on the stream
+     * while the driver was asked. Otherwise uncharged at once: the pool keeps the pages for
+     * reuse; NVML reconciliation sees them. */
+    if (vgpu_stream_capture_id(s)) {
+        vgpu_release_end(CUDA_ERROR_NOT_SUPPORTED, K_PTR, p, size, d); /* back in the table */
+        return real(p, s);
+    }
+    CUresult rc = real(p, s);
+    int node = rc == CUDA_SUCCESS && vgpu_stream_capture_id(s);
+    vgpu_release_end(node ? CUDA_ERROR_NOT_SUPPORTED : rc, K_PTR, p, size, d);
+    return rc;
 }
 
 VGPU_API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s)

@@ -41,12 +41,12 @@ static int array_unmeasured(int kind, void *arr, uint64_t charged, int d)
 {
     if (!vgpu.region.r->dev[d].limit)
         return 0;
-    vgpu_reconcile(d, 3);
-    if (vgpu_region_used(vgpu.region.r, d) <= vgpu.region.r->dev[d].limit)
+    if (!vgpu_reconcile_over(d)) /* an NVML query per array: a rate would let a burst pass */
         return 0;
     uint64_t size;
     int dev;
-    vgpu_tab_take(kind, (uint64_t)(uintptr_t)arr, &size, &dev);
+    if (!vgpu_tab_take(kind, (uint64_t)(uintptr_t)arr, &size, &dev))
+        return 0; /* another thread destroyed it meanwhile (its charge went with it) */
     array_destroy(kind, arr);
     vgpu_uncharge(d, charged);
     vgpu_reconcile_soon(d);

@@ -432,8 +432,7 @@ static CUresult runtime_limit(vgpu_fn_cuCtxSetLimit real, int limit, size_t valu
     CUresult rc = real(limit, value);
     if (rc != CUDA_SUCCESS)
         return rc;
-    vgpu_reconcile(d, 3);
-    if (vgpu_region_used(vgpu.region.r, d) <= vgpu.region.r->dev[d].limit)
+    if (!vgpu_reconcile_over(d))
         return rc;
     real(limit, old);
     vgpu_reconcile_soon(d);

@@ -1,8 +1,8 @@
 /*
  * vgpu_mem_graph.c - graph memory: the memory nodes of executable graphs, recorded at
  * instantiation and charged at the first launch (vgpu_mem_graph_launch, called by the launch
- * hook in vgpu_launch.c) or upload, until cuGraphExecDestroy (then what the driver still holds,
- * a live allocation or the pool's cached pages, is reconciled from NVML).
+ * hook in vgpu_launch.c) or upload, until cuGraphExecDestroy (then it becomes overhead, which
+ * reconciliation settles to what the driver still holds: a live allocation, the pool's pages).
  */
 #include "vgpu_mem.h"
 
@@ -211,9 +211,10 @@ VGPU_API CUresult cuGraphExecDestroy(CUgraphExec e)
     for (int d = 0; d < vgpu.cfg.ndev && d < VGPU_MAX_DEV; d++) {
         if (vgpu_tab_take(K_GCHG + d, key, &size, &dev)) {
             /* Graph destruction does not free a live graph allocation (one no free node or
-             * cuMemFree has freed yet), nor may the driver give back the pool's pages: what NVML
-             * still shows is charged by the next reconciliation, before any other allocation. */
-            vgpu_uncharge(d, size);
+             * cuMemFree has freed yet), nor may the driver give back the pool's pages: the charge
+             * becomes overhead, which the next reconciliation (this process's next allocation, or
+             * any sibling's) settles to what NVML still shows. */
+            vgpu_region_to_overhead(&vgpu.region, d, size);
             vgpu_reconcile_soon(d);
         }
         vgpu_tab_take(K_GPEND + d, key, &size, &dev);

@@ -229,6 +229,19 @@ static void reap_rate_limited(uint64_t now)
         vgpu_region_reap(vgpu.region.r);
 }
 
+/* One reconciliation of the container on d: VGPU_RECON_* flags (0 when NVML tells nothing). */
+static int reconcile_pass(int d)
+{
+    vgpu_ensure_slot();
+    uint64_t before[VGPU_MAX_SLOTS];
+    vgpu_region_counted(vgpu.region.r, d, before);
+    unsigned n;
+    struct vgpu_nvml_proc *p = card_procs(d, &n);
+    int f = n ? vgpu_region_reconcile(&vgpu.region, d, before, p, n, vgpu_pidns_self()) : 0;
+    free(p);
+    return f;
+}
+
 void vgpu_reconcile(int d, int force)
 {
     if (d < 0 || !vgpu.region.r)
@@ -238,16 +251,26 @@ void vgpu_reconcile(int d, int force)
     if (!take_turn(&vgpu.last_reconcile_ns[d], now, min_gap) && force != 3)
         return;
     reap_rate_limited(now);
-    vgpu_ensure_slot();
-    uint64_t before[VGPU_MAX_SLOTS];
-    vgpu_region_counted(vgpu.region.r, d, before);
-    unsigned n;
-    struct vgpu_nvml_proc *p = card_procs(d, &n);
-    int own = n && vgpu_region_reconcile(&vgpu.region, d, before, p, n, vgpu_pidns_self());
-    free(p);
-    if (!own)
-        return;
-    vgpu_oom_check(d); /* ACTIVE_OOM_KILLER: over the limit with memory the shim could not refuse */
+    /* ACTIVE_OOM_KILLER: over the limit with memory the shim could not refuse; not on figures a
+     * racing allocation may have inflated (the next reconciliation looks again) */
+    if (reconcile_pass(d) == VGPU_RECON_OWN)
+        vgpu_oom_check(d);
+}
+
+int vgpu_reconcile_over(int d)
+{
+    struct vgpu_region *r = vgpu.region.r;
+    if (d < 0 || d >= VGPU_MAX_DEV || !r || !r->dev[d].limit)
+        return 0;
+    for (int pass = 0; pass < 2; pass++) {
+        int f = reconcile_pass(d);
+        __atomic_store_n(&vgpu.last_reconcile_ns[d], vgpu_now_ns(), __ATOMIC_RELAXED);
+        if (vgpu_region_used(r, d) <= r->dev[d].limit)
+            return 0;
+        if (!(f & VGPU_RECON_MOVED))
+            return 1;
+    }
+    return 1;
 }
 
 void vgpu_reconcile_soon(int d)

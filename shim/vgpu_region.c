@@ -470,14 +470,19 @@ void vgpu_region_counted(struct vgpu_region *r, int d, uint64_t *out)
     vgpu_region_unlock(r);
 }
 
-/* The PID NVML lists slot s's process under, 0 when it cannot be told. */
+/* The initial PID namespace's inode (PROC_PID_INIT_INO): PIDs there are the ones NVML lists. */
+#define VGPU_PID_INIT_INO 0xEFFFFFFCull
+
+/* The PID NVML lists slot s's process under, 0 when it cannot be told: the node agent's host_pid,
+ * else its own PID for this process (as before the agent wrote it) or for a sibling when both are
+ * in the host's PID namespace (a container's PID may be another process's host PID). */
 static uint32_t nvml_pid_of(const struct vgpu_slot *sl, int own, struct vgpu_pidns self)
 {
     if (!sl->pid)
         return 0;
     if (sl->host_pid)
         return (uint32_t)sl->host_pid;
-    return own || same_ns(sl, self) ? (uint32_t)sl->pid : 0;
+    return own || (same_ns(sl, self) && self.ino == VGPU_PID_INIT_INO) ? (uint32_t)sl->pid : 0;
 }
 
 static const struct vgpu_nvml_proc *listed(const struct vgpu_nvml_proc *procs, unsigned n, uint32_t pid)
@@ -494,22 +499,37 @@ int vgpu_region_reconcile(struct vgpu_region_handle *h, int d, const uint64_t *b
     struct vgpu_region *r = h->r;
     if (d < 0 || d >= VGPU_MAX_DEV || vgpu_region_lock(r) != 0)
         return 0;
-    int own_found = 0;
+    int found = 0;
     uint64_t u = atomic_load(&r->dev[d].used);
     for (int s = 0; s < VGPU_MAX_SLOTS; s++) {
         struct vgpu_slot *sl = &r->slot[s];
         const struct vgpu_nvml_proc *p = listed(procs, n, nvml_pid_of(sl, s == h->slot, self));
         if (!p)
             continue;
-        own_found |= s == h->slot;
+        found |= s == h->slot ? VGPU_RECON_OWN : 0;
+        found |= sl->data[d] != before[s] ? VGPU_RECON_MOVED : 0;
         uint64_t data = sl->data[d] < before[s] ? sl->data[d] : before[s];
         uint64_t bytes = p->used > data ? p->used - data : 0;
+        if (s != h->slot && bytes < sl->overhead[d])
+            continue; /* a sibling's own, maybe newer, figure stands: raised here, never lowered */
         u = u - sl->overhead[d] + bytes;
         sl->overhead[d] = bytes;
     }
     atomic_store(&r->dev[d].used, u);
     vgpu_region_unlock(r);
-    return own_found;
+    return found;
+}
+
+void vgpu_region_to_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes)
+{
+    struct vgpu_region *r = h->r;
+    if (d < 0 || d >= VGPU_MAX_DEV || h->slot < 0 || vgpu_region_lock(r) != 0)
+        return;
+    struct vgpu_slot *sl = &r->slot[h->slot];
+    uint64_t b = bytes < sl->data[d] ? bytes : sl->data[d];
+    sl->data[d] -= b;
+    sl->overhead[d] += b;
+    vgpu_region_unlock(r);
 }
 
 uint64_t vgpu_region_used(struct vgpu_region *r, int d)
