@@ -408,13 +408,6 @@ PRIMARY_END_HOOK(cuDevicePrimaryCtxRelease, 0)
 PRIMARY_END_HOOK(cuDevicePrimaryCtxReset_v2, 1)
 PRIMARY_END_HOOK(cuDevicePrimaryCtxReset, 1)
 
-/* cuCtxSetLimit: the malloc heap (device malloc), the printf FIFO and the per-thread stack are
- * device memory of the context. Raising one above the driver's value at our first look (its
- * default, part of the context's measured size) is charged before the driver is asked: the
- * heap and FIFO by their size, the stack by size x resident threads of the card (SMs x threads
- * per SM); refused with CUDA_ERROR_OUT_OF_MEMORY when it does not fit. Lowering it returns the
- * charge. (Policy: charged at the call, although the driver may reserve the heap only at the
- * first launch of a kernel that uses it.) */
 /* The device runtime's limits (sync depth, pending launch count) make the driver reserve device
  * memory for device-side launches in sizes it does not tell: raised, the container is reconciled
  * from NVML right after, and the old value is set again and the call refused when that takes it
@@ -441,6 +434,13 @@ static CUresult runtime_limit(vgpu_fn_cuCtxSetLimit real, int limit, size_t valu
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* cuCtxSetLimit: the malloc heap (device malloc), the printf FIFO and the per-thread stack are
+ * device memory of the context. Raising one above the driver's value at our first look (its
+ * default, part of the context's measured size) is charged before the driver is asked: the
+ * heap and FIFO by their size, the stack by size x resident threads of the card (SMs x threads
+ * per SM); refused with CUDA_ERROR_OUT_OF_MEMORY when it does not fit. Lowering it returns the
+ * charge. (Policy: charged at the call, although the driver may reserve the heap only at the
+ * first launch of a kernel that uses it.) */
 VGPU_API CUresult cuCtxSetLimit(int limit, size_t value)
 {
     BROKEN_GUARD();

@@ -13,7 +13,8 @@
  * hidden memory counts when any process asks), the difference to its counted allocations
  * becomes its overhead charge in the region (in full, even past the limit: then every
  * allocation and graph launch is refused). A process is found by PID: its slot's host_pid when
- * the node agent filled it, else its own PID when it shares this process's PID namespace.
+ * the node agent filled it, else getpid() for this process, and a sibling's own PID when both
+ * are in the host's PID namespace. A sibling's overhead is only raised (vgpu_region_reconcile).
  * Rate: at most every 200 ms on allocation paths, every 10 ms near the limit, and always
  * before an allocation is refused.
  *
