@@ -232,7 +232,7 @@ void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes);
 uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes);
 uint64_t vgpu_region_used(struct vgpu_region *r, int d);
 struct vgpu_nvml_proc { uint32_t pid; uint64_t used; };
-void vgpu_region_counted(struct vgpu_region *r, int d, uint64_t *out);
+void vgpu_region_counted(const struct vgpu_region *r, int d, uint64_t *out);
 #define VGPU_RECON_OWN 1
 #define VGPU_RECON_MOVED 2
 int vgpu_region_reconcile(struct vgpu_region_handle *h, int d, const uint64_t *before,

@@ -271,9 +271,9 @@ void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes);
 uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes);
 /* One process NVML lists on a card: its PID (as NVML numbers it) and the bytes it holds. */
 struct vgpu_nvml_proc { uint32_t pid; uint64_t used; };
-/* Each slot's counted bytes on device d (out: VGPU_MAX_SLOTS entries; 0s when the lock cannot
- * be had). Takes the lock. */
-void vgpu_region_counted(struct vgpu_region *r, int d, uint64_t *out);
+/* Each slot's counted bytes on device d (out: VGPU_MAX_SLOTS entries), read without the lock
+ * (data[] is written with atomic stores). */
+void vgpu_region_counted(const struct vgpu_region *r, int d, uint64_t *out);
 /* Reconciliation of every process of the container on device d: each live slot that NVML lists
  * (procs, n entries) gets as overhead what NVML shows above its counted allocations (>= 0), so
  * memory an idle sibling holds past the hooks is charged when any process asks. A slot is found

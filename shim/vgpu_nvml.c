@@ -116,19 +116,21 @@ static unsigned own_pid(void)
                                                             : (unsigned)getpid();
 }
 
-/* The compute processes NVML lists on card d, as a malloc'd array (the caller frees it) of *n
- * entries; NULL with *n = 0 when it cannot tell. A larger buffer is tried when the card has more
- * than fit (a tenant can start them), or a process would not be found and its hidden memory
- * never reconciled. */
-static struct vgpu_nvml_proc *card_procs(int d, unsigned *n)
+#define VGPU_CARD_PROCS 128
+
+/* The compute processes NVML lists on card d, *n entries: in buf (VGPU_CARD_PROCS entries), or in
+ * a malloc'd array when the card lists more (a tenant can start them, and a process left out would
+ * never have its hidden memory reconciled): the caller frees what is not buf. NULL with *n = 0
+ * when NVML cannot tell. */
+static struct vgpu_nvml_proc *card_procs(int d, struct vgpu_nvml_proc *buf, unsigned *n)
 {
     *n = 0;
     nvmlDevice_t h = handle_of(d);
     nvmlReturn_t (*procs)(nvmlDevice_t, unsigned *, nvmlProcessInfo_t *) = vgpu_nvml_drv()->nvml_running_procs;
     if (!h || !procs)
         return NULL;
-    nvmlProcessInfo_t stack[128], *info = stack, *heap = NULL;
-    unsigned got = 128;
+    nvmlProcessInfo_t stack[VGPU_CARD_PROCS], *info = stack, *heap = NULL;
+    unsigned got = VGPU_CARD_PROCS;
     VGPU_ST_T0(t0);
     nvmlReturn_t rc = procs(h, &got, info);
     for (int tries = 0; rc == NVML_ERROR_INSUFFICIENT_SIZE && tries < 4; tries++) {
@@ -140,7 +142,9 @@ static struct vgpu_nvml_proc *card_procs(int d, unsigned *n)
         rc = procs(h, &got, info);
     }
     VGPU_ST_ADD(VGPU_ST_NVML_PROCS, t0);
-    struct vgpu_nvml_proc *out = rc == NVML_SUCCESS && got ? malloc(got * sizeof *out) : NULL;
+    struct vgpu_nvml_proc *out = NULL;
+    if (rc == NVML_SUCCESS && got)
+        out = got <= VGPU_CARD_PROCS ? buf : malloc(got * sizeof *out);
     for (unsigned i = 0; out && i < got; i++)
         if (info[i].usedGpuMemory != ~0ull) /* NVML_VALUE_NOT_AVAILABLE */
             out[(*n)++] = (struct vgpu_nvml_proc){info[i].pid, info[i].usedGpuMemory};
@@ -150,14 +154,16 @@ static struct vgpu_nvml_proc *card_procs(int d, unsigned *n)
 
 uint64_t vgpu_nvml_process_used(int d, int *found)
 {
+    struct vgpu_nvml_proc buf[VGPU_CARD_PROCS];
     unsigned n, pid = own_pid();
-    struct vgpu_nvml_proc *p = card_procs(d, &n);
+    struct vgpu_nvml_proc *p = card_procs(d, buf, &n);
     uint64_t used = 0;
     *found = 0;
     for (unsigned i = 0; i < n && !*found; i++)
         if (p[i].pid == pid)
             *found = 1, used = p[i].used;
-    free(p);
+    if (p != buf)
+        free(p);
     return used;
 }
 
@@ -236,10 +242,12 @@ static int reconcile_pass(int d)
     vgpu_ensure_slot();
     uint64_t before[VGPU_MAX_SLOTS];
     vgpu_region_counted(vgpu.region.r, d, before);
+    struct vgpu_nvml_proc buf[VGPU_CARD_PROCS];
     unsigned n;
-    struct vgpu_nvml_proc *p = card_procs(d, &n);
+    struct vgpu_nvml_proc *p = card_procs(d, buf, &n);
     int f = n ? vgpu_region_reconcile(&vgpu.region, d, before, p, n, vgpu_pidns_self()) : 0;
-    free(p);
+    if (p != buf)
+        free(p);
     return f;
 }
 

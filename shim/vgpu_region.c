@@ -25,6 +25,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -160,7 +161,11 @@ static void clear_slot_locked(struct vgpu_region *r, int s)
         uint64_t u = atomic_load(&r->dev[d].used);
         atomic_store(&r->dev[d].used, u > c ? u - c : 0);
     }
-    memset(sl, 0, sizeof *sl);
+    /* data[] is read without the lock (vgpu_region_counted): cleared with atomic stores */
+    for (int d = 0; d < VGPU_MAX_DEV; d++)
+        VGPU_POKE(sl->data[d], 0);
+    memset(sl, 0, offsetof(struct vgpu_slot, data));
+    memset(&sl->overhead, 0, sizeof *sl - offsetof(struct vgpu_slot, overhead));
 }
 
 /* 1 when the slot's process is known to be gone: the agent's mark for this very (pid, start
@@ -423,7 +428,7 @@ int vgpu_region_reserve(struct vgpu_region_handle *h, int d, uint64_t bytes)
         }
     }
     atomic_store(&r->dev[d].used, used + bytes);
-    r->slot[h->slot].data[d] += bytes;
+    VGPU_POKE(r->slot[h->slot].data[d], r->slot[h->slot].data[d] + bytes);
     vgpu_region_unlock(r);
     return 0;
 }
@@ -437,7 +442,7 @@ void vgpu_region_release(struct vgpu_region_handle *h, int d, uint64_t bytes)
     struct vgpu_slot *sl = &r->slot[h->slot];
     if (bytes > sl->data[d])
         bytes = sl->data[d];
-    sl->data[d] -= bytes;
+    VGPU_POKE(sl->data[d], sl->data[d] - bytes);
     uint64_t u = atomic_load(&r->dev[d].used);
     atomic_store(&r->dev[d].used, u > bytes ? u - bytes : 0);
     vgpu_region_unlock(r);
@@ -460,14 +465,12 @@ uint64_t vgpu_region_set_overhead(struct vgpu_region_handle *h, int d, uint64_t 
     return bytes;
 }
 
-void vgpu_region_counted(struct vgpu_region *r, int d, uint64_t *out)
+void vgpu_region_counted(const struct vgpu_region *r, int d, uint64_t *out)
 {
-    memset(out, 0, VGPU_MAX_SLOTS * sizeof *out);
-    if (d < 0 || d >= VGPU_MAX_DEV || vgpu_region_lock(r) != 0)
-        return;
+    /* without the lock (its holders write data[] with atomic stores): one more acquisition of a
+     * lock every process shares, on every reconciliation, is what this saves */
     for (int s = 0; s < VGPU_MAX_SLOTS; s++)
-        out[s] = r->slot[s].data[d];
-    vgpu_region_unlock(r);
+        out[s] = d >= 0 && d < VGPU_MAX_DEV ? VGPU_PEEK(r->slot[s].data[d]) : 0;
 }
 
 /* The initial PID namespace's inode (PROC_PID_INIT_INO): PIDs there are the ones NVML lists. */
@@ -527,7 +530,7 @@ void vgpu_region_to_overhead(struct vgpu_region_handle *h, int d, uint64_t bytes
         return;
     struct vgpu_slot *sl = &r->slot[h->slot];
     uint64_t b = bytes < sl->data[d] ? bytes : sl->data[d];
-    sl->data[d] -= b;
+    VGPU_POKE(sl->data[d], sl->data[d] - b);
     sl->overhead[d] += b;
     vgpu_region_unlock(r);
 }
