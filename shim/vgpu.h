@@ -282,7 +282,7 @@ void vgpu_region_counted(const struct vgpu_region *r, int d, uint64_t *out);
  * before: each slot's counted bytes read before NVML was asked (vgpu_region_counted); the smaller
  * of that and the count now is taken, so an allocation or free racing the query can only
  * over-charge. A sibling's overhead is only raised (its own reconciliation may be newer than
- * this NVML answer); this process's is set. Takes the lock. Returns VGPU_RECON_OWN when this
+ * this NVML answer), and only when its count did not move meanwhile; this process's is set. Takes the lock. Returns VGPU_RECON_OWN when this
  * process's slot was listed, | VGPU_RECON_MOVED when a listed slot's count moved meanwhile (the
  * figures may be over: reconcile again before acting on them). */
 #define VGPU_RECON_OWN 1

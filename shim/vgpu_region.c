@@ -509,12 +509,15 @@ int vgpu_region_reconcile(struct vgpu_region_handle *h, int d, const uint64_t *b
         const struct vgpu_nvml_proc *p = listed(procs, n, nvml_pid_of(sl, s == h->slot, self));
         if (!p)
             continue;
-        found |= s == h->slot ? VGPU_RECON_OWN : 0;
-        found |= sl->data[d] != before[s] ? VGPU_RECON_MOVED : 0;
+        int own = s == h->slot, moved = sl->data[d] != before[s];
+        found |= (own ? VGPU_RECON_OWN : 0) | (moved ? VGPU_RECON_MOVED : 0);
         uint64_t data = sl->data[d] < before[s] ? sl->data[d] : before[s];
         uint64_t bytes = p->used > data ? p->used - data : 0;
-        if (s != h->slot && bytes < sl->overhead[d])
-            continue; /* a sibling's own, maybe newer, figure stands: raised here, never lowered */
+        /* A sibling's own, maybe newer, figure stands: raised here, never lowered, and not from a
+         * pass its count moved under (the sibling is active and reconciles itself; an inflated
+         * raise would stay until it did, and the slice's last pages go unused). */
+        if (!own && (moved || bytes < sl->overhead[d]))
+            continue;
         u = u - sl->overhead[d] + bytes;
         sl->overhead[d] = bytes;
     }
