@@ -47,6 +47,7 @@ LIB_SOURCES = [
     "vgpu_mem_vmm.c",
     "vgpu_mem_graph.c",
     "vgpu_mem_ctx.c",
+    "vgpu_mem_module.c",
     "vgpu_launch.c",
     "vgpu_waits.c",
     "vgpu_measure.c",

@@ -65,6 +65,7 @@
 #define VGPU_RECONCILE_NEAR_NS (10 * VGPU_MS)   /* ... within 10 % of the limit */
 #define VGPU_RECONCILE_REFUSE_NS (2 * VGPU_MS)  /* ... before a refusal (a container racing its
                                                  * limit must not hold its newcomers in a convoy) */
+#define VGPU_MODULE_RECONCILE (64ull << 20) /* module loads' drops summed past this: reconciled */
 #define VGPU_REAP_REFUSE_NS (50 * VGPU_MS)      /* dead processes' quota looked for before a refusal */
 #define VGPU_REAP_NS (1 * VGPU_SEC)             /* dead processes' slots reaped at most this often */
 #define VGPU_OOM_GRACE_NS (100 * VGPU_MS)       /* ACTIVE_OOM_KILLER: a victim's time to go */

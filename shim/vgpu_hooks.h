@@ -150,6 +150,23 @@ typedef struct { /* cuLaunchCooperativeKernelMultiDevice's launches, one per dev
     X(H_PRIMARY_RESET_V1, cuDevicePrimaryCtxReset, "cuDevicePrimaryCtxReset", 7000, 0, CUresult,         \
       (CUdevice))                                                                                        \
     X(H_CTX_SET_LIMIT, cuCtxSetLimit, "cuCtxSetLimit", 3010, 0, CUresult, (int, size_t))                 \
+    /* modules and libraries (vgpu_mem_module.c) */                                                     \
+    X(H_MOD_LOAD, cuModuleLoad, "cuModuleLoad", 2000, 0, CUresult, (CUmodule *, const char *))           \
+    X(H_MOD_DATA, cuModuleLoadData, "cuModuleLoadData", 2000, 0, CUresult, (CUmodule *, const void *))   \
+    X(H_MOD_DATAEX, cuModuleLoadDataEx, "cuModuleLoadDataEx", 2010, 0, CUresult,                         \
+      (CUmodule *, const void *, unsigned, int *, void **))                                              \
+    X(H_MOD_FATBIN, cuModuleLoadFatBinary, "cuModuleLoadFatBinary", 2000, 0, CUresult,                   \
+      (CUmodule *, const void *))                                                                        \
+    X(H_MOD_UNLOAD, cuModuleUnload, "cuModuleUnload", 2000, 0, CUresult, (CUmodule))                    \
+    X(H_LIB_DATA, cuLibraryLoadData, "cuLibraryLoadData", 12000, 0, CUresult,                            \
+      (CUlibrary *, const void *, int *, void **, unsigned, int *, void **, unsigned))                   \
+    X(H_LIB_FILE, cuLibraryLoadFromFile, "cuLibraryLoadFromFile", 12000, 0, CUresult,                    \
+      (CUlibrary *, const char *, int *, void **, unsigned, int *, void **, unsigned))                   \
+    X(H_LIB_UNLOAD, cuLibraryUnload, "cuLibraryUnload", 12000, 0, CUresult, (CUlibrary))                \
+    X(H_LIB_MODULE, cuLibraryGetModule, "cuLibraryGetModule", 12000, 0, CUresult, (CUmodule *, CUlibrary)) \
+    X(H_LIB_GLOBAL, cuLibraryGetGlobal, "cuLibraryGetGlobal", 12000, 0, CUresult,                        \
+      (CUdeviceptr *, size_t *, CUlibrary, const char *))                                                \
+    X(H_KERNEL_FUNC, cuKernelGetFunction, "cuKernelGetFunction", 12000, 0, CUresult, (CUfunction *, CUkernel)) \
     /* waits (vgpu_launch.c: the compute limiter measures what the application waits for) */           \
     X(H_STREAMSYNC, cuStreamSynchronize, "cuStreamSynchronize", 2000, 0, CUresult, (CUstream))           \
     X(H_STREAMSYNC_PTSZ, cuStreamSynchronize_ptsz, "cuStreamSynchronize", 7000, 1, CUresult, (CUstream)) \

@@ -6,6 +6,7 @@
  *   vgpu_mem_array.c  arrays and mipmapped arrays
  *   vgpu_mem_graph.c  graph memory nodes
  *   vgpu_mem_ctx.c    contexts and their limits
+ *   vgpu_mem_module.c modules and libraries
  *   vgpu_mem_table.c  the table, charging, the region slot, fork, ACTIVE_OOM_KILLER
  */
 #ifndef VGPU_MEM_H
@@ -28,6 +29,7 @@ enum {
     K_POOL = 68,        /* a memory pool made on or handed out for a card: its region device */
     K_HEXP = 69,        /* a tracked VMM handle exported: it holds one reference more (vgpu_mem_vmm.c) */
     K_GREEN = 70,       /* a green context this process created: its charge (vgpu_mem_ctx.c) */
+    K_LOADED = 71,      /* a library or kernel measured loaded in a context (vgpu_mem_module.c) */
     K_TOMB = -1
 };
 

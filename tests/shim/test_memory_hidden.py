@@ -161,6 +161,43 @@ def test_device_runtime_limits_are_reconciled_and_refused(box) -> None:
     assert native["limit_rc"] == 0
 
 
+@pytest.mark.parametrize("how", ["data", "dataex", "fatbin", "file", "lib", "libfile"])
+def test_module_globals_are_charged_and_a_load_over_the_limit_refused(box, how: str) -> None:
+    """A module's __device__ variables are memory the driver takes at the load, in sizes no call
+    tells (a 2 GiB one took 2048 MiB at cuModuleLoadData on an H100): a load is charged at once,
+    and one that takes the container over its limit is unloaded and refused. Before, the 2048 MiB
+    load was granted under 1000 MiB and 14 chunks more besides."""
+    env = box.env(claim((0, 1000, 0)))
+    o = last(memprog(box, "module", how, "2", "300", str(CHUNK), env=env))
+    assert o["load_rc"] == [0, 0] and o["more"] == 5  # (1000 - 64 - 600) / 64
+    assert o["after"] == 14  # unloaded: the charge went with them
+    o = last(memprog(box, "module", how, "1", "2048", str(CHUNK), env=env))
+    assert o["load_rc"] == [2] and o["more"] == 14
+    native = last(memprog(box, "module", how, "1", "2048", str(CHUNK), env=box.env(shim=False)))
+    assert native["load_rc"] == [0]
+
+
+def test_small_module_loads_add_up_to_a_refusal(box) -> None:
+    """Loads each under the size that asks for a reconciliation add up: the one that passes the
+    limit is refused, and so is every later one."""
+    o = last(memprog(box, "module", "data", "20", "60", str(CHUNK), env=box.env(claim((0, 1000, 0)))))
+    assert o["load_rc"] == [0] * 15 + [2] * 5  # 64 + 15 x 60 = 964 MiB
+    assert o["more"] == 0 and o["after"] == 14
+
+
+def test_a_lazily_loaded_librarys_globals_are_charged_when_loaded(box) -> None:
+    """With lazy loading a library's module reaches the context at its first use: the load takes
+    nothing, cuLibraryGetGlobal takes the global and is charged at once (it cannot be undone);
+    over the limit, ACTIVE_OOM_KILLER ends the process."""
+    env = box.env(claim((0, 1000, 0)), CUDA_MODULE_LOADING="LAZY")
+    assert last(memprog(box, "module", "lib", "2", "300", str(CHUNK), env=env))["more"] == 14
+    o = last(memprog(box, "module", "libget", "2", "300", str(CHUNK), env=env))
+    assert o["load_rc"] == [0, 0] and o["more"] == 5 and o["after"] == 14
+    p = memprog(box, "module", "libget", "1", "2048", str(CHUNK), env={**env, "ACTIVE_OOM_KILLER": "true"},
+                check=False)
+    assert p.returncode == -signal.SIGKILL and "ACTIVE_OOM_KILLER: killing this process" in p.stderr
+
+
 def test_memory_only_nvml_shows_is_charged_in_full(box) -> None:
     """800 MiB that no hook saw (device malloc, a library's workspace) take the container over
     its limit: every allocation is then refused; without ACTIVE_OOM_KILLER the process lives."""

@@ -24,6 +24,10 @@
  *       CHUNK allocations until refused
  *   memprog capfree N MIB CHUNK    N times: a MIB cuMemAllocAsync, then its cuMemFreeAsync
  *       captured into a graph that is never launched; then CHUNK allocations until refused
+ *   memprog module HOW N MIB CHUNK  N modules or libraries of PTX with a MIB __device__ array
+ *       (the stub reads its "global=MIB" comment; HOW data, dataex, fatbin, file: cuModuleLoad*; lib,
+ *       libfile: cuLibraryLoad*; libget: cuLibraryLoadData, then cuLibraryGetGlobal, which loads
+ *       a lazily loaded library), then CHUNK allocations until refused; unloaded, again
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -69,6 +73,15 @@ CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long)
 CUresult cuGraphLaunch(CUgraphExec, CUstream);
 CUresult cuGraphExecDestroy(CUgraphExec);
 CUresult cuCtxSynchronize(void);
+CUresult cuModuleLoad(void **, const char *);
+CUresult cuModuleLoadData(void **, const void *);
+CUresult cuModuleLoadDataEx(void **, const void *, unsigned, int *, void **);
+CUresult cuModuleLoadFatBinary(void **, const void *);
+CUresult cuModuleUnload(void *);
+CUresult cuLibraryLoadData(void **, const void *, int *, void **, unsigned, int *, void **, unsigned);
+CUresult cuLibraryLoadFromFile(void **, const char *, int *, void **, unsigned, int *, void **, unsigned);
+CUresult cuLibraryUnload(void *);
+CUresult cuLibraryGetGlobal(CUdeviceptr *, size_t *, void *, const char *);
 
 static CUdevice dev;
 static CUcontext primary;
@@ -148,6 +161,50 @@ static void fill_around(size_t chunk, CUresult (*destroy)(void *), void **objs, 
     printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
 }
 
+/* One module or library of HOW whose image says global=MIB (file: written to a temporary file). */
+static CUresult load_one(const char *how, const char *img, const char *file, void **h)
+{
+    if (!strcmp(how, "data")) return cuModuleLoadData(h, img);
+    if (!strcmp(how, "dataex")) return cuModuleLoadDataEx(h, img, 0, NULL, NULL);
+    if (!strcmp(how, "fatbin")) return cuModuleLoadFatBinary(h, img);
+    if (!strcmp(how, "file")) return cuModuleLoad(h, file);
+    if (!strcmp(how, "lib") || !strcmp(how, "libget")) {
+        CUresult rc = cuLibraryLoadData(h, img, NULL, NULL, 0, NULL, NULL, 0);
+        CUdeviceptr p;
+        size_t n;
+        return rc || strcmp(how, "libget") ? rc : cuLibraryGetGlobal(&p, &n, *h, "g");
+    }
+    if (!strcmp(how, "libfile")) return cuLibraryLoadFromFile(h, file, NULL, NULL, 0, NULL, NULL, 0);
+    return 1;
+}
+
+static void modules(const char *how, int n, const char *mib, size_t chunk)
+{
+    char img[256], file[] = "/tmp/memprog-module-XXXXXX";
+    snprintf(img, sizeof img, "// global=%s\n.version 7.0\n.target sm_50\n.address_size 64\n"
+             ".visible .global .align 8 .b8 g[%llu];\n", mib, strtoull(mib, NULL, 10) << 20);
+    int fd = mkstemp(file);
+    if (fd < 0 || write(fd, img, strlen(img) + 1) < 0) { printf("{\"file\": -1}\n"); exit(3); }
+    close(fd);
+    void *h[64];
+    int lib = !strncmp(how, "lib", 3), made = 0;
+    printf("{\"load_rc\": [");
+    for (int i = 0; i < n && i < 64; i++) {
+        h[made] = NULL;
+        CUresult rc = load_one(how, img, file, &h[made]);
+        printf("%s%d", i ? ", " : "", rc);
+        if (!rc || (h[made] && !strcmp(how, "libget")))
+            made++;
+    }
+    unlink(file);
+    long more = fill(chunk);
+    unfill();
+    for (int i = 0; i < made; i++)
+        lib ? cuLibraryUnload(h[i]) : cuModuleUnload(h[i]);
+    long after = fill(chunk);
+    printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
+}
+
 int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -218,6 +275,10 @@ int main(int argc, char **argv)
         long more = fill(strtoull(argv[4], NULL, 0));
         cuMemGetInfo_v2(&f, &t);
         printf("{\"limit_rc\": %d, \"more\": %ld, \"free\": %zu}\n", rc, more, f);
+        return 0;
+    }
+    if (!strcmp(cmd, "module") && argc >= 6) {
+        modules(argv[2], atoi(argv[3]), argv[4], strtoull(argv[5], NULL, 0));
         return 0;
     }
     if (!strcmp(cmd, "hide") && argc >= 4) {
