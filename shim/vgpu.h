@@ -686,6 +686,7 @@ struct vgpu_drv {
     CUresult (*graph_node_type)(void *, int *);
     CUresult (*graph_mem_alloc_params)(void *, void *);
     CUresult (*graph_child_graph)(void *, void **);
+    CUresult (*module_loading_mode)(int *);                   /* cuModuleGetLoadingMode */
     /* NVML */
     nvmlReturn_t (*nvml_init_v2)(void);
     nvmlReturn_t (*nvml_device_index)(nvmlDevice_t, unsigned *);

@@ -17,6 +17,7 @@
 #define CU_LIMIT_PRINTF_FIFO_SIZE 1
 #define CU_LIMIT_MALLOC_HEAP_SIZE 2
 #define CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH 3
+#define CU_MODULE_LAZY_LOADING 2 /* CUmoduleLoadingMode */
 #define CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT 4
 #define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
 #define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR 39
@@ -49,6 +50,27 @@ static inline int mode(void)
     } while (0)
 
 #define CU_STREAM_PER_THREAD ((CUstream)VGPU_STREAM_PER_THREAD) /* each thread's own stream */
+
+/* The card's free memory around a driver call that may load a module (vgpu_mem_module.c). */
+struct vgpu_load_watch {
+    int d;          /* region card watched, -1: none (not limited, no context, no answer) */
+    size_t free_b;  /* the card's free bytes before the call */
+};
+/* A launch of f: 1 when it is f's first (the driver loads a lazily loaded module and grows the
+ * context's local memory then) and the card is watched in *w; then vgpu_launch_watch_end after
+ * the driver's answer charges what the launch took. */
+int vgpu_launch_watch_begin(CUfunction f, struct vgpu_load_watch *w);
+void vgpu_launch_watch_end(const struct vgpu_load_watch *w, CUresult rc);
+/* The driver's launch `call` of function f (a CUresult expression), its first launch watched. */
+#define VGPU_WATCHED_LAUNCH(f, call)                                                            \
+    ({                                                                                          \
+        struct vgpu_load_watch w_;                                                              \
+        int on_ = vgpu_launch_watch_begin((f), &w_);                                            \
+        CUresult r_ = (call);                                                                   \
+        if (on_)                                                                                \
+            vgpu_launch_watch_end(&w_, r_);                                                     \
+        r_;                                                                                     \
+    })
 int vgpu_cur_dev(void);               /* region device of the current context, -1/-2 */
 int vgpu_stream_dev(CUstream s);      /* region device of stream s's context (vgpu_cuda.c) */
 extern int vgpu_single_gate;          /* the only card with a compute gate, or -1 */

@@ -423,7 +423,7 @@ VGPU_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s);
-    CUresult rc = REAL(H_LAUNCH, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, REAL(H_LAUNCH, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e));
     compute_after(s);
     return rc;
 }
@@ -433,7 +433,7 @@ VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, un
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
-    CUresult rc = REAL(H_LAUNCH_PTSZ, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e);
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, REAL(H_LAUNCH_PTSZ, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e));
     compute_after(s ? s : CU_STREAM_PER_THREAD);
     return rc;
 }
@@ -447,7 +447,8 @@ VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void *
     if (c)
         own = *c, c = &own;
     vgpu_compute_gate(c ? c->hStream : NULL);
-    CUresult rc = REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+    CUresult rc =
+        VGPU_WATCHED_LAUNCH(f, REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e));
     compute_after(c ? c->hStream : NULL);
     return rc;
 }
@@ -459,7 +460,8 @@ VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, v
     if (c)
         own = *c, c = &own;
     vgpu_compute_gate(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
-    CUresult rc = REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e);
+    CUresult rc = VGPU_WATCHED_LAUNCH(
+        f, REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e));
     compute_after(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
     return rc;
 }
@@ -469,7 +471,7 @@ VGPU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned 
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s);
-    CUresult rc = REAL(H_COOP, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, REAL(H_COOP, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p));
     compute_after(s);
     return rc;
 }
@@ -480,7 +482,7 @@ VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsi
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
-    CUresult rc = REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p);
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p));
     compute_after(s ? s : CU_STREAM_PER_THREAD);
     return rc;
 }
@@ -550,7 +552,7 @@ VGPU_API CUresult cuLaunch(CUfunction f)
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_gate(NULL);
-    CUresult rc = real(f);
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, real(f));
     compute_after(NULL);
     return rc;
 }
@@ -562,7 +564,7 @@ VGPU_API CUresult cuLaunchGrid(CUfunction f, int w, int h)
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_gate(NULL);
-    CUresult rc = real(f, w, h);
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, real(f, w, h));
     compute_after(NULL);
     return rc;
 }
@@ -575,7 +577,7 @@ VGPU_API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_gate(s);
-    CUresult rc = real(f, w, h, s);
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, real(f, w, h, s));
     compute_after(s);
     return rc;
 }

@@ -48,6 +48,11 @@ uint64_t vgpu_tab_mark_ctx(uint64_t ctx);
 void vgpu_tab_end_mark(uint64_t token, uint64_t ctx, int gone);
 int vgpu_tab_take(int kind, uint64_t key, uint64_t *size, int *dev);
 int vgpu_tab_get(int kind, uint64_t key, uint64_t *size, int *dev);
+/* Every entry of `kind` removed (bookkeeping without charges: K_LOADED). */
+void vgpu_tab_drop_kind(int kind);
+/* After an unload or a context's end: the functions and libraries watched so far are forgotten
+ * (the driver may hand their handles out again), so their next use is watched (vgpu_mem_module.c). */
+void vgpu_module_forget(void);
 
 /* Charge `bytes` to region device d (-1: not limited, nothing to charge; -2: a device outside
  * the claim, refused) before the driver is asked: 0 charged, -1 refuse with

@@ -49,7 +49,7 @@ static int array_unmeasured(int kind, void *arr, uint64_t charged, int d)
         return 0; /* another thread destroyed it meanwhile (its charge went with it) */
     array_destroy(kind, arr);
     vgpu_uncharge(d, charged);
-    vgpu_reconcile_soon(d);
+    vgpu_reconcile(d, 3); /* what it took past the charge went back: this process's charge settled now */
     vgpu_log(1, "device %d: array refused: with what NVML shows it took the container is over its limit", d);
     return -1;
 }

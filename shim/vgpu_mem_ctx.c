@@ -129,6 +129,8 @@ static void ctx_end_finish(const struct ctx_end *e, int gone)
 {
     uint64_t key = (uint64_t)(uintptr_t)e->c;
     vgpu_tab_end_mark(e->token, key, gone);
+    if (gone)
+        vgpu_module_forget();
     for (int i = 0; i < 4; i++)
         if (e->have[i] && gone)
             vgpu_uncharge(e->dev[i], e->size[i]);
@@ -428,7 +430,7 @@ static CUresult runtime_limit(vgpu_fn_cuCtxSetLimit real, int limit, size_t valu
     if (!vgpu_reconcile_over(d))
         return rc;
     real(limit, old);
-    vgpu_reconcile_soon(d);
+    vgpu_reconcile(d, 3); /* what it reserved went back: this process's charge settled now */
     vgpu_log(1, "device %d: cuCtxSetLimit(%d, %zu) refused: with what NVML shows it reserved the "
                 "container is over its limit", d, limit, value);
     return CUDA_ERROR_OUT_OF_MEMORY;

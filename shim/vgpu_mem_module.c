@@ -1,36 +1,39 @@
 /*
  * vgpu_mem_module.c - modules and libraries as memory: cuModuleLoad, cuModuleLoadData(Ex),
- * cuModuleLoadFatBinary, cuLibraryLoadData, cuLibraryLoadFromFile, and the calls that load a
- * lazily loaded module into the current context (cuLibraryGetModule, cuLibraryGetGlobal,
- * cuKernelGetFunction: measured once per library or kernel and context).
+ * cuModuleLoadFatBinary, cuLibraryLoadData, cuLibraryLoadFromFile, their unloads, and the calls
+ * that load a lazily loaded module into the current context (cuLibraryGetModule,
+ * cuLibraryGetGlobal, cuKernelGetFunction: watched once per library or kernel and context; a
+ * function's first launch, from the launch hooks: vgpu_launch_watch_begin/end).
  *
  * A module's __device__ and __constant__ variables and its code are device memory the driver
  * takes when it loads the module into a context, in sizes no call tells (a 2 GiB __device__
- * array took 2048 MiB at cuModuleLoadData on an H100). Around each of these calls the shim reads
- * the card's free memory (the driver's cuMemGetInfo_v2: no NVML query). What it dropped by is
- * summed per card until the next reconciliation; when that sum reaches VGPU_MODULE_RECONCILE or
- * more than the slice has left, the container is reconciled from NVML at once (one query: a
- * drop another tenant's allocation caused costs that query, never a refusal, as NVML tells the
- * container's own processes apart). A load that leaves the container over its limit is unloaded
- * again and refused with CUDA_ERROR_OUT_OF_MEMORY. A get call cannot be undone (the library stays
- * in use elsewhere): what it made the driver load is charged at once, and ACTIVE_OOM_KILLER acts
- * when that takes the container over (vgpu_reconcile). Only the current context's card is
- * watched: a library loaded eagerly while this process has contexts on other cards of the claim
- * is charged there by their next reconciliation. Memory a lazily loaded module takes at a
- * kernel's first launch is left to the next reconciliation (a launch reads no free memory).
- * An unload makes the next allocation reconcile first (what the module held went with it).
+ * array took 2048 MiB at cuModuleLoadData on an H100). After every load the container is
+ * reconciled from NVML (one process query: loads are rare, and NVML's per-process figure is
+ * the one a free elsewhere on the card cannot hide), and a load that leaves it over its limit
+ * is unloaded again and refused with CUDA_ERROR_OUT_OF_MEMORY. Under lazy loading (CUDA's
+ * default; cuModuleGetLoadingMode) a library's load takes nothing in a context and is not
+ * watched: its module comes in at a get above or at a kernel's first launch (cudart's way; a
+ * 1 GiB __device__ array came in there on an H100, with the local memory the driver grows for
+ * the kernel). Those cannot be undone (the launch is queued, the library in use elsewhere), and
+ * they are far more frequent than loads, so the card's free memory is read around them instead
+ * (the driver's cuMemGetInfo_v2, no NVML query) and what it dropped by summed per card: when
+ * the sum reaches VGPU_MODULE_RECONCILE or what the slice has left, the container is
+ * reconciled at once (charged; ACTIVE_OOM_KILLER acts when that is over the limit). A free
+ * elsewhere on the card during such a call can hide its drop: the memory is then charged by
+ * the next reconciliation (before any allocation near the limit, every 10 ms). Only the current
+ * context's card is watched: a library loaded eagerly while this process has contexts on other
+ * cards of the claim is charged there by their next reconciliation. An unload, and a refused
+ * load's, reconciles the current card at once (what the module held went with it, and a
+ * sibling's reconciliation never lowers this process's charge); an unload or a context's end
+ * forgets which functions and libraries were watched (the driver may hand their handles out
+ * again).
  */
 #include "vgpu_mem.h"
 
 /* Drops (bytes) not reconciled yet, per region card: atomic. */
 static uint64_t unseen[VGPU_MAX_DEV];
 
-struct load_watch {
-    int d;          /* region card watched, -1: none (not limited, no context, no answer) */
-    size_t free_b;  /* the card's free bytes before the call */
-};
-
-static void watch_begin(struct load_watch *w)
+static void watch_begin(struct vgpu_load_watch *w)
 {
     size_t f = 0, t = 0;
     w->d = -1, w->free_b = 0;
@@ -44,7 +47,7 @@ static void watch_begin(struct load_watch *w)
 
 /* After a call that succeeded: 1 when what the card lost since watch_begin (with the drops not
  * reconciled yet) asks for a reconciliation now. */
-static int watch_due(const struct load_watch *w)
+static int watch_due(const struct vgpu_load_watch *w)
 {
     size_t f = 0, t = 0;
     if (w->d < 0 || REAL_FN(cuMemGetInfo_v2)(&f, &t) != CUDA_SUCCESS)
@@ -61,40 +64,51 @@ static int watch_due(const struct load_watch *w)
     return 1;
 }
 
-/* After a load: 0 keep it, 1 it took the container over its limit (the caller unloads it). */
-static int load_over(const struct load_watch *w, CUresult rc)
+/* After a load on card d (-1: not watched): 0 keep it, 1 it took the container over its limit
+ * (the caller unloads it). */
+static int load_over(int d, CUresult rc)
 {
-    if (rc != CUDA_SUCCESS || !watch_due(w) || !vgpu_reconcile_over(w->d))
+    if (rc != CUDA_SUCCESS || d < 0 || !vgpu_reconcile_over(d))
         return 0;
     vgpu_log(1, "device %d: module load refused: with what NVML shows it took the container is "
-                "over its limit", w->d);
+                "over its limit", d);
     return 1;
 }
 
-static CUresult module_refused(const struct load_watch *w, CUmodule *m)
+/* What an unload gave back (a refused load's, or the program's): this process's charge on the
+ * current card is settled now, and the watched handles are forgotten. */
+static void after_unload(void)
+{
+    int d = vgpu_cur_dev();
+    vgpu_module_forget();
+    if (d >= 0)
+        vgpu_reconcile(d, 3);
+    for (int i = 0; i < VGPU_MAX_DEV; i++)
+        vgpu_reconcile_soon(i);
+}
+
+static CUresult module_refused(CUmodule *m)
 {
     if (*m)
         REAL_FN(cuModuleUnload)(*m);
     *m = NULL;
-    vgpu_reconcile_soon(w->d);
+    after_unload();
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
-static CUresult library_refused(const struct load_watch *w, CUlibrary *lib)
+static CUresult library_refused(CUlibrary *lib)
 {
     if (*lib)
         REAL_FN(cuLibraryUnload)(*lib);
     *lib = NULL;
-    vgpu_reconcile_soon(w->d);
+    after_unload();
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
-/* An unload gives memory back that a reconciliation charged: the next allocation on any card
- * reconciles first instead of being refused on the stale figure. */
 static CUresult unloaded(CUresult rc)
 {
-    for (int d = 0; rc == CUDA_SUCCESS && d < VGPU_MAX_DEV; d++)
-        vgpu_reconcile_soon(d);
+    if (rc == CUDA_SUCCESS && mode() == M_LIMITED)
+        after_unload();
     return rc;
 }
 
@@ -111,24 +125,49 @@ VGPU_API CUresult cuLibraryUnload(CUlibrary lib)
 }
 
 /* After a get call: what it loaded is charged now (ACTIVE_OOM_KILLER may act on it). */
-static CUresult got(const struct load_watch *w, CUresult rc)
+static CUresult got(const struct vgpu_load_watch *w, CUresult rc)
 {
     if (rc == CUDA_SUCCESS && watch_due(w))
         vgpu_reconcile(w->d, 3);
     return rc;
 }
 
-/* A load: `call` made with the card watched, `refused(&w, out)` when it is over the limit. */
-#define LOAD(call, refused, out)                                                                \
+/* 1 when the driver loads modules lazily (cuModuleGetLoadingMode, asked once): a library's
+ * load then takes no memory in a context (on an H100, a 2 GiB global's library loaded with
+ * nothing taken; its first get took it), so its load is not watched. */
+static int lazy_loading(void)
+{
+    static int mode_v; /* atomic: 0 not asked, 1 eager or unknown, 2 lazy */
+    int m = __atomic_load_n(&mode_v, __ATOMIC_RELAXED);
+    if (!m) {
+        int got = 0;
+        CUresult (*ask)(int *) = vgpu_cuda_drv()->module_loading_mode;
+        m = ask && ask(&got) == CUDA_SUCCESS && got == CU_MODULE_LAZY_LOADING ? 2 : 1;
+        __atomic_store_n(&mode_v, m, __ATOMIC_RELAXED);
+    }
+    return m == 2;
+}
+
+/* The card a load is watched on: the current context's, limited; -1 none (`lib` under lazy
+ * loading: a library's load takes nothing). */
+static int load_card(int lib)
+{
+    if (mode() != M_LIMITED || (lib && lazy_loading()))
+        return -1;
+    int d = vgpu_cur_dev();
+    return d >= 0 && vgpu.region.r->dev[d].limit ? d : -1;
+}
+
+/* A load: `call` made, then reconciled; `refused(out)` when it is over the limit. */
+#define LOAD(call, refused, out, lib)                                                           \
     do {                                                                                        \
         BROKEN_GUARD();                                                                         \
-        struct load_watch w;                                                                    \
-        watch_begin(&w);                                                                        \
+        int d_ = load_card(lib);                                                                \
         CUresult rc = (call);                                                                   \
-        return load_over(&w, rc) ? refused(&w, (out)) : rc;                                     \
+        return load_over(d_, rc) ? refused(out) : rc;                                           \
     } while (0)
-#define MODULE_LOAD(call, m) LOAD(call, module_refused, m)
-#define LIBRARY_LOAD(call, lib) LOAD(call, library_refused, lib)
+#define MODULE_LOAD(call, m) LOAD(call, module_refused, m, 0)
+#define LIBRARY_LOAD(call, lib) LOAD(call, library_refused, lib, 1)
 
 VGPU_API CUresult cuModuleLoad(CUmodule *m, const char *fname)
 {
@@ -182,7 +221,7 @@ static uint64_t loaded_key(const void *h)
         int dev;                                                                                \
         if (!key || vgpu_tab_get(K_LOADED, key, &size, &dev))                                   \
             return (call);                                                                      \
-        struct load_watch w;                                                                    \
+        struct vgpu_load_watch w;                                                               \
         watch_begin(&w);                                                                        \
         CUresult rc = got(&w, (call));                                                          \
         if (rc == CUDA_SUCCESS)                                                                 \
@@ -203,4 +242,58 @@ VGPU_API CUresult cuLibraryGetGlobal(CUdeviceptr *p, size_t *bytes, CUlibrary li
 VGPU_API CUresult cuKernelGetFunction(CUfunction *f, CUkernel k)
 {
     LAZY_GET(k, REAL_FN(cuKernelGetFunction)(f, k));
+}
+
+/* ------------------------------------------------------------------ first launches */
+
+/* Functions launched once (0: empty), open addressing: a launch's lookup is a hash and a load or
+ * two. Kept per function, not per context: a CUkernel launched in a second context loads there
+ * unwatched (the next reconciliation charges it). When a function's probe run is full, its
+ * launches are all watched (a program with thousands of functions pays two free-memory reads
+ * a launch for the rest). */
+#define SEEN_FUNCS 4096u
+#define SEEN_PROBES 16u
+static uintptr_t seen_funcs[SEEN_FUNCS]; /* atomic */
+
+static int first_launch(CUfunction f)
+{
+    uintptr_t k = (uintptr_t)f;
+    if (!k)
+        return 0;
+    uint32_t i = (uint32_t)(((uint64_t)k * 0x9e3779b97f4a7c15ull) >> 52) & (SEEN_FUNCS - 1);
+    for (uint32_t n = 0; n < SEEN_PROBES; n++, i = (i + 1) & (SEEN_FUNCS - 1)) {
+        uintptr_t v = __atomic_load_n(&seen_funcs[i], __ATOMIC_RELAXED);
+        if (v == k)
+            return 0;
+        if (!v && (__atomic_compare_exchange_n(&seen_funcs[i], &v, k, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED) ||
+                   v == k))
+            return v != k;
+    }
+    return 1;
+}
+
+static void forget_launched(void)
+{
+    for (uint32_t i = 0; i < SEEN_FUNCS; i++)
+        __atomic_store_n(&seen_funcs[i], 0, __ATOMIC_RELAXED);
+}
+
+void vgpu_module_forget(void)
+{
+    forget_launched();
+    vgpu_tab_drop_kind(K_LOADED);
+}
+
+int vgpu_launch_watch_begin(CUfunction f, struct vgpu_load_watch *w)
+{
+    w->d = -1;
+    if (mode() != M_LIMITED || !first_launch(f))
+        return 0;
+    watch_begin(w);
+    return w->d >= 0;
+}
+
+void vgpu_launch_watch_end(const struct vgpu_load_watch *w, CUresult rc)
+{
+    got(w, rc);
 }

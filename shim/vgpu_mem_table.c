@@ -121,6 +121,15 @@ void vgpu_tab_end_mark(uint64_t token, uint64_t ctx, int gone)
             vgpu_uncharge(d, freed[d]);
 }
 
+void vgpu_tab_drop_kind(int kind)
+{
+    vgpu_lock(&tab_mu);
+    for (size_t j = 0; j < tab_cap; j++)
+        if (tab[j].kind == kind)
+            tab[j].kind = K_TOMB;
+    vgpu_unlock(&tab_mu);
+}
+
 /* What a take on this thread found besides size and device: the entry's owner (vgpu_release_end
  * puts a failed free back with it; the pair runs on one thread with only the driver call between). */
 static __thread uint64_t taken_ctx;

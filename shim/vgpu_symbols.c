@@ -168,6 +168,7 @@ static void bind_cuda(void)
     SYM(lib, event_elapsed, "cuEventElapsedTime");
     SYM(lib, array_mem_req, "cuArrayGetMemoryRequirements");
     SYM(lib, mipmap_mem_req, "cuMipmappedArrayGetMemoryRequirements");
+    SYM(lib, module_loading_mode, "cuModuleGetLoadingMode");
     SYM(lib, graph_get_nodes, "cuGraphGetNodes");
     SYM(lib, graph_node_type, "cuGraphNodeGetType");
     SYM(lib, graph_mem_alloc_params, "cuGraphMemAllocNodeGetParams");

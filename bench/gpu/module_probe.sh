@@ -36,6 +36,10 @@ for m in LAZY EAGER; do
     CUDA_MODULE_LOADING=$m timeout 60 env KVGPU_REGION_DIR=$(mktemp -d) \
         KVGPU_CLAIM="v1;claim=a/b;priority=1;dev=$UUID,1200,0" LD_PRELOAD=shim/_build/libvgpu.so "$B/module_probe"
 done
+echo "== cudart, lazy loading, under a 1200 MiB claim with ACTIVE_OOM_KILLER=true"
+timeout 60 env KVGPU_REGION_DIR=$(mktemp -d) ACTIVE_OOM_KILLER=true \
+    KVGPU_CLAIM="v1;claim=a/b;priority=1;dev=$UUID,1200,0" LD_PRELOAD=shim/_build/libvgpu.so "$B/module_probe"
+echo "exit $?"
 # What the hooks cost a torch start (its libraries' loads): the first matmul's answer, three
 # times each, this tree's shim against MODULE_BASE_TAR's (a `git archive` of shim/ without them).
 [ -n "${MODULE_BASE_TAR:-}" ] || exit 0

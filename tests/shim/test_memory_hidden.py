@@ -190,12 +190,61 @@ def test_a_lazily_loaded_librarys_globals_are_charged_when_loaded(box) -> None:
     nothing, cuLibraryGetGlobal takes the global and is charged at once (it cannot be undone);
     over the limit, ACTIVE_OOM_KILLER ends the process."""
     env = box.env(claim((0, 1000, 0)), CUDA_MODULE_LOADING="LAZY")
-    assert last(memprog(box, "module", "lib", "2", "300", str(CHUNK), env=env))["more"] == 14
+    o = last(memprog(box, "module", "lib", "2", "300", str(CHUNK), env=env))
+    assert o["more"] == 14 and o["info_calls"] == 0  # the loads took nothing and were not watched
     o = last(memprog(box, "module", "libget", "2", "300", str(CHUNK), env=env))
     assert o["load_rc"] == [0, 0] and o["more"] == 5 and o["after"] == 14
     p = memprog(box, "module", "libget", "1", "2048", str(CHUNK), env={**env, "ACTIVE_OOM_KILLER": "true"},
                 check=False)
     assert p.returncode == -signal.SIGKILL and "ACTIVE_OOM_KILLER: killing this process" in p.stderr
+
+
+def test_a_kernels_first_launch_charges_what_it_loaded(box) -> None:
+    """cudart launches a lazily loaded library's kernel handle; the driver loads the module then
+    (a 1 GiB __device__ array came in at the first launch on an H100, and the shim granted 512
+    MiB more under 1200). A function's first launch is watched and what it took charged at once;
+    later launches read nothing (2 free-memory reads per kernel, not per launch)."""
+    env = box.env(claim((0, 1000, 0)), CUDA_MODULE_LOADING="LAZY")
+    o = last(memprog(box, "module", "libkernel", "2", "300", str(CHUNK), env=env))
+    assert o["load_rc"] == [0, 0] and o["more"] == 5 and o["after"] == 14
+    assert o["info_calls"] <= 4  # 2 first launches, 100 launches after them
+    p = memprog(box, "module", "libkernel", "1", "2048", str(CHUNK), env={**env, "ACTIVE_OOM_KILLER": "true"},
+                check=False)
+    assert p.returncode == -signal.SIGKILL and "ACTIVE_OOM_KILLER: killing this process" in p.stderr
+
+
+def test_a_load_is_charged_when_a_free_hides_it(box) -> None:
+    """A free racing the load (a thread frees 900 MiB while the driver reads the module's file)
+    leaves the card's free memory where it was: the load is reconciled from NVML all the same,
+    and the 900 MiB are not granted again on top of it. Before, both were: 1864 MiB under 1000."""
+    o = last(memprog(box, "maskload", "900", env=box.env(claim((0, 1000, 0)))))
+    assert o["alloc_rc"] == 0 and o["load_rc"] == 0 and o["again_rc"] == 2
+
+
+@pytest.mark.parametrize("unload", ["0", "1"])
+def test_a_refused_or_unloaded_module_leaves_no_charge_behind(box, unload: str) -> None:
+    """A process whose 2048 MiB load was refused, or whose 600 MiB module it unloaded, then
+    idles: its sibling gets the slice (13 chunks beside the two contexts). Before, the refused
+    or unloaded module stayed charged to the idle process (0 or 4 chunks)."""
+    env = box.env(claim((0, 1000, 0)))
+    idle = subprocess.Popen([str(box.kit.stubdir / "memprog"), "loadidle", "2048" if unload == "0" else "600",
+                             unload, "30"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        o = json.loads(idle.stdout.readline())
+        assert o["load_rc"] == (2 if unload == "0" else 0)
+        assert last(memprog(box, "ctx", "0", str(CHUNK), env=env))["more"] == 13  # (1000 - 2 x 64) / 64
+    finally:
+        idle.kill()
+        idle.wait()
+
+
+def test_a_reused_library_handle_is_watched_again(box) -> None:
+    """An unloaded library's handle comes back for another library (the stub reuses it): its
+    first get is watched again, so a 2048 MiB global ends the process under ACTIVE_OOM_KILLER at
+    that get, before its next call. Before, the handle read as watched and the process went on."""
+    env = box.env(claim((0, 1000, 0)), CUDA_MODULE_LOADING="LAZY", ACTIVE_OOM_KILLER="true")
+    p = memprog(box, "relib", "2048", env=env, check=False)
+    assert p.returncode == -signal.SIGKILL and '"second"' not in p.stdout
 
 
 def test_memory_only_nvml_shows_is_charged_in_full(box) -> None:

@@ -27,14 +27,25 @@
  *   memprog module HOW N MIB CHUNK  N modules or libraries of PTX with a MIB __device__ array
  *       (the stub reads its "global=MIB" comment; HOW data, dataex, fatbin, file: cuModuleLoad*; lib,
  *       libfile: cuLibraryLoad*; libget: cuLibraryLoadData, then cuLibraryGetGlobal, which loads
- *       a lazily loaded library), then CHUNK allocations until refused; unloaded, again
+ *       a lazily loaded library; libkernel: cuLibraryLoadData, then a launch of its kernel handle
+ *       (cudart's way), which loads it), then CHUNK allocations until refused; unloaded, again
+ *   memprog loadidle MIB UNLOAD HOLD_S  one module with a MIB __device__ array (UNLOAD 1: then
+ *       unloaded), then HOLD_S seconds without any CUDA call (an idle sibling)
+ *   memprog relib MIB              with lazy loading: an 8 MiB library loaded, its global asked
+ *       for, unloaded; then a MIB one (the stub hands the same handle out again), its global
+ *       asked for; then one cuMemGetInfo
+ *   memprog maskload MIB           MIB allocated; a thread frees it while cuModuleLoad of a MIB
+ *       module reads its file (a FIFO), then MIB allocated again
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -82,6 +93,9 @@ CUresult cuLibraryLoadData(void **, const void *, int *, void **, unsigned, int 
 CUresult cuLibraryLoadFromFile(void **, const char *, int *, void **, unsigned, int *, void **, unsigned);
 CUresult cuLibraryUnload(void *);
 CUresult cuLibraryGetGlobal(CUdeviceptr *, size_t *, void *, const char *);
+CUresult cuLibraryGetKernel(void **, void *, const char *);
+CUresult cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                        void **, void **);
 
 static CUdevice dev;
 static CUcontext primary;
@@ -161,6 +175,12 @@ static void fill_around(size_t chunk, CUresult (*destroy)(void *), void **objs, 
     printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
 }
 
+static void module_image(char *img, size_t n, unsigned long long mib)
+{
+    snprintf(img, n, "// global=%llu\n.version 7.0\n.target sm_50\n.address_size 64\n"
+             ".visible .global .align 8 .b8 g[%llu];\n", mib, mib << 20);
+}
+
 /* One module or library of HOW whose image says global=MIB (file: written to a temporary file). */
 static CUresult load_one(const char *how, const char *img, const char *file, void **h)
 {
@@ -175,34 +195,103 @@ static CUresult load_one(const char *how, const char *img, const char *file, voi
         return rc || strcmp(how, "libget") ? rc : cuLibraryGetGlobal(&p, &n, *h, "g");
     }
     if (!strcmp(how, "libfile")) return cuLibraryLoadFromFile(h, file, NULL, NULL, 0, NULL, NULL, 0);
+    if (!strcmp(how, "libkernel")) { /* cudart's way: the kernel handle launched as a function */
+        void *k = NULL;
+        CUresult rc = cuLibraryLoadData(h, img, NULL, NULL, 0, NULL, NULL, 0);
+        if (!rc) rc = cuLibraryGetKernel(&k, *h, "k");
+        if (!rc) rc = cuLaunchKernel(k, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        if (!rc) rc = cuCtxSynchronize();
+        return rc;
+    }
     return 1;
 }
 
 static void modules(const char *how, int n, const char *mib, size_t chunk)
 {
     char img[256], file[] = "/tmp/memprog-module-XXXXXX";
-    snprintf(img, sizeof img, "// global=%s\n.version 7.0\n.target sm_50\n.address_size 64\n"
-             ".visible .global .align 8 .b8 g[%llu];\n", mib, strtoull(mib, NULL, 10) << 20);
+    module_image(img, sizeof img, strtoull(mib, NULL, 10));
     int fd = mkstemp(file);
     if (fd < 0 || write(fd, img, strlen(img) + 1) < 0) { printf("{\"file\": -1}\n"); exit(3); }
     close(fd);
     void *h[64];
     int lib = !strncmp(how, "lib", 3), made = 0;
+    unsigned long long (*info_calls)(void) = (unsigned long long (*)(void))dlsym(RTLD_DEFAULT, "stubMemInfoCalls");
+    unsigned long long calls0 = info_calls ? info_calls() : 0;
     printf("{\"load_rc\": [");
     for (int i = 0; i < n && i < 64; i++) {
         h[made] = NULL;
         CUresult rc = load_one(how, img, file, &h[made]);
         printf("%s%d", i ? ", " : "", rc);
-        if (!rc || (h[made] && !strcmp(how, "libget")))
+        if (!rc || (h[made] && (!strcmp(how, "libget") || !strcmp(how, "libkernel"))))
             made++;
     }
     unlink(file);
+    for (int i = 0; i < made && !strcmp(how, "libkernel"); i++) { /* launched again: no first launch */
+        void *k = NULL;
+        for (int j = 0; j < 50 && !cuLibraryGetKernel(&k, h[i], "k"); j++)
+            cuLaunchKernel(k, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    }
+    unsigned long long calls = info_calls ? info_calls() - calls0 : 0;
     long more = fill(chunk);
     unfill();
     for (int i = 0; i < made; i++)
         lib ? cuLibraryUnload(h[i]) : cuModuleUnload(h[i]);
     long after = fill(chunk);
-    printf("], \"more\": %ld, \"after\": %ld}\n", more, after);
+    printf("], \"info_calls\": %llu, \"more\": %ld, \"after\": %ld}\n", calls, more, after);
+}
+
+static void relib(unsigned long long mib)
+{
+    char img[256];
+    void *l = NULL;
+    CUdeviceptr p;
+    size_t n;
+    module_image(img, sizeof img, 8);
+    CUresult a = cuLibraryLoadData(&l, img, NULL, NULL, 0, NULL, NULL, 0);
+    CUresult b = a ? a : cuLibraryGetGlobal(&p, &n, l, "g");
+    CUresult c = a ? a : cuLibraryUnload(l);
+    module_image(img, sizeof img, mib);
+    CUresult d = cuLibraryLoadData(&l, img, NULL, NULL, 0, NULL, NULL, 0);
+    CUresult e = d ? d : cuLibraryGetGlobal(&p, &n, l, "g");
+    printf("{\"first\": [%d, %d, %d], \"second\": [%d, %d]}\n", a, b, c, d, e);
+    size_t f = 0, t = 0;
+    cuMemGetInfo_v2(&f, &t);
+    printf("{\"free\": %zu}\n", f);
+}
+
+static char mask_fifo[64];
+static CUdeviceptr mask_held;
+static unsigned long long mask_mib;
+
+static void *mask_free(void *arg)
+{
+    (void)arg;
+    cuCtxSetCurrent(primary);
+    int fd = open(mask_fifo, O_WRONLY); /* once the driver opened the module file */
+    char img[256];
+    cuMemFree_v2(mask_held);
+    module_image(img, sizeof img, mask_mib);
+    if (fd >= 0 && write(fd, img, strlen(img) + 1) < 0)
+        perror("write");
+    close(fd);
+    return NULL;
+}
+
+static void maskload(unsigned long long mib)
+{
+    snprintf(mask_fifo, sizeof mask_fifo, "/tmp/memprog-fifo-%d", (int)getpid());
+    unlink(mask_fifo);
+    if (mkfifo(mask_fifo, 0600)) { printf("{\"fifo\": -1}\n"); exit(3); }
+    mask_mib = mib;
+    CUresult a = cuMemAlloc_v2(&mask_held, mib << 20);
+    pthread_t t;
+    pthread_create(&t, NULL, mask_free, NULL);
+    void *m = NULL;
+    CUresult l = cuModuleLoad(&m, mask_fifo);
+    pthread_join(t, NULL);
+    unlink(mask_fifo);
+    CUresult again = cuMemAlloc_v2(&mask_held, mib << 20);
+    printf("{\"alloc_rc\": %d, \"load_rc\": %d, \"again_rc\": %d}\n", a, l, again);
 }
 
 int main(int argc, char **argv)
@@ -279,6 +368,23 @@ int main(int argc, char **argv)
     }
     if (!strcmp(cmd, "module") && argc >= 6) {
         modules(argv[2], atoi(argv[3]), argv[4], strtoull(argv[5], NULL, 0));
+        return 0;
+    }
+    if (!strcmp(cmd, "loadidle") && argc >= 5) {
+        char img[256];
+        void *m = NULL;
+        module_image(img, sizeof img, strtoull(argv[2], NULL, 0));
+        CUresult l = cuModuleLoadData(&m, img), u = l || !atoi(argv[3]) ? -1 : cuModuleUnload(m);
+        printf("{\"load_rc\": %d, \"unload_rc\": %d}\n", l, u);
+        usleep((useconds_t)(atof(argv[4]) * 1e6));
+        return 0;
+    }
+    if (!strcmp(cmd, "relib") && argc >= 3) {
+        relib(strtoull(argv[2], NULL, 0));
+        return 0;
+    }
+    if (!strcmp(cmd, "maskload") && argc >= 3) {
+        maskload(strtoull(argv[2], NULL, 0));
         return 0;
     }
     if (!strcmp(cmd, "hide") && argc >= 4) {

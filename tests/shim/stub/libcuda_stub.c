@@ -242,8 +242,11 @@ API CUresult cuCtxGetDevice(CUdevice *d)
     return E_INVALID_CONTEXT;
 }
 
+static _Atomic unsigned long long info_calls;
+API unsigned long long stubMemInfoCalls(void) { return info_calls; } /* calls of the next, so far */
 API CUresult cuMemGetInfo_v2(size_t *f, size_t *t)
 {
+    atomic_fetch_add(&info_calls, 1);
     NEED_CTX(); /* NULL out-pointers are accepted, as driver 580 does (measured) */
     uint64_t used = stub_dev_used(cur_ctx), tot = mem_total();
     if (f) *f = used > tot ? 0 : tot - used;
@@ -1014,9 +1017,9 @@ static CUresult drain(CUstream s)
     return OK;
 }
 
-API CUresult cuLaunchKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { return launch(s, a); }
-API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { return launch(s ? s : (CUstream)2, a); }
-API CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { if (!cfg) return E_INVALID_VALUE; return launch(cfg->hStream, cfg->gx); }
+API CUresult cuLaunchKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { CUresult lr = kernel_launch_load(f); if (lr) return lr; return launch(s, a); }
+API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p, void **x) { CUresult lr = kernel_launch_load(f); if (lr) return lr; return launch(s ? s : (CUstream)2, a); }
+API CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { CUresult lr = kernel_launch_load(f); if (lr) return lr; if (!cfg) return E_INVALID_VALUE; return launch(cfg->hStream, cfg->gx); }
 API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x) { return cuLaunchKernelEx(cfg, f, p, x); }
 API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(s, a); }
 API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned shm, CUstream s, void **p) { return launch(s ? s : (CUstream)2, a); }

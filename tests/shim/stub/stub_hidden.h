@@ -18,4 +18,5 @@ CUresult cuStreamBeginCapture_v2(CUstream s, int mode);
 static int hidden_capture_unsafe(CUstream s);
 static CUresult hidden_capture_alloc(CUstream s, CUdeviceptr *p, size_t n);
 static CUresult hidden_ctx_create(CUcontext *c, CUdevice d);
+static CUresult kernel_launch_load(CUfunction f);
 #endif
