@@ -54,18 +54,24 @@ static inline int mode(void)
 /* The card's free memory around a driver call that may load a module (vgpu_mem_module.c). */
 struct vgpu_load_watch {
     int d;          /* region card watched, -1: none (not limited, no context, no answer) */
+    int blind;      /* the card is not the current context's: its free memory is not read */
     size_t free_b;  /* the card's free bytes before the call */
+    uint64_t used;  /* the container's charge there before the call */
+    uint64_t frees; /* this process's uncharges before the call (vgpu_uncharges) */
+    uint64_t key;   /* a launch's (function, context) */
 };
-/* A launch of f: 1 when it is f's first (the driver loads a lazily loaded module and grows the
- * context's local memory then) and the card is watched in *w; then vgpu_launch_watch_end after
- * the driver's answer charges what the launch took. */
-int vgpu_launch_watch_begin(CUfunction f, struct vgpu_load_watch *w);
+/* A launch of f on stream s: 1 when it is f's first in the current context (the driver loads a
+ * lazily loaded module and grows the context's local memory then) and its card is watched in
+ * *w; then vgpu_launch_watch_end after the driver's answer charges what the launch took and, if
+ * the launch succeeded, records it. */
+int vgpu_launch_watch_begin(CUfunction f, CUstream s, struct vgpu_load_watch *w);
 void vgpu_launch_watch_end(const struct vgpu_load_watch *w, CUresult rc);
-/* The driver's launch `call` of function f (a CUresult expression), its first launch watched. */
-#define VGPU_WATCHED_LAUNCH(f, call)                                                            \
+/* The driver's launch `call` of function f on stream s (a CUresult expression), its first
+ * launch in a context watched. */
+#define VGPU_WATCHED_LAUNCH(f, s, call)                                                         \
     ({                                                                                          \
         struct vgpu_load_watch w_;                                                              \
-        int on_ = vgpu_launch_watch_begin((f), &w_);                                            \
+        int on_ = mode() == M_LIMITED && vgpu_launch_watch_begin((f), (s), &w_);                \
         CUresult r_ = (call);                                                                   \
         if (on_)                                                                                \
             vgpu_launch_watch_end(&w_, r_);                                                     \

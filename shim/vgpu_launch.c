@@ -423,7 +423,7 @@ VGPU_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s);
-    CUresult rc = VGPU_WATCHED_LAUNCH(f, REAL(H_LAUNCH, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e));
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, s, REAL(H_LAUNCH, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e));
     compute_after(s);
     return rc;
 }
@@ -433,7 +433,7 @@ VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, un
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
-    CUresult rc = VGPU_WATCHED_LAUNCH(f, REAL(H_LAUNCH_PTSZ, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e));
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, s ? s : CU_STREAM_PER_THREAD, REAL(H_LAUNCH_PTSZ, launch_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p, e));
     compute_after(s ? s : CU_STREAM_PER_THREAD);
     return rc;
 }
@@ -446,10 +446,11 @@ VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void *
     CUlaunchConfig own;
     if (c)
         own = *c, c = &own;
-    vgpu_compute_gate(c ? c->hStream : NULL);
-    CUresult rc =
-        VGPU_WATCHED_LAUNCH(f, REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e));
-    compute_after(c ? c->hStream : NULL);
+    CUstream st = c ? c->hStream : NULL;
+    vgpu_compute_gate(st);
+    CUresult rc = VGPU_WATCHED_LAUNCH(
+        f, st, REAL(H_LAUNCHEX, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e));
+    compute_after(st);
     return rc;
 }
 
@@ -459,10 +460,11 @@ VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, v
     CUlaunchConfig own;
     if (c)
         own = *c, c = &own;
-    vgpu_compute_gate(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
+    CUstream st = c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD;
+    vgpu_compute_gate(st);
     CUresult rc = VGPU_WATCHED_LAUNCH(
-        f, REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e));
-    compute_after(c && c->hStream ? c->hStream : CU_STREAM_PER_THREAD);
+        f, st, REAL(H_LAUNCHEX_PTSZ, CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))(c, f, p, e));
+    compute_after(st);
     return rc;
 }
 
@@ -471,7 +473,7 @@ VGPU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned 
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s);
-    CUresult rc = VGPU_WATCHED_LAUNCH(f, REAL(H_COOP, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p));
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, s, REAL(H_COOP, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p));
     compute_after(s);
     return rc;
 }
@@ -482,7 +484,7 @@ VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsi
 {
     BROKEN_GUARD();
     vgpu_compute_gate(s ? s : CU_STREAM_PER_THREAD);
-    CUresult rc = VGPU_WATCHED_LAUNCH(f, REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p));
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, s ? s : CU_STREAM_PER_THREAD, REAL(H_COOP_PTSZ, coop_fn)(f, gx, gy, gz, bx, by, bz, shm, s, p));
     compute_after(s ? s : CU_STREAM_PER_THREAD);
     return rc;
 }
@@ -552,7 +554,7 @@ VGPU_API CUresult cuLaunch(CUfunction f)
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_gate(NULL);
-    CUresult rc = VGPU_WATCHED_LAUNCH(f, real(f));
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, NULL, real(f));
     compute_after(NULL);
     return rc;
 }
@@ -564,7 +566,7 @@ VGPU_API CUresult cuLaunchGrid(CUfunction f, int w, int h)
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_gate(NULL);
-    CUresult rc = VGPU_WATCHED_LAUNCH(f, real(f, w, h));
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, NULL, real(f, w, h));
     compute_after(NULL);
     return rc;
 }
@@ -577,7 +579,7 @@ VGPU_API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
     if (!real)
         return CUDA_ERROR_NOT_FOUND;
     vgpu_compute_gate(s);
-    CUresult rc = VGPU_WATCHED_LAUNCH(f, real(f, w, h, s));
+    CUresult rc = VGPU_WATCHED_LAUNCH(f, s, real(f, w, h, s));
     compute_after(s);
     return rc;
 }

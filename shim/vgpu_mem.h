@@ -59,6 +59,9 @@ void vgpu_module_forget(void);
  * CUDA_ERROR_OUT_OF_MEMORY. uncharge returns a charge (d < 0: nothing). */
 int vgpu_charge(int d, uint64_t bytes);
 void vgpu_uncharge(int d, uint64_t bytes);
+/* How many uncharges this process made (atomic): a free during a watched call may hide the
+ * memory the call took from the card's free figure (vgpu_mem_module.c). */
+extern uint64_t vgpu_uncharges;
 
 /* Free paths: begin takes a tracked object out of the table (0: not tracked, pass through);
  * end uncharges it when the driver call succeeded and puts it back when it failed. */

@@ -33,32 +33,42 @@
 /* Drops (bytes) not reconciled yet, per region card: atomic. */
 static uint64_t unseen[VGPU_MAX_DEV];
 
-static void watch_begin(struct vgpu_load_watch *w)
+/* Watch card d (-1: none) for a call: its free memory when it is the current context's card
+ * (else the call is reconciled unconditionally: `blind`), the container's charge and this
+ * process's uncharges, which tell a free that may hide the call's drop. */
+static void watch_begin(struct vgpu_load_watch *w, int d)
 {
     size_t f = 0, t = 0;
-    w->d = -1, w->free_b = 0;
-    if (mode() != M_LIMITED)
+    w->d = -1, w->blind = 0;
+    if (d < 0 || !vgpu.region.r->dev[d].limit)
         return;
-    int d = vgpu_cur_dev();
-    if (d < 0 || !vgpu.region.r->dev[d].limit || REAL_FN(cuMemGetInfo_v2)(&f, &t) != CUDA_SUCCESS)
-        return;
-    w->d = d, w->free_b = f;
+    w->frees = __atomic_load_n(&vgpu_uncharges, __ATOMIC_RELAXED);
+    w->used = vgpu_region_used(vgpu.region.r, d);
+    w->d = d;
+    if (d != vgpu_cur_dev() || REAL_FN(cuMemGetInfo_v2)(&f, &t) != CUDA_SUCCESS)
+        w->blind = 1;
+    w->free_b = f;
 }
 
-/* After a call that succeeded: 1 when what the card lost since watch_begin (with the drops not
- * reconciled yet) asks for a reconciliation now. */
+/* After the call: 1 when it asks for a reconciliation now: the card's drop since watch_begin
+ * (with the drops not reconciled yet) reached VGPU_MODULE_RECONCILE or what the slice has left,
+ * or a free of the container's (this process's or a sibling's charge fell) may have hidden it,
+ * or the card's free memory could not be read. */
 static int watch_due(const struct vgpu_load_watch *w)
 {
     size_t f = 0, t = 0;
-    if (w->d < 0 || REAL_FN(cuMemGetInfo_v2)(&f, &t) != CUDA_SUCCESS)
+    if (w->d < 0)
         return 0;
+    struct vgpu_region *r = vgpu.region.r;
+    uint64_t lim = r->dev[w->d].limit, used = vgpu_region_used(r, w->d);
+    int masked = used < w->used || __atomic_load_n(&vgpu_uncharges, __ATOMIC_RELAXED) != w->frees;
+    if (w->blind || REAL_FN(cuMemGetInfo_v2)(&f, &t) != CUDA_SUCCESS)
+        return 1;
     uint64_t drop = f < w->free_b ? (uint64_t)(w->free_b - f) : 0;
-    if (!drop)
+    if (!drop && !masked)
         return 0;
     uint64_t sum = __atomic_add_fetch(&unseen[w->d], drop, __ATOMIC_RELAXED);
-    const struct vgpu_region *r = vgpu.region.r;
-    uint64_t lim = r->dev[w->d].limit, used = vgpu_region_used(r, w->d);
-    if (sum < VGPU_MODULE_RECONCILE && used + sum <= lim)
+    if (!masked && sum < VGPU_MODULE_RECONCILE && used + sum <= lim)
         return 0;
     __atomic_store_n(&unseen[w->d], 0, __ATOMIC_RELAXED);
     return 1;
@@ -75,16 +85,19 @@ static int load_over(int d, CUresult rc)
     return 1;
 }
 
-/* What an unload gave back (a refused load's, or the program's): this process's charge on the
- * current card is settled now, and the watched handles are forgotten. */
+/* What an unload gave back (a refused load's, or the program's): this process's charge is
+ * settled now on every card it has a context on (the module's may not be the current one), and
+ * the watched handles are forgotten. */
 static void after_unload(void)
 {
-    int d = vgpu_cur_dev();
+    unsigned cards = atomic_load(&vgpu_ctx_cards);
+    int cur = vgpu_cur_dev();
     vgpu_module_forget();
-    if (d >= 0)
-        vgpu_reconcile(d, 3);
-    for (int i = 0; i < VGPU_MAX_DEV; i++)
-        vgpu_reconcile_soon(i);
+    for (int d = 0; d < VGPU_MAX_DEV; d++) {
+        if ((cards >> d & 1u) || d == cur)
+            vgpu_reconcile(d, 3);
+        vgpu_reconcile_soon(d);
+    }
 }
 
 static CUresult module_refused(CUmodule *m)
@@ -124,10 +137,11 @@ VGPU_API CUresult cuLibraryUnload(CUlibrary lib)
     return unloaded(REAL_FN(cuLibraryUnload)(lib));
 }
 
-/* After a get call: what it loaded is charged now (ACTIVE_OOM_KILLER may act on it). */
+/* After a get call or a first launch: what it loaded is charged now (ACTIVE_OOM_KILLER may act
+ * on it), whatever the driver answered (it may have loaded the module before it failed). */
 static CUresult got(const struct vgpu_load_watch *w, CUresult rc)
 {
-    if (rc == CUDA_SUCCESS && watch_due(w))
+    if (watch_due(w))
         vgpu_reconcile(w->d, 3);
     return rc;
 }
@@ -222,7 +236,7 @@ static uint64_t loaded_key(const void *h)
         if (!key || vgpu_tab_get(K_LOADED, key, &size, &dev))                                   \
             return (call);                                                                      \
         struct vgpu_load_watch w;                                                               \
-        watch_begin(&w);                                                                        \
+        watch_begin(&w, vgpu_cur_dev());                                                        \
         CUresult rc = got(&w, (call));                                                          \
         if (rc == CUDA_SUCCESS)                                                                 \
             vgpu_tab_put(K_LOADED, key, 0, -1);                                                 \
@@ -246,54 +260,79 @@ VGPU_API CUresult cuKernelGetFunction(CUfunction *f, CUkernel k)
 
 /* ------------------------------------------------------------------ first launches */
 
-/* Functions launched once (0: empty), open addressing: a launch's lookup is a hash and a load or
- * two. Kept per function, not per context: a CUkernel launched in a second context loads there
- * unwatched (the next reconciliation charges it). When a function's probe run is full, its
- * launches are all watched (a program with thousands of functions pays two free-memory reads
- * a launch for the rest). */
-#define SEEN_FUNCS 4096u
-#define SEEN_PROBES 16u
-static uintptr_t seen_funcs[SEEN_FUNCS]; /* atomic */
+/* Launches recorded: (function, context) keys (0: empty), open addressing. A launch looks its
+ * key up (the current context, a hash, a load or two); a key is recorded only after a launch the
+ * driver accepted in a watched context, so a launch that fails, or one made where nothing is
+ * watched, leaves the next one watched. When a key's probe run is full its launches are all
+ * watched (a program with thousands of functions pays two free-memory reads a launch for the
+ * rest: only its own time). */
+#define SEEN_KEYS 16384u
+#define SEEN_PROBES 32u
+static uint64_t seen_keys[SEEN_KEYS]; /* atomic */
 
-static int first_launch(CUfunction f)
+static uint64_t launch_key(CUfunction f)
 {
-    uintptr_t k = (uintptr_t)f;
-    if (!k)
+    CUcontext c = NULL;
+    CUresult (*cur)(CUcontext *) = vgpu.drv.ctx_get_current;
+    if (!f || !cur || cur(&c) != CUDA_SUCCESS || !c)
         return 0;
-    uint32_t i = (uint32_t)(((uint64_t)k * 0x9e3779b97f4a7c15ull) >> 52) & (SEEN_FUNCS - 1);
-    for (uint32_t n = 0; n < SEEN_PROBES; n++, i = (i + 1) & (SEEN_FUNCS - 1)) {
-        uintptr_t v = __atomic_load_n(&seen_funcs[i], __ATOMIC_RELAXED);
-        if (v == k)
-            return 0;
-        if (!v && (__atomic_compare_exchange_n(&seen_funcs[i], &v, k, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED) ||
-                   v == k))
-            return v != k;
-    }
-    return 1;
+    uint64_t k = ((uint64_t)(uintptr_t)f * 0x9e3779b97f4a7c15ull) ^ (uint64_t)(uintptr_t)c;
+    return k ? k : 1;
 }
 
-static void forget_launched(void)
+static uint32_t seen_slot(uint64_t k)
 {
-    for (uint32_t i = 0; i < SEEN_FUNCS; i++)
-        __atomic_store_n(&seen_funcs[i], 0, __ATOMIC_RELAXED);
+    return (uint32_t)((k * 0xff51afd7ed558ccdull) >> 40) & (SEEN_KEYS - 1);
+}
+
+static int seen_has(uint64_t k)
+{
+    for (uint32_t n = 0, i = seen_slot(k); n < SEEN_PROBES; n++, i = (i + 1) & (SEEN_KEYS - 1)) {
+        uint64_t v = __atomic_load_n(&seen_keys[i], __ATOMIC_RELAXED);
+        if (v == k)
+            return 1;
+        if (!v)
+            return 0;
+    }
+    return 0;
+}
+
+static void seen_add(uint64_t k)
+{
+    for (uint32_t n = 0, i = seen_slot(k); n < SEEN_PROBES; n++, i = (i + 1) & (SEEN_KEYS - 1)) {
+        uint64_t v = __atomic_load_n(&seen_keys[i], __ATOMIC_RELAXED);
+        if (v == k || (!v && (__atomic_compare_exchange_n(&seen_keys[i], &v, k, 0, __ATOMIC_RELAXED,
+                                                          __ATOMIC_RELAXED) || v == k)))
+            return;
+    }
 }
 
 void vgpu_module_forget(void)
 {
-    forget_launched();
+    for (uint32_t i = 0; i < SEEN_KEYS; i++)
+        __atomic_store_n(&seen_keys[i], 0, __ATOMIC_RELAXED);
     vgpu_tab_drop_kind(K_LOADED);
 }
 
-int vgpu_launch_watch_begin(CUfunction f, struct vgpu_load_watch *w)
+int vgpu_launch_watch_begin(CUfunction f, CUstream s, struct vgpu_load_watch *w)
 {
+    uint64_t k = launch_key(f);
     w->d = -1;
-    if (mode() != M_LIMITED || !first_launch(f))
+    if (!k || seen_has(k))
         return 0;
-    watch_begin(w);
+    int d = vgpu_stream_dev(s);
+    if (d < 0)
+        return 0;
+    watch_begin(w, d);
+    w->key = k;
+    if (w->d < 0) /* a card without a memory limit: nothing to watch there */
+        seen_add(k);
     return w->d >= 0;
 }
 
 void vgpu_launch_watch_end(const struct vgpu_load_watch *w, CUresult rc)
 {
     got(w, rc);
+    if (rc == CUDA_SUCCESS)
+        seen_add(w->key);
 }

@@ -241,10 +241,14 @@ int vgpu_charge(int d, uint64_t bytes)
     return -1;
 }
 
+uint64_t vgpu_uncharges;
+
 void vgpu_uncharge(int d, uint64_t bytes)
 {
-    if (d >= 0)
-        vgpu_region_release(&vgpu.region, d, bytes);
+    if (d < 0)
+        return;
+    __atomic_add_fetch(&vgpu_uncharges, 1, __ATOMIC_RELAXED);
+    vgpu_region_release(&vgpu.region, d, bytes);
 }
 
 /* Every free/destroy path: a tracked object leaves the table before the driver call (so an

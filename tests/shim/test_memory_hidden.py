@@ -247,6 +247,18 @@ def test_a_reused_library_handle_is_watched_again(box) -> None:
     assert p.returncode == -signal.SIGKILL and '"second"' not in p.stdout
 
 
+def test_a_kernels_first_launch_is_watched_in_each_context(box) -> None:
+    """A launch the driver refuses (no context current) does not count as the kernel's first,
+    and the kernel's first launch in each card's context is watched: the 300 MiB it loads on the
+    second card are charged there. Before, the refused launch marked the kernel launched (14
+    chunks granted beside the 300 MiB), and so did its launch on the first card."""
+    env = box.env(claim((0, 1000, 0), (1, 1000, 0)), CUDA_MODULE_LOADING="LAZY", STUB_NDEV="2")
+    o = last(memprog(box, "kernels", "300", str(CHUNK), "1", env=env))
+    assert o["no_context_rc"] != 0 and o["launch_rc"] == [0] and o["more"] == 9  # (1000 - 64 - 300) / 64
+    o = last(memprog(box, "kernels", "300", str(CHUNK), "2", env=env))
+    assert o["launch_rc"] == [0, 0] and o["more"] == 9
+
+
 def test_memory_only_nvml_shows_is_charged_in_full(box) -> None:
     """800 MiB that no hook saw (device malloc, a library's workspace) take the container over
     its limit: every allocation is then refused; without ACTIVE_OOM_KILLER the process lives."""

@@ -36,6 +36,10 @@
  *       asked for; then one cuMemGetInfo
  *   memprog maskload MIB           MIB allocated; a thread frees it while cuModuleLoad of a MIB
  *       module reads its file (a FIFO), then MIB allocated again
+ *   memprog kernels MIB CHUNK CARDS  with lazy loading: a library with a MIB __device__ array,
+ *       its kernel handle launched once with no context current (the driver refuses it), then
+ *       on each of CARDS cards' primary context; then CHUNK allocations until refused on the
+ *       last card
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -259,6 +263,28 @@ static void relib(unsigned long long mib)
     printf("{\"free\": %zu}\n", f);
 }
 
+static void kernels(unsigned long long mib, size_t chunk, int cards)
+{
+    char img[256];
+    void *l = NULL, *k = NULL;
+    module_image(img, sizeof img, mib);
+    CUresult rc = cuLibraryLoadData(&l, img, NULL, NULL, 0, NULL, NULL, 0);
+    if (!rc) rc = cuLibraryGetKernel(&k, l, "k");
+    cuCtxSetCurrent(NULL);
+    CUresult none = cuLaunchKernel(k, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    printf("{\"load_rc\": %d, \"no_context_rc\": %d, \"launch_rc\": [", rc, none);
+    for (int c = 0; c < cards; c++) {
+        CUdevice d;
+        CUcontext ctx = NULL;
+        CUresult r = cuDeviceGet(&d, c);
+        if (!r) r = cuDevicePrimaryCtxRetain(&ctx, d);
+        if (!r) r = cuCtxSetCurrent(ctx);
+        if (!r) r = cuLaunchKernel(k, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        printf("%s%d", c ? ", " : "", r);
+    }
+    printf("], \"more\": %ld}\n", fill(chunk));
+}
+
 static char mask_fifo[64];
 static CUdeviceptr mask_held;
 static unsigned long long mask_mib;
@@ -381,6 +407,10 @@ int main(int argc, char **argv)
     }
     if (!strcmp(cmd, "relib") && argc >= 3) {
         relib(strtoull(argv[2], NULL, 0));
+        return 0;
+    }
+    if (!strcmp(cmd, "kernels") && argc >= 5) {
+        kernels(strtoull(argv[2], NULL, 0), strtoull(argv[3], NULL, 0), atoi(argv[4]));
         return 0;
     }
     if (!strcmp(cmd, "maskload") && argc >= 3) {
