@@ -18,15 +18,17 @@
  * they are far more frequent than loads, so the card's free memory is read around them instead
  * (the driver's cuMemGetInfo_v2, no NVML query) and what it dropped by summed per card: when
  * the sum reaches VGPU_MODULE_RECONCILE or what the slice has left, the container is
- * reconciled at once (charged; ACTIVE_OOM_KILLER acts when that is over the limit). A free
- * elsewhere on the card during such a call can hide its drop: the memory is then charged by
- * the next reconciliation (before any allocation near the limit, every 10 ms). Only the current
- * context's card is watched: a library loaded eagerly while this process has contexts on other
- * cards of the claim is charged there by their next reconciliation. An unload, and a refused
- * load's, reconciles the current card at once (what the module held went with it, and a
- * sibling's reconciliation never lowers this process's charge); an unload or a context's end
- * forgets which functions and libraries were watched (the driver may hand their handles out
- * again).
+ * reconciled at once (charged; ACTIVE_OOM_KILLER acts when that is over the limit), and so it
+ * is when a free of the container's during the call may have hidden the drop, or when a
+ * launch's stream is another card's than the current context's. Another tenant's free during
+ * such a call can still hide its drop: the memory is then charged by the next reconciliation
+ * (before any allocation near the limit, every 10 ms). A load or get is watched on the current
+ * context's card: a library loaded eagerly while this process has contexts on other cards of
+ * the claim is charged there by their next reconciliation. An unload, and a refused load's,
+ * reconciles every card this process has a context on at once (what the module held went with
+ * it, and a sibling's reconciliation never lowers this process's charge); an unload or a
+ * context's end forgets which launches and libraries were watched (the driver may hand their
+ * handles out again).
  */
 #include "vgpu_mem.h"
 
@@ -321,7 +323,7 @@ int vgpu_launch_watch_begin(CUfunction f, CUstream s, struct vgpu_load_watch *w)
     if (!k || seen_has(k))
         return 0;
     int d = vgpu_stream_dev(s);
-    if (d < 0)
+    if (d == -2) /* the stream's context unknown (the driver refuses such a launch) */
         return 0;
     watch_begin(w, d);
     w->key = k;
