@@ -178,8 +178,8 @@ def test_module_globals_are_charged_and_a_load_over_the_limit_refused(box, how: 
 
 
 def test_small_module_loads_add_up_to_a_refusal(box) -> None:
-    """Loads each under the size that asks for a reconciliation add up: the one that passes the
-    limit is refused, and so is every later one."""
+    """Loads that each fit add up: the one that passes the limit is refused, and so is every
+    later one."""
     o = last(memprog(box, "module", "data", "20", "60", str(CHUNK), env=box.env(claim((0, 1000, 0)))))
     assert o["load_rc"] == [0] * 15 + [2] * 5  # 64 + 15 x 60 = 964 MiB
     assert o["more"] == 0 and o["after"] == 14
