@@ -95,11 +95,11 @@ static void after_unload(void)
     unsigned cards = atomic_load(&vgpu_ctx_cards);
     int cur = vgpu_cur_dev();
     vgpu_module_forget();
-    for (int d = 0; d < VGPU_MAX_DEV; d++) {
+    for (int d = 0; d < VGPU_MAX_DEV; d++)
         if ((cards >> d & 1u) || d == cur)
             vgpu_reconcile(d, 3);
-        vgpu_reconcile_soon(d);
-    }
+        else
+            vgpu_reconcile_soon(d);
 }
 
 static CUresult module_refused(CUmodule *m)
@@ -156,9 +156,9 @@ static int lazy_loading(void)
     static int mode_v; /* atomic: 0 not asked, 1 eager or unknown, 2 lazy */
     int m = __atomic_load_n(&mode_v, __ATOMIC_RELAXED);
     if (!m) {
-        int got = 0;
+        int answer = 0;
         CUresult (*ask)(int *) = vgpu_cuda_drv()->module_loading_mode;
-        m = ask && ask(&got) == CUDA_SUCCESS && got == CU_MODULE_LAZY_LOADING ? 2 : 1;
+        m = ask && ask(&answer) == CUDA_SUCCESS && answer == CU_MODULE_LAZY_LOADING ? 2 : 1;
         __atomic_store_n(&mode_v, m, __ATOMIC_RELAXED);
     }
     return m == 2;
@@ -218,22 +218,24 @@ VGPU_API CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *fname, int *
                  lib);
 }
 
-/* A get call on a library or kernel already measured in the current context loads nothing more
- * (cudart may ask for a kernel's function or a symbol at every use): the key of (handle, context),
- * 0 when no context is current. */
-static uint64_t loaded_key(const void *h)
+/* The key of (handle, current context) a get or a launch is watched once under: 0 when there is
+ * no handle or no context current, never 0 otherwise. A get call on a library or kernel
+ * already measured in the current context loads nothing more (cudart may ask for a kernel's
+ * function or a symbol at every use). */
+static uint64_t ctx_key(const void *h)
 {
     CUcontext c = NULL;
-    CUresult (*cur)(CUcontext *) = vgpu_cuda_drv()->ctx_get_current;
-    if (!cur || cur(&c) != CUDA_SUCCESS || !c)
+    CUresult (*cur)(CUcontext *) = vgpu.drv.ctx_get_current;
+    if (!h || !cur || cur(&c) != CUDA_SUCCESS || !c)
         return 0;
-    return ((uint64_t)(uintptr_t)h * 0x9e3779b97f4a7c15ull) ^ (uint64_t)(uintptr_t)c;
+    uint64_t k = ((uint64_t)(uintptr_t)h * 0x9e3779b97f4a7c15ull) ^ (uint64_t)(uintptr_t)c;
+    return k ? k : 1;
 }
 
 #define LAZY_GET(h, call)                                                                       \
     do {                                                                                        \
         BROKEN_GUARD();                                                                         \
-        uint64_t key = mode() == M_LIMITED ? loaded_key(h) : 0, size;                           \
+        uint64_t key = mode() == M_LIMITED ? ctx_key(h) : 0, size;                           \
         int dev;                                                                                \
         if (!key || vgpu_tab_get(K_LOADED, key, &size, &dev))                                   \
             return (call);                                                                      \
@@ -272,16 +274,6 @@ VGPU_API CUresult cuKernelGetFunction(CUfunction *f, CUkernel k)
 #define SEEN_PROBES 32u
 static uint64_t seen_keys[SEEN_KEYS]; /* atomic */
 
-static uint64_t launch_key(CUfunction f)
-{
-    CUcontext c = NULL;
-    CUresult (*cur)(CUcontext *) = vgpu.drv.ctx_get_current;
-    if (!f || !cur || cur(&c) != CUDA_SUCCESS || !c)
-        return 0;
-    uint64_t k = ((uint64_t)(uintptr_t)f * 0x9e3779b97f4a7c15ull) ^ (uint64_t)(uintptr_t)c;
-    return k ? k : 1;
-}
-
 static uint32_t seen_slot(uint64_t k)
 {
     return (uint32_t)((k * 0xff51afd7ed558ccdull) >> 40) & (SEEN_KEYS - 1);
@@ -318,7 +310,7 @@ void vgpu_module_forget(void)
 
 int vgpu_launch_watch_begin(CUfunction f, CUstream s, struct vgpu_load_watch *w)
 {
-    uint64_t k = launch_key(f);
+    uint64_t k = ctx_key(f);
     w->d = -1;
     if (!k || seen_has(k))
         return 0;
