@@ -363,17 +363,33 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #define VGPU_CAL_MAX_PM 1150u           /* nor rises above 115 % of it, nor above the events' own
                                          * reading (vgpu_gate_cal_raise) */
 #endif
+/* A lone process whose launches average at least this long is not calibrated (vgpu_gate_calibrate):
+ * a kernel settles when it ends, so a span of the card's samples holds a whole kernel more or
+ * less than the process's own series, an error of est_ns against the share of a span (100 ms
+ * kernels at 10 %: the ratio swung to 85 %). Under it the error is a few percent a span and the
+ * decayed sums average it out. */
+#ifndef VGPU_CAL_LONG_NS /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
+#define VGPU_CAL_LONG_NS (4 * VGPU_MS)
+#endif
 /* Processes of one container alone on the card (vgpu_gate_calibrate_container): the card's busy
- * time within this band of the share (per mille) moves nothing; the ratio falls part of the
- * way (GAIN) toward the card's reading, a reading taken as no lower than STEP (as built: at
- * most 10 % a step), and never below VGPU_CAL_MIN_PM divided by the card's compute processes (at most VGPU_CAL_CONT_PROCS):
- * time-sliced beside n-1 siblings a span is at most n times the process's own time. */
+ * time within this band of the share (per mille) moves nothing; otherwise the ratio moves part
+ * of the way (GAIN) toward the card's reading, up as down (a faster rise than fall settles under
+ * the share when the reading is noisy), a reading taken as no lower than STEP (as built: at most
+ * 25 % down a step), and never below VGPU_CAL_MIN_PM divided by the card's compute processes (at
+ * most VGPU_CAL_CONT_PROCS): time-sliced beside n-1 siblings a span is at most n times the
+ * process's own time. A reading above JUMP is no noise (siblings stopped): all the way up. */
 #define VGPU_CAL_CONT_BAND_PM 30u
 #ifndef VGPU_CAL_CONT_STEP_PM /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
-#define VGPU_CAL_CONT_STEP_PM 800u
+#define VGPU_CAL_CONT_STEP_PM 500u
 #endif
 #ifndef VGPU_CAL_CONT_GAIN_PM /* how far a step down goes toward the card's reading, per mille */
 #define VGPU_CAL_CONT_GAIN_PM 500u
+#endif
+#ifndef VGPU_CAL_CONT_UP_GAIN_PM /* ... and a step up */
+#define VGPU_CAL_CONT_UP_GAIN_PM 500u
+#endif
+#ifndef VGPU_CAL_CONT_JUMP_PM
+#define VGPU_CAL_CONT_JUMP_PM 1500u
 #endif
 #define VGPU_CAL_CONT_PROCS 4u
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
@@ -631,11 +647,12 @@ void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t
 /* One calibration step of a process of a container the schedule lists alone on the card, with
  * other processes on it (`procs` compute processes in NVML's list): the card's busy time in
  * [t0, t1] is the container's, compared with the share of that span. Above it by more than
- * VGPU_CAL_CONT_BAND_PM, cal_pm rises in proportion at once (up to vgpu_gate_cal_raise); under
- * it, and only when this process waited for credit a quarter of the span or more (`waited_ns`:
- * the container is held back by charges its time does not bear out), it falls part of the way
- * (VGPU_CAL_CONT_GAIN_PM) toward the reading, taken as no lower than VGPU_CAL_CONT_STEP_PM,
- * and never below VGPU_CAL_MIN_PM / min(procs, VGPU_CAL_CONT_PROCS). Beside co-tenants: 1000,
+ * VGPU_CAL_CONT_BAND_PM, cal_pm rises part of the way (VGPU_CAL_CONT_UP_GAIN_PM) toward the
+ * reading, all the way above VGPU_CAL_CONT_JUMP_PM (up to vgpu_gate_cal_raise); under it, and only when this process waited for credit a
+ * quarter of the span or more (`waited_ns`: the container is held back by charges its time does
+ * not bear out), it falls part of the way (VGPU_CAL_CONT_GAIN_PM) toward the reading, taken as
+ * no lower than VGPU_CAL_CONT_STEP_PM, and never below VGPU_CAL_MIN_PM / min(procs,
+ * VGPU_CAL_CONT_PROCS). Beside co-tenants: 1000,
  * as vgpu_gate_calibrate. Pure. */
 void vgpu_gate_calibrate_container(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns,
                                    unsigned procs, uint64_t waited_ns);
