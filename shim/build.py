@@ -64,6 +64,7 @@ CFLAGS = [
     "-Wall",
     "-Wextra",
     "-Wno-unused-parameter",
+    "-Werror=shadow",  # a macro's local must never take the name of the hook parameter it is given
     "-pthread",
 ]
 
