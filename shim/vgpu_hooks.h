@@ -167,6 +167,10 @@ typedef struct { /* cuLaunchCooperativeKernelMultiDevice's launches, one per dev
     X(H_LIB_GLOBAL, cuLibraryGetGlobal, "cuLibraryGetGlobal", 12000, 0, CUresult,                        \
       (CUdeviceptr *, size_t *, CUlibrary, const char *))                                                \
     X(H_KERNEL_FUNC, cuKernelGetFunction, "cuKernelGetFunction", 12000, 0, CUresult, (CUfunction *, CUkernel)) \
+    X(H_LIB_MANAGED, cuLibraryGetManaged, "cuLibraryGetManaged", 12000, 0, CUresult,                      \
+      (CUdeviceptr *, size_t *, CUlibrary, const char *))                                                \
+    X(H_KERNEL_ATTR, cuKernelGetAttribute, "cuKernelGetAttribute", 12000, 0, CUresult,                    \
+      (int *, int, CUkernel, CUdevice))                                                                  \
     /* waits (vgpu_launch.c: the compute limiter measures what the application waits for) */           \
     X(H_STREAMSYNC, cuStreamSynchronize, "cuStreamSynchronize", 2000, 0, CUresult, (CUstream))           \
     X(H_STREAMSYNC_PTSZ, cuStreamSynchronize_ptsz, "cuStreamSynchronize", 7000, 1, CUresult, (CUstream)) \

@@ -1,9 +1,10 @@
 /*
  * vgpu_mem_module.c - modules and libraries as memory: cuModuleLoad, cuModuleLoadData(Ex),
  * cuModuleLoadFatBinary, cuLibraryLoadData, cuLibraryLoadFromFile, their unloads, and the calls
- * that load a lazily loaded module into the current context (cuLibraryGetModule,
- * cuLibraryGetGlobal, cuKernelGetFunction: watched once per library or kernel and context; a
- * function's first launch, from the launch hooks: vgpu_launch_watch_begin/end).
+ * that load a lazily loaded module into a context (cuLibraryGetModule, cuLibraryGetGlobal,
+ * cuLibraryGetManaged, cuKernelGetFunction, cuKernelGetAttribute: watched once per library or
+ * kernel and context, and card for the last; a function's first launch, from the launch hooks:
+ * vgpu_launch_watch_begin/end).
  *
  * A module's __device__ and __constant__ variables and its code are device memory the driver
  * takes when it loads the module into a context, in sizes no call tells (a 2 GiB __device__
@@ -222,30 +223,34 @@ VGPU_API CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *fname, int *
  * no handle or no context current, never 0 otherwise. A get call on a library or kernel
  * already measured in the current context loads nothing more (cudart may ask for a kernel's
  * function or a symbol at every use). */
-static uint64_t ctx_key(const void *h)
+static uint64_t ctx_key(uint64_t h)
 {
     CUcontext c = NULL;
     CUresult (*cur)(CUcontext *) = vgpu.drv.ctx_get_current;
     if (!h || !cur || cur(&c) != CUDA_SUCCESS || !c)
         return 0;
-    uint64_t k = ((uint64_t)(uintptr_t)h * 0x9e3779b97f4a7c15ull) ^ (uint64_t)(uintptr_t)c;
+    uint64_t k = (h * 0x9e3779b97f4a7c15ull) ^ (uint64_t)(uintptr_t)c;
     return k ? k : 1;
 }
 
-#define LAZY_GET(h, call)                                                                       \
+/* A get that may load a module on region card `d` (-1: none of the claim's): watched once per
+ * (h, current context), h the handle (or a value naming it and the card), `call` made either way.
+ * (Its locals end in _: `call` names the hook's parameters, a CUdevice `dev` among them.) */
+#define LAZY_GET_ON(h, d, call)                                                                 \
     do {                                                                                        \
         BROKEN_GUARD();                                                                         \
-        uint64_t key = mode() == M_LIMITED ? ctx_key(h) : 0, size;                           \
-        int dev;                                                                                \
-        if (!key || vgpu_tab_get(K_LOADED, key, &size, &dev))                                   \
+        uint64_t key_ = mode() == M_LIMITED ? ctx_key(h) : 0, size_;                            \
+        int dev_;                                                                               \
+        if (!key_ || vgpu_tab_get(K_LOADED, key_, &size_, &dev_))                               \
             return (call);                                                                      \
-        struct vgpu_load_watch w;                                                               \
-        watch_begin(&w, vgpu_cur_dev());                                                        \
-        CUresult rc = got(&w, (call));                                                          \
-        if (rc == CUDA_SUCCESS)                                                                 \
-            vgpu_tab_put(K_LOADED, key, 0, -1);                                                 \
-        return rc;                                                                              \
+        struct vgpu_load_watch w_;                                                              \
+        watch_begin(&w_, (d));                                                                  \
+        CUresult rc_ = got(&w_, (call));                                                        \
+        if (rc_ == CUDA_SUCCESS)                                                                \
+            vgpu_tab_put(K_LOADED, key_, 0, -1);                                                \
+        return rc_;                                                                             \
     } while (0)
+#define LAZY_GET(h, call) LAZY_GET_ON((uintptr_t)(h), vgpu_cur_dev(), call)
 
 VGPU_API CUresult cuLibraryGetModule(CUmodule *m, CUlibrary lib)
 {
@@ -260,6 +265,21 @@ VGPU_API CUresult cuLibraryGetGlobal(CUdeviceptr *p, size_t *bytes, CUlibrary li
 VGPU_API CUresult cuKernelGetFunction(CUfunction *f, CUkernel k)
 {
     LAZY_GET(k, REAL_FN(cuKernelGetFunction)(f, k));
+}
+
+VGPU_API CUresult cuLibraryGetManaged(CUdeviceptr *p, size_t *bytes, CUlibrary lib, const char *name)
+{
+    LAZY_GET(lib, REAL_FN(cuLibraryGetManaged)(p, bytes, lib, name));
+}
+
+/* A kernel's attribute on a device (cudaFuncGetAttributes' way) loads it there: watched on that
+ * device's card (read blind, so reconciled, when it is not the current context's), keyed by
+ * the kernel, the card and the current context. */
+VGPU_API CUresult cuKernelGetAttribute(int *pi, int attrib, CUkernel k, CUdevice dev)
+{
+    int d = vgpu_map_cuda_device(dev);
+    LAZY_GET_ON(k ? (uintptr_t)k ^ (uint64_t)(d + 2) << 56 : 0, d,
+                REAL_FN(cuKernelGetAttribute)(pi, attrib, k, dev));
 }
 
 /* ------------------------------------------------------------------ first launches */
@@ -310,7 +330,7 @@ void vgpu_module_forget(void)
 
 int vgpu_launch_watch_begin(CUfunction f, CUstream s, struct vgpu_load_watch *w)
 {
-    uint64_t k = ctx_key(f);
+    uint64_t k = ctx_key((uintptr_t)f);
     w->d = -1;
     if (!k || seen_has(k))
         return 0;

@@ -185,18 +185,31 @@ def test_small_module_loads_add_up_to_a_refusal(box) -> None:
     assert o["more"] == 0 and o["after"] == 14
 
 
-def test_a_lazily_loaded_librarys_globals_are_charged_when_loaded(box) -> None:
+@pytest.mark.parametrize("how", ["libget", "libmanaged", "libattr"])
+def test_a_lazily_loaded_librarys_globals_are_charged_when_loaded(box, how: str) -> None:
     """With lazy loading a library's module reaches the context at its first use: the load takes
-    nothing, cuLibraryGetGlobal takes the global and is charged at once (it cannot be undone);
-    over the limit, ACTIVE_OOM_KILLER ends the process."""
+    nothing; cuLibraryGetGlobal, cuLibraryGetManaged or cuKernelGetAttribute (cudart's
+    cudaFuncGetAttributes) takes the global and is charged at once (it cannot be undone); over
+    the limit, ACTIVE_OOM_KILLER ends the process. Before the last two were hooked, their 2 x
+    300 MiB went uncharged (more chunks granted than fit beside them)."""
     env = box.env(claim((0, 1000, 0)), CUDA_MODULE_LOADING="LAZY")
     o = last(memprog(box, "module", "lib", "2", "300", str(CHUNK), env=env))
     assert o["more"] == 14 and o["info_calls"] == 0  # the loads took nothing and were not watched
-    o = last(memprog(box, "module", "libget", "2", "300", str(CHUNK), env=env))
+    o = last(memprog(box, "module", how, "2", "300", str(CHUNK), env=env))
     assert o["load_rc"] == [0, 0] and o["more"] == 5 and o["after"] == 14
-    p = memprog(box, "module", "libget", "1", "2048", str(CHUNK), env={**env, "ACTIVE_OOM_KILLER": "true"},
+    p = memprog(box, "module", how, "1", "2048", str(CHUNK), env={**env, "ACTIVE_OOM_KILLER": "true"},
                 check=False)
     assert p.returncode == -signal.SIGKILL and "ACTIVE_OOM_KILLER: killing this process" in p.stderr
+
+
+def test_a_kernel_attribute_on_another_card_is_asked_of_that_card(box) -> None:
+    """cuKernelGetAttribute names its device: the hook hands the driver that device (a local of
+    the watch once took its name, and cuBLAS's kernels then failed on an H100) and watches that
+    card, not the current context's: the current card's slice is untouched."""
+    env = box.env(claim((0, 1000, 0), (1, 1000, 0)), CUDA_MODULE_LOADING="LAZY", MEMPROG_ATTR_DEV="1",
+                  STUB_NDEV="2")
+    o = last(memprog(box, "module", "libattr", "2", "300", str(CHUNK), env=env))
+    assert o["load_rc"] == [0, 0] and o["more"] == 14
 
 
 def test_a_kernels_first_launch_charges_what_it_loaded(box) -> None:

@@ -27,8 +27,10 @@
  *   memprog module HOW N MIB CHUNK  N modules or libraries of PTX with a MIB __device__ array
  *       (the stub reads its "global=MIB" comment; HOW data, dataex, fatbin, file: cuModuleLoad*; lib,
  *       libfile: cuLibraryLoad*; libget: cuLibraryLoadData, then cuLibraryGetGlobal, which loads
- *       a lazily loaded library; libkernel: cuLibraryLoadData, then a launch of its kernel handle
- *       (cudart's way), which loads it), then CHUNK allocations until refused; unloaded, again
+ *       a lazily loaded library; libmanaged: the same with cuLibraryGetManaged; libattr:
+ *       cuLibraryLoadData, then an attribute of its kernel on device MEMPROG_ATTR_DEV (0;
+ *       cudaFuncGetAttributes' way; 999 when the answer is not that device's); libkernel: cuLibraryLoadData, then a launch of its kernel handle (cudart's way),
+ *       each of which loads it), then CHUNK allocations until refused; unloaded, again
  *   memprog loadidle MIB UNLOAD HOLD_S  one module with a MIB __device__ array (UNLOAD 1: then
  *       unloaded), then HOLD_S seconds without any CUDA call (an idle sibling)
  *   memprog relib MIB              with lazy loading: an 8 MiB library loaded, its global asked
@@ -98,6 +100,8 @@ CUresult cuLibraryLoadFromFile(void **, const char *, int *, void **, unsigned, 
 CUresult cuLibraryUnload(void *);
 CUresult cuLibraryGetGlobal(CUdeviceptr *, size_t *, void *, const char *);
 CUresult cuLibraryGetKernel(void **, void *, const char *);
+CUresult cuLibraryGetManaged(CUdeviceptr *, size_t *, void *, const char *);
+CUresult cuKernelGetAttribute(int *, int, void *, CUdevice);
 CUresult cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                         void **, void **);
 
@@ -192,11 +196,22 @@ static CUresult load_one(const char *how, const char *img, const char *file, voi
     if (!strcmp(how, "dataex")) return cuModuleLoadDataEx(h, img, 0, NULL, NULL);
     if (!strcmp(how, "fatbin")) return cuModuleLoadFatBinary(h, img);
     if (!strcmp(how, "file")) return cuModuleLoad(h, file);
-    if (!strcmp(how, "lib") || !strcmp(how, "libget")) {
+    if (!strcmp(how, "lib") || !strcmp(how, "libget") || !strcmp(how, "libmanaged")) {
         CUresult rc = cuLibraryLoadData(h, img, NULL, NULL, 0, NULL, NULL, 0);
         CUdeviceptr p;
         size_t n;
-        return rc || strcmp(how, "libget") ? rc : cuLibraryGetGlobal(&p, &n, *h, "g");
+        if (rc || !strcmp(how, "lib")) return rc;
+        return !strcmp(how, "libget") ? cuLibraryGetGlobal(&p, &n, *h, "g") : cuLibraryGetManaged(&p, &n, *h, "g");
+    }
+    if (!strcmp(how, "libattr")) {
+        void *k = NULL;
+        int regs = 0;
+        CUresult rc = cuLibraryLoadData(h, img, NULL, NULL, 0, NULL, NULL, 0);
+        const char *on = getenv("MEMPROG_ATTR_DEV");
+        int dev = on ? atoi(on) : 0;
+        if (!rc) rc = cuLibraryGetKernel(&k, *h, "k");
+        if (!rc) rc = cuKernelGetAttribute(&regs, 4 /* CU_FUNC_ATTRIBUTE_NUM_REGS */, k, dev);
+        return rc || regs == 32 + dev ? rc : 999; /* the stub's answer for that device */
     }
     if (!strcmp(how, "libfile")) return cuLibraryLoadFromFile(h, file, NULL, NULL, 0, NULL, NULL, 0);
     if (!strcmp(how, "libkernel")) { /* cudart's way: the kernel handle launched as a function */
@@ -226,7 +241,7 @@ static void modules(const char *how, int n, const char *mib, size_t chunk)
         h[made] = NULL;
         CUresult rc = load_one(how, img, file, &h[made]);
         printf("%s%d", i ? ", " : "", rc);
-        if (!rc || (h[made] && (!strcmp(how, "libget") || !strcmp(how, "libkernel"))))
+        if (!rc || (h[made] && strcmp(how, "lib") && strcmp(how, "libfile") && !strncmp(how, "lib", 3)))
             made++;
     }
     unlink(file);
