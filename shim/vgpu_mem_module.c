@@ -274,11 +274,12 @@ VGPU_API CUresult cuLibraryGetManaged(CUdeviceptr *p, size_t *bytes, CUlibrary l
 
 /* A kernel's attribute on a device (cudaFuncGetAttributes' way) loads it there: watched on that
  * device's card (read blind, so reconciled, when it is not the current context's), keyed by
- * the kernel, the card and the current context. */
+ * the kernel, the card and the current context (d + 3 > 0 for every card or none, -1 and -2:
+ * never the plain handle, cuKernelGetFunction's key for the current context). */
 VGPU_API CUresult cuKernelGetAttribute(int *pi, int attrib, CUkernel k, CUdevice dev)
 {
     int d = vgpu_map_cuda_device(dev);
-    LAZY_GET_ON(k ? (uintptr_t)k ^ (uint64_t)(d + 2) << 56 : 0, d,
+    LAZY_GET_ON(k ? (uintptr_t)k ^ (uint64_t)(d + 3) << 56 : 0, d,
                 REAL_FN(cuKernelGetAttribute)(pi, attrib, k, dev));
 }
 
