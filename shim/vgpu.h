@@ -374,8 +374,9 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 /* Processes of one container alone on the card (vgpu_gate_calibrate_container): the card's busy
  * time within this band of the share (per mille) moves nothing; otherwise the ratio moves part
  * of the way (GAIN) toward the card's reading, up as down (a faster rise than fall settles under
- * the share when the reading is noisy), a reading taken as no lower than STEP (as built: at most
- * 25 % down a step), and never below VGPU_CAL_MIN_PM divided by the card's compute processes (at
+ * the share when the reading is noisy), all the way on the container's first step (the ratio
+ * starts at 1: half the way, 2 processes spent their first 3 s at 0.86 of the share), a reading
+ * taken as no lower than STEP (as built: at most 25 % down a step, 50 % on the first), and never below VGPU_CAL_MIN_PM divided by the card's compute processes (at
  * most VGPU_CAL_CONT_PROCS): time-sliced beside n-1 siblings a span is at most n times the
  * process's own time. A reading above JUMP is no noise (siblings stopped): all the way up. */
 #define VGPU_CAL_CONT_BAND_PM 30u
@@ -390,6 +391,9 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
 #endif
 #ifndef VGPU_CAL_CONT_JUMP_PM
 #define VGPU_CAL_CONT_JUMP_PM 1500u
+#endif
+#ifndef VGPU_CAL_CONT_FIRST_PM /* the first step's gain, up as down */
+#define VGPU_CAL_CONT_FIRST_PM 1000u
 #endif
 #define VGPU_CAL_CONT_PROCS 4u
 #define VGPU_BATCH_RING 16          /* batches measured but not yet completed on the GPU */
@@ -525,6 +529,7 @@ struct vgpu_gate {
      * samples) per measured GPU ns, per mille; every charge is scaled by it. 1000 = none. */
     uint32_t cal_pm;
     int cal_container;          /* cal_pm was set for the container's processes together */
+    uint32_t cal_cont_steps;    /* ... in this many steps since (the first goes all the way) */
     uint64_t cal_last_ns;       /* the last calibration step (gate clock); 0 = none yet */
     uint64_t cal_waited_ns;     /* the launches' waits for credit since then */
     unsigned long long cal_seen_us; /* NVML timestamp of the newest utilization sample read */
@@ -648,12 +653,13 @@ void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t
  * other processes on it (`procs` compute processes in NVML's list): the card's busy time in
  * [t0, t1] is the container's, compared with the share of that span. Above it by more than
  * VGPU_CAL_CONT_BAND_PM, cal_pm rises part of the way (VGPU_CAL_CONT_UP_GAIN_PM) toward the
- * reading, all the way above VGPU_CAL_CONT_JUMP_PM (up to vgpu_gate_cal_raise); under it, and only when this process waited for credit a
- * quarter of the span or more (`waited_ns`: the container is held back by charges its time does
- * not bear out), it falls part of the way (VGPU_CAL_CONT_GAIN_PM) toward the reading, taken as
- * no lower than VGPU_CAL_CONT_STEP_PM, and never below VGPU_CAL_MIN_PM / min(procs,
- * VGPU_CAL_CONT_PROCS). Beside co-tenants: 1000,
- * as vgpu_gate_calibrate. Pure. */
+ * reading, all the way above VGPU_CAL_CONT_JUMP_PM (up to vgpu_gate_cal_raise); under it, and
+ * only when this process waited for credit a quarter of the span or more (`waited_ns`: the
+ * container is held back by charges its time does not bear out), it falls part of the way
+ * (VGPU_CAL_CONT_GAIN_PM) toward the reading, taken as no lower than VGPU_CAL_CONT_STEP_PM, and
+ * never below VGPU_CAL_MIN_PM / min(procs, VGPU_CAL_CONT_PROCS). The first step since the
+ * process joined the container's ratio (cal_cont_steps 0) goes all the way either way. Beside
+ * co-tenants: 1000, as vgpu_gate_calibrate. Pure. */
 void vgpu_gate_calibrate_container(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns,
                                    unsigned procs, uint64_t waited_ns);
 /* Read <dir>/<uuid>.sched (never written, never locked) and find `key`'s window. 0 with

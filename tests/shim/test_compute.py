@@ -182,17 +182,22 @@ def test_container_calibration(core) -> None:
     while the card says less, the ratio falls half the way toward the reading a step, at most
     25 % a step, to no less than 85 % over the card's compute processes (four at most); above the
     share it rises half the way too, all the way when the card says 1.5 x the share or more;
-    inside a 3 % band, or (down) when this process did not wait for credit, it stays."""
+    inside a 3 % band, or (down) when this process did not wait for credit, it stays. The first
+    step that moves the ratio goes all the way (at most 50 % down)."""
     lib = core.lib
     g = gate(core, 30)
     t, half = 1000 * 100 * MS, 500 * MS
     lib.vgpu_gate_settle(g, 100, 0, 5 * MS, 0, 1)  # an estimate of 50 us a launch
-    # the card was busy 20 % under a 30 % share, the process held back all the span
+    # a first reading within the band moves nothing, and the next one is still the first step
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 148 * MS, 2, half)
+    assert g.cal_pm == 1000 and g.cal_container == 1 and g.cal_cont_steps == 0
+    # the card was busy 20 % under a 30 % share, the process held back all the span: f = 0.667,
+    # all the way on the first step
     lib.vgpu_gate_calibrate_container(g, t, t + half, 100 * MS, 2, half)
-    assert g.cal_pm == 1000 - (1000 - 666) // 2 and g.cal_container == 1  # f = 0.667: half of it
+    assert g.cal_pm == 666 and g.cal_cont_steps == 1
     assert g.vt_cost == g.est_ns * g.cal_pm // 1000 * 100 // 30
     pm = g.cal_pm
-    lib.vgpu_gate_calibrate_container(g, t, t + half, 30 * MS, 2, half)  # f = 0.2: bounded to -25 %
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 30 * MS, 2, half)  # then f = 0.2: bounded to -25 %
     assert g.cal_pm == pm * 750 // 1000
     pm = g.cal_pm
     lib.vgpu_gate_calibrate_container(g, t, t + half, 140 * MS, 2, half)  # f = 0.933: half of it
@@ -231,7 +236,15 @@ def test_container_calibration(core) -> None:
         lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 4, half)
     assert g.cal_pm == 212
     lib.vgpu_gate_calibrate(g, t, t + half, 0, 1)
-    assert g.cal_container == 0 and g.cal_pm == 850
+    assert g.cal_container == 0 and g.cal_pm == 850 and g.cal_cont_steps == 0
+    # back among siblings: the first step goes all the way again, down at most 50 %
+    lib.vgpu_gate_calibrate_container(g, t, t + half, 30 * MS, 2, half)  # f = 0.2
+    assert g.cal_pm == 425
+    h = gate(core, 30)  # a first step up goes all the way too, to no more than the measured time
+    lib.vgpu_gate_settle(h, 100, 0, 5 * MS, 0, 1)
+    h.cal_pm = 400
+    lib.vgpu_gate_calibrate_container(h, t, t + half, 180 * MS, 2, 0)  # f = 1.2
+    assert h.cal_pm == 480 and h.cal_cont_steps == 1
     # co-tenants: no calibration at all
     lib.vgpu_gate_set_window(g, 0, 30 * MS, 1)
     lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 2, half)
@@ -242,7 +255,8 @@ def test_container_calibration_settles_on_the_share_under_noise(core) -> None:
     """The card's reading of a container swings a third either way a span (the processes take
     turns at the credit; the samples lag the work). Modelled as a container whose busy time is
     its charge's inverse (k / cal_pm of the share), the ratio's steps must settle on the share on
-    average, not under it: a rise all the way against a fall half the way settled at 0.93."""
+    average, not under it: a rise all the way against a fall half the way settled at 0.93. Its
+    first seconds reach the share too (the first step goes all the way)."""
     lib = core.lib
     rng = random.Random(7)
     t, half = 1000 * 100 * MS, 500 * MS
@@ -258,6 +272,8 @@ def test_container_calibration_settles_on_the_share_under_noise(core) -> None:
         mean = sum(seen[40:]) / len(seen[40:])
         assert 0.97 <= mean <= 1.03, (k, mean)
         assert 0.9 <= sum(seen[6:12]) / 6, (k, seen[:12])  # within 3 s of the start
+        # the first 3 s: a first step all the way (half the way: 0.88 and 0.73 of the share)
+        assert sum(seen[:6]) / 6 >= (0.95 if k > 0.5 else 0.8), (k, seen[:6])
 
 
 def test_a_tenant_cannot_talk_its_charges_down(core) -> None:
