@@ -687,10 +687,29 @@ static struct hold {
     uint64_t start[STUB_HOLD_GENS]; /* per wait: when its work started (0: not yet) */
 } hold[STUB_MAXDEV][STUB_STREAMS];
 
-/* fork (cuprog fork cuda): the stub's locks are not held across it, as a driver's are not. */
-static void stub_fork_prepare(void) { pthread_mutex_lock(&mu); pthread_mutex_lock(&hold_mu); pthread_mutex_lock(&ring_mu); }
-static void stub_fork_parent(void) { pthread_mutex_unlock(&ring_mu); pthread_mutex_unlock(&hold_mu); pthread_mutex_unlock(&mu); }
-static void stub_fork_child(void) { pthread_mutex_init(&ring_mu, NULL); pthread_mutex_init(&hold_mu, NULL); pthread_mutex_init(&mu, NULL); }
+/* fork (cuprog fork cuda): the stub's locks are not held across it, as a driver's are not.
+ * Every one of them: a child forked while a busy parent thread held the graph lock (each
+ * cuMemFree takes it) hung in its first cuMemFree (seen as 1 child in 40, rarely). The graph
+ * and module locks are defined in stub_hidden.inc, included further down. Taken in the order
+ * the stub nests them (mu before vmm_mu, hold_mu before ring_mu; the others are leaves). */
+static pthread_mutex_t g_mu, mod_mu;
+static pthread_mutex_t *const fork_mus[] = {&mu, &vmm_mu, &hold_mu, &ring_mu, &g_mu, &mod_mu};
+#define FORK_MUS (sizeof fork_mus / sizeof fork_mus[0])
+static void stub_fork_prepare(void)
+{
+    for (size_t i = 0; i < FORK_MUS; i++)
+        pthread_mutex_lock(fork_mus[i]);
+}
+static void stub_fork_parent(void)
+{
+    for (size_t i = FORK_MUS; i-- > 0;)
+        pthread_mutex_unlock(fork_mus[i]);
+}
+static void stub_fork_child(void)
+{
+    for (size_t i = 0; i < FORK_MUS; i++)
+        pthread_mutex_init(fork_mus[i], NULL);
+}
 __attribute__((constructor)) static void stub_atfork(void)
 {
     pthread_atfork(stub_fork_prepare, stub_fork_parent, stub_fork_child);
