@@ -376,9 +376,10 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
  * of the way (GAIN) toward the card's reading, up as down (a faster rise than fall settles under
  * the share when the reading is noisy), all the way on the container's first step (the ratio
  * starts at 1: half the way, 2 processes spent their first 3 s at 0.86 of the share), a reading
- * taken as no lower than STEP (as built: at most 25 % down a step, 50 % on the first), and never below VGPU_CAL_MIN_PM divided by the card's compute processes (at
- * most VGPU_CAL_CONT_PROCS): time-sliced beside n-1 siblings a span is at most n times the
- * process's own time. A reading above JUMP is no noise (siblings stopped): all the way up. */
+ * taken as no lower than STEP (as built: at most 25 % down a step, 50 % on the first), and
+ * never below VGPU_CAL_MIN_PM divided by the card's compute processes (at most
+ * VGPU_CAL_CONT_PROCS): time-sliced beside n-1 siblings a span is at most n times the process's
+ * own time. A reading above JUMP is no noise (siblings stopped): all the way up. */
 #define VGPU_CAL_CONT_BAND_PM 30u
 #ifndef VGPU_CAL_CONT_STEP_PM /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_CAL_CONT_STEP_PM 500u
