@@ -425,7 +425,9 @@ def test_work_on_another_threads_per_thread_stream_is_measured(card) -> None:
     native = card.json("relay", "1", "100", "20", env=card.env(shim=False))[0]
     r = card.json("relay", "3.2", "100", "20", env=alone(card, 30, "relay"))[0]
     print("per-thread streams in turns: native", native["busy"], "at 30 %:", r["busy"])
-    assert r["rc"] == 0 and native["busy"] > 0.8, (native, r)  # it saturates natively
+    # it wants far more than its 30 % natively (79.6 % on a loaded 2-core machine: the threads'
+    # launches, not the card, set its pace there)
+    assert r["rc"] == 0 and native["busy"] > 0.6, (native, r)
     assert 30 - 6 <= r["busy"] * 100 <= 30 + 4, r
 
 
