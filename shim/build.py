@@ -251,7 +251,7 @@ struct vgpu_gate { int active; int measure_only; int cotenants; int bursting; ui
                    uint64_t batch_ns; uint64_t est_ns; uint64_t vt_cost; uint64_t local_vt;
                    uint64_t open_until; uint64_t batch_n; uint32_t busy_pm;
                    uint64_t throttles; uint64_t kern_ns; uint64_t queued_ns; uint32_t gap_pm;
-                   uint32_t cal_pm; int cal_container; uint32_t cal_cont_steps; uint64_t cal_last_ns;
+                   uint32_t cal_pm; int cal_container; int cal_cont_moved; uint64_t cal_last_ns;
                    uint64_t cal_card_busy; uint64_t cal_own_busy; uint64_t cal_total_ns; struct vgpu_batch cur; ...; };
 void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);

@@ -530,7 +530,7 @@ struct vgpu_gate {
      * samples) per measured GPU ns, per mille; every charge is scaled by it. 1000 = none. */
     uint32_t cal_pm;
     int cal_container;          /* cal_pm was set for the container's processes together */
-    uint32_t cal_cont_steps;    /* ... in this many steps since (the first goes all the way) */
+    int cal_cont_moved;         /* ... and moved since (until then a step goes all the way) */
     uint64_t cal_last_ns;       /* the last calibration step (gate clock); 0 = none yet */
     uint64_t cal_waited_ns;     /* the launches' waits for credit since then */
     unsigned long long cal_seen_us; /* NVML timestamp of the newest utilization sample read */
@@ -659,7 +659,7 @@ void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t
  * container is held back by charges its time does not bear out), it falls part of the way
  * (VGPU_CAL_CONT_GAIN_PM) toward the reading, taken as no lower than VGPU_CAL_CONT_STEP_PM, and
  * never below VGPU_CAL_MIN_PM / min(procs, VGPU_CAL_CONT_PROCS). The first step since the
- * process joined the container's ratio (cal_cont_steps 0) goes all the way either way. Beside
+ * process joined the container's ratio (cal_cont_moved 0) goes all the way either way. Beside
  * co-tenants: 1000, as vgpu_gate_calibrate. Pure. */
 void vgpu_gate_calibrate_container(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t card_busy_ns,
                                    unsigned procs, uint64_t waited_ns);

@@ -513,7 +513,7 @@ void vgpu_gate_calibrate(struct vgpu_gate *g, uint64_t t0, uint64_t t1, uint64_t
      * not its own. */
     if (g->cal_container) { /* from the container's ratio: the sums are the process's own again */
         g->cal_container = 0;
-        g->cal_cont_steps = 0;
+        g->cal_cont_moved = 0;
         g->cal_card_busy = g->cal_own_busy = 0;
         if (g->cal_pm && g->cal_pm < VGPU_CAL_MIN_PM)
             g->cal_pm = VGPU_CAL_MIN_PM;
@@ -575,7 +575,7 @@ void vgpu_gate_calibrate_container(struct vgpu_gate *g, uint64_t t0, uint64_t t1
      * under it (model: 0.86 of the share in the first 3 s, 0.94 from a first step all the way;
      * the H100s' 2 and 4 processes 26.2 and 26.6 % under 30 %). Its span starts at a wait for
      * credit, so it holds work, not the idle time before it. */
-    int first = !g->cal_cont_steps;
+    int first = !g->cal_cont_moved;
     uint64_t up = first ? VGPU_CAL_CONT_FIRST_PM : VGPU_CAL_CONT_UP_GAIN_PM;
     uint64_t down = first ? VGPU_CAL_CONT_FIRST_PM : VGPU_CAL_CONT_GAIN_PM;
     uint64_t was = pm;
@@ -586,7 +586,7 @@ void vgpu_gate_calibrate_container(struct vgpu_gate *g, uint64_t t0, uint64_t t1
     else if (f + VGPU_CAL_CONT_BAND_PM < 1000 && waited_ns * 4 >= span)
         pm = pm * (1000 - (1000 - (f > VGPU_CAL_CONT_STEP_PM ? f : VGPU_CAL_CONT_STEP_PM)) * down / 1000) / 1000;
     g->cal_pm = (uint32_t)(pm < lo ? lo : pm > hi ? hi : pm);
-    if (g->cal_pm != was && g->cal_cont_steps < UINT32_MAX) /* a step moving nothing is not the first */
-        g->cal_cont_steps++;
+    if (g->cal_pm != was) /* a step moving nothing is not the first */
+        g->cal_cont_moved = 1;
     atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
 }

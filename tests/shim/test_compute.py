@@ -190,11 +190,11 @@ def test_container_calibration(core) -> None:
     lib.vgpu_gate_settle(g, 100, 0, 5 * MS, 0, 1)  # an estimate of 50 us a launch
     # a first reading within the band moves nothing, and the next one is still the first step
     lib.vgpu_gate_calibrate_container(g, t, t + half, 148 * MS, 2, half)
-    assert g.cal_pm == 1000 and g.cal_container == 1 and g.cal_cont_steps == 0
+    assert g.cal_pm == 1000 and g.cal_container == 1 and g.cal_cont_moved == 0
     # the card was busy 20 % under a 30 % share, the process held back all the span: f = 0.667,
     # all the way on the first step
     lib.vgpu_gate_calibrate_container(g, t, t + half, 100 * MS, 2, half)
-    assert g.cal_pm == 666 and g.cal_cont_steps == 1
+    assert g.cal_pm == 666 and g.cal_cont_moved == 1
     assert g.vt_cost == g.est_ns * g.cal_pm // 1000 * 100 // 30
     pm = g.cal_pm
     lib.vgpu_gate_calibrate_container(g, t, t + half, 30 * MS, 2, half)  # then f = 0.2: bounded to -25 %
@@ -236,7 +236,7 @@ def test_container_calibration(core) -> None:
         lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 4, half)
     assert g.cal_pm == 212
     lib.vgpu_gate_calibrate(g, t, t + half, 0, 1)
-    assert g.cal_container == 0 and g.cal_pm == 850 and g.cal_cont_steps == 0
+    assert g.cal_container == 0 and g.cal_pm == 850 and g.cal_cont_moved == 0
     # back among siblings: the first step goes all the way again, down at most 50 %
     lib.vgpu_gate_calibrate_container(g, t, t + half, 30 * MS, 2, half)  # f = 0.2
     assert g.cal_pm == 425
@@ -244,7 +244,7 @@ def test_container_calibration(core) -> None:
     lib.vgpu_gate_settle(h, 100, 0, 5 * MS, 0, 1)
     h.cal_pm = 400
     lib.vgpu_gate_calibrate_container(h, t, t + half, 180 * MS, 2, 0)  # f = 1.2
-    assert h.cal_pm == 480 and h.cal_cont_steps == 1
+    assert h.cal_pm == 480 and h.cal_cont_moved == 1
     # co-tenants: no calibration at all
     lib.vgpu_gate_set_window(g, 0, 30 * MS, 1)
     lib.vgpu_gate_calibrate_container(g, t, t + half, 10 * MS, 2, half)
