@@ -350,6 +350,13 @@ void vgpu_sched_layout(const uint32_t *share_pm, const uint32_t *prio, const uin
  * included. */
 #define LONG_KERNEL_NS 200000ull
 #define VGPU_CAL_NS (500 * VGPU_MS)     /* busy calibration interval */
+/* The reading after the one that only started NVML's sample cursor comes this long after it
+ * (at most VGPU_CAL_NS). The first step then comes ~0.6 s into the work, and a container's
+ * processes, which start far from their ratio, spent their first second at 22-24 % under 30 %
+ * (H100). A shorter wait is an A/B not yet run on a GPU: its reading spans one or two samples. */
+#ifndef VGPU_CAL_FIRST_NS /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
+#define VGPU_CAL_FIRST_NS VGPU_CAL_NS
+#endif
 #ifndef VGPU_CAL_MIN_WAIT_NS /* -D for a same-call comparison (bench/gpu/limiter_ab.sh) */
 #define VGPU_CAL_MIN_WAIT_NS (2 * VGPU_MS) /* ... taken in a wait, once the waits since the last add up to this */
 #endif

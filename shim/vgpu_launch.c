@@ -61,11 +61,14 @@ static void calibrate(int d, struct vgpu_gate *g, uint64_t now)
     int listed_alone = g->sched_listed && !g->cotenants;
     if (!near && !listed_alone)
         return;
+    unsigned long long seen = g->cal_seen_us;
     int got = vgpu_nvml_card_busy(d, &g->cal_seen_us, &from_us, &busy, &alone, &procs);
     if (!alone && !(listed_alone && procs > 1)) {
         vgpu_gate_calibrate(g, 0, 0, 0, 0);
         return;
     }
+    if (!seen && g->cal_seen_us) /* the reading only started the cursor: the next one sooner */
+        g->cal_last_ns = now - (VGPU_CAL_NS - VGPU_CAL_FIRST_NS);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     int64_t off = (int64_t)ts.tv_sec * (int64_t)VGPU_SEC + ts.tv_nsec - (int64_t)vgpu_now_ns();
