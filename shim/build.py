@@ -9,8 +9,8 @@ Outputs (in ``shim/_build/``, git-ignored):
   libnvidia-ml.so.1 are dlopen'ed at run time). Built with the C compiler directly (``$CC``,
   default ``gcc``): a cffi extension would pull in the Python C API.
 * ``_vgpucore*.so`` - a cffi (API mode) Python extension over the pure units
-  (vgpu_config.c, vgpu_region.c, vgpu_compute.c, vgpu_sched.c), imported by ``kvgpu.shimcore`` and the
-  tests in ``tests/shim``.
+  (vgpu_config.c, vgpu_region.c, vgpu_compute.c, vgpu_calibrate.c, vgpu_sched.c), imported by
+  ``kvgpu.shimcore`` and the tests in ``tests/shim``.
 
 Usage::
 
@@ -38,6 +38,7 @@ LIB_SOURCES = [
     "vgpu_config.c",
     "vgpu_region.c",
     "vgpu_compute.c",
+    "vgpu_calibrate.c",
     "vgpu_sched.c",
     "vgpu_symbols.c",
     "vgpu_cuda.c",
@@ -49,12 +50,14 @@ LIB_SOURCES = [
     "vgpu_mem_ctx.c",
     "vgpu_mem_module.c",
     "vgpu_launch.c",
+    "vgpu_gate_inputs.c",
     "vgpu_waits.c",
     "vgpu_measure.c",
     "vgpu_track.c",
     "vgpu_nvml.c",
 ]
-CORE_SOURCES = ["vgpu_config.c", "vgpu_region.c", "vgpu_compute.c", "vgpu_sched.c", "vgpu_pycore.c"]
+CORE_SOURCES = ["vgpu_config.c", "vgpu_region.c", "vgpu_compute.c", "vgpu_calibrate.c", "vgpu_sched.c",
+                "vgpu_pycore.c"]
 CFLAGS = [
     "-std=gnu11",
     "-O2",

@@ -574,6 +574,9 @@ void vgpu_gate_init(struct vgpu_gate *g, int cores, uint64_t period_ns);
 /* Own window from the schedule (or own share at offset 0), offset and length in ns of the base
  * period, and whether others are listed (the window then repeats every frame, scaled to it). */
 void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_ns, int cotenants);
+/* The price of a launch at the current estimate, window and ratio (vt_cost, read by the fast
+ * path): set again after any of them changed. */
+void vgpu_gate_reprice(struct vgpu_gate *g);
 /* Fast check: 1 if a launch may pass (it is then charged provisionally and counted), 0 = take
  * the slow path, which also a launch on a stream the open batch does not measure yet takes
  * (the batch measures each stream). The real time lies in [now_lo, now_hi] (a coarse
@@ -817,6 +820,11 @@ void vgpu_reconcile_soon(int d);
  * is over its limit there: 1 over, 0 not (or no limit). */
 int vgpu_reconcile_over(int d);
 void vgpu_compute_setup(int d, CUdevice dev);
+/* The gate's slow path (vgpu_gate_inputs.c): the agent's window for card d, read at most every
+ * VGPU_SCHED_REFRESH_NS; a busy calibration step from NVML's samples (at most every VGPU_CAL_NS,
+ * the caller checks). */
+void vgpu_gate_refresh_schedule(int d, uint64_t now);
+void vgpu_gate_calibrate_now(int d, struct vgpu_gate *g, uint64_t now);
 void vgpu_compute_gate(CUstream stream);
 void vgpu_compute_sync(CUstream stream, int whole_ctx); /* before an app's wait: close the batch */
 void vgpu_compute_synced(void);                         /* after it: settle what completed */

@@ -18,7 +18,7 @@
  * Rate: at most every 200 ms on allocation paths, every 10 ms near the limit, and always
  * before an allocation is refused.
  *
- * Busy calibration (vgpu_compute.c): the card's utilization samples (nvmlDeviceGetSamples) and
+ * Busy calibration (vgpu_calibrate.c): the card's utilization samples (nvmlDeviceGetSamples) and
  * whether this process is the card's only compute process, read when a limited launch waits.
  */
 #include "vgpu_cuda.h"
