@@ -1,9 +1,9 @@
 /*
  * vgpu_calibrate.c - the busy calibration: the charge of measured GPU time against the card's
- * own busy time (NVML's utilization samples, read by vgpu_launch.c). A series of the measured
- * total (a point at most every VGPU_CAL_POINT_NS) gives the tenant's own GPU time over the
- * samples' span; a lone process's ratio is a ratio of decayed sums (vgpu_gate_calibrate), the
- * processes of a container alone on the card step theirs toward the container's share
+ * own busy time (NVML's utilization samples, read by vgpu_gate_inputs.c). A series of the
+ * measured total (a point at most every VGPU_CAL_POINT_NS) gives the tenant's own GPU time over
+ * the samples' span; a lone process's ratio is a ratio of decayed sums (vgpu_gate_calibrate),
+ * the processes of a container alone on the card step theirs toward the container's share
  * (vgpu_gate_calibrate_container). Every charge is scaled by the ratio (cal_pm, vgpu_compute.c).
  *
  * Pure: arithmetic on struct vgpu_gate, no I/O.

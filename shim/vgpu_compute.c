@@ -27,7 +27,7 @@
  *
  * Pure: the gate arithmetic. The busy calibration against the card's own reading is
  * vgpu_calibrate.c; the schedule (its layout, the file) is vgpu_sched.c; the CUDA side (events,
- * waits, the schedule refresh) is vgpu_launch.c and vgpu_measure.c.
+ * waits) is vgpu_launch.c and vgpu_measure.c, the schedule refresh vgpu_gate_inputs.c.
  */
 #include "vgpu.h"
 

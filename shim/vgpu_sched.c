@@ -2,7 +2,7 @@
  * vgpu_sched.c - the node-wide compute schedule of a card as the shim sees it: the file the
  * node agent writes (<sched dir>/<UUID>.sched, struct vgpu_sched_hdr in vgpu.h), read with
  * POSIX only, and the twin of the agent's window layout kept for the tests that compare them.
- * The gate that uses a window is vgpu_compute.c; the refresh that reads it, vgpu_launch.c.
+ * The gate that uses a window is vgpu_compute.c; the refresh that reads it, vgpu_gate_inputs.c.
  */
 #include "vgpu.h"
 
