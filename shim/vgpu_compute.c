@@ -72,7 +72,7 @@ void vgpu_gate_set_window(struct vgpu_gate *g, uint64_t offset_ns, uint64_t len_
     if (!cotenants && g->len_ns > VGPU_BUCKET_MAX_NS)
         burst = VGPU_BUCKET_MAX_NS * g->period_ns / g->len_ns;
     VGPU_POKE(g->burst_ns, burst); /* the fast path reads it unlocked */
-    atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
+    vgpu_gate_reprice(g);
 }
 
 int vgpu_gate_open_at(struct vgpu_gate *g, uint64_t lo, uint64_t hi)
@@ -404,7 +404,7 @@ uint64_t vgpu_gate_settle(struct vgpu_gate *g, uint64_t launches, uint64_t prov_
         atomic_fetch_add(g->vt, vt_of(g, span_ns - prov_ns));
     else
         atomic_fetch_sub(g->vt, vt_of(g, prov_ns - span_ns));
-    atomic_store_explicit(&g->vt_cost, vt_of(g, g->est_ns), memory_order_relaxed);
+    vgpu_gate_reprice(g);
     return span_ns;
 }
 
