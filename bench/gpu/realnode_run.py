@@ -20,7 +20,9 @@ checks run in the pod: ``nvidia-smi`` shows ``… / 3000MiB``, torch stops at
 ``torch.OutOfMemoryError`` below 3000 MiB, and the claim file holds the claim string.
 
 ``--parts mps``: bench/gpu/realnode_mps.py. ``--parts backstop``: bench/gpu/realnode_backstop.py
-(a tenant that bypasses the shim, one that zeroes its region: both killed by the agent). Every
+(a tenant that bypasses the shim, one that zeroes its region: both killed by the agent).
+``--parts workloads``: bench/gpu/realnode_workloads.py (the GPU suite's training, inference and
+co-tenant workloads as pods, under the agent's schedule, judged as the suite judges). Every
 run checks at its end that no other pod's process was killed by the agent or the shim.
 
 The pod's image is ``kvgpu.local/hostroot:1`` (an empty root whose ``/usr/{bin,lib,lib64,share}``
@@ -50,6 +52,7 @@ from kvgpu.dra.slices import DRIVER, device_classes, slice_name
 from realnode_backstop import TENANTS, backstop, backstop_ok, kill_events
 from realnode_kit import TORCH_PY, matmul, memtest, say, seed_pod, show
 from realnode_mps import MPS_ROOT, mps, mps_ok
+from realnode_workloads import workloads, workloads_ok
 
 
 def isolation(c: Cluster, res: dict[str, Any]) -> None:
@@ -176,7 +179,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--parts", default="seed,isolation", help="comma-separated: seed, isolation, backstop, dra, mps")
+    ap.add_argument("--parts", default="seed,isolation",
+                    help="comma-separated: seed, isolation, backstop, dra, mps, workloads")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -206,6 +210,8 @@ def main() -> int:
             res.update(dra(c, node))
         if "mps" in parts:
             mps(c, node, runtime, res)
+        if "workloads" in parts:
+            workloads(c, res)
         res["kill_events"] = kill_events(c)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
@@ -239,6 +245,8 @@ def main() -> int:
         ok = ok and mps_ok(res)
     if "backstop" in parts:
         ok = ok and backstop_ok(res)
+    if "workloads" in parts:
+        ok = ok and workloads_ok(res)
     res["ok"] = bool(ok)
     (a.out / "realnode-h200.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res), flush=True)

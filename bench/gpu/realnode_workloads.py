@@ -1,0 +1,194 @@
+"""The workload suite's tenants as pods on the real node (issue 21; ``realnode_run.py --parts
+workloads``): the same workloads (bench/gpu/suite_wl.py) and the same analysis as
+bench/gpu/suite.py, but each tenant is a pod placed by kvgpu on the real kubelet node, its limits
+come from its claim through the device plugin, and the co-tenant schedule is the one the node
+agent writes (the suite writes its own).
+
+Two pods, ``wl-a`` (30 % of the SMs) and ``wl-b`` (70 %), each with ``WL_MEM_MIB`` of memory:
+
+- native on the host first: gpt (training step loop), infer (a request every 50 ms, calibrated
+  here to ~6 ms of GPU work) and mm (the co-tenants' matmul), one at a time;
+- in ``wl-a`` alone (``wl-b`` idle): gpt, then infer with the native calibration;
+- ``wl-a`` and ``wl-b`` at once, both mm, started together through a host folder both mount.
+
+Judged as the suite judges (suite_analysis): gpt busy within ± 3 points of 30 %, infer's p99 ≤
+1.2 × native, each pair tenant's throughput within ± 3 points of its documented split (30 / 70).
+NVML is read on the host (bench/gpu/suite_nvml.py); a pod's processes are found there by their
+command line, since a container's PIDs are not the host's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import suite_plan  # noqa: F401 (puts the tree under test on sys.path)
+from kvgpu.demo import wait
+from kvgpu.devcluster import Cluster
+from realnode_kit import TORCH_PY, say, seed_pod, show
+from suite_analysis import analyze_group, analyze_single, rnd
+from suite_nvml import NvmlSampler
+
+WL_MEM_MIB = 30000
+SECS = 6
+SYNC = Path("/tmp/kvgpu-wl-sync")  # host folder, /sync in both pods: ready and go files
+PODS = {"wl-a": 30, "wl-b": 70}
+HERE = Path(__file__).resolve().parent
+
+
+def wl_pod(name: str, cores: int) -> dict[str, Any]:
+    pod = seed_pod(name, WL_MEM_MIB, cores)
+    ctr = pod["spec"]["containers"][0]  # type: ignore[index]
+    ctr["volumeMounts"].append({"name": "sync", "mountPath": "/sync"})
+    pod["spec"]["volumes"].append(  # type: ignore[index]
+        {"name": "sync", "hostPath": {"path": str(SYNC), "type": "DirectoryOrCreate"}})
+    return pod
+
+
+def last_json(text: str) -> dict[str, Any]:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return dict(json.loads(line))
+            except ValueError:
+                break
+    return {"error": (text.strip().splitlines() or ["no output"])[-1][-300:]}
+
+
+def wl_argv(kind: str, calib: int | None, tag: str, sync: str) -> list[str]:
+    argv = [kind, str(SECS)]
+    if calib is not None:
+        argv += ["--calib", str(calib)]
+    if tag:
+        argv += ["--ready", f"{sync}/{tag}.ready", "--go", f"{sync}/go"]
+    return argv
+
+
+def host_pid(tag: str) -> int | None:
+    """The host PID of the process whose command line names ``{tag}.ready`` (a pod's workload)."""
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # the workload's python itself, not the kubectl exec that names the same arguments
+        if len(cmd) > 1 and cmd[1].endswith(b"suite_wl.py") and f"/{tag}.ready".encode() in b" ".join(cmd):
+            return int(p.name)
+    return None
+
+
+def run_started(procs: dict[str, subprocess.Popen[str]]) -> dict[str, int | None]:
+    """Waits until every tagged process touched its ready file (or one ended), notes each host PID,
+    then starts all."""
+    def ready() -> bool:
+        return all((SYNC / f"{t}.ready").exists() for t in procs) or any(p.poll() is not None for p in procs.values())
+
+    wait(ready, 240, "every workload warmed up")
+    pids = {t: host_pid(t) for t in procs}
+    (SYNC / "go").touch()
+    return pids
+
+
+def finish(procs: dict[str, subprocess.Popen[str]], pids: dict[str, int | None]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for tag, p in procs.items():
+        try:
+            stdout, stderr = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        res = last_json(stdout)
+        if "error" in res and stderr.strip():
+            res["error"] = stderr.strip().splitlines()[-1][-300:]
+        if pids.get(tag) is not None:
+            res["pid_in_container"], res["pid"] = res.get("pid"), pids[tag]
+        out[tag] = res
+    return out
+
+
+def launch(c: Cluster, where: str, kind: str, calib: int | None = None, tag: str = "") -> subprocess.Popen[str]:
+    """A workload on the host (where="host") or in a pod through ``kubectl exec``."""
+    if where == "host":
+        cmd = [TORCH_PY, str(HERE / "suite_wl.py"), *wl_argv(kind, calib, tag, str(SYNC))]
+    else:
+        cmd = [str(c.bin_dir / "kubectl"), f"--kubeconfig={c.kubeconfig}", "exec", where, "--",
+               TORCH_PY, "/repo/bench/gpu/suite_wl.py", *wl_argv(kind, calib, tag, "/sync")]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_group(c: Cluster, sampler: NvmlSampler, members: list[tuple[str, str]], calib: int | None = None
+              ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """``members``: (where, kind); all started at once. Returns each result (by tag) and the samples."""
+    SYNC.mkdir(parents=True, exist_ok=True)
+    for f in SYNC.iterdir():  # emptied, not replaced: the pods have this folder mounted
+        f.unlink()
+    procs = {f"{where}-{kind}": launch(c, where, kind, calib, f"{where}-{kind}") for where, kind in members}
+    pids = run_started(procs)
+    out = finish(procs, pids)
+    for tag, res in out.items():
+        print(f"{tag}: {json.dumps({k: v for k, v in res.items() if k not in ('marks', 'lat_ms')})[:600]}", flush=True)
+    ok = [r for r in out.values() if "t0" in r]
+    a = max((r["t0"] for r in ok), default=0.0)
+    b = min((r["t1"] for r in ok), default=0.0)
+    time.sleep(1.5)  # the sampler's last samples of the window
+    return out, {"window": [a, b], "samples": sampler.window(a, b)}
+
+
+def single(c: Cluster, sampler: NvmlSampler, where: str, kind: str, limit: int | None,
+           calib: int | None = None) -> dict[str, Any]:
+    out, w = run_group(c, sampler, [(where, kind)], calib)
+    res = next(iter(out.values()))
+    return {"mode": "native" if where == "host" else "kvgpu", "limit": limit, "result": res,
+            "samples": w["samples"]}
+
+
+def workloads(c: Cluster, res: dict[str, Any]) -> None:
+    """Runs the part; res["workloads"] gets each case's metrics and goals."""
+    out: dict[str, Any] = {}
+    res["workloads"] = out
+    SYNC.mkdir(parents=True, exist_ok=True)
+    for name, cores in PODS.items():
+        c.kubectl("apply", "-f", "-", input=json.dumps(wl_pod(name, cores)))
+    sampler = NvmlSampler()
+    sampler.start()
+    try:
+        say("native on the host: gpt, infer, mm (one at a time)")
+        native = {k: single(c, sampler, "host", k, None) for k in ("gpt", "infer", "mm")}
+        for rec in native.values():
+            rec["metrics"] = analyze_single(rec, None)
+        out["native"] = {k: rnd(v["metrics"]) for k, v in native.items()}
+        for name in PODS:
+            wait(lambda n=name: json.loads(c.kubectl("get", "pod", n, "-o", "json").stdout)["status"].get("phase")
+                 in ("Running", "Failed"), 180, f"{name} Running")
+        show(c, "get", "pods", "-o", "wide")
+        show(c, "get", "vgpuclaims", "-o", "wide")
+        show(c, "exec", "wl-a", "--", "/usr/bin/sh", "-c", "env | grep -E 'KVGPU|CUDA_DEVICE' | sort")
+        say("wl-a (30 %) alone: gpt, then infer")
+        for kind in ("gpt", "infer"):
+            calib = native["infer"]["result"].get("calib") if kind == "infer" else None
+            rec = single(c, sampler, "wl-a", kind, PODS["wl-a"], calib)
+            out[f"{kind}-30"] = rnd(analyze_single(rec, native[kind]))
+        say("wl-a (30 %) and wl-b (70 %) at once: mm in both")
+        got, w = run_group(c, sampler, [("wl-a", "mm"), ("wl-b", "mm")])
+        rec = {"mode": "kvgpu", "one_container": False, **w,
+               "tenants": [{"prio": 1, "cores": PODS[n], "result": got[f"{n}-mm"]} for n in PODS]}
+        out["pair-30-70"] = rnd(analyze_group(rec, native["mm"]))
+    finally:
+        sampler.stop()
+        out["nvml_errors"] = sampler.errors
+        c.kubectl("delete", "pod", *PODS, "--wait=true", "--timeout=60s", check=False)
+        shutil.rmtree(SYNC, ignore_errors=True)
+    print(json.dumps({k: v for k, v in out.items() if k != "native"}, indent=1)[:4000], flush=True)
+
+
+def workloads_ok(res: dict[str, Any]) -> bool:
+    w = res.get("workloads", {})
+    pair = w.get("pair-30-70", {}).get("tenants", [])
+    return bool(w.get("gpt-30", {}).get("met_busy") and w.get("infer-30", {}).get("met_latency")
+                and len(pair) == 2 and all(t.get("met") for t in pair))
