@@ -9,6 +9,11 @@
 #   KVGPU_RN_PARTS=dra bash bench/gpu/realnode.sh   # DRA mode: the seed via a claim template
 #   KVGPU_RN_PARTS=mps bash bench/gpu/realnode.sh   # MPS: the kvgpu-mps owner as a pod, two clients
 #   KVGPU_RN_PARTS=backstop bash bench/gpu/realnode.sh  # two tenants past their limit, killed by the agent
+#   KVGPU_RN_PARTS=workloads bash bench/gpu/realnode.sh # the suite's training, inference, co-tenants as pods
+# The copy (work tree + .ktp + .rn) must stay under 64 MiB. If bench/results/ and docs/img/ take it
+# over, leave them out of the index for the call (`git rm -r -q --cached bench/results docs/img`,
+# both listed in .git/info/exclude) and put them back after it (`git reset -q HEAD -- bench/results
+# docs/img`, the exclude lines removed): the files stay on disk throughout.
 # The scenario itself is bench/gpu/realnode_run.py; this script only unpacks what was carried.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

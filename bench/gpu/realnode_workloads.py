@@ -106,7 +106,7 @@ def finish(procs: dict[str, subprocess.Popen[str]], pids: dict[str, int | None])
         res = last_json(stdout)
         if "error" in res and stderr.strip():
             res["error"] = stderr.strip().splitlines()[-1][-300:]
-        if pids.get(tag) is not None:
+        if pids.get(tag) not in (None, res.get("pid")):  # a pod's: NVML knows its host PID
             res["pid_in_container"], res["pid"] = res.get("pid"), pids[tag]
         out[tag] = res
     return out
