@@ -13,7 +13,8 @@
 # SECS (3), BASELINE (.hami/baseline.json: the native numbers), LIMITS (suite.py's),
 # AB_FLAT (a folder: each run's results.json copied there as A1.json, B1.json, ... as soon as the
 # run ends, so a call cut off at its limit still brings back the runs it finished).
-# Results: $OUT/ab.json and one suite directory per run ($OUT/A1, $OUT/B1, ...).
+# Results: $OUT/ab.json and, packed into $OUT/runs.tar.xz, one suite directory and log per run
+# (A1, A1.log, B1, ...).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results/raw/limiter-ab}
@@ -62,3 +63,10 @@ for key, runs in rows.items():
 print("summed error of the groups' tenants, points:", json.dumps({k: round(v, 1) for k, v in sorted(err.items())}))
 (out / "ab.json").write_text(json.dumps({"A": a, "B": b, "rows": rows, "summed_err": err}, indent=1))
 EOF
+# A device call brings back at most 8 files of $OUT: the runs' folders and logs travel as one
+# archive beside ab.json (AB_PACK=0 leaves them).
+if [ "${AB_PACK:-1}" = 1 ]; then
+    runs=$(cd "$OUT" && ls -d [AB][0-9]* 2>/dev/null)
+    # shellcheck disable=SC2086  # run names are letters and digits
+    [ -n "$runs" ] && tar -C "$OUT" -cJf "$OUT/runs.tar.xz" $runs && (cd "$OUT" && rm -rf $runs)
+fi

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import os
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,14 @@ from suite_nvml import NvmlSampler
 from suite_plan import ROOT, Config
 from suite_report import write_outputs
 from suite_run import run_suite
+
+
+def read_json(path: Path) -> Any:
+    """A results or raw file, plain or xz-compressed (``raw.json.xz``, as suite.sh packs it)."""
+    if path.suffix == ".xz":
+        with lzma.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
 
 
 def main() -> None:
@@ -68,7 +77,7 @@ def main() -> None:
         return
     out = Path(a.out or os.environ.get("OUT") or ROOT / "bench/results/raw/suite")
     if a.merge:
-        docs = [json.loads(Path(p).read_text()) for p in a.merge]
+        docs = [read_json(Path(p)) for p in a.merge]
         merged: list[dict[str, Any]] = []
         doc = {"env": {**docs[0]["env"], "calls": [d["env"] for d in docs]}, "runs": merged}
         for i, d in enumerate(docs, 1):
@@ -89,7 +98,7 @@ def main() -> None:
         print((out / "summary.md").read_text())
         return
     if a.report:
-        doc = json.loads(Path(a.report).read_text())
+        doc = read_json(Path(a.report))
         for r in doc["runs"]:
             r.pop("metrics", None)
         out.mkdir(parents=True, exist_ok=True)

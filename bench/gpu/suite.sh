@@ -112,4 +112,14 @@ export HAMI_LIB
 hdr "RUN"
 $PY bench/gpu/suite.py --out "$OUT"
 echo "suite.py exit $?"
+# A device call brings back at most 8 files of $OUT: the per-run logs (and HAMi-core's build
+# logs) travel as one archive, the raw samples compressed (suite.py --merge and --report read
+# raw.json.xz). SUITE_PACK=0 leaves them as they are.
+if [ "${SUITE_PACK:-1}" = 1 ] && [ -d "$OUT/logs" ]; then
+    packed=(logs)
+    for f in "$OUT"/hami-*.log; do [ -e "$f" ] && packed+=("$(basename "$f")"); done
+    tar -C "$OUT" -cJf "$OUT/logs.tar.xz" "${packed[@]}" && (cd "$OUT" && rm -rf "${packed[@]}")
+    [ -f "$OUT/raw.json" ] && xz -f "$OUT/raw.json"
+    echo "packed: $OUT/logs.tar.xz (${packed[*]}), $OUT/raw.json.xz"
+fi
 hdr DONE
