@@ -4,15 +4,20 @@ bench/gpu/suite.py, but each tenant is a pod placed by kvgpu on the real kubelet
 come from its claim through the device plugin, and the co-tenant schedule is the one the node
 agent writes (the suite writes its own).
 
-Two pods, ``wl-a`` (30 % of the SMs) and ``wl-b`` (70 %), each with ``WL_MEM_MIB`` of memory:
+Pods ``wl-a`` (30 % of the SMs) and ``wl-b`` (70 %), each with ``WL_MEM_MIB`` of memory:
 
 - native on the host first: gpt (training step loop), infer (a request every 50 ms, calibrated
-  here to ~6 ms of GPU work) and mm (the co-tenants' matmul), one at a time;
-- in ``wl-a`` alone (``wl-b`` idle): gpt, then infer with the native calibration;
-- ``wl-a`` and ``wl-b`` at once, both mm, started together through a host folder both mount.
+  here to ~6 ms of GPU work), graphs (CUDA graph replays) and mm (the co-tenants' matmul), one at
+  a time;
+- in ``wl-a`` alone (``wl-b`` idle): gpt, infer with the native calibration, graphs;
+- ``wl-a`` and ``wl-b`` at once, both mm, started together through a host folder both mount;
+- two mm processes in ``wl-a`` (one container: together its 30 %);
+- ``wl-a`` replaced by ``wl-h`` (priority 0, no compute limit), then mm in ``wl-h`` and ``wl-b``
+  (priority 1, 70 %) at once: low priority gets what high priority leaves, here nothing.
 
-Judged as the suite judges (suite_analysis): gpt busy within ± 3 points of 30 %, infer's p99 ≤
-1.2 × native, each pair tenant's throughput within ± 3 points of its documented split (30 / 70).
+Judged as the suite judges (suite_analysis): gpt and graphs busy within ± 3 points of 30 %,
+infer's p99 ≤ 1.2 × native, each co-tenant's throughput within ± 3 points of its documented
+split (30 / 70; 100 / 0), the container's two processes together within ± 3 points of 30 %.
 NVML is read on the host (bench/gpu/suite_nvml.py); a pod's processes are found there by their
 command line, since a container's PIDs are not the host's.
 """
@@ -37,12 +42,15 @@ WL_MEM_MIB = 30000
 SECS = 6
 SYNC = Path("/tmp/kvgpu-wl-sync")  # host folder, /sync in both pods: ready and go files
 PODS = {"wl-a": 30, "wl-b": 70}
+HIGH = "wl-h"  # priority 0 and no compute limit, in place of wl-a for the priority pair
 HERE = Path(__file__).resolve().parent
 
 
-def wl_pod(name: str, cores: int) -> dict[str, Any]:
+def wl_pod(name: str, cores: int | None, priority: int | None = None) -> dict[str, Any]:
     pod = seed_pod(name, WL_MEM_MIB, cores)
     ctr = pod["spec"]["containers"][0]  # type: ignore[index]
+    if priority is not None:  # HAMi's form, as the seed's limits
+        ctr["resources"]["limits"]["nvidia.com/priority"] = priority
     ctr["volumeMounts"].append({"name": "sync", "mountPath": "/sync"})
     pod["spec"]["volumes"].append(  # type: ignore[index]
         {"name": "sync", "hostPath": {"path": str(SYNC), "type": "DirectoryOrCreate"}})
@@ -123,28 +131,44 @@ def launch(c: Cluster, where: str, kind: str, calib: int | None = None, tag: str
 
 
 def run_group(c: Cluster, sampler: NvmlSampler, members: list[tuple[str, str]], calib: int | None = None
-              ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """``members``: (where, kind); all started at once. Returns each result (by tag) and the samples."""
+              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``members``: (where, kind); all started at once. Returns their results (in that order) and
+    the samples of the window they all ran in."""
     SYNC.mkdir(parents=True, exist_ok=True)
     for f in SYNC.iterdir():  # emptied, not replaced: the pods have this folder mounted
         f.unlink()
-    procs = {f"{where}-{kind}": launch(c, where, kind, calib, f"{where}-{kind}") for where, kind in members}
+    tags = [f"{where}-{kind}-{i}" for i, (where, kind) in enumerate(members)]
+    procs = {t: launch(c, where, kind, calib, t) for t, (where, kind) in zip(tags, members, strict=True)}
     pids = run_started(procs)
-    out = finish(procs, pids)
-    for tag, res in out.items():
+    got = finish(procs, pids)
+    for tag, res in got.items():
         print(f"{tag}: {json.dumps({k: v for k, v in res.items() if k not in ('marks', 'lat_ms')})[:600]}", flush=True)
-    ok = [r for r in out.values() if "t0" in r]
+    ok = [r for r in got.values() if "t0" in r]
     a = max((r["t0"] for r in ok), default=0.0)
     b = min((r["t1"] for r in ok), default=0.0)
     time.sleep(1.5)  # the sampler's last samples of the window
-    return out, {"window": [a, b], "samples": sampler.window(a, b)}
+    return [got[t] for t in tags], {"window": [a, b], "samples": sampler.window(a, b)}
+
+
+def group(c: Cluster, sampler: NvmlSampler, native_mm: dict[str, Any], pods: list[tuple[str, int, int]],
+          one_container: bool = False) -> dict[str, Any]:
+    """mm in each of ``pods`` (name, priority, cores) at once, judged as the suite's groups."""
+    got, w = run_group(c, sampler, [(name, "mm") for name, _, _ in pods])
+    tenants = [{"prio": prio, "cores": cores, "result": r} for (_, prio, cores), r in zip(pods, got, strict=True)]
+    rec = {"mode": "kvgpu", "one_container": one_container, **w, "tenants": tenants}
+    return dict(rnd(analyze_group(rec, native_mm)))
+
+
+def running(c: Cluster, *names: str) -> None:
+    for name in names:
+        wait(lambda n=name: json.loads(c.kubectl("get", "pod", n, "-o", "json").stdout)["status"].get("phase")
+             in ("Running", "Failed"), 180, f"{name} Running")
 
 
 def single(c: Cluster, sampler: NvmlSampler, where: str, kind: str, limit: int | None,
            calib: int | None = None) -> dict[str, Any]:
-    out, w = run_group(c, sampler, [(where, kind)], calib)
-    res = next(iter(out.values()))
-    return {"mode": "native" if where == "host" else "kvgpu", "limit": limit, "result": res,
+    got, w = run_group(c, sampler, [(where, kind)], calib)
+    return {"mode": "native" if where == "host" else "kvgpu", "limit": limit, "result": got[0],
             "samples": w["samples"]}
 
 
@@ -158,37 +182,41 @@ def workloads(c: Cluster, res: dict[str, Any]) -> None:
     sampler = NvmlSampler()
     sampler.start()
     try:
-        say("native on the host: gpt, infer, mm (one at a time)")
-        native = {k: single(c, sampler, "host", k, None) for k in ("gpt", "infer", "mm")}
+        say("native on the host: gpt, infer, graphs, mm (one at a time)")
+        native = {k: single(c, sampler, "host", k, None) for k in ("gpt", "infer", "graphs", "mm")}
         for rec in native.values():
             rec["metrics"] = analyze_single(rec, None)
         out["native"] = {k: rnd(v["metrics"]) for k, v in native.items()}
-        for name in PODS:
-            wait(lambda n=name: json.loads(c.kubectl("get", "pod", n, "-o", "json").stdout)["status"].get("phase")
-                 in ("Running", "Failed"), 180, f"{name} Running")
+        running(c, *PODS)
         show(c, "get", "pods", "-o", "wide")
         show(c, "get", "vgpuclaims", "-o", "wide")
         show(c, "exec", "wl-a", "--", "/usr/bin/sh", "-c", "env | grep -E 'KVGPU|CUDA_DEVICE' | sort")
-        say("wl-a (30 %) alone: gpt, then infer")
-        for kind in ("gpt", "infer"):
+        say("wl-a (30 %) alone: gpt, infer, graphs")
+        for kind in ("gpt", "infer", "graphs"):
             calib = native["infer"]["result"].get("calib") if kind == "infer" else None
             rec = single(c, sampler, "wl-a", kind, PODS["wl-a"], calib)
             out[f"{kind}-30"] = rnd(analyze_single(rec, native[kind]))
         say("wl-a (30 %) and wl-b (70 %) at once: mm in both")
-        got, w = run_group(c, sampler, [("wl-a", "mm"), ("wl-b", "mm")])
-        rec = {"mode": "kvgpu", "one_container": False, **w,
-               "tenants": [{"prio": 1, "cores": PODS[n], "result": got[f"{n}-mm"]} for n in PODS]}
-        out["pair-30-70"] = rnd(analyze_group(rec, native["mm"]))
+        out["pair-30-70"] = group(c, sampler, native["mm"], [(n, 1, PODS[n]) for n in PODS])
+        say("two mm processes in wl-a: the container's 30 % together")
+        out["procs2-30"] = group(c, sampler, native["mm"], [("wl-a", 1, PODS["wl-a"])] * 2, one_container=True)
+        say(f"{HIGH} (priority 0, no compute limit) in place of wl-a, beside wl-b (priority 1, 70 %): mm in both")
+        c.kubectl("delete", "pod", "wl-a", "--wait=true", "--timeout=60s", check=False)
+        c.kubectl("apply", "-f", "-", input=json.dumps(wl_pod(HIGH, None, priority=0)))
+        running(c, HIGH)
+        show(c, "get", "vgpuclaims", "-o", "wide")
+        out["prio-h0none-b70"] = group(c, sampler, native["mm"], [(HIGH, 0, 0), ("wl-b", 1, PODS["wl-b"])])
     finally:
         sampler.stop()
         out["nvml_errors"] = sampler.errors
-        c.kubectl("delete", "pod", *PODS, "--wait=true", "--timeout=60s", check=False)
+        c.kubectl("delete", "pod", *PODS, HIGH, "--ignore-not-found", "--wait=true", "--timeout=60s", check=False)
         shutil.rmtree(SYNC, ignore_errors=True)
-    print(json.dumps({k: v for k, v in out.items() if k != "native"}, indent=1)[:4000], flush=True)
+    print(json.dumps({k: v for k, v in out.items() if k != "native"}, indent=1)[:6000], flush=True)
 
 
 def workloads_ok(res: dict[str, Any]) -> bool:
     w = res.get("workloads", {})
-    pair = w.get("pair-30-70", {}).get("tenants", [])
-    return bool(w.get("gpt-30", {}).get("met_busy") and w.get("infer-30", {}).get("met_latency")
-                and len(pair) == 2 and all(t.get("met") for t in pair))
+    pairs = [w.get(k, {}).get("tenants", []) for k in ("pair-30-70", "prio-h0none-b70")]
+    return bool(w.get("gpt-30", {}).get("met_busy") and w.get("graphs-30", {}).get("met_busy")
+                and w.get("infer-30", {}).get("met_latency") and w.get("procs2-30", {}).get("met")
+                and all(len(p) == 2 and all(t.get("met") for t in p) for p in pairs))
