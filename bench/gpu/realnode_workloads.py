@@ -24,12 +24,17 @@ command line, since a container's PIDs are not the host's.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import suite_plan  # noqa: F401 (puts the tree under test on sys.path)
 from kvgpu.demo import wait
@@ -44,6 +49,7 @@ SYNC = Path("/tmp/kvgpu-wl-sync")  # host folder, /sync in both pods: ready and 
 PODS = {"wl-a": 30, "wl-b": 70}
 HIGH = "wl-h"  # priority 0 and no compute limit, in place of wl-a for the priority pair
 HERE = Path(__file__).resolve().parent
+GROUPS = itertools.count()
 
 
 def wl_pod(name: str, cores: int | None, priority: int | None = None) -> dict[str, Any]:
@@ -103,15 +109,21 @@ def run_started(procs: dict[str, subprocess.Popen[str]]) -> dict[str, int | None
     return pids
 
 
-def finish(procs: dict[str, subprocess.Popen[str]], pids: dict[str, int | None]) -> dict[str, dict[str, Any]]:
+def finish(procs: dict[str, subprocess.Popen[str]], pids: dict[str, int | None], errs: dict[str, IO[bytes]]
+           ) -> dict[str, dict[str, Any]]:
     out = {}
     for tag, p in procs.items():
         try:
-            stdout, stderr = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
+            stdout, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:  # a pod's workload outlives its kubectl exec: ended too
+            if pids.get(tag):
+                with contextlib.suppress(OSError):
+                    os.kill(pids[tag], signal.SIGKILL)  # type: ignore[arg-type]
             p.kill()
-            stdout, stderr = p.communicate()
+            stdout, _ = p.communicate()
         res = last_json(stdout)
+        errs[tag].seek(0)
+        stderr = errs[tag].read().decode(errors="replace")
         if "error" in res and stderr.strip():
             res["error"] = stderr.strip().splitlines()[-1][-300:]
         if pids.get(tag) not in (None, res.get("pid")):  # a pod's: NVML knows its host PID
@@ -120,14 +132,15 @@ def finish(procs: dict[str, subprocess.Popen[str]], pids: dict[str, int | None])
     return out
 
 
-def launch(c: Cluster, where: str, kind: str, calib: int | None = None, tag: str = "") -> subprocess.Popen[str]:
-    """A workload on the host (where="host") or in a pod through ``kubectl exec``."""
+def launch(c: Cluster, where: str, kind: str, calib: int | None, tag: str, err: IO[bytes]) -> subprocess.Popen[str]:
+    """A workload on the host (where="host") or in a pod through ``kubectl exec``; its stderr to
+    ``err`` (read at the end: a pipe could fill during a long warm-up and block it)."""
     if where == "host":
         cmd = [TORCH_PY, str(HERE / "suite_wl.py"), *wl_argv(kind, calib, tag, str(SYNC))]
     else:
         cmd = [str(c.bin_dir / "kubectl"), f"--kubeconfig={c.kubeconfig}", "exec", where, "--",
                TORCH_PY, "/repo/bench/gpu/suite_wl.py", *wl_argv(kind, calib, tag, "/sync")]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
 
 
 def run_group(c: Cluster, sampler: NvmlSampler, members: list[tuple[str, str]], calib: int | None = None
@@ -137,10 +150,14 @@ def run_group(c: Cluster, sampler: NvmlSampler, members: list[tuple[str, str]], 
     SYNC.mkdir(parents=True, exist_ok=True)
     for f in SYNC.iterdir():  # emptied, not replaced: the pods have this folder mounted
         f.unlink()
-    tags = [f"{where}-{kind}-{i}" for i, (where, kind) in enumerate(members)]
-    procs = {t: launch(c, where, kind, calib, t) for t, (where, kind) in zip(tags, members, strict=True)}
+    n = next(GROUPS)  # tags of their own: a workload left over from another group never matches
+    tags = [f"g{n}-{where}-{kind}-{i}" for i, (where, kind) in enumerate(members)]
+    errs = {t: tempfile.TemporaryFile() for t in tags}
+    procs = {t: launch(c, where, kind, calib, t, errs[t]) for t, (where, kind) in zip(tags, members, strict=True)}
     pids = run_started(procs)
-    got = finish(procs, pids)
+    got = finish(procs, pids, errs)
+    for f in errs.values():
+        f.close()
     for tag, res in got.items():
         print(f"{tag}: {json.dumps({k: v for k, v in res.items() if k not in ('marks', 'lat_ms')})[:600]}", flush=True)
     ok = [r for r in got.values() if "t0" in r]
