@@ -11,7 +11,8 @@ Pods ``wl-a`` (30 % of the SMs) and ``wl-b`` (70 %), each with ``WL_MEM_MIB`` of
   a time;
 - in ``wl-a`` alone (``wl-b`` idle): gpt, infer with the native calibration, graphs;
 - ``wl-a`` and ``wl-b`` at once, both mm, started together through a host folder both mount;
-- two mm processes in ``wl-a`` (one container: together its 30 %);
+- two mm processes in ``wl-a`` (one container: together its 30 %), and for reference two on the
+  host at once without a limit (their sum, % of one: what the context switches cost natively);
 - ``wl-a`` replaced by ``wl-h`` (priority 0, no compute limit), then mm in ``wl-h`` and ``wl-b``
   (priority 1, 70 %) at once: low priority gets what high priority leaves, here nothing.
 
@@ -40,7 +41,7 @@ import suite_plan  # noqa: F401 (puts the tree under test on sys.path)
 from kvgpu.demo import wait
 from kvgpu.devcluster import Cluster
 from realnode_kit import TORCH_PY, say, seed_pod, show
-from suite_analysis import analyze_group, analyze_single, rnd
+from suite_analysis import analyze_group, analyze_single, rate, rnd
 from suite_nvml import NvmlSampler
 
 WL_MEM_MIB = 30000
@@ -217,6 +218,12 @@ def workloads(c: Cluster, res: dict[str, Any]) -> None:
         out["pair-30-70"] = group(c, sampler, native["mm"], [(n, 1, PODS[n]) for n in PODS])
         say("two mm processes in wl-a: the container's 30 % together")
         out["procs2-30"] = group(c, sampler, native["mm"], [("wl-a", 1, PODS["wl-a"])] * 2, one_container=True)
+        # the reference (not judged): what two processes at once keep of one natively, the cost of
+        # the card switching between their contexts, which a limit cannot give back
+        got, w = run_group(c, sampler, [("host", "mm"), ("host", "mm")])
+        base = native["mm"]["metrics"]["its"]
+        a, b = w["window"]
+        out["native-two-processes-sum"] = rnd(sum(rate(r, a, b) or 0.0 for r in got) * 100 / base if base else None)
         say(f"{HIGH} (priority 0, no compute limit) in place of wl-a, beside wl-b (priority 1, 70 %): mm in both")
         c.kubectl("delete", "pod", "wl-a", "--wait=true", "--timeout=60s", check=False)
         c.kubectl("apply", "-f", "-", input=json.dumps(wl_pod(HIGH, None, priority=0)))
