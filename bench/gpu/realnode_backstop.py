@@ -29,9 +29,8 @@ import subprocess
 import time
 from typing import Any
 
-from kvgpu.demo import wait
 from kvgpu.devcluster import Cluster
-from realnode_kit import TORCH_PY, say, seed_pod, show
+from realnode_kit import TORCH_PY, running, say, seed_pod, show
 
 KILL_REASONS = ("GPUUnenforcedKilled", "GPUOverLimitKilled", "GPUOverCoresKilled", "GPUOOMKilled")
 TENANTS = ("escaper", "zeroer", "spinner")
@@ -74,9 +73,7 @@ def backstop(c: Cluster, res: dict[str, Any]) -> None:
     for name in (*TENANTS, "steady"):  # 10 + 10 + 30 + 30 % of the card's SMs: all fit on it
         cores = 30 if name in ("spinner", "steady") else 10
         c.kubectl("apply", "-f", "-", input=json.dumps(seed_pod(name, LIMIT_MIB, cores)))
-    for name in (*TENANTS, "steady"):
-        wait(lambda n=name: json.loads(c.kubectl("get", "pod", n, "-o", "json").stdout)["status"].get("phase")
-             in ("Running", "Failed"), 120, f"{name} Running")
+    running(c, *TENANTS, "steady")
     if "memory" in PARTS:
         res["escaper"] = attempt(c, "escaper", f"{ESCAPER} {TARGET_MIB} {HOLD_S}")
         res["zeroer"] = attempt(c, "zeroer", f"{TORCH_PY} /repo/bench/gpu/escape_zero.py {TARGET_MIB} {HOLD_S}")

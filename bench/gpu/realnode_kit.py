@@ -9,6 +9,7 @@ import subprocess
 import time
 from typing import Any
 
+from kvgpu.demo import wait
 from kvgpu.devcluster import Cluster
 from kvgpu.devcluster.cluster import REPO_ROOT
 
@@ -61,6 +62,13 @@ def seed_pod(name: str, mem_mib: int = 3000, cores: int | None = 30, nonroot: bo
         ctr["volumeMounts"].append({"name": "tmp", "mountPath": "/tmp"})
         pod["spec"]["volumes"].append({"name": "tmp", "emptyDir": {}})  # type: ignore[index]
     return pod
+
+
+def running(c: Cluster, *names: str, timeout: float = 120) -> None:
+    """Waits until each pod in ``default`` is Running (or Failed: its checks then say why)."""
+    for name in names:
+        wait(lambda n=name: json.loads(c.kubectl("get", "pod", n, "-o", "json").stdout)["status"].get("phase")
+             in ("Running", "Failed"), timeout, f"{name} Running")
 
 
 def memtest(c: Cluster, pod: str, prefix: str = "") -> dict[str, Any]:

@@ -50,7 +50,7 @@ from kvgpu.devcluster.runtimeplugin import RuntimePlugin
 from kvgpu.devcluster.system import KvgpuSystem
 from kvgpu.dra.slices import DRIVER, device_classes, slice_name
 from realnode_backstop import TENANTS, backstop, backstop_ok, kill_events
-from realnode_kit import TORCH_PY, matmul, memtest, say, seed_pod, show
+from realnode_kit import TORCH_PY, matmul, memtest, running, say, seed_pod, show
 from realnode_mps import MPS_ROOT, mps, mps_ok
 from realnode_workloads import workloads, workloads_ok
 
@@ -61,9 +61,7 @@ def isolation(c: Cluster, res: dict[str, Any]) -> None:
     say("a 1000 MiB slice that forges a 100000 MiB claim (KVGPU_CLAIM and KVGPU_CLAIM_FILE)")
     c.kubectl("apply", "-f", "-", input=json.dumps(seed_pod("forger", 1000, None)))
     c.kubectl("apply", "-f", "-", input=json.dumps(seed_pod("nonroot", 1000, None, nonroot=True)))
-    for name in ("forger", "nonroot"):
-        wait(lambda n=name: json.loads(c.kubectl("get", "pod", n, "-o", "json").stdout)["status"].get("phase")
-             in ("Running", "Failed"), 120, f"{name} Running")
+    running(c, "forger", "nonroot")
     claim = json.loads(c.kubectl("get", "pod", "forger", "-o", "json").stdout)["metadata"]["annotations"]
     real = next(v for k, v in claim.items() if k.startswith("kvgpu.io/claim."))
     forged = re.sub(r",1000,0$", ",100000,0", real).replace("priority=1", "priority=0")
@@ -88,8 +86,7 @@ def seed(c: Cluster, node: RealNode) -> dict[str, Any]:
     res["describe_node_gpu"] = [ln.strip() for ln in desc.splitlines() if "nvidia.com/gpu" in ln]
     say("the seed's pod, HAMi form (1 card, 3000 MiB, 30 %)")
     c.kubectl("apply", "-f", "-", input=json.dumps(seed_pod("gpu-pod")))
-    wait(lambda: json.loads(c.kubectl("get", "pod", "gpu-pod", "-o", "json").stdout)["status"].get("phase")
-         in ("Running", "Failed"), 120, "gpu-pod Running")
+    running(c, "gpu-pod")
     show(c, "get", "pods", "-o", "wide")
     show(c, "get", "vgpuclaims", "-o", "wide")
     say("inside the pod")
@@ -151,8 +148,7 @@ def dra(c: Cluster, node: RealNode) -> dict[str, Any]:
     say("the seed's pod with a ResourceClaimTemplate (3000Mi, 30 %)")
     c.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                      "items": dra_seed_objects("dra-pod")}))
-    wait(lambda: json.loads(c.kubectl("get", "pod", "dra-pod", "-o", "json").stdout)["status"].get("phase")
-         in ("Running", "Failed"), 120, "dra-pod Running")
+    running(c, "dra-pod")
     show(c, "get", "pods", "-o", "wide")
     show(c, "get", "resourceclaims", "-o", "yaml")
     say("inside the DRA pod")

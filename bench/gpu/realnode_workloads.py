@@ -40,7 +40,7 @@ from typing import IO, Any
 import suite_plan  # noqa: F401 (puts the tree under test on sys.path)
 from kvgpu.demo import wait
 from kvgpu.devcluster import Cluster
-from realnode_kit import TORCH_PY, say, seed_pod, show
+from realnode_kit import TORCH_PY, running, say, seed_pod, show
 from suite_analysis import analyze_group, analyze_single, rate, rnd
 from suite_nvml import NvmlSampler
 
@@ -177,12 +177,6 @@ def group(c: Cluster, sampler: NvmlSampler, native_mm: dict[str, Any], pods: lis
     return dict(rnd(analyze_group(rec, native_mm)))
 
 
-def running(c: Cluster, *names: str) -> None:
-    for name in names:
-        wait(lambda n=name: json.loads(c.kubectl("get", "pod", n, "-o", "json").stdout)["status"].get("phase")
-             in ("Running", "Failed"), 180, f"{name} Running")
-
-
 def single(c: Cluster, sampler: NvmlSampler, where: str, kind: str, limit: int | None,
            calib: int | None = None) -> dict[str, Any]:
     got, w = run_group(c, sampler, [(where, kind)], calib)
@@ -205,7 +199,7 @@ def workloads(c: Cluster, res: dict[str, Any]) -> None:
         for rec in native.values():
             rec["metrics"] = analyze_single(rec, None)
         out["native"] = {k: rnd(v["metrics"]) for k, v in native.items()}
-        running(c, *PODS)
+        running(c, *PODS, timeout=180)
         show(c, "get", "pods", "-o", "wide")
         show(c, "get", "vgpuclaims", "-o", "wide")
         show(c, "exec", "wl-a", "--", "/usr/bin/sh", "-c", "env | grep -E 'KVGPU|CUDA_DEVICE' | sort")
@@ -227,7 +221,7 @@ def workloads(c: Cluster, res: dict[str, Any]) -> None:
         say(f"{HIGH} (priority 0, no compute limit) in place of wl-a, beside wl-b (priority 1, 70 %): mm in both")
         c.kubectl("delete", "pod", "wl-a", "--wait=true", "--timeout=60s", check=False)
         c.kubectl("apply", "-f", "-", input=json.dumps(wl_pod(HIGH, None, priority=0)))
-        running(c, HIGH)
+        running(c, HIGH, timeout=180)
         show(c, "get", "vgpuclaims", "-o", "wide")
         out["prio-h0none-b70"] = group(c, sampler, native["mm"], [(HIGH, 0, 0), ("wl-b", 1, PODS["wl-b"])])
     finally:
